@@ -1,0 +1,309 @@
+"""The job directory: one job's identity, lock, checkpoints, state files and control inbox.
+
+Layout::
+
+    JOB_DIR/
+      job.json                  identity: job name, max parallelism (fixed for life)
+      lock                      held (flock) by the one process running the job
+      status.json               written by the running job after each batch
+      control/rescale.json      live rescale requests, read at the next batch
+      spark/                    Spark's streaming checkpoint (source positions, batch log)
+      checkpoints/manifest-<batch>.json   one per committed batch (the commit point)
+      checkpoints/intent-<batch>.json     parallelism and time fixed for a batch before it runs
+      state/<uid>/...           state files written by tasks
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from keyscale.checkpoint.files import atomic_write_json, atomic_write_text, verify_state_file
+from keyscale.checkpoint.manifest import Manifest
+from keyscale.errors import JobDirError, StateError
+
+JOB_FILE = "job.json"
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    name: str
+    max_parallelism: int
+    created_ms: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "max_parallelism": self.max_parallelism, "created_ms": self.created_ms}
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What :meth:`JobDir.recover` found: the checkpoint to resume from, and what it skipped."""
+
+    manifest: Manifest | None
+    discarded: tuple[str, ...]  # one sentence per damaged checkpoint set aside
+
+
+class JobDir:
+    """Paths and operations on one job directory."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path).absolute()
+        self._lock_fd: int | None = None
+
+    # -- layout ------------------------------------------------------------------------
+    @property
+    def spark_checkpoint(self) -> Path:
+        return self.path / "spark"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def control(self) -> Path:
+        return self.path / "control"
+
+    def manifest_path(self, batch: int) -> Path:
+        return self.checkpoints / f"manifest-{batch:012d}.json"
+
+    def intent_path(self, batch: int) -> Path:
+        return self.checkpoints / f"intent-{batch:012d}.json"
+
+    def state_dir(self, uid: str) -> Path:
+        return self.path / "state" / uid
+
+    # -- identity ------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return (self.path / JOB_FILE).exists()
+
+    def identity(self) -> JobIdentity:
+        try:
+            d = json.loads((self.path / JOB_FILE).read_text())
+            return JobIdentity(str(d["name"]), int(d["max_parallelism"]), int(d.get("created_ms", 0)))
+        except FileNotFoundError:
+            raise JobDirError(f"{self.path} is not a keyscale job directory (no {JOB_FILE})") from None
+        except (ValueError, KeyError) as e:
+            raise JobDirError(f"{self.path / JOB_FILE} is damaged ({e})") from None
+
+    def claim(self, name: str, max_parallelism: int | None, default_max_parallelism: int) -> JobIdentity:
+        """Create the directory for job ``name`` or check that it is this job's."""
+        if self.path.exists() and not self.path.is_dir():
+            raise JobDirError(f"job directory {self.path} is a file")
+        if self.exists():
+            ident = self.identity()
+            if ident.name != name:
+                raise JobDirError(f"job directory {self.path} belongs to job '{ident.name}', not '{name}'; use another --job-dir")
+            if max_parallelism is not None and max_parallelism != ident.max_parallelism:
+                raise JobDirError(
+                    f"job directory {self.path} has max parallelism {ident.max_parallelism}; it cannot change to "
+                    f"{max_parallelism} on running state (re-key a savepoint instead)"
+                )
+            return ident
+        if self.path.exists() and any(p.name != "lock" for p in self.path.iterdir()):
+            raise JobDirError(f"{self.path} is not empty and is not a keyscale job directory")
+        self.path.mkdir(parents=True, exist_ok=True)
+        ident = JobIdentity(name, max_parallelism or default_max_parallelism, int(time.time() * 1000))
+        for d in (self.checkpoints, self.control, self.path / "state"):
+            d.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.path / JOB_FILE, ident.to_json())
+        return ident
+
+    # -- single writer -------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the job's lock or fail: never two processes running one job."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JobDirError(f"job directory {self.path} is in use by a running job (pid {self.lock_holder() or '?'}); stop it first") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def is_running(self) -> bool:
+        """True when some process holds the lock."""
+        path = self.path / "lock"
+        if not path.exists():
+            return False
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        finally:
+            os.close(fd)
+
+    def lock_holder(self) -> int | None:
+        try:
+            return int((self.path / "lock").read_text().strip() or 0) or None
+        except (FileNotFoundError, ValueError):
+            return None
+
+    @contextmanager
+    def locked(self) -> Iterator[JobDir]:
+        self.lock()
+        try:
+            yield self
+        finally:
+            self.unlock()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def manifest_batches(self) -> list[int]:
+        if not self.checkpoints.exists():
+            return []
+        out = []
+        for p in self.checkpoints.glob("manifest-*.json"):
+            try:
+                out.append(int(p.stem.split("-")[1]))
+            except (IndexError, ValueError):
+                continue
+        return sorted(out)
+
+    def read_manifest(self, batch: int) -> Manifest:
+        path = self.manifest_path(batch)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise StateError(f"checkpoint {batch} does not exist ({path})") from None
+        return Manifest.loads(text, where=f"checkpoint {batch} ({path.name})")
+
+    def has_manifest(self, batch: int) -> bool:
+        return self.manifest_path(batch).exists()
+
+    def commit(self, manifest: Manifest) -> None:
+        """The commit point of a batch: after this the batch has happened."""
+        atomic_write_text(self.manifest_path(manifest.batch), manifest.dumps())
+
+    def latest_manifest(self) -> Manifest | None:
+        batches = self.manifest_batches()
+        return self.read_manifest(batches[-1]) if batches else None
+
+    def check_manifest(self, batch: int) -> tuple[Manifest | None, str | None]:
+        """The manifest and None if it and all its files are intact, else (None, why)."""
+        try:
+            m = self.read_manifest(batch)
+        except StateError as e:
+            return None, str(e)
+        for op in m.operators.values():
+            for f in op.files:
+                problem = verify_state_file(self.path, f)
+                if problem:
+                    return None, f"checkpoint {batch}: {problem}"
+        return m, None
+
+    def recover(self) -> Recovery:
+        """Find the newest intact checkpoint; set damaged newer ones aside.
+
+        Spark's batch log is rolled back to the checkpoint found, so that Spark replays the
+        batches whose keyscale state was lost (their input is never skipped).
+        """
+        discarded: list[str] = []
+        found: Manifest | None = None
+        for batch in reversed(self.manifest_batches()):
+            m, problem = self.check_manifest(batch)
+            if m is not None:
+                found = m
+                break
+            discarded.append(problem or f"checkpoint {batch} is damaged")
+            bad = self.manifest_path(batch)
+            bad.rename(bad.with_name(bad.name + ".damaged"))
+        last = found.batch if found else -1
+        self.rollback_spark_commits(after=last)
+        return Recovery(found, tuple(discarded))
+
+    def rollback_spark_commits(self, after: int) -> list[int]:
+        """Make Spark re-run every batch newer than ``after`` (its offsets are kept)."""
+        commits = self.spark_checkpoint / "commits"
+        removed = []
+        if commits.exists():
+            for p in commits.iterdir():
+                if p.name.isdigit() and int(p.name) > after:
+                    p.unlink()
+                    crc = p.with_name(f".{p.name}.crc")
+                    if crc.exists():
+                        crc.unlink()
+                    removed.append(int(p.name))
+        return sorted(removed)
+
+    # -- batch intents -------------------------------------------------------------------
+    def read_intent(self, batch: int) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(self.intent_path(batch).read_text()))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def write_intent(self, batch: int, intent: dict[str, Any]) -> None:
+        atomic_write_json(self.intent_path(batch), intent)
+
+    # -- control -------------------------------------------------------------------------
+    def request_rescale(self, parallelism: int, uid: str | None = None) -> None:
+        """Ask the running job for a new parallelism, applied at its next batch."""
+        self.control.mkdir(parents=True, exist_ok=True)
+        req = self.read_rescale_requests()
+        req[uid or "*"] = parallelism
+        atomic_write_json(self.control / "rescale.json", req)
+
+    def read_rescale_requests(self) -> dict[str, int]:
+        try:
+            return {str(k): int(v) for k, v in json.loads((self.control / "rescale.json").read_text()).items()}
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def clear_rescale_requests(self) -> None:
+        (self.control / "rescale.json").unlink(missing_ok=True)
+
+    def write_status(self, status: dict[str, Any]) -> None:
+        atomic_write_json(self.path / "status.json", status, durable=False)
+
+    def read_status(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads((self.path / "status.json").read_text()))
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    # -- retention -----------------------------------------------------------------------
+    def retain(self, keep: int) -> int:
+        """Keep the newest ``keep`` checkpoints; delete files no kept checkpoint needs."""
+        batches = self.manifest_batches()
+        if len(batches) <= keep:
+            return 0
+        kept = [self.read_manifest(b) for b in batches[-keep:]]
+        needed = {f.path for m in kept for op in m.operators.values() for f in op.files}
+        oldest = kept[0].batch
+        removed = 0
+        for b in batches[:-keep]:
+            self.manifest_path(b).unlink(missing_ok=True)
+        for p in self.checkpoints.glob("intent-*.json"):
+            if int(p.stem.split("-")[1]) < oldest:
+                p.unlink(missing_ok=True)
+        state_root = self.path / "state"
+        if state_root.exists():
+            for p in state_root.rglob("*.arrow"):
+                rel = p.relative_to(self.path).as_posix()
+                batch = int(p.name.split("-")[0])
+                if rel not in needed and batch < oldest:
+                    p.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path)

@@ -1,0 +1,225 @@
+"""The checkpoint manifest: what state a committed batch consists of.
+
+A manifest is written last, by rename, once a batch's output and state files are durable;
+a batch exists for keyscale exactly when its manifest does. Per keyed operator (by uid) it
+names the max parallelism, the parallelism, and the live state files, each covering a
+contiguous key-group range. The state of a key group is its latest snapshot file followed
+by the delta files written after it, in batch order (Flink's key-group-offset idea: each
+file is sorted by key group and indexed, so a reader takes just its slice).
+
+Everything here is pure: no I/O, so restore planning and garbage collection are tested
+without Spark or files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from keyscale.errors import StateError
+from keyscale.state.keygroups import KeyGroupRange
+
+FORMAT_VERSION = 1
+FileKind = Literal["delta", "snapshot"]
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """One state file: the keys of key groups ``start..end`` that a batch wrote.
+
+    A ``snapshot`` holds every live key of its range as of ``batch``; a ``delta`` holds the
+    keys that changed in ``batch`` (a key whose states are all null was deleted).
+    """
+
+    path: str  # relative to the job directory
+    batch: int
+    kind: FileKind
+    start: int
+    end: int
+    rows: int
+    bytes: int
+    crc32: int
+
+    @property
+    def range(self) -> KeyGroupRange:
+        return KeyGroupRange(self.start, self.end)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "batch": self.batch, "kind": self.kind, "start": self.start,
+            "end": self.end, "rows": self.rows, "bytes": self.bytes, "crc32": self.crc32,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> StateFile:
+        return StateFile(
+            path=str(d["path"]), batch=int(d["batch"]), kind=d["kind"], start=int(d["start"]),
+            end=int(d["end"]), rows=int(d["rows"]), bytes=int(d["bytes"]), crc32=int(d["crc32"]),
+        )
+
+
+@dataclass(frozen=True)
+class OperatorCheckpoint:
+    """The committed state of one keyed operator."""
+
+    uid: str
+    max_parallelism: int
+    parallelism: int
+    key_columns: tuple[tuple[str, str], ...]  # (name, arrow type)
+    states: tuple[dict[str, Any], ...]  # StateDescriptor.to_json()
+    files: tuple[StateFile, ...] = ()
+    operator_state: dict[str, Any] = field(default_factory=dict)  # non-keyed state, by name
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "uid": self.uid,
+            "max_parallelism": self.max_parallelism,
+            "parallelism": self.parallelism,
+            "key_columns": [list(k) for k in self.key_columns],
+            "states": list(self.states),
+            "files": [f.to_json() for f in self.files],
+            "operator_state": self.operator_state,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> OperatorCheckpoint:
+        return OperatorCheckpoint(
+            uid=str(d["uid"]),
+            max_parallelism=int(d["max_parallelism"]),
+            parallelism=int(d["parallelism"]),
+            key_columns=tuple((str(a), str(b)) for a, b in d["key_columns"]),
+            states=tuple(d["states"]),
+            files=tuple(StateFile.from_json(f) for f in d["files"]),
+            operator_state=dict(d.get("operator_state", {})),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a committed batch consists of."""
+
+    job: str
+    batch: int
+    batch_time_ms: int
+    operators: dict[str, OperatorCheckpoint]
+    watermark_ms: int | None = None
+    created_ms: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        body = {
+            "format_version": FORMAT_VERSION,
+            "job": self.job,
+            "batch": self.batch,
+            "batch_time_ms": self.batch_time_ms,
+            "created_ms": self.created_ms,
+            "watermark_ms": self.watermark_ms,
+            "operators": {uid: op.to_json() for uid, op in sorted(self.operators.items())},
+            "extra": self.extra,
+        }
+        body["checksum"] = _checksum(body)
+        return body
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True)
+
+    @staticmethod
+    def loads(text: str, where: str = "manifest") -> Manifest:
+        """Parse and verify a manifest; a damaged one raises :class:`StateError`."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise StateError(f"{where} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(d, dict) or "checksum" not in d:
+            raise StateError(f"{where} is incomplete (no checksum)")
+        want = d.pop("checksum")
+        if _checksum(d) != want:
+            raise StateError(f"{where} is damaged (checksum mismatch)")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise StateError(f"{where} has format version {d.get('format_version')}, this keyscale reads {FORMAT_VERSION}")
+        try:
+            return Manifest(
+                job=str(d["job"]),
+                batch=int(d["batch"]),
+                batch_time_ms=int(d["batch_time_ms"]),
+                created_ms=int(d.get("created_ms", 0)),
+                watermark_ms=d.get("watermark_ms"),
+                operators={uid: OperatorCheckpoint.from_json(op) for uid, op in d["operators"].items()},
+                extra=dict(d.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateError(f"{where} is missing or has a bad field ({e})") from None
+
+    def with_operator(self, op: OperatorCheckpoint) -> Manifest:
+        ops = dict(self.operators)
+        ops[op.uid] = op
+        return replace(self, operators=ops)
+
+
+def _checksum(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# -- planning over state files ---------------------------------------------------------------
+
+
+def latest_snapshot_batches(files: Iterable[StateFile], max_parallelism: int) -> np.ndarray:
+    """Per key group, the batch of its latest snapshot (-1 where none)."""
+    snap = np.full(max_parallelism, -1, dtype=np.int64)
+    for f in files:
+        if f.kind == "snapshot":
+            seg = snap[f.start : f.end + 1]
+            np.maximum(seg, f.batch, out=seg)
+    return snap
+
+
+def restore_chain(files: Sequence[StateFile], key_group: int, after: int = -1) -> list[StateFile]:
+    """The files to apply, in order, to rebuild ``key_group``.
+
+    With ``after`` (a version the reader already holds), only files newer than it, unless a
+    snapshot newer than ``after`` exists: then from that snapshot.
+    """
+    covering = [f for f in files if f.start <= key_group <= f.end]
+    snaps = [f.batch for f in covering if f.kind == "snapshot"]
+    base = max(snaps) if snaps else -1
+    start = base if base > after else after + 1
+    return sorted((f for f in covering if f.batch >= start), key=lambda f: f.batch)
+
+
+def needs_full_reload(files: Sequence[StateFile], key_group: int, held_version: int) -> bool:
+    """True when a reader holding ``key_group`` at ``held_version`` cannot just catch up."""
+    snaps = [f.batch for f in files if f.kind == "snapshot" and f.start <= key_group <= f.end]
+    return held_version < 0 or (bool(snaps) and max(snaps) > held_version)
+
+
+def live_files(files: Sequence[StateFile], max_parallelism: int) -> list[StateFile]:
+    """The files some key group still needs (its latest snapshot and later deltas)."""
+    snap = latest_snapshot_batches(files, max_parallelism)
+    out = []
+    for f in files:
+        # A file is needed by key group kg when it is not older than kg's latest snapshot.
+        if int(snap[f.start : f.end + 1].min()) <= f.batch:
+            out.append(f)
+    return out
+
+
+def chain_length(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int:
+    """Longest restore chain (files to read) over the key groups of ``rng``."""
+    snap = latest_snapshot_batches(files, max_parallelism)
+    counts = np.zeros(max_parallelism, dtype=np.int64)
+    for f in files:
+        lo, hi = max(f.start, rng.start), min(f.end, rng.end)
+        if lo > hi:
+            continue
+        seg = slice(lo, hi + 1)
+        counts[seg] += snap[seg] <= f.batch
+    return int(counts[rng.start : rng.end + 1].max())
+
+
+def files_overlapping(files: Sequence[StateFile], rng: KeyGroupRange) -> list[StateFile]:
+    return [f for f in files if f.start <= rng.end and f.end >= rng.start]

@@ -1,0 +1,205 @@
+"""Vectorized keyed functions: one call per subtask and batch, on columns, not per key.
+
+The function sees the batch's records, the distinct keys (in order of first record), the
+code of each record's key, and the current state of those keys as columns; it returns the
+new state of those keys and the output rows. Built-in running aggregates sit on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from keyscale.errors import JobDefinitionError
+from keyscale.operators.keyed import RuntimeContext
+from keyscale.state.types import StateDescriptor, is_numeric
+
+
+@dataclass
+class KeyedBatch:
+    """What a :class:`VectorizedKeyedFunction` gets for one subtask and batch.
+
+    ``records`` are the subtask's records in arrival order; ``codes[i]`` is the index in
+    ``keys`` of record i's key; ``order``/``starts`` group records by key (records of key j
+    are ``order[starts[j]:starts[j+1]]``); ``state`` holds each declared state per key as
+    a pandas column with missing values where a key has none yet.
+    """
+
+    records: pd.DataFrame
+    codes: np.ndarray
+    keys: pd.DataFrame
+    state: pd.DataFrame
+    order: np.ndarray
+    starts: np.ndarray
+    batch_id: int
+    processing_time: int
+
+    def count(self) -> np.ndarray:
+        """Records per key."""
+        return np.diff(self.starts)
+
+    def reduce(self, column: str, how: Literal["sum", "min", "max"]) -> np.ndarray:
+        """Per-key sum, min or max of a record column (exact for integers)."""
+        if len(self.keys) == 0:
+            return np.empty(0, dtype=self.records[column].dtype)
+        values = self.records[column].to_numpy()[self.order]
+        op = {"sum": np.add, "min": np.minimum, "max": np.maximum}[how]
+        return op.reduceat(values, self.starts[:-1])
+
+
+class VectorizedKeyedFunction:
+    """Base class for vectorized keyed functions; declare state in ``open``."""
+
+    def open(self, ctx: RuntimeContext) -> None:
+        """Declare value states here (``ctx.value_state(name, type)``)."""
+
+    def process_batch(self, batch: KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame | pa.Table]:
+        """Return (new state per declared name, aligned with ``batch.keys``; output rows)."""
+        raise NotImplementedError
+
+
+def masked(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> pd.api.extensions.ExtensionArray | np.ndarray:
+    """A pandas column with missing values from the state table's form."""
+    if pa.types.is_integer(t):
+        return pd.arrays.IntegerArray(values.astype(t.to_pandas_dtype(), copy=False), ~valid)
+    if pa.types.is_floating(t):
+        return pd.arrays.FloatingArray(values.astype(t.to_pandas_dtype(), copy=False), ~valid)
+    if pa.types.is_boolean(t):
+        return pd.arrays.BooleanArray(values.astype(bool, copy=False), ~valid)
+    out = values.copy()
+    out[~valid] = None
+    return out
+
+
+def unmasked(column: Any, t: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
+    """The state table's (values, valid) form of a returned column."""
+    if isinstance(column, pd.Series):
+        column = column.array
+    if is_numeric(t):
+        if isinstance(column, pd.api.extensions.ExtensionArray):
+            valid = ~np.asarray(column.isna(), dtype=bool)
+            values = np.asarray(column.to_numpy(dtype=t.to_pandas_dtype(), na_value=0))
+            return values, valid
+        arr = np.asarray(column)
+        if arr.dtype == object:
+            valid = np.array([v is not None for v in arr], dtype=bool)
+            return np.array([v if v is not None else 0 for v in arr], dtype=t.to_pandas_dtype()), valid
+        return arr.astype(t.to_pandas_dtype(), copy=False), np.ones(len(arr), dtype=bool)
+    arr = np.asarray(column, dtype=object)
+    valid = np.array([v is not None and v is not pd.NA for v in arr], dtype=bool)
+    return arr, valid
+
+
+# -- built-in running aggregates ---------------------------------------------------------------
+
+AggKind = Literal["count", "sum", "min", "max", "mean"]
+
+
+@dataclass(frozen=True)
+class Agg:
+    """A running aggregate of one column (or of records, for count)."""
+
+    kind: AggKind
+    column: str | None = None
+
+
+def count() -> Agg:
+    """Number of records per key, ever."""
+    return Agg("count")
+
+
+def sum(column: str) -> Agg:  # noqa: A001 - mirrors the SQL name on purpose
+    """Running sum of ``column`` per key."""
+    return Agg("sum", column)
+
+
+def min(column: str) -> Agg:  # noqa: A001
+    """Running minimum of ``column`` per key."""
+    return Agg("min", column)
+
+
+def max(column: str) -> Agg:  # noqa: A001
+    """Running maximum of ``column`` per key."""
+    return Agg("max", column)
+
+
+def mean(column: str) -> Agg:
+    """Running mean of ``column`` per key."""
+    return Agg("mean", column)
+
+
+class RunningAggregate(VectorizedKeyedFunction):
+    """Built-in vectorized running aggregates; emits (key..., aggregates) per updated key."""
+
+    def __init__(self, aggs: dict[str, Agg], key_names: list[str], input_types: dict[str, pa.DataType]):
+        if not aggs:
+            raise JobDefinitionError("aggregate() needs at least one aggregate, e.g. aggregate(uid='counts', n=keyscale.count())")
+        self.aggs = aggs
+        self.key_names = key_names
+        self.types: dict[str, pa.DataType] = {}
+        for name, agg in aggs.items():
+            if agg.kind == "count":
+                self.types[name] = pa.int64()
+                continue
+            if agg.column not in input_types:
+                raise JobDefinitionError(f"aggregate '{name}': column '{agg.column}' is not in the stream (columns: {', '.join(input_types)})")
+            t = input_types[agg.column]
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+                raise JobDefinitionError(f"aggregate '{name}': column '{agg.column}' has type {t}, not a number")
+            if agg.kind == "sum":
+                self.types[name] = pa.int64() if pa.types.is_integer(t) else pa.float64()
+            elif agg.kind == "mean":
+                self.types[name] = pa.float64()
+            else:
+                self.types[name] = t
+
+    def state_descriptors(self) -> list[StateDescriptor]:
+        out = []
+        for name, agg in self.aggs.items():
+            if agg.kind == "mean":
+                out.append(StateDescriptor(f"{name}_sum", "value", pa.float64()))
+                out.append(StateDescriptor(f"{name}_count", "value", pa.int64()))
+            else:
+                out.append(StateDescriptor(name, "value", self.types[name]))
+        return out
+
+    def output_fields(self) -> list[pa.Field]:
+        return [pa.field(name, self.types[name]) for name in self.aggs]
+
+    def open(self, ctx: RuntimeContext) -> None:
+        for d in self.state_descriptors():
+            ctx.value_state(d.name, d.value_type)
+
+    def process_batch(self, batch: KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame | pa.Table]:
+        new: dict[str, Any] = {}
+        out = {k: batch.keys[k].to_numpy() for k in self.key_names}
+        n = batch.count()
+        for name, agg in self.aggs.items():
+            if agg.kind == "mean":
+                assert agg.column is not None
+                s = batch.reduce(agg.column, "sum").astype(np.float64) + batch.state[f"{name}_sum"].fillna(0.0).to_numpy(dtype=np.float64)
+                c = n + batch.state[f"{name}_count"].fillna(0).to_numpy(dtype=np.int64)
+                new[f"{name}_sum"], new[f"{name}_count"] = s, c
+                out[name] = s / c
+                continue
+            prev = batch.state[name]
+            have = ~np.asarray(prev.isna(), dtype=bool)
+            dtype = self.types[name].to_pandas_dtype()
+            old = prev.to_numpy(dtype=dtype, na_value=0)
+            if agg.kind == "count":
+                val = old + n
+            else:
+                assert agg.column is not None
+                cur = batch.reduce(agg.column, agg.kind).astype(dtype, copy=False)
+                if agg.kind == "sum":
+                    val = old + cur
+                else:
+                    pick = np.minimum if agg.kind == "min" else np.maximum
+                    val = np.where(have, pick(old, cur), cur)
+            new[name] = val
+            out[name] = val
+        return new, pd.DataFrame(out)

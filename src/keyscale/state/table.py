@@ -1,0 +1,225 @@
+"""In-memory keyed state of one operator for a set of key groups, stored column by column.
+
+One row per key: the key column(s), the key group, and one column per declared state
+(null where that state is absent). A key whose states are all null does not exist; such
+rows are dropped by :meth:`KeyedStateTable.compact`.
+
+Numeric states live in numpy arrays with a validity mask so the vectorized path can
+update them without touching Python objects; everything else (strings, lists, maps) is an
+object array. Lookups go through a :class:`pandas.Index` (hash lookup, vectorized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from keyscale.state.types import StateDescriptor, is_numeric
+
+KG_COLUMN = "__kg"
+
+
+def _arrow_to_numpy(arr: pa.ChunkedArray | pa.Array, t: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
+    """Values and validity of an Arrow column in the table's in-memory form."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
+    valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+    if is_numeric(t):
+        filled = arr.fill_null(False if pa.types.is_boolean(t) else 0)
+        return np.asarray(filled.to_numpy(zero_copy_only=False)), valid
+    values = arr.to_pylist()
+    if pa.types.is_map(t):
+        values = [dict(v) if v is not None else None for v in values]
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out, valid
+
+
+def numpy_to_arrow(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> pa.Array:
+    """Arrow array from the in-memory form (inverse of the reader)."""
+    if is_numeric(t):
+        return pa.array(values, type=t, mask=~valid)
+    items: list[Any] = values.tolist()
+    if pa.types.is_map(t):
+        items = [list(v.items()) if ok and v is not None else None for v, ok in zip(items, valid, strict=True)]
+    else:
+        items = [v if ok else None for v, ok in zip(items, valid, strict=True)]
+    return pa.array(items, type=t)
+
+
+def make_index(key_arrays: Sequence[np.ndarray]) -> pd.Index:
+    """A lookup index over one or more key columns."""
+    if len(key_arrays) == 1:
+        return pd.Index(key_arrays[0])
+    return pd.MultiIndex.from_arrays(list(key_arrays))
+
+
+class KeyedStateTable:
+    """Columnar keyed state for some key groups of one operator.
+
+    >>> import pyarrow as pa
+    >>> from keyscale.state.types import StateDescriptor
+    >>> t = KeyedStateTable(["k"], [pa.string()], [StateDescriptor("n", "value", pa.int64())])
+    >>> t.upsert([np.array(["a"], dtype=object)], np.array([3], dtype=np.int32),
+    ...          {"n": (np.array([5]), np.array([True]))})
+    >>> t.to_arrow().to_pylist()
+    [{'k': 'a', '__kg': 3, 'n': 5}]
+    """
+
+    def __init__(self, key_names: Sequence[str], key_types: Sequence[pa.DataType], states: Sequence[StateDescriptor]):
+        self.key_names = list(key_names)
+        self.key_types = list(key_types)
+        self.states = list(states)
+        self.index: pd.Index = make_index([np.empty(0, dtype=self._key_dtype(t)) for t in self.key_types])
+        self.keys: list[np.ndarray] = [np.empty(0, dtype=self._key_dtype(t)) for t in self.key_types]
+        self.kg = np.empty(0, dtype=np.int32)
+        self.values: dict[str, np.ndarray] = {}
+        self.valid: dict[str, np.ndarray] = {}
+        for s in self.states:
+            self.values[s.name] = np.empty(0, dtype=self._value_dtype(s.column_type))
+            self.valid[s.name] = np.empty(0, dtype=bool)
+
+    @staticmethod
+    def _key_dtype(t: pa.DataType) -> Any:
+        return t.to_pandas_dtype() if is_numeric(t) else object
+
+    @staticmethod
+    def _value_dtype(t: pa.DataType) -> Any:
+        return t.to_pandas_dtype() if is_numeric(t) else object
+
+    def __len__(self) -> int:
+        return len(self.kg)
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def positions(self, index: pd.Index) -> np.ndarray:
+        """Row of each key in ``index`` (-1 where the table has no row for it)."""
+        if len(self.kg) == 0:
+            return np.full(len(index), -1, dtype=np.intp)
+        return np.asarray(self.index.get_indexer(index), dtype=np.intp)
+
+    def gather(self, name: str, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Values and validity of state ``name`` at rows ``pos`` (-1 gives invalid)."""
+        vals = self.values[name]
+        have = pos >= 0
+        safe = np.where(have, pos, 0)
+        if len(vals) == 0:
+            out = np.zeros(len(pos), dtype=vals.dtype) if vals.dtype != object else np.full(len(pos), None, dtype=object)
+            return out, np.zeros(len(pos), dtype=bool)
+        out = vals[safe]
+        ok = self.valid[name][safe] & have
+        return out, ok
+
+    # -- updates -------------------------------------------------------------------------
+
+    def upsert(
+        self,
+        key_arrays: Sequence[np.ndarray],
+        kgs: np.ndarray,
+        columns: dict[str, tuple[np.ndarray, np.ndarray]],
+        index: pd.Index | None = None,
+    ) -> None:
+        """Set the given states of the given keys (one row per key, keys unique).
+
+        States not named in ``columns`` keep their values for existing keys and are
+        absent for new keys.
+        """
+        n = len(kgs)
+        if n == 0:
+            return
+        if index is None:
+            index = make_index(key_arrays)
+        pos = self.positions(index)
+        old = pos >= 0
+        if old.any():
+            rows = pos[old]
+            for name, (vals, ok) in columns.items():
+                self.values[name][rows] = vals[old]
+                self.valid[name][rows] = ok[old]
+        new = ~old
+        if new.any():
+            self._append([k[new] for k in key_arrays], kgs[new], {c: (v[new], ok[new]) for c, (v, ok) in columns.items()})
+
+    def _append(self, key_arrays: Sequence[np.ndarray], kgs: np.ndarray, columns: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        n = len(kgs)
+        self.keys = [np.concatenate([old, new.astype(old.dtype, copy=False)]) for old, new in zip(self.keys, key_arrays, strict=True)]
+        self.index = make_index(self.keys)
+        self.kg = np.concatenate([self.kg, kgs.astype(np.int32, copy=False)])
+        for s in self.states:
+            if s.name in columns:
+                vals, ok = columns[s.name]
+            else:
+                vals = np.zeros(n, dtype=self.values[s.name].dtype) if self.values[s.name].dtype != object else np.full(n, None, dtype=object)
+                ok = np.zeros(n, dtype=bool)
+            self.values[s.name] = np.concatenate([self.values[s.name], vals.astype(self.values[s.name].dtype, copy=False)])
+            self.valid[s.name] = np.concatenate([self.valid[s.name], ok])
+
+    def apply(self, table: pa.Table) -> None:
+        """Upsert the rows of a state file (or a slice of one); all-null rows delete."""
+        if table.num_rows == 0:
+            return
+        keys = [np.asarray(_arrow_to_numpy(table.column(k), t)[0]) for k, t in zip(self.key_names, self.key_types, strict=True)]
+        kgs = table.column(KG_COLUMN).to_numpy().astype(np.int32)
+        cols = {}
+        for s in self.states:
+            if s.name in table.column_names:
+                cols[s.name] = _arrow_to_numpy(table.column(s.name), s.column_type)
+            else:  # a state added since this file was written: absent
+                cols[s.name] = (np.full(table.num_rows, None, dtype=object), np.zeros(table.num_rows, dtype=bool))
+        self.upsert(keys, kgs, cols)
+
+    def drop_key_groups(self, start: int, end: int) -> None:
+        """Forget every key of key groups ``start..end`` (before reloading them)."""
+        keep = (self.kg < start) | (self.kg > end)
+        if not keep.all():
+            self._take(np.flatnonzero(keep))
+
+    def compact(self) -> None:
+        """Drop rows whose states are all absent (deleted keys)."""
+        if not len(self.kg):
+            return
+        alive = np.zeros(len(self.kg), dtype=bool)
+        for ok in self.valid.values():
+            alive |= ok
+        if not alive.all():
+            self._take(np.flatnonzero(alive))
+
+    def _take(self, rows: np.ndarray) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.index = make_index(self.keys)
+        self.kg = self.kg[rows]
+        for name in self.values:
+            self.values[name] = self.values[name][rows]
+            self.valid[name] = self.valid[name][rows]
+
+    # -- export --------------------------------------------------------------------------
+
+    def rows_in_range(self, start: int, end: int) -> np.ndarray:
+        return np.flatnonzero((self.kg >= start) & (self.kg <= end))
+
+    def to_arrow(self, rows: np.ndarray | None = None) -> pa.Table:
+        """The given rows (default: all) as an Arrow table sorted by key group."""
+        if rows is None:
+            rows = np.arange(len(self.kg))
+        rows = rows[np.argsort(self.kg[rows], kind="stable")]
+        arrays: list[pa.Array] = []
+        names: list[str] = []
+        for name, t, k in zip(self.key_names, self.key_types, self.keys, strict=True):
+            arrays.append(pa.array(k[rows], type=t) if is_numeric(t) else pa.array(k[rows].tolist(), type=t))
+            names.append(name)
+        arrays.append(pa.array(self.kg[rows], type=pa.int32()))
+        names.append(KG_COLUMN)
+        for s in self.states:
+            arrays.append(numpy_to_arrow(self.values[s.name][rows], self.valid[s.name][rows], s.column_type))
+            names.append(s.name)
+        return pa.Table.from_arrays(arrays, names=names)
+
+    def schema(self) -> pa.Schema:
+        fields = [pa.field(n, t) for n, t in zip(self.key_names, self.key_types, strict=True)]
+        fields.append(pa.field(KG_COLUMN, pa.int32()))
+        fields.extend(pa.field(s.name, s.column_type) for s in self.states)
+        return pa.schema(fields)
