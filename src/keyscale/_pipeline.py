@@ -81,7 +81,7 @@ class KeyedStep:
 def _to_arrow_schema(schema: StructType) -> pa.Schema:
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    return to_arrow_schema(schema, prefers_large_types=False)
+    return to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
 
 
 def _to_spark_schema(schema: pa.Schema) -> StructType:

@@ -297,12 +297,12 @@ class JobDir:
                 p.unlink(missing_ok=True)
         state_root = self.path / "state"
         if state_root.exists():
-            for p in state_root.rglob("*.arrow"):
+            for p in state_root.glob("*/[0-9]*"):
                 rel = p.relative_to(self.path).as_posix()
                 batch = int(p.name.split("-")[0])
                 if rel not in needed and batch < oldest:
-                    p.unlink(missing_ok=True)
-                    removed += 1
+                    p.unlink(missing_ok=True)  # state files and their sidecar reports
+                    removed += p.suffix == ".arrow"
         return removed
 
     def remove(self) -> None:

@@ -1,0 +1,58 @@
+"""keyscale: elastic, stateful stream processing for PySpark.
+
+Keyed state lives in key groups (Flink's model), so a job's parallelism changes by
+reassigning key-group ranges, live between two micro-batches or on restart, with
+exactly-once checkpoints. See the README for the model and the CLI.
+
+>>> import keyscale as ks
+>>> ks.count()
+Agg(kind='count', column=None)
+"""
+
+from keyscale._pipeline import JobContext, KeyedStream, Pipeline, Stream, stream
+from keyscale.errors import KeyscaleError
+from keyscale.operators.keyed import (
+    Context,
+    KeyedProcessFunction,
+    ListState,
+    MapState,
+    RuntimeContext,
+    ValueState,
+)
+from keyscale.operators.vectorized import (
+    KeyedBatch,
+    VectorizedKeyedFunction,
+    count,
+    max,
+    mean,
+    min,
+    sum,
+)
+from keyscale.sinks.console import ConsoleSink
+from keyscale.sinks.parquet import ParquetSink
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConsoleSink",
+    "Context",
+    "JobContext",
+    "KeyedBatch",
+    "KeyedProcessFunction",
+    "KeyedStream",
+    "KeyscaleError",
+    "ListState",
+    "MapState",
+    "ParquetSink",
+    "Pipeline",
+    "RuntimeContext",
+    "Stream",
+    "ValueState",
+    "VectorizedKeyedFunction",
+    "count",
+    "max",
+    "mean",
+    "min",
+    "stream",
+    "sum",
+]

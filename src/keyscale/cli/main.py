@@ -1,0 +1,187 @@
+"""The ``keyscale`` command: run, rescale, status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from keyscale.errors import KeyscaleError
+
+
+def _parse_sets(items: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise KeyscaleError(f"--set {item!r} must look like NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from keyscale.runtime.driver import JobRunner, RunOptions
+
+    opts = RunOptions(
+        job_file=a.job_file, job_dir=a.job_dir, parallelism=a.parallelism, max_parallelism=a.max_parallelism,
+        master=a.master, until_idle=a.until_idle, args=_parse_sets(a.set), trigger_interval=a.trigger_interval,
+        retain=a.retain, max_chain=a.compaction_chain, fault=a.fault,
+    )
+    runner = JobRunner(opts)
+
+    def _graceful(signum: int, _frame: Any) -> None:
+        logging.getLogger("keyscale").info("received %s; stopping after the current batch", signal.Signals(signum).name)
+        runner.stop()
+
+    signal.signal(signal.SIGTERM, _graceful)
+    signal.signal(signal.SIGINT, _graceful)
+    s = runner.run()
+    rescales = "; ".join(f"batch {b}: '{u}' {f}->{t}" for b, u, f, t in s.rescales) or "none"
+    print(
+        f"keyscale: job '{s.job}' processed {len(s.batches)} batches ({s.records:,} records); "
+        f"replays skipped: {len(s.skipped)}; live rescales: {rescales}; "
+        f"parallelism now {', '.join(f'{u}={p}' for u, p in s.parallelism.items())}"
+    )
+    return 0
+
+
+def cmd_rescale(a: argparse.Namespace) -> int:
+    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.state.keygroups import check_parallelism
+
+    jd = JobDir(a.job_dir)
+    ident = jd.identity()
+    check_parallelism(a.parallelism, ident.max_parallelism)
+    if not jd.is_running():
+        raise KeyscaleError(
+            f"job in {jd.path} is not running; restart it at the new parallelism with: keyscale run JOBFILE --job-dir {a.job_dir} -p {a.parallelism}"
+        )
+    before = jd.latest_manifest()
+    jd.request_rescale(a.parallelism, a.operator)
+    print(f"keyscale: asked job '{ident.name}' to rescale{' ' + repr(a.operator) if a.operator else ''} to {a.parallelism}; it applies at the next batch")
+    if a.wait:
+        deadline = time.time() + a.wait
+        start = before.batch if before else -1
+        while time.time() < deadline:
+            m = jd.latest_manifest()
+            if m and m.batch > start and all(op.parallelism == a.parallelism for uid, op in m.operators.items() if a.operator in (None, uid)):
+                print(f"keyscale: batch {m.batch} ran at parallelism {a.parallelism}")
+                return 0
+            time.sleep(0.2)
+        raise KeyscaleError(f"no batch ran at parallelism {a.parallelism} within {a.wait} s (the job may be idle)")
+    return 0
+
+
+def status_dict(job_dir: str) -> dict[str, Any]:
+    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.state.keygroups import key_group_ranges
+
+    jd = JobDir(job_dir)
+    ident = jd.identity()
+    m = jd.latest_manifest()
+    live = jd.read_status()
+    running = jd.is_running()
+    out: dict[str, Any] = {
+        "job": ident.name,
+        "job_dir": str(jd.path),
+        "running": running,
+        "pid": jd.lock_holder() if running else None,
+        "max_parallelism": ident.max_parallelism,
+        "last_checkpoint": m.batch if m else None,
+        "checkpoints": jd.manifest_batches(),
+        "operators": {},
+    }
+    for uid, op in (m.operators.items() if m else []):
+        ranges = key_group_ranges(op.max_parallelism, op.parallelism)
+        per = []
+        for i, r in enumerate(ranges):
+            nbytes = sum(f.bytes * (min(f.end, r.end) - max(f.start, r.start) + 1) / (f.end - f.start + 1) for f in op.files if f.start <= r.end and f.end >= r.start)
+            sub = {"subtask": i, "key_groups": str(r), "state_bytes": int(nbytes)}
+            current = m is not None and live.get("last_checkpoint") == m.batch
+            for s in live.get("operators", {}).get(uid, {}).get("subtasks", []) if current else []:
+                if s.get("subtask") == i:
+                    sub["state_keys"] = s.get("state_keys")
+            per.append(sub)
+        out["operators"][uid] = {
+            "parallelism": op.parallelism,
+            "state_files": len(op.files),
+            "states": [s["name"] for s in op.states],
+            "subtasks": per,
+        }
+    return out
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    st = status_dict(a.job_dir)
+    if a.json:
+        print(json.dumps(st, indent=1))
+        return 0
+    state = f"running (pid {st['pid']})" if st["running"] else "not running"
+    print(f"job '{st['job']}' in {st['job_dir']}: {state}")
+    print(f"  max parallelism (key groups): {st['max_parallelism']}; last checkpoint: {st['last_checkpoint']}; kept: {st['checkpoints']}")
+    for uid, op in st["operators"].items():
+        print(f"  operator '{uid}': parallelism {op['parallelism']}, states {op['states']}, {op['state_files']} state files")
+        for s in op["subtasks"]:
+            keys = f", {s['state_keys']:,} keys" if "state_keys" in s else ""
+            print(f"    subtask {s['subtask']}: key groups {s['key_groups']}, ~{s['state_bytes']:,} bytes{keys}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="keyscale", description="Elastic, stateful stream processing on Spark.")
+    p.add_argument("-v", "--verbose", action="store_true", help="show Spark's warnings too")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a job file")
+    r.add_argument("job_file")
+    r.add_argument("--job-dir", required=True, help="the job's state and checkpoints")
+    r.add_argument("-p", "--parallelism", type=int, help="subtasks per keyed operator (default: as checkpointed, else 1)")
+    r.add_argument("--max-parallelism", type=int, help="number of key groups, fixed at the first run")
+    r.add_argument("--master", default="local[2]", help="Spark master URL (default local[2])")
+    r.add_argument("--until-idle", action="store_true", help="process all available input, then exit")
+    r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an argument for the job")
+    r.add_argument("--trigger-interval", default="1 second")
+    r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
+    r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
+                   help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
+    r.add_argument("--fault", help=argparse.SUPPRESS)
+    r.set_defaults(func=cmd_run)
+
+    rs = sub.add_parser("rescale", help="change a running job's parallelism at its next batch")
+    rs.add_argument("job_dir")
+    rs.add_argument("-p", "--parallelism", type=int, required=True)
+    rs.add_argument("--operator", help="only this operator uid (default: all keyed operators)")
+    rs.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for a batch at the new parallelism")
+    rs.set_defaults(func=cmd_rescale)
+
+    st = sub.add_parser("status", help="parallelism, checkpoints, key-group ranges and state size")
+    st.add_argument("job_dir")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("keyscale: %(message)s"))
+    ks_log = logging.getLogger("keyscale")
+    ks_log.handlers[:] = [handler]
+    ks_log.setLevel(logging.INFO)
+    ks_log.propagate = False
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    try:
+        return int(a.func(a))
+    except KeyscaleError as e:
+        print(f"keyscale: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

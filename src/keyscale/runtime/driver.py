@@ -1,0 +1,389 @@
+"""The driver: runs a job's micro-batches and commits each one exactly once.
+
+For batch ``b`` (DESIGN.md §3):
+
+1. skip it if its manifest exists (Spark replays a batch it had not marked done);
+2. fix its parallelism and time in an intent file (a replay reuses them, so it computes
+   exactly what the first attempt did) — live rescale requests land here;
+3. build the batch's Spark plan: per keyed stage, key group and arrival sequence columns,
+   an exact shuffle to one partition per subtask, and ``mapInArrow`` running the subtask;
+4. write the sink (the batch's one Spark action), idempotently for ``b``;
+5. commit the manifest (by rename); only then does Spark mark ``b`` done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from keyscale._pipeline import JobContext, KeyedStep, Pipeline, TransformStep
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, chain_length, live_files
+from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
+from keyscale.runtime.jobfile import load_job
+from keyscale.runtime.session import spark_session
+from keyscale.runtime.task import KG, SEQ, StageTask, make_stage_function, read_reports, sidecar_path
+from keyscale.state.keygroups import check_parallelism, default_max_parallelism, key_group_range, key_group_ranges
+from keyscale.state.spark_hash import routing_values
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+log = logging.getLogger("keyscale")
+
+
+@dataclass
+class RunOptions:
+    """What ``keyscale run`` was asked to do."""
+
+    job_file: str
+    job_dir: str
+    parallelism: int | None = None
+    max_parallelism: int | None = None
+    master: str = "local[2]"
+    until_idle: bool = False
+    args: dict[str, str] = field(default_factory=dict)
+    trigger_interval: str = "1 second"
+    retain: int = 3
+    max_chain: int = 8
+    spark_conf: dict[str, str] = field(default_factory=dict)
+    fault: str | None = None  # test-only: "<mid-batch|after-sink|in-compaction>:<batch>"
+
+
+@dataclass
+class BatchRecord:
+    batch: int
+    seconds: float
+    records: int
+    emitted: int
+    parallelism: dict[str, int]
+    replayed: bool = False
+
+
+@dataclass
+class RunSummary:
+    job: str
+    job_dir: str
+    batches: list[BatchRecord] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    rescales: list[tuple[int, str, int, int]] = field(default_factory=list)  # (batch, uid, from, to)
+    recovered_from: int | None = None
+    discarded: tuple[str, ...] = ()
+    parallelism: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def records(self) -> int:
+        return sum(b.records for b in self.batches)
+
+
+def _translate(exc: BaseException) -> BaseException:
+    """Turn a Spark-wrapped task failure back into the keyscale error it started as."""
+    from keyscale import errors
+
+    if isinstance(exc, KeyscaleError):
+        return exc
+    text = str(exc)
+    marker = "KEYSCALE-ERROR "
+    if marker in text:
+        line = text[text.index(marker) + len(marker) :].splitlines()[0]
+        cls_name, _, msg = line.partition(": ")
+        cls = getattr(errors, cls_name, KeyscaleError)
+        return cls(msg.strip())  # type: ignore[no-any-return]
+    return exc
+
+
+class JobRunner:
+    """Runs one job in one job directory until idle, stopped, or failed."""
+
+    def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None):
+        self.opts = opts
+        self.jobdir = JobDir(opts.job_dir)
+        self.run_id = uuid.uuid4().hex
+        self.summary = RunSummary(job="", job_dir=str(self.jobdir.path))
+        self._on_batch_cb = on_batch
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._query: StreamingQuery | None = None
+        self.pipeline: Pipeline | None = None
+        self.committed: Manifest | None = None
+        self.parallelism: dict[str, int] = {}
+        self.max_parallelism = 0
+        self.name = ""
+
+    # -- set-up --------------------------------------------------------------------------
+    def _prepare(self) -> SparkSession:
+        opts = self.opts
+        self.name, build, _ = load_job(opts.job_file)
+        self.summary.job = self.name
+        if opts.parallelism is not None and opts.parallelism < 1:
+            raise KeyscaleError(f"parallelism {opts.parallelism} must be at least 1")
+        default_m = default_max_parallelism(opts.parallelism or 1)
+        if opts.max_parallelism is not None:
+            check_parallelism(opts.parallelism or 1, opts.max_parallelism)
+        ident = self.jobdir.claim(self.name, opts.max_parallelism, default_m)
+        self.max_parallelism = ident.max_parallelism
+        if opts.parallelism is not None:
+            check_parallelism(opts.parallelism, self.max_parallelism)
+        self.jobdir.lock()
+        rec = self.jobdir.recover()
+        for why in rec.discarded:
+            log.warning("%s; set it aside", why)
+        self.committed = rec.manifest
+        self.summary.discarded = rec.discarded
+        if rec.manifest is not None:
+            self.summary.recovered_from = rec.manifest.batch
+            fell_back = " (the newer ones were damaged)" if rec.discarded else ""
+            log.info("resuming job '%s' from checkpoint %d%s", self.name, rec.manifest.batch, fell_back)
+        else:
+            log.info("starting job '%s' with empty state in %s", self.name, self.jobdir.path)
+        spark = spark_session(opts.master, f"keyscale-{self.name}", opts.spark_conf)
+        pipeline = build(JobContext(spark, dict(opts.args)))
+        if not isinstance(pipeline, Pipeline):
+            raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
+        self.pipeline = pipeline
+        self._plan_parallelism(pipeline)
+        return spark
+
+    def _plan_parallelism(self, pipeline: Pipeline) -> None:
+        old = self.committed.operators if self.committed else {}
+        uids = {s.uid for s in pipeline.keyed_steps}
+        orphaned = sorted(set(old) - uids)
+        if orphaned:
+            raise StateError(f"checkpoint {self.committed.batch if self.committed else '?'} has state of operator '{orphaned[0]}', which the job no longer has")
+        for step in pipeline.keyed_steps:
+            prev = old.get(step.uid)
+            if prev is not None:
+                want_keys = tuple((k, str(t)) for k, t in zip(step.key_names, step.key_types, strict=True))
+                if prev.key_columns != want_keys:
+                    raise StateError(f"operator '{step.uid}': its state is keyed by {list(prev.key_columns)}, the job now keys by {list(want_keys)}")
+            p = self.opts.parallelism or (prev.parallelism if prev else None) or step.parallelism or 1
+            check_parallelism(p, self.max_parallelism)
+            if prev is not None and prev.parallelism != p:
+                log.info("operator '%s': restarting at parallelism %d (was %d); key groups are reassigned, no state is rewritten", step.uid, p, prev.parallelism)
+            self.parallelism[step.uid] = p
+        self.summary.parallelism = dict(self.parallelism)
+
+    # -- running -------------------------------------------------------------------------
+    def run(self) -> RunSummary:
+        """Run until idle (``until_idle``) or until :meth:`stop`; raise on failure."""
+        try:
+            spark = self._prepare()
+            assert self.pipeline is not None
+            sink_cleanup = getattr(self.pipeline.sink, "cleanup", None)
+            if callable(sink_cleanup):
+                sink_cleanup()
+            writer = (
+                self.pipeline.source.writeStream.foreachBatch(self._on_batch)
+                .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
+                .queryName(f"keyscale_{self.name}_{self.run_id[:6]}")
+            )
+            writer = writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
+            log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
+            self._query = writer.start()
+            self._wait()
+            _ = spark
+        finally:
+            self.jobdir.write_status({**self._status(), "running": False})
+            self.jobdir.unlock()
+        return self.summary
+
+    def _wait(self) -> None:
+        q = self._query
+        assert q is not None
+        try:
+            while q.isActive:
+                if self._stop.is_set():
+                    q.stop()
+                    break
+                q.awaitTermination(0.5)
+        except Exception as e:  # noqa: BLE001 - Spark raises its own exception types
+            raise (self._error or _translate(e)) from None
+        if self._error is not None:
+            raise self._error
+        exc = q.exception()
+        if exc is not None:
+            raise _translate(exc)
+
+    def stop(self) -> None:
+        """Ask the job to stop after the current batch (safe from any thread)."""
+        self._stop.set()
+
+    def _describe_parallelism(self) -> str:
+        return ", ".join(f"'{u}' at parallelism {p} of {self.max_parallelism} key groups" for u, p in self.parallelism.items())
+
+    # -- one batch -----------------------------------------------------------------------
+    def _on_batch(self, df: DataFrame, batch_id: int) -> None:
+        try:
+            self._run_batch(df, batch_id)
+        except BaseException as e:
+            self._error = _translate(e)
+            raise
+
+    def _apply_rescale_requests(self, batch_id: int) -> None:
+        reqs = self.jobdir.read_rescale_requests()
+        if not reqs:
+            return
+        self.jobdir.clear_rescale_requests()
+        for uid in list(self.parallelism):
+            want = reqs.get(uid, reqs.get("*"))
+            if want is None or want == self.parallelism[uid]:
+                continue
+            try:
+                check_parallelism(want, self.max_parallelism)
+            except KeyscaleError as e:
+                log.error("rescale of '%s' refused: %s", uid, e)
+                continue
+            log.info("batch %d: rescaling '%s' live from %d to %d subtasks (no restart; key groups reassigned)", batch_id, uid, self.parallelism[uid], want)
+            self.summary.rescales.append((batch_id, uid, self.parallelism[uid], want))
+            self.parallelism[uid] = want
+
+    def _fault(self, point: str, batch_id: int) -> bool:
+        return self.opts.fault == f"{point}:{batch_id}"
+
+    def _run_batch(self, df: DataFrame, batch_id: int) -> None:
+        assert self.pipeline is not None
+        if self.jobdir.has_manifest(batch_id):
+            log.info("batch %d is already committed; skipping its replay", batch_id)
+            self.summary.skipped.append(batch_id)
+            return
+        started = time.perf_counter()
+        intent = self.jobdir.read_intent(batch_id)
+        replayed = intent is not None
+        if intent is None:
+            self._apply_rescale_requests(batch_id)
+            intent = {"batch_time_ms": int(time.time() * 1000), "parallelism": dict(self.parallelism)}
+            self.jobdir.write_intent(batch_id, intent)
+        else:
+            log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
+        par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
+        for step in self.pipeline.keyed_steps:
+            for s in range(par[step.uid]):
+                sidecar_path(self.jobdir.path, step.uid, batch_id, s).unlink(missing_ok=True)
+
+        out = df
+        for step in self.pipeline.steps:
+            if isinstance(step, TransformStep):
+                out = step.fn(out)
+            else:
+                out = self._keyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid])
+        self.pipeline.sink.write(out, batch_id)
+        if self._fault("after-sink", batch_id):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        manifest, records, emitted, reports = self._manifest(batch_id, int(intent["batch_time_ms"]), par)
+        self.jobdir.commit(manifest)
+        self.committed = manifest
+        removed = self.jobdir.retain(self.opts.retain)
+        seconds = time.perf_counter() - started
+        rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed)
+        self.summary.batches.append(rec)
+        self.summary.parallelism = dict(self.parallelism)
+        self.jobdir.write_status({**self._status(reports), "running": True})
+        log.info(
+            "batch %d committed in %.2f s: %s records in, %s rows out; %s%s",
+            batch_id, seconds, f"{records:,}", f"{emitted:,}",
+            ", ".join(f"'{u}' p={p}" for u, p in par.items()),
+            f"; {removed} old state files removed" if removed else "",
+        )
+        if self._on_batch_cb:
+            self._on_batch_cb(rec)
+
+    def _keyed(self, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int) -> DataFrame:
+        from pyspark.sql import functions as F
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        m = self.max_parallelism
+        prev = self.committed.operators.get(step.uid) if self.committed else None
+        files: tuple[StateFile, ...] = prev.files if prev else ()
+        compact = tuple(chain_length(files, key_group_range(s, m, p), m) >= self.opts.max_chain for s in range(p))
+        fault = None
+        if self._fault("in-compaction", batch_id) and any(compact):
+            fault = "kill-driver-in-compaction"
+        if self._fault("mid-batch", batch_id):
+            fault = "kill-driver-in-compaction"
+            compact = tuple(True for _ in range(p))
+        spec = StageTask(
+            job_dir=str(self.jobdir.path), run_id=self.run_id, uid=step.uid, function=step.function,
+            key_names=step.key_names, key_types=step.key_types, input_schema=step.input_schema,
+            output_schema=step.output_schema, states=step.states, null_keys=step.null_keys,
+            max_parallelism=m, parallelism=p, batch_id=batch_id, batch_time_ms=batch_time_ms,
+            committed=self.committed.batch if self.committed else -1, files=files, compact=compact,
+            fault=fault, driver_pid=os.getpid(),
+        )
+        keys = [F.col(k) for k in step.key_names]
+        cols = [F.col(c) for c in step.input_schema.names]
+        if step.null_keys == "drop":
+            for k in keys:
+                df = df.where(k.isNotNull())
+        route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
+        staged = (
+            df.select(*cols, F.monotonically_increasing_id().alias(SEQ))
+            .withColumn(KG, F.pmod(F.hash(*keys), F.lit(m)).cast("int"))
+            .withColumn("__route", F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
+            .repartition(p, "__route")
+            .drop("__route")
+        )
+        return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(step.output_schema))
+
+    def _manifest(self, batch_id: int, batch_time_ms: int, par: dict[str, int]) -> tuple[Manifest, int, int, dict[str, list[dict[str, Any]]]]:
+        assert self.pipeline is not None
+        ops: dict[str, OperatorCheckpoint] = {}
+        records = emitted = 0
+        all_reports: dict[str, list[dict[str, Any]]] = {}
+        for i, step in enumerate(self.pipeline.keyed_steps):
+            p = par[step.uid]
+            reports = read_reports(self.jobdir.path, step.uid, batch_id, p)
+            all_reports[step.uid] = reports
+            if i == 0:
+                records = sum(int(r["records"]) for r in reports)
+            emitted = sum(int(r["emitted"]) for r in reports)
+            prev = self.committed.operators.get(step.uid) if self.committed else None
+            new = [StateFile.from_json(r["file"]) for r in reports if r["file"]]
+            files = live_files([*(prev.files if prev else ()), *new], self.max_parallelism)
+            ops[step.uid] = OperatorCheckpoint(
+                uid=step.uid, max_parallelism=self.max_parallelism, parallelism=p,
+                key_columns=tuple((k, str(t)) for k, t in zip(step.key_names, step.key_types, strict=True)),
+                states=tuple(d.to_json() for d in step.states), files=tuple(files),
+            )
+        manifest = Manifest(job=self.name, batch=batch_id, batch_time_ms=batch_time_ms, operators=ops, created_ms=int(time.time() * 1000))
+        return manifest, records, emitted, all_reports
+
+    def _status(self, reports: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+        ops = {}
+        for uid, p in self.parallelism.items():
+            entry: dict[str, Any] = {
+                "parallelism": p,
+                "max_parallelism": self.max_parallelism,
+                "ranges": [str(r) for r in key_group_ranges(self.max_parallelism, p)],
+            }
+            if reports and uid in reports:
+                entry["subtasks"] = [
+                    {k: r[k] for k in ("subtask", "records", "keys", "state_keys", "busy_seconds", "warm_key_groups", "loaded_key_groups")}
+                    for r in reports[uid]
+                ]
+            ops[uid] = entry
+        return {
+            "job": self.name,
+            "pid": os.getpid(),
+            "last_checkpoint": self.committed.batch if self.committed else None,
+            "updated_ms": int(time.time() * 1000),
+            "operators": ops,
+        }
+
+
+def run_job(opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None) -> RunSummary:
+    """Run a job (see :class:`RunOptions`); the CLI's ``keyscale run``."""
+    return JobRunner(opts, on_batch).run()
+
+
+def job_dir_path(path: str) -> Path:
+    return Path(path).absolute()

@@ -1,0 +1,310 @@
+"""What runs in a Spark task: one subtask of one keyed stage for one micro-batch.
+
+The task owns the key groups of its subtask. It gets their state at the last committed
+version, processes the batch's records key by key in arrival order, writes the keys that
+changed as one state file (or, when the restore chain got long, a snapshot of its whole
+range), reports what it did in a small sidecar file, and emits its output rows.
+
+Warm state: Spark reuses Python worker processes, so each worker keeps, per operator, the
+state of the key groups it has served together with the version of each. A task whose key
+groups are held at the committed version reads nothing; one a few batches behind applies
+only the deltas since; otherwise (first batch, moved key groups, a newer snapshot) it loads
+from the checkpoint. A worker marks key groups invalid while it updates them, so a failed
+attempt never leaves a copy that claims a version it does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import namedtuple
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from keyscale.checkpoint.files import atomic_write_json, read_state_slice, write_state_file
+from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
+from keyscale.errors import InputDataError, KeyscaleError
+from keyscale.operators.keyed import Context, KeyedProcessFunction, RuntimeContext, rows_to_arrow, run_process_function
+from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
+from keyscale.state.keygroups import KeyGroupRange, key_group_range
+from keyscale.state.table import KeyedStateTable, make_index
+from keyscale.state.types import StateDescriptor, is_numeric
+
+SEQ = "__seq"
+KG = "__kg"
+
+
+@dataclass(frozen=True)
+class StageTask:
+    """Everything a task of a keyed stage needs, shipped from the driver (pickled)."""
+
+    job_dir: str
+    run_id: str
+    uid: str
+    function: Any
+    key_names: tuple[str, ...]
+    key_types: tuple[pa.DataType, ...]
+    input_schema: pa.Schema
+    output_schema: pa.Schema
+    states: tuple[StateDescriptor, ...]
+    null_keys: str
+    max_parallelism: int
+    parallelism: int
+    batch_id: int
+    batch_time_ms: int
+    committed: int  # batch whose manifest the state comes from (-1: none yet)
+    files: tuple[StateFile, ...]  # the operator's live files at ``committed``
+    compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
+    fault: str | None = None  # test-only fault injection ("kill-driver-in-compaction")
+    driver_pid: int = 0
+
+
+def state_file_name(uid: str, batch: int, subtask: int, kind: str) -> str:
+    return f"state/{uid}/{batch:012d}-s{subtask:05d}-{kind}.arrow"
+
+
+def sidecar_path(job_dir: Path, uid: str, batch: int, subtask: int) -> Path:
+    return job_dir / "state" / uid / f"{batch:012d}-s{subtask:05d}.json"
+
+
+class _Held:
+    """A worker's warm copy of one operator's state: some key groups, each at a version."""
+
+    def __init__(self, spec: StageTask):
+        self.run_id = spec.run_id
+        self.signature = (spec.key_names, spec.states, spec.max_parallelism)
+        self.table = KeyedStateTable(spec.key_names, spec.key_types, spec.states)
+        self.version = np.full(spec.max_parallelism, -1, dtype=np.int64)
+        self.last_used = np.full(spec.max_parallelism, -1, dtype=np.int64)
+
+
+# Lives as long as the Python worker process: that is what keeps state warm.
+_HELD: dict[tuple[str, str], _Held] = {}
+
+
+def _runs(mask: np.ndarray, offset: int) -> list[tuple[int, int]]:
+    """Contiguous runs of True in ``mask`` as inclusive (start, end) + offset."""
+    if not mask.any():
+        return []
+    padded = np.concatenate([[False], mask, [False]])
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return [(int(a) + offset, int(b) - 1 + offset) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, int]]:
+    """The worker's state for ``rng`` brought to version ``spec.committed``."""
+    key = (spec.job_dir, spec.uid)
+    held = _HELD.get(key)
+    if held is None or held.run_id != spec.run_id or held.signature != (spec.key_names, spec.states, spec.max_parallelism):
+        held = _HELD[key] = _Held(spec)
+    lo, hi = rng.start, rng.end
+    ver = held.version[lo : hi + 1].copy()
+    held.version[lo : hi + 1] = -1  # invalid until this task finishes
+    files = files_overlapping(spec.files, rng)
+    snap = latest_snapshot_batches(files, spec.max_parallelism)[lo : hi + 1]
+    full = (ver < 0) | (ver > spec.committed) | (snap > ver)
+    start_at = np.where(full, snap, ver + 1)  # first batch each key group still needs
+    job_dir = Path(spec.job_dir)
+    for a, b in _runs(full, lo):
+        held.table.drop_key_groups(a, b)
+    stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": 0}
+    for f in sorted(files, key=lambda f: f.batch):
+        a, b = max(f.start, lo), min(f.end, hi)
+        need = f.batch >= start_at[a - lo : b - lo + 1]
+        runs = _runs(need, a)
+        if not runs:
+            continue
+        stats["files_read"] += 1
+        for ra, rb in runs:
+            held.table.apply(read_state_slice(job_dir, f, KeyGroupRange(ra, rb)))
+    return held, stats
+
+
+def _evict(held: _Held, rng: KeyGroupRange, batch: int, keep_batches: int = 3) -> None:
+    """Forget key groups this worker has not served lately (they moved or another worker has them)."""
+    held.last_used[rng.start : rng.end + 1] = batch
+    stale = (held.version >= 0) & (held.last_used < batch - keep_batches)
+    for a, b in _runs(stale, 0):
+        held.table.drop_key_groups(a, b)
+        held.version[a : b + 1] = -1
+
+
+def _null_check(spec: StageTask, table: pa.Table) -> None:
+    for k in spec.key_names:
+        col = table.column(k)
+        if col.null_count:
+            raise InputDataError(
+                f"null key in column '{k}' of operator '{spec.uid}' (batch {spec.batch_id}, {col.null_count} records); "
+                "filter them out before key_by() or use key_by(..., null_keys='drop')"
+            )
+
+
+def _group_keys(spec: StageTask, table: pa.Table) -> tuple[np.ndarray, pd.Index, list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """Factorize the key columns: codes per record, unique keys (first-appearance order), etc."""
+    key_arrays = []
+    for k, t in zip(spec.key_names, spec.key_types, strict=True):
+        col = table.column(k)
+        key_arrays.append(np.asarray(col.to_numpy()) if is_numeric(t) else np.asarray(col.to_pylist(), dtype=object))
+    if len(key_arrays) == 1:
+        codes, uniques = pd.factorize(key_arrays[0])
+        index = pd.Index(uniques)
+        ukeys = [np.asarray(uniques)]
+    else:
+        codes, mi = pd.MultiIndex.from_arrays(key_arrays).factorize()
+        index = mi
+        ukeys = [np.asarray(mi.get_level_values(i)) for i in range(len(key_arrays))]
+    codes = np.asarray(codes, dtype=np.int64)
+    n = len(index)
+    _, first = np.unique(codes, return_index=True)
+    kgs = table.column(KG).to_numpy().astype(np.int32)[first] if n else np.empty(0, dtype=np.int32)
+    order = np.argsort(codes, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=n))]).astype(np.int64)
+    return codes, index, ukeys, kgs, order, starts
+
+
+def _python_columns(held: _Held, spec: StageTask, pos: np.ndarray) -> dict[str, list[Any]]:
+    out = {}
+    for s in spec.states:
+        vals, ok = held.table.gather(s.name, pos)
+        lst = vals.tolist()
+        if not ok.all():
+            lst = [v if o else None for v, o in zip(lst, ok, strict=True)]
+        out[s.name] = lst
+    return out
+
+
+def _from_python(values: list[Any], desc: StateDescriptor) -> tuple[np.ndarray, np.ndarray]:
+    valid = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+    if is_numeric(desc.column_type):
+        zero = False if pa.types.is_boolean(desc.column_type) else 0
+        return np.array([v if v is not None else zero for v in values], dtype=desc.column_type.to_pandas_dtype()), valid
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = values
+    return arr, valid
+
+
+def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
+    """Process one subtask's records; returns (output, report). Needs no Spark: testable alone."""
+    started = time.perf_counter()
+    fn = spec.function
+    opened = RuntimeContext(spec.uid, subtask, spec.parallelism, spec.max_parallelism)
+    fn.open(opened)
+    rng = key_group_range(subtask, spec.max_parallelism, spec.parallelism)
+    held, stats = obtain_state(spec, rng)
+    load_seconds = time.perf_counter() - started
+
+    parts = list(batches)
+    table = pa.Table.from_batches(parts) if parts else None
+    records = 0 if table is None else table.num_rows
+    out = spec.output_schema.empty_table()
+    changed_rows = np.empty(0, dtype=np.intp)
+    n_keys = 0
+    if table is not None and table.num_rows:
+        table = table.take(pa.array(np.argsort(table.column(SEQ).to_numpy(), kind="stable")))
+        if spec.null_keys == "error":
+            _null_check(spec, table)
+        codes, index, ukeys, kgs, order, starts = _group_keys(spec, table)
+        n_keys = len(index)
+        pos = held.table.positions(index)
+        user = table.select(list(spec.input_schema.names))
+        if isinstance(fn, VectorizedKeyedFunction):
+            kb = KeyedBatch(
+                records=user.to_pandas(),
+                codes=codes,
+                keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, ukeys, strict=True)}),
+                state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states}),
+                order=order,
+                starts=starts,
+                batch_id=spec.batch_id,
+                processing_time=spec.batch_time_ms,
+            )
+            new_state, result = fn.process_batch(kb)
+            updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state}
+            held.table.upsert(ukeys, kgs, updates, index=index)
+            changed = index
+            out = result if isinstance(result, pa.Table) else pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
+        else:
+            assert isinstance(fn, KeyedProcessFunction)
+            columns = _python_columns(held, spec, pos)
+            row_type = namedtuple("Row", spec.input_schema.names, rename=True)  # type: ignore[misc]
+            rows = [row_type._make(r) for r in zip(*(c.to_pylist() for c in user.columns), strict=True)]
+            keys_py = index.tolist()
+            ctx = Context(spec.batch_id, spec.batch_time_ms, subtask)
+            emitted = list(run_process_function(fn, opened._cursor, ctx, keys_py, kgs, order, starts, rows, columns))
+            dirty = np.fromiter(opened._cursor.dirty, dtype=bool, count=n_keys)
+            if dirty.any():
+                sel = np.flatnonzero(dirty)
+                updates = {s.name: _from_python([columns[s.name][i] for i in sel], s) for s in spec.states}
+                held.table.upsert([u[sel] for u in ukeys], kgs[sel], updates, index=index[sel])
+            changed = index[dirty]
+            out = rows_to_arrow(emitted, spec.output_schema, spec.uid)
+        changed_rows = held.table.positions(changed)
+
+    compact = spec.compact[subtask]
+    job_dir = Path(spec.job_dir)
+    written: StateFile | None = None
+    if compact:
+        if spec.fault == "kill-driver-in-compaction" and spec.driver_pid:
+            os.kill(spec.driver_pid, signal.SIGKILL)
+            time.sleep(30)
+        held.table.compact()
+        snap = held.table.to_arrow(held.table.rows_in_range(rng.start, rng.end))
+        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "snapshot"), snap, "snapshot", spec.batch_id, rng)
+    elif len(changed_rows):
+        delta = held.table.to_arrow(changed_rows)
+        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "delta"), delta, "delta", spec.batch_id, rng)
+    held.version[rng.start : rng.end + 1] = spec.batch_id
+    _evict(held, rng, spec.batch_id)
+    in_range = held.table.rows_in_range(rng.start, rng.end)
+    report = {
+        "subtask": subtask,
+        "range": [rng.start, rng.end],
+        "records": records,
+        "keys": n_keys,
+        "emitted": out.num_rows,
+        "file": written.to_json() if written else None,
+        "state_keys": len(in_range),
+        "busy_seconds": time.perf_counter() - started,
+        "load_seconds": load_seconds,
+        **stats,
+    }
+    atomic_write_json(sidecar_path(job_dir, spec.uid, spec.batch_id, subtask), report, durable=False)
+    return out, report
+
+
+def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The function given to ``DataFrame.mapInArrow`` for this stage and batch."""
+
+    def stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+        subtask = tc.partitionId() if tc is not None else 0
+        try:
+            out, _ = run_subtask(spec, batches, subtask)
+        except KeyscaleError as e:
+            # One recognisable line survives Spark's wrapping of the Python traceback.
+            raise RuntimeError(f"KEYSCALE-ERROR {type(e).__name__}: {e}") from None
+        yield from out.to_batches()
+
+    return stage
+
+
+def read_reports(job_dir: Path, uid: str, batch: int, parallelism: int) -> list[dict[str, Any]]:
+    """The sidecar of every subtask of a stage for a batch (missing ones are an error)."""
+    out = []
+    for s in range(parallelism):
+        p = sidecar_path(job_dir, uid, batch, s)
+        try:
+            out.append(json.loads(p.read_text()))
+        except FileNotFoundError:
+            raise KeyscaleError(f"subtask {s} of operator '{uid}' did not report for batch {batch}") from None
+    return out
