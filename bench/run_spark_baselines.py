@@ -104,7 +104,7 @@ def _run_once(run: dict[str, Any], data_dir: Path) -> dict[str, Any]:
 def _aggregate(run: dict[str, Any], reps: list[dict[str, Any]]) -> dict[str, Any]:
     steady = [b for r in reps for b in r["batch_seconds"][STEADY]]
     batch0 = [r["batch_seconds"][0] for r in reps if r["batch_seconds"]]
-    rows_per_batch = median(b for r in reps for b in r["batch_rows"]) if "batch_rows" in reps[0] else None
+    rows_per_batch = reps[0]["rows"] / max(1, len(reps[0]["batch_seconds"]))
     out: dict[str, Any] = {
         "baseline": run["fn"],
         "workload": run["workload"],
@@ -119,8 +119,6 @@ def _aggregate(run: dict[str, Any], reps: list[dict[str, Any]]) -> dict[str, Any
         "wall_median_s": median(r["wall_seconds"] for r in reps),
         "state_rows": reps[0].get("state_rows", reps[0].get("build_state_rows")),
     }
-    if rows_per_batch is None and reps[0]["batch_seconds"]:
-        rows_per_batch = reps[0]["rows"] / len(reps[0]["batch_seconds"])
     if out["steady_median_s"]:
         out["steady_rows_per_s"] = rows_per_batch / out["steady_median_s"]
     if run["fn"] == "offline_repartition":

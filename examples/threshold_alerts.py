@@ -1,7 +1,7 @@
 """Per-record API: alert when a key's rolling sum over its last N values crosses a threshold.
 
     keyscale run examples/threshold_alerts.py --job-dir jobs/alerts -p 2 \
-        --set input=DIR --set output=OUT [--set threshold=500 --set window=5] --until-idle
+        --set input=DIR --set output=OUT [--set threshold=400 --set window=5] --until-idle
 
 Input columns: key string, value long, ts timestamp. Output (key, ts, rolling_sum,
 alert_number): one row each time the rolling sum of the key's last ``window`` values goes
@@ -46,7 +46,7 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         .option("maxFilesPerTrigger", int(ctx.arg("files_per_batch", "1")))
         .parquet(ctx.arg("input"))
     )
-    fn = RollingSumAlert(int(ctx.arg("threshold", "500")), int(ctx.arg("window", "5")))
+    fn = RollingSumAlert(int(ctx.arg("threshold", "400")), int(ctx.arg("window", "5")))
     return (
         ks.stream(events)
         .key_by("key")

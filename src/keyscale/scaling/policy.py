@@ -1,0 +1,648 @@
+"""The autoscaler policy: per-batch metrics in, a target parallelism out.
+
+This module is pure: no Spark, no clocks, no I/O. The runtime (or the simulation
+harness in :mod:`keyscale.scaling.simulate`) feeds it one :class:`BatchMetrics` per
+keyed operator per micro-batch and gets a :class:`Decision` back, with the inputs
+it used and a sentence explaining it.
+
+The policy follows the ideas of Flink's Kubernetes operator autoscaler
+(``ScalingMetricEvaluator`` / ``JobVertexScaler``), adapted to micro-batches that
+can be rescaled live, between two batches, at near-zero cost:
+
+* **True processing rate.** How many records one subtask handles per second of
+  busy time: ``records / busy seconds``, aggregated over a metrics window. It is a
+  property of the code and the hardware, not of the load, so it can be measured
+  at any load level.
+* **Skew.** A micro-batch ends when its slowest task ends, so the *hottest*
+  subtask bounds the job's throughput. The job's capacity at parallelism ``P`` is
+  ``records / busy seconds of the busiest subtask`` (summed over the window), and
+  the effective rate of one subtask is that divided by ``P``. With evenly spread
+  key groups this equals the plain mean rate; with skew it is lower, and the
+  policy assumes the skew (the hottest subtask's share relative to a fair share)
+  persists at the new parallelism.
+* **Target rate.** ``input rate + (backlog + input rate * restart time) / catch-up
+  duration``: the job must keep up with the input *and* work off what is queued.
+* **Target parallelism.** ``ceil(target rate / (rate per subtask * target
+  utilisation))``, limited per step (``scale_up_max_factor`` /
+  ``scale_down_max_factor``), bounded (``min_parallelism`` / ``max_parallelism``,
+  never above the number of key groups), and aligned to key groups: the smallest
+  ``P >= target`` that divides ``max_parallelism`` gives every subtask the same
+  number of key groups (DESIGN §2).
+* **No-action band.** ``utilisation = target rate / current capacity``. Nothing
+  happens while it stays within ``target_utilization ± utilization_band`` (the
+  upper edge is capped at 1.0: running above capacity always means a growing
+  backlog). This is Flink's ``target.utilization.boundary``.
+* **Scale-down delay.** A scale-down happens only after below-band evaluations
+  have persisted for ``scale_down_delay_seconds`` without interruption; it then
+  goes to the *highest* target seen during the delay (Flink's
+  ``scale-down.interval``). Scale-ups are immediate: for a live rescale they cost
+  almost nothing, and a backlog costs latency.
+* **Stabilisation.** After every parallelism change (seen in the metrics) and
+  after every scaling decision, no new decision is made for
+  ``stabilization_seconds``; metrics from before the change are discarded, and
+  the first ``warmup_batches`` batches after it (which include state movement)
+  are not used to estimate the processing rate.
+
+Modes (handled by the caller; the policy itself never acts):
+
+* ``"off"``: the caller does not feed metrics; nothing is computed or recorded.
+* ``"recommend"``: the caller feeds every batch and records every decision
+  (``keyscale status``, the events file) but never changes parallelism. Because a
+  scaling decision starts a stabilisation period, recommendations repeat at most
+  once per ``stabilization_seconds``.
+* ``"active"``: as ``recommend``, and a ``scale_up`` / ``scale_down`` decision is
+  applied as a live rescale before the next batch.
+
+Example:
+
+Two subtasks that each process 1,000 records per busy second, 5 s trigger; the
+input quadruples from 1,000 to 4,000 rec/s:
+
+>>> scaler = Autoscaler(AutoscalerConfig(stabilization_seconds=5, warmup_batches=0))
+>>> def batch(t: float, rate: float) -> BatchMetrics:
+...     recs = int(rate * 5)                 # records that arrived in 5 s
+...     busy = recs / 2 / 1000               # seconds each subtask works
+...     return BatchMetrics(time=t, uid="count", parallelism=2, max_parallelism=128,
+...                         input_records=recs, batch_seconds=busy,
+...                         trigger_interval_seconds=5.0, busy_seconds=(busy, busy),
+...                         records=(recs // 2, recs - recs // 2))
+>>> scaler.observe(batch(0.0, 1000.0)).action  # stabilising after job start
+'none'
+>>> d = scaler.observe(batch(5.0, 4000.0))
+>>> d.action, d.current_parallelism, d.target_parallelism
+('scale_up', 2, 8)
+>>> d.inputs["true_rate_per_subtask"]
+1000.0
+>>> print(d.reason)  # doctest: +NORMALIZE_WHITESPACE
+scale up 2 -> 8: utilisation 2.17 vs band 0.50-0.90; input 4,000 rec/s + backlog
+20,000 over 60 s catch-up needs 4,333 rec/s; one subtask processes 1,000 rec/s at
+70% target utilisation -> 7 subtasks, aligned to 8 (divides 128)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "MODES",
+    "Action",
+    "Autoscaler",
+    "AutoscalerConfig",
+    "BatchMetrics",
+    "Decision",
+    "Mode",
+    "aligned_parallelism",
+]
+
+Mode = Literal["off", "recommend", "active"]
+"""How the caller uses the policy; see the module docstring."""
+
+MODES: tuple[Mode, ...] = ("off", "recommend", "active")
+
+Action = Literal["scale_up", "scale_down", "none"]
+
+
+@dataclass(frozen=True)
+class BatchMetrics:
+    """What one keyed operator did in one micro-batch.
+
+    Attributes:
+        time: batch start, in seconds (any origin; must not decrease per operator).
+        uid: operator uid.
+        parallelism: number of subtasks the batch ran with.
+        max_parallelism: number of key groups (``M``).
+        input_records: records the operator read in this batch.
+        batch_seconds: wall-clock duration of the batch.
+        trigger_interval_seconds: the trigger's processing-time interval, or
+            ``None`` when batches run back to back.
+        busy_seconds: busy time of each subtask (length ``parallelism``).
+        records: records processed by each subtask (length ``parallelism``).
+        backlog_records: records available at the source but not read by this
+            batch, when the source reports it (e.g. Kafka lag at the batch's
+            end offsets); ``None`` when unknown.
+        input_rate: records/s arriving at the source when it reports it;
+            ``None`` derives it from ``input_records`` over the time since the
+            previous batch started (what Spark's ``inputRowsPerSecond`` does).
+
+    >>> m = BatchMetrics(time=0.0, uid="op", parallelism=2, max_parallelism=8,
+    ...                  input_records=10, batch_seconds=1.0,
+    ...                  trigger_interval_seconds=None, busy_seconds=(0.5, 0.4),
+    ...                  records=(6, 4))
+    >>> m.backlog_records is None
+    True
+    """
+
+    time: float
+    uid: str
+    parallelism: int
+    max_parallelism: int
+    input_records: int
+    batch_seconds: float
+    trigger_interval_seconds: float | None
+    busy_seconds: tuple[float, ...]
+    records: tuple[int, ...]
+    backlog_records: int | None = None
+    input_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.time):
+            raise ValueError(f"time must be finite, got {self.time}")
+        if self.parallelism < 1:
+            raise ValueError(f"parallelism must be >= 1, got {self.parallelism}")
+        if self.max_parallelism < self.parallelism:
+            raise ValueError(
+                f"max_parallelism {self.max_parallelism} < parallelism {self.parallelism}"
+            )
+        if len(self.busy_seconds) != self.parallelism or len(self.records) != self.parallelism:
+            raise ValueError(
+                f"busy_seconds ({len(self.busy_seconds)}) and records ({len(self.records)}) "
+                f"need one entry per subtask ({self.parallelism})"
+            )
+        if self.input_records < 0 or any(r < 0 for r in self.records):
+            raise ValueError("record counts must be >= 0")
+        if not (self.batch_seconds >= 0) or any(not (b >= 0) for b in self.busy_seconds):
+            raise ValueError("batch_seconds and busy_seconds must be >= 0")
+        if self.trigger_interval_seconds is not None and not self.trigger_interval_seconds > 0:
+            raise ValueError("trigger_interval_seconds must be > 0 or None")
+        if self.backlog_records is not None and self.backlog_records < 0:
+            raise ValueError("backlog_records must be >= 0 or None")
+        if self.input_rate is not None and not self.input_rate >= 0:
+            raise ValueError("input_rate must be >= 0 or None")
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    """Knobs of the policy, with defaults for live-rescalable micro-batch jobs.
+
+    Flink's defaults (15 min window, 5 min stabilisation, 1 h scale-down interval)
+    assume a rescale restarts the job. Here a rescale happens between two batches,
+    so the windows are in tens of seconds.
+
+    Attributes:
+        target_utilization: busy fraction to size for (0.7 leaves 30% headroom).
+        utilization_band: no action while ``target rate / capacity`` stays within
+            ``target_utilization ± utilization_band`` (upper edge capped at 1.0).
+        metrics_window_seconds: how far back metrics are aggregated.
+        stabilization_seconds: no decision for this long after a change.
+        scale_up_max_factor: one step multiplies parallelism by at most this.
+        scale_down_max_factor: one step divides parallelism by at most this.
+        scale_down_delay_seconds: a lower target must persist this long before
+            scaling down.
+        catch_up_seconds: the backlog should be worked off within this time.
+        restart_seconds: downtime a rescale causes (0 for a live rescale); the
+            input arriving meanwhile is added to the backlog to catch up.
+        min_parallelism: lower bound.
+        max_parallelism: upper bound; ``None`` means the number of key groups.
+        align_to_key_groups: prefer parallelisms dividing the number of key groups.
+        warmup_batches: batches right after a change not used to measure the
+            processing rate (they include moving state).
+        min_busy_seconds: busy time (of the busiest subtask, summed over the
+            window) below which the processing rate is not trusted.
+
+    >>> AutoscalerConfig().target_utilization
+    0.7
+    >>> AutoscalerConfig(target_utilization=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: target_utilization must be in (0, 1], got 1.5
+    """
+
+    target_utilization: float = 0.7
+    utilization_band: float = 0.2
+    metrics_window_seconds: float = 60.0
+    stabilization_seconds: float = 30.0
+    scale_up_max_factor: float = 8.0
+    scale_down_max_factor: float = 4.0
+    scale_down_delay_seconds: float = 120.0
+    catch_up_seconds: float = 60.0
+    restart_seconds: float = 0.0
+    min_parallelism: int = 1
+    max_parallelism: int | None = None
+    align_to_key_groups: bool = True
+    warmup_batches: int = 1
+    min_busy_seconds: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError(f"target_utilization must be in (0, 1], got {self.target_utilization}")
+        if not 0 <= self.utilization_band < self.target_utilization:
+            raise ValueError(
+                f"utilization_band must be in [0, target_utilization), got {self.utilization_band}"
+            )
+        for name in (
+            "metrics_window_seconds",
+            "stabilization_seconds",
+            "scale_down_delay_seconds",
+            "restart_seconds",
+            "min_busy_seconds",
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not self.metrics_window_seconds > 0:
+            raise ValueError("metrics_window_seconds must be > 0")
+        if not (math.isfinite(self.catch_up_seconds) and self.catch_up_seconds > 0):
+            raise ValueError(f"catch_up_seconds must be > 0, got {self.catch_up_seconds}")
+        if not self.scale_up_max_factor > 1 or not self.scale_down_max_factor > 1:
+            raise ValueError("scale_up_max_factor and scale_down_max_factor must be > 1")
+        if self.min_parallelism < 1:
+            raise ValueError(f"min_parallelism must be >= 1, got {self.min_parallelism}")
+        if self.max_parallelism is not None and self.max_parallelism < self.min_parallelism:
+            raise ValueError(
+                f"max_parallelism {self.max_parallelism} < min_parallelism {self.min_parallelism}"
+            )
+        if self.warmup_batches < 0:
+            raise ValueError(f"warmup_batches must be >= 0, got {self.warmup_batches}")
+
+    @property
+    def scale_up_threshold(self) -> float:
+        """Utilisation above which the policy scales up.
+
+        >>> round(AutoscalerConfig().scale_up_threshold, 2)
+        0.9
+        """
+        return min(self.target_utilization + self.utilization_band, 1.0)
+
+    @property
+    def scale_down_threshold(self) -> float:
+        """Utilisation below which the policy (after the delay) scales down.
+
+        >>> round(AutoscalerConfig().scale_down_threshold, 2)
+        0.5
+        """
+        return max(self.target_utilization - self.utilization_band, 0.0)
+
+    def bounds(self, key_groups: int) -> tuple[int, int]:
+        """``(lower, upper)`` parallelism for an operator with ``key_groups`` key groups.
+
+        >>> AutoscalerConfig(min_parallelism=2, max_parallelism=500).bounds(128)
+        (2, 128)
+        """
+        upper = key_groups if self.max_parallelism is None else min(self.max_parallelism, key_groups)
+        return min(self.min_parallelism, upper), upper
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer for one batch of one operator.
+
+    ``inputs`` holds the numbers the decision was computed from (rates in
+    records/s, backlog in records, times in seconds); keys are present only when
+    known: ``input_rate``, ``input_rate_window``, ``input_rate_recent``,
+    ``backlog``, ``catch_up_rate``, ``target_rate``, ``true_rate_per_subtask``,
+    ``mean_rate_per_subtask``, ``skew``, ``capacity``, ``utilization``,
+    ``busy_ratio``, ``raw_target_parallelism``, ``window_batches``,
+    ``seconds_since_change``, ``scale_down_pending_since``,
+    ``rate_from_history`` (1.0 when the rate came from an earlier window).
+
+    >>> d = Decision(time=0.0, uid="op", current_parallelism=4, target_parallelism=4,
+    ...              action="none", reason="stabilising")
+    >>> d.changes
+    False
+    """
+
+    time: float
+    uid: str
+    current_parallelism: int
+    target_parallelism: int
+    action: Action
+    reason: str
+    inputs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def changes(self) -> bool:
+        """Whether the decision asks for another parallelism."""
+        return self.action != "none"
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly form, e.g. for the events file.
+
+        >>> Decision(1.0, "op", 2, 4, "scale_up", "r", {"x": 1.0}).to_dict()["target_parallelism"]
+        4
+        """
+        return {
+            "time": self.time,
+            "uid": self.uid,
+            "current_parallelism": self.current_parallelism,
+            "target_parallelism": self.target_parallelism,
+            "action": self.action,
+            "reason": self.reason,
+            "inputs": dict(self.inputs),
+        }
+
+
+def aligned_parallelism(target: int, max_parallelism: int, lower: int, upper: int) -> int:
+    """Smallest divisor of ``max_parallelism`` in ``[target, upper]``.
+
+    ``target`` is first clamped to ``[lower, upper]``. When no divisor fits under
+    ``upper``, the clamped target is returned unchanged: equal key-group ranges are
+    a preference, never a reason to exceed a bound.
+
+    >>> aligned_parallelism(5, 128, 1, 128)
+    8
+    >>> aligned_parallelism(7, 120, 1, 120)
+    8
+    >>> aligned_parallelism(70, 128, 1, 100)
+    70
+    >>> aligned_parallelism(0, 128, 2, 128)
+    2
+    """
+    upper = min(upper, max_parallelism)
+    lower = min(lower, upper)
+    target = max(lower, min(target, upper))
+    for p in range(target, upper + 1):
+        if max_parallelism % p == 0:
+            return p
+    return target
+
+
+@dataclass(frozen=True)
+class _Sample:
+    time: float
+    period: float  # seconds the input of this batch arrived over
+    input_rate: float
+    records: int  # sum over subtasks
+    busy_total: float  # sum over subtasks
+    busy_hot: float  # busiest subtask
+    warmup: bool
+
+
+@dataclass
+class _OperatorState:
+    parallelism: int = 0
+    last_time: float | None = None
+    change_time: float = 0.0
+    last_action_time: float | None = None
+    batches_since_change: int = 0
+    window: deque[_Sample] = field(default_factory=deque)
+    known_rate_per_subtask: float | None = None
+    down_since: float | None = None
+    down_target: int | None = None
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+class Autoscaler:
+    """Stateful, pure autoscaling policy for any number of keyed operators.
+
+    Feed one :class:`BatchMetrics` per operator per batch, in time order, to
+    :meth:`observe`. The state kept per operator uid is the metrics window, the
+    time of the last change, and a pending scale-down.
+
+    Parallelism changes are detected from the metrics (``m.parallelism``
+    differing from the previous batch), whoever made them: this policy in active
+    mode, reactive mode, or a user.
+
+    When there is no reliable measurement of the processing rate (no records, or
+    the busiest subtask's busy time in the window below ``min_busy_seconds``),
+    the policy falls back on the rate per subtask measured in an earlier window
+    (it describes the code and the hardware, so it survives a rescale); if there
+    never was one, it keeps the current parallelism and says so. It never turns
+    "nothing measured" into "scale to the minimum". An idle source (zero input,
+    no backlog) with a known rate is real evidence, so it does lead to a
+    scale-down, through the delay and the step limit like any other.
+
+    >>> scaler = Autoscaler()
+    >>> m = BatchMetrics(time=0.0, uid="op", parallelism=4, max_parallelism=128,
+    ...                  input_records=0, batch_seconds=0.0,
+    ...                  trigger_interval_seconds=5.0, busy_seconds=(0.0,) * 4,
+    ...                  records=(0,) * 4)
+    >>> scaler.observe(m).reason
+    'stabilising: 0 s since parallelism 4 took effect, no decision before 30 s'
+    """
+
+    def __init__(self, config: AutoscalerConfig | None = None) -> None:
+        self.config = config if config is not None else AutoscalerConfig()
+        self._ops: dict[str, _OperatorState] = {}
+
+    def observe(self, m: BatchMetrics) -> Decision:
+        """Take one batch's metrics into account and decide."""
+        cfg = self.config
+        st = self._ops.get(m.uid)
+        if st is None:
+            st = self._ops[m.uid] = _OperatorState()
+        if st.last_time is not None and m.time < st.last_time:
+            raise ValueError(
+                f"metrics for {m.uid!r} went back in time: {m.time} after {st.last_time}"
+            )
+
+        period = self._period(m, st.last_time)
+        if st.last_time is None or m.parallelism != st.parallelism:
+            # A change took effect (or the job started): metrics from before it
+            # describe another parallelism, and a pending scale-down is void.
+            st.parallelism = m.parallelism
+            st.change_time = m.time
+            st.batches_since_change = 0
+            st.window.clear()
+            st.down_since = st.down_target = None
+        st.last_time = m.time
+        st.batches_since_change += 1
+
+        input_rate = m.input_rate if m.input_rate is not None else (
+            m.input_records / period if period > 0 else 0.0
+        )
+        st.window.append(
+            _Sample(
+                time=m.time,
+                period=period,
+                input_rate=input_rate,
+                records=sum(m.records),
+                busy_total=sum(m.busy_seconds),
+                busy_hot=max(m.busy_seconds),
+                warmup=st.batches_since_change <= cfg.warmup_batches,
+            )
+        )
+        while st.window and st.window[0].time < m.time - cfg.metrics_window_seconds:
+            st.window.popleft()
+
+        P = m.parallelism
+        lower, upper = cfg.bounds(m.max_parallelism)
+        since = st.change_time
+        if st.last_action_time is not None:
+            since = max(since, st.last_action_time)
+        inputs: dict[str, float] = {
+            "seconds_since_change": m.time - since,
+            "window_batches": float(len(st.window)),
+        }
+
+        def none(reason: str) -> Decision:
+            return Decision(m.time, m.uid, P, P, "none", reason, inputs)
+
+        if m.time - since < cfg.stabilization_seconds:
+            what = (
+                f"parallelism {P} took effect"
+                if since == st.change_time
+                else "the last scaling decision"
+            )
+            return none(
+                f"stabilising: {m.time - since:.0f} s since {what}, "
+                f"no decision before {cfg.stabilization_seconds:.0f} s"
+            )
+
+        # --- load: input rate, backlog, target rate -----------------------------
+        total_period = sum(s.period for s in st.window)
+        rate_window = (
+            sum(s.input_rate * s.period for s in st.window) / total_period
+            if total_period > 0
+            else input_rate
+        )
+        # React to increases at once (the last batch), to decreases only once the
+        # whole window has seen them; the scale-down delay then adds patience.
+        rate = max(rate_window, input_rate)
+        backlog = float(m.backlog_records or 0)
+        if m.trigger_interval_seconds is not None:
+            # A batch that overran its trigger interval leaves the records that
+            # arrived during the overrun for the next batch, on top of the one
+            # interval's worth that is normal for micro-batches.
+            backlog += input_rate * max(0.0, m.batch_seconds - m.trigger_interval_seconds)
+        catch_up_rate = (backlog + rate * cfg.restart_seconds) / cfg.catch_up_seconds
+        target_rate = rate + catch_up_rate
+        inputs.update(
+            input_rate=rate,
+            input_rate_window=rate_window,
+            input_rate_recent=input_rate,
+            backlog=backlog,
+            catch_up_rate=catch_up_rate,
+            target_rate=target_rate,
+        )
+
+        # --- capacity: true processing rate per subtask -------------------------
+        measured = [s for s in st.window if not s.warmup]
+        records = sum(s.records for s in measured)
+        busy_hot = sum(s.busy_hot for s in measured)
+        busy_total = sum(s.busy_total for s in measured)
+        from_history = False
+        if records > 0 and busy_hot >= cfg.min_busy_seconds:
+            # The batch waits for its slowest task, so the job's throughput at P is
+            # bounded by the busiest subtask: all records / the hottest subtask's
+            # busy time. Per subtask that is divided by P. Without skew this is the
+            # plain mean rate; with skew it is lower by the skew factor, and sizing
+            # with it keeps the hottest subtask at the target utilisation (assuming
+            # the skew persists at the new parallelism).
+            rate_per_subtask = records / busy_hot / P
+            mean_rate = records / busy_total if busy_total > 0 else rate_per_subtask
+            inputs["mean_rate_per_subtask"] = mean_rate
+            inputs["skew"] = mean_rate / rate_per_subtask
+            window_seconds = sum(s.period for s in measured)
+            if window_seconds > 0:
+                inputs["busy_ratio"] = busy_hot / window_seconds
+            st.known_rate_per_subtask = rate_per_subtask
+        elif st.known_rate_per_subtask is not None:
+            rate_per_subtask = st.known_rate_per_subtask
+            from_history = True
+            inputs["rate_from_history"] = 1.0
+        else:
+            return none(
+                f"no reliable processing-rate measurement yet ({records:,} records, "
+                f"{busy_hot:.2f} s busy time in the window): keeping {P} rather than guessing"
+            )
+
+        capacity = rate_per_subtask * P
+        utilization = target_rate / capacity
+        inputs.update(
+            true_rate_per_subtask=rate_per_subtask,
+            capacity=capacity,
+            utilization=utilization,
+        )
+        U = cfg.target_utilization
+        raw = math.ceil(target_rate / (rate_per_subtask * U)) if target_rate > 0 else lower
+        raw = max(raw, 1)
+        inputs["raw_target_parallelism"] = float(raw)
+
+        load_text = f"input {_fmt(rate)} rec/s"
+        if catch_up_rate > 0:
+            load_text += (
+                f" + backlog {_fmt(backlog)}"
+                + (f" (+{cfg.restart_seconds:.0f} s restart)" if cfg.restart_seconds else "")
+                + f" over {cfg.catch_up_seconds:.0f} s catch-up needs {_fmt(target_rate)} rec/s"
+            )
+        else:
+            load_text += " needs " + _fmt(target_rate) + " rec/s"
+        skew = inputs.get("skew", 1.0)
+        rate_text = (
+            f"one subtask processes {_fmt(rate_per_subtask)} rec/s"
+            + (" (measured earlier)" if from_history else "")
+            + (f" (hottest subtask, skew {skew:.2f}x)" if skew > 1.05 else "")
+        )
+        util_text = (
+            f"utilisation {utilization:.2f} vs band "
+            f"{cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
+        )
+
+        if cfg.scale_down_threshold <= utilization <= cfg.scale_up_threshold:
+            st.down_since = st.down_target = None
+            return none(f"keep {P}: {util_text}; {load_text}; capacity {_fmt(capacity)} rec/s")
+
+        up = utilization > cfg.scale_up_threshold
+        target = max(lower, min(raw, upper))
+        steps: list[str] = []
+        if up:
+            cap = max(P + 1, math.floor(P * cfg.scale_up_max_factor))
+            if target > cap:
+                steps.append(f"capped at {cfg.scale_up_max_factor:g}x step to {cap}")
+                target = cap
+        else:
+            cap = max(1, math.ceil(P / cfg.scale_down_max_factor))
+            if target < cap:
+                steps.append(f"limited to a {cfg.scale_down_max_factor:g}x step down to {cap}")
+                target = cap
+        if cfg.align_to_key_groups:
+            aligned = aligned_parallelism(target, m.max_parallelism, lower, upper)
+            if aligned != target:
+                steps.append(f"aligned to {aligned} (divides {m.max_parallelism})")
+            target = aligned
+        target = max(lower, min(target, upper))
+        if target != raw and not steps:
+            steps.append(f"bounded to [{lower}, {upper}]")
+        sizing = (
+            f"{load_text}; {rate_text} at {U:.0%} target utilisation -> {raw} subtasks"
+            + ("".join(", " + s for s in steps))
+        )
+
+        if up:
+            st.down_since = st.down_target = None
+            if target <= P:
+                return none(f"keep {P}: {util_text} but {P} is the upper bound; {sizing}")
+            st.last_action_time = m.time
+            return Decision(
+                m.time, m.uid, P, target, "scale_up",
+                f"scale up {P} -> {target}: {util_text}; {sizing}", inputs,
+            )  # fmt: skip
+
+        if target >= P:
+            st.down_since = st.down_target = None
+            return none(f"keep {P}: {util_text} but no smaller parallelism fits; {sizing}")
+        if st.down_since is None or st.down_target is None:
+            st.down_since, st.down_target = m.time, target
+        else:
+            st.down_target = max(st.down_target, target)
+        inputs["scale_down_pending_since"] = st.down_since
+        held = m.time - st.down_since
+        if held < cfg.scale_down_delay_seconds:
+            return none(
+                f"keep {P} for now: a lower target ({st.down_target}) has held {held:.0f} s "
+                f"of the {cfg.scale_down_delay_seconds:.0f} s scale-down delay; {util_text}; "
+                f"{sizing}"
+            )
+        target = st.down_target
+        st.down_since = st.down_target = None
+        st.last_action_time = m.time
+        return Decision(
+            m.time, m.uid, P, target, "scale_down",
+            f"scale down {P} -> {target}: below band for {held:.0f} s "
+            f"(delay {cfg.scale_down_delay_seconds:.0f} s), highest target in that time "
+            f"{target}; {util_text}; {sizing}",
+            inputs,
+        )  # fmt: skip
+
+    @staticmethod
+    def _period(m: BatchMetrics, last_time: float | None) -> float:
+        """Seconds over which this batch's input arrived."""
+        if last_time is not None and m.time > last_time:
+            return m.time - last_time
+        return max(m.batch_seconds, m.trigger_interval_seconds or 0.0)

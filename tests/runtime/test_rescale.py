@@ -1,0 +1,99 @@
+"""Rescaling changes who owns which key groups, never the results.
+
+One input, a P=1 reference; the same input at P=2 -> 4 -> 1 rescaled live between batches
+and at P=3 -> 2 across a restart must give identical output, row for row.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from conftest import ALERTS, RUNNING_COUNT, read_output, run_job, write_events
+
+from keyscale.checkpoint.jobdir import JobDir
+
+pytestmark = [pytest.mark.spark]
+
+JOBS = {"aggregate": RUNNING_COUNT, "per-record": ALERTS}
+
+
+@pytest.fixture(scope="module")
+def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("events")
+    write_events(folder, files=6, rows=3000, keys=400)
+    return folder
+
+
+def _args(inp: Path, out: Path) -> dict[str, str]:
+    return {"input": str(inp), "output": str(out), "threshold": "300"}
+
+
+@pytest.fixture(scope="module")
+def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.DataFrame]:
+    refs = {}
+    for name, job in JOBS.items():
+        tmp = tmp_path_factory.mktemp(f"ref-{name}")
+        run_job(job, tmp / "job", 1, _args(events, tmp / "out"))
+        refs[name] = read_output(tmp / "out")
+        assert len(refs[name]) > 0
+    return refs
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_live_rescale_2_4_1_equals_parallelism_1(name: str, spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+    plan = {1: 4, 3: 1}  # after batch 1 ask for 4 subtasks, after batch 3 for 1
+    jd = JobDir(tmp_path / "job")
+
+    def rescale(rec: Any) -> None:
+        if rec.batch in plan:
+            jd.request_rescale(plan[rec.batch])
+
+    summary = run_job(JOBS[name], tmp_path / "job", 2, _args(events, tmp_path / "out"), on_batch=rescale)
+    seen = [b.parallelism[next(iter(b.parallelism))] for b in summary.batches]
+    assert seen == [2, 2, 4, 4, 1, 1]
+    assert [(b, f, t) for b, _, f, t in summary.rescales] == [(2, 2, 4), (4, 4, 1)]
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference[name])
+
+
+def test_restart_at_new_parallelism_equals_parallelism_1(spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+    inp = tmp_path / "in"
+    inp.mkdir()
+    files = sorted(events.glob("part-*.parquet"))
+    for f in files[:3]:
+        shutil.copy2(f, inp / f.name)
+    args = _args(inp, tmp_path / "out")
+    run_job(RUNNING_COUNT, tmp_path / "job", 3, args)
+    for f in files[3:]:
+        shutil.copy2(f, inp / f.name)
+    summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
+    assert summary.recovered_from == 2
+    assert [b.parallelism["totals"] for b in summary.batches] == [2, 2, 2]
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference["aggregate"])
+
+
+def test_unaligned_and_extreme_parallelism(spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+    """P that does not divide M, and P = M (one key group per subtask)."""
+    jd = JobDir(tmp_path / "job")
+    plan = {0: 7, 2: 16, 4: 3}
+    summary = run_job(
+        RUNNING_COUNT, tmp_path / "job", 5, _args(events, tmp_path / "out"), max_parallelism=16,
+        on_batch=lambda rec: jd.request_rescale(plan[rec.batch]) if rec.batch in plan else None,
+    )
+    assert [b.parallelism["totals"] for b in summary.batches] == [5, 7, 7, 16, 16, 3]
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference["aggregate"])
+
+
+def test_compaction_keeps_results_and_bounds_files(spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+    run_job(RUNNING_COUNT, tmp_path / "job", 2, _args(events, tmp_path / "out"), max_chain=2, retain=1)
+    m = JobDir(tmp_path / "job").latest_manifest()
+    assert m is not None
+    files = m.operators["totals"].files
+    assert any(f.kind == "snapshot" for f in files)
+    assert len(files) <= 2 * 2  # at most a snapshot and a delta per subtask
+    on_disk = list((tmp_path / "job" / "state" / "totals").glob("*.arrow"))
+    assert len(on_disk) == len(files)  # retention removed the rest
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference["aggregate"])
