@@ -11,7 +11,7 @@ import keyscale.state.redistribution as redistribution_module
 from keyscale.errors import KeyscaleError, StateError
 from keyscale.state.redistribution import broadcast, split_merge, union
 
-FAST = settings(max_examples=200, deadline=None)
+FAST = settings(max_examples=100, deadline=None)
 
 # Entries may repeat (e.g. the same offset twice): multiset equality must still hold.
 old_states = st.lists(st.lists(st.integers(0, 20), max_size=8), max_size=8)

@@ -385,17 +385,17 @@ def test_matches_spark_hash(spark: Any) -> None:
     assert len(result) == n
 
     types = [t for t, _ in SINGLE_TYPES]
-    mismatches = []
-    for row, got in zip(rows, result, strict=True):
+    mismatches: list[tuple[object, object, object]] = []
+    for values, got in zip(rows, result, strict=True):
         for j, (name, t) in enumerate(zip(names, types, strict=True)):
             want = got[f"h_{name}"]
-            if spark_hash([row[j]], [t]) != want:
-                mismatches.append((t, row[j], want))
+            if spark_hash([values[j]], [t]) != want:
+                mismatches.append((t, values[j], want))
         for k, key in enumerate(multi_keys):
             idx = [names.index(c) for c in key]
-            ours = spark_hash([row[i] for i in idx], [types[i] for i in idx])
+            ours = spark_hash([values[i] for i in idx], [types[i] for i in idx])
             if ours != got[f"m{k}"]:
-                mismatches.append((key, [row[i] for i in idx], got[f"m{k}"]))
+                mismatches.append((key, [values[i] for i in idx], got[f"m{k}"]))
     assert mismatches == []
 
 
