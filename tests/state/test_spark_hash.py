@@ -317,13 +317,19 @@ def _random_value(rng: random.Random, type_name: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    # Executors must run this interpreter, or PySpark may pick another Python.
+def hash_spark() -> Iterator[Any]:
+    """A local Spark session for this module, stopped after it.
+
+    If another fixture (tests/conftest.py's session-wide ``spark``) already runs a
+    session, it is reused and left running: stopping it would break later modules.
+    """
     old = os.environ.get("PYSPARK_PYTHON")
+    # Executors must run this interpreter, or PySpark may pick another Python.
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
 
-    session = (
+    existing = SparkSession.getActiveSession()
+    session = existing or (
         SparkSession.builder.master("local[1]")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "1")
@@ -332,7 +338,8 @@ def spark() -> Iterator[Any]:
     try:
         yield session
     finally:
-        session.stop()
+        if existing is None:
+            session.stop()
         if old is None:
             os.environ.pop("PYSPARK_PYTHON", None)
         else:
@@ -340,7 +347,7 @@ def spark() -> Iterator[Any]:
 
 
 @pytest.mark.spark
-def test_matches_spark_hash(spark: Any) -> None:
+def test_matches_spark_hash(hash_spark: Any) -> None:
     from pyspark.sql import functions as F
 
     rng = random.Random(20240601)
@@ -368,7 +375,7 @@ def test_matches_spark_hash(spark: Any) -> None:
     assert {len(s.encode()) for s in fixed_strings} >= set(range(8))
 
     schema = ", ".join(f"{name} {sql}" for name, (_, sql) in zip(names, SINGLE_TYPES, strict=True))
-    df = spark.createDataFrame(rows, schema)
+    df = hash_spark.createDataFrame(rows, schema)
     typed = {name: F.col(name) for name in names}
     typed["c_date"] = F.date_from_unix_date(F.col("c_date"))
     typed["c_timestamp"] = F.timestamp_micros(F.col("c_timestamp"))
@@ -400,12 +407,12 @@ def test_matches_spark_hash(spark: Any) -> None:
 
 
 @pytest.mark.spark
-def test_routing_values_in_spark(spark: Any) -> None:
+def test_routing_values_in_spark(hash_spark: Any) -> None:
     from pyspark.sql import functions as F
 
     parallelisms = [1, 2, 3, 4, 7, 128]
     rows = [(p, i, x) for p in parallelisms for i, x in enumerate(routing_values(p))]
-    df = spark.createDataFrame(rows, "p int, i int, x int")
+    df = hash_spark.createDataFrame(rows, "p int, i int, x int")
     got = df.select("p", "i", F.pmod(F.hash("x"), F.col("p")).alias("part")).collect()
     assert all(r["part"] == r["i"] for r in got)
     assert len(got) == len(rows)
