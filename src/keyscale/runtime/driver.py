@@ -309,8 +309,7 @@ class JobRunner:
         if self._fault("in-compaction", batch_id) and any(compact):
             fault = "kill-driver-in-compaction"
         if self._fault("mid-batch", batch_id):
-            fault = "kill-driver-in-compaction"
-            compact = tuple(True for _ in range(p))
+            fault = "kill-driver-mid-batch"
         spec = StageTask(
             job_dir=str(self.jobdir.path), run_id=self.run_id, uid=step.uid, function=step.function,
             key_names=step.key_names, key_types=step.key_types, input_schema=step.input_schema,

@@ -63,7 +63,7 @@ class StageTask:
     committed: int  # batch whose manifest the state comes from (-1: none yet)
     files: tuple[StateFile, ...]  # the operator's live files at ``committed``
     compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
-    fault: str | None = None  # test-only fault injection ("kill-driver-in-compaction")
+    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction"
     driver_pid: int = 0
 
 
@@ -200,6 +200,9 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     rng = key_group_range(subtask, spec.max_parallelism, spec.parallelism)
     held, stats = obtain_state(spec, rng)
     load_seconds = time.perf_counter() - started
+    if spec.fault == "kill-driver-mid-batch" and spec.driver_pid:
+        os.kill(spec.driver_pid, signal.SIGKILL)
+        time.sleep(30)
 
     parts = list(batches)
     table = pa.Table.from_batches(parts) if parts else None
