@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -91,13 +92,10 @@ def _translate(exc: BaseException) -> BaseException:
 
     if isinstance(exc, KeyscaleError):
         return exc
-    text = str(exc)
-    marker = "KEYSCALE-ERROR "
-    if marker in text:
-        line = text[text.index(marker) + len(marker) :].splitlines()[0]
-        cls_name, _, msg = line.partition(": ")
-        cls = getattr(errors, cls_name, KeyscaleError)
-        return cls(msg.strip())  # type: ignore[no-any-return]
+    found = re.search(r"KEYSCALE-ERROR (\w+): (.+)", str(exc))
+    if found:
+        cls = getattr(errors, found.group(1), KeyscaleError)
+        return cls(found.group(2).strip())  # type: ignore[no-any-return]
     return exc
 
 
@@ -113,6 +111,7 @@ class JobRunner:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._query: StreamingQuery | None = None
+        self._locked = False
         self.pipeline: Pipeline | None = None
         self.committed: Manifest | None = None
         self.parallelism: dict[str, int] = {}
@@ -134,6 +133,7 @@ class JobRunner:
         if opts.parallelism is not None:
             check_parallelism(opts.parallelism, self.max_parallelism)
         self.jobdir.lock()
+        self._locked = True
         rec = self.jobdir.recover()
         for why in rec.discarded:
             log.warning("%s; set it aside", why)
@@ -192,8 +192,10 @@ class JobRunner:
             self._wait()
             _ = spark
         finally:
-            self.jobdir.write_status({**self._status(), "running": False})
-            self.jobdir.unlock()
+            if self._locked:
+                self.jobdir.write_status({**self._status(), "running": False})
+                self.jobdir.unlock()
+                self._locked = False
         return self.summary
 
     def _wait(self) -> None:

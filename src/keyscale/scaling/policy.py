@@ -215,7 +215,7 @@ class AutoscalerConfig:
     metrics_window_seconds: float = 60.0
     stabilization_seconds: float = 30.0
     scale_up_max_factor: float = 8.0
-    scale_down_max_factor: float = 4.0
+    scale_down_max_factor: float = 8.0
     scale_down_delay_seconds: float = 120.0
     catch_up_seconds: float = 60.0
     restart_seconds: float = 0.0
@@ -281,7 +281,9 @@ class AutoscalerConfig:
         >>> AutoscalerConfig(min_parallelism=2, max_parallelism=500).bounds(128)
         (2, 128)
         """
-        upper = key_groups if self.max_parallelism is None else min(self.max_parallelism, key_groups)
+        upper = (
+            key_groups if self.max_parallelism is None else min(self.max_parallelism, key_groups)
+        )
         return min(self.min_parallelism, upper), upper
 
 
@@ -289,12 +291,19 @@ class AutoscalerConfig:
 class Decision:
     """The policy's answer for one batch of one operator.
 
+    ``time`` is when the decision was made: the end of the observed batch
+    (``m.time + m.batch_seconds``); stabilisation and the scale-down delay are
+    measured on this clock. ``target_parallelism`` equals
+    ``current_parallelism`` when ``action`` is ``"none"``.
+
     ``inputs`` holds the numbers the decision was computed from (rates in
     records/s, backlog in records, times in seconds); keys are present only when
     known: ``input_rate``, ``input_rate_window``, ``input_rate_recent``,
     ``backlog``, ``catch_up_rate``, ``target_rate``, ``true_rate_per_subtask``,
     ``mean_rate_per_subtask``, ``skew``, ``capacity``, ``utilization``,
-    ``busy_ratio``, ``raw_target_parallelism``, ``window_batches``,
+    ``busy_ratio`` (the busiest subtask's busy share of the latest batch's
+    slot: its trigger interval, or its duration if it overran),
+    ``raw_target_parallelism``, ``window_batches``,
     ``seconds_since_change``, ``scale_down_pending_since``,
     ``rate_from_history`` (1.0 when the rate came from an earlier window).
 
@@ -443,8 +452,10 @@ class Autoscaler:
         st.last_time = m.time
         st.batches_since_change += 1
 
-        input_rate = m.input_rate if m.input_rate is not None else (
-            m.input_records / period if period > 0 else 0.0
+        input_rate = (
+            m.input_rate
+            if m.input_rate is not None
+            else (m.input_records / period if period > 0 else 0.0)
         )
         st.window.append(
             _Sample(
@@ -457,30 +468,32 @@ class Autoscaler:
                 warmup=st.batches_since_change <= cfg.warmup_batches,
             )
         )
-        while st.window and st.window[0].time < m.time - cfg.metrics_window_seconds:
+        # Decisions are made when the batch's metrics are complete: at its end.
+        now = m.time + m.batch_seconds
+        # Keep at least the latest batch, however long it ran.
+        while len(st.window) > 1 and st.window[0].time < now - cfg.metrics_window_seconds:
             st.window.popleft()
-
         P = m.parallelism
         lower, upper = cfg.bounds(m.max_parallelism)
         since = st.change_time
         if st.last_action_time is not None:
             since = max(since, st.last_action_time)
         inputs: dict[str, float] = {
-            "seconds_since_change": m.time - since,
+            "seconds_since_change": now - since,
             "window_batches": float(len(st.window)),
         }
 
         def none(reason: str) -> Decision:
-            return Decision(m.time, m.uid, P, P, "none", reason, inputs)
+            return Decision(now, m.uid, P, P, "none", reason, inputs)
 
-        if m.time - since < cfg.stabilization_seconds:
+        if now - since < cfg.stabilization_seconds:
             what = (
                 f"parallelism {P} took effect"
                 if since == st.change_time
                 else "the last scaling decision"
             )
             return none(
-                f"stabilising: {m.time - since:.0f} s since {what}, "
+                f"stabilising: {now - since:.0f} s since {what}, "
                 f"no decision before {cfg.stabilization_seconds:.0f} s"
             )
 
@@ -491,9 +504,12 @@ class Autoscaler:
             if total_period > 0
             else input_rate
         )
-        # React to increases at once (the last batch), to decreases only once the
-        # whole window has seen them; the scale-down delay then adds patience.
-        rate = max(rate_window, input_rate)
+        # Size for the load of the latest batch, not the window's average: a scale-up
+        # should follow a load step at once (a live rescale costs almost nothing),
+        # and a scale-down needs the lower target to hold for the whole scale-down
+        # delay and then goes to the highest target seen meanwhile, which smooths
+        # more robustly than an average would. The window average is reported.
+        rate = input_rate
         backlog = float(m.backlog_records or 0)
         if m.trigger_interval_seconds is not None:
             # A batch that overran its trigger interval leaves the records that
@@ -528,9 +544,6 @@ class Autoscaler:
             mean_rate = records / busy_total if busy_total > 0 else rate_per_subtask
             inputs["mean_rate_per_subtask"] = mean_rate
             inputs["skew"] = mean_rate / rate_per_subtask
-            window_seconds = sum(s.period for s in measured)
-            if window_seconds > 0:
-                inputs["busy_ratio"] = busy_hot / window_seconds
             st.known_rate_per_subtask = rate_per_subtask
         elif st.known_rate_per_subtask is not None:
             rate_per_subtask = st.known_rate_per_subtask
@@ -542,6 +555,11 @@ class Autoscaler:
                 f"{busy_hot:.2f} s busy time in the window): keeping {P} rather than guessing"
             )
 
+        # How busy the hottest subtask was in the latest batch's slot (the trigger
+        # interval, or the batch's duration when it overran).
+        slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
+        busy_ratio = max(m.busy_seconds) / slot if slot > 0 else 0.0
+        inputs["busy_ratio"] = busy_ratio
         capacity = rate_per_subtask * P
         utilization = target_rate / capacity
         inputs.update(
@@ -599,18 +617,27 @@ class Autoscaler:
         target = max(lower, min(target, upper))
         if target != raw and not steps:
             steps.append(f"bounded to [{lower}, {upper}]")
-        sizing = (
-            f"{load_text}; {rate_text} at {U:.0%} target utilisation -> {raw} subtasks"
-            + ("".join(", " + s for s in steps))
+        sizing = f"{load_text}; {rate_text} at {U:.0%} target utilisation -> {raw} subtasks" + (
+            "".join(", " + s for s in steps)
         )
 
         if up:
             st.down_since = st.down_target = None
+            if busy_ratio < cfg.scale_down_threshold:
+                # Behind, yet the busiest subtask mostly idles: something other than
+                # parallelism bounds throughput (typically a per-batch read limit
+                # such as maxOffsetsPerTrigger). More subtasks would not help.
+                return none(
+                    f"keep {P}: {util_text}, but the busiest subtask was only "
+                    f"{busy_ratio:.0%} busy in the last batch, so parallelism is not what "
+                    f"limits throughput (check the source's per-batch limit, e.g. "
+                    f"maxOffsetsPerTrigger); {load_text}"
+                )
             if target <= P:
                 return none(f"keep {P}: {util_text} but {P} is the upper bound; {sizing}")
-            st.last_action_time = m.time
+            st.last_action_time = now
             return Decision(
-                m.time, m.uid, P, target, "scale_up",
+                now, m.uid, P, target, "scale_up",
                 f"scale up {P} -> {target}: {util_text}; {sizing}", inputs,
             )  # fmt: skip
 
@@ -618,11 +645,11 @@ class Autoscaler:
             st.down_since = st.down_target = None
             return none(f"keep {P}: {util_text} but no smaller parallelism fits; {sizing}")
         if st.down_since is None or st.down_target is None:
-            st.down_since, st.down_target = m.time, target
+            st.down_since, st.down_target = now, target
         else:
             st.down_target = max(st.down_target, target)
         inputs["scale_down_pending_since"] = st.down_since
-        held = m.time - st.down_since
+        held = now - st.down_since
         if held < cfg.scale_down_delay_seconds:
             return none(
                 f"keep {P} for now: a lower target ({st.down_target}) has held {held:.0f} s "
@@ -631,9 +658,9 @@ class Autoscaler:
             )
         target = st.down_target
         st.down_since = st.down_target = None
-        st.last_action_time = m.time
+        st.last_action_time = now
         return Decision(
-            m.time, m.uid, P, target, "scale_down",
+            now, m.uid, P, target, "scale_down",
             f"scale down {P} -> {target}: below band for {held:.0f} s "
             f"(delay {cfg.scale_down_delay_seconds:.0f} s), highest target in that time "
             f"{target}; {util_text}; {sizing}",

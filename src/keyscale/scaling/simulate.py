@@ -98,7 +98,9 @@ class SimulationResult:
         return max(self.backlog, default=0.0)
 
 
-def simulate(trace: Trace, config: AutoscalerConfig | None = None, mode: Mode = "active") -> SimulationResult:
+def simulate(
+    trace: Trace, config: AutoscalerConfig | None = None, mode: Mode = "active"
+) -> SimulationResult:
     """Run ``trace`` through the policy.
 
     ``config`` defaults to the trace's own ``autoscaler`` settings, else to
@@ -236,16 +238,18 @@ def plot(result: SimulationResult, png_path: str | Path) -> Path:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:  # pragma: no cover - matplotlib is in the plot extra
-        raise KeyscaleError(
-            "plotting needs matplotlib: pip install 'keyscale[plot]'"
-        ) from err
+        raise KeyscaleError("plotting needs matplotlib: pip install 'keyscale[plot]'") from err
 
     path = Path(png_path)
     fig = Figure(figsize=(10, 8), layout="constrained")
     FigureCanvasAgg(fig)
     ax_rate, ax_p, ax_backlog = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 2])
     t = list(result.times)
-    ax_rate.step(t, result.load, where="post", label="input rate", color="tab:blue")
+    trace = result.trace
+    end = max(trace.duration_seconds, t[-1] if t else 0.0)
+    load_t = [0.0, *(p.time for p in trace.points if 0 < p.time < end), end]
+    load_r = [trace.rate_at(x) for x in load_t]
+    ax_rate.step(load_t, load_r, where="post", label="input rate", color="tab:blue")
     ax_rate.step(t, result.capacity, where="post", label="capacity", color="tab:green")
     ax_rate.set_ylabel("records/s")
     ax_rate.legend(loc="upper right")

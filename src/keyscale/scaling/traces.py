@@ -41,6 +41,7 @@ The job model, per micro-batch starting at ``t`` with parallelism ``P``:
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 import random
@@ -202,8 +203,10 @@ class JobRun:
         self._unread += arrived
         pending = self._unread
         available = math.floor(self._unread + 1e-6)
-        read = available if job.max_records_per_batch is None else min(
-            available, job.max_records_per_batch
+        read = (
+            available
+            if job.max_records_per_batch is None
+            else min(available, job.max_records_per_batch)
         )
         self._unread = max(0.0, self._unread - read)
 
@@ -211,11 +214,13 @@ class JobRun:
         if parallelism == 1:
             records = [read]
         else:
-            other = math.floor(read * (1.0 - hot) / (parallelism - 1))
-            records = [read - other * (parallelism - 1)] + [other] * (parallelism - 1)
-        busy = tuple(
-            r / job.per_subtask_capacity_rps + job.task_overhead_seconds for r in records
-        )
+            # Subtask 0 is the hot one; integer counts by largest remainder.
+            exact = [read * hot] + [read * (1.0 - hot) / (parallelism - 1)] * (parallelism - 1)
+            records = [math.floor(x) for x in exact]
+            by_remainder = sorted(range(parallelism), key=lambda i: (records[i] - exact[i], i))
+            for i in by_remainder[: read - sum(records)]:
+                records[i] += 1
+        busy = tuple(r / job.per_subtask_capacity_rps + job.task_overhead_seconds for r in records)
         duration = max(busy)
         period = max(job.trigger_interval_seconds, duration)
         self.now = t + period
@@ -264,7 +269,7 @@ class Trace:
         if not self.points:
             raise ValueError("a trace needs at least one point")
         times = tuple(float(p.time) for p in self.points)
-        if any(b <= a for a, b in zip(times, times[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(times)):
             raise ValueError("point times must be strictly increasing")
         if any(not (math.isfinite(p.input_rate) and p.input_rate >= 0) for p in self.points):
             raise ValueError("input rates must be finite numbers >= 0")
@@ -292,14 +297,14 @@ class Trace:
             i += 1
         return total
 
-    def load_changes(self, min_relative_change: float = 0.1) -> list[tuple[float, float, float]]:
+    def load_changes(self, min_relative_change: float = 0.25) -> list[tuple[float, float, float]]:
         """``(time, from_rate, to_rate)`` where the rate changes by more than the given fraction.
 
         >>> step_up(low=1000, high=5000, at=60).load_changes()
         [(60.0, 1000.0, 5000.0)]
         """
         out: list[tuple[float, float, float]] = []
-        for prev, cur in zip(self.points, self.points[1:], strict=False):
+        for prev, cur in itertools.pairwise(self.points):
             base = max(prev.input_rate, 1e-9)
             if abs(cur.input_rate - prev.input_rate) / base > min_relative_change:
                 out.append((float(cur.time), prev.input_rate, cur.input_rate))
@@ -442,7 +447,15 @@ def load_trace(path: str | Path) -> Trace:
 
 def save_trace(trace: Trace, path: str | Path) -> None:
     """Write ``trace`` as indented JSON (readable by :func:`load_trace`)."""
-    Path(path).write_text(json.dumps(trace.to_dict(), indent=2) + "\n", encoding="utf-8")
+    data = trace.to_dict()
+    points = data.pop("points")
+    text = json.dumps(data, indent=2, ensure_ascii=False)
+    # One point per line keeps long traces readable and diffable.
+    rows = ",\n".join("    " + json.dumps(p) for p in points)
+    job_at = text.index('\n  "job":')
+    text = f'{text[:job_at]}\n  "points": [\n{rows}\n  ],{text[job_at:]}'
+    json.loads(text)  # the splice above must keep the JSON valid
+    Path(path).write_text(text + "\n", encoding="utf-8")
 
 
 # --- generators ------------------------------------------------------------------
@@ -468,13 +481,14 @@ def _curve(
     rate: Callable[[float], float], duration: float, resolution: float, noise: float, seed: int
 ) -> tuple[TracePoint, ...]:
     rng = random.Random(seed)
-    points = []
+    points: list[TracePoint] = []
     n = math.ceil(duration / resolution)
     for i in range(n):
         t = i * resolution
         r = rate(t)
         if noise:
             r *= max(0.0, 1.0 + rng.uniform(-noise, noise))
+        r = round(r, 1)
         if not points or points[-1].input_rate != r:
             points.append(TracePoint(t, r))
     return tuple(points)
@@ -573,17 +587,21 @@ def sawtooth(
 
 
 def skewed_key_groups(
-    rate: float = 6000.0,
+    rate: float = 2500.0,
     skew: float = 3.0,
     duration: float = 600.0,
     job: SimulatedJob | None = None,
 ) -> Trace:
-    """Constant load where the hottest subtask gets ``skew`` times its fair share."""
+    """Constant load where the hottest subtask gets ``skew`` times its fair share.
+
+    The default job starts at P=8: on average its subtasks are 31% busy, but the
+    hottest one is 94% busy and bounds the batch.
+    """
     return Trace(
         "skewed_key_groups",
         (TracePoint(0.0, rate),),
         duration,
-        job or default_job(skew=skew),
+        job or default_job(skew=skew, initial_parallelism=8),
         f"{rate:,.0f} rec/s, hottest subtask {skew:g}x its fair share",
     )
 
