@@ -37,6 +37,9 @@ can be rescaled live, between two batches, at near-zero cost:
   goes to the *highest* target seen during the delay (Flink's
   ``scale-down.interval``). Scale-ups are immediate: for a live rescale they cost
   almost nothing, and a backlog costs latency.
+* **Busy guard.** A job that is behind while its busiest subtask mostly idles
+  is limited by something else (typically a per-batch read limit such as
+  ``maxOffsetsPerTrigger``): the policy does not scale up and says why.
 * **Stabilisation.** After every parallelism change (seen in the metrics) and
   after every scaling decision, no new decision is made for
   ``stabilization_seconds``; metrics from before the change are discarded, and
@@ -85,6 +88,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
+
+# Re-exported: the autoscaler's key-group alignment is the key-group module's rule.
+from keyscale.state.keygroups import aligned_parallelism
 
 __all__ = [
     "MODES",
@@ -341,31 +347,6 @@ class Decision:
             "reason": self.reason,
             "inputs": dict(self.inputs),
         }
-
-
-def aligned_parallelism(target: int, max_parallelism: int, lower: int, upper: int) -> int:
-    """Smallest divisor of ``max_parallelism`` in ``[target, upper]``.
-
-    ``target`` is first clamped to ``[lower, upper]``. When no divisor fits under
-    ``upper``, the clamped target is returned unchanged: equal key-group ranges are
-    a preference, never a reason to exceed a bound.
-
-    >>> aligned_parallelism(5, 128, 1, 128)
-    8
-    >>> aligned_parallelism(7, 120, 1, 120)
-    8
-    >>> aligned_parallelism(70, 128, 1, 100)
-    70
-    >>> aligned_parallelism(0, 128, 2, 128)
-    2
-    """
-    upper = min(upper, max_parallelism)
-    lower = min(lower, upper)
-    target = max(lower, min(target, upper))
-    for p in range(target, upper + 1):
-        if max_parallelism % p == 0:
-            return p
-    return target
 
 
 @dataclass(frozen=True)
