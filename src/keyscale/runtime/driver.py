@@ -80,6 +80,8 @@ class RunSummary:
     recovered_from: int | None = None
     discarded: tuple[str, ...] = ()
     parallelism: dict[str, int] = field(default_factory=dict)
+    # Spark's own measure of each batch with input (durationMs.triggerExecution), in seconds.
+    trigger_seconds: list[float] = field(default_factory=list)
 
     @property
     def records(self) -> int:
@@ -209,6 +211,9 @@ class JobRunner:
                 q.awaitTermination(0.5)
         except Exception as e:  # noqa: BLE001 - Spark raises its own exception types
             raise (self._error or _translate(e)) from None
+        self.summary.trigger_seconds = [
+            p.durationMs.get("triggerExecution", 0) / 1000 for p in sorted(q.recentProgress, key=lambda p: p.batchId) if p.numInputRows > 0
+        ]
         if self._error is not None:
             raise self._error
         exc = q.exception()

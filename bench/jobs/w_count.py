@@ -1,0 +1,42 @@
+"""Workload W's task in keyscale: per-key running count (sum of v), emitted for every key
+updated in a batch. ``--set mode=vectorized|per-record``; ``--set sink=noop|parquet``."""
+
+from typing import Any
+
+import keyscale as ks
+
+NAME = "w_count"
+
+
+class RunningCount(ks.KeyedProcessFunction):
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.count = ctx.value_state("count", "long")
+
+    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Any:
+        n = (self.count.value() or 0) + sum(r.v for r in rows)
+        self.count.update(n)
+        return [(key, n)]
+
+
+class NoopSink:
+    """Computes the batch and discards it (as the Spark baselines' noop sink)."""
+
+    exactly_once = False
+
+    def describe(self) -> str:
+        return "nowhere (noop sink)"
+
+    def write(self, df: Any, batch_id: int) -> int:
+        df.write.format("noop").mode("overwrite").save()
+        return -1
+
+
+def build(ctx: ks.JobContext) -> ks.Pipeline:
+    df = ctx.spark.readStream.schema("key long, v long").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
+    keyed = ks.stream(df).key_by("key")
+    if ctx.arg("mode", "vectorized") == "vectorized":
+        counts = keyed.aggregate(uid="count", count=ks.sum("v"))
+    else:
+        counts = keyed.process(RunningCount(), "key long, count long", uid="count")
+    sink = NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.ParquetSink(ctx.arg("output"))
+    return counts.sink(sink)
