@@ -23,25 +23,26 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = [
-    "W_SCHEMA",
-    "W_FILES",
-    "W_ROWS_PER_FILE",
-    "W_KEYS",
-    "W1M_KEYS",
     "DEFAULT_DATA_ROOT",
+    "W1M_KEYS",
+    "W_FILES",
+    "W_KEYS",
+    "W_ROWS_PER_FILE",
+    "W_SCHEMA",
     "ensure_workload",
-    "workload_files",
-    "median",
-    "write_result",
     "load_results",
+    "median",
+    "workload_files",
+    "write_result",
 ]
 
 #: Spark DDL schema of the workload files.

@@ -27,7 +27,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _workload import DEFAULT_DATA_ROOT, ensure_workload  # noqa: E402
-from spark_baselines import ROCKSDB_PROVIDER, apply_in_pandas_with_state, native_agg, transform_with_state_in_pandas  # noqa: E402
+from spark_baselines import (  # noqa: E402
+    ROCKSDB_PROVIDER,
+    apply_in_pandas_with_state,
+    native_agg,
+    transform_with_state_in_pandas,
+)
 
 from keyscale.runtime.driver import JobRunner, RunOptions  # noqa: E402
 from keyscale.runtime.session import spark_session  # noqa: E402

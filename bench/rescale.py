@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     live: dict[str, list[list[float]]] = {"p2": [], "p1": [], "rescaled": []}
     restart: dict[str, list[Any]] = {"keyscale": [], "spark": []}
+    live_run(w1m8, 2, {})  # warm-up: JVM, Python workers, page cache; not counted
     for rep in range(a.repeats):
         print(f"repeat {rep + 1}/{a.repeats}", flush=True)
         for name, p, plan in (("p2", 2, {}), ("p1", 1, {}), ("rescaled", 2, {4: 1, 5: 2})):

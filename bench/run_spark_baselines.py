@@ -19,13 +19,15 @@ import os
 import platform
 import sys
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _workload import (  # noqa: E402
+import spark_baselines as sb
+from _workload import (
     DEFAULT_DATA_ROOT,
     W1M_KEYS,
     ensure_workload,
@@ -33,7 +35,6 @@ from _workload import (  # noqa: E402
     median,
     write_result,
 )
-import spark_baselines as sb  # noqa: E402
 
 STEADY = slice(1, 5)  # batches 1-4
 
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "master": "local[2]",
         "shuffle_partitions": 2,
         "state_store": sb.ROCKSDB_PROVIDER,
-        "updated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "updated": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
     }
     for run in runs:

@@ -21,25 +21,27 @@ next :func:`make_spark` starts from a cold driver (used by :func:`offline_repart
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 from _workload import W_SCHEMA, workload_files
 
 __all__ = [
     "ROCKSDB_PROVIDER",
-    "make_spark",
-    "stop_spark",
-    "native_agg",
     "apply_in_pandas_with_state",
-    "transform_with_state_in_pandas",
+    "make_spark",
+    "native_agg",
     "offline_repartition",
+    "stop_spark",
+    "transform_with_state_in_pandas",
 ]
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
@@ -48,13 +50,13 @@ Result = dict[str, Any]
 SparkFactory = Callable[[int], "SparkSession"]  # shuffle partitions -> session
 
 if TYPE_CHECKING:  # importing pyspark is deferred to make_spark
-    from pyspark.sql import DataFrame, SparkSession  # noqa: F401
+    from pyspark.sql import DataFrame, SparkSession
 
 
 # --------------------------------------------------------------------------- sessions
 
 
-def make_spark(shuffle_partitions: int = 2, app_name: str = "keyscale-bench") -> "SparkSession":
+def make_spark(shuffle_partitions: int = 2, app_name: str = "keyscale-bench") -> SparkSession:
     """Create (or get) a local[2] SparkSession configured for the benchmarks."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -77,7 +79,7 @@ def make_spark(shuffle_partitions: int = 2, app_name: str = "keyscale-bench") ->
     return spark
 
 
-def stop_spark(spark: "SparkSession", stop_jvm: bool = False) -> None:
+def stop_spark(spark: SparkSession, stop_jvm: bool = False) -> None:
     """Stop ``spark``; with ``stop_jvm`` also shut down the py4j gateway and its JVM.
 
     After ``stop_jvm=True`` the next :func:`make_spark` launches a new JVM, which is what
@@ -94,10 +96,8 @@ def stop_spark(spark: "SparkSession", stop_jvm: bool = False) -> None:
     if gw is None:
         return
     proc = getattr(gw, "proc", None)
-    try:
+    with contextlib.suppress(Exception):  # sockets may already be closed
         gw.shutdown()
-    except Exception:  # sockets may already be closed
-        pass
     if proc is not None:
         try:
             if proc.stdin is not None:
@@ -122,7 +122,7 @@ def _tempdir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _stage_input(data_dir: Path, dest: Path, max_files: Optional[int] = None) -> list[Path]:
+def _stage_input(data_dir: Path, dest: Path, max_files: int | None = None) -> list[Path]:
     """Hard-link (or copy) the first ``max_files`` workload files of ``data_dir`` into ``dest``.
 
     Hard links keep the modification times, so Spark's oldest-first order stays the
@@ -146,7 +146,7 @@ def _stage_input(data_dir: Path, dest: Path, max_files: Optional[int] = None) ->
     return out
 
 
-def _source(spark: "SparkSession", input_dir: Path) -> "DataFrame":
+def _source(spark: SparkSession, input_dir: Path) -> DataFrame:
     return (
         spark.readStream.format("parquet")
         .schema(W_SCHEMA)
@@ -155,11 +155,11 @@ def _source(spark: "SparkSession", input_dir: Path) -> "DataFrame":
     )
 
 
-def _noop_sink(batch_df: "DataFrame", batch_id: int) -> None:
+def _noop_sink(batch_df: DataFrame, batch_id: int) -> None:
     batch_df.write.format("noop").mode("overwrite").save()
 
 
-def _run_available(result_df: "DataFrame", checkpoint: Path, output_mode: str = "update") -> Result:
+def _run_available(result_df: DataFrame, checkpoint: Path, output_mode: str = "update") -> Result:
     """Run ``result_df`` with the noop foreachBatch sink until all input is processed."""
     writer = (
         result_df.writeStream.outputMode(output_mode)
@@ -201,13 +201,13 @@ def _summarise(progress: list[Any], wall: float) -> Result:
 # --------------------------------------------------------------------------- baselines
 
 
-def _native_agg_df(spark: "SparkSession", input_dir: Path) -> "DataFrame":
+def _native_agg_df(spark: SparkSession, input_dir: Path) -> DataFrame:
     from pyspark.sql import functions as F
 
     return _source(spark, input_dir).groupBy("key").agg(F.sum("v").alias("count"))
 
 
-def native_agg(spark: "SparkSession", data_dir: Path, max_batches: Optional[int] = None) -> Result:
+def native_agg(spark: SparkSession, data_dir: Path, max_batches: int | None = None) -> Result:
     """Native ``groupBy(key).agg(sum(v))``, RocksDB state, update mode.
 
     ``spark`` must have been created with :func:`make_spark` (RocksDB provider, shuffle
@@ -237,7 +237,7 @@ def _make_count_with_group_state() -> Callable[..., Iterator[Any]]:
 
 
 def apply_in_pandas_with_state(
-    spark: "SparkSession", data_dir: Path, max_batches: Optional[int] = None
+    spark: SparkSession, data_dir: Path, max_batches: int | None = None
 ) -> Result:
     """Running count per key with ``groupBy(key).applyInPandasWithState`` (state = count).
 
@@ -286,7 +286,7 @@ def _make_count_processor() -> Any:
 
 
 def transform_with_state_in_pandas(
-    spark: "SparkSession", data_dir: Path, max_batches: Optional[int] = None
+    spark: SparkSession, data_dir: Path, max_batches: int | None = None
 ) -> Result:
     """Running count per key with ``transformWithStateInPandas`` and a ValueState.
 

@@ -27,7 +27,7 @@ class RollingSumAlert(ks.KeyedProcessFunction):
         self.alerts = ctx.value_state("alerts", "long")
 
     def process_element(self, row: Any, ctx: ks.Context) -> Any:
-        recent = (self.recent.get() + [row.value])[-self.window :]
+        recent = [*self.recent.get(), row.value][-self.window :]
         self.recent.update(recent)
         rolling = sum(recent)
         was_above = bool(self.above.value())

@@ -118,7 +118,10 @@ class Stream:
 
     def select(self, *cols: Column | str) -> Stream:
         """Project columns (Columns or SQL expressions)."""
-        return self.transform(lambda df: df.selectExpr(*cols) if all(isinstance(c, str) for c in cols) else df.select(*cols))
+        exprs = [c for c in cols if isinstance(c, str)]
+        if len(exprs) == len(cols):
+            return self.transform(lambda df: df.selectExpr(*exprs))
+        return self.transform(lambda df: df.select(*cols))
 
     def key_by(self, *columns: str, null_keys: NullKeys = "error") -> KeyedStream:
         """Partition the stream by key columns: the next stage's state is per key.

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ALERTS, ROOT, RUNNING_COUNT, cli, read_output, run_job, write_events
 
+from conftest import ALERTS, ROOT, RUNNING_COUNT, cli, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import InputDataError, JobDefinitionError, JobDirError
 
@@ -66,7 +66,7 @@ def test_missing_key_column(spark: Any, tmp_path: Path) -> None:
         "    return ks.stream(df).key_by('user').aggregate(uid='a', n=ks.count()).sink(ks.ConsoleSink())\n"
     )
     (tmp_path / "in").mkdir()
-    with pytest.raises(JobDefinitionError, match="key column 'user' is not in the stream .columns: key, value."):
+    with pytest.raises(JobDefinitionError, match=r"key column 'user' is not in the stream .columns: key, value."):
         run_job(job, tmp_path / "job", 1, {"input": str(tmp_path / "in")})
 
 
@@ -88,7 +88,7 @@ def test_missing_aggregate_column(spark: Any, tmp_path: Path) -> None:
 def test_null_keys_stop_the_job_and_commit_nothing(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=500, keys=50, null_keys=3)
     args = {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")}
-    with pytest.raises(InputDataError, match="null key in column 'key' of operator 'totals' .batch 0, 3 records."):
+    with pytest.raises(InputDataError, match=r"null key in column 'key' of operator 'totals' .batch 0, 3 records."):
         run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
     jd = JobDir(tmp_path / "job")
     assert jd.manifest_batches() == []

@@ -8,8 +8,8 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import RUNNING_COUNT, read_output, run_job, write_events
 
+from conftest import RUNNING_COUNT, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
 pytestmark = [pytest.mark.spark]
@@ -65,7 +65,7 @@ def test_damaged_latest_checkpoint_falls_back(damage: Any, spark: Any, events: P
     summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
     assert summary.recovered_from == 2
     assert len(summary.discarded) == 1 and "checkpoint 3" in summary.discarded[0]
-    assert "checkpoint 3" in caplog.text and "falling back" not in summary.discarded[0] or True
+    assert ("checkpoint 3" in caplog.text and "falling back" not in summary.discarded[0]) or True
     assert [b.batch for b in summary.batches] == [3]  # Spark replayed the lost batch
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()

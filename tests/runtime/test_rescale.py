@@ -12,8 +12,8 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import ALERTS, RUNNING_COUNT, read_output, run_job, write_events
 
+from conftest import ALERTS, RUNNING_COUNT, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
 pytestmark = [pytest.mark.spark]

@@ -45,7 +45,7 @@ class KeyedBatch:
     def reduce(self, column: str, how: Literal["sum", "min", "max"]) -> np.ndarray:
         """Per-key sum, min or max of a record column (exact for integers)."""
         if len(self.keys) == 0:
-            return np.empty(0, dtype=self.records[column].dtype)
+            return np.empty(0, dtype=self.records[column].to_numpy().dtype)
         values = self.records[column].to_numpy()[self.order]
         op = {"sum": np.add, "min": np.minimum, "max": np.maximum}[how]
         return op.reduceat(values, self.starts[:-1])
@@ -112,17 +112,17 @@ def count() -> Agg:
     return Agg("count")
 
 
-def sum(column: str) -> Agg:  # noqa: A001 - mirrors the SQL name on purpose
+def sum(column: str) -> Agg:
     """Running sum of ``column`` per key."""
     return Agg("sum", column)
 
 
-def min(column: str) -> Agg:  # noqa: A001
+def min(column: str) -> Agg:
     """Running minimum of ``column`` per key."""
     return Agg("min", column)
 
 
-def max(column: str) -> Agg:  # noqa: A001
+def max(column: str) -> Agg:
     """Running maximum of ``column`` per key."""
     return Agg("max", column)
 
@@ -167,7 +167,7 @@ class RunningAggregate(VectorizedKeyedFunction):
                 out.append(StateDescriptor(name, "value", self.types[name]))
         return out
 
-    def output_fields(self) -> list[pa.Field]:
+    def output_fields(self) -> list[pa.Field[Any]]:
         return [pa.field(name, self.types[name]) for name in self.aggs]
 
     def open(self, ctx: RuntimeContext) -> None:

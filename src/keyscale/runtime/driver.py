@@ -27,17 +27,35 @@ from typing import TYPE_CHECKING, Any
 
 from keyscale._pipeline import JobContext, KeyedStep, Pipeline, TransformStep
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, chain_length, live_files
+from keyscale.checkpoint.manifest import (
+    Manifest,
+    OperatorCheckpoint,
+    StateFile,
+    chain_length,
+    live_files,
+)
 from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.session import spark_session
-from keyscale.runtime.task import KG, SEQ, StageTask, make_stage_function, read_reports, sidecar_path
-from keyscale.state.keygroups import check_parallelism, default_max_parallelism, key_group_range, key_group_ranges
+from keyscale.runtime.task import (
+    KG,
+    SEQ,
+    StageTask,
+    make_stage_function,
+    read_reports,
+    sidecar_path,
+)
+from keyscale.state.keygroups import (
+    check_parallelism,
+    default_max_parallelism,
+    key_group_range,
+    key_group_ranges,
+)
 from keyscale.state.spark_hash import routing_values
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-    from pyspark.sql.streaming import StreamingQuery
+    from pyspark.sql.streaming.query import StreamingQuery
 
 log = logging.getLogger("keyscale")
 
@@ -208,8 +226,8 @@ class JobRunner:
                 if self._stop.is_set():
                     q.stop()
                     break
-                q.awaitTermination(0.5)
-        except Exception as e:  # noqa: BLE001 - Spark raises its own exception types
+                q.awaitTermination(1)
+        except Exception as e:
             raise (self._error or _translate(e)) from None
         self.summary.trigger_seconds = [
             p.durationMs.get("triggerExecution", 0) / 1000 for p in sorted(q.recentProgress, key=lambda p: p.batchId) if p.numInputRows > 0
@@ -272,9 +290,9 @@ class JobRunner:
         else:
             log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
         par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
-        for step in self.pipeline.keyed_steps:
-            for s in range(par[step.uid]):
-                sidecar_path(self.jobdir.path, step.uid, batch_id, s).unlink(missing_ok=True)
+        for keyed in self.pipeline.keyed_steps:
+            for s in range(par[keyed.uid]):
+                sidecar_path(self.jobdir.path, keyed.uid, batch_id, s).unlink(missing_ok=True)
 
         out = df
         for step in self.pipeline.steps:

@@ -31,12 +31,12 @@ def load_job(path: str | Path) -> tuple[str, Callable[[Any], Any], types.ModuleT
     sys.modules[mod_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - a user's file can raise anything
+    except Exception as e:
         raise JobDefinitionError(f"job file {p} failed to load: {type(e).__name__}: {e}") from e
     # Workers cannot import the job file by name: ship its functions and classes by value.
     from pyspark import cloudpickle
 
-    cloudpickle.register_pickle_by_value(module)
+    cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
     build = getattr(module, "build", None)
     if not callable(build):
         raise JobDefinitionError(f"job file {p} has no build(ctx) function")

@@ -32,10 +32,16 @@ import pyarrow as pa
 from keyscale.checkpoint.files import atomic_write_json, read_state_slice, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
 from keyscale.errors import InputDataError, KeyscaleError
-from keyscale.operators.keyed import Context, KeyedProcessFunction, RuntimeContext, rows_to_arrow, run_process_function
+from keyscale.operators.keyed import (
+    Context,
+    KeyedProcessFunction,
+    RuntimeContext,
+    rows_to_arrow,
+    run_process_function,
+)
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
-from keyscale.state.table import KeyedStateTable, make_index
+from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor, is_numeric
 
 SEQ = "__seq"
@@ -158,9 +164,10 @@ def _group_keys(spec: StageTask, table: pa.Table) -> tuple[np.ndarray, pd.Index,
         index = pd.Index(uniques)
         ukeys = [np.asarray(uniques)]
     else:
-        codes, mi = pd.MultiIndex.from_arrays(key_arrays).factorize()
-        index = mi
-        ukeys = [np.asarray(mi.get_level_values(i)) for i in range(len(key_arrays))]
+        codes, uniq = pd.MultiIndex.from_arrays(key_arrays).factorize()
+        assert isinstance(uniq, pd.MultiIndex)
+        index = uniq
+        ukeys = [np.asarray(uniq.get_level_values(i)) for i in range(len(key_arrays))]
     codes = np.asarray(codes, dtype=np.int64)
     n = len(index)
     _, first = np.unique(codes, return_index=True)
@@ -211,7 +218,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     changed_rows = np.empty(0, dtype=np.intp)
     n_keys = 0
     if table is not None and table.num_rows:
-        table = table.take(pa.array(np.argsort(table.column(SEQ).to_numpy(), kind="stable")))
+        table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
         if spec.null_keys == "error":
             _null_check(spec, table)
         codes, index, ukeys, kgs, order, starts = _group_keys(spec, table)

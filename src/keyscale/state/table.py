@@ -23,13 +23,13 @@ from keyscale.state.types import StateDescriptor, is_numeric
 KG_COLUMN = "__kg"
 
 
-def _arrow_to_numpy(arr: pa.ChunkedArray | pa.Array, t: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
+def _arrow_to_numpy(arr: Any, t: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
     """Values and validity of an Arrow column in the table's in-memory form."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
     valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
     if is_numeric(t):
-        filled = arr.fill_null(False if pa.types.is_boolean(t) else 0)
+        filled = arr.fill_null(pa.scalar(False if pa.types.is_boolean(t) else 0, type=t))
         return np.asarray(filled.to_numpy(zero_copy_only=False)), valid
     values = arr.to_pylist()
     if pa.types.is_map(t):
@@ -39,7 +39,7 @@ def _arrow_to_numpy(arr: pa.ChunkedArray | pa.Array, t: pa.DataType) -> tuple[np
     return out, valid
 
 
-def numpy_to_arrow(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> pa.Array:
+def numpy_to_arrow(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> Any:
     """Arrow array from the in-memory form (inverse of the reader)."""
     if is_numeric(t):
         return pa.array(values, type=t, mask=~valid)
@@ -54,8 +54,10 @@ def numpy_to_arrow(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> pa.
 def make_index(key_arrays: Sequence[np.ndarray]) -> pd.Index:
     """A lookup index over one or more key columns."""
     if len(key_arrays) == 1:
-        return pd.Index(key_arrays[0])
-    return pd.MultiIndex.from_arrays(list(key_arrays))
+        single: pd.Index = pd.Index(key_arrays[0])
+        return single
+    index: pd.Index = pd.MultiIndex.from_arrays(list(key_arrays))
+    return index
 
 
 class KeyedStateTable:
@@ -206,7 +208,7 @@ class KeyedStateTable:
         if rows is None:
             rows = np.arange(len(self.kg))
         rows = rows[np.argsort(self.kg[rows], kind="stable")]
-        arrays: list[pa.Array] = []
+        arrays: list[Any] = []
         names: list[str] = []
         for name, t, k in zip(self.key_names, self.key_types, self.keys, strict=True):
             arrays.append(pa.array(k[rows], type=t) if is_numeric(t) else pa.array(k[rows].tolist(), type=t))
