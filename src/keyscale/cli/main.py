@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("job_dir")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    from keyscale.scaling.simulate import add_simulate_parser
+
+    auto = sub.add_parser("autoscaler", help="the autoscaler's policy, without Spark")
+    add_simulate_parser(auto.add_subparsers(dest="autoscaler_command", required=True))
     return p
 
 
