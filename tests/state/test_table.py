@@ -1,0 +1,311 @@
+"""KeyedStateTable: columnar keyed state (upsert, gather, apply files, drop, compact, export)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from keyscale.state.table import KG_COLUMN, KeyedStateTable, make_index, numpy_to_arrow
+from keyscale.state.types import StateDescriptor
+
+N = StateDescriptor("n", "value", pa.int64())
+X = StateDescriptor("x", "value", pa.float64())
+FLAG = StateDescriptor("flag", "value", pa.bool_())
+NAME = StateDescriptor("name", "value", pa.string())
+XS = StateDescriptor("xs", "list", pa.int64())
+M = StateDescriptor("m", "map", pa.int64(), map_key_type=pa.string())
+ALL = [N, X, FLAG, NAME, XS, M]
+
+
+def _obj(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def _col(desc: StateDescriptor, values: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The table's (values, valid) form of Python values (None = absent)."""
+    valid = np.array([v is not None for v in values], dtype=bool)
+    if desc.column_type in (pa.int64(), pa.float64(), pa.bool_()):
+        dtype = desc.column_type.to_pandas_dtype()
+        zero = False if desc.column_type == pa.bool_() else 0
+        return np.array([zero if v is None else v for v in values], dtype=dtype), valid
+    return _obj(values), valid
+
+
+def _rows(t: KeyedStateTable) -> dict[Any, dict[str, Any]]:
+    out = {}
+    for r in t.to_arrow().to_pylist():
+        key = tuple(r[k] for k in t.key_names) if len(t.key_names) > 1 else r[t.key_names[0]]
+        out[key] = {k: v for k, v in r.items() if k not in t.key_names}
+    return out
+
+
+def _single() -> KeyedStateTable:
+    return KeyedStateTable(["key"], [pa.string()], ALL)
+
+
+def test_upsert_new_keys_then_update_some_states() -> None:
+    t = _single()
+    keys = [_obj(["a", "b", "c"])]
+    t.upsert(keys, np.array([4, 1, 4], dtype=np.int32), {
+        "n": _col(N, [1, None, 3]),
+        "x": _col(X, [0.5, 1.5, None]),
+        "flag": _col(FLAG, [True, False, None]),
+        "name": _col(NAME, ["A", None, "C"]),
+        "xs": _col(XS, [[1, 2], [], None]),
+        "m": _col(M, [{"p": 1}, None, {"q": 2, "r": 3}]),
+    })
+    assert len(t) == 3
+    # update only "n" of b and add d: other states of b unchanged, absent for d
+    t.upsert([_obj(["b", "d"])], np.array([1, 0], dtype=np.int32), {"n": _col(N, [20, 40])})
+    assert len(t) == 4
+    rows = _rows(t)
+    assert rows["a"] == {KG_COLUMN: 4, "n": 1, "x": 0.5, "flag": True, "name": "A", "xs": [1, 2], "m": [("p", 1)]}
+    assert rows["b"] == {KG_COLUMN: 1, "n": 20, "x": 1.5, "flag": False, "name": None, "xs": [], "m": None}
+    assert rows["c"] == {KG_COLUMN: 4, "n": 3, "x": None, "flag": None, "name": "C", "xs": None, "m": [("q", 2), ("r", 3)]}
+    assert rows["d"] == {KG_COLUMN: 0, "n": 40, "x": None, "flag": None, "name": None, "xs": None, "m": None}
+
+
+def test_gather_by_positions_missing_keys_are_invalid() -> None:
+    t = _single()
+    assert (t.positions(make_index([_obj(["a"])])) == -1).all()  # empty table
+    vals, ok = t.gather("n", np.array([-1, -1]))
+    assert not ok.any() and len(vals) == 2
+    vals, ok = t.gather("m", np.array([-1]))
+    assert not ok.any() and vals.tolist() == [None]
+    t.upsert([_obj(["a", "b"])], np.array([0, 1], dtype=np.int32), {"n": _col(N, [7, None]), "m": _col(M, [None, {"z": 1}])})
+    pos = t.positions(make_index([_obj(["b", "zz", "a"])]))
+    assert pos[1] == -1 and pos[0] >= 0 and pos[2] >= 0
+    vals, ok = t.gather("n", pos)
+    assert ok.tolist() == [False, False, True] and vals[2] == 7
+    vals, ok = t.gather("m", pos)
+    assert ok.tolist() == [True, False, False] and vals[0] == {"z": 1}
+    vals, ok = t.gather("xs", pos)  # never set
+    assert not ok.any()
+
+
+def test_multi_column_keys_string_and_long() -> None:
+    t = KeyedStateTable(["user", "item"], [pa.string(), pa.int64()], [N, XS])
+    t.upsert([_obj(["u", "u", "v"]), np.array([1, 2, 1], dtype=np.int64)], np.array([3, 9, 3], dtype=np.int32),
+             {"n": _col(N, [1, 2, 3]), "xs": _col(XS, [[1], None, [3, 3]])})
+    # ("u", 2) exists, ("v", 2) and ("u", 3) are new
+    t.upsert([_obj(["u", "v", "u"]), np.array([2, 2, 3], dtype=np.int64)], np.array([9, 4, 5], dtype=np.int32),
+             {"n": _col(N, [20, 22, 23])})
+    rows = _rows(t)
+    assert rows == {
+        ("u", 1): {KG_COLUMN: 3, "n": 1, "xs": [1]},
+        ("u", 2): {KG_COLUMN: 9, "n": 20, "xs": None},
+        ("v", 1): {KG_COLUMN: 3, "n": 3, "xs": [3, 3]},
+        ("v", 2): {KG_COLUMN: 4, "n": 22, "xs": None},
+        ("u", 3): {KG_COLUMN: 5, "n": 23, "xs": None},
+    }
+    pos = t.positions(make_index([_obj(["v", "u", "w"]), np.array([1, 1, 1], dtype=np.int64)]))
+    vals, ok = t.gather("n", pos)
+    assert ok.tolist() == [True, True, False] and vals[:2].tolist() == [3, 1]
+    arrow = t.to_arrow()
+    assert arrow.schema == t.schema()
+    assert arrow.column(KG_COLUMN).to_pylist() == sorted(arrow.column(KG_COLUMN).to_pylist())
+
+
+def test_long_keys() -> None:
+    t = KeyedStateTable(["id"], [pa.int64()], [N])
+    big = 2**62 + 1
+    t.upsert([np.array([big, -5], dtype=np.int64)], np.array([1, 0], dtype=np.int32), {"n": _col(N, [1, 2])})
+    t.upsert([np.array([-5], dtype=np.int64)], np.array([0], dtype=np.int32), {"n": _col(N, [3])})
+    assert t.to_arrow().to_pylist() == [{"id": -5, KG_COLUMN: 0, "n": 3}, {"id": big, KG_COLUMN: 1, "n": 1}]
+
+
+def test_to_arrow_is_sorted_by_key_group_stably() -> None:
+    t = KeyedStateTable(["key"], [pa.string()], [N])
+    keys = ["e", "d", "c", "b", "a", "f"]
+    kgs = [5, 2, 5, 0, 2, 1]
+    t.upsert([_obj(keys)], np.array(kgs, dtype=np.int32), {"n": _col(N, list(range(6)))})
+    out = t.to_arrow()
+    assert out.column(KG_COLUMN).to_pylist() == [0, 1, 2, 2, 5, 5]
+    assert out.column("key").to_pylist() == ["b", "f", "d", "a", "e", "c"]
+    sub = t.to_arrow(t.rows_in_range(2, 4))
+    assert sub.column("key").to_pylist() == ["d", "a"]
+
+
+def test_numeric_states_with_nulls_round_trip_through_arrow() -> None:
+    t = KeyedStateTable(["key"], [pa.string()], [N, X, FLAG])
+    t.upsert([_obj(["a", "b", "c"])], np.array([0, 0, 0], dtype=np.int32), {
+        "n": _col(N, [None, 0, -1]), "x": _col(X, [0.0, None, float("inf")]), "flag": _col(FLAG, [False, True, None]),
+    })
+    arrow = t.to_arrow()
+    assert arrow.column("n").to_pylist() == [None, 0, -1]
+    assert arrow.column("x").to_pylist() == [0.0, None, float("inf")]
+    assert arrow.column("flag").to_pylist() == [False, True, None]
+    back = KeyedStateTable(["key"], [pa.string()], [N, X, FLAG])
+    back.apply(arrow)
+    assert back.to_arrow().to_pylist() == arrow.to_pylist()
+
+
+def test_numpy_to_arrow_masks_invalid_values() -> None:
+    assert numpy_to_arrow(np.array([1, 2]), np.array([True, False]), pa.int64()).to_pylist() == [1, None]
+    assert numpy_to_arrow(_obj([{"a": 1}, {"b": 2}]), np.array([False, True]), M.column_type).to_pylist() == [None, [("b", 2)]]
+    assert numpy_to_arrow(_obj([[1], [2]]), np.array([True, False]), XS.column_type).to_pylist() == [[1], None]
+
+
+def test_apply_upserts_and_all_null_rows_delete_on_compact() -> None:
+    t = _single()
+    t.upsert([_obj(["a", "b", "c"])], np.array([0, 1, 2], dtype=np.int32),
+             {"n": _col(N, [1, 2, 3]), "xs": _col(XS, [[1], [2], [3]])})
+    delta = pa.table({
+        "key": pa.array(["b", "c", "d"]),
+        KG_COLUMN: pa.array([1, 2, 3], pa.int32()),
+        "n": pa.array([None, 30, None], pa.int64()),
+        "x": pa.array([None, None, 1.0], pa.float64()),
+        "flag": pa.array([None, None, None], pa.bool_()),
+        "name": pa.array([None, None, None], pa.string()),
+        "xs": pa.array([None, [3, 3], None], pa.list_(pa.int64())),
+        "m": pa.array([None, None, [("k", 1)]], M.column_type),
+    })
+    t.apply(delta)
+    t.apply(delta.slice(0, 0))  # empty slice: no-op
+    rows = _rows(t)
+    assert rows["b"]["n"] is None and rows["b"]["xs"] is None  # deleted, row still there until compact
+    assert rows["c"]["n"] == 30 and rows["c"]["xs"] == [3, 3]
+    assert rows["d"]["x"] == 1.0 and rows["d"]["m"] == [("k", 1)]
+    assert len(t) == 4
+    t.compact()
+    assert sorted(_rows(t)) == ["a", "c", "d"]
+    pos = t.positions(make_index([_obj(["b", "c"])]))
+    assert pos[0] == -1
+    vals, ok = t.gather("n", pos)
+    assert ok.tolist() == [False, True] and vals[1] == 30
+
+
+def test_compact_of_empty_and_all_deleted_tables() -> None:
+    t = _single()
+    t.compact()
+    assert len(t) == 0
+    t.upsert([_obj(["a", "b"])], np.array([0, 1], dtype=np.int32), {"n": _col(N, [None, None])})
+    assert len(t) == 2
+    t.compact()
+    assert len(t) == 0 and t.to_arrow().num_rows == 0
+    assert t.to_arrow().schema == t.schema()
+    t.upsert([_obj(["a"])], np.array([0], dtype=np.int32), {"n": _col(N, [5])})
+    assert _rows(t) == {"a": {KG_COLUMN: 0, "n": 5, "x": None, "flag": None, "name": None, "xs": None, "m": None}}
+
+
+def test_drop_key_groups() -> None:
+    t = KeyedStateTable(["key"], [pa.string()], [N])
+    keys = [f"k{i}" for i in range(10)]
+    t.upsert([_obj(keys)], np.arange(10, dtype=np.int32), {"n": _col(N, list(range(10)))})
+    t.drop_key_groups(3, 6)
+    assert sorted(_rows(t)) == ["k0", "k1", "k2", "k7", "k8", "k9"]
+    assert t.positions(make_index([_obj(["k4", "k7"])]))[0] == -1
+    t.drop_key_groups(20, 30)  # nothing there
+    assert len(t) == 6
+    # dropped keys come back as new keys
+    t.upsert([_obj(["k4"])], np.array([4], dtype=np.int32), {"n": _col(N, [44])})
+    assert _rows(t)["k4"]["n"] == 44
+    t.drop_key_groups(0, 9)
+    assert len(t) == 0
+
+
+def test_apply_file_without_a_list_state_added_later() -> None:
+    t = KeyedStateTable(["key"], [pa.string()], [NAME, XS])
+    old = pa.table({"key": ["a"], KG_COLUMN: pa.array([1], pa.int32()), "name": ["A"]})
+    t.apply(old)
+    assert t.to_arrow().to_pylist() == [{"key": "a", KG_COLUMN: 1, "name": "A", "xs": None}]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG table.KeyedStateTable.apply: for a numeric state missing from the file it passes an "
+    "object array of None, which upsert/_append cast to the numeric dtype -> TypeError",
+)
+def test_apply_file_without_a_numeric_state_added_later() -> None:
+    count = StateDescriptor("count", "value", pa.int64())
+    t = KeyedStateTable(["key"], [pa.string()], [X, count])
+    old = pa.table({"key": ["a"], KG_COLUMN: pa.array([1], pa.int32()), "x": pa.array([0.5], pa.float64())})
+    t.apply(old)
+    assert t.to_arrow().to_pylist() == [{"key": "a", KG_COLUMN: 1, "x": 0.5, "count": None}]
+
+
+# -- a random sequence of upserts equals a dict model ----------------------------------------
+
+MODEL_STATES = [N, NAME, XS]
+KEY_POOL = [(u, i) for u in ("a", "b", "", "ü") for i in (-1, 0, 7)]
+
+
+def _kg(key: tuple[str, int]) -> int:
+    return (sum(map(ord, key[0])) + key[1]) % 5 if key[0] else 4  # any stable function of the key
+
+
+values_for = {
+    "n": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+    "name": st.one_of(st.none(), st.text(max_size=3)),
+    "xs": st.one_of(st.none(), st.lists(st.integers(-5, 5), max_size=3)),
+}
+
+
+@st.composite
+def upsert_ops(draw: st.DrawFn) -> tuple[str, Any]:
+    kind = draw(st.sampled_from(["upsert", "upsert", "upsert", "compact", "drop", "reload"]))
+    if kind == "upsert":
+        keys = draw(st.lists(st.sampled_from(KEY_POOL), unique=True, min_size=0, max_size=6))
+        names = draw(st.lists(st.sampled_from([s.name for s in MODEL_STATES]), unique=True, max_size=3))
+        cols = {name: [draw(values_for[name]) for _ in keys] for name in names}
+        return kind, (keys, cols)
+    if kind == "drop":
+        a = draw(st.integers(0, 4))
+        return kind, (a, draw(st.integers(a, 4)))
+    return kind, None
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(upsert_ops(), max_size=12))
+def test_random_upserts_equal_a_dict_model(ops: list[tuple[str, Any]]) -> None:
+    names = [s.name for s in MODEL_STATES]
+    t = KeyedStateTable(["u", "i"], [pa.string(), pa.int64()], MODEL_STATES)
+    model: dict[tuple[str, int], dict[str, Any]] = {}
+    for kind, arg in ops:
+        if kind == "upsert":
+            keys, cols = arg
+            if not keys:
+                continue
+            t.upsert([_obj([k[0] for k in keys]), np.array([k[1] for k in keys], dtype=np.int64)],
+                     np.array([_kg(k) for k in keys], dtype=np.int32),
+                     {name: _col(next(s for s in MODEL_STATES if s.name == name), vals) for name, vals in cols.items()})
+            for j, k in enumerate(keys):
+                row = model.setdefault(k, dict.fromkeys(names))
+                for name, vals in cols.items():
+                    row[name] = vals[j]
+        elif kind == "compact":
+            t.compact()
+            model = {k: r for k, r in model.items() if any(v is not None for v in r.values())}
+        elif kind == "drop":
+            a, b = arg
+            t.drop_key_groups(a, b)
+            model = {k: r for k, r in model.items() if not a <= _kg(k) <= b}
+        else:  # write out and read back, as a restore does
+            fresh = KeyedStateTable(["u", "i"], [pa.string(), pa.int64()], MODEL_STATES)
+            fresh.apply(t.to_arrow())
+            t = fresh
+        live = {k: r for k, r in model.items() if any(v is not None for v in r.values())}
+        got = {k: {n: v for n, v in r.items() if n != KG_COLUMN} for k, r in _rows(t).items()}
+        got_live = {k: r for k, r in got.items() if any(v is not None for v in r.values())}
+        assert got_live == live
+        assert set(got) == set(model)  # rows of deleted keys stay until compact
+        kgs = t.to_arrow().column(KG_COLUMN).to_pylist()
+        assert kgs == sorted(kgs)
+        assert all(r[KG_COLUMN] == _kg(k) for k, r in _rows(t).items())
+        # gather agrees with the model for every key of the pool
+        pos = t.positions(make_index([_obj([k[0] for k in KEY_POOL]), np.array([k[1] for k in KEY_POOL], dtype=np.int64)]))
+        for name in names:
+            vals, ok = t.gather(name, pos)
+            for j, k in enumerate(KEY_POOL):
+                want = model.get(k, {}).get(name)
+                assert bool(ok[j]) == (want is not None)
+                if want is not None:
+                    v = vals[j]
+                    assert (v.tolist() if isinstance(v, np.generic) else v) == want
