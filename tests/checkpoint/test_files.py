@@ -188,11 +188,6 @@ def test_atomic_write_bytes_failure_leaves_the_old_file(tmp_path: Path) -> None:
     assert path.read_bytes() == b"old"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG files.atomic_write_bytes: a write that fails (e.g. ENOSPC) leaves the temp file "
-    ".<name>.tmp-<pid> behind; it should unlink it before re-raising",
-)
 def test_atomic_write_bytes_failure_leaves_no_temp_file(tmp_path: Path) -> None:
     path = tmp_path / "x.bin"
     atomic_write_bytes(path, b"old")

@@ -339,11 +339,6 @@ def test_jobdir_manifest_with_a_flipped_ascii_bit_names_the_checkpoint(tmp_path:
         jd.read_manifest(7)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG jobdir.read_manifest: path.read_text() raises UnicodeDecodeError (not StateError) "
-    "when a flipped high bit makes the manifest invalid UTF-8; recover() then crashes",
-)
 def test_jobdir_manifest_with_a_flipped_high_bit_names_the_checkpoint(tmp_path: object) -> None:
     jd, raw = _committed_jobdir(tmp_path)
     i = raw.index(b'"parallelism"') + 1

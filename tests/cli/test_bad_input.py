@@ -135,13 +135,16 @@ def test_running_job_refuses_a_second_writer_and_rescales_live(tmp_path: Path) -
     job_dir = tmp_path / "job"
     argv = [sys.executable, "-m", "keyscale.cli.main", "run", str(RUNNING_COUNT), "--job-dir", str(job_dir), "-p", "2",
             "--trigger-interval", "200 milliseconds", "--set", f"input={tmp_path / 'in'}", "--set", f"output={tmp_path / 'out'}"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    log_path = tmp_path / "job.log"
+    log = open(log_path, "w")  # a file, not a pipe: a full pipe would block the job
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=log, text=True, env=os.environ.copy())
     try:
         jd = JobDir(job_dir)
-        deadline = time.time() + 120
+        deadline = time.time() + 300
         while time.time() < deadline and (1 not in jd.manifest_batches()):
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert proc.poll() is None, log_path.read_text()[-3000:]
             time.sleep(0.5)
+        assert 1 in jd.manifest_batches(), log_path.read_text()[-3000:]
         assert jd.is_running()
         second = cli("run", str(RUNNING_COUNT), "--job-dir", str(job_dir), "--set", f"input={tmp_path / 'in'}", "--set", f"output={tmp_path / 'o2'}")
         _one_line_error(second, 3, "in use by a running job", f"pid {proc.pid}")
@@ -161,7 +164,9 @@ def test_running_job_refuses_a_second_writer_and_rescales_live(tmp_path: Path) -
         assert m is not None and m.operators["totals"].parallelism == 4
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        log.close()
+    err = log_path.read_text()
     assert proc.returncode == 0, err[-2000:]
     assert "rescaling 'totals' live from 2 to 4" in err
     assert not JobDir(job_dir).is_running()

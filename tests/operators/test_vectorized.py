@@ -193,11 +193,6 @@ def test_running_aggregate_of_multi_column_keys() -> None:
     assert out.to_dict("records") == [{"k": "a", "j": 1, "n": 2}, {"k": "b", "j": 1, "n": 6}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG vectorized.KeyedBatch.reduce / RunningAggregate: a null in the aggregated column becomes "
-    "NaN in records (to_pandas), reduceat propagates it and astype(int64) stores INT64_MIN; nulls should be skipped (SQL sum/min/max)",
-)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
 def test_running_aggregate_skips_null_values() -> None:
     fn = RunningAggregate({"n": count(), "tot": ksum("v"), "lo": kmin("v")}, ["k"], TYPES)

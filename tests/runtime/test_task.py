@@ -317,11 +317,6 @@ def test_subtask_without_records_after_the_first_batch(tmp_path: Path) -> None:
     assert [r["files_read"] for r in reports] == [0, 0]  # the empty batch kept the state warm
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG task.run_subtask (task.py:282): the sidecar is written into state/<uid>/, which only "
-    "write_state_file creates; a subtask with no records in the operator's first batch raises FileNotFoundError",
-)
 def test_subtask_without_records_in_the_first_batch(tmp_path: Path) -> None:
     d = tracker_driver(tmp_path)
     rows = [r for r in make_batches(1, 40, 10, seed=3)[0] if r[KG] >= 8]  # nothing for subtask 0
@@ -367,11 +362,6 @@ def test_fresh_process_reloads_from_files(tmp_path: Path, kind: str, fresh: str)
     assert [r["files_read"] for r in reports] == [0, 0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="task.run_subtask reports state_keys = rows in range, counting deleted keys (all-null rows) "
-    "that stay in the warm table, and are even re-created by a reload from deltas, until a compaction",
-)
 @pytest.mark.parametrize("fresh", [False, True])
 def test_state_keys_count_live_keys(tmp_path: Path, fresh: bool) -> None:
     batches = make_batches(3, 100, 30, seed=7)
@@ -510,11 +500,6 @@ def test_multi_column_keys(tmp_path: Path, kind: str) -> None:
         assert rows_of(outs) == want[b], f"batch {b}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG vectorized.RunningAggregate: a null value in the summed column turns the key's running sum "
-    "into INT64_MIN (NaN cast to int64) instead of being skipped",
-)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
 def test_aggregate_over_null_values(tmp_path: Path) -> None:
     rows = [{"key": "a", "value": v, "id": i, SEQ: i, KG: key_group_of(["a"], ["string"], M)} for i, v in enumerate([3, None, 4])]

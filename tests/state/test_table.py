@@ -218,11 +218,6 @@ def test_apply_file_without_a_list_state_added_later() -> None:
     assert t.to_arrow().to_pylist() == [{"key": "a", KG_COLUMN: 1, "name": "A", "xs": None}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG table.KeyedStateTable.apply: for a numeric state missing from the file it passes an "
-    "object array of None, which upsert/_append cast to the numeric dtype -> TypeError",
-)
 def test_apply_file_without_a_numeric_state_added_later() -> None:
     count = StateDescriptor("count", "value", pa.int64())
     t = KeyedStateTable(["key"], [pa.string()], [X, count])

@@ -34,12 +34,16 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     """Write ``path`` so that readers see the old file or the whole new one, never a part."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     if durable:
         fsync_dir(path.parent)
 

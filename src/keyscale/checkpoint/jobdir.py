@@ -184,6 +184,8 @@ class JobDir:
             text = path.read_text()
         except FileNotFoundError:
             raise StateError(f"checkpoint {batch} does not exist ({path})") from None
+        except UnicodeDecodeError:
+            raise StateError(f"checkpoint {batch} ({path.name}) is damaged (not UTF-8 text)") from None
         return Manifest.loads(text, where=f"checkpoint {batch} ({path.name})")
 
     def has_manifest(self, batch: int) -> bool:

@@ -152,7 +152,7 @@ class Manifest:
                 operators={uid: OperatorCheckpoint.from_json(op) for uid, op in d["operators"].items()},
                 extra=dict(d.get("extra", {})),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StateError(f"{where} is missing or has a bad field ({e})") from None
 
     def with_operator(self, op: OperatorCheckpoint) -> Manifest:

@@ -38,15 +38,26 @@ class KeyedBatch:
     batch_id: int
     processing_time: int
 
-    def count(self) -> np.ndarray:
-        """Records per key."""
-        return np.diff(self.starts)
+    def count(self, column: str | None = None) -> np.ndarray:
+        """Records per key (with ``column``: records whose ``column`` is not null)."""
+        if column is None:
+            return np.diff(self.starts)
+        valid = self.records[column].notna().to_numpy(dtype=np.int64)[self.order]
+        return np.add.reduceat(valid, self.starts[:-1]) if len(self.keys) else np.zeros(0, dtype=np.int64)
 
     def reduce(self, column: str, how: Literal["sum", "min", "max"]) -> np.ndarray:
-        """Per-key sum, min or max of a record column (exact for integers)."""
+        """Per-key sum, min or max of a record column, skipping nulls (exact for integers).
+
+        A key whose values are all null gets the operation's identity (0, +max, -max);
+        use :meth:`count` with the column to tell.
+        """
+        col = self.records[column]
+        dtype = np.dtype(np.float64) if pd.api.types.is_float_dtype(col.dtype) else np.dtype(np.int64)
         if len(self.keys) == 0:
-            return np.empty(0, dtype=self.records[column].to_numpy().dtype)
-        values = self.records[column].to_numpy()[self.order]
+            return np.empty(0, dtype=dtype)
+        info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
+        identity = {"sum": 0, "min": info.max, "max": info.min}[how]
+        values = col.to_numpy(dtype=dtype, na_value=identity)[self.order]
         op = {"sum": np.add, "min": np.minimum, "max": np.maximum}[how]
         return op.reduceat(values, self.starts[:-1])
 
@@ -175,31 +186,34 @@ class RunningAggregate(VectorizedKeyedFunction):
             ctx.value_state(d.name, d.value_type)
 
     def process_batch(self, batch: KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame | pa.Table]:
+        # Nulls are skipped as in SQL: an aggregate of only nulls so far is null.
         new: dict[str, Any] = {}
-        out = {k: batch.keys[k].to_numpy() for k in self.key_names}
-        n = batch.count()
+        out: dict[str, Any] = {k: batch.keys[k].to_numpy() for k in self.key_names}
         for name, agg in self.aggs.items():
+            if agg.kind == "count":
+                old = batch.state[name].to_numpy(dtype=np.int64, na_value=0)
+                new[name] = out[name] = old + batch.count()
+                continue
+            assert agg.column is not None
+            seen = batch.count(agg.column)
             if agg.kind == "mean":
-                assert agg.column is not None
-                s = batch.reduce(agg.column, "sum").astype(np.float64) + batch.state[f"{name}_sum"].fillna(0.0).to_numpy(dtype=np.float64)
-                c = n + batch.state[f"{name}_count"].fillna(0).to_numpy(dtype=np.int64)
+                s = batch.reduce(agg.column, "sum").astype(np.float64) + batch.state[f"{name}_sum"].to_numpy(dtype=np.float64, na_value=0.0)
+                c = seen + batch.state[f"{name}_count"].to_numpy(dtype=np.int64, na_value=0)
                 new[f"{name}_sum"], new[f"{name}_count"] = s, c
-                out[name] = s / c
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    out[name] = masked(s / np.maximum(c, 1), c > 0, pa.float64())
                 continue
             prev = batch.state[name]
             have = ~np.asarray(prev.isna(), dtype=bool)
-            dtype = self.types[name].to_pandas_dtype()
+            t = self.types[name]
+            dtype = t.to_pandas_dtype()
             old = prev.to_numpy(dtype=dtype, na_value=0)
-            if agg.kind == "count":
-                val = old + n
+            cur = batch.reduce(agg.column, agg.kind).astype(dtype, copy=False)
+            fresh = seen > 0
+            if agg.kind == "sum":
+                val = old + np.where(fresh, cur, 0)
             else:
-                assert agg.column is not None
-                cur = batch.reduce(agg.column, agg.kind).astype(dtype, copy=False)
-                if agg.kind == "sum":
-                    val = old + cur
-                else:
-                    pick = np.minimum if agg.kind == "min" else np.maximum
-                    val = np.where(have, pick(old, cur), cur)
-            new[name] = val
-            out[name] = val
+                pick = np.minimum if agg.kind == "min" else np.maximum
+                val = np.where(have & fresh, pick(old, cur), np.where(fresh, cur, old))
+            new[name] = out[name] = masked(val, have | fresh, t)
         return new, pd.DataFrame(out)

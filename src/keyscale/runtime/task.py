@@ -47,6 +47,12 @@ from keyscale.state.types import StateDescriptor, is_numeric
 SEQ = "__seq"
 KG = "__kg"
 
+# Integers with nulls stay integers (pandas would make them floats and lose precision).
+_NULLABLE = {
+    pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(), pa.int64(): pd.Int64Dtype(),
+    pa.bool_(): pd.BooleanDtype(), pa.float32(): pd.Float32Dtype(), pa.float64(): pd.Float64Dtype(),
+}
+
 
 @dataclass(frozen=True)
 class StageTask:
@@ -131,6 +137,8 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
         stats["files_read"] += 1
         for ra, rb in runs:
             held.table.apply(read_state_slice(job_dir, f, KeyGroupRange(ra, rb)))
+    if stats["files_read"]:
+        held.table.compact()  # deletes replayed from deltas leave all-null rows
     return held, stats
 
 
@@ -227,7 +235,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         user = table.select(list(spec.input_schema.names))
         if isinstance(fn, VectorizedKeyedFunction):
             kb = KeyedBatch(
-                records=user.to_pandas(),
+                records=user.to_pandas(types_mapper=_NULLABLE.get),
                 codes=codes,
                 keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, ukeys, strict=True)}),
                 state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states}),
@@ -273,7 +281,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "delta"), delta, "delta", spec.batch_id, rng)
     held.version[rng.start : rng.end + 1] = spec.batch_id
     _evict(held, rng, spec.batch_id)
-    in_range = held.table.rows_in_range(rng.start, rng.end)
+    in_range = held.table.rows_in_range(rng.start, rng.end, live_only=True)
     report = {
         "subtask": subtask,
         "range": [rng.start, rng.end],
@@ -286,7 +294,9 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         "load_seconds": load_seconds,
         **stats,
     }
-    atomic_write_json(sidecar_path(job_dir, spec.uid, spec.batch_id, subtask), report, durable=False)
+    report_path = sidecar_path(job_dir, spec.uid, spec.batch_id, subtask)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(report_path, report, durable=False)
     return out, report
 
 

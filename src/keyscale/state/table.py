@@ -166,12 +166,8 @@ class KeyedStateTable:
             return
         keys = [np.asarray(_arrow_to_numpy(table.column(k), t)[0]) for k, t in zip(self.key_names, self.key_types, strict=True)]
         kgs = table.column(KG_COLUMN).to_numpy().astype(np.int32)
-        cols = {}
-        for s in self.states:
-            if s.name in table.column_names:
-                cols[s.name] = _arrow_to_numpy(table.column(s.name), s.column_type)
-            else:  # a state added since this file was written: absent
-                cols[s.name] = (np.full(table.num_rows, None, dtype=object), np.zeros(table.num_rows, dtype=bool))
+        # A state added since this file was written is left out: absent for its keys.
+        cols = {s.name: _arrow_to_numpy(table.column(s.name), s.column_type) for s in self.states if s.name in table.column_names}
         self.upsert(keys, kgs, cols)
 
     def drop_key_groups(self, start: int, end: int) -> None:
@@ -200,8 +196,15 @@ class KeyedStateTable:
 
     # -- export --------------------------------------------------------------------------
 
-    def rows_in_range(self, start: int, end: int) -> np.ndarray:
-        return np.flatnonzero((self.kg >= start) & (self.kg <= end))
+    def rows_in_range(self, start: int, end: int, live_only: bool = False) -> np.ndarray:
+        """Rows of key groups ``start..end`` (with ``live_only``, not deleted ones)."""
+        mask = (self.kg >= start) & (self.kg <= end)
+        if live_only and self.valid:
+            alive = np.zeros(len(self.kg), dtype=bool)
+            for ok in self.valid.values():
+                alive |= ok
+            mask &= alive
+        return np.flatnonzero(mask)
 
     def to_arrow(self, rows: np.ndarray | None = None) -> pa.Table:
         """The given rows (default: all) as an Arrow table sorted by key group."""
