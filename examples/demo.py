@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import logging
 import shutil
 import sys
 import time
@@ -23,6 +22,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
+from keyscale._logging import configure_logging
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions
 
@@ -60,12 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out).absolute()
     shutil.rmtree(out, ignore_errors=True)
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("  keyscale: %(message)s"))
-    ks_log = logging.getLogger("keyscale")
-    ks_log.handlers[:] = [handler]
-    ks_log.setLevel(logging.INFO)
-    ks_log.propagate = False
+    configure_logging(sys.stdout, prefix="  keyscale: ")
 
     print(f"1/3 generating {a.batches} files x {a.rows:,} events over {a.keys:,} keys in {out / 'input'}")
     generate_events(out / "input", a.batches, a.rows, a.keys)

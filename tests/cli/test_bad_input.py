@@ -136,7 +136,7 @@ def test_running_job_refuses_a_second_writer_and_rescales_live(tmp_path: Path) -
     argv = [sys.executable, "-m", "keyscale.cli.main", "run", str(RUNNING_COUNT), "--job-dir", str(job_dir), "-p", "2",
             "--trigger-interval", "200 milliseconds", "--set", f"input={tmp_path / 'in'}", "--set", f"output={tmp_path / 'out'}"]
     log_path = tmp_path / "job.log"
-    log = open(log_path, "w")  # a file, not a pipe: a full pipe would block the job
+    log = open(log_path, "w")  # noqa: SIM115 - a file, not a pipe: a full pipe would block the job
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=log, text=True, env=os.environ.copy())
     try:
         jd = JobDir(job_dir)

@@ -9,8 +9,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
 
 
@@ -31,6 +33,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         job_file=a.job_file, job_dir=a.job_dir, parallelism=a.parallelism, max_parallelism=a.max_parallelism,
         master=a.master, until_idle=a.until_idle, args=_parse_sets(a.set), trigger_interval=a.trigger_interval,
         retain=a.retain, max_chain=a.compaction_chain, fault=a.fault,
+        from_savepoint=a.from_savepoint, allow_non_restored_state=a.allow_non_restored_state,
     )
     runner = JobRunner(opts)
 
@@ -74,6 +77,70 @@ def cmd_rescale(a: argparse.Namespace) -> int:
                 return 0
             time.sleep(0.2)
         raise KeyscaleError(f"no batch ran at parallelism {a.parallelism} within {a.wait} s (the job may be idle)")
+    return 0
+
+
+def _ask_running_job(job_dir: str, action: str, timeout: float, **params: Any) -> dict[str, Any]:
+    from keyscale.checkpoint.jobdir import JobDir
+
+    jd = JobDir(job_dir)
+    jd.identity()
+    if not jd.is_running():
+        raise KeyscaleError(f"no job is running in {jd.path}")
+    rid = jd.submit_request(action, **params)
+    resp = jd.wait_response(rid, timeout)
+    if resp is None:
+        raise KeyscaleError(f"the job in {jd.path} did not answer the {action} request within {timeout:.0f} s")
+    if not resp.get("ok"):
+        raise KeyscaleError(f"{action} failed: {resp.get('error')}")
+    return resp
+
+
+def _wait_for_exit(job_dir: str, timeout: float) -> None:
+    from keyscale.checkpoint.jobdir import JobDir
+
+    jd = JobDir(job_dir)
+    deadline = time.time() + timeout
+    while jd.is_running():
+        if time.time() > deadline:
+            raise KeyscaleError(f"the job in {jd.path} has not stopped within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def cmd_savepoint(a: argparse.Namespace) -> int:
+    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.checkpoint.savepoint import text_progress, write_savepoint
+
+    jd = JobDir(a.job_dir)
+    ident = jd.identity()
+    if jd.is_running():
+        resp = _ask_running_job(a.job_dir, "savepoint", a.timeout, dest=a.dest)
+        print(resp["savepoint"])
+        return 0
+    with jd.locked():
+        rec = jd.recover()
+        if rec.manifest is None:
+            raise KeyscaleError(f"job '{ident.name}' in {jd.path} has no checkpoint to save")
+        dest = Path(a.dest) if a.dest else jd.path / "savepoints" / f"savepoint-{rec.manifest.batch:012d}-{int(time.time())}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        path = write_savepoint(jd, rec.manifest, dest, progress=text_progress("savepoint"))
+    print(path)
+    return 0
+
+
+def cmd_stop(a: argparse.Namespace) -> int:
+    resp = _ask_running_job(a.job_dir, "stop", a.timeout, savepoint=a.savepoint or a.drain, drain=a.drain, dest=a.dest)
+    if resp.get("savepoint"):
+        print(resp["savepoint"])
+    _wait_for_exit(a.job_dir, a.timeout)
+    print(f"keyscale: job in {a.job_dir} stopped", file=sys.stderr)
+    return 0
+
+
+def cmd_cancel(a: argparse.Namespace) -> int:
+    _ask_running_job(a.job_dir, "cancel", a.timeout)
+    _wait_for_exit(a.job_dir, a.timeout)
+    print(f"keyscale: job in {a.job_dir} cancelled", file=sys.stderr)
     return 0
 
 
@@ -149,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
+    r.add_argument("--from-savepoint", metavar="SP", help="start a new job directory from a savepoint (any -p in 1..M)")
+    r.add_argument("--allow-non-restored-state", action="store_true", help="drop state of operators the job no longer has")
     r.add_argument("--fault", help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
 
@@ -164,6 +233,26 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+    sp = sub.add_parser("savepoint", help="take a savepoint (running job: at its next batch boundary; stopped job: of its last checkpoint)")
+    sp.add_argument("job_dir")
+    sp.add_argument("--dest", help="savepoint folder (default JOB_DIR/savepoints/savepoint-<batch>-<time>)")
+    sp.add_argument("--timeout", type=float, default=600)
+    sp.set_defaults(func=cmd_savepoint)
+
+    so = sub.add_parser("stop", help="stop a running job at a batch boundary")
+    so.add_argument("job_dir")
+    so.add_argument("--savepoint", action="store_true", help="take a savepoint first and print its path")
+    so.add_argument("--drain", action="store_true",
+                    help="advance event time to the end first, so pending event-time work completes (no event time yet: same as --savepoint)")
+    so.add_argument("--dest", help="savepoint folder")
+    so.add_argument("--timeout", type=float, default=600)
+    so.set_defaults(func=cmd_stop)
+
+    ca = sub.add_parser("cancel", help="stop a running job without a savepoint")
+    ca.add_argument("job_dir")
+    ca.add_argument("--timeout", type=float, default=120)
+    ca.set_defaults(func=cmd_cancel)
+
     from keyscale.scaling.simulate import add_simulate_parser
 
     auto = sub.add_parser("autoscaler", help="the autoscaler's policy, without Spark")
@@ -174,13 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("keyscale: %(message)s"))
-    ks_log = logging.getLogger("keyscale")
-    ks_log.handlers[:] = [handler]
-    ks_log.setLevel(logging.INFO)
-    ks_log.propagate = False
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    configure_logging()
     try:
         return int(a.func(a))
     except KeyscaleError as e:

@@ -34,7 +34,7 @@ from keyscale.checkpoint.manifest import (
     chain_length,
     live_files,
 )
-from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
+from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
@@ -75,6 +75,8 @@ class RunOptions:
     retain: int = 3
     max_chain: int = 8
     spark_conf: dict[str, str] = field(default_factory=dict)
+    from_savepoint: str | None = None
+    allow_non_restored_state: bool = False
     fault: str | None = None  # test-only: "<mid-batch|after-sink|in-compaction>:<batch>"
 
 
@@ -130,6 +132,9 @@ class JobRunner:
         self._on_batch_cb = on_batch
         self._error: BaseException | None = None
         self._stop = threading.Event()
+        # Held while a batch runs: savepoints are taken between batches, and retention
+        # (end of a batch) never deletes files a savepoint is still reading.
+        self._batch_lock = threading.Lock()
         self._query: StreamingQuery | None = None
         self._locked = False
         self.pipeline: Pipeline | None = None
@@ -170,21 +175,53 @@ class JobRunner:
         if not isinstance(pipeline, Pipeline):
             raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
         self.pipeline = pipeline
+        if opts.from_savepoint:
+            self._restore_savepoint(pipeline, opts.from_savepoint)
         self._plan_parallelism(pipeline)
         return spark
+
+    def _restore_savepoint(self, pipeline: Pipeline, savepoint: str) -> None:
+        from keyscale.checkpoint.savepoint import OperatorSpec, restore_savepoint, text_progress
+
+        if self.committed is not None:
+            raise JobDirError(
+                f"job directory {self.jobdir.path} already has checkpoint {self.committed.batch}; "
+                "--from-savepoint starts a new job directory (or drop the flag to resume from the checkpoint)"
+            )
+        specs = {s.uid: OperatorSpec(tuple(zip(s.key_names, s.key_types, strict=True)), s.states) for s in pipeline.keyed_steps}
+        log.info("restoring from savepoint %s", savepoint)
+        self.committed = restore_savepoint(
+            Path(savepoint), self.jobdir, self.name, specs,
+            allow_non_restored_state=self.opts.allow_non_restored_state, progress=text_progress("restore"),
+        )
+        self.summary.recovered_from = self.committed.batch
+        log.info("restored savepoint of batch %d: operators %s", self.committed.batch, ", ".join(sorted(self.committed.operators)) or "none")
 
     def _plan_parallelism(self, pipeline: Pipeline) -> None:
         old = self.committed.operators if self.committed else {}
         uids = {s.uid for s in pipeline.keyed_steps}
         orphaned = sorted(set(old) - uids)
-        if orphaned:
-            raise StateError(f"checkpoint {self.committed.batch if self.committed else '?'} has state of operator '{orphaned[0]}', which the job no longer has")
+        if orphaned and not self.opts.allow_non_restored_state:
+            raise StateError(
+                f"checkpoint {self.committed.batch if self.committed else '?'} has state of operator '{orphaned[0]}', which the job no longer has; "
+                "pass --allow-non-restored-state to drop it"
+            )
         for step in pipeline.keyed_steps:
             prev = old.get(step.uid)
             if prev is not None:
                 want_keys = tuple((k, str(t)) for k, t in zip(step.key_names, step.key_types, strict=True))
                 if prev.key_columns != want_keys:
                     raise StateError(f"operator '{step.uid}': its state is keyed by {list(prev.key_columns)}, the job now keys by {list(want_keys)}")
+                # Added states start absent and dropped ones are ignored; a changed type needs
+                # the schema evolution a savepoint restore applies.
+                now = {d.name: d.to_json() for d in step.states}
+                for old_state in prev.states:
+                    new_state = now.get(old_state["name"])
+                    if new_state is not None and (new_state["kind"], new_state["type"]) != (old_state["kind"], old_state["type"]):
+                        raise StateError(
+                            f"operator '{step.uid}', state '{old_state['name']}': checkpointed as {old_state['kind']} {old_state['type']}, "
+                            f"the job now declares {new_state['kind']} {new_state['type']}; take a savepoint and restore it with --from-savepoint to evolve the schema"
+                        )
             p = self.opts.parallelism or (prev.parallelism if prev else None) or step.parallelism or 1
             check_parallelism(p, self.max_parallelism)
             if prev is not None and prev.parallelism != p:
@@ -223,7 +260,13 @@ class JobRunner:
         assert q is not None
         try:
             while q.isActive:
+                self._serve_requests()
                 if self._stop.is_set():
+                    # Let a running batch finish first. Not holding the lock while stopping:
+                    # Spark waits for its batch thread, which may be waiting for the lock.
+                    # A batch that starts in between is interrupted and replayed next run.
+                    with self._batch_lock:
+                        pass
                     q.stop()
                     break
                 q.awaitTermination(1)
@@ -241,6 +284,38 @@ class JobRunner:
     def stop(self) -> None:
         """Ask the job to stop after the current batch (safe from any thread)."""
         self._stop.set()
+
+    def take_savepoint(self, dest: str | None = None) -> Path:
+        """A savepoint of the last committed batch, taken between two batches."""
+        from keyscale.checkpoint.savepoint import text_progress, write_savepoint
+
+        with self._batch_lock:
+            m = self.committed
+            if m is None:
+                raise StateError("the job has not committed a batch yet; nothing to save")
+            target = Path(dest) if dest else self.jobdir.path / "savepoints" / f"savepoint-{m.batch:012d}-{int(time.time())}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            log.info("taking a savepoint of batch %d into %s", m.batch, target)
+            path = write_savepoint(self.jobdir, m, target, progress=text_progress("savepoint"))
+        log.info("savepoint of batch %d complete: %s", m.batch, path)
+        return path
+
+    def _serve_requests(self) -> None:
+        for req in self.jobdir.pending_requests():
+            rid, action = str(req.get("id")), req.get("action")
+            try:
+                resp: dict[str, Any] = {"ok": True}
+                if action in ("savepoint", "stop") and (action == "savepoint" or req.get("savepoint")):
+                    resp["savepoint"] = str(self.take_savepoint(req.get("dest")))
+                if action in ("stop", "cancel"):
+                    log.info("stopping at a batch boundary (%s)", "after a savepoint" if "savepoint" in resp else "no savepoint")
+                    self.stop()
+                elif action != "savepoint":
+                    raise KeyscaleError(f"unknown request {action!r}")
+            except KeyscaleError as e:
+                log.error("%s request failed: %s (the job keeps running)", action, e)
+                resp = {"ok": False, "error": str(e)}
+            self.jobdir.respond(rid, resp)
 
     def _describe_parallelism(self) -> str:
         return ", ".join(f"'{u}' at parallelism {p} of {self.max_parallelism} key groups" for u, p in self.parallelism.items())
@@ -275,6 +350,10 @@ class JobRunner:
         return self.opts.fault == f"{point}:{batch_id}"
 
     def _run_batch(self, df: DataFrame, batch_id: int) -> None:
+        with self._batch_lock:
+            self._run_batch_locked(df, batch_id)
+
+    def _run_batch_locked(self, df: DataFrame, batch_id: int) -> None:
         assert self.pipeline is not None
         if self.jobdir.has_manifest(batch_id):
             log.info("batch %d is already committed; skipping its replay", batch_id)
