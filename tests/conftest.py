@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +24,15 @@ RUNNING_COUNT = EXAMPLES / "running_count.py"
 ALERTS = EXAMPLES / "threshold_alerts.py"
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+@pytest.fixture(autouse=True)
+def _keyscale_logs_reach_caplog() -> Any:
+    """The CLI's main() routes keyscale's log to stderr only; undo that between tests."""
+    yield
+    log = logging.getLogger("keyscale")
+    log.handlers[:] = []
+    log.propagate = True
 
 
 @pytest.fixture(scope="session")
