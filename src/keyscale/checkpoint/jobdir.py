@@ -273,48 +273,6 @@ class JobDir:
     def clear_rescale_requests(self) -> None:
         (self.control / "rescale.json").unlink(missing_ok=True)
 
-    # -- requests to the running job (savepoint, stop, cancel) ---------------------------
-    @property
-    def requests(self) -> Path:
-        return self.control / "requests"
-
-    def submit_request(self, action: str, **params: Any) -> str:
-        """Leave a request for the running job; returns its id (see :meth:`wait_response`)."""
-        self.requests.mkdir(parents=True, exist_ok=True)
-        rid = f"{time.time_ns()}-{os.getpid()}"
-        atomic_write_json(self.requests / f"{rid}.json", {"id": rid, "action": action, **params}, durable=False)
-        return rid
-
-    def pending_requests(self) -> list[dict[str, Any]]:
-        if not self.requests.exists():
-            return []
-        out = []
-        for p in sorted(self.requests.glob("*.json")):
-            try:
-                out.append(dict(json.loads(p.read_text())))
-            except ValueError:
-                continue
-            p.unlink(missing_ok=True)
-        return out
-
-    def respond(self, rid: str, response: dict[str, Any]) -> None:
-        (self.control / "responses").mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.control / "responses" / f"{rid}.json", response, durable=False)
-
-    def wait_response(self, rid: str, timeout: float) -> dict[str, Any] | None:
-        """The job's answer to request ``rid``, or None if it did not answer in time."""
-        path = self.control / "responses" / f"{rid}.json"
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if path.exists():
-                resp = dict(json.loads(path.read_text()))
-                path.unlink(missing_ok=True)
-                return resp
-            if not self.is_running():
-                return None
-            time.sleep(0.1)
-        return None
-
     def write_status(self, status: dict[str, Any]) -> None:
         atomic_write_json(self.path / "status.json", status, durable=False)
 

@@ -65,7 +65,7 @@ def cmd_rescale(a: argparse.Namespace) -> int:
             f"job in {jd.path} is not running; restart it at the new parallelism with: keyscale run JOBFILE --job-dir {a.job_dir} -p {a.parallelism}"
         )
     before = jd.latest_manifest()
-    jd.request_rescale(a.parallelism, a.operator)
+    _ask_running_job(a.job_dir, "/rescale", 60, parallelism=a.parallelism, operator=a.operator)
     print(f"keyscale: asked job '{ident.name}' to rescale{' ' + repr(a.operator) if a.operator else ''} to {a.parallelism}; it applies at the next batch")
     if a.wait:
         deadline = time.time() + a.wait
@@ -80,20 +80,15 @@ def cmd_rescale(a: argparse.Namespace) -> int:
     return 0
 
 
-def _ask_running_job(job_dir: str, action: str, timeout: float, **params: Any) -> dict[str, Any]:
+def _ask_running_job(job_dir: str, path: str, timeout: float, **body: Any) -> dict[str, Any]:
     from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.runtime.control import call
 
     jd = JobDir(job_dir)
     jd.identity()
     if not jd.is_running():
         raise KeyscaleError(f"no job is running in {jd.path}")
-    rid = jd.submit_request(action, **params)
-    resp = jd.wait_response(rid, timeout)
-    if resp is None:
-        raise KeyscaleError(f"the job in {jd.path} did not answer the {action} request within {timeout:.0f} s")
-    if not resp.get("ok"):
-        raise KeyscaleError(f"{action} failed: {resp.get('error')}")
-    return resp
+    return call(jd, "POST", path, body, timeout=timeout)
 
 
 def _wait_for_exit(job_dir: str, timeout: float) -> None:
@@ -114,7 +109,7 @@ def cmd_savepoint(a: argparse.Namespace) -> int:
     jd = JobDir(a.job_dir)
     ident = jd.identity()
     if jd.is_running():
-        resp = _ask_running_job(a.job_dir, "savepoint", a.timeout, dest=a.dest)
+        resp = _ask_running_job(a.job_dir, "/savepoint", a.timeout, dest=a.dest)
         print(resp["savepoint"])
         return 0
     with jd.locked():
@@ -129,7 +124,7 @@ def cmd_savepoint(a: argparse.Namespace) -> int:
 
 
 def cmd_stop(a: argparse.Namespace) -> int:
-    resp = _ask_running_job(a.job_dir, "stop", a.timeout, savepoint=a.savepoint or a.drain, drain=a.drain, dest=a.dest)
+    resp = _ask_running_job(a.job_dir, "/stop", a.timeout, savepoint=a.savepoint or a.drain, drain=a.drain, dest=a.dest)
     if resp.get("savepoint"):
         print(resp["savepoint"])
     _wait_for_exit(a.job_dir, a.timeout)
@@ -138,7 +133,7 @@ def cmd_stop(a: argparse.Namespace) -> int:
 
 
 def cmd_cancel(a: argparse.Namespace) -> int:
-    _ask_running_job(a.job_dir, "cancel", a.timeout)
+    _ask_running_job(a.job_dir, "/cancel", a.timeout)
     _wait_for_exit(a.job_dir, a.timeout)
     print(f"keyscale: job in {a.job_dir} cancelled", file=sys.stderr)
     return 0
@@ -199,6 +194,37 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_list(a: argparse.Namespace) -> int:
+    from keyscale.checkpoint.jobdir import JOB_FILE
+
+    root = Path(a.folder)
+    if not root.is_dir():
+        raise KeyscaleError(f"{root} is not a folder")
+    found = sorted(p.parent for p in root.rglob(JOB_FILE) if "savepoints" not in p.parts)
+    if not found:
+        print(f"no keyscale jobs under {root}")
+        return 0
+    print(f"{'job':24} {'state':12} {'checkpoint':>10}  parallelism  directory")
+    for d in found:
+        try:
+            st = status_dict(str(d))
+        except KeyscaleError as e:
+            print(f"{'?':24} {'unreadable':12} {'':>10}  {'':11}  {d} ({e})")
+            continue
+        par = ", ".join(f"{u}={o['parallelism']}" for u, o in st["operators"].items()) or "-"
+        state = "running" if st["running"] else "stopped"
+        last = "-" if st["last_checkpoint"] is None else str(st["last_checkpoint"])
+        print(f"{st['job']:24} {state:12} {last:>10}  {par:11}  {d}")
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from keyscale.state_processor import inspect_savepoint
+
+    print(inspect_savepoint(a.savepoint))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="keyscale", description="Elastic, stateful stream processing on Spark.")
     p.add_argument("-v", "--verbose", action="store_true", help="show Spark's warnings too")
@@ -252,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("job_dir")
     ca.add_argument("--timeout", type=float, default=120)
     ca.set_defaults(func=cmd_cancel)
+
+    ls = sub.add_parser("list", help="jobs under a folder: running or not, last checkpoint, parallelism")
+    ls.add_argument("folder", nargs="?", default=".")
+    ls.set_defaults(func=cmd_list)
+
+    ins = sub.add_parser("inspect", help="summarise a savepoint: operators, states, keys and bytes per key-group range")
+    ins.add_argument("savepoint")
+    ins.set_defaults(func=cmd_inspect)
 
     from keyscale.scaling.simulate import add_simulate_parser
 

@@ -55,9 +55,10 @@ class KeyedBatch:
         dtype = np.dtype(np.float64) if pd.api.types.is_float_dtype(col.dtype) else np.dtype(np.int64)
         if len(self.keys) == 0:
             return np.empty(0, dtype=dtype)
-        info = np.finfo(dtype) if dtype.kind == "f" else np.iinfo(dtype)
-        identity = {"sum": 0, "min": info.max, "max": info.min}[how]
-        values = col.to_numpy(dtype=dtype, na_value=identity)[self.order]
+        big: float | int = np.inf if dtype.kind == "f" else int(np.iinfo(np.int64).max)
+        small: float | int = -np.inf if dtype.kind == "f" else int(np.iinfo(np.int64).min)
+        identity = {"sum": 0, "min": big, "max": small}[how]
+        values = np.asarray(col.fillna(identity), dtype=dtype)[self.order]
         op = {"sum": np.add, "min": np.minimum, "max": np.maximum}[how]
         return op.reduceat(values, self.starts[:-1])
 

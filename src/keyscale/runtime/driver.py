@@ -35,6 +35,7 @@ from keyscale.checkpoint.manifest import (
     live_files,
 )
 from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
+from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
@@ -137,6 +138,7 @@ class JobRunner:
         self._batch_lock = threading.Lock()
         self._query: StreamingQuery | None = None
         self._locked = False
+        self._last_reports: dict[str, list[dict[str, Any]]] | None = None
         self.pipeline: Pipeline | None = None
         self.committed: Manifest | None = None
         self.parallelism: dict[str, int] = {}
@@ -245,8 +247,12 @@ class JobRunner:
             )
             writer = writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
-            self._query = writer.start()
-            self._wait()
+            control = ControlServer(self)
+            try:
+                self._query = writer.start()
+                self._wait()
+            finally:
+                control.close()
             _ = spark
         finally:
             if self._locked:
@@ -260,7 +266,6 @@ class JobRunner:
         assert q is not None
         try:
             while q.isActive:
-                self._serve_requests()
                 if self._stop.is_set():
                     # Let a running batch finish first. Not holding the lock while stopping:
                     # Spark waits for its batch thread, which may be waiting for the lock.
@@ -300,22 +305,9 @@ class JobRunner:
         log.info("savepoint of batch %d complete: %s", m.batch, path)
         return path
 
-    def _serve_requests(self) -> None:
-        for req in self.jobdir.pending_requests():
-            rid, action = str(req.get("id")), req.get("action")
-            try:
-                resp: dict[str, Any] = {"ok": True}
-                if action in ("savepoint", "stop") and (action == "savepoint" or req.get("savepoint")):
-                    resp["savepoint"] = str(self.take_savepoint(req.get("dest")))
-                if action in ("stop", "cancel"):
-                    log.info("stopping at a batch boundary (%s)", "after a savepoint" if "savepoint" in resp else "no savepoint")
-                    self.stop()
-                elif action != "savepoint":
-                    raise KeyscaleError(f"unknown request {action!r}")
-            except KeyscaleError as e:
-                log.error("%s request failed: %s (the job keeps running)", action, e)
-                resp = {"ok": False, "error": str(e)}
-            self.jobdir.respond(rid, resp)
+    def live_status(self) -> dict[str, Any]:
+        """What ``GET /status`` answers: the status file's content, current."""
+        return {**self._status(self._last_reports), "running": True}
 
     def _describe_parallelism(self) -> str:
         return ", ".join(f"'{u}' at parallelism {p} of {self.max_parallelism} key groups" for u, p in self.parallelism.items())
@@ -393,6 +385,7 @@ class JobRunner:
         rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed)
         self.summary.batches.append(rec)
         self.summary.parallelism = dict(self.parallelism)
+        self._last_reports = reports
         self.jobdir.write_status({**self._status(reports), "running": True})
         log.info(
             "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",

@@ -1,0 +1,126 @@
+"""The running job's control API: a small HTTP server on localhost.
+
+``GET /status``; ``POST /rescale`` ``{"parallelism": N, "operator": uid?}`` (applied at the
+next batch); ``POST /savepoint`` ``{"dest": path?}`` (taken between two batches, answers
+with its path); ``POST /stop`` ``{"savepoint": bool, "dest": path?}``; ``POST /cancel``.
+Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) or 409
+(refused, the job keeps running). The address is written to ``JOB_DIR/control/http.json``
+while the job runs; it listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from keyscale.checkpoint.files import atomic_write_json
+from keyscale.errors import KeyscaleError
+from keyscale.state.keygroups import check_parallelism
+
+if TYPE_CHECKING:
+    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.runtime.driver import JobRunner
+
+log = logging.getLogger("keyscale")
+
+
+class ControlServer:
+    """Serves one :class:`JobRunner` until :meth:`close`."""
+
+    def __init__(self, runner: JobRunner, host: str = "127.0.0.1", port: int = 0):
+        self.runner = runner
+        handler = type("Handler", (_Handler,), {"runner": runner})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-control", daemon=True)
+        self._thread.start()
+        atomic_write_json(runner.jobdir.control / "http.json", {"url": self.url}, durable=False)
+        log.info("control API at %s", self.url)
+
+    def close(self) -> None:
+        (self.runner.jobdir.control / "http.json").unlink(missing_ok=True)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    runner: JobRunner
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return  # requests are logged by what they do, not by the HTTP layer
+
+    def _reply(self, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path != "/status":
+            self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
+            return
+        self._reply(200, self.runner.live_status())
+
+    def do_POST(self) -> None:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            self._reply(400, {"error": f"bad request body: {e}"})
+            return
+        r = self.runner
+        try:
+            if self.path == "/rescale":
+                p = int(body["parallelism"])
+                check_parallelism(p, r.max_parallelism)
+                op = body.get("operator")
+                if op is not None and op not in r.parallelism:
+                    raise KeyscaleError(f"the job has no keyed operator '{op}' (it has {', '.join(r.parallelism)})")
+                r.jobdir.request_rescale(p, op)
+                self._reply(202, {"accepted": True, "parallelism": p, "operator": op})
+            elif self.path == "/savepoint":
+                self._reply(200, {"savepoint": str(r.take_savepoint(body.get("dest")))})
+            elif self.path in ("/stop", "/cancel"):
+                out: dict[str, Any] = {"stopping": True}
+                if self.path == "/stop" and (body.get("savepoint") or body.get("drain")):
+                    out["savepoint"] = str(r.take_savepoint(body.get("dest")))
+                log.info("stopping at a batch boundary (%s)", "after a savepoint" if "savepoint" in out else "no savepoint")
+                r.stop()
+                self._reply(200, out)
+            else:
+                self._reply(404, {"error": f"no such endpoint: POST {self.path}"})
+        except (KeyError, TypeError, ValueError) as e:
+            self._reply(400, {"error": f"bad request: {e}"})
+        except KeyscaleError as e:
+            log.error("%s refused: %s (the job keeps running)", self.path.strip("/"), e)
+            self._reply(409, {"error": str(e)})
+
+
+def call(jobdir: JobDir, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> dict[str, Any]:
+    """Call a running job's control API; a refusal or an unreachable job is a KeyscaleError."""
+    try:
+        url = json.loads((jobdir.control / "http.json").read_text())["url"]
+    except (FileNotFoundError, ValueError, KeyError):
+        raise KeyscaleError(f"no job is running in {jobdir.path} (no control API address)") from None
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read()).get("error", str(e))
+        except ValueError:
+            msg = str(e)
+        raise KeyscaleError(msg) from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        raise KeyscaleError(f"the job in {jobdir.path} does not answer its control API ({e})") from None
