@@ -153,6 +153,11 @@ class JobRunner:
         if opts.parallelism is not None and opts.parallelism < 1:
             raise KeyscaleError(f"parallelism {opts.parallelism} must be at least 1")
         default_m = default_max_parallelism(opts.parallelism or 1)
+        if opts.from_savepoint and opts.max_parallelism is None:
+            # A job restored from a savepoint keeps the savepoint's key groups.
+            from keyscale.checkpoint.savepoint import read_savepoint
+
+            default_m = read_savepoint(opts.from_savepoint, verify=False).max_parallelism or default_m
         if opts.max_parallelism is not None:
             check_parallelism(opts.parallelism or 1, opts.max_parallelism)
         ident = self.jobdir.claim(self.name, opts.max_parallelism, default_m)
