@@ -1,0 +1,75 @@
+"""The running job's HTTP control API, called directly as a client would."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RUNNING_COUNT, write_events
+
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.savepoint import read_savepoint
+from keyscale.runtime.driver import JobRunner, RunOptions
+
+pytestmark = [pytest.mark.spark]
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> None:
+    write_events(tmp_path / "in", files=2, rows=300, keys=30)
+    opts = RunOptions(job_file=str(RUNNING_COUNT), job_dir=str(tmp_path / "job"), parallelism=2, trigger_interval="100 milliseconds",
+                      args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+    runner = JobRunner(opts)
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("summary", runner.run()), daemon=True)
+    thread.start()
+    jd = JobDir(tmp_path / "job")
+    deadline = time.time() + 120
+    while (1 not in jd.manifest_batches() or not (jd.control / "http.json").exists()) and time.time() < deadline:
+        time.sleep(0.2)
+    url = json.loads((jd.control / "http.json").read_text())["url"]
+    assert url.startswith("http://127.0.0.1:")
+
+    with urllib.request.urlopen(url + "/status", timeout=30) as r:
+        status = json.loads(r.read())
+    assert status["running"] and status["operators"]["totals"]["parallelism"] == 2 and status["last_checkpoint"] == 1
+
+    code, body = _post(url + "/rescale", {"parallelism": 999})
+    assert code == 409 and "parallelism 999" in body["error"]
+    code, body = _post(url + "/rescale", {"parallelism": 3, "operator": "nope"})
+    assert code == 409 and "no keyed operator 'nope'" in body["error"]
+    code, body = _post(url + "/rescale", {})
+    assert code == 400
+    code, body = _post(url + "/rescale", {"parallelism": 3})
+    assert code == 202
+    write_events(tmp_path / "in", files=1, rows=300, keys=30, first=2)
+    while 2 not in jd.manifest_batches() and time.time() < deadline:
+        time.sleep(0.2)
+    m = jd.latest_manifest()
+    assert m is not None and m.batch == 2 and m.operators["totals"].parallelism == 3
+
+    code, body = _post(url + "/savepoint", {"dest": str(tmp_path / "sp")})
+    assert code == 200 and body["savepoint"] == str(tmp_path / "sp")
+    assert read_savepoint(tmp_path / "sp").batch == 2
+
+    code, body = _post(url + "/nope", {})
+    assert code == 404
+    code, body = _post(url + "/stop", {})
+    assert code == 200 and body == {"stopping": True}
+    thread.join(timeout=120)
+    assert not thread.is_alive() and "summary" in result
+    assert not jd.is_running() and not (jd.control / "http.json").exists()
