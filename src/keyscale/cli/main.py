@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -298,6 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     configure_logging()
+    if a.verbose:
+        os.environ["KEYSCALE_SPARK_LOG_LEVEL"] = "WARN"
     try:
         return int(a.func(a))
     except KeyscaleError as e:
