@@ -616,8 +616,6 @@ def test_savepoint_without_source_restores_before_the_first_batch(savepoint: tup
     assert got == expected(job)
 
 
-@pytest.mark.xfail(strict=True, reason="restore_chain(files, kg) defaults to after=-1, so it skips snapshots of batch -1 "
-                   "(the restored state of a bootstrapped savepoint)")
 def test_restore_chain_sees_batch_minus_one(savepoint: tuple[Path, SimJob], tmp_path: Path) -> None:
     sp, job = savepoint
     shutil.rmtree(sp / "source")
@@ -628,8 +626,6 @@ def test_restore_chain_sees_batch_minus_one(savepoint: tuple[Path, SimJob], tmp_
     assert state_of(tmp_path / "new", m.operators[UID], SINGLE_KEY, STATES) == expected(job)
 
 
-@pytest.mark.xfail(strict=True, reason="JobDir.manifest_batches parses manifest names with split('-'), so the batch -1 "
-                   "manifest of a restored bootstrap savepoint (manifest--00000000001.json) is invisible to recover()")
 def test_restored_bootstrap_checkpoint_survives_a_restart(savepoint: tuple[Path, SimJob], tmp_path: Path) -> None:
     sp, _ = savepoint
     shutil.rmtree(sp / "source")

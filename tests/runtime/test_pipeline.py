@@ -7,8 +7,8 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import EXAMPLES, read_output, run_job, write_events
 
+from conftest import EXAMPLES, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
 pytestmark = [pytest.mark.spark]

@@ -173,8 +173,8 @@ class JobDir:
         out = []
         for p in self.checkpoints.glob("manifest-*.json"):
             try:
-                out.append(int(p.stem.split("-")[1]))
-            except (IndexError, ValueError):
+                out.append(int(p.stem[len("manifest-") :]))  # batch -1: a savepoint without source positions
+            except ValueError:
                 continue
         return sorted(out)
 
@@ -295,7 +295,7 @@ class JobDir:
         for b in batches[:-keep]:
             self.manifest_path(b).unlink(missing_ok=True)
         for p in self.checkpoints.glob("intent-*.json"):
-            if int(p.stem.split("-")[1]) < oldest:
+            if int(p.stem[len("intent-") :]) < oldest:
                 p.unlink(missing_ok=True)
         state_root = self.path / "state"
         if state_root.exists():

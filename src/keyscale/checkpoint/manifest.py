@@ -178,16 +178,22 @@ def latest_snapshot_batches(files: Iterable[StateFile], max_parallelism: int) ->
     return snap
 
 
-def restore_chain(files: Sequence[StateFile], key_group: int, after: int = -1) -> list[StateFile]:
+def restore_chain(files: Sequence[StateFile], key_group: int, after: int | None = None) -> list[StateFile]:
     """The files to apply, in order, to rebuild ``key_group``.
 
-    With ``after`` (a version the reader already holds), only files newer than it, unless a
-    snapshot newer than ``after`` exists: then from that snapshot.
+    With nothing held (``after`` None): its latest snapshot and the deltas after it (all
+    deltas if it has no snapshot). With ``after`` (a version the reader already holds): only
+    newer files, unless a snapshot newer than ``after`` exists: then from that snapshot.
+    A restored savepoint without source positions has batch -1.
     """
     covering = [f for f in files if f.start <= key_group <= f.end]
     snaps = [f.batch for f in covering if f.kind == "snapshot"]
-    base = max(snaps) if snaps else -1
-    start = base if base > after else after + 1
+    if snaps and (after is None or max(snaps) > after):
+        start = max(snaps)
+    elif after is None:
+        start = min((f.batch for f in covering), default=0)
+    else:
+        start = after + 1
     return sorted((f for f in covering if f.batch >= start), key=lambda f: f.batch)
 
 
