@@ -235,3 +235,51 @@ def test_bootstrap_run_read_back_and_rekey(spark: Any, events: Path, tmp_path: P
     assert (state["sum"].reindex(want_sum.index) == want_sum).all()
     check = spark.createDataFrame(state.reset_index()[["key", "key_group"]]).selectExpr("key_group = pmod(hash(key), 32) AS ok")
     assert all(r.ok for r in check.collect())
+
+
+@pytest.mark.slow
+def test_rescale_with_restart(events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
+    """`keyscale rescale --restart`: savepoint, stop, start again at N; a failing savepoint
+    leaves the job running untouched."""
+    inp = tmp_path / "in"
+    _stage(events, inp, slice(0, 2))
+    job = tmp_path / "job"
+    log_path = tmp_path / "job.log"
+    started: list[int] = []
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "keyscale.cli.main", "run", str(RUNNING_COUNT), "--job-dir", str(job), "-p", "2",
+                 "--trigger-interval", "200 milliseconds", "--set", f"input={inp}", "--set", f"output={tmp_path / 'out'}"],
+                cwd=ROOT, stdout=log, stderr=log, env=os.environ.copy(),
+            )
+        started.append(proc.pid)
+        jd = JobDir(job)
+        deadline = time.time() + 300
+        while 1 not in jd.manifest_batches() and time.time() < deadline:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            time.sleep(0.3)
+
+        (job / "savepoints").write_text("in the way")  # the savepoint cannot be written
+        failed = cli("rescale", str(job), "-p", "3", "--restart")
+        assert failed.returncode != 0 and "savepoint" in failed.stderr and "failed" in failed.stderr
+        assert proc.poll() is None and jd.is_running()  # untouched
+        (job / "savepoints").unlink()
+
+        done = cli("rescale", str(job), "-p", "3", "--restart", check=True)
+        assert proc.wait(timeout=120) == 0
+        assert "restarted at parallelism 3" in done.stdout
+        started.append(int(done.stdout.split("(pid ")[1].split(",")[0]))
+        _stage(events, inp, slice(2, 6))
+        while (jd.latest_manifest() is None or jd.latest_manifest().batch < 5) and time.time() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.3)
+        m = jd.latest_manifest()
+        assert m is not None and m.batch == 5 and m.operators["totals"].parallelism == 3
+        cli("stop", str(job), check=True)
+    finally:
+        for pid in started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference)

@@ -54,6 +54,41 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _restart_rescale(a: argparse.Namespace) -> int:
+    """Flink's `modify -p`: savepoint, stop, start again at the new parallelism."""
+    import subprocess
+
+    from keyscale.checkpoint.jobdir import JobDir
+
+    jd = JobDir(a.job_dir)
+    try:
+        run = json.loads((jd.path / "run.json").read_text())
+    except (FileNotFoundError, ValueError):
+        raise KeyscaleError(f"{jd.path} does not say how its job was started (no run.json); restart it by hand with keyscale run") from None
+    # The job takes the savepoint before it stops; if that fails it keeps running untouched.
+    resp = _ask_running_job(a.job_dir, "/stop", a.timeout, savepoint=True)
+    print(f"keyscale: savepoint {resp['savepoint']} taken; stopping the job", file=sys.stderr)
+    _wait_for_exit(a.job_dir, a.timeout)
+    argv = [sys.executable, "-m", "keyscale.cli.main", "run", run["job_file"], "--job-dir", str(jd.path), "-p", str(a.parallelism),
+            "--master", run["master"], "--trigger-interval", run["trigger_interval"], "--retain", str(run["retain"]),
+            "--compaction-chain", str(run["compaction_chain"])]
+    argv += ["--until-idle"] if run["until_idle"] else []
+    for k, v in run["args"].items():
+        argv += ["--set", f"{k}={v}"]
+    # Resumes from the checkpoint the savepoint was taken of (the same state); the savepoint stays as a fallback.
+    with open(jd.path / "job.log", "a") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + a.timeout
+    while not jd.is_running():
+        if proc.poll() is not None:
+            raise KeyscaleError(f"the restarted job exited with code {proc.returncode}; see {jd.path / 'job.log'} (savepoint: {resp['savepoint']})")
+        if time.time() > deadline:
+            raise KeyscaleError(f"the restarted job did not start within {a.timeout:.0f} s; see {jd.path / 'job.log'}")
+        time.sleep(0.2)
+    print(f"keyscale: job restarted at parallelism {a.parallelism} (pid {proc.pid}, log {jd.path / 'job.log'})")
+    return 0
+
+
 def cmd_rescale(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.state.keygroups import check_parallelism
@@ -61,6 +96,8 @@ def cmd_rescale(a: argparse.Namespace) -> int:
     jd = JobDir(a.job_dir)
     ident = jd.identity()
     check_parallelism(a.parallelism, ident.max_parallelism)
+    if a.restart:
+        return _restart_rescale(a)
     if not jd.is_running():
         raise KeyscaleError(
             f"job in {jd.path} is not running; restart it at the new parallelism with: keyscale run JOBFILE --job-dir {a.job_dir} -p {a.parallelism}"
@@ -253,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("-p", "--parallelism", type=int, required=True)
     rs.add_argument("--operator", help="only this operator uid (default: all keyed operators)")
     rs.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for a batch at the new parallelism")
+    rs.add_argument("--restart", action="store_true", help="instead of live: savepoint, stop, and start again at the new parallelism")
+    rs.add_argument("--timeout", type=float, default=600, help=argparse.SUPPRESS)
     rs.set_defaults(func=cmd_rescale)
 
     st = sub.add_parser("status", help="parallelism, checkpoints, key-group ranges and state size")

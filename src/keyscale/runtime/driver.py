@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from keyscale._pipeline import JobContext, KeyedStep, Pipeline, TransformStep
+from keyscale.checkpoint.files import atomic_write_json
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import (
     Manifest,
@@ -166,6 +167,7 @@ class JobRunner:
             check_parallelism(opts.parallelism, self.max_parallelism)
         self.jobdir.lock()
         self._locked = True
+        self._record_run_options()
         rec = self.jobdir.recover()
         for why in rec.discarded:
             log.warning("%s; set it aside", why)
@@ -203,6 +205,14 @@ class JobRunner:
         )
         self.summary.recovered_from = self.committed.batch
         log.info("restored savepoint of batch %d: operators %s", self.committed.batch, ", ".join(sorted(self.committed.operators)) or "none")
+
+    def _record_run_options(self) -> None:
+        """How this job was started, so that `keyscale rescale --restart` can start it again."""
+        o = self.opts
+        atomic_write_json(self.jobdir.path / "run.json", {
+            "job_file": str(Path(o.job_file).absolute()), "args": o.args, "master": o.master, "until_idle": o.until_idle,
+            "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
+        }, durable=False)
 
     def _plan_parallelism(self, pipeline: Pipeline) -> None:
         old = self.committed.operators if self.committed else {}
@@ -304,9 +314,12 @@ class JobRunner:
             if m is None:
                 raise StateError("the job has not committed a batch yet; nothing to save")
             target = Path(dest) if dest else self.jobdir.path / "savepoints" / f"savepoint-{m.batch:012d}-{int(time.time())}"
-            target.parent.mkdir(parents=True, exist_ok=True)
             log.info("taking a savepoint of batch %d into %s", m.batch, target)
-            path = write_savepoint(self.jobdir, m, target, progress=text_progress("savepoint"))
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                path = write_savepoint(self.jobdir, m, target, progress=text_progress("savepoint"))
+            except OSError as e:
+                raise StateError(f"savepoint into {target} failed: {e}") from None
         log.info("savepoint of batch %d complete: %s", m.batch, path)
         return path
 
