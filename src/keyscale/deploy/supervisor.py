@@ -1,0 +1,627 @@
+"""The supervisor: one detached process per deployment that owns its job's lifecycle.
+
+``keyscale apply`` starts it (:func:`start_supervisor`) when none runs. It runs the job as a
+child process (``python -m keyscale.cli.main run ...``) and loops: it reads the desired
+spec (``desired.json``), looks at the job (alive? serving its control API? committing?),
+asks :func:`keyscale.deploy.plan.plan_action` what to do, does it, and records it in
+``status.json`` and ``events.jsonl``. It ends when the deployment is STOPPED or FAILED.
+SIGTERM or SIGINT cancel the job (no savepoint) and end the supervisor.
+
+    python -m keyscale.deploy.supervisor STATE_DIR [--detach]
+
+>>> s = Supervisor("/tmp/nonexistent-deployment")
+>>> s.store.path.name
+'nonexistent-deployment'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.deploy.plan import (
+    Action,
+    ActionKind,
+    Current,
+    Desired,
+    DesiredState,
+    Restore,
+    RestoreKind,
+    Snapshot,
+    choose_restore,
+    plan_action,
+)
+from keyscale.deploy.spec import DeploymentError, DeploymentSpec, RestoreStrategy
+from keyscale.deploy.store import DeploymentState, DeploymentStore
+from keyscale.errors import KeyscaleError, StateError
+
+__all__ = ["Outcome", "Supervisor", "main", "start_supervisor"]
+
+log = logging.getLogger("keyscale.deploy")
+
+POLL_SECONDS = 0.3
+STOP_TIMEOUT = 600.0  # a savepoint plus the end of the current batch
+KILL_GRACE = 60.0  # after SIGTERM, before SIGKILL
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a desired generation ended: shown by ``apply`` and ``deployment status``."""
+
+    ok: bool
+    message: str
+    savepoint: str | None = None
+
+
+@dataclass
+class _Job:
+    popen: subprocess.Popen[bytes] | None  # None: adopted from an earlier supervisor
+    pid: int
+    job_dir: Path
+    log: Path
+    log_offset: int
+    ready: bool = False
+    baseline: int = -1  # newest checkpoint when the job became ready
+    progressed: bool = False
+    expect_exit: bool = False  # the deployment is stopping it
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Supervisor:
+    """The reconciliation loop of one deployment (see the module docstring)."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]):
+        self.store = DeploymentStore(state_dir)
+        self.status = self.store.read_status()
+        self.job: _Job | None = None
+        self._terminate = False
+        self._handlers: dict[ActionKind, Callable[[Action, Desired], Outcome | None]] = {
+            ActionKind.NOTHING: self._nothing,
+            ActionKind.START: self._start,
+            ActionKind.RESCALE: self._rescale,
+            ActionKind.UPDATE: self._update,
+            ActionKind.UPGRADE: self._upgrade,
+            ActionKind.REFUSE: self._refuse,
+            ActionKind.RESTART: self._restart,
+            ActionKind.FAIL: self._fail,
+            ActionKind.STOP: self._stop,
+            ActionKind.STOPPED: self._stopped,
+        }
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _save(self) -> None:
+        self.store.write_status(self.status)
+
+    def _event(self, kind: str, message: str, **extra: Any) -> None:
+        log.info("%s: %s", kind, message)
+        self.store.event(kind, message, **extra)
+
+    def _desired(self) -> Desired:
+        d = self.store.read_desired()
+        if d is None:
+            raise DeploymentError(f"{self.store.desired_path} is missing")
+        if self._terminate:
+            return Desired(d.generation, DesiredState.CANCELLED, d.spec)
+        return d
+
+    def _stop_requested(self) -> bool:
+        return self._terminate or self._desired().state is not DesiredState.RUNNING
+
+    def _current(self) -> Current:
+        return self.status.current()
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        """Supervise until the deployment is STOPPED or FAILED; the exit code of the process."""
+        if not self.store.lock_supervisor():
+            print(f"keyscale: another supervisor runs for {self.store.path} (pid {self.store.supervisor_pid()})", file=sys.stderr)
+            return 1
+        try:
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+            desired = self._desired()
+            self.status.name = desired.spec.name
+            self.status.supervisor_pid = os.getpid()
+            self.status.last_exit = None  # a new supervisor starts afresh: FAILED is retried
+            self.status.failures = 0
+            self._event("supervisor", f"supervisor started (pid {os.getpid()})", pid=os.getpid())
+            self._adopt()
+            self._save()
+            while not self._step():
+                time.sleep(POLL_SECONDS)
+            return 0
+        except Exception as e:
+            self._event("supervisor-error", f"the supervisor failed: {type(e).__name__}: {e}; a running job keeps running (`keyscale apply` adopts it)")
+            raise
+        finally:
+            self.status.supervisor_pid = None
+            self._save()
+            self._event("supervisor", f"supervisor ended (deployment {self.status.state})")
+            self.store.unlock_supervisor()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if not self._terminate:
+            self._terminate = True
+            self.store.event("supervisor", f"received {signal.Signals(signum).name}: cancelling the job and ending the supervisor")
+
+    def _adopt(self) -> None:
+        """Take over a job an earlier supervisor left running (that supervisor died)."""
+        st = self.status
+        if st.job_dir and st.job_pid:
+            jd = JobDir(st.job_dir)
+            if jd.is_running() and jd.lock_holder() == st.job_pid and _pid_alive(st.job_pid):
+                logf = self.store.job_log(Path(st.job_dir))
+                size = logf.stat().st_size if logf.exists() else 0
+                self.job = _Job(None, st.job_pid, Path(st.job_dir), logf, size)
+                self.job.ready = self._serving(jd, st.job_pid)
+                self._event("adopt", f"adopting the running job (pid {st.job_pid}) in {st.job_dir}")
+                return
+        st.job_pid = None
+
+    def _step(self) -> bool:
+        """One round of the loop; True when the supervisor should end."""
+        desired = self._desired()
+        alive = self._check_job()
+        if alive and self.job is not None and not self.job.ready and desired.state is DesiredState.RUNNING:
+            self._record(desired, self._await_ready())
+            return False
+        action = plan_action(self._current(), desired, alive)
+        if action.kind is not ActionKind.NOTHING:
+            log.info("generation %d: %s: %s", desired.generation, action.kind, action.reason)
+        outcome = self._handlers[action.kind](action, desired)
+        self._record(desired, outcome)
+        self._save()
+        return self.status.state in (DeploymentState.STOPPED, DeploymentState.FAILED)
+
+    def _record(self, desired: Desired, outcome: Outcome | None) -> None:
+        if outcome is None or self._terminate or desired.generation <= self.status.observed_generation:
+            return
+        self.status.observed_generation = desired.generation
+        self.status.outcome = {"generation": desired.generation, "ok": outcome.ok, "message": outcome.message}
+        if outcome.savepoint:
+            self.status.outcome["savepoint"] = outcome.savepoint
+        self._save()
+
+    # -- watching the job ----------------------------------------------------------------
+    def _check_job(self) -> bool:
+        """Is the job process alive? Records its exit if it just ended."""
+        j = self.job
+        if j is None:
+            return False
+        code: int | None
+        if j.popen is not None:
+            code = j.popen.poll()
+            alive = code is None
+        else:
+            code = None
+            alive = _pid_alive(j.pid) and JobDir(j.job_dir).is_running()
+        if alive:
+            if j.ready and not j.progressed:
+                batches = JobDir(j.job_dir).manifest_batches()
+                if batches and batches[-1] > j.baseline:
+                    j.progressed = True
+                    if self.status.failures:
+                        self._event("progress", f"the job committed checkpoint {batches[-1]}; the count of failures in a row ({self.status.failures}) is reset")
+                        self.status.failures = 0
+                        self._save()
+            return True
+        self._job_exited(j, code)
+        return False
+
+    def _job_exited(self, j: _Job, code: int | None) -> None:
+        self.job = None
+        self.status.job_pid = None
+        shown = "unknown (adopted process)" if code is None else str(code)
+        if code is not None and code < 0:
+            shown += f" (killed by {signal.Signals(-code).name})" if -code in signal.valid_signals() else " (killed by a signal)"
+        if j.expect_exit:
+            self.status.last_exit = None
+            self._event("job-exit", f"the job process {j.pid} in {j.job_dir} ended with exit code {shown} (stopped by the deployment)", exit_code=code)
+        else:
+            exit_code = -1 if code is None else code
+            self.status.last_exit = exit_code
+            if exit_code != 0:
+                self.status.failures += 1
+            err = self._last_error(j)
+            self._event("job-exit", f"the job process {j.pid} in {j.job_dir} ended with exit code {shown}" + (f": {err}" if err else ""),
+                        exit_code=exit_code, log=str(j.log))
+        self._save()
+
+    @staticmethod
+    def _last_error(j: _Job) -> str:
+        try:
+            with open(j.log, "rb") as f:
+                f.seek(j.log_offset)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        errors = [ln for ln in lines if ln.startswith("keyscale: error:")]
+        if errors:
+            return errors[-1][len("keyscale: "):][:400]
+        raised = [ln.strip() for ln in lines if re.match(r"^\w[\w.]*(Error|Exception)\b", ln.strip())]
+        return raised[-1][:400] if raised else ""
+
+    @staticmethod
+    def _serving(jd: JobDir, pid: int) -> bool:
+        """Does process ``pid`` hold the job directory and answer its control API?
+
+        (A killed job leaves its control address behind: the answer must come from ``pid``.)
+        """
+        from keyscale.runtime.control import call
+
+        if jd.lock_holder() != pid or not (jd.control / "http.json").exists() or not jd.is_running():
+            return False
+        try:
+            return call(jd, "GET", "/status", timeout=5).get("pid") == pid
+        except KeyscaleError:
+            return False
+
+    def _await_ready(self) -> Outcome | None:
+        """Wait until the starting job serves its control API; None if it died or a stop came."""
+        j = self.job
+        assert j is not None
+        jd = JobDir(j.job_dir)
+        while True:
+            if not self._check_job():
+                return None
+            if self._serving(jd, j.pid):
+                j.ready = True
+                batches = jd.manifest_batches()
+                j.baseline = batches[-1] if batches else -1
+                self.status.state = DeploymentState.RUNNING
+                self.status.message = ""
+                self._save()
+                self._event("running", f"the job (pid {j.pid}) runs in {j.job_dir}")
+                restarts = f" after {self.status.failures} failed run(s)" if self.status.failures else ""
+                return Outcome(True, f"the job runs in {j.job_dir} (pid {j.pid}){restarts}; state: {self.status.restored_from}")
+            if self._stop_requested():
+                return None
+            time.sleep(POLL_SECONDS)
+
+    # -- starting ------------------------------------------------------------------------
+    def _known_savepoints(self, spec: DeploymentSpec) -> list[Snapshot]:
+        from keyscale.checkpoint.savepoint import METADATA_FILE, read_savepoint
+
+        taken = {str(r["path"]): r.get("job_dir") for r in self.status.savepoints}
+        out = []
+        folder = spec.savepoint_dir
+        for meta in sorted(folder.glob(f"*/{METADATA_FILE}")) if folder.is_dir() else []:
+            try:
+                info = read_savepoint(meta.parent, verify=False)
+            except StateError as e:
+                log.warning("ignoring savepoint %s: %s", meta.parent, e)
+                continue
+            out.append(Snapshot(str(info.path), info.batch, info.created_ms, taken.get(str(info.path))))
+        return out
+
+    def _latest_checkpoint(self) -> Snapshot | None:
+        if not self.status.job_dir:
+            return None
+        jd = JobDir(self.status.job_dir)
+        batches = jd.manifest_batches()
+        if not batches:
+            return None
+        try:
+            created = jd.read_manifest(batches[-1]).created_ms
+        except StateError:  # damaged: the job falls back to an intact one when it resumes
+            created = int(jd.manifest_path(batches[-1]).stat().st_mtime * 1000)
+        return Snapshot(str(jd.path), batches[-1], created)
+
+    def _launch(self, spec: DeploymentSpec, restore: Restore | RestoreStrategy, reason: str) -> Outcome | None:
+        if isinstance(restore, RestoreStrategy):
+            strategy = restore
+            restore = choose_restore(strategy, self._latest_checkpoint(), self._known_savepoints(spec), self.status.state_since_ms)
+            if strategy is RestoreStrategy.NONE:
+                self.status.state_since_ms = _now_ms()
+        if restore.kind is RestoreKind.RESUME:
+            assert restore.path is not None
+            job_dir = Path(restore.path)
+        else:
+            job_dir = self.store.next_job_dir()
+        if not spec.artifact.exists() and spec.job_file.is_file() and _sha(spec.job_file) == spec.job_sha256:
+            self.store.install_artifact(spec)
+        if not spec.artifact.exists():
+            self.status.state = DeploymentState.FAILED
+            msg = f"the applied job file {spec.artifact} is gone (and {spec.job_file} changed); apply the deployment file again"
+            self._event("failed", msg)
+            return Outcome(False, msg)
+        logf = self.store.job_log(job_dir)
+        logf.parent.mkdir(parents=True, exist_ok=True)
+        argv = spec.command(job_dir, restore.path if restore.kind is RestoreKind.SAVEPOINT else None, python=sys.executable)
+        with open(logf, "ab") as out:
+            offset = out.tell()
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
+            out.flush()
+            popen = subprocess.Popen(argv, cwd=spec.base_dir, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.job = _Job(popen, popen.pid, job_dir, logf, offset)
+        st = self.status
+        st.running_spec = spec.to_json()
+        st.job_dir = str(job_dir)
+        st.job_pid = popen.pid
+        st.job_started_ms = _now_ms()
+        st.restored_from = restore.reason
+        st.last_exit = None
+        st.state = DeploymentState.STARTING
+        self._event("start", f"{reason}; state: {restore.reason}; job dir {job_dir} (pid {popen.pid}, log {logf})",
+                    job_dir=str(job_dir), pid=popen.pid, restore=restore.kind.value, restore_path=restore.path)
+        self._save()
+        return self._await_ready()
+
+    # -- stopping ------------------------------------------------------------------------
+    def _signal(self, j: _Job, sig: signal.Signals) -> None:
+        try:
+            if j.popen is not None:
+                j.popen.send_signal(sig)
+            else:
+                os.kill(j.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _wait_exit(self, j: _Job, timeout: float, termed: bool = False) -> None:
+        """Wait for the job to end; then SIGTERM it (unless ``termed``), then SIGKILL it."""
+        deadline = time.time() + timeout
+        while self._check_job():
+            if time.time() > deadline:
+                if termed:
+                    self._event("stop", f"the job (pid {j.pid}) did not end after SIGTERM; killing it")
+                    self._signal(j, signal.SIGKILL)
+                    deadline = time.time() + KILL_GRACE
+                else:
+                    self._event("stop", f"the job (pid {j.pid}) did not end within {timeout:.0f} s; sending SIGTERM")
+                    self._signal(j, signal.SIGTERM)
+                    termed = True
+                    deadline = time.time() + KILL_GRACE
+            time.sleep(POLL_SECONDS)
+
+    def _savepoint_dest(self, spec: DeploymentSpec, generation: int) -> Path:
+        spec.savepoint_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        dest = spec.savepoint_dir / f"{spec.name}-g{generation}-{stamp}"
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = spec.savepoint_dir / f"{spec.name}-g{generation}-{stamp}-{n}"
+        return dest
+
+    def _stop_job(self, savepoint_dest: Path | None) -> str | None:
+        """Stop the job (after a savepoint into ``savepoint_dest`` if given); its path.
+
+        A refused savepoint raises :class:`KeyscaleError` and leaves the job running.
+        """
+        from keyscale.runtime.control import call
+
+        j = self.job
+        assert j is not None
+        jd = JobDir(j.job_dir)
+        j.expect_exit = True
+        sp: str | None = None
+        termed = False
+        if savepoint_dest is not None:
+            if not j.ready:
+                j.expect_exit = False
+                raise KeyscaleError("the job does not serve its control API yet, so no savepoint can be taken")
+            try:
+                sp = str(call(jd, "POST", "/stop", {"savepoint": True, "dest": str(savepoint_dest)}, timeout=STOP_TIMEOUT)["savepoint"])
+            except KeyscaleError:
+                j.expect_exit = False
+                raise
+        elif j.ready:
+            try:
+                call(jd, "POST", "/cancel", {}, timeout=60)
+            except KeyscaleError as e:
+                self._event("stop", f"the job's control API did not answer ({e}); sending SIGTERM")
+                self._signal(j, signal.SIGTERM)
+                termed = True
+        else:
+            self._signal(j, signal.SIGTERM)  # the job stops after its current batch, or before its first
+            termed = True
+        self._wait_exit(j, KILL_GRACE if termed else STOP_TIMEOUT, termed=termed)
+        if sp is not None:
+            from keyscale.checkpoint.savepoint import read_savepoint, write_savepoint
+
+            info = read_savepoint(sp, verify=False)
+            batches = jd.manifest_batches()
+            if batches and batches[-1] > info.batch:
+                # A batch that began while the job was stopping committed after the savepoint:
+                # the savepoint is behind the job's final state. Save that state instead.
+                assert savepoint_dest is not None
+                later = savepoint_dest.with_name(savepoint_dest.name + f"-final-{batches[-1]}")
+                with jd.locked():
+                    rec = jd.recover()
+                    assert rec.manifest is not None
+                    sp = str(write_savepoint(jd, rec.manifest, later))
+                self._event("savepoint", f"the job committed batch {rec.manifest.batch} after its savepoint of batch {info.batch} "
+                            f"(a batch under way when it stopped); took a savepoint of its final checkpoint instead: {sp}")
+                info = read_savepoint(sp, verify=False)
+            self.status.savepoints.append({"path": str(info.path), "job_dir": str(jd.path), "batch": info.batch, "created_ms": info.created_ms})
+            self._event("savepoint", f"savepoint of batch {info.batch} of {jd.path}: {info.path}", path=str(info.path), batch=info.batch)
+        self._save()
+        return sp
+
+    # -- the actions ---------------------------------------------------------------------
+    def _nothing(self, action: Action, desired: Desired) -> Outcome | None:
+        return Outcome(True, f"no change: {action.reason}")
+
+    def _start(self, action: Action, desired: Desired) -> Outcome | None:
+        assert action.spec is not None and action.restore is not None
+        return self._launch(action.spec, action.restore, action.reason)
+
+    def _update(self, action: Action, desired: Desired) -> Outcome | None:
+        assert action.spec is not None
+        self.status.running_spec = action.spec.to_json()
+        self._event("update", action.reason, generation=desired.generation)
+        return Outcome(True, action.reason)
+
+    def _rescale(self, action: Action, desired: Desired) -> Outcome | None:
+        from keyscale.runtime.control import call
+
+        assert action.spec is not None and action.parallelism is not None and self.job is not None
+        try:
+            call(JobDir(self.job.job_dir), "POST", "/rescale", {"parallelism": action.parallelism}, timeout=60)
+        except KeyscaleError as e:
+            self.status.rejected_generation = desired.generation
+            self._event("rescale-failed", f"{action.reason}: the job refused: {e}", generation=desired.generation)
+            return Outcome(False, f"rescale to {action.parallelism} failed: {e}; the job keeps running at its parallelism")
+        self.status.running_spec = action.spec.to_json()
+        self._event("rescale", action.reason, generation=desired.generation, parallelism=action.parallelism)
+        return Outcome(True, f"rescaling live to parallelism {action.parallelism} at the job's next batch (no restart; pid {self.job.pid})")
+
+    def _refuse(self, action: Action, desired: Desired) -> Outcome | None:
+        self.status.rejected_generation = desired.generation
+        self._event("refused", action.reason, generation=desired.generation)
+        if self.job is None:
+            self.status.state = DeploymentState.STOPPED
+        return Outcome(False, f"refused: {action.reason}")
+
+    def _upgrade(self, action: Action, desired: Desired) -> Outcome | None:
+        spec = action.spec
+        assert spec is not None and self.job is not None
+        jd = JobDir(self.job.job_dir)
+        self.status.state = DeploymentState.UPGRADING
+        self.status.message = action.reason
+        self._save()
+        self._event("upgrade", action.reason, generation=desired.generation)
+        if not action.savepoint:
+            self._stop_job(None)
+            assert action.restore is not None
+            return self._launch(spec, action.restore, f"STATELESS upgrade to generation {desired.generation}")
+        if not jd.manifest_batches():
+            self._event("upgrade", "the job has not committed a checkpoint yet, so it has no state to keep: stopping it without a savepoint")
+            self._stop_job(None)
+            return self._launch(spec, spec.restore_strategy, f"STATEFUL upgrade to generation {desired.generation} (no state yet)")
+        try:
+            sp = self._stop_job(self._savepoint_dest(spec, desired.generation))
+        except KeyscaleError as e:
+            self.status.rejected_generation = desired.generation
+            self.status.state = DeploymentState.RUNNING
+            self.status.message = ""
+            msg = f"STATEFUL upgrade failed: the savepoint failed ({e}); the job keeps running its old spec"
+            self._event("upgrade-failed", msg, generation=desired.generation)
+            return Outcome(False, msg)
+        assert sp is not None
+        batch = self.status.savepoints[-1]["batch"]
+        restore = Restore(RestoreKind.SAVEPOINT, sp, f"the upgrade's savepoint of batch {batch} ({sp})")
+        out = self._launch(spec, restore, f"STATEFUL upgrade to generation {desired.generation}")
+        return Outcome(out.ok, out.message, sp) if out is not None else None
+
+    def _restart(self, action: Action, desired: Desired) -> Outcome | None:
+        assert action.spec is not None
+        self.status.state = DeploymentState.RESTARTING
+        self.status.message = action.reason
+        self._save()
+        self._event("restart", action.reason, delay=action.delay, failures=self.status.failures)
+        deadline = time.time() + action.delay
+        while time.time() < deadline:
+            if self._stop_requested():
+                return None
+            time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.time())))
+        self.status.restarts += 1
+        return self._launch(action.spec, RestoreStrategy.LATEST_STATE, f"restart {self.status.failures} after a failure")
+
+    def _fail(self, action: Action, desired: Desired) -> Outcome | None:
+        self.status.state = DeploymentState.FAILED
+        self.status.message = action.reason
+        self._event("failed", f"deployment FAILED: {action.reason}")
+        return Outcome(False, f"FAILED: {action.reason} (job log: {self.store.logs})")
+
+    def _stop(self, action: Action, desired: Desired) -> Outcome | None:
+        assert self.job is not None
+        self.status.state = DeploymentState.STOPPING
+        self._save()
+        self._event("stop", action.reason, generation=desired.generation)
+        try:
+            sp = self._stop_job(self._savepoint_dest(desired.spec, desired.generation) if action.savepoint else None)
+        except KeyscaleError as e:
+            self.status.rejected_generation = desired.generation
+            self.status.state = DeploymentState.RUNNING
+            msg = f"stop with a savepoint failed: {e}; the job keeps running (stop without --savepoint cancels it)"
+            self._event("stop-failed", msg, generation=desired.generation)
+            return Outcome(False, msg)
+        self.status.state = DeploymentState.STOPPED
+        return Outcome(True, f"stopped{' with savepoint ' + sp if sp else ' (no savepoint)'}", sp)
+
+    def _stopped(self, action: Action, desired: Desired) -> Outcome | None:
+        if self.status.state != DeploymentState.STOPPED:
+            self._event("stopped", action.reason)
+        self.status.state = DeploymentState.STOPPED
+        self.status.message = action.reason
+        return Outcome(True, action.reason)
+
+
+def _sha(path: Path) -> str:
+    from keyscale.deploy.spec import file_sha256
+
+    return file_sha256(path)
+
+
+def start_supervisor(store: DeploymentStore, timeout: float = 60) -> int:
+    """Start the deployment's supervisor, detached (own session, log file); its pid.
+
+    The launched process forks and exits at once, so the supervisor is nobody's child:
+    it outlives ``keyscale apply`` and never becomes a zombie of it. ``desired.json`` must
+    exist (``keyscale apply`` writes it first)::
+
+        store = DeploymentStore("deployments/counts")
+        if not store.supervisor_running():
+            pid = start_supervisor(store)
+    """
+    store.path.mkdir(parents=True, exist_ok=True)
+    with open(store.supervisor_log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "keyscale.deploy.supervisor", str(store.path), "--detach"],
+            cwd=store.path, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    proc.wait(timeout=timeout)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pid = store.supervisor_pid()
+        if store.supervisor_running() and pid:
+            return pid
+        time.sleep(0.1)
+    tail = store.supervisor_log.read_text(errors="replace").strip().splitlines()[-1:] if store.supervisor_log.exists() else []
+    raise DeploymentError(f"the supervisor of {store.path} did not start within {timeout:.0f} s{': ' + tail[0] if tail else ''} (see {store.supervisor_log})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m keyscale.deploy.supervisor STATE_DIR [--detach]``."""
+    p = argparse.ArgumentParser(prog="python -m keyscale.deploy.supervisor", description="Supervise one keyscale deployment.")
+    p.add_argument("state_dir")
+    p.add_argument("--detach", action="store_true", help="fork, and return at once in the parent")
+    a = p.parse_args(argv)
+    if a.detach and os.fork() > 0:
+        return 0
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s supervisor: %(message)s"))
+    for name in ("keyscale", "keyscale.deploy"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler] if name == "keyscale" else []
+        lg.setLevel(logging.INFO)
+    return Supervisor(a.state_dir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
