@@ -3,6 +3,7 @@ upgrade the job's code with its state."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -210,7 +211,11 @@ def test_bootstrap_run_read_back_and_rekey(spark: Any, events: Path, tmp_path: P
     """State Processor API: bootstrap a job's state from a historical table, run the job on
     it, read the state back; re-key the bootstrap to another max parallelism: same results."""
     from keyscale.checkpoint.savepoint import read_savepoint
-    from keyscale.state_processor import read_keyed_state, rekey_savepoint, write_savepoint_from_dataframes
+    from keyscale.state_processor import (
+        read_keyed_state,
+        rekey_savepoint,
+        write_savepoint_from_dataframes,
+    )
 
     history = spark.createDataFrame([(f"k{i}", 10, 1000 + i) for i in range(0, 250, 2)], "key string, count long, sum long")
     sp16 = write_savepoint_from_dataframes(tmp_path / "sp16", "running_count", {"totals": (history, ["key"], {"count": "long", "sum": "long"})}, 16)
@@ -278,8 +283,6 @@ def test_rescale_with_restart(events: Path, reference: pd.DataFrame, tmp_path: P
         cli("stop", str(job), check=True)
     finally:
         for pid in started:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference)

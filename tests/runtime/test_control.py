@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RUNNING_COUNT, write_events
 
+from conftest import RUNNING_COUNT, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.savepoint import read_savepoint
 from keyscale.runtime.driver import JobRunner, RunOptions

@@ -327,6 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("savepoint")
     ins.set_defaults(func=cmd_inspect)
 
+    from keyscale.deploy.cli import add_apply_parser, add_deployment_parsers
+
+    add_apply_parser(sub)
+    add_deployment_parsers(sub)
+
     from keyscale.scaling.simulate import add_simulate_parser
 
     auto = sub.add_parser("autoscaler", help="the autoscaler's policy, without Spark")

@@ -92,7 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif self.path in ("/stop", "/cancel"):
                 out: dict[str, Any] = {"stopping": True}
                 if self.path == "/stop" and (body.get("savepoint") or body.get("drain")):
-                    out["savepoint"] = str(r.take_savepoint(body.get("dest")))
+                    out["savepoint"] = str(r.take_savepoint(body.get("dest"), then_stop=True))
                 log.info("stopping at a batch boundary (%s)", "after a savepoint" if "savepoint" in out else "no savepoint")
                 r.stop()
                 self._reply(200, out)

@@ -110,6 +110,10 @@ class RunSummary:
         return sum(b.records for b in self.batches)
 
 
+class _StopRequested(Exception):
+    """Raised by a batch that begins after a stop request: Spark must not commit it."""
+
+
 def _translate(exc: BaseException) -> BaseException:
     """Turn a Spark-wrapped task failure back into the keyscale error it started as."""
     from keyscale import errors
@@ -271,7 +275,7 @@ class JobRunner:
             _ = spark
         finally:
             if self._locked:
-                self.jobdir.write_status({**self._status(), "running": False})
+                self.jobdir.write_status({**self._status(self._last_reports), "running": False})
                 self.jobdir.unlock()
                 self._locked = False
         return self.summary
@@ -282,31 +286,37 @@ class JobRunner:
         try:
             while q.isActive:
                 if self._stop.is_set():
-                    # Let a running batch finish first. Not holding the lock while stopping:
-                    # Spark waits for its batch thread, which may be waiting for the lock.
-                    # A batch that starts in between is interrupted and replayed next run.
+                    # Let a running batch finish (the lock); one that would begin now refuses
+                    # to (see _run_batch), so a stop never cuts a batch in half. The lock is
+                    # not held while stopping: Spark waits for its batch thread.
                     with self._batch_lock:
                         pass
                     q.stop()
                     break
                 q.awaitTermination(1)
-        except Exception as e:
-            raise (self._error or _translate(e)) from None
+        except Exception as e:  # Spark raises its own exception types
+            if not (self._stop.is_set() and self._error is None):
+                raise (self._error or _translate(e)) from None
+            # else: a batch refused to start after the stop request; a clean stop
         self.summary.trigger_seconds = [
             p.durationMs.get("triggerExecution", 0) / 1000 for p in sorted(q.recentProgress, key=lambda p: p.batchId) if p.numInputRows > 0
         ]
         if self._error is not None:
             raise self._error
         exc = q.exception()
-        if exc is not None:
+        if exc is not None and not self._stop.is_set():
             raise _translate(exc)
 
     def stop(self) -> None:
         """Ask the job to stop after the current batch (safe from any thread)."""
         self._stop.set()
 
-    def take_savepoint(self, dest: str | None = None) -> Path:
-        """A savepoint of the last committed batch, taken between two batches."""
+    def take_savepoint(self, dest: str | None = None, then_stop: bool = False) -> Path:
+        """A savepoint of the last committed batch, taken between two batches.
+
+        With ``then_stop`` the job stops right after it: no batch commits in between, so
+        the savepoint is the job's final state.
+        """
         from keyscale.checkpoint.savepoint import text_progress, write_savepoint
 
         with self._batch_lock:
@@ -320,6 +330,8 @@ class JobRunner:
                 path = write_savepoint(self.jobdir, m, target, progress=text_progress("savepoint"))
             except OSError as e:
                 raise StateError(f"savepoint into {target} failed: {e}") from None
+            if then_stop:
+                self._stop.set()
         log.info("savepoint of batch %d complete: %s", m.batch, path)
         return path
 
@@ -334,6 +346,8 @@ class JobRunner:
     def _on_batch(self, df: DataFrame, batch_id: int) -> None:
         try:
             self._run_batch(df, batch_id)
+        except _StopRequested:
+            raise  # Spark does not commit the batch; the next run replays it
         except BaseException as e:
             self._error = _translate(e)
             raise
@@ -361,6 +375,9 @@ class JobRunner:
 
     def _run_batch(self, df: DataFrame, batch_id: int) -> None:
         with self._batch_lock:
+            if self._stop.is_set():
+                log.info("batch %d not started: the job is stopping (it runs at the next start)", batch_id)
+                raise _StopRequested(batch_id)
             self._run_batch_locked(df, batch_id)
 
     def _run_batch_locked(self, df: DataFrame, batch_id: int) -> None:
