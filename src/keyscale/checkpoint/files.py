@@ -7,6 +7,7 @@ only its slice without scanning (memory-mapped, so untouched pages are never rea
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import zlib
@@ -54,6 +55,22 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
 
 def atomic_write_json(path: Path, obj: object, durable: bool = True) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True), durable)
+
+
+def is_locked(path: Path) -> bool:
+    """True while some process holds an exclusive ``flock`` on ``path`` (it dies with its holder)."""
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def file_crc32(path: Path) -> int:

@@ -26,7 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keyscale.checkpoint.files import atomic_write_json, atomic_write_text, verify_state_file
+from keyscale.checkpoint.files import (
+    atomic_write_json,
+    atomic_write_text,
+    is_locked,
+    verify_state_file,
+)
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.errors import JobDirError, StateError
 
@@ -138,19 +143,7 @@ class JobDir:
 
     def is_running(self) -> bool:
         """True when some process holds the lock."""
-        path = self.path / "lock"
-        if not path.exists():
-            return False
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
+        return is_locked(self.path / "lock")
 
     def lock_holder(self) -> int | None:
         try:

@@ -76,7 +76,7 @@ from keyscale.checkpoint.manifest import (
     latest_snapshot_batches,
 )
 from keyscale.errors import JobDirError, StateError
-from keyscale.state.keygroups import KeyGroupRange
+from keyscale.state.keygroups import KeyGroupRange, mask_runs
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
 
@@ -704,15 +704,6 @@ def checkpoint_rows_per_key_group(job_path: Path, op: OperatorCheckpoint) -> np.
     return rows
 
 
-def _runs(mask: np.ndarray, offset: int) -> list[tuple[int, int]]:
-    """Contiguous runs of True in ``mask``, as inclusive ``(start, end)`` plus ``offset``."""
-    if not mask.any():
-        return []
-    padded = np.concatenate([[False], mask, [False]])
-    edges = np.flatnonzero(padded[1:] != padded[:-1])
-    return [(int(a) + offset, int(b) - 1 + offset) for a, b in zip(edges[::2], edges[1::2], strict=True)]
-
-
 def restore_key_groups(
     job_path: Path,
     op: OperatorCheckpoint,
@@ -735,7 +726,7 @@ def restore_key_groups(
     for f in sorted(files, key=lambda f: f.batch):
         a, b = max(f.start, rng.start), min(f.end, rng.end)
         need = f.batch >= snap[a - rng.start : b - rng.start + 1]
-        for ra, rb in _runs(need, a):
+        for ra, rb in mask_runs(need, a):
             table.apply(read_state_slice(job_path, f, KeyGroupRange(ra, rb)))
     out = table.to_arrow(table.rows_in_range(rng.start, rng.end, live_only=True))
     out = out.rename_columns([KEY_GROUP_COLUMN if c == KG_COLUMN else c for c in out.column_names])

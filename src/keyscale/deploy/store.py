@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keyscale.checkpoint.files import atomic_write_json
+from keyscale.checkpoint.files import atomic_write_json, is_locked
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.deploy.plan import Current, Desired, DesiredState
 from keyscale.deploy.spec import DeploymentError, DeploymentSpec
@@ -255,19 +255,7 @@ class DeploymentStore:
 
     def supervisor_running(self) -> bool:
         """True while some process holds the supervisor lock (it dies with its process)."""
-        path = self.path / "supervisor.lock"
-        if not path.exists():
-            return False
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        finally:
-            os.close(fd)
+        return is_locked(self.path / "supervisor.lock")
 
     def supervisor_pid(self) -> int | None:
         try:

@@ -40,7 +40,7 @@ from keyscale.operators.keyed import (
     run_process_function,
 )
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
-from keyscale.state.keygroups import KeyGroupRange, key_group_range
+from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor, is_numeric
 
@@ -102,15 +102,6 @@ class _Held:
 _HELD: dict[tuple[str, str], _Held] = {}
 
 
-def _runs(mask: np.ndarray, offset: int) -> list[tuple[int, int]]:
-    """Contiguous runs of True in ``mask`` as inclusive (start, end) + offset."""
-    if not mask.any():
-        return []
-    padded = np.concatenate([[False], mask, [False]])
-    edges = np.flatnonzero(padded[1:] != padded[:-1])
-    return [(int(a) + offset, int(b) - 1 + offset) for a, b in zip(edges[::2], edges[1::2], strict=True)]
-
-
 def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, int]]:
     """The worker's state for ``rng`` brought to version ``spec.committed``."""
     key = (spec.job_dir, spec.uid)
@@ -125,13 +116,13 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
     full = (ver < 0) | (ver > spec.committed) | (snap > ver)
     start_at = np.where(full, snap, ver + 1)  # first batch each key group still needs
     job_dir = Path(spec.job_dir)
-    for a, b in _runs(full, lo):
+    for a, b in mask_runs(full, lo):
         held.table.drop_key_groups(a, b)
     stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": 0}
     for f in sorted(files, key=lambda f: f.batch):
         a, b = max(f.start, lo), min(f.end, hi)
         need = f.batch >= start_at[a - lo : b - lo + 1]
-        runs = _runs(need, a)
+        runs = mask_runs(need, a)
         if not runs:
             continue
         stats["files_read"] += 1
@@ -146,7 +137,7 @@ def _evict(held: _Held, rng: KeyGroupRange, batch: int, keep_batches: int = 3) -
     """Forget key groups this worker has not served lately (they moved or another worker has them)."""
     held.last_used[rng.start : rng.end + 1] = batch
     stale = (held.version >= 0) & (held.last_used < batch - keep_batches)
-    for a, b in _runs(stale, 0):
+    for a, b in mask_runs(stale, 0):
         held.table.drop_key_groups(a, b)
         held.version[a : b + 1] = -1
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
+
 from keyscale.errors import KeyscaleError
 
 __all__ = [
@@ -207,3 +209,19 @@ def aligned_parallelism(target: int, max_parallelism: int, lower: int, upper: in
         if max_parallelism % p == 0:
             return p
     return clamped
+
+
+def mask_runs(mask: np.ndarray, offset: int = 0) -> list[tuple[int, int]]:
+    """Contiguous runs of True in ``mask`` as inclusive ``(start, end)``, shifted by ``offset``.
+
+    Key groups that need the same treatment come in runs; handling a run at once (one
+    slice of a state file, one drop) is what keeps per-key-group work off the hot path.
+
+    >>> mask_runs(np.array([False, True, True, False, True]), offset=10)
+    [(11, 12), (14, 14)]
+    """
+    if not mask.any():
+        return []
+    padded = np.concatenate([[False], mask, [False]])
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return [(int(a) + offset, int(b) - 1 + offset) for a, b in zip(edges[::2], edges[1::2], strict=True)]
