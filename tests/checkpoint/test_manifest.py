@@ -26,7 +26,6 @@ from keyscale.checkpoint.manifest import (
     files_overlapping,
     latest_snapshot_batches,
     live_files,
-    needs_full_reload,
     restore_chain,
 )
 from keyscale.errors import StateError
@@ -36,6 +35,12 @@ from keyscale.state.keygroups import KeyGroupRange, key_group_range
 
 State = dict[int, dict[int, int]]  # key group -> key -> value
 
+
+
+def needs_full_reload(files: list[StateFile], key_group: int, held_version: int) -> bool:
+    """The catch-up rule the task applies (vectorized in runtime.task.obtain_state)."""
+    snaps = [f.batch for f in files if f.kind == "snapshot" and f.start <= key_group <= f.end]
+    return held_version < 0 or (bool(snaps) and max(snaps) > held_version)
 
 @dataclass
 class History:

@@ -197,12 +197,6 @@ def restore_chain(files: Sequence[StateFile], key_group: int, after: int | None 
     return sorted((f for f in covering if f.batch >= start), key=lambda f: f.batch)
 
 
-def needs_full_reload(files: Sequence[StateFile], key_group: int, held_version: int) -> bool:
-    """True when a reader holding ``key_group`` at ``held_version`` cannot just catch up."""
-    snaps = [f.batch for f in files if f.kind == "snapshot" and f.start <= key_group <= f.end]
-    return held_version < 0 or (bool(snaps) and max(snaps) > held_version)
-
-
 def live_files(files: Sequence[StateFile], max_parallelism: int) -> list[StateFile]:
     """The files some key group still needs (its latest snapshot and later deltas)."""
     snap = latest_snapshot_batches(files, max_parallelism)

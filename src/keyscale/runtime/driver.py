@@ -510,12 +510,3 @@ class JobRunner:
             "updated_ms": int(time.time() * 1000),
             "operators": ops,
         }
-
-
-def run_job(opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None) -> RunSummary:
-    """Run a job (see :class:`RunOptions`); the CLI's ``keyscale run``."""
-    return JobRunner(opts, on_batch).run()
-
-
-def job_dir_path(path: str) -> Path:
-    return Path(path).absolute()
