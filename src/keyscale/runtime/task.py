@@ -152,7 +152,19 @@ def _null_check(spec: StageTask, table: pa.Table) -> None:
             )
 
 
-def _group_keys(spec: StageTask, table: pa.Table) -> tuple[np.ndarray, pd.Index, list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class _Grouped:
+    """A batch's records grouped by key: ``order[starts[j]:starts[j+1]]`` are key j's records."""
+
+    codes: np.ndarray  # per record, the index of its key
+    index: pd.Index  # the distinct keys, in order of first record
+    keys: list[np.ndarray]  # the same, one array per key column
+    kgs: np.ndarray  # key group per distinct key
+    order: np.ndarray
+    starts: np.ndarray
+
+
+def _group_keys(spec: StageTask, table: pa.Table) -> _Grouped:
     """Factorize the key columns: codes per record, unique keys (first-appearance order), etc."""
     key_arrays = []
     for k, t in zip(spec.key_names, spec.key_types, strict=True):
@@ -173,7 +185,43 @@ def _group_keys(spec: StageTask, table: pa.Table) -> tuple[np.ndarray, pd.Index,
     kgs = table.column(KG).to_numpy().astype(np.int32)[first] if n else np.empty(0, dtype=np.int32)
     order = np.argsort(codes, kind="stable")
     starts = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=n))]).astype(np.int64)
-    return codes, index, ukeys, kgs, order, starts
+    return _Grouped(codes, index, ukeys, kgs, order, starts)
+
+
+def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table) -> tuple[pa.Table, pd.Index]:
+    """One call for the whole batch; every key of the batch is written back."""
+    pos = held.table.positions(g.index)
+    batch = KeyedBatch(
+        records=user.to_pandas(types_mapper=_NULLABLE.get),
+        codes=g.codes,
+        keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, g.keys, strict=True)}),
+        state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states}),
+        order=g.order,
+        starts=g.starts,
+        batch_id=spec.batch_id,
+        processing_time=spec.batch_time_ms,
+    )
+    new_state, result = fn.process_batch(batch)
+    updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state}
+    held.table.upsert(g.keys, g.kgs, updates, index=g.index)
+    out = result if isinstance(result, pa.Table) else pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
+    return out, g.index
+
+
+def _run_per_key(
+    fn: KeyedProcessFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, opened: RuntimeContext, ctx: Context
+) -> tuple[pa.Table, pd.Index]:
+    """``fn.process`` per key with Python state values; only keys whose state changed are written back."""
+    columns = _python_columns(held, spec, held.table.positions(g.index))
+    row_type = namedtuple("Row", spec.input_schema.names, rename=True)  # type: ignore[misc]
+    rows = [row_type._make(r) for r in zip(*(c.to_pylist() for c in user.columns), strict=True)]
+    emitted = list(run_process_function(fn, opened._cursor, ctx, g.index.tolist(), g.kgs, g.order, g.starts, rows, columns))
+    dirty = np.fromiter(opened._cursor.dirty, dtype=bool, count=len(g.index))
+    if dirty.any():
+        sel = np.flatnonzero(dirty)
+        updates = {s.name: _from_python([columns[s.name][i] for i in sel], s) for s in spec.states}
+        held.table.upsert([u[sel] for u in g.keys], g.kgs[sel], updates, index=g.index[sel])
+    return rows_to_arrow(emitted, spec.output_schema, spec.uid), g.index[dirty]
 
 
 def _python_columns(held: _Held, spec: StageTask, pos: np.ndarray) -> dict[str, list[Any]]:
@@ -220,41 +268,14 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
         if spec.null_keys == "error":
             _null_check(spec, table)
-        codes, index, ukeys, kgs, order, starts = _group_keys(spec, table)
-        n_keys = len(index)
-        pos = held.table.positions(index)
+        grouped = _group_keys(spec, table)
+        n_keys = len(grouped.index)
         user = table.select(list(spec.input_schema.names))
         if isinstance(fn, VectorizedKeyedFunction):
-            kb = KeyedBatch(
-                records=user.to_pandas(types_mapper=_NULLABLE.get),
-                codes=codes,
-                keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, ukeys, strict=True)}),
-                state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states}),
-                order=order,
-                starts=starts,
-                batch_id=spec.batch_id,
-                processing_time=spec.batch_time_ms,
-            )
-            new_state, result = fn.process_batch(kb)
-            updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state}
-            held.table.upsert(ukeys, kgs, updates, index=index)
-            changed = index
-            out = result if isinstance(result, pa.Table) else pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
+            out, changed = _run_vectorized(fn, spec, held, grouped, user)
         else:
-            assert isinstance(fn, KeyedProcessFunction)
-            columns = _python_columns(held, spec, pos)
-            row_type = namedtuple("Row", spec.input_schema.names, rename=True)  # type: ignore[misc]
-            rows = [row_type._make(r) for r in zip(*(c.to_pylist() for c in user.columns), strict=True)]
-            keys_py = index.tolist()
             ctx = Context(spec.batch_id, spec.batch_time_ms, subtask)
-            emitted = list(run_process_function(fn, opened._cursor, ctx, keys_py, kgs, order, starts, rows, columns))
-            dirty = np.fromiter(opened._cursor.dirty, dtype=bool, count=n_keys)
-            if dirty.any():
-                sel = np.flatnonzero(dirty)
-                updates = {s.name: _from_python([columns[s.name][i] for i in sel], s) for s in spec.states}
-                held.table.upsert([u[sel] for u in ukeys], kgs[sel], updates, index=index[sel])
-            changed = index[dirty]
-            out = rows_to_arrow(emitted, spec.output_schema, spec.uid)
+            out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx)
         changed_rows = held.table.positions(changed)
 
     compact = spec.compact[subtask]
