@@ -1,4 +1,4 @@
-"""The ``keyscale`` command: run, rescale, status."""
+"""The ``keyscale`` command: run and control jobs, savepoints, deployments, the autoscaler simulator."""
 
 from __future__ import annotations
 
