@@ -266,6 +266,18 @@ class JobDir:
     def clear_rescale_requests(self) -> None:
         (self.control / "rescale.json").unlink(missing_ok=True)
 
+    def append_event(self, event: dict[str, Any]) -> None:
+        """One line of ``events.jsonl``: what the job decided or did, with its reason."""
+        with open(self.path / "events.jsonl", "a") as f:
+            f.write(json.dumps(event, sort_keys=True) + "\n")
+
+    def read_events(self) -> list[dict[str, Any]]:
+        try:
+            lines = (self.path / "events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [dict(json.loads(ln)) for ln in lines if ln.strip()]
+
     def write_status(self, status: dict[str, Any]) -> None:
         atomic_write_json(self.path / "status.json", status, durable=False)
 

@@ -35,6 +35,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         master=a.master, until_idle=a.until_idle, args=_parse_sets(a.set), trigger_interval=a.trigger_interval,
         retain=a.retain, max_chain=a.compaction_chain, fault=a.fault,
         from_savepoint=a.from_savepoint, allow_non_restored_state=a.allow_non_restored_state,
+        scaling=a.scaling, autoscaler_mode=a.autoscaler,
     )
     runner = JobRunner(opts)
 
@@ -280,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
+    r.add_argument("--scaling", choices=["fixed", "auto"], default="fixed", help="auto: the autoscaler watches every batch (default fixed)")
+    r.add_argument("--autoscaler", choices=["off", "recommend", "active"], default="recommend",
+                   help="with --scaling auto: recommend records decisions (status, events.jsonl) without acting; active applies them live")
     r.add_argument("--from-savepoint", metavar="SP", help="start a new job directory from a savepoint (any -p in 1..M)")
     r.add_argument("--allow-non-restored-state", action="store_true", help="drop state of operators the job no longer has")
     r.add_argument("--fault", help=argparse.SUPPRESS)

@@ -47,6 +47,7 @@ from keyscale.runtime.task import (
     read_reports,
     sidecar_path,
 )
+from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
 from keyscale.state.keygroups import (
     check_parallelism,
     default_max_parallelism,
@@ -77,6 +78,9 @@ class RunOptions:
     retain: int = 3
     max_chain: int = 8
     spark_conf: dict[str, str] = field(default_factory=dict)
+    scaling: str = "fixed"  # "fixed" | "auto"
+    autoscaler_mode: str = "recommend"  # with scaling "auto": "off" | "recommend" | "active"
+    autoscaler: AutoscalerConfig | None = None
     from_savepoint: str | None = None
     allow_non_restored_state: bool = False
     fault: str | None = None  # test-only: "<mid-batch|after-sink|in-compaction>:<batch>"
@@ -108,6 +112,17 @@ class RunSummary:
     @property
     def records(self) -> int:
         return sum(b.records for b in self.batches)
+
+
+def _seconds(interval: str) -> float | None:
+    """Seconds of a Spark trigger interval such as "1 second" or "200 milliseconds"."""
+    number, _, unit = interval.strip().partition(" ")
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    scale = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "minute": 60.0, "minutes": 60.0}.get(unit.strip().lower(), 1.0)
+    return value * scale
 
 
 class _StopRequested(Exception):
@@ -144,6 +159,14 @@ class JobRunner:
         self._query: StreamingQuery | None = None
         self._locked = False
         self._last_reports: dict[str, list[dict[str, Any]]] | None = None
+        self._autoscaler: Autoscaler | None = None
+        if opts.scaling == "auto" and opts.autoscaler_mode != "off":
+            if opts.autoscaler_mode not in ("recommend", "active"):
+                raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
+            self._autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig())
+        elif opts.scaling not in ("fixed", "auto"):
+            raise KeyscaleError(f"scaling must be fixed or auto, not {opts.scaling!r}")
+        self._decisions: dict[str, dict[str, Any]] = {}
         self.pipeline: Pipeline | None = None
         self.committed: Manifest | None = None
         self.parallelism: dict[str, int] = {}
@@ -387,6 +410,7 @@ class JobRunner:
             self.summary.skipped.append(batch_id)
             return
         started = time.perf_counter()
+        started_wall = time.time()
         intent = self.jobdir.read_intent(batch_id)
         replayed = intent is not None
         if intent is None:
@@ -421,6 +445,8 @@ class JobRunner:
         self.summary.batches.append(rec)
         self.summary.parallelism = dict(self.parallelism)
         self._last_reports = reports
+        if self._autoscaler is not None:
+            self._autoscale(batch_id, started_wall, seconds, par, reports)
         self.jobdir.write_status({**self._status(reports), "running": True})
         log.info(
             "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",
@@ -430,6 +456,28 @@ class JobRunner:
         )
         if self._on_batch_cb:
             self._on_batch_cb(rec)
+
+    def _autoscale(self, batch_id: int, started: float, seconds: float, par: dict[str, int], reports: dict[str, list[dict[str, Any]]]) -> None:
+        """Feed the batch's metrics to the autoscaler; record, and in active mode apply, its decision."""
+        assert self._autoscaler is not None
+        mode = self.opts.autoscaler_mode
+        interval = None if self.opts.until_idle else _seconds(self.opts.trigger_interval)
+        for uid, rs in reports.items():
+            m = BatchMetrics(
+                time=started, uid=uid, parallelism=par[uid], max_parallelism=self.max_parallelism,
+                input_records=sum(int(r["records"]) for r in rs), batch_seconds=seconds, trigger_interval_seconds=interval,
+                busy_seconds=tuple(float(r["busy_seconds"]) for r in rs), records=tuple(int(r["records"]) for r in rs),
+            )
+            d = self._autoscaler.observe(m)
+            event = {"type": "autoscaler", "mode": mode, "batch": batch_id, **d.to_dict()}
+            self._decisions[uid] = event
+            self.jobdir.append_event(event)
+            if d.changes:
+                if mode == "active":
+                    log.info("autoscaler: %s", d.reason)
+                    self.jobdir.request_rescale(d.target_parallelism, uid)
+                else:
+                    log.info("autoscaler recommends (not applied): %s", d.reason)
 
     def _keyed(self, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int) -> DataFrame:
         from pyspark.sql import functions as F
@@ -506,6 +554,8 @@ class JobRunner:
         return {
             "job": self.name,
             "pid": os.getpid(),
+            "scaling": {"mode": self.opts.scaling, "autoscaler": self.opts.autoscaler_mode if self._autoscaler else "off",
+                        "last_decisions": self._decisions},
             "last_checkpoint": self.committed.batch if self.committed else None,
             "updated_ms": int(time.time() * 1000),
             "operators": ops,
