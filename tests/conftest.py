@@ -93,6 +93,13 @@ def run_job(
     return JobRunner(opts, on_batch).run()
 
 
+def reference_output(tmp_path_factory: pytest.TempPathFactory, events: Path, parallelism: int = 1, **kw: Any) -> pd.DataFrame:
+    """The output of an uninterrupted run of the running count: what other runs must equal."""
+    tmp = tmp_path_factory.mktemp("ref")
+    run_job(RUNNING_COUNT, tmp / "job", parallelism, {"input": str(events), "output": str(tmp / "out")}, **kw)
+    return read_output(tmp / "out")
+
+
 def cli(*argv: str, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the keyscale CLI in a fresh process (its own Spark driver)."""
     proc = subprocess.run(

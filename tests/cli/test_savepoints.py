@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import ROOT, RUNNING_COUNT, cli, read_output, run_job, write_events
+from conftest import ROOT, RUNNING_COUNT, cli, read_output, reference_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.errors import StateError
@@ -33,9 +33,7 @@ def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    tmp = tmp_path_factory.mktemp("ref")
-    run_job(RUNNING_COUNT, tmp / "job", 1, {"input": str(events), "output": str(tmp / "out")})
-    return read_output(tmp / "out")
+    return reference_output(tmp_path_factory, events)
 
 
 def _stage(events: Path, inp: Path, files: slice) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import RUNNING_COUNT, read_output, run_job, write_events
+from conftest import RUNNING_COUNT, read_output, reference_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
 pytestmark = [pytest.mark.spark]
@@ -24,9 +24,7 @@ def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    tmp = tmp_path_factory.mktemp("ref")
-    run_job(RUNNING_COUNT, tmp / "job", 2, {"input": str(events), "output": str(tmp / "out")})
-    return read_output(tmp / "out")
+    return reference_output(tmp_path_factory, events, 2)
 
 
 def _damage_manifest(jd: JobDir) -> str:

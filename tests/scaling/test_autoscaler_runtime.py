@@ -7,8 +7,8 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import RUNNING_COUNT, read_output, run_job, write_events
 
+from conftest import RUNNING_COUNT, read_output, reference_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.scaling.policy import AutoscalerConfig
 
@@ -27,9 +27,7 @@ def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    tmp = tmp_path_factory.mktemp("ref")
-    run_job(RUNNING_COUNT, tmp / "job", 1, {"input": str(events), "output": str(tmp / "out")})
-    return read_output(tmp / "out")
+    return reference_output(tmp_path_factory, events)
 
 
 def test_recommend_mode_records_and_never_rescales(spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
