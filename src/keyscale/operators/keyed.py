@@ -134,7 +134,11 @@ class MapState(_State, Generic[K, V]):
 
 
 class RuntimeContext:
-    """Given to ``open``: declare state, learn where this instance runs."""
+    """Given to ``open``: declare state, learn where this instance runs.
+
+    ``ttl_seconds`` is recorded in the state's schema (checkpoints, savepoints) but not
+    enforced yet: state does not expire (state TTL comes with event time).
+    """
 
     def __init__(self, uid: str, subtask: int = 0, parallelism: int = 1, max_parallelism: int = 128):
         self.uid = uid

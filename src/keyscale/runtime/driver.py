@@ -289,6 +289,8 @@ class JobRunner:
             )
             writer = writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
+            if not self.pipeline.sink.exactly_once:
+                log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
             control = ControlServer(self)
             try:
                 self._query = writer.start()
