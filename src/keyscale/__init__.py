@@ -6,10 +6,10 @@ exactly-once checkpoints. See the README for the model and the CLI.
 
 >>> import keyscale as ks
 >>> ks.count()
-Agg(kind='count', column=None)
+Agg(kind='count', column=None, fn=None)
 """
 
-from keyscale._pipeline import JobContext, KeyedStream, Pipeline, Stream, stream
+from keyscale._pipeline import JobContext, KeyedStream, Pipeline, Stream, WindowedStream, stream
 from keyscale.errors import KeyscaleError
 from keyscale.operators.keyed import (
     Context,
@@ -17,6 +17,7 @@ from keyscale.operators.keyed import (
     ListState,
     MapState,
     RuntimeContext,
+    TimerService,
     ValueState,
 )
 from keyscale.operators.vectorized import (
@@ -28,6 +29,7 @@ from keyscale.operators.vectorized import (
     min,
     sum,
 )
+from keyscale.operators.windows import SessionWindows, SlidingWindows, TumblingWindows, reduce
 from keyscale.sinks.console import ConsoleSink
 from keyscale.sinks.parquet import ParquetSink
 
@@ -46,13 +48,19 @@ __all__ = [
     "ParquetSink",
     "Pipeline",
     "RuntimeContext",
+    "SessionWindows",
+    "SlidingWindows",
     "Stream",
+    "TimerService",
+    "TumblingWindows",
     "ValueState",
     "VectorizedKeyedFunction",
+    "WindowedStream",
     "count",
     "max",
     "mean",
     "min",
+    "reduce",
     "stream",
     "sum",
 ]

@@ -16,6 +16,7 @@ A job file defines ``build(ctx)`` returning a :class:`Pipeline`::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -23,8 +24,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError
-from keyscale.operators.keyed import KeyedProcessFunction, describe_states
+from keyscale.operators.eventtime import Duration, WatermarkSpec, parse_duration_ms
+from keyscale.operators.keyed import KeyedProcessFunction, describe_states, uses_timers
 from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyedFunction
+from keyscale.operators.windows import (
+    WINDOW_START,
+    Assigner,
+    SessionWindows,
+    SlidingWindows,
+    TumblingWindows,
+    WindowAggregate,
+)
 from keyscale.state.types import StateDescriptor, arrow_schema
 
 if TYPE_CHECKING:
@@ -34,6 +44,7 @@ if TYPE_CHECKING:
     from keyscale.sinks.base import Sink
 
 NullKeys = Literal["error", "drop"]
+log = logging.getLogger("keyscale")
 
 
 @dataclass
@@ -72,10 +83,18 @@ class KeyedStep:
     states: tuple[StateDescriptor, ...]
     null_keys: NullKeys = "error"
     parallelism: int | None = None  # the stage's own default, overriding the job's -p
+    event_time: str | None = None  # the stream's event-time column (with_watermark), if it has one
+    # State keyed by more than the routing key (windows: + window_start); key groups follow the key alone.
+    extra_state_keys: tuple[tuple[str, pa.DataType], ...] = ()
+    late_sink: Sink | None = None  # where records too late for a window go
 
     @property
     def vectorized(self) -> bool:
         return isinstance(self.function, VectorizedKeyedFunction)
+
+    @property
+    def state_key_columns(self) -> tuple[tuple[str, pa.DataType], ...]:
+        return (*zip(self.key_names, self.key_types, strict=True), *self.extra_state_keys)
 
 
 def _to_arrow_schema(schema: StructType) -> pa.Schema:
@@ -93,10 +112,42 @@ def _to_spark_schema(schema: pa.Schema) -> StructType:
 class Stream:
     """A stream of rows: a Spark streaming DataFrame plus the stages applied per batch."""
 
-    def __init__(self, source: DataFrame, steps: tuple[TransformStep | KeyedStep, ...] = (), schema: StructType | None = None):
+    def __init__(
+        self, source: DataFrame, steps: tuple[TransformStep | KeyedStep, ...] = (), schema: StructType | None = None,
+        watermark: WatermarkSpec | None = None,
+    ):
         self._source = source
         self._steps = steps
         self._schema: StructType = schema if schema is not None else source.schema
+        self._watermark = watermark
+
+    @property
+    def watermark(self) -> WatermarkSpec | None:
+        return self._watermark
+
+    def with_watermark(self, column: str, max_out_of_orderness: Duration = 0, idleness: Duration | None = None) -> Stream:
+        """Event time: ``column`` (a timestamp, or epoch milliseconds) with a bounded out-of-orderness.
+
+        The watermark trails the largest event time seen by ``max_out_of_orderness``; with
+        ``idleness``, an input that has had no records for that long no longer holds it
+        back, and when all are idle it follows the clock (``idleness`` behind). It advances
+        between batches, is checkpointed, and never goes back. See :mod:`keyscale.operators.eventtime`.
+
+        ``ks.stream(df).with_watermark("ts", "10 seconds")``
+        """
+        if self._watermark is not None:
+            raise JobDefinitionError(f"the stream already has a watermark on '{self._watermark.column}'")
+        if column not in self.columns:
+            raise JobDefinitionError(f"event-time column '{column}' is not in the stream (columns: {', '.join(self.columns)})")
+        t = _to_arrow_schema(self._schema).field(column).type
+        if not (pa.types.is_timestamp(t) or pa.types.is_integer(t)):
+            raise JobDefinitionError(f"event-time column '{column}' has type {t}; it must be a timestamp or epoch milliseconds (long)")
+        spec = WatermarkSpec(
+            column,
+            parse_duration_ms(max_out_of_orderness, "max_out_of_orderness"),
+            None if idleness is None else parse_duration_ms(idleness, "idleness"),
+        )
+        return Stream(self._source, self._steps, self._schema, spec)
 
     @property
     def columns(self) -> list[str]:
@@ -110,7 +161,7 @@ class Stream:
         """Apply ordinary PySpark transformations (filter, select, withColumn, joins with static data)."""
         spark = self._source.sparkSession
         probe = fn(spark.createDataFrame([], self._schema))
-        return Stream(self._source, (*self._steps, TransformStep(fn)), probe.schema)
+        return Stream(self._source, (*self._steps, TransformStep(fn)), probe.schema, self._watermark)
 
     def filter(self, condition: Column | str) -> Stream:
         """Keep rows matching ``condition`` (a Column or a SQL expression)."""
@@ -140,10 +191,10 @@ class Stream:
 
     def sink(self, sink: Sink) -> Pipeline:
         """End the pipeline in a sink."""
-        return Pipeline(self._source, self._steps, sink, self._schema)
+        return Pipeline(self._source, self._steps, sink, self._schema, self._watermark)
 
     def _with(self, step: KeyedStep) -> Stream:
-        return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema))
+        return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
 
 
 class KeyedStream:
@@ -156,7 +207,10 @@ class KeyedStream:
         self._input = _to_arrow_schema(stream.schema)
         self._key_types = tuple(self._input.field(k).type for k in key_names)
 
-    def _step(self, uid: str, fn: Any, output: pa.Schema, states: list[StateDescriptor], parallelism: int | None) -> Stream:
+    def _step(
+        self, uid: str, fn: Any, output: pa.Schema, states: list[StateDescriptor], parallelism: int | None,
+        extra_keys: tuple[tuple[str, pa.DataType], ...] = (), late_sink: Sink | None = None,
+    ) -> Stream:
         if not uid or not uid.replace("-", "").replace("_", "").isalnum():
             raise JobDefinitionError(f"uid {uid!r} must be a non-empty name of letters, digits, '-' and '_'")
         used = {s.uid for s in self._stream._steps if isinstance(s, KeyedStep)}
@@ -165,7 +219,12 @@ class KeyedStream:
         clash = [s.name for s in states if s.name in self._keys]
         if clash:
             raise JobDefinitionError(f"operator '{uid}': state '{clash[0]}' has the name of a key column")
-        step = KeyedStep(uid, self._keys, self._key_types, self._input, fn, output, tuple(states), self._null_keys, parallelism)
+        wm = self._stream.watermark
+        event_time = wm.column if wm is not None and wm.column in self._input.names else None
+        step = KeyedStep(
+            uid, self._keys, self._key_types, self._input, fn, output, tuple(states), self._null_keys, parallelism, event_time,
+            extra_keys, late_sink,
+        )
         return self._stream._with(step)
 
     def process(self, function: KeyedProcessFunction | VectorizedKeyedFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None) -> Stream:
@@ -175,7 +234,26 @@ class KeyedStream:
         """
         if not isinstance(function, KeyedProcessFunction | VectorizedKeyedFunction):
             raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} is not a KeyedProcessFunction or VectorizedKeyedFunction")
+        if uses_timers(function) and self._stream.watermark is None:
+            log.info("operator '%s' has on_timer but the stream has no watermark: only processing-time timers will fire", uid)
         return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism)
+
+    def window(self, assigner: Assigner, allowed_lateness: Duration = 0, late_output: Sink | None = None) -> WindowedStream:
+        """Event-time windows per key: ``TumblingWindows``, ``SlidingWindows`` or ``SessionWindows``.
+
+        A window emits its result once the watermark passes its end, and again whenever
+        records within ``allowed_lateness`` update it; records later than that go to
+        ``late_output`` (a sink, written exactly-once with the batch) or are dropped.
+
+        ``.key_by("user").window(ks.TumblingWindows("1 minute")).aggregate(uid="per_minute", n=ks.count())``
+        """
+        if self._stream.watermark is None:
+            raise JobDefinitionError("window() needs event time: call with_watermark(column, ...) on the stream first")
+        if self._stream.watermark.column not in self._input.names:
+            raise JobDefinitionError(f"window(): the event-time column '{self._stream.watermark.column}' is not in the stream any more")
+        if not isinstance(assigner, TumblingWindows | SlidingWindows | SessionWindows):
+            raise JobDefinitionError(f"window() takes TumblingWindows, SlidingWindows or SessionWindows, not {type(assigner).__name__}")
+        return WindowedStream(self, assigner, parse_duration_ms(allowed_lateness, "allowed_lateness"), late_output)
 
     def aggregate(self, uid: str, parallelism: int | None = None, **aggs: Agg) -> Stream:
         """Vectorized running aggregates per key; emits (key..., aggregates) for every key updated in a batch.
@@ -188,6 +266,27 @@ class KeyedStream:
         return self._step(uid, fn, out, fn.state_descriptors(), parallelism)
 
 
+class WindowedStream:
+    """A keyed stream cut into windows; ``aggregate`` adds the window operator."""
+
+    def __init__(self, keyed: KeyedStream, assigner: Assigner, lateness_ms: int, late_output: Sink | None):
+        self._keyed = keyed
+        self._assigner = assigner
+        self._lateness_ms = lateness_ms
+        self._late = late_output
+
+    def aggregate(self, uid: str, parallelism: int | None = None, **aggs: Agg) -> Stream:
+        """Incremental aggregates per key and window: ``count()``, ``sum``, ``min``, ``max``,
+        ``mean`` (vectorized) and ``reduce(column, fn)``. Emits (key..., window_start, window_end, aggregates)."""
+        k = self._keyed
+        wm = k._stream.watermark
+        assert wm is not None
+        types = {f.name: f.type for f in k._input}
+        fn = WindowAggregate(self._assigner, dict(aggs), list(k._keys), types, wm.column, self._lateness_ms)
+        out = pa.schema([*(k._input.field(c) for c in k._keys), *fn.output_fields()])
+        return k._step(uid, fn, out, fn.state_descriptors(), parallelism, ((WINDOW_START, pa.int64()),), self._late)
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """A complete job: source, stages, sink."""
@@ -196,10 +295,16 @@ class Pipeline:
     steps: tuple[TransformStep | KeyedStep, ...]
     sink: Sink
     schema: StructType
+    watermark: WatermarkSpec | None = None
 
     @property
     def keyed_steps(self) -> list[KeyedStep]:
         return [s for s in self.steps if isinstance(s, KeyedStep)]
+
+    @property
+    def sinks(self) -> list[Sink]:
+        """The main sink and every side-output sink."""
+        return [self.sink, *(s.late_sink for s in self.keyed_steps if s.late_sink is not None)]
 
 
 def stream(df: DataFrame) -> Stream:

@@ -217,9 +217,10 @@ def test_describe_states() -> None:
         StateDescriptor("total", "value", pa.int64()),
         StateDescriptor("hist", "list", pa.float64(), ttl_seconds=60),
         StateDescriptor("seen", "map", pa.list_(pa.int64()), map_key_type=pa.string()),
+        StateDescriptor("__ttl_hist", "value", pa.int64()),  # when 'hist' was last written, per key
     ]
-    assert [s.column_type for s in states] == [pa.int64(), pa.list_(pa.float64()), pa.map_(pa.string(), pa.list_(pa.int64()))]
-    assert states[1].to_json() == {"name": "hist", "kind": "list", "type": "list<item: double>", "ttl_seconds": 60}
+    assert [s.column_type for s in states[:3]] == [pa.int64(), pa.list_(pa.float64()), pa.map_(pa.string(), pa.list_(pa.int64()))]
+    assert states[1].to_json() == {"name": "hist", "kind": "list", "type": "list<item: double>", "ttl_seconds": 60, "ttl_refresh": "on_write"}
     assert fn.opened == 0 and not hasattr(fn, "total")  # open ran on a copy
 
 

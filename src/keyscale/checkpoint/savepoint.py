@@ -1001,7 +1001,11 @@ def restore_savepoint(
         manifest = Manifest(
             job=job_name, batch=batch, batch_time_ms=info.batch_time_ms, operators=ops,
             watermark_ms=info.watermark_ms, created_ms=int(time.time() * 1000),
-            extra={"restored_from": {"savepoint": str(info.path), "job": info.job, "batch": info.batch}},
+            extra={
+                "restored_from": {"savepoint": str(info.path), "job": info.job, "batch": info.batch},
+                # event time and source positions travel with the savepoint
+                **{k: v for k, v in info.extra.get("checkpoint", {}).items() if k in ("watermark", "drained")},
+            },
         )
         job_dir.commit(manifest)
     except BaseException:

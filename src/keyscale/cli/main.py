@@ -35,7 +35,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         master=a.master, until_idle=a.until_idle, args=_parse_sets(a.set), trigger_interval=a.trigger_interval,
         retain=a.retain, max_chain=a.compaction_chain, fault=a.fault,
         from_savepoint=a.from_savepoint, allow_non_restored_state=a.allow_non_restored_state,
-        scaling=a.scaling, autoscaler_mode=a.autoscaler,
+        scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
     )
     runner = JobRunner(opts)
 
@@ -276,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-parallelism", type=int, help="number of key groups, fixed at the first run")
     r.add_argument("--master", default="local[2]", help="Spark master URL (default local[2])")
     r.add_argument("--until-idle", action="store_true", help="process all available input, then exit")
+    r.add_argument("--drain-at-end", action="store_true",
+                   help="with --until-idle: end with a drain batch (watermark at the end of time: every timer and window fires)")
     r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an argument for the job")
     r.add_argument("--trigger-interval", default="1 second")
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
@@ -313,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("job_dir")
     so.add_argument("--savepoint", action="store_true", help="take a savepoint first and print its path")
     so.add_argument("--drain", action="store_true",
-                    help="advance event time to the end first, so pending event-time work completes (no event time yet: same as --savepoint)")
+                    help="end with one more batch whose watermark is at the end of time (every event-time timer and window fires), then a savepoint; the job cannot resume after it")
     so.add_argument("--dest", help="savepoint folder")
     so.add_argument("--timeout", type=float, default=600)
     so.set_defaults(func=cmd_stop)
@@ -335,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_apply_parser(sub)
     add_deployment_parsers(sub)
+    from keyscale.cli.log import add_log_parsers
+    add_log_parsers(sub)
 
     from keyscale.scaling.simulate import add_simulate_parser
 

@@ -7,6 +7,7 @@ new state of those keys and the output rows. Built-in running aggregates sit on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -108,20 +109,21 @@ def unmasked(column: Any, t: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
 
 # -- built-in running aggregates ---------------------------------------------------------------
 
-AggKind = Literal["count", "sum", "min", "max", "mean"]
+AggKind = Literal["count", "sum", "min", "max", "mean", "reduce"]
 
 
 @dataclass(frozen=True)
 class Agg:
-    """A running aggregate of one column (or of records, for count)."""
+    """An aggregate of one column (or of records, for count); ``fn`` for a custom reduce."""
 
     kind: AggKind
     column: str | None = None
+    fn: Callable[[Any, Any], Any] | None = None
 
 
-def count() -> Agg:
-    """Number of records per key, ever."""
-    return Agg("count")
+def count(column: str | None = None) -> Agg:
+    """Number of records per key (with ``column``: of records where it is not null)."""
+    return Agg("count", column)
 
 
 def sum(column: str) -> Agg:
@@ -154,12 +156,17 @@ class RunningAggregate(VectorizedKeyedFunction):
         self.key_names = key_names
         self.types: dict[str, pa.DataType] = {}
         for name, agg in aggs.items():
-            if agg.kind == "count":
+            if agg.kind == "reduce":
+                raise JobDefinitionError(f"aggregate '{name}': reduce() is for windows; for a running reduce write a KeyedProcessFunction")
+            if agg.kind == "count" and agg.column is None:
                 self.types[name] = pa.int64()
                 continue
             if agg.column not in input_types:
                 raise JobDefinitionError(f"aggregate '{name}': column '{agg.column}' is not in the stream (columns: {', '.join(input_types)})")
             t = input_types[agg.column]
+            if agg.kind == "count":
+                self.types[name] = pa.int64()
+                continue
             if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
                 raise JobDefinitionError(f"aggregate '{name}': column '{agg.column}' has type {t}, not a number")
             if agg.kind == "sum":
@@ -193,7 +200,7 @@ class RunningAggregate(VectorizedKeyedFunction):
         for name, agg in self.aggs.items():
             if agg.kind == "count":
                 old = batch.state[name].to_numpy(dtype=np.int64, na_value=0)
-                new[name] = out[name] = old + batch.count()
+                new[name] = out[name] = old + batch.count(agg.column)
                 continue
             assert agg.column is not None
             seen = batch.count(agg.column)
@@ -209,7 +216,7 @@ class RunningAggregate(VectorizedKeyedFunction):
             t = self.types[name]
             dtype = t.to_pandas_dtype()
             old = prev.to_numpy(dtype=dtype, na_value=0)
-            cur = batch.reduce(agg.column, agg.kind).astype(dtype, copy=False)
+            cur = batch.reduce(agg.column, agg.kind)  # type: ignore[arg-type]  # reduce refused in __init__.astype(dtype, copy=False)
             fresh = seen > 0
             if agg.kind == "sum":
                 val = old + np.where(fresh, cur, 0)

@@ -91,7 +91,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, {"savepoint": str(r.take_savepoint(body.get("dest")))})
             elif self.path in ("/stop", "/cancel"):
                 out: dict[str, Any] = {"stopping": True}
-                if self.path == "/stop" and (body.get("savepoint") or body.get("drain")):
+                if self.path == "/stop" and body.get("drain"):
+                    log.info("stopping with a drain: event time advances to the end, then a final savepoint")
+                    out["savepoint"] = str(r.drain(body.get("dest")))
+                elif self.path == "/stop" and body.get("savepoint"):
                     out["savepoint"] = str(r.take_savepoint(body.get("dest"), then_stop=True))
                 log.info("stopping at a batch boundary (%s)", "after a savepoint" if "savepoint" in out else "no savepoint")
                 r.stop()

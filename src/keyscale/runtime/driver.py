@@ -21,7 +21,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,15 +37,21 @@ from keyscale.checkpoint.manifest import (
     live_files,
 )
 from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
+from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState
+from keyscale.operators.eventtime import advance as advance_watermark
+from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
     KG,
+    LATE,
+    MAIN,
     SEQ,
     StageTask,
     make_stage_function,
     read_reports,
+    side_output_schema,
     sidecar_path,
 )
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
@@ -59,6 +66,8 @@ from keyscale.state.spark_hash import routing_values
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
+
+    from keyscale.sinks.base import Sink
 
 log = logging.getLogger("keyscale")
 
@@ -83,6 +92,7 @@ class RunOptions:
     autoscaler: AutoscalerConfig | None = None
     from_savepoint: str | None = None
     allow_non_restored_state: bool = False
+    drain_at_end: bool = False  # with until_idle: end with a drain (every event-time timer and window fires)
     fault: str | None = None  # test-only: "<mid-batch|after-sink|in-compaction>:<batch>"
 
 
@@ -123,6 +133,15 @@ def _seconds(interval: str) -> float | None:
         return None
     scale = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "minute": 60.0, "minutes": 60.0}.get(unit.strip().lower(), 1.0)
     return value * scale
+
+
+def _watermark_of(m: Manifest | None) -> WatermarkState:
+    if m is None:
+        return WatermarkState()
+    state = WatermarkState.from_json(m.extra.get("watermark"))
+    if m.watermark_ms is not None and m.watermark_ms > state.watermark_ms:
+        state = replace(state, watermark_ms=m.watermark_ms)
+    return state
 
 
 class _StopRequested(Exception):
@@ -172,6 +191,9 @@ class JobRunner:
         self.parallelism: dict[str, int] = {}
         self.max_parallelism = 0
         self.name = ""
+        self.watermark = WatermarkState()
+        self._drain = threading.Event()
+        self._drained: Future[Path | None] = Future()
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> SparkSession:
@@ -200,6 +222,11 @@ class JobRunner:
             log.warning("%s; set it aside", why)
         self.committed = rec.manifest
         self.summary.discarded = rec.discarded
+        if rec.manifest is not None and rec.manifest.extra.get("drained"):
+            raise JobDirError(
+                f"job '{self.name}' in {self.jobdir.path} was drained (stopped with --drain): its event time is at the end, "
+                "so it cannot resume; start a new job directory from its savepoint with --from-savepoint"
+            )
         if rec.manifest is not None:
             self.summary.recovered_from = rec.manifest.batch
             fell_back = " (the newer ones were damaged)" if rec.discarded else ""
@@ -214,6 +241,9 @@ class JobRunner:
         if opts.from_savepoint:
             self._restore_savepoint(pipeline, opts.from_savepoint)
         self._plan_parallelism(pipeline)
+        self.watermark = _watermark_of(self.committed)
+        if pipeline.watermark is not None and self.watermark.watermark_ms > NO_WATERMARK:
+            log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
         return spark
 
     def _restore_savepoint(self, pipeline: Pipeline, savepoint: str) -> None:
@@ -224,7 +254,7 @@ class JobRunner:
                 f"job directory {self.jobdir.path} already has checkpoint {self.committed.batch}; "
                 "--from-savepoint starts a new job directory (or drop the flag to resume from the checkpoint)"
             )
-        specs = {s.uid: OperatorSpec(tuple(zip(s.key_names, s.key_types, strict=True)), s.states) for s in pipeline.keyed_steps}
+        specs = {s.uid: OperatorSpec(s.state_key_columns, s.states) for s in pipeline.keyed_steps}
         log.info("restoring from savepoint %s", savepoint)
         self.committed = restore_savepoint(
             Path(savepoint), self.jobdir, self.name, specs,
@@ -253,7 +283,7 @@ class JobRunner:
         for step in pipeline.keyed_steps:
             prev = old.get(step.uid)
             if prev is not None:
-                want_keys = tuple((k, str(t)) for k, t in zip(step.key_names, step.key_types, strict=True))
+                want_keys = tuple((k, str(t)) for k, t in step.state_key_columns)
                 if prev.key_columns != want_keys:
                     raise StateError(f"operator '{step.uid}': its state is keyed by {list(prev.key_columns)}, the job now keys by {list(want_keys)}")
                 # Added states start absent and dropped ones are ignored; a changed type needs
@@ -279,9 +309,10 @@ class JobRunner:
         try:
             spark = self._prepare()
             assert self.pipeline is not None
-            sink_cleanup = getattr(self.pipeline.sink, "cleanup", None)
-            if callable(sink_cleanup):
-                sink_cleanup()
+            for sink in self.pipeline.sinks:
+                sink_cleanup = getattr(sink, "cleanup", None)
+                if callable(sink_cleanup):
+                    sink_cleanup()
             writer = (
                 self.pipeline.source.writeStream.foreachBatch(self._on_batch)
                 .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
@@ -295,9 +326,14 @@ class JobRunner:
             try:
                 self._query = writer.start()
                 self._wait()
+                if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
+                    self._run_drain(spark)
+            except BaseException as e:
+                if not self._drained.done():
+                    self._drained.set_exception(e)
+                raise
             finally:
                 control.close()
-            _ = spark
         finally:
             if self._locked:
                 self.jobdir.write_status({**self._status(self._last_reports), "running": False})
@@ -335,6 +371,31 @@ class JobRunner:
     def stop(self) -> None:
         """Ask the job to stop after the current batch (safe from any thread)."""
         self._stop.set()
+
+    def drain(self, dest: str | None = None, timeout: float = 600) -> Path:
+        """Stop with a drain: after the current batch, one last batch runs with the watermark at
+        the end of time (every event-time timer and window fires), then the final savepoint.
+
+        Safe from any thread; returns the savepoint's path once it is written.
+        """
+        self._drain_dest = dest
+        self._drain.set()
+        self._stop.set()
+        path = self._drained.result(timeout)
+        assert path is not None
+        return path
+
+    def _run_drain(self, spark: SparkSession) -> None:
+        assert self.pipeline is not None
+        batch_id = self.committed.batch + 1 if self.committed else 0
+        log.info("draining: batch %d runs with the watermark at the end of time, so every event-time timer and window fires", batch_id)
+        empty = spark.createDataFrame([], self.pipeline.source.schema)
+        with self._batch_lock:
+            self._run_batch_locked(empty, batch_id, drain=True)
+        path: Path | None = None
+        if self._drain.is_set():
+            path = self.take_savepoint(getattr(self, "_drain_dest", None))
+        self._drained.set_result(path)
 
     def take_savepoint(self, dest: str | None = None, then_stop: bool = False) -> Path:
         """A savepoint of the last committed batch, taken between two batches.
@@ -405,7 +466,9 @@ class JobRunner:
                 raise _StopRequested(batch_id)
             self._run_batch_locked(df, batch_id)
 
-    def _run_batch_locked(self, df: DataFrame, batch_id: int) -> None:
+    def _run_batch_locked(self, df: DataFrame, batch_id: int, drain: bool = False) -> None:
+        from pyspark.sql import functions as F
+
         assert self.pipeline is not None
         if self.jobdir.has_manifest(batch_id):
             log.info("batch %d is already committed; skipping its replay", batch_id)
@@ -417,30 +480,52 @@ class JobRunner:
         replayed = intent is not None
         if intent is None:
             self._apply_rescale_requests(batch_id)
-            intent = {"batch_time_ms": int(time.time() * 1000), "parallelism": dict(self.parallelism)}
+            intent = {
+                "batch_time_ms": int(time.time() * 1000), "parallelism": dict(self.parallelism),
+                "watermark_ms": END_OF_TIME if drain else self.watermark.watermark_ms,
+            }
             self.jobdir.write_intent(batch_id, intent)
         else:
             log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
         par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
+        watermark_ms = int(intent.get("watermark_ms", self.watermark.watermark_ms))
         for keyed in self.pipeline.keyed_steps:
             for s in range(par[keyed.uid]):
                 sidecar_path(self.jobdir.path, keyed.uid, batch_id, s).unlink(missing_ok=True)
 
         out = df
+        side: list[tuple[Sink, DataFrame, DataFrame]] = []
         for step in self.pipeline.steps:
             if isinstance(step, TransformStep):
                 out = step.fn(out)
-            else:
-                out = self._keyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid])
+                continue
+            out = self._keyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], watermark_ms)
+            if step.late_sink is not None:
+                # The stage runs once (cached); its rows split into the main and the late stream.
+                staged = out.persist()
+                out = staged.where(F.col(MAIN).isNotNull()).select(f"{MAIN}.*")
+                side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*"), staged))
         spark_started = time.perf_counter()
-        self.pipeline.sink.write(out, batch_id)
+        try:
+            self.pipeline.sink.write(out, batch_id)
+            for sink, late_df, _ in side:
+                sink.write(late_df, batch_id)
+        finally:
+            for *_, staged in side:
+                staged.unpersist()
         spark_seconds = time.perf_counter() - spark_started
         if self._fault("after-sink", batch_id):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        manifest, records, emitted, reports = self._manifest(batch_id, int(intent["batch_time_ms"]), par)
+        batch_time_ms = int(intent["batch_time_ms"])
+        manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par)
+        wm = self._next_watermark(reports, batch_time_ms, watermark_ms)
+        manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), **({"drained": True} if drain else {})})
         self.jobdir.commit(manifest)
         self.committed = manifest
+        if wm.watermark_ms != self.watermark.watermark_ms and self.pipeline.watermark is not None:
+            log.info("batch %d: watermark advanced to %s", batch_id, describe_watermark(wm.watermark_ms))
+        self.watermark = wm
         removed = self.jobdir.retain(self.opts.retain)
         seconds = time.perf_counter() - started
         rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed)
@@ -458,6 +543,19 @@ class JobRunner:
         )
         if self._on_batch_cb:
             self._on_batch_cb(rec)
+
+    def _next_watermark(self, reports: dict[str, list[dict[str, Any]]], batch_time_ms: int, ran_with: int) -> WatermarkState:
+        """The watermark after this batch, from the event times its first event-time stage saw."""
+        spec = self.pipeline.watermark if self.pipeline else None
+        now = replace(self.watermark, watermark_ms=max(self.watermark.watermark_ms, ran_with))
+        if spec is None or ran_with >= END_OF_TIME:
+            return now
+        assert self.pipeline is not None
+        stage = next((s for s in self.pipeline.keyed_steps if s.event_time), None)
+        if stage is None:
+            return now
+        seen = [int(r["max_event_ms"]) for r in reports[stage.uid] if r.get("max_event_ms") is not None]
+        return advance_watermark(spec, now, {"source": max(seen) if seen else None}, batch_time_ms)
 
     def _autoscale(self, batch_id: int, started: float, seconds: float, par: dict[str, int], reports: dict[str, list[dict[str, Any]]]) -> None:
         """Feed the batch's metrics to the autoscaler; record, and in active mode apply, its decision."""
@@ -481,7 +579,7 @@ class JobRunner:
                 else:
                     log.info("autoscaler recommends (not applied): %s", d.reason)
 
-    def _keyed(self, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int) -> DataFrame:
+    def _keyed(self, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int) -> DataFrame:
         from pyspark.sql import functions as F
         from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -500,7 +598,8 @@ class JobRunner:
             output_schema=step.output_schema, states=step.states, null_keys=step.null_keys,
             max_parallelism=m, parallelism=p, batch_id=batch_id, batch_time_ms=batch_time_ms,
             committed=self.committed.batch if self.committed else -1, files=files, compact=compact,
-            fault=fault, driver_pid=os.getpid(),
+            fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
+            extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
         )
         keys = [F.col(k) for k in step.key_names]
         cols = [F.col(c) for c in step.input_schema.names]
@@ -514,7 +613,8 @@ class JobRunner:
             # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
             .repartition(p, F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
         )
-        return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(step.output_schema))
+        schema = side_output_schema(step.output_schema, step.input_schema) if spec.late_output else step.output_schema
+        return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
 
     def _manifest(self, batch_id: int, batch_time_ms: int, par: dict[str, int]) -> tuple[Manifest, int, int, dict[str, list[dict[str, Any]]]]:
         assert self.pipeline is not None
@@ -533,7 +633,7 @@ class JobRunner:
             files = live_files([*(prev.files if prev else ()), *new], self.max_parallelism)
             ops[step.uid] = OperatorCheckpoint(
                 uid=step.uid, max_parallelism=self.max_parallelism, parallelism=p,
-                key_columns=tuple((k, str(t)) for k, t in zip(step.key_names, step.key_types, strict=True)),
+                key_columns=tuple((k, str(t)) for k, t in step.state_key_columns),
                 states=tuple(d.to_json() for d in step.states), files=tuple(files),
             )
         manifest = Manifest(job=self.name, batch=batch_id, batch_time_ms=batch_time_ms, operators=ops, created_ms=int(time.time() * 1000))
@@ -559,6 +659,8 @@ class JobRunner:
             "scaling": {"mode": self.opts.scaling, "autoscaler": self.opts.autoscaler_mode if self._autoscaler else "off",
                         "last_decisions": self._decisions},
             "last_checkpoint": self.committed.batch if self.committed else None,
+            "watermark": describe_watermark(self.watermark.watermark_ms) if self.pipeline and self.pipeline.watermark else None,
+            "watermark_ms": self.watermark.watermark_ms if self.pipeline and self.pipeline.watermark else None,
             "updated_ms": int(time.time() * 1000),
             "operators": ops,
         }

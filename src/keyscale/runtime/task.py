@@ -32,16 +32,20 @@ import pyarrow as pa
 from keyscale.checkpoint.files import atomic_write_json, read_state_slice, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
 from keyscale.errors import InputDataError, KeyscaleError
+from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms
 from keyscale.operators.keyed import (
+    TIMER_STATES,
     Context,
     KeyedProcessFunction,
     RuntimeContext,
     rows_to_arrow,
     run_process_function,
+    ttl_column,
 )
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
+from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
-from keyscale.state.table import KeyedStateTable
+from keyscale.state.table import KeyedStateTable, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
 
 SEQ = "__seq"
@@ -77,6 +81,14 @@ class StageTask:
     compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
     fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction"
     driver_pid: int = 0
+    watermark_ms: int = NO_WATERMARK  # the watermark this batch runs with
+    event_time: str | None = None  # the event-time column whose maximum the task reports
+    extra_keys: tuple[tuple[str, pa.DataType], ...] = ()  # state key columns after the routing key
+    late_output: bool = False  # the stage also returns records too late for its windows
+
+    @property
+    def timers(self) -> bool:
+        return any(s.name == TIMER_STATES["event_time"][1] for s in self.states)
 
 
 def state_file_name(uid: str, batch: int, subtask: int, kind: str) -> str:
@@ -92,10 +104,15 @@ class _Held:
 
     def __init__(self, spec: StageTask):
         self.run_id = spec.run_id
-        self.signature = (spec.key_names, spec.states, spec.max_parallelism)
-        self.table = KeyedStateTable(spec.key_names, spec.key_types, spec.states)
+        self.signature = _signature(spec)
+        names = [*spec.key_names, *(k for k, _ in spec.extra_keys)]
+        self.table = KeyedStateTable(names, [*spec.key_types, *(t for _, t in spec.extra_keys)], spec.states)
         self.version = np.full(spec.max_parallelism, -1, dtype=np.int64)
         self.last_used = np.full(spec.max_parallelism, -1, dtype=np.int64)
+
+
+def _signature(spec: StageTask) -> tuple[Any, ...]:
+    return (spec.key_names, spec.extra_keys, spec.states, spec.max_parallelism)
 
 
 # Lives as long as the Python worker process: that is what keeps state warm.
@@ -106,7 +123,7 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
     """The worker's state for ``rng`` brought to version ``spec.committed``."""
     key = (spec.job_dir, spec.uid)
     held = _HELD.get(key)
-    if held is None or held.run_id != spec.run_id or held.signature != (spec.key_names, spec.states, spec.max_parallelism):
+    if held is None or held.run_id != spec.run_id or held.signature != _signature(spec):
         held = _HELD[key] = _Held(spec)
     lo, hi = rng.start, rng.end
     ver = held.version[lo : hi + 1].copy()
@@ -203,25 +220,74 @@ def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g
     )
     new_state, result = fn.process_batch(batch)
     updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state}
+    for s in spec.states:  # what was written restarts its TTL clock
+        if s.ttl_seconds is not None and s.name in updates:
+            ok = updates[s.name][1]
+            updates[ttl_column(s.name)] = (np.full(len(ok), spec.batch_time_ms, dtype=np.int64), ok.copy())
     held.table.upsert(g.keys, g.kgs, updates, index=g.index)
     out = result if isinstance(result, pa.Table) else pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
     return out, g.index
 
 
+def _with_due_keys(g: _Grouped, held: _Held, due_rows: np.ndarray) -> tuple[_Grouped, np.ndarray]:
+    """The batch's keys followed by keys that have only due timers; and which keys are due."""
+    if not len(due_rows):
+        return g, np.zeros(len(g.index), dtype=bool)
+    due_keys = [k[due_rows] for k in held.table.keys]
+    due_index = make_index(due_keys)
+    extra = ~np.asarray(due_index.isin(g.index), dtype=bool)
+    index = g.index.append(due_index[extra])
+    keys = [np.concatenate([a, b[extra].astype(a.dtype, copy=False)]) for a, b in zip(g.keys, due_keys, strict=True)]
+    kgs = np.concatenate([g.kgs, held.table.kg[due_rows][extra]]).astype(np.int32)
+    starts = np.concatenate([g.starts, np.full(int(extra.sum()), g.starts[-1], dtype=np.int64)])
+    due = np.asarray(index.isin(due_index), dtype=bool)
+    return _Grouped(g.codes, index, keys, kgs, g.order, starts), due
+
+
 def _run_per_key(
-    fn: KeyedProcessFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, opened: RuntimeContext, ctx: Context
+    fn: KeyedProcessFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, opened: RuntimeContext, ctx: Context,
+    due_rows: np.ndarray,
 ) -> tuple[pa.Table, pd.Index]:
-    """``fn.process`` per key with Python state values; only keys whose state changed are written back."""
+    """Due timers, then ``fn.process``, per key with Python state values; only keys whose
+    state changed are written back."""
+    g, due = _with_due_keys(g, held, due_rows)
     columns = _python_columns(held, spec, held.table.positions(g.index))
     row_type = namedtuple("Row", spec.input_schema.names, rename=True)  # type: ignore[misc]
     rows = [row_type._make(r) for r in zip(*(c.to_pylist() for c in user.columns), strict=True)]
-    emitted = list(run_process_function(fn, opened._cursor, ctx, g.index.tolist(), g.kgs, g.order, g.starts, rows, columns))
-    dirty = np.fromiter(opened._cursor.dirty, dtype=bool, count=len(g.index))
+    cursor = opened._cursor
+    ttl = [s for s in spec.states if s.ttl_seconds is not None]
+    cursor.ttl_written = {s.name: set() for s in ttl}
+    cursor.ttl_read_refresh = frozenset(s.name for s in ttl if s.ttl_refresh == "on_read_and_write")
+    emitted = list(run_process_function(fn, cursor, ctx, g.index.tolist(), g.kgs, g.order, g.starts, rows, columns, due))
+    for s in ttl:  # restart the TTL clock of what was written (or read)
+        clock = columns[ttl_column(s.name)]
+        for i in cursor.ttl_written[s.name]:
+            clock[i] = spec.batch_time_ms if columns[s.name][i] is not None else None
+            cursor.dirty[i] = True
+    dirty = np.fromiter(cursor.dirty, dtype=bool, count=len(g.index))
     if dirty.any():
         sel = np.flatnonzero(dirty)
         updates = {s.name: _from_python([columns[s.name][i] for i in sel], s) for s in spec.states}
         held.table.upsert([u[sel] for u in g.keys], g.kgs[sel], updates, index=g.index[sel])
     return rows_to_arrow(emitted, spec.output_schema, spec.uid), g.index[dirty]
+
+
+def _expire(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
+    """Expire TTL'd values of the subtask's key groups at the batch time; the rows changed."""
+    changed = np.empty(0, dtype=np.intp)
+    for s in spec.states:
+        if s.ttl_seconds is not None:
+            rows = held.table.expire(s.name, ttl_column(s.name), round(s.ttl_seconds * 1000), spec.batch_time_ms, rng.start, rng.end)
+            changed = np.union1d(changed, rows)
+    return changed
+
+
+def _due_timers(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
+    if not spec.timers:
+        return np.empty(0, dtype=np.intp)
+    event = held.table.due(TIMER_STATES["event_time"][1], spec.watermark_ms, rng.start, rng.end)
+    proc = held.table.due(TIMER_STATES["processing_time"][1], spec.batch_time_ms, rng.start, rng.end)
+    return np.union1d(event, proc)
 
 
 def _python_columns(held: _Held, spec: StageTask, pos: np.ndarray) -> dict[str, list[Any]]:
@@ -245,6 +311,10 @@ def _from_python(values: list[Any], desc: StateDescriptor) -> tuple[np.ndarray, 
     return arr, valid
 
 
+def _empty_input(spec: StageTask) -> pa.Table:
+    return spec.input_schema.append(pa.field(SEQ, pa.int64())).append(pa.field(KG, pa.int32())).empty_table()
+
+
 def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
     """Process one subtask's records; returns (output, report). Needs no Spark: testable alone."""
     started = time.perf_counter()
@@ -259,24 +329,43 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         time.sleep(30)
 
     parts = list(batches)
-    table = pa.Table.from_batches(parts) if parts else None
-    records = 0 if table is None else table.num_rows
+    table = pa.Table.from_batches(parts) if parts else _empty_input(spec)
+    records = table.num_rows
     out = spec.output_schema.empty_table()
-    changed_rows = np.empty(0, dtype=np.intp)
+    changed_rows = _expire(spec, held, rng)
+    due_rows = _due_timers(spec, held, rng)
     n_keys = 0
-    if table is not None and table.num_rows:
+    max_event: int | None = None
+    late = spec.input_schema.empty_table()
+    window_stats: dict[str, int] = {}
+    if isinstance(fn, WindowAggregate) and not table.num_rows:  # windows may still be due
+        res = run_windows(fn, held.table, rng.start, rng.end, table.select(list(spec.input_schema.names)), [], np.empty(0, np.int32),
+                          spec.watermark_ms, spec.output_schema)
+        out, window_stats = res.output, {"late_records": 0, "windows_fired": res.fired, "windows_purged": res.purged}
+        changed_rows = np.union1d(changed_rows, res.changed_rows)
+    elif table.num_rows or len(due_rows):
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
         if spec.null_keys == "error":
             _null_check(spec, table)
+        if spec.event_time and table.num_rows:
+            max_event = int(event_time_ms(table, spec.event_time).max())
         grouped = _group_keys(spec, table)
         n_keys = len(grouped.index)
         user = table.select(list(spec.input_schema.names))
-        if isinstance(fn, VectorizedKeyedFunction):
+        if isinstance(fn, WindowAggregate):
+            res = run_windows(
+                fn, held.table, rng.start, rng.end, user, [k[grouped.codes] for k in grouped.keys], grouped.kgs[grouped.codes],
+                spec.watermark_ms, spec.output_schema,
+            )
+            out, late, window_stats = res.output, res.late, {"late_records": res.late_records, "windows_fired": res.fired, "windows_purged": res.purged}
+            changed_rows = np.union1d(changed_rows, res.changed_rows)
+        elif isinstance(fn, VectorizedKeyedFunction):
             out, changed = _run_vectorized(fn, spec, held, grouped, user)
         else:
-            ctx = Context(spec.batch_id, spec.batch_time_ms, subtask)
-            out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx)
-        changed_rows = held.table.positions(changed)
+            ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
+            out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx, due_rows)
+        if not isinstance(fn, WindowAggregate):
+            changed_rows = np.union1d(changed_rows, held.table.positions(changed))
 
     compact = spec.compact[subtask]
     job_dir = Path(spec.job_dir)
@@ -298,6 +387,8 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         "subtask": subtask,
         "range": [rng.start, rng.end],
         "records": records,
+        "max_event_ms": max_event,
+        "timer_keys": len(due_rows),
         "keys": n_keys,
         "emitted": out.num_rows,
         "file": written.to_json() if written else None,
@@ -305,11 +396,33 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         "busy_seconds": time.perf_counter() - started,
         "load_seconds": load_seconds,
         **stats,
+        **window_stats,
     }
     report_path = sidecar_path(job_dir, spec.uid, spec.batch_id, subtask)
     report_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(report_path, report, durable=False)
+    if spec.late_output:
+        out = with_side_output(out, late)
     return out, report
+
+
+MAIN, LATE = "__main", "__late"
+
+
+def side_output_schema(main: pa.Schema, late: pa.Schema) -> pa.Schema:
+    """A stage's output when it has a side output: one struct column for each, one set per row."""
+    return pa.schema([pa.field(MAIN, pa.struct(list(main))), pa.field(LATE, pa.struct(list(late)))])
+
+
+def with_side_output(main: pa.Table, late: pa.Table) -> pa.Table:
+    def packed(t: pa.Table) -> pa.Array[Any]:
+        return t.to_struct_array().combine_chunks()
+
+    m, lt = packed(main), packed(late)
+    return pa.table({
+        MAIN: pa.concat_arrays([m, pa.nulls(late.num_rows, m.type)]),
+        LATE: pa.concat_arrays([pa.nulls(main.num_rows, lt.type), lt]),
+    })
 
 
 def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:

@@ -194,6 +194,30 @@ class KeyedStateTable:
             self.values[name] = self.values[name][rows]
             self.valid[name] = self.valid[name][rows]
 
+    def expire(self, name: str, clock: str, ttl_ms: int, now_ms: int, start: int, end: int) -> np.ndarray:
+        """Remove values of state ``name`` in key groups ``start..end`` whose clock (the
+        hidden state ``clock``: when it was last refreshed) is ``ttl_ms`` or more before
+        ``now_ms``; returns the rows changed. A value without a clock gets ``now_ms``."""
+        rows = self.rows_in_range(start, end)
+        if not len(rows):
+            return rows
+        has = self.valid[name][rows]
+        ts, ts_ok = self.values[clock][rows], self.valid[clock][rows]
+        gone = rows[has & ts_ok & (ts <= now_ms - ttl_ms)]
+        unclocked = rows[has & ~ts_ok]
+        for col in (name, clock):
+            self.valid[col][gone] = False
+            if self.values[col].dtype == object:
+                self.values[col][gone] = None
+        self.values[clock][unclocked] = now_ms
+        self.valid[clock][unclocked] = True
+        return np.union1d(gone, unclocked)
+
+    def due(self, column: str, now_ms: int, start: int, end: int) -> np.ndarray:
+        """Rows of key groups ``start..end`` whose int64 state ``column`` is set and at most ``now_ms``."""
+        rows = self.rows_in_range(start, end)
+        return np.asarray(rows[self.valid[column][rows] & (self.values[column][rows] <= now_ms)])
+
     # -- export --------------------------------------------------------------------------
 
     def rows_in_range(self, start: int, end: int, live_only: bool = False) -> np.ndarray:

@@ -126,6 +126,8 @@ class StateDescriptor:
     value_type: pa.DataType
     map_key_type: pa.DataType | None = None
     ttl_seconds: float | None = None
+    #: When the TTL clock restarts: "on_write" (Flink's OnCreateAndWrite) or "on_read_and_write".
+    ttl_refresh: str = "on_write"
 
     @property
     def column_type(self) -> pa.DataType:
@@ -140,4 +142,5 @@ class StateDescriptor:
         out: dict[str, object] = {"name": self.name, "kind": self.kind, "type": str(self.column_type)}
         if self.ttl_seconds is not None:
             out["ttl_seconds"] = self.ttl_seconds
+            out["ttl_refresh"] = self.ttl_refresh
         return out
