@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keyscale-installed
 
-.PHONY: setup run test lint typecheck bench clean
+.PHONY: setup run test lint typecheck bench clean redis
 
 setup: $(STAMP)
 
@@ -18,8 +18,13 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/python examples/demo.py
 
-test: setup
+test: setup redis
 	$(BIN)/python -m pytest -q
+
+# The log tests start their own redis-server; install the Debian package if it is missing (as root).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
+		|| { echo "make: could not install redis-server (apt-get, as root)"; exit 1; }
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples

@@ -110,3 +110,74 @@ def cli(*argv: str, timeout: float = 300, check: bool = False) -> subprocess.Com
     if check and proc.returncode != 0:
         raise AssertionError(f"keyscale {' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
+
+
+# -- logs (keyscale.sources): a real redis-server for the session, logs of both backends --------
+
+
+def _redis_server_binary() -> str | None:
+    import shutil
+
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    return next((c for c in ("/usr/bin/redis-server", "/usr/sbin/redis-server", "/usr/local/bin/redis-server") if Path(c).is_file()), None)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``redis://127.0.0.1:PORT/0`` of a redis-server of our own (no persistence), stopped by its PID at the end."""
+    import socket
+    import time
+
+    import redis
+
+    binary = _redis_server_binary()
+    if binary is None:
+        pytest.skip("redis-server is not installed (`make redis` installs it: apt-get install redis-server)")
+    folder = tmp_path_factory.mktemp("redis")
+    for _attempt in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder),
+             "--daemonize", "no", "--logfile", str(folder / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1)
+        deadline = time.time() + 15
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        client.close()
+        if proc.poll() is None:
+            break
+    else:
+        text = (folder / "redis.log").read_text() if (folder / "redis.log").exists() else ""
+        raise RuntimeError(f"redis-server did not start: {text[-2000:]}")
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(params=["local", "redis"])
+def make_log(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """``make_log(schema, partitions)``: a new, empty log of the parametrised backend."""
+    import uuid
+
+    from keyscale.sources import create_log
+
+    if request.param == "local":
+        return lambda schema, partitions: create_log(tmp_path / f"log-{uuid.uuid4().hex[:8]}", schema, partitions)
+    url = request.getfixturevalue("redis_url")
+    return lambda schema, partitions: create_log(f"{url}?name=t-{uuid.uuid4().hex[:12]}", schema, partitions)
