@@ -8,28 +8,15 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.operators.window_reference import batches, fixed_windows, last_rows, sessions, watermarks
 
 import keyscale as ks
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK
 from keyscale.operators.windows import WINDOW_START, WindowAggregate, run_windows
 from keyscale.state.table import KeyedStateTable
-from tests.operators.window_reference import fixed_windows, last_rows, sessions, watermarks
 
 TYPES = {"key": pa.string(), "value": pa.int64(), "ts": pa.int64()}
-
-
-def batches(seed: int, n_batches: int = 6, rows: int = 40, keys: int = 4, span: int = 20_000, late_share: float = 0.15) -> list[pd.DataFrame]:
-    """Shuffled, out-of-order batches; some records far behind (late). Timestamps are even."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for b in range(n_batches):
-        ts = b * span + rng.integers(0, span, rows) - rng.integers(0, 4000, rows)
-        far = rng.random(rows) < late_share
-        ts = np.where(far, ts - rng.integers(5_000, 60_000, rows), ts)
-        ts = np.maximum(ts, 0) // 2 * 2
-        out.append(pd.DataFrame({"key": [f"u{k}" for k in rng.integers(0, keys, rows)], "value": rng.integers(0, 50, rows), "ts": ts}))
-    return out
 
 
 def run(assigner: object, data: list[pd.DataFrame], ooo: int, lateness: int, aggs: dict[str, object]) -> tuple[pd.DataFrame, pd.DataFrame, KeyedStateTable]:
@@ -121,7 +108,7 @@ def test_nothing_fires_before_the_watermark() -> None:
 
 @pytest.mark.parametrize("bad", ["0 s", "ten seconds", "-5 s"])
 def test_bad_window_sizes_are_named(bad: str) -> None:
-    with pytest.raises(JobDefinitionError, match="window size|duration|negative|positive"):
+    with pytest.raises(JobDefinitionError, match=r"window size|duration|negative|positive"):
         ks.TumblingWindows(bad)
 
 

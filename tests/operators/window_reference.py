@@ -77,3 +77,16 @@ def sessions(batches: list[pd.DataFrame], ooo_ms: int, lateness_ms: int, gap_ms:
 def last_rows(out: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """The last row each window emitted (``out`` has a ``batch`` column)."""
     return out.sort_values("batch", kind="stable").groupby(keys, as_index=False).tail(1).drop(columns="batch")
+
+
+def batches(seed: int, n_batches: int = 6, rows: int = 40, keys: int = 4, span: int = 20_000, late_share: float = 0.15) -> list[pd.DataFrame]:
+    """Shuffled, out-of-order batches; some records far behind (late). Timestamps are even."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(n_batches):
+        ts = b * span + rng.integers(0, span, rows) - rng.integers(0, 4000, rows)
+        far = rng.random(rows) < late_share
+        ts = np.where(far, ts - rng.integers(5_000, 60_000, rows), ts)
+        ts = np.maximum(ts, 0) // 2 * 2
+        out.append(pd.DataFrame({"key": [f"u{k}" for k in rng.integers(0, keys, rows)], "value": rng.integers(0, 50, rows), "ts": ts}))
+    return out

@@ -206,6 +206,9 @@ class WindowAggregate:
             else:
                 self.types[name] = t
 
+    def open(self, ctx: Any) -> None:
+        """Nothing to declare: the operator's state is fixed by its aggregates."""
+
     @property
     def event_time_type(self) -> pa.DataType:
         return self.input_types[self.event_time]
