@@ -7,7 +7,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from tests.operators.window_reference import batches, fixed_windows, last_rows, sessions, watermarks
 
-from conftest import EXAMPLES, cli, read_output, run_job
+from conftest import EXAMPLES, ROOT, cli, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.operators.eventtime import END_OF_TIME
@@ -189,3 +193,32 @@ def test_status_shows_the_watermark(spark: Any, data: list[pd.DataFrame], tmp_pa
     status = json.loads((tmp_path / "job" / "status.json").read_text()) if (tmp_path / "job" / "status.json").exists() else JobDir(tmp_path / "job").read_status()
     want = int(data[0]["ts"].max()) + EPOCH_MS - 10_000 - 1
     assert status["watermark_ms"] >= want and status["watermark"].startswith("2026-01-01T")
+
+
+def test_stop_with_drain_fires_every_window_of_a_running_job(data: list[pd.DataFrame], tmp_path: Path) -> None:
+    write_batches(tmp_path / "in", data)
+    job, log_path = tmp_path / "job", tmp_path / "job.log"
+    args = ["--set", f"input={tmp_path / 'in'}", "--set", f"output={tmp_path / 'out'}", "--set", "size=10 seconds",
+            "--set", "lateness=3 seconds", "--set", f"out_of_orderness={OOO}"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "keyscale.cli.main", "run", str(EXAMPLES / "tumbling_count.py"), "--job-dir", str(job), "-p", "2",
+             "--trigger-interval", "200 milliseconds", *args],
+            cwd=ROOT, stdout=log, stderr=log, env=os.environ.copy(),
+        )
+        try:
+            jd = JobDir(job)
+            deadline = time.time() + 300
+            while len(data) - 1 not in jd.manifest_batches() and time.time() < deadline:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                time.sleep(0.3)
+            stop = cli("stop", str(job), "--drain", "--dest", str(tmp_path / "sp"), check=True)
+            assert stop.stdout.strip() == str(tmp_path / "sp")
+            assert proc.wait(timeout=120) == 0
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+    want, _ = fixed_windows(data, 2000, 3000, 10_000)
+    got = last_rows(to_ms(read_output(tmp_path / "out"), "window_start", "window_end"), ["key", "window_start"])
+    assert len(got) == len(want)  # nothing left pending: every window fired before the savepoint
+    assert "draining" in log_path.read_text()

@@ -621,3 +621,84 @@ def test_report_is_written_as_a_sidecar(tmp_path: Path) -> None:
     f = StateFile.from_json(reports[0]["file"])
     assert (d.job_dir / f.path).exists() and f.range == KeyGroupRange(0, 7)
     assert np.all(read_state_slice(d.job_dir, f, f.range).column(KG).to_numpy() <= 7)
+
+
+# -- state TTL and processing-time timers (batch time: 1 s per batch in this driver) -----------
+
+
+class Remember(KeyedProcessFunction):
+    """Remembers the last id per key with a 2.5 s TTL; a record with value 0 only reads."""
+
+    def __init__(self, refresh: str = "on_write"):
+        self.refresh = refresh
+
+    def open(self, ctx: Any) -> None:
+        self.last = ctx.value_state("last", "long", ttl_seconds=2.5, ttl_refresh=self.refresh)
+
+    def process_element(self, row: Any, ctx: Any) -> Any:
+        before = self.last.value()
+        if row.value:
+            self.last.update(row.id)
+        return [(ctx.key, row.id, before)]
+
+
+REMEMBER_OUT = arrow_schema("key string, id long, before long")
+
+
+def _row(key: str, value: int, i: int) -> dict[str, Any]:
+    return {"key": key, "value": value, "id": i, SEQ: i, KG: key_group_of([key], ["string"], M)}
+
+
+@pytest.mark.parametrize(("refresh", "seen_at_3"), [("on_write", None), ("on_read_and_write", 0)])
+def test_ttl_expires_values_for_reads(tmp_path: Path, refresh: str, seen_at_3: int | None) -> None:
+    d = Driver(tmp_path, Remember(refresh), REMEMBER_OUT)
+    d.run(0, [_row("a", 1, 0)], 1)  # written at t0
+    outs, _ = d.run(1, [_row("a", 0, 1)], 1)  # read at t0 + 1 s
+    assert rows_of(outs) == [("a", 1, 0)]
+    d.run(2, [], 1)
+    outs, _ = d.run(3, [_row("a", 0, 3)], 1)  # t0 + 3 s: 2.5 s after the write, 2 s after the read
+    assert rows_of(outs) == [("a", 3, seen_at_3)]
+
+
+def test_expired_state_is_removed_from_memory_and_checkpoint(tmp_path: Path) -> None:
+    d = Driver(tmp_path, Remember(), REMEMBER_OUT)
+    d.run(0, [_row("a", 1, 0), _row("b", 1, 1)], 2)
+    d.run(2, [_row("b", 1, 2)], 2)  # b is written again at t0 + 2 s, a is not
+    _, reports = d.run(3, [], 2)  # t0 + 3 s: a expires; nobody read it
+    assert sum(r["state_keys"] for r in reports) == 1
+    assert any(r["file"] for r in reports)  # the expiry is written as a delete, incrementally
+    _, reports = d.run(4, [], 2, compact=[True, True])
+    keys = [k for f in d.files for k in read_state_slice(d.job_dir, f, f.range).column("key").to_pylist()]
+    assert keys == ["b"]  # the snapshot holds no trace of a
+    with worker({}):  # a fresh worker restoring from the checkpoint does not see a either
+        outs, _ = d.run(5, [_row("a", 0, 9)], 2, workers={0: {}, 1: {}})
+    assert rows_of(outs) == [("a", 9, None)]
+
+
+class Ticker(KeyedProcessFunction):
+    """A processing-time timer 2 s after each record; the firing reports the batch time."""
+
+    def process_element(self, row: Any, ctx: Any) -> Any:
+        ctx.timer_service.register_processing_time_timer(ctx.processing_time + 2000)
+        return []
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Any) -> Any:
+        yield (key, timestamp, ctx.processing_time, ctx.time_domain)
+
+
+def test_processing_time_timers_fire_at_the_first_batch_reaching_them(tmp_path: Path) -> None:
+    d = Driver(tmp_path, Ticker(), arrow_schema("key string, at long, now long, domain string"))
+    t0 = 1_700_000_000_000
+    fired = [rows_of(d.run(b, [_row("a", 1, b)] if b < 2 else [], 2)[0]) for b in range(5)]
+    assert fired == [[], [], [("a", t0 + 2000, t0 + 2000, "processing_time")], [("a", t0 + 3000, t0 + 3000, "processing_time")], []]
+
+
+def test_timers_need_on_timer(tmp_path: Path) -> None:
+    class NoHandler(KeyedProcessFunction):
+        def process_element(self, row: Any, ctx: Any) -> Any:
+            ctx.timer_service.register_event_time_timer(5)
+            return []
+
+    d = Driver(tmp_path, NoHandler(), REMEMBER_OUT)
+    with pytest.raises(JobDefinitionError, match="on_timer"):
+        d.run(0, [_row("a", 1, 0)], 1)
