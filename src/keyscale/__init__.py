@@ -32,6 +32,7 @@ from keyscale.operators.vectorized import (
 from keyscale.operators.windows import SessionWindows, SlidingWindows, TumblingWindows, reduce
 from keyscale.sinks.console import ConsoleSink
 from keyscale.sinks.parquet import ParquetSink
+from keyscale.sources.reader import LogSource, log_source
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "KeyedStream",
     "KeyscaleError",
     "ListState",
+    "LogSource",
     "MapState",
     "ParquetSink",
     "Pipeline",
@@ -57,6 +59,7 @@ __all__ = [
     "VectorizedKeyedFunction",
     "WindowedStream",
     "count",
+    "log_source",
     "max",
     "mean",
     "min",

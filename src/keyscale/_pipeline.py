@@ -35,6 +35,7 @@ from keyscale.operators.windows import (
     TumblingWindows,
     WindowAggregate,
 )
+from keyscale.sources.reader import LogSource
 from keyscale.state.types import StateDescriptor, arrow_schema
 
 if TYPE_CHECKING:
@@ -113,12 +114,12 @@ class Stream:
     """A stream of rows: a Spark streaming DataFrame plus the stages applied per batch."""
 
     def __init__(
-        self, source: DataFrame, steps: tuple[TransformStep | KeyedStep, ...] = (), schema: StructType | None = None,
+        self, source: DataFrame | LogSource, steps: tuple[TransformStep | KeyedStep, ...] = (), schema: StructType | None = None,
         watermark: WatermarkSpec | None = None,
     ):
         self._source = source
         self._steps = steps
-        self._schema: StructType = schema if schema is not None else source.schema
+        self._schema: StructType = schema if schema is not None else source_schema(source)
         self._watermark = watermark
 
     @property
@@ -159,8 +160,7 @@ class Stream:
 
     def transform(self, fn: Callable[[DataFrame], DataFrame]) -> Stream:
         """Apply ordinary PySpark transformations (filter, select, withColumn, joins with static data)."""
-        spark = self._source.sparkSession
-        probe = fn(spark.createDataFrame([], self._schema))
+        probe = fn(_session(self._source).createDataFrame([], self._schema))
         return Stream(self._source, (*self._steps, TransformStep(fn)), probe.schema, self._watermark)
 
     def filter(self, condition: Column | str) -> Stream:
@@ -287,11 +287,29 @@ class WindowedStream:
         return k._step(uid, fn, out, fn.state_descriptors(), parallelism, ((WINDOW_START, pa.int64()),), self._late)
 
 
+def source_schema(source: DataFrame | LogSource) -> StructType:
+    """The Spark schema of a source's records."""
+    if isinstance(source, LogSource):
+        return _to_spark_schema(source.schema)
+    return source.schema
+
+
+def _session(source: DataFrame | LogSource) -> SparkSession:
+    if isinstance(source, LogSource):
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is None:
+            raise JobDefinitionError("a pipeline on a log source needs the job's Spark session: build it in build(ctx)")
+        return active
+    return source.sparkSession
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """A complete job: source, stages, sink."""
 
-    source: DataFrame
+    source: DataFrame | LogSource
     steps: tuple[TransformStep | KeyedStep, ...]
     sink: Sink
     schema: StructType
@@ -302,17 +320,28 @@ class Pipeline:
         return [s for s in self.steps if isinstance(s, KeyedStep)]
 
     @property
+    def source_schema(self) -> StructType:
+        return source_schema(self.source)
+
+    @property
+    def log_source(self) -> LogSource | None:
+        return self.source if isinstance(self.source, LogSource) else None
+
+    @property
     def sinks(self) -> list[Sink]:
         """The main sink and every side-output sink."""
         return [self.sink, *(s.late_sink for s in self.keyed_steps if s.late_sink is not None)]
 
 
-def stream(df: DataFrame) -> Stream:
-    """Start a pipeline from a Spark streaming DataFrame (``spark.readStream...``)."""
+def stream(df: DataFrame | LogSource) -> Stream:
+    """Start a pipeline from a Spark streaming DataFrame (``spark.readStream...``) or a
+    partitioned log (:func:`keyscale.log_source`), whose offsets keyscale keeps itself."""
     from pyspark.sql import DataFrame as SparkDataFrame
 
+    if isinstance(df, LogSource):
+        return Stream(df)
     if not isinstance(df, SparkDataFrame):
-        raise JobDefinitionError(f"keyscale.stream() takes a Spark DataFrame, not {type(df).__name__}")
+        raise JobDefinitionError(f"keyscale.stream() takes a Spark DataFrame or a log_source(), not {type(df).__name__}")
     if not df.isStreaming:
         raise JobDefinitionError("keyscale.stream() needs a streaming DataFrame (spark.readStream...), not a batch one")
     return Stream(df)

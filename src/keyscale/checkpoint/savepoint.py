@@ -968,7 +968,10 @@ def restore_savepoint(
         _check_keys(uid, op, spec)
         _check_evolution(uid, op, spec)
         plans.append((uid, op, spec))
-    batch = info.batch if info.source is not None else -1
+    # Positions in the savepoint (Spark's checkpoint, or a log's offsets as operator state)
+    # continue at the next batch; without any the job starts its input from scratch.
+    has_positions = info.source is not None or bool(info.extra.get("checkpoint", {}).get("source_positions"))
+    batch = info.batch if has_positions else -1
     total = sum(len(op.files) for _, op, _ in plans) + 1
     done = 0
     _report(progress, "restore", done, total)
@@ -1004,7 +1007,7 @@ def restore_savepoint(
             extra={
                 "restored_from": {"savepoint": str(info.path), "job": info.job, "batch": info.batch},
                 # event time and source positions travel with the savepoint
-                **{k: v for k, v in info.extra.get("checkpoint", {}).items() if k in ("watermark", "drained")},
+                **{k: v for k, v in info.extra.get("checkpoint", {}).items() if k in ("watermark", "drained", "source_positions")},
             },
         )
         job_dir.commit(manifest)

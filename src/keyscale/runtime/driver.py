@@ -55,6 +55,8 @@ from keyscale.runtime.task import (
     sidecar_path,
 )
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
+from keyscale.sources import reader
+from keyscale.sources.reader import LogSource
 from keyscale.state.keygroups import (
     check_parallelism,
     default_max_parallelism,
@@ -142,6 +144,10 @@ def _watermark_of(m: Manifest | None) -> WatermarkState:
     if m.watermark_ms is not None and m.watermark_ms > state.watermark_ms:
         state = replace(state, watermark_ms=m.watermark_ms)
     return state
+
+
+def _describe_assignment(a: reader.Assignment) -> str:
+    return "; ".join(f"reader {i}: {', '.join(str(p) for p, _ in e) or 'none'}" for i, e in enumerate(a))
 
 
 class _StopRequested(Exception):
@@ -255,6 +261,8 @@ class JobRunner:
                 "--from-savepoint starts a new job directory (or drop the flag to resume from the checkpoint)"
             )
         specs = {s.uid: OperatorSpec(s.state_key_columns, s.states) for s in pipeline.keyed_steps}
+        if pipeline.log_source is not None:  # its state is operator state only: the offsets
+            specs[pipeline.log_source.uid] = OperatorSpec((), ())
         log.info("restoring from savepoint %s", savepoint)
         self.committed = restore_savepoint(
             Path(savepoint), self.jobdir, self.name, specs,
@@ -274,6 +282,15 @@ class JobRunner:
     def _plan_parallelism(self, pipeline: Pipeline) -> None:
         old = self.committed.operators if self.committed else {}
         uids = {s.uid for s in pipeline.keyed_steps}
+        src = pipeline.log_source
+        if src is not None:
+            if src.uid in uids:
+                raise JobDefinitionError(f"the source and a stage both have the uid '{src.uid}'")
+            uids.add(src.uid)
+            prev_src = old.get(src.uid)
+            p = self.opts.parallelism or (prev_src.parallelism if prev_src else None) or src.parallelism or 1
+            check_parallelism(p, self.max_parallelism)
+            self.parallelism[src.uid] = p
         orphaned = sorted(set(old) - uids)
         if orphaned and not self.opts.allow_non_restored_state:
             raise StateError(
@@ -313,19 +330,16 @@ class JobRunner:
                 sink_cleanup = getattr(sink, "cleanup", None)
                 if callable(sink_cleanup):
                     sink_cleanup()
-            writer = (
-                self.pipeline.source.writeStream.foreachBatch(self._on_batch)
-                .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
-                .queryName(f"keyscale_{self.name}_{self.run_id[:6]}")
-            )
-            writer = writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
             if not self.pipeline.sink.exactly_once:
                 log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
             control = ControlServer(self)
             try:
-                self._query = writer.start()
-                self._wait()
+                if self.pipeline.log_source is not None:
+                    self._run_log_loop()
+                else:
+                    self._query = self._spark_writer().start()
+                    self._wait()
                 if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
                     self._run_drain(spark)
             except BaseException as e:
@@ -340,6 +354,37 @@ class JobRunner:
                 self.jobdir.unlock()
                 self._locked = False
         return self.summary
+
+    def _spark_writer(self) -> Any:
+        assert self.pipeline is not None
+        source = self.pipeline.source
+        assert not isinstance(source, LogSource)
+        writer = (
+            source.writeStream.foreachBatch(self._on_batch)
+            .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
+            .queryName(f"keyscale_{self.name}_{self.run_id[:6]}")
+        )
+        return writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
+
+    def _run_log_loop(self) -> None:
+        """Micro-batches driven by keyscale: one every trigger interval, also without new
+        records (timers, idleness and windows move with time); until idle with ``until_idle``."""
+        interval = _seconds(self.opts.trigger_interval) or 1.0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            before = self.watermark.watermark_ms
+            with self._batch_lock:
+                if self._stop.is_set():
+                    break
+                batch_id = self.committed.batch + 1 if self.committed else 0
+                try:
+                    records = self._run_batch_locked(None, batch_id)
+                except BaseException as e:
+                    raise _translate(e) from None
+            if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before:
+                break
+            if not self.opts.until_idle:
+                self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def _wait(self) -> None:
         q = self._query
@@ -389,7 +434,7 @@ class JobRunner:
         assert self.pipeline is not None
         batch_id = self.committed.batch + 1 if self.committed else 0
         log.info("draining: batch %d runs with the watermark at the end of time, so every event-time timer and window fires", batch_id)
-        empty = spark.createDataFrame([], self.pipeline.source.schema)
+        empty = None if self.pipeline.log_source else spark.createDataFrame([], self.pipeline.source_schema)
         with self._batch_lock:
             self._run_batch_locked(empty, batch_id, drain=True)
         path: Path | None = None
@@ -466,14 +511,16 @@ class JobRunner:
                 raise _StopRequested(batch_id)
             self._run_batch_locked(df, batch_id)
 
-    def _run_batch_locked(self, df: DataFrame, batch_id: int, drain: bool = False) -> None:
+    def _run_batch_locked(self, df: DataFrame | None, batch_id: int, drain: bool = False) -> int:
+        """Run and commit one batch; returns the records it read. ``df`` is Spark's batch,
+        or None for a log source (read here, by reader tasks, as the intent says)."""
         from pyspark.sql import functions as F
 
         assert self.pipeline is not None
         if self.jobdir.has_manifest(batch_id):
             log.info("batch %d is already committed; skipping its replay", batch_id)
             self.summary.skipped.append(batch_id)
-            return
+            return 0
         started = time.perf_counter()
         started_wall = time.time()
         intent = self.jobdir.read_intent(batch_id)
@@ -484,14 +531,19 @@ class JobRunner:
                 "batch_time_ms": int(time.time() * 1000), "parallelism": dict(self.parallelism),
                 "watermark_ms": END_OF_TIME if drain else self.watermark.watermark_ms,
             }
+            src = self.pipeline.log_source
+            if src is not None:
+                intent["source_plan"] = self._plan_source(src, batch_id, self.parallelism[src.uid], read=not drain)
             self.jobdir.write_intent(batch_id, intent)
         else:
             log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
         par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
         watermark_ms = int(intent.get("watermark_ms", self.watermark.watermark_ms))
-        for keyed in self.pipeline.keyed_steps:
-            for s in range(par[keyed.uid]):
-                sidecar_path(self.jobdir.path, keyed.uid, batch_id, s).unlink(missing_ok=True)
+        if df is None:
+            df = self._read_source(batch_id, intent["source_plan"])
+        for uid in par:
+            for s in range(par[uid]):
+                sidecar_path(self.jobdir.path, uid, batch_id, s).unlink(missing_ok=True)
 
         out = df
         side: list[tuple[Sink, DataFrame, DataFrame]] = []
@@ -518,7 +570,7 @@ class JobRunner:
             os.kill(os.getpid(), signal.SIGKILL)
 
         batch_time_ms = int(intent["batch_time_ms"])
-        manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par)
+        manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par, intent.get("source_plan"))
         wm = self._next_watermark(reports, batch_time_ms, watermark_ms)
         manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), **({"drained": True} if drain else {})})
         self.jobdir.commit(manifest)
@@ -543,6 +595,48 @@ class JobRunner:
         )
         if self._on_batch_cb:
             self._on_batch_cb(rec)
+        return records
+
+    def _assignment(self, src: LogSource) -> reader.Assignment:
+        """The readers' committed offsets (initial when the job is new)."""
+        prev = self.committed.operators.get(src.uid) if self.committed else None
+        found = reader.from_state(prev.operator_state) if prev is not None else None
+        if found is None:
+            return [[] for _ in range(prev.parallelism if prev else 1)]
+        return found
+
+    def _plan_source(self, src: LogSource, batch_id: int, p: int, read: bool = True) -> list[list[list[int]]]:
+        prev = self.committed.operators.get(src.uid) if self.committed else None
+        if prev is None or reader.from_state(prev.operator_state) is None:
+            current = reader.initial_assignment(src.log.num_partitions(), p)
+            log.info("source '%s': %d partitions over %d readers: %s", src.uid, src.log.num_partitions(), p, _describe_assignment(current))
+        else:
+            current = self._assignment(src)
+        if len(current) != p:
+            current = reader.rescale_assignment(current, p)
+            log.info("batch %d: source '%s' rescaled to %d readers: partitions %s", batch_id, src.uid, p, _describe_assignment(current))
+        current, added = reader.add_partitions(current, src.log.num_partitions())
+        for part, r in added:
+            log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset 0", batch_id, src.uid, part, r)
+        ends = src.log.end_offsets()
+        plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
+        return [[[a, b, c] for a, b, c in ranges] for ranges in plan]
+
+    def _read_source(self, batch_id: int, plan_json: list[list[list[int]]]) -> DataFrame:
+        from pyspark.sql import SparkSession
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        assert self.pipeline is not None and self.pipeline.log_source is not None
+        src = self.pipeline.log_source
+        plan = [[(int(a), int(b), int(c)) for a, b, c in ranges] for ranges in plan_json]
+        spark = SparkSession.getActiveSession()
+        assert spark is not None
+        schema = self.pipeline.source_schema
+        target = to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
+        event_time = self.pipeline.watermark.column if self.pipeline.watermark else None
+        fn = reader.make_reader_function(src.log, src.uid, str(self.jobdir.path), batch_id, plan, target, event_time)
+        readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")
+        return readers.mapInArrow(fn, schema)
 
     def _next_watermark(self, reports: dict[str, list[dict[str, Any]]], batch_time_ms: int, ran_with: int) -> WatermarkState:
         """The watermark after this batch, from the event times its first event-time stage saw."""
@@ -551,22 +645,37 @@ class JobRunner:
         if spec is None or ran_with >= END_OF_TIME:
             return now
         assert self.pipeline is not None
+        src = self.pipeline.log_source
+        if src is not None and src.uid in reports:  # one input per partition of the log
+            seen: dict[str, int | None] = {}
+            for r in reports[src.uid]:
+                for part, info in r["partitions"].items():
+                    seen[f"partition-{part}"] = info["max_event_ms"]
+            return advance_watermark(spec, now, seen, batch_time_ms)
         stage = next((s for s in self.pipeline.keyed_steps if s.event_time), None)
         if stage is None:
             return now
-        seen = [int(r["max_event_ms"]) for r in reports[stage.uid] if r.get("max_event_ms") is not None]
-        return advance_watermark(spec, now, {"source": max(seen) if seen else None}, batch_time_ms)
+        maxima = [int(r["max_event_ms"]) for r in reports[stage.uid] if r.get("max_event_ms") is not None]
+        return advance_watermark(spec, now, {"source": max(maxima) if maxima else None}, batch_time_ms)
 
     def _autoscale(self, batch_id: int, started: float, seconds: float, par: dict[str, int], reports: dict[str, list[dict[str, Any]]]) -> None:
         """Feed the batch's metrics to the autoscaler; record, and in active mode apply, its decision."""
         assert self._autoscaler is not None
         mode = self.opts.autoscaler_mode
         interval = None if self.opts.until_idle else _seconds(self.opts.trigger_interval)
+        src = self.pipeline.log_source if self.pipeline else None
+        backlog = None
+        if src is not None:
+            try:
+                backlog = sum(reader.lag(self._assignment(src), src.log.end_offsets()).values())
+            except KeyscaleError:
+                backlog = None
         for uid, rs in reports.items():
             m = BatchMetrics(
                 time=started, uid=uid, parallelism=par[uid], max_parallelism=self.max_parallelism,
                 input_records=sum(int(r["records"]) for r in rs), batch_seconds=seconds, trigger_interval_seconds=interval,
                 busy_seconds=tuple(float(r["busy_seconds"]) for r in rs), records=tuple(int(r["records"]) for r in rs),
+                backlog_records=backlog,  # what the source has not read yet: every operator must process it
             )
             d = self._autoscaler.observe(m)
             event = {"type": "autoscaler", "mode": mode, "batch": batch_id, **d.to_dict()}
@@ -616,16 +725,28 @@ class JobRunner:
         schema = side_output_schema(step.output_schema, step.input_schema) if spec.late_output else step.output_schema
         return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
 
-    def _manifest(self, batch_id: int, batch_time_ms: int, par: dict[str, int]) -> tuple[Manifest, int, int, dict[str, list[dict[str, Any]]]]:
+    def _manifest(
+        self, batch_id: int, batch_time_ms: int, par: dict[str, int], source_plan: list[list[list[int]]] | None = None,
+    ) -> tuple[Manifest, int, int, dict[str, list[dict[str, Any]]]]:
         assert self.pipeline is not None
         ops: dict[str, OperatorCheckpoint] = {}
         records = emitted = 0
         all_reports: dict[str, list[dict[str, Any]]] = {}
+        src = self.pipeline.log_source
+        if src is not None and source_plan is not None:
+            p = par[src.uid]
+            all_reports[src.uid] = reader.read_reader_reports(self.jobdir.path, src.uid, batch_id, p)
+            # The offsets advance in the same manifest as the state they produced.
+            after = reader.advance([[(a, b, c) for a, b, c in r] for r in source_plan])
+            ops[src.uid] = OperatorCheckpoint(
+                uid=src.uid, max_parallelism=self.max_parallelism, parallelism=p, key_columns=(), states=(),
+                operator_state=reader.to_state(after),
+            )
         for i, step in enumerate(self.pipeline.keyed_steps):
             p = par[step.uid]
             reports = read_reports(self.jobdir.path, step.uid, batch_id, p)
             all_reports[step.uid] = reports
-            if i == 0:
+            if i == 0 and src is None:
                 records = sum(int(r["records"]) for r in reports)
             emitted = sum(int(r["emitted"]) for r in reports)
             prev = self.committed.operators.get(step.uid) if self.committed else None
@@ -636,12 +757,35 @@ class JobRunner:
                 key_columns=tuple((k, str(t)) for k, t in step.state_key_columns),
                 states=tuple(d.to_json() for d in step.states), files=tuple(files),
             )
-        manifest = Manifest(job=self.name, batch=batch_id, batch_time_ms=batch_time_ms, operators=ops, created_ms=int(time.time() * 1000))
+        if src is not None and src.uid in all_reports:
+            records = sum(int(r["records"]) for r in all_reports[src.uid])
+        extra = {"source_positions": "operator_state"} if src is not None else {}
+        manifest = Manifest(job=self.name, batch=batch_id, batch_time_ms=batch_time_ms, operators=ops, created_ms=int(time.time() * 1000), extra=extra)
         return manifest, records, emitted, all_reports
+
+    def _source_status(self, src: LogSource) -> dict[str, Any]:
+        """Readers, their partitions and offsets, and the lag behind the log's end."""
+        assignment = self._assignment(src)
+        try:
+            ends = src.log.end_offsets()
+        except KeyscaleError as e:
+            return {"kind": "log", "log": src.log.describe(), "error": str(e)}
+        lag = reader.lag(assignment, ends)
+        return {
+            "kind": "log", "log": src.log.describe(), "parallelism": self.parallelism[src.uid],
+            "readers": [{"subtask": i, "partitions": {str(p): {"offset": o, "end": ends[p] if p < len(ends) else None, "lag": lag.get(p)} for p, o in e}}
+                        for i, e in enumerate(assignment)],
+            "unassigned_partitions": [p for p in range(len(ends)) if p not in lag],
+            "lag": sum(lag.values()),
+        }
 
     def _status(self, reports: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
         ops = {}
+        src = self.pipeline.log_source if self.pipeline else None
         for uid, p in self.parallelism.items():
+            if src is not None and uid == src.uid:
+                ops[uid] = self._source_status(src)
+                continue
             entry: dict[str, Any] = {
                 "parallelism": p,
                 "max_parallelism": self.max_parallelism,

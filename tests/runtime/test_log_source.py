@@ -1,0 +1,133 @@
+"""FLIP-8 on a partitioned log: the readers' offsets are split/merge operator state.
+
+A log with 4 partitions (KP1-KP4) read by 2 readers (S1: KP1, KP2; S2: KP3, KP4). Scale
+down to 1: one reader holds all four and continues each from its offset. Scale up to 4:
+each reader holds one. Partitions added while running are read. Live and across a restore
+from a savepoint, on the local log and on Redis; the output equals an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from conftest import EXAMPLES, read_output, run_job
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.cli.main import main as keyscale_main
+from keyscale.sources import LogWriter, PartitionedLog
+from keyscale.sources.reader import from_state
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+JOB = EXAMPLES / "log_count.py"
+SCHEMA = "key string, value long"
+
+
+def produce(log: PartitionedLog, rows: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame({"key": [f"k{i}" for i in rng.integers(0, 60, rows)], "value": rng.integers(1, 100, rows)})
+    LogWriter(log, ["key"]).write(pa.Table.from_pandas(df, preserve_index=False))
+    return df
+
+
+def totals(out: pd.DataFrame) -> pd.DataFrame:
+    """Each key's final row (the running count only grows)."""
+    return out.sort_values("count").groupby("key").tail(1).set_index("key")[["count", "sum"]].sort_index()
+
+
+def expected(*frames: pd.DataFrame) -> pd.DataFrame:
+    df = pd.concat(frames)
+    return df.groupby("key").agg(count=("value", "size"), sum=("value", "sum")).sort_index()
+
+
+class Assignments(dict[int, list[list[tuple[int, int]]]]):
+    """The readers' committed partitions and offsets after each batch (retention keeps few manifests)."""
+
+    def __init__(self, job: Path):
+        super().__init__()
+        self.jd = JobDir(job)
+
+    def __bool__(self) -> bool:  # a callback, even while still empty
+        return True
+
+    def __call__(self, rec: Any) -> None:
+        a = from_state(self.jd.read_manifest(rec.batch).operators["reader"].operator_state)
+        assert a is not None
+        self[rec.batch] = a
+
+
+def partitions_of(a: list[list[tuple[int, int]]]) -> list[list[int]]:
+    return [[p for p, _ in e] for e in a]
+
+
+def check_offsets_only_grow(history: dict[int, list[list[tuple[int, int]]]]) -> None:
+    seen: dict[int, int] = {}
+    for _, a in sorted(history.items()):
+        flat = [e for entries in a for e in entries]
+        assert len({p for p, _ in flat}) == len(flat)  # no partition held twice
+        for p, off in flat:
+            assert off >= seen.get(p, 0)  # nothing read twice
+            seen[p] = off
+
+
+def test_flip8_live_scale_down_up_and_new_partitions(spark: Any, make_log: Any, tmp_path: Path) -> None:
+    log = make_log(SCHEMA, 4)
+    first = produce(log, 4000, seed=1)
+    later: list[pd.DataFrame] = []
+    jd = JobDir(tmp_path / "job")
+    a = Assignments(tmp_path / "job")
+
+    def during(rec: Any) -> None:
+        a(rec)
+        if rec.batch == 1:
+            jd.request_rescale(1, "reader")  # 2 -> 1
+        elif rec.batch == 3:
+            jd.request_rescale(4, "reader")  # 1 -> 4
+        elif rec.batch == 5:
+            log.add_partitions(2)  # KP5, KP6 while running
+            later.append(produce(log, 1500, seed=2))
+
+    args = {"log": log.uri, "output": str(tmp_path / "out"), "max_records_per_batch": "200"}
+    summary = run_job(JOB, tmp_path / "job", 2, args, on_batch=during)
+    assert [(b, u, f, t) for b, u, f, t in summary.rescales] == [(2, "reader", 2, 1), (4, "reader", 1, 4)]
+
+    assert partitions_of(a[0]) == [[0, 1], [2, 3]]  # S1: KP1, KP2; S2: KP3, KP4
+    assert partitions_of(a[2]) == [[0, 1, 2, 3]]  # one reader holds all four...
+    assert all(off > 0 for _, off in a[1][0] + a[1][1])
+    assert partitions_of(a[4]) == [[0], [1], [2], [3]]  # ...then each reader one: none idles
+    last = a[max(a)]
+    assert sorted(p for e in last for p, _ in e) == [0, 1, 2, 3, 4, 5]  # the new partitions were picked up
+    assert all(len(e) in (1, 2) for e in last)
+    assert {p: off for e in last for p, off in e} == dict(enumerate(log.end_offsets()))  # read to the end
+    check_offsets_only_grow(a)
+    got = totals(read_output(tmp_path / "out"))
+    pd.testing.assert_frame_equal(got, expected(first, *later), check_dtype=False)
+    status = JobDir(tmp_path / "job").read_status()["operators"]["reader"]
+    assert status["lag"] == 0 and len(status["readers"]) == 4
+
+
+def test_flip8_across_savepoint_restores(spark: Any, make_log: Any, tmp_path: Path) -> None:
+    log = make_log(SCHEMA, 4)
+    batches = [produce(log, 1200, seed=3)]
+    args = {"log": log.uri, "output": str(tmp_path / "out"), "max_records_per_batch": "150"}
+    hist = {n: Assignments(tmp_path / f"job{n}p") for n in (2, 1, 4)}
+    run_job(JOB, tmp_path / "job2p", 2, args, on_batch=hist[2])
+    assert partitions_of(hist[2][0]) == [[0, 1], [2, 3]]
+    assert keyscale_main(["savepoint", str(tmp_path / "job2p"), "--dest", str(tmp_path / "sp1")]) == 0
+    batches.append(produce(log, 900, seed=4))
+    run_job(JOB, tmp_path / "job1p", 1, args, from_savepoint=str(tmp_path / "sp1"), on_batch=hist[1])
+    assert partitions_of(hist[1][min(hist[1])]) == [[0, 1, 2, 3]]
+    assert min(hist[1]) == max(hist[2]) + 1  # the restored job goes on with the next batch
+    assert keyscale_main(["savepoint", str(tmp_path / "job1p"), "--dest", str(tmp_path / "sp2")]) == 0
+    batches.append(produce(log, 900, seed=5))
+    run_job(JOB, tmp_path / "job4p", 4, args, from_savepoint=str(tmp_path / "sp2"), on_batch=hist[4])
+    assert partitions_of(hist[4][min(hist[4])]) == [[0], [1], [2], [3]]
+    check_offsets_only_grow({b: a for h in hist.values() for b, a in h.items()})
+    # One output folder across the three runs: the batches continue, nothing is written twice.
+    got = totals(read_output(tmp_path / "out"))
+    pd.testing.assert_frame_equal(got, expected(*batches), check_dtype=False)
