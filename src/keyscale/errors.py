@@ -34,3 +34,9 @@ class InputDataError(KeyscaleError):
     """A batch of input violates the pipeline's contract (missing columns, null keys)."""
 
     exit_code = 5
+
+
+class ClusterError(KeyscaleError):
+    """A local Spark standalone cluster (``keyscale cluster``) cannot be started, reached or changed."""
+
+    exit_code = 6

@@ -337,6 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_apply_parser(sub)
     add_deployment_parsers(sub)
+
+    from keyscale.cluster.cli import add_cluster_parsers
+
+    add_cluster_parsers(sub)
+
     from keyscale.cli.log import add_log_parsers
     add_log_parsers(sub)
 
