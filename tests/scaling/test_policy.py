@@ -323,6 +323,51 @@ def test_bounds_and_step_factors() -> None:
     assert downs and all(d.target_parallelism >= 8 for d in downs)
 
 
+def _first_change(decisions: list[Decision]) -> Decision:
+    changes = [d for d in decisions if d.changes]
+    assert changes, decisions[-1].reason
+    return changes[0]
+
+
+def test_parallelism_below_the_lower_bound_comes_back_while_under_utilised() -> None:
+    scaler = Autoscaler(AutoscalerConfig(min_parallelism=3, stabilization_seconds=30))
+    decisions = feed(scaler, 0, 60, 2, 200)  # utilisation 0.1: the load alone says "smaller"
+    d = _first_change(decisions)
+    assert all(x.action == "none" and "stabilising" in x.reason for x in decisions if x.time < 30)
+    assert d.time < 35  # the first decision after stabilisation, no delay
+    assert (d.action, d.current_parallelism, d.target_parallelism) == ("scale_up", 2, 4)
+    assert d.reason.startswith(
+        "scale up 2 -> 4: parallelism 2 is below the lower bound 3, so it goes to the nearest "
+        "parallelism within [3, 128], aligned to 4 (divides 128); by load alone: keep 2"
+    )
+    assert (d.inputs["lower_bound"], d.inputs["upper_bound"]) == (3, 128)
+    after = feed(scaler, 60, 120, 4, 200)  # back within bounds: no more bound decisions
+    assert all("bound" not in x.reason for x in after)
+
+
+def test_parallelism_above_the_upper_bound_comes_back_at_once() -> None:
+    for rate, state in ((200, "under-utilised"), (44_800, "in band"), (100_000, "overloaded")):
+        scaler = Autoscaler(AutoscalerConfig(max_parallelism=24, scale_down_delay_seconds=120))
+        d = _first_change(feed(scaler, 0, 60, 64, rate))
+        assert d.time < 35, state  # not after the 120 s scale-down delay
+        assert (d.action, d.target_parallelism) == ("scale_down", 16), state  # largest divisor of 128 <= 24
+        assert "above the upper bound 24" in d.reason and "aligned to 16" in d.reason, state
+    unaligned = Autoscaler(AutoscalerConfig(max_parallelism=24, align_to_key_groups=False))
+    d = _first_change(feed(unaligned, 0, 60, 64, 200))
+    assert d.target_parallelism == 24 and "aligned" not in d.reason.split(";")[0]
+    # no divisor of M within the bounds: the bound itself
+    none_fit = Autoscaler(AutoscalerConfig(min_parallelism=30, max_parallelism=40))
+    d = _first_change(feed(none_fit, 0, 60, 10, 200, m=100))
+    assert (d.action, d.target_parallelism) == ("scale_up", 30)
+
+
+def test_load_driven_scale_up_from_below_the_bound_goes_further() -> None:
+    scaler = Autoscaler(AutoscalerConfig(min_parallelism=3, warmup_batches=0))
+    d = _first_change(feed(scaler, 0, 60, 2, 20_000))
+    assert d.action == "scale_up" and d.target_parallelism == 8  # the load's target, not the nearest (4)
+    assert "bound" not in d.reason
+
+
 def test_alignment_can_be_disabled() -> None:
     scaler = Autoscaler(AutoscalerConfig(align_to_key_groups=False))
     feed(scaler, 0, 30, 4, 2000)
@@ -445,3 +490,29 @@ def test_policy_is_deterministic(
     a = [d for _, d in run_closed_loop(cfg, m, rates, skew)]
     b = [d for _, d in run_closed_loop(cfg, m, rates, skew)]
     assert a == b
+
+
+@settings(max_examples=80, deadline=None)
+@given(m=st.sampled_from([1, 7, 60, 100, 128]), data=st.data())
+def test_any_parallelism_outside_the_bounds_is_brought_back(m: int, data: st.DataObject) -> None:
+    lo = data.draw(st.integers(1, m))
+    hi = data.draw(st.integers(lo, m))
+    p = data.draw(st.integers(1, m))
+    rate = data.draw(st.floats(0, 60_000))
+    cfg = AutoscalerConfig(min_parallelism=lo, max_parallelism=hi, stabilization_seconds=data.draw(st.floats(0, 60)),
+                           align_to_key_groups=data.draw(st.booleans()))  # fmt: skip
+    scaler = Autoscaler(cfg)
+    start, t, decisions = p, 0.0, []
+    while t < cfg.stabilization_seconds + 4 * T:
+        mt = batch(t, p, rate, m=m)
+        d = scaler.observe(mt)
+        decisions.append(d)
+        if d.changes:
+            assert lo <= d.target_parallelism <= hi
+            p = d.target_parallelism
+        t += max(T, mt.batch_seconds)
+    assert lo <= p <= hi
+    if not lo <= start <= hi:
+        # the first decision after stabilisation moves it, inwards, whatever the load
+        first = next(d for d in decisions if d.time >= cfg.stabilization_seconds)
+        assert first.action == ("scale_up" if start < lo else "scale_down"), first.reason

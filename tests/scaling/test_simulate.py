@@ -114,6 +114,40 @@ def test_step_up_scales_up_fast_covers_the_load_and_drains() -> None:
     assert_common_invariants(result)
 
 
+def test_step_up_under_a_read_limit_that_scales_with_parallelism() -> None:
+    # Each subtask reads at most 10,000 records a batch (two trigger intervals of its
+    # processing): the first overloaded batch reads 40,000 of the 100,000 that arrived, so
+    # it sees only part of the step, but the step is not hidden: the backlog is there, the
+    # subtasks are busy, and more subtasks read more.
+    trace = step_up(low=2400, high=20_000, at=120, duration=600, job=default_job(max_records_per_subtask=10_000))
+    result = simulate(trace, CFG)
+    first = result.changes[0]
+    assert first.action == "scale_up", format_decisions(result)
+    overloaded = next(b.metrics for b in result.batches if b.metrics.time > 120)
+    assert overloaded.input_records == 40_000 and overloaded.backlog_records == 60_000
+    assert first.time == overloaded.time + overloaded.batch_seconds  # decided at its end
+    assert {d.action for d in result.changes} == {"scale_up"} and result.reversals == 0
+    assert not any("maxOffsetsPerTrigger" in d.reason for d in result.decisions)  # never "not the limit"
+    final_p = result.parallelism[-1]
+    assert trace.job.capacity_rps(final_p) * CFG.scale_up_threshold >= 20_000
+    (change,) = result.load_changes
+    assert change.drain_seconds is not None and change.drain_seconds < 90
+    assert_common_invariants(result)
+
+
+def test_a_read_limit_that_does_not_scale_hides_the_step() -> None:
+    # The same 40,000 records a batch at P=4, but fixed (maxOffsetsPerTrigger): the policy
+    # sees 8,000 rec/s plus a backlog and scales up, but the subtasks then idle, the busy
+    # guard declines to go further, and the backlog is never worked off.
+    trace = step_up(low=2400, high=20_000, at=120, duration=600, job=default_job(max_records_per_batch=40_000))
+    result = simulate(trace, CFG)
+    assert result.changes and all(d.action == "scale_up" for d in result.changes)
+    assert all(d.inputs["input_rate"] == pytest.approx(8000) for d in result.changes)  # the step, hidden
+    assert "maxOffsetsPerTrigger" in result.decisions[-1].reason
+    assert result.load_changes[0].drain_seconds is None
+    assert result.capacity[-1] == pytest.approx(40_000 / trace.job.trigger_interval_seconds)
+
+
 def test_step_up_uses_far_fewer_core_seconds_than_fixed_max() -> None:
     trace = step_up(low=2400, high=20_000, at=120, duration=600)
     auto = simulate(trace, CFG)
@@ -238,12 +272,13 @@ def test_stabilisation_is_respected() -> None:
     hold=st.floats(20, 200),
     skew=st.floats(1, 3),
     m=st.sampled_from([60, 120, 128]),
+    per_subtask=st.one_of(st.none(), st.integers(1000, 50_000)),
 )
 def test_random_traces_keep_the_invariants(
-    rates: list[float], hold: float, skew: float, m: int
+    rates: list[float], hold: float, skew: float, m: int, per_subtask: int | None
 ) -> None:
     points = tuple(TracePoint(i * hold, r) for i, r in enumerate(rates))
-    job = default_job(max_parallelism=m, skew=skew, max_records_per_batch=200_000)
+    job = default_job(max_parallelism=m, skew=skew, max_records_per_batch=200_000, max_records_per_subtask=per_subtask)
     trace = Trace("random", points, hold * len(rates) + 120, job)
     result = simulate(trace, CFG)
     m_lo, m_hi = CFG.bounds(m)
@@ -274,7 +309,8 @@ def test_trace_json_round_trip(tmp_path: Path) -> None:
     trace = replace(
         spike(),
         autoscaler=AutoscalerConfig(catch_up_seconds=30, max_parallelism=64),
-        job=SimulatedJob(500.0, max_parallelism=60, skew=1.5, max_records_per_batch=10_000),
+        job=SimulatedJob(500.0, max_parallelism=60, skew=1.5, max_records_per_batch=10_000,
+                         max_records_per_subtask=2_000),
     )
     path = tmp_path / "t.json"
     save_trace(trace, path)
@@ -309,6 +345,23 @@ def test_job_model_accumulates_and_drains_backlog() -> None:
     for _ in range(10):
         last = run.run_batch(8)
     assert last.caught_up and last.metrics.backlog_records == 0
+
+
+def test_job_model_read_limit_scales_with_parallelism() -> None:
+    job = default_job(initial_parallelism=2, max_records_per_subtask=7_500)
+    trace = Trace("t", (TracePoint(0, 4000), TracePoint(10, 1000)), 100, job)
+    run = job.start(trace)
+    first = run.run_batch(2)  # 20,000 available, 2 x 7,500 read
+    assert first.metrics.input_records == 15_000 and first.metrics.backlog_records == 5000
+    assert first.capacity_rps == pytest.approx(2000)  # processing, not reading, is the bound
+    second = run.run_batch(8)  # 5,000 + 30,000 arrived in 7.5 s; 8 x 7,500 may be read
+    assert second.metrics.input_records == 35_000 and second.metrics.backlog_records == 0
+    assert job.read_limit(8) == 60_000 and job.capacity_rps(8) == pytest.approx(8000)
+    capped = default_job(max_records_per_subtask=1000, max_records_per_batch=5000)
+    assert capped.read_limit(2) == 2000 and capped.read_limit(16) == 5000
+    assert capped.capacity_rps(16) == pytest.approx(1000)  # 5,000 per 5 s trigger
+    with pytest.raises(ValueError, match="max_records_per_subtask"):
+        default_job(max_records_per_subtask=0)
 
 
 def test_job_model_skew_makes_one_subtask_hot() -> None:

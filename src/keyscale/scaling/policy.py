@@ -40,6 +40,10 @@ can be rescaled live, between two batches, at near-zero cost:
 * **Busy guard.** A job that is behind while its busiest subtask mostly idles
   is limited by something else (typically a per-batch read limit such as
   ``maxOffsetsPerTrigger``): the policy does not scale up and says why.
+* **Bounds.** A parallelism outside ``[min_parallelism, max_parallelism]`` (set
+  by hand, or the bounds changed) goes to the nearest aligned parallelism within
+  them at the first decision after stabilisation, whatever the load and without
+  the scale-down delay.
 * **Stabilisation.** After every parallelism change (seen in the metrics) and
   after every scaling decision, no new decision is made for
   ``stabilization_seconds``; metrics from before the change are discarded, and
@@ -311,7 +315,8 @@ class Decision:
     slot: its trigger interval, or its duration if it overran),
     ``raw_target_parallelism``, ``window_batches``,
     ``seconds_since_change``, ``scale_down_pending_since``,
-    ``rate_from_history`` (1.0 when the rate came from an earlier window).
+    ``rate_from_history`` (1.0 when the rate came from an earlier window),
+    ``lower_bound`` and ``upper_bound`` (when the current parallelism was outside them).
 
     >>> d = Decision(time=0.0, uid="op", current_parallelism=4, target_parallelism=4,
     ...              action="none", reason="stabilising")
@@ -411,7 +416,64 @@ class Autoscaler:
         self._ops: dict[str, _OperatorState] = {}
 
     def observe(self, m: BatchMetrics) -> Decision:
-        """Take one batch's metrics into account and decide."""
+        """Take one batch's metrics into account and decide.
+
+        A parallelism outside the bounds (``config.bounds``: set by hand, or the bounds
+        changed) is brought to the nearest parallelism within them at the first decision
+        after stabilisation, whatever the load, with no scale-down delay: a scale-up to
+        the smallest aligned parallelism ``>= lower``, a scale-down to the largest aligned
+        one ``<= upper`` (the bound itself when no divisor of the key groups fits). A
+        load-driven scale-up from below the lower bound goes further if the load needs it.
+
+        >>> scaler = Autoscaler(AutoscalerConfig(min_parallelism=3, stabilization_seconds=0))
+        >>> d = scaler.observe(BatchMetrics(time=0.0, uid="op", parallelism=1, max_parallelism=128,
+        ...     input_records=10, batch_seconds=0.1, trigger_interval_seconds=5.0,
+        ...     busy_seconds=(0.1,), records=(10,)))
+        >>> d.action, d.target_parallelism
+        ('scale_up', 4)
+        >>> print(d.reason.split(";")[0])
+        scale up 1 -> 4: parallelism 1 is below the lower bound 3, so it goes to the nearest
+        parallelism within [3, 128], aligned to 4 (divides 128)
+        """
+        d = self._evaluate(m)
+        P = m.parallelism
+        lower, upper = self.config.bounds(m.max_parallelism)
+        if lower <= P <= upper or d.changes:
+            # (A change from outside the bounds always lands within them, moving inwards.)
+            return d
+        st = self._ops[m.uid]
+        since = st.change_time if st.last_action_time is None else max(st.change_time, st.last_action_time)
+        if d.time - since < self.config.stabilization_seconds:
+            return d
+        target, aligned = self._nearest_in_bounds(P, m.max_parallelism, lower, upper)
+        below = m.parallelism < lower
+        plain = lower if below else upper
+        action: Action = "scale_up" if below else "scale_down"
+        reason = (
+            f"scale {'up' if below else 'down'} {P} -> {target}: parallelism {P} is "
+            f"{'below the lower' if below else 'above the upper'} bound {plain}, so it goes to "
+            f"the nearest parallelism within [{lower}, {upper}]"
+            + (f", aligned to {target} (divides {m.max_parallelism})" if aligned and target != plain else "")
+            + f"; by load alone: {d.reason}"
+        )
+        st.down_since = st.down_target = None
+        st.last_action_time = d.time
+        inputs = dict(d.inputs, lower_bound=float(lower), upper_bound=float(upper))
+        return Decision(d.time, m.uid, P, target, action, reason, inputs)
+
+    def _nearest_in_bounds(self, p: int, key_groups: int, lower: int, upper: int) -> tuple[int, bool]:
+        """The parallelism in ``[lower, upper]`` nearest to ``p`` (outside them), aligned if
+        possible; and whether it divides ``key_groups`` (with alignment on)."""
+        align = self.config.align_to_key_groups
+        if p < lower:
+            target = aligned_parallelism(lower, key_groups, lower, upper) if align else lower
+        else:
+            divisors = [q for q in range(upper, lower - 1, -1) if key_groups % q == 0] if align else []
+            target = divisors[0] if divisors else upper
+        return target, align and key_groups % target == 0
+
+    def _evaluate(self, m: BatchMetrics) -> Decision:
+        """The decision by load (bounds clamp its target, but an out-of-bounds P may stay)."""
         cfg = self.config
         st = self._ops.get(m.uid)
         if st is None:

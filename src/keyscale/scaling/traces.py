@@ -19,9 +19,13 @@ constant between :class:`TracePoint` s) plus the parameters of a
 
 The job model, per micro-batch starting at ``t`` with parallelism ``P``:
 
-* the batch reads everything that arrived and was not read yet (at most
-  ``max_records_per_batch``, like ``maxOffsetsPerTrigger``; the rest is the
-  source's backlog, reported when ``reports_backlog``);
+* the batch reads everything that arrived and was not read yet, up to its read
+  limit (the rest is the source's backlog, reported when ``reports_backlog``):
+  ``max_records_per_subtask`` per subtask, so ``P`` subtasks read ``P`` times as
+  much (a source read in parallel by the subtasks, each with a per-batch limit),
+  and at most ``max_records_per_batch`` in all, a limit that does *not* grow
+  with ``P`` (like ``maxOffsetsPerTrigger``: adding subtasks does not help, and
+  the policy's busy guard declines to scale up against it);
 * the hottest subtask gets ``min(1, skew / P)`` of the records (``skew`` times
   its fair share), the others share the rest evenly;
 * subtask ``i`` is busy ``records_i / per_subtask_capacity_rps +
@@ -123,15 +127,21 @@ class SimulatedJob:
         trigger_interval_seconds: processing-time trigger.
         skew: the hottest subtask's share of the records relative to a fair share
             (1.0 = no skew); capped so it never exceeds all records.
-        max_records_per_batch: cap on records read per batch (``None``: all).
+        max_records_per_batch: cap on records one batch reads, whatever its
+            parallelism (``None``: no such cap).
         reports_backlog: whether the source reports unread records.
         reports_input_rate: whether the source reports its arrival rate (else the
             policy derives it from records read per batch interval).
         task_overhead_seconds: fixed busy time per task per batch.
         uid: operator uid in the metrics.
+        max_records_per_subtask: cap on records one batch reads per subtask, so
+            ``P`` subtasks read up to ``P`` times this (``None``: no such cap).
 
     >>> SimulatedJob(1000.0, skew=2.0).capacity_rps(8)
     4000.0
+    >>> job = SimulatedJob(1000.0, max_records_per_subtask=2500)
+    >>> job.read_limit(4), job.capacity_rps(4), job.capacity_rps(1)
+    (10000, 2000.0, 500.0)
     """
 
     per_subtask_capacity_rps: float
@@ -144,6 +154,7 @@ class SimulatedJob:
     reports_input_rate: bool = False
     task_overhead_seconds: float = 0.0
     uid: str = "keyed"
+    max_records_per_subtask: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.per_subtask_capacity_rps) and self.per_subtask_capacity_rps > 0):
@@ -158,6 +169,8 @@ class SimulatedJob:
             raise ValueError("skew must be >= 1")
         if self.max_records_per_batch is not None and self.max_records_per_batch < 1:
             raise ValueError("max_records_per_batch must be >= 1 or null")
+        if self.max_records_per_subtask is not None and self.max_records_per_subtask < 1:
+            raise ValueError("max_records_per_subtask must be >= 1 or null")
         if not (math.isfinite(self.task_overhead_seconds) and self.task_overhead_seconds >= 0):
             raise ValueError("task_overhead_seconds must be >= 0")
 
@@ -165,9 +178,19 @@ class SimulatedJob:
         """Fraction of the records the hottest subtask gets at ``parallelism``."""
         return 1.0 if parallelism <= 1 else min(1.0, self.skew / parallelism)
 
+    def read_limit(self, parallelism: int) -> int | None:
+        """Most records one batch at ``parallelism`` reads (``None``: all that arrived)."""
+        limits = [self.max_records_per_batch]
+        if self.max_records_per_subtask is not None:
+            limits.append(self.max_records_per_subtask * parallelism)
+        return min((x for x in limits if x is not None), default=None)
+
     def capacity_rps(self, parallelism: int) -> float:
-        """Records/s the job sustains at ``parallelism`` (bounded by the hottest subtask)."""
-        return self.per_subtask_capacity_rps / self.hot_share(parallelism)
+        """Records/s the job sustains at ``parallelism``: bounded by the hottest subtask,
+        and by the read limit per trigger interval."""
+        rate = self.per_subtask_capacity_rps / self.hot_share(parallelism)
+        limit = self.read_limit(parallelism)
+        return rate if limit is None else min(rate, limit / self.trigger_interval_seconds)
 
     def start(self, load: Load) -> JobRun:
         """A fresh run of this job on ``load``, at time 0."""
@@ -203,11 +226,8 @@ class JobRun:
         self._unread += arrived
         pending = self._unread
         available = math.floor(self._unread + 1e-6)
-        read = (
-            available
-            if job.max_records_per_batch is None
-            else min(available, job.max_records_per_batch)
-        )
+        limit = job.read_limit(parallelism)
+        read = available if limit is None else min(available, limit)
         self._unread = max(0.0, self._unread - read)
 
         hot = job.hot_share(parallelism)
