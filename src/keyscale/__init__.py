@@ -20,6 +20,13 @@ from keyscale.operators.keyed import (
     TimerService,
     ValueState,
 )
+from keyscale.operators.nonkeyed import (
+    BroadcastStream,
+    OperatorContext,
+    OperatorListState,
+    ProcessFunction,
+    broadcast,
+)
 from keyscale.operators.vectorized import (
     KeyedBatch,
     VectorizedKeyedFunction,
@@ -37,6 +44,7 @@ from keyscale.sources.reader import LogSource, log_source
 __version__ = "0.1.0"
 
 __all__ = [
+    "BroadcastStream",
     "ConsoleSink",
     "Context",
     "JobContext",
@@ -47,8 +55,11 @@ __all__ = [
     "ListState",
     "LogSource",
     "MapState",
+    "OperatorContext",
+    "OperatorListState",
     "ParquetSink",
     "Pipeline",
+    "ProcessFunction",
     "RuntimeContext",
     "SessionWindows",
     "SlidingWindows",
@@ -58,6 +69,7 @@ __all__ = [
     "ValueState",
     "VectorizedKeyedFunction",
     "WindowedStream",
+    "broadcast",
     "count",
     "log_source",
     "max",

@@ -26,6 +26,7 @@ import pyarrow as pa
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import Duration, WatermarkSpec, parse_duration_ms
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states, uses_timers
+from keyscale.operators.nonkeyed import BroadcastStream, ProcessFunction, describe_lists
 from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyedFunction
 from keyscale.operators.windows import (
     WINDOW_START,
@@ -88,6 +89,7 @@ class KeyedStep:
     # State keyed by more than the routing key (windows: + window_start); key groups follow the key alone.
     extra_state_keys: tuple[tuple[str, pa.DataType], ...] = ()
     late_sink: Sink | None = None  # where records too late for a window go
+    broadcast: BroadcastStream | None = None  # rules delivered to every subtask as broadcast state
 
     @property
     def vectorized(self) -> bool:
@@ -96,6 +98,22 @@ class KeyedStep:
     @property
     def state_key_columns(self) -> tuple[tuple[str, pa.DataType], ...]:
         return (*zip(self.key_names, self.key_types, strict=True), *self.extra_state_keys)
+
+
+@dataclass(frozen=True)
+class NonKeyedStep:
+    """A non-keyed stage: a ProcessFunction per subtask, with operator (list) state."""
+
+    uid: str
+    function: ProcessFunction
+    input_schema: pa.Schema
+    output_schema: pa.Schema
+    lists: dict[str, str]  # list state name -> redistribution mode
+    parallelism: int | None = None
+    broadcast: BroadcastStream | None = None
+
+
+Step = TransformStep | KeyedStep | NonKeyedStep
 
 
 def _to_arrow_schema(schema: StructType) -> pa.Schema:
@@ -114,7 +132,7 @@ class Stream:
     """A stream of rows: a Spark streaming DataFrame plus the stages applied per batch."""
 
     def __init__(
-        self, source: DataFrame | LogSource, steps: tuple[TransformStep | KeyedStep, ...] = (), schema: StructType | None = None,
+        self, source: DataFrame | LogSource, steps: tuple[Step, ...] = (), schema: StructType | None = None,
         watermark: WatermarkSpec | None = None,
     ):
         self._source = source
@@ -174,6 +192,17 @@ class Stream:
             return self.transform(lambda df: df.selectExpr(*exprs))
         return self.transform(lambda df: df.select(*cols))
 
+    def process(self, function: ProcessFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
+                broadcast: BroadcastStream | None = None) -> Stream:
+        """A non-keyed stage: ``function.process(records, ctx)`` once per subtask and batch,
+        with operator list state that is split/merged or unioned on rescale, and, with
+        ``broadcast``, the rules stream's state in ``ctx.broadcast_state``."""
+        if not isinstance(function, ProcessFunction):
+            raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} is not a ProcessFunction (for keyed state use key_by(...).process)")
+        _check_uid(uid, self._steps)
+        step = NonKeyedStep(uid, function, _to_arrow_schema(self._schema), arrow_schema(schema), describe_lists(function, uid), parallelism, broadcast)
+        return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
+
     def key_by(self, *columns: str, null_keys: NullKeys = "error") -> KeyedStream:
         """Partition the stream by key columns: the next stage's state is per key.
 
@@ -197,6 +226,13 @@ class Stream:
         return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
 
 
+def _check_uid(uid: str, steps: tuple[Step, ...]) -> None:
+    if not uid or not uid.replace("-", "").replace("_", "").isalnum():
+        raise JobDefinitionError(f"uid {uid!r} must be a non-empty name of letters, digits, '-' and '_'")
+    if uid in {s.uid for s in steps if not isinstance(s, TransformStep)}:
+        raise JobDefinitionError(f"two stages have the uid '{uid}'; each stateful stage needs its own")
+
+
 class KeyedStream:
     """A stream partitioned by key; ``process``/``aggregate`` add a keyed stateful stage."""
 
@@ -209,13 +245,9 @@ class KeyedStream:
 
     def _step(
         self, uid: str, fn: Any, output: pa.Schema, states: list[StateDescriptor], parallelism: int | None,
-        extra_keys: tuple[tuple[str, pa.DataType], ...] = (), late_sink: Sink | None = None,
+        extra_keys: tuple[tuple[str, pa.DataType], ...] = (), late_sink: Sink | None = None, broadcast: BroadcastStream | None = None,
     ) -> Stream:
-        if not uid or not uid.replace("-", "").replace("_", "").isalnum():
-            raise JobDefinitionError(f"uid {uid!r} must be a non-empty name of letters, digits, '-' and '_'")
-        used = {s.uid for s in self._stream._steps if isinstance(s, KeyedStep)}
-        if uid in used:
-            raise JobDefinitionError(f"two stages have the uid '{uid}'; each stateful stage needs its own")
+        _check_uid(uid, self._stream._steps)
         clash = [s.name for s in states if s.name in self._keys]
         if clash:
             raise JobDefinitionError(f"operator '{uid}': state '{clash[0]}' has the name of a key column")
@@ -223,20 +255,25 @@ class KeyedStream:
         event_time = wm.column if wm is not None and wm.column in self._input.names else None
         step = KeyedStep(
             uid, self._keys, self._key_types, self._input, fn, output, tuple(states), self._null_keys, parallelism, event_time,
-            extra_keys, late_sink,
+            extra_keys, late_sink, broadcast,
         )
         return self._stream._with(step)
 
-    def process(self, function: KeyedProcessFunction | VectorizedKeyedFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None) -> Stream:
+    def process(
+        self, function: KeyedProcessFunction | VectorizedKeyedFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
+        broadcast: BroadcastStream | None = None,
+    ) -> Stream:
         """Run a keyed process function (per key) or a vectorized one (per batch).
 
-        ``schema`` is the output's Spark DDL, e.g. ``"key string, alert double"``.
+        ``schema`` is the output's Spark DDL, e.g. ``"key string, alert double"``. With
+        ``broadcast`` (:func:`keyscale.broadcast`), every subtask reads the rules stream's
+        state as ``ctx.broadcast_state``; a batch's rules apply before its records.
         """
         if not isinstance(function, KeyedProcessFunction | VectorizedKeyedFunction):
             raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} is not a KeyedProcessFunction or VectorizedKeyedFunction")
         if uses_timers(function) and self._stream.watermark is None:
             log.info("operator '%s' has on_timer but the stream has no watermark: only processing-time timers will fire", uid)
-        return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism)
+        return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism, broadcast=broadcast)
 
     def window(self, assigner: Assigner, allowed_lateness: Duration = 0, late_output: Sink | None = None) -> WindowedStream:
         """Event-time windows per key: ``TumblingWindows``, ``SlidingWindows`` or ``SessionWindows``.
@@ -310,7 +347,7 @@ class Pipeline:
     """A complete job: source, stages, sink."""
 
     source: DataFrame | LogSource
-    steps: tuple[TransformStep | KeyedStep, ...]
+    steps: tuple[Step, ...]
     sink: Sink
     schema: StructType
     watermark: WatermarkSpec | None = None
@@ -318,6 +355,20 @@ class Pipeline:
     @property
     def keyed_steps(self) -> list[KeyedStep]:
         return [s for s in self.steps if isinstance(s, KeyedStep)]
+
+    @property
+    def nonkeyed_steps(self) -> list[NonKeyedStep]:
+        return [s for s in self.steps if isinstance(s, NonKeyedStep)]
+
+    @property
+    def broadcasts(self) -> dict[str, BroadcastStream]:
+        """The rules streams of the pipeline's stages, by uid."""
+        out: dict[str, BroadcastStream] = {}
+        for s in self.steps:
+            b = getattr(s, "broadcast", None)
+            if b is not None:
+                out[b.uid] = b
+        return out
 
     @property
     def source_schema(self) -> StructType:

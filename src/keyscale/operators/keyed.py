@@ -19,7 +19,7 @@ Example (a per-key running total that alerts when it crosses a threshold)::
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
@@ -276,7 +276,10 @@ class Context:
     ``timestamp`` is the timer's time and ``time_domain`` "event_time" or "processing_time".
     """
 
-    __slots__ = ("batch_id", "current_watermark", "key", "key_group", "processing_time", "subtask_index", "time_domain", "timer_service", "timestamp")
+    __slots__ = (
+        "batch_id", "broadcast_state", "current_watermark", "key", "key_group", "processing_time", "subtask_index", "time_domain",
+        "timer_service", "timestamp",
+    )
 
     def __init__(self, batch_id: int, processing_time: int, subtask_index: int, current_watermark: int = NO_WATERMARK):
         self.batch_id = batch_id
@@ -289,6 +292,8 @@ class Context:
         self.timestamp: int | None = None
         self.time_domain: str | None = None
         self.timer_service: TimerService = None  # type: ignore[assignment]  # set by the runner
+        #: The stage's broadcast state (read-only), when it has a broadcast input.
+        self.broadcast_state: Mapping[str, Any] = {}
 
 
 class KeyedProcessFunction:

@@ -7,8 +7,8 @@ new state of those keys and the output rows. Built-in running aggregates sit on 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -38,6 +38,8 @@ class KeyedBatch:
     starts: np.ndarray
     batch_id: int
     processing_time: int
+    #: The stage's broadcast state (read-only), when it has a broadcast input.
+    broadcast_state: Mapping[str, Any] = field(default_factory=dict)
 
     def count(self, column: str | None = None) -> np.ndarray:
         """Records per key (with ``column``: records whose ``column`` is not null)."""

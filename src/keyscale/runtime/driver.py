@@ -13,6 +13,7 @@ For batch ``b`` (DESIGN.md §3):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -24,9 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from keyscale._pipeline import JobContext, KeyedStep, Pipeline, TransformStep
+from keyscale._pipeline import JobContext, KeyedStep, NonKeyedStep, Pipeline, TransformStep
 from keyscale.checkpoint.files import atomic_write_json
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import (
@@ -40,6 +42,12 @@ from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, Stat
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState
 from keyscale.operators.eventtime import advance as advance_watermark
 from keyscale.operators.eventtime import describe as describe_watermark
+from keyscale.operators.nonkeyed import (
+    broadcast_from_json,
+    broadcast_to_json,
+    lists_for,
+    lists_state,
+)
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.session import spark_session
@@ -48,7 +56,9 @@ from keyscale.runtime.task import (
     LATE,
     MAIN,
     SEQ,
+    NonKeyedTask,
     StageTask,
+    make_nonkeyed_function,
     make_stage_function,
     read_reports,
     side_output_schema,
@@ -261,8 +271,9 @@ class JobRunner:
                 "--from-savepoint starts a new job directory (or drop the flag to resume from the checkpoint)"
             )
         specs = {s.uid: OperatorSpec(s.state_key_columns, s.states) for s in pipeline.keyed_steps}
-        if pipeline.log_source is not None:  # its state is operator state only: the offsets
-            specs[pipeline.log_source.uid] = OperatorSpec((), ())
+        # Operators with operator state only: the source's offsets, lists, broadcast state.
+        for uid in [*(s.uid for s in pipeline.nonkeyed_steps), *pipeline.broadcasts, *([pipeline.log_source.uid] if pipeline.log_source else [])]:
+            specs[uid] = OperatorSpec((), ())
         log.info("restoring from savepoint %s", savepoint)
         self.committed = restore_savepoint(
             Path(savepoint), self.jobdir, self.name, specs,
@@ -291,6 +302,16 @@ class JobRunner:
             p = self.opts.parallelism or (prev_src.parallelism if prev_src else None) or src.parallelism or 1
             check_parallelism(p, self.max_parallelism)
             self.parallelism[src.uid] = p
+        for nk in pipeline.nonkeyed_steps:
+            prev_nk = old.get(nk.uid)
+            p = self.opts.parallelism or (prev_nk.parallelism if prev_nk else None) or nk.parallelism or 1
+            check_parallelism(p, self.max_parallelism)
+            self.parallelism[nk.uid] = p
+            uids.add(nk.uid)
+        for uid in pipeline.broadcasts:
+            if uid in uids:
+                raise JobDefinitionError(f"the broadcast stream and another operator both have the uid '{uid}'")
+            uids.add(uid)
         orphaned = sorted(set(old) - uids)
         if orphaned and not self.opts.allow_non_restored_state:
             raise StateError(
@@ -534,6 +555,8 @@ class JobRunner:
             src = self.pipeline.log_source
             if src is not None:
                 intent["source_plan"] = self._plan_source(src, batch_id, self.parallelism[src.uid], read=not drain)
+            # Rules streams: what this batch applies is fixed here, so a replay applies the same.
+            intent["broadcast_plans"] = {uid: self._plan_source(b.source, batch_id, 1) for uid, b in self.pipeline.broadcasts.items()}
             self.jobdir.write_intent(batch_id, intent)
         else:
             log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
@@ -547,11 +570,15 @@ class JobRunner:
 
         out = df
         side: list[tuple[Sink, DataFrame, DataFrame]] = []
+        rules = self._apply_broadcasts(intent.get("broadcast_plans", {}))
         for step in self.pipeline.steps:
             if isinstance(step, TransformStep):
                 out = step.fn(out)
                 continue
-            out = self._keyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], watermark_ms)
+            if isinstance(step, NonKeyedStep):
+                out = self._nonkeyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], rules)
+                continue
+            out = self._keyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], watermark_ms, rules)
             if step.late_sink is not None:
                 # The stage runs once (cached); its rows split into the main and the late stream.
                 staged = out.persist()
@@ -570,7 +597,7 @@ class JobRunner:
             os.kill(os.getpid(), signal.SIGKILL)
 
         batch_time_ms = int(intent["batch_time_ms"])
-        manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par, intent.get("source_plan"))
+        manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules)
         wm = self._next_watermark(reports, batch_time_ms, watermark_ms)
         manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), **({"drained": True} if drain else {})})
         self.jobdir.commit(manifest)
@@ -688,7 +715,42 @@ class JobRunner:
                 else:
                     log.info("autoscaler recommends (not applied): %s", d.reason)
 
-    def _keyed(self, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int) -> DataFrame:
+    def _apply_broadcasts(self, plans: dict[str, list[list[list[int]]]]) -> dict[str, dict[str, Any]]:
+        """Each rules stream's state for this batch: the committed state with the batch's
+        rules records applied on the driver, in partition then offset order."""
+        assert self.pipeline is not None
+        out = {}
+        for uid, b in self.pipeline.broadcasts.items():
+            prev = self.committed.operators.get(uid) if self.committed else None
+            state = broadcast_from_json(prev.operator_state.get("broadcast") if prev else None)
+            for ranges in plans.get(uid, []):
+                for part, start, end in sorted(ranges):
+                    if end > start:
+                        for row in b.source.log.read(part, start, end).to_pylist():
+                            b.apply(state, SimpleNamespace(**row))
+            try:
+                json.dumps(broadcast_to_json(state))
+            except (TypeError, ValueError) as e:
+                raise JobDefinitionError(f"broadcast state '{uid}': values must be JSON values ({e})") from None
+            out[uid] = state
+        return out
+
+    def _nonkeyed(self, df: DataFrame, step: NonKeyedStep, batch_id: int, batch_time_ms: int, p: int, rules: dict[str, dict[str, Any]]) -> DataFrame:
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        prev = self.committed.operators.get(step.uid) if self.committed else None
+        lists = lists_for(prev.operator_state if prev else {}, step.lists, p, step.uid)
+        spec = NonKeyedTask(
+            job_dir=str(self.jobdir.path), uid=step.uid, function=step.function, output_schema=step.output_schema, parallelism=p,
+            batch_id=batch_id, batch_time_ms=batch_time_ms, lists=tuple(lists),
+            broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None,
+        )
+        # Round robin: a subtask's share, one Spark task per subtask (partition i is subtask i).
+        return df.repartition(p).mapInArrow(make_nonkeyed_function(spec), from_arrow_schema(step.output_schema))
+
+    def _keyed(
+        self, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int, rules: dict[str, dict[str, Any]],
+    ) -> DataFrame:
         from pyspark.sql import functions as F
         from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -709,6 +771,7 @@ class JobRunner:
             committed=self.committed.batch if self.committed else -1, files=files, compact=compact,
             fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
             extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
+            broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None,
         )
         keys = [F.col(k) for k in step.key_names]
         cols = [F.col(c) for c in step.input_schema.names]
@@ -727,6 +790,7 @@ class JobRunner:
 
     def _manifest(
         self, batch_id: int, batch_time_ms: int, par: dict[str, int], source_plan: list[list[list[int]]] | None = None,
+        broadcast_plans: dict[str, list[list[list[int]]]] | None = None, rules: dict[str, dict[str, Any]] | None = None,
     ) -> tuple[Manifest, int, int, dict[str, list[dict[str, Any]]]]:
         assert self.pipeline is not None
         ops: dict[str, OperatorCheckpoint] = {}
@@ -757,6 +821,23 @@ class JobRunner:
                 key_columns=tuple((k, str(t)) for k, t in step.state_key_columns),
                 states=tuple(d.to_json() for d in step.states), files=tuple(files),
             )
+        for nk in self.pipeline.nonkeyed_steps:
+            reports = read_reports(self.jobdir.path, nk.uid, batch_id, par[nk.uid])
+            all_reports[nk.uid] = reports
+            ops[nk.uid] = OperatorCheckpoint(
+                uid=nk.uid, max_parallelism=self.max_parallelism, parallelism=par[nk.uid], key_columns=(), states=(),
+                operator_state=lists_state(nk.lists, [r["lists"] for r in reports]),
+            )
+        for uid, plan in (broadcast_plans or {}).items():
+            ops[uid] = OperatorCheckpoint(
+                uid=uid, max_parallelism=self.max_parallelism, parallelism=1, key_columns=(), states=(),
+                operator_state={
+                    "broadcast": broadcast_to_json((rules or {}).get(uid, {})),
+                    **reader.to_state(reader.advance([[(a, b, c) for a, b, c in r] for r in plan])),
+                },
+            )
+        if self.pipeline.steps and isinstance(self.pipeline.steps[-1], NonKeyedStep):
+            emitted = sum(int(r["emitted"]) for r in all_reports[self.pipeline.steps[-1].uid])
         if src is not None and src.uid in all_reports:
             records = sum(int(r["records"]) for r in all_reports[src.uid])
         extra = {"source_positions": "operator_state"} if src is not None else {}
@@ -786,6 +867,12 @@ class JobRunner:
             if src is not None and uid == src.uid:
                 ops[uid] = self._source_status(src)
                 continue
+            committed = self.committed.operators.get(uid) if self.committed else None
+            if committed is not None and not committed.key_columns and "lists" in committed.operator_state:
+                ops[uid] = {"parallelism": p, "operator_state": {
+                    name: {"mode": e["mode"], "entries_per_subtask": [len(x) for x in e["subtasks"]]}
+                    for name, e in committed.operator_state["lists"].items()}}
+                continue
             entry: dict[str, Any] = {
                 "parallelism": p,
                 "max_parallelism": self.max_parallelism,
@@ -797,6 +884,11 @@ class JobRunner:
                     for r in reports[uid]
                 ]
             ops[uid] = entry
+        for uid in (self.pipeline.broadcasts if self.pipeline else {}):
+            b = self.committed.operators.get(uid) if self.committed else None
+            if b is not None:
+                ops[uid] = {"broadcast_entries": len(b.operator_state.get("broadcast", [])),
+                            "offsets": {str(p): o for e in (reader.from_state(b.operator_state) or []) for p, o in e}}
         return {
             "job": self.name,
             "pid": os.getpid(),

@@ -23,6 +23,7 @@ from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ import pyarrow as pa
 
 from keyscale.checkpoint.files import atomic_write_json, read_state_slice, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
-from keyscale.errors import InputDataError, KeyscaleError
+from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms
 from keyscale.operators.keyed import (
     TIMER_STATES,
@@ -42,6 +43,7 @@ from keyscale.operators.keyed import (
     run_process_function,
     ttl_column,
 )
+from keyscale.operators.nonkeyed import OperatorContext, ProcessFunction
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
@@ -85,6 +87,7 @@ class StageTask:
     event_time: str | None = None  # the event-time column whose maximum the task reports
     extra_keys: tuple[tuple[str, pa.DataType], ...] = ()  # state key columns after the routing key
     late_output: bool = False  # the stage also returns records too late for its windows
+    broadcast_state: dict[str, Any] | None = None  # the rules stream's state as of this batch
 
     @property
     def timers(self) -> bool:
@@ -217,6 +220,7 @@ def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g
         starts=g.starts,
         batch_id=spec.batch_id,
         processing_time=spec.batch_time_ms,
+        broadcast_state=MappingProxyType(spec.broadcast_state or {}),
     )
     new_state, result = fn.process_batch(batch)
     updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state}
@@ -363,6 +367,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
             out, changed = _run_vectorized(fn, spec, held, grouped, user)
         else:
             ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
+            ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
             out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx, due_rows)
         if not isinstance(fn, WindowAggregate):
             changed_rows = np.union1d(changed_rows, held.table.positions(changed))
@@ -453,3 +458,66 @@ def read_reports(job_dir: Path, uid: str, batch: int, parallelism: int) -> list[
         except FileNotFoundError:
             raise KeyscaleError(f"subtask {s} of operator '{uid}' did not report for batch {batch}") from None
     return out
+
+
+# -- non-keyed stages --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NonKeyedTask:
+    """What a task of a non-keyed stage needs: its function and each subtask's list state."""
+
+    job_dir: str
+    uid: str
+    function: ProcessFunction
+    output_schema: pa.Schema
+    parallelism: int
+    batch_id: int
+    batch_time_ms: int
+    lists: tuple[dict[str, list[Any]], ...]  # per subtask: list name -> entries
+    broadcast_state: dict[str, Any] | None = None
+
+
+def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
+    """One subtask of a non-keyed stage: restore its lists, process, report the lists back."""
+    started = time.perf_counter()
+    fn = spec.function
+    ctx = OperatorContext(spec.uid, subtask, spec.parallelism, spec.batch_id, spec.batch_time_ms, spec.broadcast_state)
+    fn.open(ctx)
+    for name, entries in spec.lists[subtask].items():
+        if name in ctx.lists:
+            ctx.lists[name].update(entries)
+    parts = list(batches)
+    records = pa.Table.from_batches(parts).to_pandas(types_mapper=_NULLABLE.get) if parts else pd.DataFrame()
+    result = fn.process(records, ctx)
+    if isinstance(result, pd.DataFrame):
+        out = pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
+    elif isinstance(result, pa.Table):
+        out = result
+    else:
+        out = rows_to_arrow(list(result or []), spec.output_schema, spec.uid)
+    lists = {name: s.get() for name, s in ctx.lists.items()}
+    try:
+        json.dumps(lists)
+    except (TypeError, ValueError) as e:
+        raise JobDefinitionError(f"operator '{spec.uid}': list state entries must be JSON values ({e})") from None
+    report = {"subtask": subtask, "records": len(records), "emitted": out.num_rows, "lists": lists, "busy_seconds": time.perf_counter() - started}
+    path = sidecar_path(Path(spec.job_dir), spec.uid, spec.batch_id, subtask)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, report, durable=False)
+    return out, report
+
+
+def make_nonkeyed_function(spec: NonKeyedTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+        subtask = tc.partitionId() if tc is not None else 0
+        try:
+            out, _ = run_nonkeyed_subtask(spec, batches, subtask)
+        except KeyscaleError as e:
+            raise RuntimeError(f"KEYSCALE-ERROR {type(e).__name__}: {e}") from None
+        yield from out.to_batches()
+
+    return stage
