@@ -27,6 +27,30 @@ def _parse_sets(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
+    """AutoscalerConfig from ``--autoscaler-option NAME=VALUE`` (field names of AutoscalerConfig)."""
+    import dataclasses
+
+    from keyscale.scaling.policy import AutoscalerConfig
+
+    fields = {f.name: f for f in dataclasses.fields(AutoscalerConfig)}
+    values: dict[str, Any] = {"min_parallelism": lo, "max_parallelism": hi}
+    for opt in options:
+        name, sep, raw = opt.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in fields:
+            raise KeyscaleError(f"--autoscaler-option {opt!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(fields))}")
+        default = getattr(AutoscalerConfig(), name)
+        try:
+            values[name] = (raw.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(raw) if default is not None else int(raw)
+        except ValueError:
+            raise KeyscaleError(f"--autoscaler-option {opt!r}: {raw!r} is not a valid value for {name}") from None
+    try:
+        return AutoscalerConfig(**values)
+    except ValueError as e:
+        raise KeyscaleError(f"autoscaler options: {e}") from None
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from keyscale.runtime.driver import JobRunner, RunOptions
 
@@ -36,6 +60,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         retain=a.retain, max_chain=a.compaction_chain, fault=a.fault,
         from_savepoint=a.from_savepoint, allow_non_restored_state=a.allow_non_restored_state,
         scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
+        scaling_min=a.scaling_min, scaling_max=a.scaling_max,
+        autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
     )
     runner = JobRunner(opts)
 
@@ -283,7 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
-    r.add_argument("--scaling", choices=["fixed", "auto"], default="fixed", help="auto: the autoscaler watches every batch (default fixed)")
+    r.add_argument("--scaling", choices=["fixed", "reactive", "auto"], default="fixed",
+                   help="reactive: parallelism follows the executor cores Spark has; auto: the autoscaler watches every batch (default fixed)")
+    r.add_argument("--scaling-min", type=int, default=1, metavar="N", help="lowest parallelism reactive mode and the autoscaler choose (default 1)")
+    r.add_argument("--scaling-max", type=int, metavar="N", help="highest parallelism they choose (default: the number of key groups)")
+    r.add_argument("--autoscaler-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an autoscaler setting, e.g. stabilization_seconds=10 or scale_down_delay_seconds=30 (see AutoscalerConfig)")
     r.add_argument("--autoscaler", choices=["off", "recommend", "active"], default="recommend",
                    help="with --scaling auto: recommend records decisions (status, events.jsonl) without acting; active applies them live")
     r.add_argument("--from-savepoint", metavar="SP", help="start a new job directory from a savepoint (any -p in 1..M)")

@@ -105,6 +105,8 @@ class RunOptions:
     from_savepoint: str | None = None
     allow_non_restored_state: bool = False
     drain_at_end: bool = False  # with until_idle: end with a drain (every event-time timer and window fires)
+    scaling_min: int = 1  # bounds of reactive mode and the autoscaler
+    scaling_max: int | None = None  # None: the number of key groups
     fault: str | None = None  # test-only: "<mid-batch|after-sink|in-compaction>:<batch>"
 
 
@@ -198,9 +200,9 @@ class JobRunner:
         if opts.scaling == "auto" and opts.autoscaler_mode != "off":
             if opts.autoscaler_mode not in ("recommend", "active"):
                 raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
-            self._autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig())
-        elif opts.scaling not in ("fixed", "auto"):
-            raise KeyscaleError(f"scaling must be fixed or auto, not {opts.scaling!r}")
+            self._autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max))
+        elif opts.scaling not in ("fixed", "auto", "reactive"):
+            raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
         self._decisions: dict[str, dict[str, Any]] = {}
         self.pipeline: Pipeline | None = None
         self.committed: Manifest | None = None
@@ -208,6 +210,7 @@ class JobRunner:
         self.max_parallelism = 0
         self.name = ""
         self.watermark = WatermarkState()
+        self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
         self._drained: Future[Path | None] = Future()
 
@@ -249,7 +252,13 @@ class JobRunner:
             log.info("resuming job '%s' from checkpoint %d%s", self.name, rec.manifest.batch, fell_back)
         else:
             log.info("starting job '%s' with empty state in %s", self.name, self.jobdir.path)
-        spark = spark_session(opts.master, f"keyscale-{self.name}", opts.spark_conf)
+        conf = dict(opts.spark_conf)
+        if opts.master.startswith("spark://"):
+            from keyscale.cluster import spark_conf_for_cluster
+
+            conf = {**spark_conf_for_cluster(), **conf}
+        spark = spark_session(opts.master, f"keyscale-{self.name}", conf)
+        self._spark = spark
         pipeline = build(JobContext(spark, dict(opts.args)))
         if not isinstance(pipeline, Pipeline):
             raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
@@ -504,7 +513,27 @@ class JobRunner:
             self._error = _translate(e)
             raise
 
+    def _follow_cores(self, batch_id: int) -> None:
+        """Reactive mode: parallelism follows the executor cores Spark has now (DESIGN §7)."""
+        from keyscale.cluster import executor_cores
+        from keyscale.scaling.reactive import reactive_parallelism
+
+        cores = executor_cores(self._spark)
+        hi = self.opts.scaling_max or self.max_parallelism
+        target = reactive_parallelism(cores, self.opts.scaling_min, min(hi, self.max_parallelism), self.max_parallelism)
+        changed = {u: p for u, p in self.parallelism.items() if p != target}
+        if not changed:
+            return
+        log.info("batch %d: reactive: the job has %d executor cores; parallelism %s -> %d", batch_id, cores,
+                 "/".join(str(p) for p in sorted(set(changed.values()))), target)
+        self.jobdir.append_event({"type": "reactive", "batch": batch_id, "executor_cores": cores, "from": changed, "to": target})
+        for uid, p in changed.items():
+            self.summary.rescales.append((batch_id, uid, p, target))
+            self.parallelism[uid] = target
+
     def _apply_rescale_requests(self, batch_id: int) -> None:
+        if self.opts.scaling == "reactive":
+            self._follow_cores(batch_id)
         reqs = self.jobdir.read_rescale_requests()
         if not reqs:
             return
@@ -712,8 +741,24 @@ class JobRunner:
                 if mode == "active":
                     log.info("autoscaler: %s", d.reason)
                     self.jobdir.request_rescale(d.target_parallelism, uid)
+                    self._size_executors({**self.parallelism, uid: d.target_parallelism})
                 else:
                     log.info("autoscaler recommends (not applied): %s", d.reason)
+
+    def _size_executors(self, parallelism: dict[str, int]) -> None:
+        """Compute follows parallelism: on a cluster, ask for as many executor cores as the
+        widest operator has subtasks (more when it grows, fewer when it shrinks). Key groups
+        that land on a new executor are restored there from the checkpoint."""
+        if not self.opts.master.startswith("spark://"):
+            return
+        from keyscale.cluster import executor_cores, request_executors
+
+        per = int(self._spark.sparkContext.getConf().get("spark.executor.cores", "1"))
+        want = -(-max(parallelism.values()) // per)
+        have = executor_cores(self._spark) // per
+        if want != have and request_executors(self._spark, want):
+            log.info("asked Spark for %d executors of %d cores (had %d) for parallelism %d", want, per, have, max(parallelism.values()))
+            self.jobdir.append_event({"type": "executors", "requested": want, "had": have, "cores_per_executor": per})
 
     def _apply_broadcasts(self, plans: dict[str, list[list[list[int]]]]) -> dict[str, dict[str, Any]]:
         """Each rules stream's state for this batch: the committed state with the batch's

@@ -1,0 +1,188 @@
+"""Elastic jobs on a real Spark standalone cluster on localhost (``keyscale cluster``):
+reactive mode follows workers joining and leaving, and the active autoscaler scales up
+under a load step and back down after its delay; output exactly-once throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from conftest import EXAMPLES, ROOT, cli, read_output
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.cluster import add_worker, read_cluster, start_cluster, stop_cluster, stop_worker
+from keyscale.sources import LogWriter, create_log, start_generator
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Any]:
+    info = start_cluster(tmp_path / "cluster", workers=1, cores=1, memory="1g")
+    try:
+        yield info
+    finally:
+        stop_cluster(tmp_path / "cluster")
+        assert read_cluster(tmp_path / "cluster") is None
+
+
+class Job:
+    """``keyscale run`` in the background, stopped by its PID at the end."""
+
+    def __init__(self, tmp: Path, *argv: str):
+        self.dir = tmp / "job"
+        self.log = tmp / "job.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", "run", *argv, "--job-dir", str(self.dir)],
+                                         cwd=ROOT, stdout=out, stderr=out, env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+
+    def status(self) -> dict[str, Any]:
+        try:
+            return JobDir(self.dir).read_status()
+        except Exception:
+            return {}
+
+    def wait(self, what: str, cond: Callable[[dict[str, Any]], bool], timeout: float = 180) -> dict[str, Any]:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"job exited while waiting for {what}:\n{self.log.read_text()[-3000:]}"
+            st = self.status()
+            if st and cond(st):
+                return st
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what}; status {json.dumps(self.status())[:2000]}\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        cli("stop", str(self.dir), check=True)
+        assert self.proc.wait(timeout=120) == 0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+
+def par(st: dict[str, Any], uid: str = "totals") -> int:
+    return int(st["operators"][uid]["parallelism"])
+
+
+def lag(st: dict[str, Any]) -> int:
+    return int(st["operators"]["reader"].get("lag", -1))
+
+
+def produce(log: Any, rows: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame({"key": [f"k{i}" for i in rng.integers(0, 50, rows)], "value": rng.integers(1, 100, rows)})
+    LogWriter(log, ["key"]).write(pa.Table.from_pandas(df, preserve_index=False))
+    return df
+
+
+def check_exactly_once(out_dir: Path, *frames: pd.DataFrame) -> None:
+    out = read_output(out_dir)
+    got = out.sort_values("count").groupby("key").tail(1).set_index("key")[["count", "sum"]].sort_index()
+    want = pd.concat(frames).groupby("key").agg(count=("value", "size"), sum=("value", "sum")).sort_index()
+    pd.testing.assert_frame_equal(got, want, check_dtype=False)
+
+
+def test_reactive_mode_follows_a_worker_joining_and_leaving(cluster: Any, tmp_path: Path) -> None:
+    log = create_log(tmp_path / "log", "key string, value long", 4)
+    frames = [produce(log, 2000, 1)]
+    job = Job(tmp_path, str(EXAMPLES / "log_count.py"), "--master", cluster.master_url, "--scaling", "reactive", "--scaling-max", "4",
+              "--trigger-interval", "500 milliseconds", "--set", f"log={tmp_path / 'log'}", "--set", f"output={tmp_path / 'out'}",
+              "--set", "max_records_per_batch=100")
+    try:
+        job.wait("a first batch at parallelism 1", lambda st: st.get("last_checkpoint") is not None and par(st) == 1)
+        worker = add_worker(tmp_path / "cluster", cores=1)
+        job.wait("parallelism 2 after a worker joined", lambda st: par(st) == 2 and par(st, "reader") == 2)
+        frames.append(produce(log, 1000, 2))
+        stop_worker(tmp_path / "cluster", worker.id, kill=True)  # a machine disappears mid-run
+        job.wait("parallelism 1 after the worker left", lambda st: par(st) == 1)
+        frames.append(produce(log, 1000, 3))
+        job.wait("the backlog read", lambda st: lag(st) == 0 and par(st) == 1)
+        job.stop()
+    finally:
+        job.kill()
+    events = [e for e in JobDir(tmp_path / "job").read_events() if e["type"] == "reactive"]
+    assert [e["to"] for e in events][:2] == [2, 1], events
+    check_exactly_once(tmp_path / "out", *frames)
+
+
+SLOW_JOB = '''
+import time
+import keyscale as ks
+
+NAME = "slow_count"
+
+
+class SlowCount(ks.VectorizedKeyedFunction):
+    """A running count that costs ``cost_ms`` per record (I/O-like work: waits, not CPU)."""
+
+    def __init__(self, cost_ms):
+        self.cost = cost_ms / 1000
+
+    def open(self, ctx):
+        ctx.value_state("count", "long")
+
+    def process_batch(self, batch):
+        time.sleep(len(batch.records) * self.cost)
+        new = batch.state["count"].fillna(0).astype("int64").to_numpy() + batch.count()
+        out = batch.keys.assign(count=new)
+        return {"count": new}, out
+
+
+def build(ctx):
+    source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=int(ctx.arg("limit", "2000")))
+    return (
+        ks.stream(source).key_by("key")
+        .process(SlowCount(float(ctx.arg("cost_ms", "1"))), "key string, count long", uid="totals")
+        .sink(ks.ParquetSink(ctx.arg("output")))
+    )
+'''
+
+
+def test_active_autoscaler_scales_up_under_a_load_step_and_back_down(cluster: Any, tmp_path: Path) -> None:
+    add_worker(tmp_path / "cluster", cores=1)
+    add_worker(tmp_path / "cluster", cores=1)  # three 1-core workers
+    job_file = tmp_path / "slow.py"
+    job_file.write_text(textwrap.dedent(SLOW_JOB))
+    log = create_log(tmp_path / "log", "key string, value long, ts timestamp, seq long", 4)
+    job = Job(tmp_path, str(job_file), "--master", cluster.master_url, "-p", "1", "--scaling", "auto", "--autoscaler", "active",
+              "--scaling-max", "4", "--trigger-interval", "1 second",
+              "--autoscaler-option", "stabilization_seconds=4", "--autoscaler-option", "scale_down_delay_seconds=8",
+              "--autoscaler-option", "metrics_window_seconds=6", "--autoscaler-option", "warmup_batches=1",
+              "--autoscaler-option", "catch_up_seconds=10", "--autoscaler-option", "min_busy_seconds=0",
+              "--set", f"log={tmp_path / 'log'}", "--set", f"output={tmp_path / 'out'}", "--set", "cost_ms=1")
+    gen = start_generator(log, "150/s for 10s, 1200/s for 25s, 100/s for 40s", keys=50)
+    try:
+        job.wait("a first batch", lambda st: st.get("last_checkpoint") is not None, timeout=240)
+        job.wait("a scale-up under the load step", lambda st: par(st) >= 2, timeout=120)
+        job.wait("a scale-down after the load dropped", lambda st: par(st) == 1, timeout=180)
+        gen.join(120)
+        job.wait("the backlog read", lambda st: lag(st) == 0)
+        job.stop()
+    finally:
+        gen.stop()
+        job.kill()
+    assert gen.error is None
+    decisions = [e for e in JobDir(tmp_path / "job").read_events() if e["type"] == "autoscaler" and e["uid"] == "totals" and e["action"] != "none"]
+    actions = [e["action"] for e in decisions]
+    assert actions[0] == "scale_up" and actions[-1] == "scale_down"
+    assert sum(1 for a, b in zip(actions, actions[1:], strict=False) if a != b) <= 2  # no oscillation
+    assert any(e["type"] == "executors" for e in JobDir(tmp_path / "job").read_events())
+    # Exactly-once: each key's final count is its number of records in the log.
+    out = read_output(tmp_path / "out")
+    got = out.groupby("key")["count"].max().sort_index()
+    records = pd.concat([log.read(p, 0, e).to_pandas() for p, e in enumerate(log.end_offsets())])
+    pd.testing.assert_series_equal(got, records.groupby("key").size().sort_index(), check_names=False, check_dtype=False)
