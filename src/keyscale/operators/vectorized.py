@@ -148,6 +148,24 @@ def mean(column: str) -> Agg:
     return Agg("mean", column)
 
 
+def result_type(what: str, agg: Agg, input_types: dict[str, pa.DataType]) -> pa.DataType:
+    """The type of an aggregate's result; the column must exist, and be a number where it must."""
+    if agg.kind == "count" and agg.column is None:
+        return pa.int64()
+    if agg.column not in input_types:
+        raise JobDefinitionError(f"{what}: column '{agg.column}' is not in the stream (columns: {', '.join(input_types)})")
+    t = input_types[agg.column]
+    if agg.kind == "count":
+        return pa.int64()
+    if agg.kind == "reduce":
+        return t
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+        raise JobDefinitionError(f"{what}: column '{agg.column}' has type {t}, not a number")
+    if agg.kind == "sum":
+        return pa.int64() if pa.types.is_integer(t) else pa.float64()
+    return pa.float64() if agg.kind == "mean" else t
+
+
 class RunningAggregate(VectorizedKeyedFunction):
     """Built-in vectorized running aggregates; emits (key..., aggregates) per updated key."""
 
@@ -160,23 +178,7 @@ class RunningAggregate(VectorizedKeyedFunction):
         for name, agg in aggs.items():
             if agg.kind == "reduce":
                 raise JobDefinitionError(f"aggregate '{name}': reduce() is for windows; for a running reduce write a KeyedProcessFunction")
-            if agg.kind == "count" and agg.column is None:
-                self.types[name] = pa.int64()
-                continue
-            if agg.column not in input_types:
-                raise JobDefinitionError(f"aggregate '{name}': column '{agg.column}' is not in the stream (columns: {', '.join(input_types)})")
-            t = input_types[agg.column]
-            if agg.kind == "count":
-                self.types[name] = pa.int64()
-                continue
-            if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
-                raise JobDefinitionError(f"aggregate '{name}': column '{agg.column}' has type {t}, not a number")
-            if agg.kind == "sum":
-                self.types[name] = pa.int64() if pa.types.is_integer(t) else pa.float64()
-            elif agg.kind == "mean":
-                self.types[name] = pa.float64()
-            else:
-                self.types[name] = t
+            self.types[name] = result_type(f"aggregate '{name}'", agg, input_types)
 
     def state_descriptors(self) -> list[StateDescriptor]:
         out = []

@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import NO_WATERMARK, Duration, event_time_ms, parse_duration_ms
-from keyscale.operators.vectorized import Agg
+from keyscale.operators.vectorized import Agg, result_type
 from keyscale.state.table import KeyedStateTable, make_index
 from keyscale.state.types import StateDescriptor
 
@@ -188,23 +188,7 @@ class WindowAggregate:
         for name, agg in self.aggs.items():
             if name in (*self.key_names, WINDOW_START, WINDOW_END):
                 raise JobDefinitionError(f"window aggregate '{name}' has the name of a key or window column")
-            if agg.kind == "count" and agg.column is None:
-                self.types[name] = pa.int64()
-                continue
-            if agg.column not in self.input_types:
-                raise JobDefinitionError(f"window aggregate '{name}': column '{agg.column}' is not in the stream (columns: {', '.join(self.input_types)})")
-            t = self.input_types[agg.column]
-            numeric = pa.types.is_integer(t) or pa.types.is_floating(t)
-            if agg.kind in ("sum", "mean", "min", "max") and not numeric:
-                raise JobDefinitionError(f"window aggregate '{name}': column '{agg.column}' has type {t}, not a number")
-            if agg.kind == "count":
-                self.types[name] = pa.int64()
-            elif agg.kind == "sum":
-                self.types[name] = pa.int64() if pa.types.is_integer(t) else pa.float64()
-            elif agg.kind == "mean":
-                self.types[name] = pa.float64()
-            else:
-                self.types[name] = t
+            self.types[name] = result_type(f"window aggregate '{name}'", agg, self.input_types)
 
     def open(self, ctx: Any) -> None:
         """Nothing to declare: the operator's state is fixed by its aggregates."""

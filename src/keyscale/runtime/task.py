@@ -430,8 +430,8 @@ def with_side_output(main: pa.Table, late: pa.Table) -> pa.Table:
     })
 
 
-def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The function given to ``DataFrame.mapInArrow`` for this stage and batch."""
+def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.Table, Any]], spec: Any) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """A ``mapInArrow`` function: partition ``i`` of the stage's input is subtask ``i``."""
 
     def stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -439,13 +439,18 @@ def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]],
         tc = TaskContext.get()
         subtask = tc.partitionId() if tc is not None else 0
         try:
-            out, _ = run_subtask(spec, batches, subtask)
+            out, _ = run(spec, batches, subtask)
         except KeyscaleError as e:
             # One recognisable line survives Spark's wrapping of the Python traceback.
             raise RuntimeError(f"KEYSCALE-ERROR {type(e).__name__}: {e}") from None
         yield from out.to_batches()
 
     return stage
+
+
+def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The function given to ``DataFrame.mapInArrow`` for this keyed stage and batch."""
+    return _as_spark_task(run_subtask, spec)
 
 
 def read_reports(job_dir: Path, uid: str, batch: int, parallelism: int) -> list[dict[str, Any]]:
@@ -509,15 +514,5 @@ def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], 
 
 
 def make_nonkeyed_function(spec: NonKeyedTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    def stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from pyspark import TaskContext
-
-        tc = TaskContext.get()
-        subtask = tc.partitionId() if tc is not None else 0
-        try:
-            out, _ = run_nonkeyed_subtask(spec, batches, subtask)
-        except KeyscaleError as e:
-            raise RuntimeError(f"KEYSCALE-ERROR {type(e).__name__}: {e}") from None
-        yield from out.to_batches()
-
-    return stage
+    """The function given to ``DataFrame.mapInArrow`` for this non-keyed stage and batch."""
+    return _as_spark_task(run_nonkeyed_subtask, spec)
