@@ -79,3 +79,12 @@ def test_durations(text: object, ms: int) -> None:
 def test_bad_durations_are_named(bad: object) -> None:
     with pytest.raises(JobDefinitionError, match="duration"):
         parse_duration_ms(bad, "duration")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["keyscale", "keyscale.operators.eventtime", "keyscale.operators.windows", "keyscale.sources.reader"])
+def test_docstring_examples_run(name: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
