@@ -19,7 +19,7 @@ import pytest
 from conftest import EXAMPLES, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
-from keyscale.sources import LogWriter, PartitionedLog
+from keyscale.sources import LogWriter, PartitionedLog, create_log
 from keyscale.sources.reader import from_state
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -131,3 +131,57 @@ def test_flip8_across_savepoint_restores(spark: Any, make_log: Any, tmp_path: Pa
     # One output folder across the three runs: the batches continue, nothing is written twice.
     got = totals(read_output(tmp_path / "out"))
     pd.testing.assert_frame_equal(got, expected(*batches), check_dtype=False)
+
+
+IDLE_JOB = '''
+import keyscale as ks
+
+NAME = "idle"
+
+
+def build(ctx):
+    idleness = ctx.args.get("idleness")
+    return (
+        ks.stream(ks.log_source(ctx.arg("log"), uid="reader"))
+        .with_watermark("ts", "0 seconds", idleness=idleness or None)
+        .key_by("key")
+        .window(ks.TumblingWindows("10 seconds"))
+        .aggregate(uid="counts", n=ks.count())
+        .sink(ks.ParquetSink(ctx.arg("output")))
+    )
+'''
+
+
+@pytest.mark.parametrize("idleness", [None, "1 second"])
+def test_an_idle_partition_holds_the_watermark_only_without_idleness(spark: Any, tmp_path: Path, idleness: str | None) -> None:
+    import datetime as dt
+    import textwrap
+    import time
+
+    job = tmp_path / "idle.py"
+    job.write_text(textwrap.dedent(IDLE_JOB))
+    log = create_log(tmp_path / "log", "key string, value long, ts timestamp", 2)
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    def at(seconds: int) -> Any:
+        return pa.array([t0 + dt.timedelta(seconds=seconds)], pa.timestamp("us", tz="UTC"))
+
+    log.append(1, pa.table({"key": ["quiet"], "value": [1], "ts": at(5)}))  # partition 1 then falls silent
+    log.append(0, pa.table({"key": ["busy"], "value": [1], "ts": at(5)}))
+
+    def more(rec: Any) -> None:
+        if rec.batch < 6:
+            time.sleep(0.4)
+            log.append(0, pa.table({"key": ["busy"], "value": [1], "ts": at(20 * (rec.batch + 1))}))
+
+    args = {"log": str(tmp_path / "log"), "output": str(tmp_path / "out"), **({"idleness": idleness} if idleness else {})}
+    run_job(job, tmp_path / "job", 1, args, on_batch=more, trigger_interval="200 milliseconds")
+    jd = JobDir(tmp_path / "job")
+    wm = jd.read_manifest(max(jd.manifest_batches())).watermark_ms
+    quiet_ms = int((t0 + dt.timedelta(seconds=5)).timestamp() * 1000)
+    if idleness is None:
+        assert wm == quiet_ms - 1  # the quiet partition holds it back for good
+    else:
+        assert wm >= quiet_ms + 100_000  # partition 1 is idle: partition 0 alone moves it
+        out = read_output(tmp_path / "out")
+        assert set(out.key) == {"busy", "quiet"}  # windows fired
