@@ -578,6 +578,16 @@ def _sha(path: Path) -> str:
     return file_sha256(path)
 
 
+def _ended_since(store: DeploymentStore, offset: int) -> bool:
+    """Whether a supervisor wrote its last words to the log after ``offset``."""
+    try:
+        with open(store.supervisor_log, "rb") as f:
+            f.seek(offset)
+            return b"supervisor ended" in f.read()
+    except OSError:
+        return False
+
+
 def start_supervisor(store: DeploymentStore, timeout: float = 60) -> int:
     """Start the deployment's supervisor, detached (own session, log file); its pid.
 
@@ -590,6 +600,7 @@ def start_supervisor(store: DeploymentStore, timeout: float = 60) -> int:
             pid = start_supervisor(store)
     """
     store.path.mkdir(parents=True, exist_ok=True)
+    log_start = store.supervisor_log.stat().st_size if store.supervisor_log.exists() else 0
     with open(store.supervisor_log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "keyscale.deploy.supervisor", str(store.path), "--detach"],
@@ -601,6 +612,8 @@ def start_supervisor(store: DeploymentStore, timeout: float = 60) -> int:
         pid = store.supervisor_pid()
         if store.supervisor_running() and pid:
             return pid
+        if pid and _ended_since(store, log_start):
+            return pid  # it had little to do and has finished already (e.g. a stop with nothing running)
         time.sleep(0.1)
     tail = store.supervisor_log.read_text(errors="replace").strip().splitlines()[-1:] if store.supervisor_log.exists() else []
     raise DeploymentError(f"the supervisor of {store.path} did not start within {timeout:.0f} s{': ' + tail[0] if tail else ''} (see {store.supervisor_log})")
