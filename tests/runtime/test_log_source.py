@@ -75,7 +75,7 @@ def check_offsets_only_grow(history: dict[int, list[list[tuple[int, int]]]]) -> 
             seen[p] = off
 
 
-def test_flip8_live_scale_down_up_and_new_partitions(spark: Any, make_log: Any, tmp_path: Path) -> None:
+def test_flip8_live_scale_down_up_and_new_partitions(spark: Any, make_log: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = make_log(SCHEMA, 4)
     first = produce(log, 4000, seed=1)
     later: list[pd.DataFrame] = []
@@ -109,6 +109,10 @@ def test_flip8_live_scale_down_up_and_new_partitions(spark: Any, make_log: Any, 
     pd.testing.assert_frame_equal(got, expected(first, *later), check_dtype=False)
     status = JobDir(tmp_path / "job").read_status()["operators"]["reader"]
     assert status["lag"] == 0 and len(status["readers"]) == 4
+    assert keyscale_main(["status", str(tmp_path / "job")]) == 0
+    shown = capsys.readouterr().out
+    assert "operator 'reader': parallelism 4 (operator state), lag 0 records" in shown
+    assert all(f"reader {i}: partition" in shown for i in range(4))
 
 
 def test_flip8_across_savepoint_restores(spark: Any, make_log: Any, tmp_path: Path) -> None:

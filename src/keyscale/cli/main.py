@@ -204,6 +204,18 @@ def cmd_cancel(a: argparse.Namespace) -> int:
     return 0
 
 
+def _operator_state_summary(state: dict[str, Any]) -> dict[str, Any]:
+    """Non-keyed state for people: each reader's partitions and offsets, list sizes, broadcast entries."""
+    out: dict[str, Any] = {}
+    if "offsets" in state:
+        out["readers"] = [{str(p): o for p, o in entries} for entries in state["offsets"]["subtasks"]]
+    for name, e in state.get("lists", {}).items():
+        out[name] = {"mode": e["mode"], "entries_per_subtask": [len(x) for x in e["subtasks"]]}
+    if "broadcast" in state:
+        out["broadcast_entries"] = len(state["broadcast"])
+    return out
+
+
 def status_dict(job_dir: str) -> dict[str, Any]:
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.state.keygroups import key_group_ranges
@@ -223,7 +235,13 @@ def status_dict(job_dir: str) -> dict[str, Any]:
         "checkpoints": jd.manifest_batches(),
         "operators": {},
     }
+    if live.get("watermark") is not None:
+        out["watermark"] = live["watermark"]
     for uid, op in (m.operators.items() if m else []):
+        if not op.key_columns:  # operator state only: a source's offsets, list or broadcast state
+            out["operators"][uid] = {"parallelism": op.parallelism, "operator_state": _operator_state_summary(op.operator_state),
+                                     **({"lag": live["operators"][uid]["lag"]} if "lag" in live.get("operators", {}).get(uid, {}) else {})}
+            continue
         ranges = key_group_ranges(op.max_parallelism, op.parallelism)
         per = []
         for i, r in enumerate(ranges):
@@ -251,7 +269,21 @@ def cmd_status(a: argparse.Namespace) -> int:
     state = f"running (pid {st['pid']})" if st["running"] else "not running"
     print(f"job '{st['job']}' in {st['job_dir']}: {state}")
     print(f"  max parallelism (key groups): {st['max_parallelism']}; last checkpoint: {st['last_checkpoint']}; kept: {st['checkpoints']}")
+    if "watermark" in st:
+        print(f"  watermark: {st['watermark']}")
     for uid, op in st["operators"].items():
+        if "operator_state" in op:
+            ostate = op["operator_state"]
+            lag = f", lag {op['lag']:,} records" if "lag" in op else ""
+            print(f"  operator '{uid}': parallelism {op['parallelism']} (operator state){lag}")
+            for i, parts in enumerate(ostate.get("readers", [])):
+                print(f"    reader {i}: " + (", ".join(f"partition {p} at offset {o:,}" for p, o in parts.items()) or "no partitions"))
+            for name, e in ostate.items():
+                if isinstance(e, dict) and "mode" in e:
+                    print(f"    list state '{name}' ({e['mode']}): entries per subtask {e['entries_per_subtask']}")
+            if "broadcast_entries" in ostate:
+                print(f"    broadcast state: {ostate['broadcast_entries']} entries")
+            continue
         print(f"  operator '{uid}': parallelism {op['parallelism']}, states {op['states']}, {op['state_files']} state files")
         for s in op["subtasks"]:
             keys = f", {s['state_keys']:,} keys" if "state_keys" in s else ""
