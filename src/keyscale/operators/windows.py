@@ -300,7 +300,9 @@ def run_windows(
     alive = table.valid[WINDOW_END][rows]
     w_end = table.values[WINDOW_END][rows]
     fired = table.valid[FIRED][rows] & table.values[FIRED][rows]
-    is_updated = np.isin(rows, updated)
+    updated_mask = np.zeros(len(table), dtype=bool)
+    updated_mask[updated] = True
+    is_updated = updated_mask[rows]
     due = alive & (w_end <= due_upto) & (~fired | is_updated)
     emit_rows = rows[due]
     table.values[FIRED][emit_rows] = True
@@ -311,7 +313,7 @@ def run_windows(
         table.valid[name][purge] = False
         if table.values[name].dtype == object:
             table.values[name][purge] = None
-    changed = np.union1d(np.union1d(updated, emit_rows), purge)
+    changed = table.rows_union(updated, emit_rows, purge)
     late = records.filter(pa.array(late_mask)) if records.num_rows else records
     return WindowResult(output, late, changed, int(late_mask.sum()), len(emit_rows), len(purge))
 
@@ -407,7 +409,7 @@ def _merge_sessions(
     gkeys = [k[first] for k in all_keys] + [m_start]
     index = make_index(gkeys)
     table.upsert(gkeys, kg[first], updates, index=index)
-    return np.union1d(table.positions(index), gone)
+    return table.rows_union(table.positions(index), gone)
 
 
 def _emit(op: WindowAggregate, table: KeyedStateTable, rows: np.ndarray, schema: pa.Schema) -> pa.Table:

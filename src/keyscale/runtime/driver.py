@@ -364,6 +364,8 @@ class JobRunner:
             if not self.pipeline.sink.exactly_once:
                 log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
             control = ControlServer(self)
+            if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
+                self._size_executors(self.parallelism)  # from the start: cores follow parallelism
             try:
                 if self.pipeline.log_source is not None:
                     self._run_log_loop()

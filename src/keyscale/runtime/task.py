@@ -282,7 +282,7 @@ def _expire(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
     for s in spec.states:
         if s.ttl_seconds is not None:
             rows = held.table.expire(s.name, ttl_column(s.name), round(s.ttl_seconds * 1000), spec.batch_time_ms, rng.start, rng.end)
-            changed = np.union1d(changed, rows)
+            changed = held.table.rows_union(changed, rows)
     return changed
 
 
@@ -291,7 +291,7 @@ def _due_timers(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
         return np.empty(0, dtype=np.intp)
     event = held.table.due(TIMER_STATES["event_time"][1], spec.watermark_ms, rng.start, rng.end)
     proc = held.table.due(TIMER_STATES["processing_time"][1], spec.batch_time_ms, rng.start, rng.end)
-    return np.union1d(event, proc)
+    return held.table.rows_union(event, proc)
 
 
 def _python_columns(held: _Held, spec: StageTask, pos: np.ndarray) -> dict[str, list[Any]]:
@@ -346,7 +346,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         res = run_windows(fn, held.table, rng.start, rng.end, table.select(list(spec.input_schema.names)), [], np.empty(0, np.int32),
                           spec.watermark_ms, spec.output_schema)
         out, window_stats = res.output, {"late_records": 0, "windows_fired": res.fired, "windows_purged": res.purged}
-        changed_rows = np.union1d(changed_rows, res.changed_rows)
+        changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
     elif table.num_rows or len(due_rows):
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
         if spec.null_keys == "error":
@@ -362,7 +362,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
                 spec.watermark_ms, spec.output_schema,
             )
             out, late, window_stats = res.output, res.late, {"late_records": res.late_records, "windows_fired": res.fired, "windows_purged": res.purged}
-            changed_rows = np.union1d(changed_rows, res.changed_rows)
+            changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
         elif isinstance(fn, VectorizedKeyedFunction):
             out, changed = _run_vectorized(fn, spec, held, grouped, user)
         else:
@@ -370,7 +370,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
             ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
             out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx, due_rows)
         if not isinstance(fn, WindowAggregate):
-            changed_rows = np.union1d(changed_rows, held.table.positions(changed))
+            changed_rows = held.table.rows_union(changed_rows, held.table.positions(changed))
 
     compact = spec.compact[subtask]
     job_dir = Path(spec.job_dir)
@@ -386,6 +386,8 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         delta = held.table.to_arrow(changed_rows)
         written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "delta"), delta, "delta", spec.batch_id, rng)
     held.version[rng.start : rng.end + 1] = spec.batch_id
+    if held.table.dead_share() > 0.5:  # purged windows, expired or deleted keys: drop them once written
+        held.table.compact()
     _evict(held, rng, spec.batch_id)
     in_range = held.table.rows_in_range(rng.start, rng.end, live_only=True)
     report = {
