@@ -2,8 +2,7 @@
 
 The cost is a ``time.sleep`` per batch (``records x cost_ms``), i.e. I/O-like work (waiting
 on a remote service, not CPU), so more subtasks on more executors help even on a machine
-with fewer physical cores than executors. The same job as ``SLOW_JOB`` in
-``tests/scaling/test_elastic_cluster.py``.
+with fewer physical cores than executors. ``tests/scaling/test_elastic_cluster.py`` runs it too.
 
 Arguments (``--set NAME=VALUE``): ``log`` (the partitioned log to read), ``output`` (a
 Parquet folder), ``cost_ms`` (default 1), ``limit`` (records one batch reads per log

@@ -9,9 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -119,44 +119,14 @@ def test_reactive_mode_follows_a_worker_joining_and_leaving(cluster: Any, tmp_pa
     check_exactly_once(tmp_path / "out", *frames)
 
 
-SLOW_JOB = '''
-import time
-import keyscale as ks
-
-NAME = "slow_count"
-
-
-class SlowCount(ks.VectorizedKeyedFunction):
-    """A running count that costs ``cost_ms`` per record (I/O-like work: waits, not CPU)."""
-
-    def __init__(self, cost_ms):
-        self.cost = cost_ms / 1000
-
-    def open(self, ctx):
-        ctx.value_state("count", "long")
-
-    def process_batch(self, batch):
-        time.sleep(len(batch.records) * self.cost)
-        new = batch.state["count"].fillna(0).astype("int64").to_numpy() + batch.count()
-        out = batch.keys.assign(count=new)
-        return {"count": new}, out
-
-
-def build(ctx):
-    source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=int(ctx.arg("limit", "2000")))
-    return (
-        ks.stream(source).key_by("key")
-        .process(SlowCount(float(ctx.arg("cost_ms", "1"))), "key string, count long", uid="totals")
-        .sink(ks.ParquetSink(ctx.arg("output")))
-    )
-'''
+# A running count that costs cost_ms per record (sleep: I/O-like work), shared with bench/elastic.py.
+SLOW_JOB = ROOT / "bench" / "jobs" / "slow_count.py"
 
 
 def test_active_autoscaler_scales_up_under_a_load_step_and_back_down(cluster: Any, tmp_path: Path) -> None:
     add_worker(tmp_path / "cluster", cores=1)
     add_worker(tmp_path / "cluster", cores=1)  # three 1-core workers
-    job_file = tmp_path / "slow.py"
-    job_file.write_text(textwrap.dedent(SLOW_JOB))
+    job_file = SLOW_JOB
     log = create_log(tmp_path / "log", "key string, value long, ts timestamp, seq long", 4)
     job = Job(tmp_path, str(job_file), "--master", cluster.master_url, "-p", "1", "--scaling", "auto", "--autoscaler", "active",
               "--scaling-max", "4", "--trigger-interval", "1 second",
@@ -179,7 +149,7 @@ def test_active_autoscaler_scales_up_under_a_load_step_and_back_down(cluster: An
     decisions = [e for e in JobDir(tmp_path / "job").read_events() if e["type"] == "autoscaler" and e["uid"] == "totals" and e["action"] != "none"]
     actions = [e["action"] for e in decisions]
     assert actions[0] == "scale_up" and actions[-1] == "scale_down"
-    assert sum(1 for a, b in zip(actions, actions[1:], strict=False) if a != b) <= 2  # no oscillation
+    assert sum(1 for a, b in pairwise(actions) if a != b) <= 2  # no oscillation: at most one reversal per load change
     assert any(e["type"] == "executors" for e in JobDir(tmp_path / "job").read_events())
     # Exactly-once: each key's final count is its number of records in the log.
     out = read_output(tmp_path / "out")
