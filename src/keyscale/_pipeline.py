@@ -29,6 +29,7 @@ from keyscale.operators.keyed import KeyedProcessFunction, describe_states, uses
 from keyscale.operators.nonkeyed import BroadcastStream, ProcessFunction, describe_lists
 from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyedFunction
 from keyscale.operators.windows import (
+    WINDOW_END,
     WINDOW_START,
     Assigner,
     SessionWindows,
@@ -288,6 +289,9 @@ class KeyedStream:
             raise JobDefinitionError("window() needs event time: call with_watermark(column, ...) on the stream first")
         if self._stream.watermark.column not in self._input.names:
             raise JobDefinitionError(f"window(): the event-time column '{self._stream.watermark.column}' is not in the stream any more")
+        clash = [k for k in self._keys if k in (WINDOW_START, WINDOW_END)]
+        if clash:
+            raise JobDefinitionError(f"window(): key column '{clash[0]}' has the name of a window column; rename it before key_by()")
         if not isinstance(assigner, TumblingWindows | SlidingWindows | SessionWindows):
             raise JobDefinitionError(f"window() takes TumblingWindows, SlidingWindows or SessionWindows, not {type(assigner).__name__}")
         return WindowedStream(self, assigner, parse_duration_ms(allowed_lateness, "allowed_lateness"), late_output)

@@ -212,6 +212,7 @@ class JobRunner:
         self.watermark = WatermarkState()
         self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
+        self._drain_dest: str | None = None
         self._drained: Future[Path | None] = Future()
 
     # -- set-up --------------------------------------------------------------------------
@@ -471,7 +472,7 @@ class JobRunner:
             self._run_batch_locked(empty, batch_id, drain=True)
         path: Path | None = None
         if self._drain.is_set():
-            path = self.take_savepoint(getattr(self, "_drain_dest", None))
+            path = self.take_savepoint(self._drain_dest)
         self._drained.set_result(path)
 
     def take_savepoint(self, dest: str | None = None, then_stop: bool = False) -> Path:
