@@ -210,7 +210,7 @@ def run_one(kind: str, args: argparse.Namespace, cluster: Any, work: Path) -> di
         argv += ["-p", "1", "--scaling", "auto", "--autoscaler", "active", "--scaling-max", str(MAX_P)]
         for opt in args.autoscaler_option:
             argv += ["--autoscaler-option", opt]
-        want_cores = None
+        want_cores = 1  # the driver sizes executors to the initial parallelism at start
     else:
         p = 1 if kind == "fixed-min" else MAX_P
         argv += ["-p", str(p), "--scaling", "fixed"]
@@ -231,7 +231,8 @@ def run_one(kind: str, args: argparse.Namespace, cluster: Any, work: Path) -> di
                 raise RuntimeError(f"{kind}: job exited at start:\n{job_log.read_text()[-3000:]}")
             st = JobDir(d / "job").read_status()
             cores = master_app_cores(cluster.webui_url) or 0
-            if st and parallelism(st) is not None and cores >= (want_cores or MAX_P):
+            # Exactly: an autoscaled app first takes every core offered, then gives back what P=1 does not need.
+            if st and parallelism(st) is not None and (cores == want_cores if kind == "auto" else cores >= (want_cores or MAX_P)):
                 break
             if time.time() > deadline:
                 raise RuntimeError(f"{kind}: not ready after 240 s (status {json.dumps(st)[:500]}, cores {cores})")
