@@ -61,3 +61,26 @@ def test_two_keyed_stages_rescaled_separately(spark: Any, tmp_path: Path) -> Non
     pd.testing.assert_frame_equal(got[cols].sort_values(cols).reset_index(drop=True), want[cols].sort_values(cols).reset_index(drop=True))
     m = jd.latest_manifest()
     assert m is not None and set(m.operators) == {"user_totals", "tier_entries"}
+
+
+def test_event_time_mistakes_are_named(spark: Any, tmp_path: Path) -> None:
+    import keyscale as ks
+    from keyscale.errors import JobDefinitionError
+
+    events = spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path))
+    s = ks.stream(events)
+    with pytest.raises(JobDefinitionError, match="event-time column 'when' is not in the stream"):
+        s.with_watermark("when")
+    with pytest.raises(JobDefinitionError, match="event-time column 'key' has type string"):
+        s.with_watermark("key")
+    with pytest.raises(JobDefinitionError, match="window\\(\\) needs event time"):
+        s.key_by("key").window(ks.TumblingWindows("1 minute"))
+    with pytest.raises(JobDefinitionError, match="max_out_of_orderness 'soon'"):
+        s.with_watermark("ts", "soon")
+    timed = s.with_watermark("ts", "5 seconds")
+    with pytest.raises(JobDefinitionError, match="already has a watermark"):
+        timed.with_watermark("ts")
+    with pytest.raises(JobDefinitionError, match="column 'nope' is not in the stream"):
+        timed.key_by("key").window(ks.TumblingWindows("1 minute")).aggregate(uid="w", s=ks.sum("nope"))
+    with pytest.raises(JobDefinitionError, match="is not a ProcessFunction"):
+        timed.process(object(), "n long", uid="x")  # type: ignore[arg-type]
