@@ -342,12 +342,8 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     max_event: int | None = None
     late = spec.input_schema.empty_table()
     window_stats: dict[str, int] = {}
-    if isinstance(fn, WindowAggregate) and not table.num_rows:  # windows may still be due
-        res = run_windows(fn, held.table, rng.start, rng.end, table.select(list(spec.input_schema.names)), [], np.empty(0, np.int32),
-                          spec.watermark_ms, spec.output_schema)
-        out, window_stats = res.output, {"late_records": 0, "windows_fired": res.fired, "windows_purged": res.purged}
-        changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
-    elif table.num_rows or len(due_rows):
+    # Windows run every batch: without records, some may still be due.
+    if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
         if spec.null_keys == "error":
             _null_check(spec, table)
@@ -363,13 +359,13 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
             )
             out, late, window_stats = res.output, res.late, {"late_records": res.late_records, "windows_fired": res.fired, "windows_purged": res.purged}
             changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
-        elif isinstance(fn, VectorizedKeyedFunction):
-            out, changed = _run_vectorized(fn, spec, held, grouped, user)
         else:
-            ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
-            ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
-            out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx, due_rows)
-        if not isinstance(fn, WindowAggregate):
+            if isinstance(fn, VectorizedKeyedFunction):
+                out, changed = _run_vectorized(fn, spec, held, grouped, user)
+            else:
+                ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
+                ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
+                out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx, due_rows)
             changed_rows = held.table.rows_union(changed_rows, held.table.positions(changed))
 
     compact = spec.compact[subtask]
