@@ -20,13 +20,13 @@ import pyarrow as pa
 import pytest
 
 import keyscale.runtime.task as task
-from keyscale.checkpoint.files import read_state_slice
+from keyscale.checkpoint.files import read_reports, read_state_slice
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.errors import InputDataError, JobDefinitionError
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states
 from keyscale.operators.vectorized import RunningAggregate, count
 from keyscale.operators.vectorized import sum as ksum
-from keyscale.runtime.task import KG, SEQ, StageTask, read_reports, run_subtask
+from keyscale.runtime.task import KG, SEQ, StageTask, run_subtask
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.types import arrow_schema

@@ -12,12 +12,13 @@ import json
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from keyscale.checkpoint.manifest import FileKind, StateFile
-from keyscale.errors import StateError
+from keyscale.errors import KeyscaleError, StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN
 
@@ -55,6 +56,28 @@ def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
 
 def atomic_write_json(path: Path, obj: object, durable: bool = True) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True), durable)
+
+
+def report_path(job_dir: Path, uid: str, batch: int, subtask: int) -> Path:
+    """Where subtask ``subtask`` of operator ``uid`` reports on ``batch`` (a small JSON sidecar)."""
+    return job_dir / "state" / uid / f"{batch:012d}-s{subtask:05d}.json"
+
+
+def write_report(job_dir: Path, uid: str, batch: int, subtask: int, report: dict[str, Any]) -> None:
+    path = report_path(job_dir, uid, batch, subtask)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, report, durable=False)
+
+
+def read_reports(job_dir: Path, uid: str, batch: int, parallelism: int) -> list[dict[str, Any]]:
+    """The report of every subtask of an operator for a batch (a missing one is an error)."""
+    out = []
+    for s in range(parallelism):
+        try:
+            out.append(json.loads(report_path(job_dir, uid, batch, s).read_text()))
+        except FileNotFoundError:
+            raise KeyscaleError(f"subtask {s} of operator '{uid}' did not report for batch {batch}") from None
+    return out
 
 
 def is_locked(path: Path) -> bool:

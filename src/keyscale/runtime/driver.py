@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from keyscale._pipeline import JobContext, KeyedStep, NonKeyedStep, Pipeline, TransformStep
-from keyscale.checkpoint.files import atomic_write_json
+from keyscale.checkpoint.files import atomic_write_json, read_reports, report_path
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import (
     Manifest,
@@ -60,9 +60,7 @@ from keyscale.runtime.task import (
     StageTask,
     make_nonkeyed_function,
     make_stage_function,
-    read_reports,
     side_output_schema,
-    sidecar_path,
 )
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
 from keyscale.sources import reader
@@ -598,7 +596,7 @@ class JobRunner:
             df = self._read_source(batch_id, intent["source_plan"])
         for uid in par:
             for s in range(par[uid]):
-                sidecar_path(self.jobdir.path, uid, batch_id, s).unlink(missing_ok=True)
+                report_path(self.jobdir.path, uid, batch_id, s).unlink(missing_ok=True)
 
         out = df
         side: list[tuple[Sink, DataFrame, DataFrame]] = []
@@ -847,7 +845,7 @@ class JobRunner:
         src = self.pipeline.log_source
         if src is not None and source_plan is not None:
             p = par[src.uid]
-            all_reports[src.uid] = reader.read_reader_reports(self.jobdir.path, src.uid, batch_id, p)
+            all_reports[src.uid] = read_reports(self.jobdir.path, src.uid, batch_id, p)
             # The offsets advance in the same manifest as the state they produced.
             after = reader.advance([[(a, b, c) for a, b, c in r] for r in source_plan])
             ops[src.uid] = OperatorCheckpoint(

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from keyscale.checkpoint.files import atomic_write_json, read_state_slice, write_state_file
+from keyscale.checkpoint.files import read_state_slice, write_report, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms
@@ -96,10 +96,6 @@ class StageTask:
 
 def state_file_name(uid: str, batch: int, subtask: int, kind: str) -> str:
     return f"state/{uid}/{batch:012d}-s{subtask:05d}-{kind}.arrow"
-
-
-def sidecar_path(job_dir: Path, uid: str, batch: int, subtask: int) -> Path:
-    return job_dir / "state" / uid / f"{batch:012d}-s{subtask:05d}.json"
 
 
 class _Held:
@@ -401,9 +397,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         **stats,
         **window_stats,
     }
-    report_path = sidecar_path(job_dir, spec.uid, spec.batch_id, subtask)
-    report_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(report_path, report, durable=False)
+    write_report(job_dir, spec.uid, spec.batch_id, subtask, report)
     if spec.late_output:
         out = with_side_output(out, late)
     return out, report
@@ -451,18 +445,6 @@ def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]],
     return _as_spark_task(run_subtask, spec)
 
 
-def read_reports(job_dir: Path, uid: str, batch: int, parallelism: int) -> list[dict[str, Any]]:
-    """The sidecar of every subtask of a stage for a batch (missing ones are an error)."""
-    out = []
-    for s in range(parallelism):
-        p = sidecar_path(job_dir, uid, batch, s)
-        try:
-            out.append(json.loads(p.read_text()))
-        except FileNotFoundError:
-            raise KeyscaleError(f"subtask {s} of operator '{uid}' did not report for batch {batch}") from None
-    return out
-
-
 # -- non-keyed stages --------------------------------------------------------------------------
 
 
@@ -505,9 +487,7 @@ def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], 
     except (TypeError, ValueError) as e:
         raise JobDefinitionError(f"operator '{spec.uid}': list state entries must be JSON values ({e})") from None
     report = {"subtask": subtask, "records": len(records), "emitted": out.num_rows, "lists": lists, "busy_seconds": time.perf_counter() - started}
-    path = sidecar_path(Path(spec.job_dir), spec.uid, spec.batch_id, subtask)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, report, durable=False)
+    write_report(Path(spec.job_dir), spec.uid, spec.batch_id, subtask, report)
     return out, report
 
 

@@ -18,7 +18,6 @@ batch's manifest, atomically with the keyed state and after the sink output.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from keyscale.checkpoint.files import atomic_write_json
-from keyscale.errors import JobDefinitionError, KeyscaleError
+from keyscale.checkpoint.files import write_report
+from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import event_time_ms
 from keyscale.sources.log import PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
@@ -134,10 +133,6 @@ def from_state(state: dict[str, Any]) -> Assignment | None:
 # -- the Spark task ----------------------------------------------------------------------------
 
 
-def reader_report_path(job_dir: Path, uid: str, batch: int, subtask: int) -> Path:
-    return job_dir / "state" / uid / f"{batch:012d}-s{subtask:05d}.json"
-
-
 def make_reader_function(
     log: PartitionedLog, uid: str, job_dir: str, batch: int, plan: Plan, target: pa.Schema, event_time: str | None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
@@ -162,18 +157,6 @@ def make_reader_function(
                     yield from t.to_batches()
                 report["records"] = sum(i["records"] for i in report["partitions"].values())
                 report["busy_seconds"] = time.perf_counter() - started
-                path = reader_report_path(Path(job_dir), uid, batch, subtask)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_json(path, report, durable=False)
+                write_report(Path(job_dir), uid, batch, subtask, report)
 
     return read
-
-
-def read_reader_reports(job_dir: Path, uid: str, batch: int, parallelism: int) -> list[dict[str, Any]]:
-    out = []
-    for s in range(parallelism):
-        try:
-            out.append(json.loads(reader_report_path(job_dir, uid, batch, s).read_text()))
-        except FileNotFoundError:
-            raise KeyscaleError(f"reader {s} of source '{uid}' did not report for batch {batch}") from None
-    return out
