@@ -99,6 +99,22 @@ class OperatorCheckpoint:
         )
 
 
+def summarize_operator_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Non-keyed state for people: each reader's partitions and offsets, list sizes, broadcast entries.
+
+    >>> summarize_operator_state({"offsets": {"mode": "split_merge", "subtasks": [[[0, 5], [1, 7]]]}, "broadcast": [["k", 1]]})
+    {'readers': [{'0': 5, '1': 7}], 'broadcast_entries': 1}
+    """
+    out: dict[str, Any] = {}
+    if "offsets" in state:
+        out["readers"] = [{str(p): o for p, o in entries} for entries in state["offsets"]["subtasks"]]
+    for name, e in state.get("lists", {}).items():
+        out[name] = {"mode": e["mode"], "entries_per_subtask": [len(x) for x in e["subtasks"]]}
+    if "broadcast" in state:
+        out["broadcast_entries"] = len(state["broadcast"])
+    return out
+
+
 @dataclass(frozen=True)
 class Manifest:
     """Everything a committed batch consists of."""

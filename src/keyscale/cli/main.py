@@ -204,20 +204,9 @@ def cmd_cancel(a: argparse.Namespace) -> int:
     return 0
 
 
-def _operator_state_summary(state: dict[str, Any]) -> dict[str, Any]:
-    """Non-keyed state for people: each reader's partitions and offsets, list sizes, broadcast entries."""
-    out: dict[str, Any] = {}
-    if "offsets" in state:
-        out["readers"] = [{str(p): o for p, o in entries} for entries in state["offsets"]["subtasks"]]
-    for name, e in state.get("lists", {}).items():
-        out[name] = {"mode": e["mode"], "entries_per_subtask": [len(x) for x in e["subtasks"]]}
-    if "broadcast" in state:
-        out["broadcast_entries"] = len(state["broadcast"])
-    return out
-
-
 def status_dict(job_dir: str) -> dict[str, Any]:
     from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.checkpoint.manifest import summarize_operator_state
     from keyscale.state.keygroups import key_group_ranges
 
     jd = JobDir(job_dir)
@@ -239,7 +228,7 @@ def status_dict(job_dir: str) -> dict[str, Any]:
         out["watermark"] = live["watermark"]
     for uid, op in (m.operators.items() if m else []):
         if not op.key_columns:  # operator state only: a source's offsets, list or broadcast state
-            out["operators"][uid] = {"parallelism": op.parallelism, "operator_state": _operator_state_summary(op.operator_state),
+            out["operators"][uid] = {"parallelism": op.parallelism, "operator_state": summarize_operator_state(op.operator_state),
                                      **({"lag": live["operators"][uid]["lag"]} if "lag" in live.get("operators", {}).get(uid, {}) else {})}
             continue
         ranges = key_group_ranges(op.max_parallelism, op.parallelism)

@@ -37,6 +37,7 @@ from keyscale.checkpoint.manifest import (
     StateFile,
     chain_length,
     live_files,
+    summarize_operator_state,
 )
 from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState
@@ -306,15 +307,9 @@ class JobRunner:
             if src.uid in uids:
                 raise JobDefinitionError(f"the source and a stage both have the uid '{src.uid}'")
             uids.add(src.uid)
-            prev_src = old.get(src.uid)
-            p = self.opts.parallelism or (prev_src.parallelism if prev_src else None) or src.parallelism or 1
-            check_parallelism(p, self.max_parallelism)
-            self.parallelism[src.uid] = p
+            self._start_parallelism(src.uid, old.get(src.uid), src.parallelism)
         for nk in pipeline.nonkeyed_steps:
-            prev_nk = old.get(nk.uid)
-            p = self.opts.parallelism or (prev_nk.parallelism if prev_nk else None) or nk.parallelism or 1
-            check_parallelism(p, self.max_parallelism)
-            self.parallelism[nk.uid] = p
+            self._start_parallelism(nk.uid, old.get(nk.uid), nk.parallelism)
             uids.add(nk.uid)
         for uid in pipeline.broadcasts:
             if uid in uids:
@@ -342,12 +337,17 @@ class JobRunner:
                             f"operator '{step.uid}', state '{old_state['name']}': checkpointed as {old_state['kind']} {old_state['type']}, "
                             f"the job now declares {new_state['kind']} {new_state['type']}; take a savepoint and restore it with --from-savepoint to evolve the schema"
                         )
-            p = self.opts.parallelism or (prev.parallelism if prev else None) or step.parallelism or 1
-            check_parallelism(p, self.max_parallelism)
+            p = self._start_parallelism(step.uid, prev, step.parallelism)
             if prev is not None and prev.parallelism != p:
                 log.info("operator '%s': restarting at parallelism %d (was %d); key groups are reassigned, no state is rewritten", step.uid, p, prev.parallelism)
-            self.parallelism[step.uid] = p
         self.summary.parallelism = dict(self.parallelism)
+
+    def _start_parallelism(self, uid: str, prev: OperatorCheckpoint | None, own: int | None) -> int:
+        """An operator's parallelism at start: -p, else as checkpointed, else its own default, else 1."""
+        p = self.opts.parallelism or (prev.parallelism if prev else None) or own or 1
+        check_parallelism(p, self.max_parallelism)
+        self.parallelism[uid] = p
+        return p
 
     # -- running -------------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -641,9 +641,11 @@ class JobRunner:
         self.summary.batches.append(rec)
         self.summary.parallelism = dict(self.parallelism)
         self._last_reports = reports
+        src = self.pipeline.log_source
+        source = self._source_status(src) if src is not None else None  # one read of the log's end per batch
         if self._autoscaler is not None:
-            self._autoscale(batch_id, started_wall, seconds, par, reports)
-        self.jobdir.write_status({**self._status(reports), "running": True})
+            self._autoscale(batch_id, started_wall, seconds, par, reports, source.get("lag") if source else None)
+        self.jobdir.write_status({**self._status(reports, source), "running": True})
         log.info(
             "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",
             batch_id, seconds, spark_seconds, f"{records:,}", f"{emitted:,}",
@@ -654,40 +656,32 @@ class JobRunner:
             self._on_batch_cb(rec)
         return records
 
-    def _assignment(self, src: LogSource) -> reader.Assignment:
-        """The readers' committed offsets (initial when the job is new)."""
+    def _committed_assignment(self, src: LogSource) -> reader.Assignment | None:
+        """The readers' committed partitions and offsets (None before the source's first batch)."""
         prev = self.committed.operators.get(src.uid) if self.committed else None
-        found = reader.from_state(prev.operator_state) if prev is not None else None
-        if found is None:
-            return [[] for _ in range(prev.parallelism if prev else 1)]
-        return found
+        return reader.from_state(prev.operator_state) if prev is not None else None
 
     def _plan_source(self, src: LogSource, batch_id: int, p: int, read: bool = True) -> list[list[list[int]]]:
-        prev = self.committed.operators.get(src.uid) if self.committed else None
-        if prev is None or reader.from_state(prev.operator_state) is None:
+        current = self._committed_assignment(src)
+        if current is None:
             current = reader.initial_assignment(src.log.num_partitions(), p)
             log.info("source '%s': %d partitions over %d readers: %s", src.uid, src.log.num_partitions(), p, _describe_assignment(current))
-        else:
-            current = self._assignment(src)
         if len(current) != p:
             current = reader.rescale_assignment(current, p)
             log.info("batch %d: source '%s' rescaled to %d readers: partitions %s", batch_id, src.uid, p, _describe_assignment(current))
         current, added = reader.add_partitions(current, src.log.num_partitions())
         for part, r in added:
             log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset 0", batch_id, src.uid, part, r)
-        ends = src.log.end_offsets()
-        plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
-        return [[[a, b, c] for a, b, c in ranges] for ranges in plan]
+        plan = reader.plan_batch(current, src.log.end_offsets(), src.max_records_per_partition if read else 0)
+        return reader.plan_to_json(plan)
 
     def _read_source(self, batch_id: int, plan_json: list[list[list[int]]]) -> DataFrame:
-        from pyspark.sql import SparkSession
         from pyspark.sql.pandas.types import to_arrow_schema
 
         assert self.pipeline is not None and self.pipeline.log_source is not None
         src = self.pipeline.log_source
-        plan = [[(int(a), int(b), int(c)) for a, b, c in ranges] for ranges in plan_json]
-        spark = SparkSession.getActiveSession()
-        assert spark is not None
+        plan = reader.plan_from_json(plan_json)
+        spark = self._spark
         schema = self.pipeline.source_schema
         target = to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
         event_time = self.pipeline.watermark.column if self.pipeline.watermark else None
@@ -715,18 +709,13 @@ class JobRunner:
         maxima = [int(r["max_event_ms"]) for r in reports[stage.uid] if r.get("max_event_ms") is not None]
         return advance_watermark(spec, now, {"source": max(maxima) if maxima else None}, batch_time_ms)
 
-    def _autoscale(self, batch_id: int, started: float, seconds: float, par: dict[str, int], reports: dict[str, list[dict[str, Any]]]) -> None:
+    def _autoscale(
+        self, batch_id: int, started: float, seconds: float, par: dict[str, int], reports: dict[str, list[dict[str, Any]]], backlog: int | None,
+    ) -> None:
         """Feed the batch's metrics to the autoscaler; record, and in active mode apply, its decision."""
         assert self._autoscaler is not None
         mode = self.opts.autoscaler_mode
         interval = None if self.opts.until_idle else _seconds(self.opts.trigger_interval)
-        src = self.pipeline.log_source if self.pipeline else None
-        backlog = None
-        if src is not None:
-            try:
-                backlog = sum(reader.lag(self._assignment(src), src.log.end_offsets()).values())
-            except KeyscaleError:
-                backlog = None
         for uid, rs in reports.items():
             m = BatchMetrics(
                 time=started, uid=uid, parallelism=par[uid], max_parallelism=self.max_parallelism,
@@ -847,7 +836,7 @@ class JobRunner:
             p = par[src.uid]
             all_reports[src.uid] = read_reports(self.jobdir.path, src.uid, batch_id, p)
             # The offsets advance in the same manifest as the state they produced.
-            after = reader.advance([[(a, b, c) for a, b, c in r] for r in source_plan])
+            after = reader.advance(reader.plan_from_json(source_plan))
             ops[src.uid] = OperatorCheckpoint(
                 uid=src.uid, max_parallelism=self.max_parallelism, parallelism=p, key_columns=(), states=(),
                 operator_state=reader.to_state(after),
@@ -879,7 +868,7 @@ class JobRunner:
                 uid=uid, max_parallelism=self.max_parallelism, parallelism=1, key_columns=(), states=(),
                 operator_state={
                     "broadcast": broadcast_to_json((rules or {}).get(uid, {})),
-                    **reader.to_state(reader.advance([[(a, b, c) for a, b, c in r] for r in plan])),
+                    **reader.to_state(reader.advance(reader.plan_from_json(plan))),
                 },
             )
         if self.pipeline.steps and isinstance(self.pipeline.steps[-1], NonKeyedStep):
@@ -892,7 +881,7 @@ class JobRunner:
 
     def _source_status(self, src: LogSource) -> dict[str, Any]:
         """Readers, their partitions and offsets, and the lag behind the log's end."""
-        assignment = self._assignment(src)
+        assignment = self._committed_assignment(src) or [[] for _ in range(self.parallelism[src.uid])]
         try:
             ends = src.log.end_offsets()
         except KeyscaleError as e:
@@ -906,19 +895,18 @@ class JobRunner:
             "lag": sum(lag.values()),
         }
 
-    def _status(self, reports: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
-        ops = {}
+    def _status(self, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The status file's content; ``source``: the log source's status, if already read."""
+        ops: dict[str, Any] = {}
         src = self.pipeline.log_source if self.pipeline else None
+        operator_state_only = {s.uid for s in self.pipeline.nonkeyed_steps} | set(self.pipeline.broadcasts) if self.pipeline else set()
         for uid, p in self.parallelism.items():
             if src is not None and uid == src.uid:
-                ops[uid] = self._source_status(src)
+                ops[uid] = source or self._source_status(src)
                 continue
-            committed = self.committed.operators.get(uid) if self.committed else None
-            if committed is not None and not committed.key_columns and "lists" in committed.operator_state:
-                ops[uid] = {"parallelism": p, "operator_state": {
-                    name: {"mode": e["mode"], "entries_per_subtask": [len(x) for x in e["subtasks"]]}
-                    for name, e in committed.operator_state["lists"].items()}}
+            if uid in operator_state_only:
                 continue
+
             entry: dict[str, Any] = {
                 "parallelism": p,
                 "max_parallelism": self.max_parallelism,
@@ -930,11 +918,10 @@ class JobRunner:
                     for r in reports[uid]
                 ]
             ops[uid] = entry
-        for uid in (self.pipeline.broadcasts if self.pipeline else {}):
-            b = self.committed.operators.get(uid) if self.committed else None
-            if b is not None:
-                ops[uid] = {"broadcast_entries": len(b.operator_state.get("broadcast", [])),
-                            "offsets": {str(p): o for e in (reader.from_state(b.operator_state) or []) for p, o in e}}
+        for uid in sorted(operator_state_only):
+            committed = self.committed.operators.get(uid) if self.committed else None
+            ops[uid] = {"parallelism": self.parallelism.get(uid, 1),  # a broadcast stream is applied by the driver: 1
+                        "operator_state": summarize_operator_state(committed.operator_state) if committed else {}}
         return {
             "job": self.name,
             "pid": os.getpid(),

@@ -108,6 +108,15 @@ def plan_batch(assignment: Assignment, end_offsets: Sequence[int], limit: int | 
     return plan
 
 
+def plan_to_json(plan: Plan) -> list[list[list[int]]]:
+    """The plan as the intent file stores it."""
+    return [[[p, a, b] for p, a, b in ranges] for ranges in plan]
+
+
+def plan_from_json(plan: list[list[list[int]]]) -> Plan:
+    return [[(int(p), int(a), int(b)) for p, a, b in ranges] for ranges in plan]
+
+
 def advance(plan: Plan) -> Assignment:
     """The assignment after a batch read its plan."""
     return [[(p, end) for p, _, end in ranges] for ranges in plan]
