@@ -23,7 +23,7 @@ Per repeat, interleaved so that machine noise hits all alike:
    RocksDB state store;
 2. keyscale ``TumblingWindows("1 minute")`` count at parallelism 2 (``bench/jobs/w_window.py``);
 3. Spark ``groupBy(session_window("ts", "30 seconds"), "key").count()``, same watermark, append;
-4. keyscale ``SessionWindows("30 seconds")`` count at parallelism 2 (``bench/jobs/w_session.py``).
+4. keyscale ``SessionWindows("30 seconds")`` count at parallelism 2 (``bench/jobs/w_window.py``, ``--set window=session``).
 
 All: ``maxFilesPerTrigger=1``, noop sink, local[2], 2 shuffle partitions / parallelism 2,
 one Spark session. Each batch is measured by Spark's own ``triggerExecution``; steady
@@ -248,12 +248,11 @@ def spark_windows(spark: Any, data: Path, kind: str, size: str = "1 minute", gap
 def keyscale_windows(data: Path, kind: str, parallelism: int = 2, extra: dict[str, str] | None = None) -> dict[str, Any]:
     from keyscale.runtime.driver import JobRunner, RunOptions
 
-    job = "w_window.py" if kind == "tumbling" else "w_session.py"
     tmp = Path(tempfile.mkdtemp(prefix="ks-win-bench-"))
     try:
         opts = RunOptions(
-            job_file=str(HERE / "jobs" / job), job_dir=str(tmp / "job"), parallelism=parallelism, until_idle=True,
-            args={"input": str(data), "sink": "noop", **(extra or {})},
+            job_file=str(HERE / "jobs" / "w_window.py"), job_dir=str(tmp / "job"), parallelism=parallelism, until_idle=True,
+            args={"input": str(data), "sink": "noop", "window": kind, **(extra or {})},
         )
         t = time.perf_counter()
         s = JobRunner(opts).run()
@@ -309,9 +308,8 @@ def verify(spark: Any, data: Path) -> dict[str, Any]:
             col = "window" if kind == "tumbling" else "session_window"
             s = spark.read.parquet(str(spark_out)).select(
                 "key", F.col(f"{col}.start").alias("start"), F.col(f"{col}.end").alias("end"), F.col("count"))
-            job = "w_window.py" if kind == "tumbling" else "w_session.py"
-            JobRunner(RunOptions(job_file=str(HERE / "jobs" / job), job_dir=str(tmp / "job"), parallelism=2, until_idle=True,
-                                 args={"input": str(data), "sink": "parquet", "output": str(tmp / "ks")})).run()
+            JobRunner(RunOptions(job_file=str(HERE / "jobs" / "w_window.py"), job_dir=str(tmp / "job"), parallelism=2, until_idle=True,
+                                 args={"input": str(data), "sink": "parquet", "output": str(tmp / "ks"), "window": kind})).run()
             k = spark.read.parquet(str(tmp / "ks")).select(
                 "key", F.col("window_start").alias("start"), F.col("window_end").alias("end"), F.col("count"))
             bound = min(s.agg(F.max("end")).first()[0], k.agg(F.max("end")).first()[0])

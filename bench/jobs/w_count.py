@@ -18,19 +18,6 @@ class RunningCount(ks.KeyedProcessFunction):
         return [(key, n)]
 
 
-class NoopSink:
-    """Computes the batch and discards it (as the Spark baselines' noop sink)."""
-
-    exactly_once = False
-
-    def describe(self) -> str:
-        return "nowhere (noop sink)"
-
-    def write(self, df: Any, batch_id: int) -> int:
-        df.write.format("noop").mode("overwrite").save()
-        return -1
-
-
 def build(ctx: ks.JobContext) -> ks.Pipeline:
     df = ctx.spark.readStream.schema("key long, v long").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     keyed = ks.stream(df).key_by("key")
@@ -38,5 +25,5 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         counts = keyed.aggregate(uid="count", count=ks.sum("v"))
     else:
         counts = keyed.process(RunningCount(), "key long, count long", uid="count")
-    sink = NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.ParquetSink(ctx.arg("output"))
+    sink = ks.NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.ParquetSink(ctx.arg("output"))
     return counts.sink(sink)

@@ -38,6 +38,7 @@ from keyscale.operators.vectorized import (
 )
 from keyscale.operators.windows import SessionWindows, SlidingWindows, TumblingWindows, reduce
 from keyscale.sinks.console import ConsoleSink
+from keyscale.sinks.noop import NoopSink
 from keyscale.sinks.parquet import ParquetSink
 from keyscale.sources.reader import LogSource, log_source
 
@@ -55,6 +56,7 @@ __all__ = [
     "ListState",
     "LogSource",
     "MapState",
+    "NoopSink",
     "OperatorContext",
     "OperatorListState",
     "ParquetSink",
