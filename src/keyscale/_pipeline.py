@@ -145,13 +145,18 @@ class Stream:
     def watermark(self) -> WatermarkSpec | None:
         return self._watermark
 
-    def with_watermark(self, column: str, max_out_of_orderness: Duration = 0, idleness: Duration | None = None) -> Stream:
+    def with_watermark(
+        self, column: str, max_out_of_orderness: Duration = 0, idleness: Duration | None = None, max_ahead: Duration | None = "1 hour",
+    ) -> Stream:
         """Event time: ``column`` (a timestamp, or epoch milliseconds) with a bounded out-of-orderness.
 
         The watermark trails the largest event time seen by ``max_out_of_orderness``; with
         ``idleness``, an input that has had no records for that long no longer holds it
         back, and when all are idle it follows the clock (``idleness`` behind). It advances
-        between batches, is checkpointed, and never goes back. See :mod:`keyscale.operators.eventtime`.
+        between batches, is checkpointed, and never goes back. An event time more than
+        ``max_ahead`` after the batch's processing time (None: no bound) never moves it:
+        such records are counted, and windows send them to their late output or drop them.
+        See :mod:`keyscale.operators.eventtime`.
 
         ``ks.stream(df).with_watermark("ts", "10 seconds")``
         """
@@ -166,6 +171,7 @@ class Stream:
             column,
             parse_duration_ms(max_out_of_orderness, "max_out_of_orderness"),
             None if idleness is None else parse_duration_ms(idleness, "idleness"),
+            None if max_ahead is None else parse_duration_ms(max_ahead, "max_ahead"),
         )
         return Stream(self._source, self._steps, self._schema, spec)
 

@@ -206,6 +206,7 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 def status_dict(job_dir: str) -> dict[str, Any]:
     from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.runtime import counters
     from keyscale.checkpoint.manifest import summarize_operator_state
     from keyscale.state.keygroups import key_group_ranges
 
@@ -226,6 +227,10 @@ def status_dict(job_dir: str) -> dict[str, Any]:
     }
     if live.get("watermark") is not None:
         out["watermark"] = live["watermark"]
+    # Records late, too far ahead, dropped...: totals from the checkpoint (they survive restarts), the last batch's from the job.
+    totals = counters.from_extra(m.extra) if m else {}
+    last = live.get("counters", {}).get("last_batch", {}) if m is not None and live.get("last_checkpoint") == m.batch else {}
+    out["counters"] = {"total": totals, "last_batch": last}
     for uid, op in (m.operators.items() if m else []):
         if not op.key_columns:  # operator state only: a source's offsets, list or broadcast state
             out["operators"][uid] = {"parallelism": op.parallelism, "operator_state": summarize_operator_state(op.operator_state),
@@ -251,6 +256,8 @@ def status_dict(job_dir: str) -> dict[str, Any]:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    from keyscale.runtime import counters
+
     st = status_dict(a.job_dir)
     if a.json:
         print(json.dumps(st, indent=1))
@@ -260,6 +267,9 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"  max parallelism (key groups): {st['max_parallelism']}; last checkpoint: {st['last_checkpoint']}; kept: {st['checkpoints']}")
     if "watermark" in st:
         print(f"  watermark: {st['watermark']}")
+    for uid, total in st["counters"]["total"].items():
+        last = st["counters"]["last_batch"].get(uid)
+        print(f"  records not processed normally by '{uid}': {counters.summary(total)} in all" + (f"; last batch: {counters.summary(last)}" if last else ""))
     for uid, op in st["operators"].items():
         if "operator_state" in op:
             ostate = op["operator_state"]

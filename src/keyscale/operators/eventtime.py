@@ -13,7 +13,12 @@ keyscale it moves once per micro-batch, between batches (DESIGN.md §3):
   watermark back; when every input is idle the watermark follows the clock, staying
   ``idleness`` behind the batch time (so sessions and windows close when traffic stops);
 - ``W`` never decreases: it is part of the checkpoint and the savepoint and is restored
-  with them, whatever the parallelism.
+  with them, whatever the parallelism;
+- an event time more than ``max_ahead`` after the batch's time (fixed in its intent) is
+  not believed: one record stamped in the year 9999, or in microseconds read as
+  milliseconds, would otherwise move ``W`` to the end of time for good and make every
+  later record late. Such a record never moves ``W`` (nor a log partition's clock); a
+  window sends it to its late output (or drops it), and it is counted.
 
 Everything here is pure.
 
@@ -38,6 +43,11 @@ from keyscale.errors import InputDataError, JobDefinitionError
 END_OF_TIME = 2**63 - 1
 #: No watermark yet: nothing is late, no event-time timer is due.
 NO_WATERMARK = -(2**63)
+#: How far ahead of the batch's time an event time may be by default: a producer clock an
+#: hour fast is broken, and an hour is also the limit Kafka brokers put on producer
+#: timestamps (``message.timestamp.after.max.ms``). Wrong time zones (hours ahead), years
+#: like 9999 and microseconds taken as milliseconds (centuries ahead) are all caught.
+DEFAULT_MAX_AHEAD_MS = 3_600_000
 
 _UNITS_MS = {
     "ms": 1, "millisecond": 1, "milliseconds": 1,
@@ -75,11 +85,13 @@ def parse_duration_ms(value: Duration, what: str = "duration") -> int:
 
 @dataclass(frozen=True)
 class WatermarkSpec:
-    """A source's event-time column, its bounded out-of-orderness and idleness (ms)."""
+    """A source's event-time column, its bounded out-of-orderness, idleness and how far
+    ahead of the batch's time an event time may be (ms; None: no bound)."""
 
     column: str
     out_of_orderness_ms: int = 0
     idleness_ms: int | None = None
+    max_ahead_ms: int | None = DEFAULT_MAX_AHEAD_MS
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,36 @@ def describe(watermark_ms: int) -> str:
     from datetime import UTC, datetime
 
     return datetime.fromtimestamp(watermark_ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def ahead_limit_ms(max_ahead_ms: int | None, batch_time_ms: int) -> int | None:
+    """The latest believable event time of a batch (None: every one is).
+
+    >>> ahead_limit_ms(3_600_000, 1_000), ahead_limit_ms(None, 1_000)
+    (3601000, None)
+    """
+    if max_ahead_ms is None:
+        return None
+    return min(batch_time_ms + max_ahead_ms, END_OF_TIME - 1)
+
+
+def too_far_ahead(ts: np.ndarray, limit_ms: int | None) -> np.ndarray:
+    """Which event times are beyond the batch's bound (see :func:`ahead_limit_ms`)."""
+    if limit_ms is None:
+        return np.zeros(len(ts), dtype=bool)
+    return np.asarray(ts > limit_ms, dtype=bool)
+
+
+def max_event_within(ts: np.ndarray, limit_ms: int | None) -> tuple[int | None, int]:
+    """(largest event time within the bound or None, number of event times beyond it):
+    what an input reports for the watermark.
+
+    >>> max_event_within(np.array([5, 10**15, 7]), 100)
+    (7, 1)
+    """
+    ahead = too_far_ahead(ts, limit_ms)
+    kept = ts[~ahead]
+    return (int(kept.max()) if len(kept) else None), int(ahead.sum())
 
 
 def event_time_ms(table: pa.Table, column: str) -> np.ndarray:

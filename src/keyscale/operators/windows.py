@@ -10,7 +10,9 @@ once no on-time record can still fall into it).
 Per batch (watermark ``W``, allowed lateness ``L``), vectorized with numpy:
 
 1. each record is assigned its window(s); a record whose every window ended at or before
-   ``W - L`` is too late: it goes to the late side output (if any) and is otherwise dropped;
+   ``W - L`` is too late, and one whose event time is beyond the batch's bound
+   (``max_ahead`` after the batch time) is not believed: both go to the late side output
+   (if any) and are otherwise dropped;
 2. the records are reduced per (key, window) and merged into the stored accumulators;
    session windows of a key that now overlap or touch are merged into one;
 3. every window that is due (``end <= W + 1``) and has not fired, or has fired and was
@@ -37,7 +39,13 @@ import pandas as pd
 import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError
-from keyscale.operators.eventtime import NO_WATERMARK, Duration, event_time_ms, parse_duration_ms
+from keyscale.operators.eventtime import (
+    NO_WATERMARK,
+    Duration,
+    event_time_ms,
+    parse_duration_ms,
+    too_far_ahead,
+)
 from keyscale.operators.vectorized import Agg, result_type
 from keyscale.state.table import KeyedStateTable, make_index
 from keyscale.state.types import StateDescriptor
@@ -253,9 +261,10 @@ class WindowResult:
     output: pa.Table
     late: pa.Table
     changed_rows: np.ndarray
-    late_records: int
+    late_records: int  # behind the watermark by more than the allowed lateness
     fired: int
     purged: int
+    too_far_ahead: int = 0  # event time beyond the batch's bound (in ``late`` too)
 
 
 def run_windows(
@@ -268,20 +277,23 @@ def run_windows(
     key_groups: np.ndarray,
     watermark: int,
     output_schema: pa.Schema,
+    limit_ms: int | None = None,
 ) -> WindowResult:
     """One batch of a window operator over the key groups ``start..end`` (see module doc).
 
     ``records`` are the batch's records (user columns, arrival order), ``key_arrays`` their
     key columns as numpy arrays and ``key_groups`` their key groups; ``table`` holds the
-    window state keyed by (keys..., window_start).
+    window state keyed by (keys..., window_start). Records with an event time after
+    ``limit_ms`` are treated as late (never assigned to a window).
     """
     # Flink's rules: [s, e) is due once W >= e - 1, and closed once W >= e - 1 + lateness.
     due_upto = _threshold(watermark, 1)
     closed_upto = _threshold(watermark, 1 - op.allowed_lateness_ms)
     ts = event_time_ms(records, op.event_time) if records.num_rows else np.empty(0, dtype=np.int64)
+    ahead = too_far_ahead(ts, limit_ms)
     idx, starts = op.assigner.assign(ts)
     ends = op.assigner.end(starts)
-    on_time = ends > closed_upto
+    on_time = (ends > closed_upto) & ~ahead[idx]
     late_mask = np.ones(records.num_rows, dtype=bool)
     late_mask[idx[on_time]] = False
     idx, starts, ends = idx[on_time], starts[on_time], ends[on_time]
@@ -315,7 +327,8 @@ def run_windows(
             table.values[name][purge] = None
     changed = table.rows_union(updated, emit_rows, purge)
     late = records.filter(pa.array(late_mask)) if records.num_rows else records
-    return WindowResult(output, late, changed, int(late_mask.sum()), len(emit_rows), len(purge))
+    n_ahead = int(ahead.sum())
+    return WindowResult(output, late, changed, int(late_mask.sum()) - n_ahead, len(emit_rows), len(purge), n_ahead)
 
 
 def _group(key_arrays: list[np.ndarray], key_groups: np.ndarray, idx: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:

@@ -40,7 +40,7 @@ from keyscale.checkpoint.manifest import (
     summarize_operator_state,
 )
 from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
-from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState
+from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState, ahead_limit_ms
 from keyscale.operators.eventtime import advance as advance_watermark
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.nonkeyed import (
@@ -49,6 +49,8 @@ from keyscale.operators.nonkeyed import (
     lists_for,
     lists_state,
 )
+from keyscale.operators.windows import WindowAggregate
+from keyscale.runtime import counters
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.session import spark_session
@@ -209,6 +211,7 @@ class JobRunner:
         self.max_parallelism = 0
         self.name = ""
         self.watermark = WatermarkState()
+        self._counts: counters.Counters = {}  # the last batch's counts of records not processed normally
         self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
         self._drain_dest: str | None = None
@@ -593,7 +596,7 @@ class JobRunner:
         par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
         watermark_ms = int(intent.get("watermark_ms", self.watermark.watermark_ms))
         if df is None:
-            df = self._read_source(batch_id, intent["source_plan"])
+            df = self._read_source(batch_id, intent["source_plan"], int(intent["batch_time_ms"]))
         for uid in par:
             for s in range(par[uid]):
                 report_path(self.jobdir.path, uid, batch_id, s).unlink(missing_ok=True)
@@ -629,12 +632,16 @@ class JobRunner:
         batch_time_ms = int(intent["batch_time_ms"])
         manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules)
         wm = self._next_watermark(reports, batch_time_ms, watermark_ms)
-        manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), **({"drained": True} if drain else {})})
+        counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
+        totals = counters.add(counters.from_extra(self.committed.extra if self.committed else None), counts)
+        manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
+            **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, **({"drained": True} if drain else {})})
         self.jobdir.commit(manifest)
         self.committed = manifest
         if wm.watermark_ms != self.watermark.watermark_ms and self.pipeline.watermark is not None:
             log.info("batch %d: watermark advanced to %s", batch_id, describe_watermark(wm.watermark_ms))
         self.watermark = wm
+        self._report_counts(batch_id, counts)
         removed = self.jobdir.retain(self.opts.retain)
         seconds = time.perf_counter() - started
         rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed)
@@ -656,6 +663,23 @@ class JobRunner:
             self._on_batch_cb(rec)
         return records
 
+    def _report_counts(self, batch_id: int, counts: counters.Counters) -> None:
+        """Records a batch diverted, dropped or did not believe: a log line per operator and an event."""
+        self._counts = counts
+        if not counts or self.pipeline is None:
+            return
+        self.jobdir.append_event(counters.event(batch_id, counts))
+        src, spec = self.pipeline.log_source, self.pipeline.watermark
+        windows = {s.uid for s in self.pipeline.keyed_steps if isinstance(s.function, WindowAggregate)}
+        for uid, c in counts.items():
+            kind = "source" if src is not None and uid == src.uid else "window" if uid in windows else "operator"
+            log.warning("%s", counters.describe(batch_id, kind, uid, c, spec.max_ahead_ms if spec else None))
+
+    def _event_time_limit(self, batch_time_ms: int) -> int | None:
+        """The latest event time a batch believes (with_watermark's max_ahead after its time)."""
+        spec = self.pipeline.watermark if self.pipeline else None
+        return ahead_limit_ms(spec.max_ahead_ms, batch_time_ms) if spec is not None else None
+
     def _committed_assignment(self, src: LogSource) -> reader.Assignment | None:
         """The readers' committed partitions and offsets (None before the source's first batch)."""
         prev = self.committed.operators.get(src.uid) if self.committed else None
@@ -675,7 +699,7 @@ class JobRunner:
         plan = reader.plan_batch(current, src.log.end_offsets(), src.max_records_per_partition if read else 0)
         return reader.plan_to_json(plan)
 
-    def _read_source(self, batch_id: int, plan_json: list[list[list[int]]]) -> DataFrame:
+    def _read_source(self, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int) -> DataFrame:
         from pyspark.sql.pandas.types import to_arrow_schema
 
         assert self.pipeline is not None and self.pipeline.log_source is not None
@@ -685,7 +709,7 @@ class JobRunner:
         schema = self.pipeline.source_schema
         target = to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
         event_time = self.pipeline.watermark.column if self.pipeline.watermark else None
-        fn = reader.make_reader_function(src.log, src.uid, str(self.jobdir.path), batch_id, plan, target, event_time)
+        fn = reader.make_reader_function(src.log, src.uid, str(self.jobdir.path), batch_id, plan, target, event_time, self._event_time_limit(batch_time_ms))
         readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")
         return readers.mapInArrow(fn, schema)
 
@@ -806,7 +830,7 @@ class JobRunner:
             committed=self.committed.batch if self.committed else -1, files=files, compact=compact,
             fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
             extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
-            broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None,
+            broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=self._event_time_limit(batch_time_ms),
         )
         keys = [F.col(k) for k in step.key_names]
         cols = [F.col(c) for c in step.input_schema.names]
@@ -932,4 +956,5 @@ class JobRunner:
             "watermark_ms": self.watermark.watermark_ms if self.pipeline and self.pipeline.watermark else None,
             "updated_ms": int(time.time() * 1000),
             "operators": ops,
+            "counters": {"last_batch": self._counts, "total": counters.from_extra(self.committed.extra if self.committed else None)},
         }

@@ -33,7 +33,7 @@ import pyarrow as pa
 from keyscale.checkpoint.files import read_state_slice, write_report, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError
-from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms
+from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms, max_event_within
 from keyscale.operators.keyed import (
     TIMER_STATES,
     Context,
@@ -46,6 +46,7 @@ from keyscale.operators.keyed import (
 from keyscale.operators.nonkeyed import OperatorContext, ProcessFunction
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.operators.windows import WindowAggregate, run_windows
+from keyscale.runtime.counters import window_counters
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.table import KeyedStateTable, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
@@ -88,6 +89,7 @@ class StageTask:
     extra_keys: tuple[tuple[str, pa.DataType], ...] = ()  # state key columns after the routing key
     late_output: bool = False  # the stage also returns records too late for its windows
     broadcast_state: dict[str, Any] | None = None  # the rules stream's state as of this batch
+    event_time_limit_ms: int | None = None  # later event times are not believed (with_watermark's max_ahead)
 
     @property
     def timers(self) -> bool:
@@ -338,22 +340,26 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     max_event: int | None = None
     late = spec.input_schema.empty_table()
     window_stats: dict[str, int] = {}
+    counters: dict[str, int] = {}  # named counts of records not processed normally (keyscale.runtime.counters)
     # Windows run every batch: without records, some may still be due.
     if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
         if spec.null_keys == "error":
             _null_check(spec, table)
         if spec.event_time and table.num_rows:
-            max_event = int(event_time_ms(table, spec.event_time).max())
+            max_event, ahead = max_event_within(event_time_ms(table, spec.event_time), spec.event_time_limit_ms)
+            if ahead:
+                counters["too_far_ahead"] = ahead
         grouped = _group_keys(spec, table)
         n_keys = len(grouped.index)
         user = table.select(list(spec.input_schema.names))
         if isinstance(fn, WindowAggregate):
             res = run_windows(
                 fn, held.table, rng.start, rng.end, user, [k[grouped.codes] for k in grouped.keys], grouped.kgs[grouped.codes],
-                spec.watermark_ms, spec.output_schema,
+                spec.watermark_ms, spec.output_schema, spec.event_time_limit_ms,
             )
             out, late, window_stats = res.output, res.late, {"late_records": res.late_records, "windows_fired": res.fired, "windows_purged": res.purged}
+            counters.update(window_counters(res.late_records, res.too_far_ahead, spec.late_output))
             changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
         else:
             if isinstance(fn, VectorizedKeyedFunction):
@@ -396,6 +402,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         "load_seconds": load_seconds,
         **stats,
         **window_stats,
+        "counters": counters,
     }
     write_report(job_dir, spec.uid, spec.batch_id, subtask, report)
     if spec.late_output:

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from keyscale.checkpoint.files import write_report
 from keyscale.errors import JobDefinitionError
-from keyscale.operators.eventtime import event_time_ms
+from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.sources.log import PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
 
@@ -144,8 +143,14 @@ def from_state(state: dict[str, Any]) -> Assignment | None:
 
 def make_reader_function(
     log: PartitionedLog, uid: str, job_dir: str, batch: int, plan: Plan, target: pa.Schema, event_time: str | None,
+    event_time_limit_ms: int | None = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function of the readers: input rows are reader indexes, one per task."""
+    """The ``mapInArrow`` function of the readers: input rows are reader indexes, one per task.
+
+    Each reader reports, per partition, its records and largest event time; event times
+    after ``event_time_limit_ms`` are not believed: counted, left out of the maximum (so
+    they never move the partition's clock), and passed on like any record.
+    """
 
     def read(rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for rb in rows:
@@ -153,11 +158,13 @@ def make_reader_function(
                 subtask = int(value or 0)
                 started = time.perf_counter()
                 report: dict[str, Any] = {"subtask": subtask, "partitions": {}}
+                ahead = 0
                 for p, start, end in plan[subtask]:
                     t = log.read(p, start, end) if end > start else log.schema.empty_table()
                     info: dict[str, Any] = {"records": t.num_rows, "start": start, "end": end, "max_event_ms": None}
                     if event_time and t.num_rows:
-                        info["max_event_ms"] = int(np.max(event_time_ms(t, event_time)))
+                        info["max_event_ms"], n = max_event_within(event_time_ms(t, event_time), event_time_limit_ms)
+                        ahead += n
                     report["partitions"][str(p)] = info
                     try:
                         t = t.select(target.names).cast(target)
@@ -165,6 +172,7 @@ def make_reader_function(
                         raise RuntimeError(f"KEYSCALE-ERROR InputDataError: source '{uid}', partition {p}: records do not fit the log's schema ({e})") from None
                     yield from t.to_batches()
                 report["records"] = sum(i["records"] for i in report["partitions"].values())
+                report["counters"] = {"too_far_ahead": ahead} if ahead else {}
                 report["busy_seconds"] = time.perf_counter() - started
                 write_report(Path(job_dir), uid, batch, subtask, report)
 
