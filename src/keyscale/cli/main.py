@@ -206,8 +206,8 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 def status_dict(job_dir: str) -> dict[str, Any]:
     from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.runtime import counters
     from keyscale.checkpoint.manifest import summarize_operator_state
+    from keyscale.runtime import counters
     from keyscale.state.keygroups import key_group_ranges
 
     jd = JobDir(job_dir)
