@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -88,3 +89,41 @@ def test_docstring_examples_run(name: str) -> None:
 
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- how far ahead an event time may be (issue 10, case 7) ----------------------------------------
+
+
+def test_a_far_future_event_time_never_moves_the_watermark() -> None:
+    """Year 9999, or microseconds read as milliseconds: beyond the bound, left out of the maximum."""
+    import numpy as np
+
+    from keyscale.operators.eventtime import DEFAULT_MAX_AHEAD_MS, ahead_limit_ms, max_event_within
+
+    now = 1_790_000_000_000
+    year_9999 = 253_402_300_799_000
+    micros = now * 1000
+    spec = WatermarkSpec("ts", 1000)
+    assert spec.max_ahead_ms == DEFAULT_MAX_AHEAD_MS == 3_600_000
+    limit = ahead_limit_ms(spec.max_ahead_ms, now)
+    seen, ahead = max_event_within(np.array([now - 5000, year_9999, micros, now - 2000]), limit)
+    assert (seen, ahead) == (now - 2000, 2)
+    state = advance(spec, WatermarkState(), {"source": seen}, now)
+    assert state.watermark_ms == now - 2000 - 1000 - 1
+    # Exactly at the bound is believed; without a bound everything is.
+    assert max_event_within(np.array([now + 3_600_000]), limit) == (now + 3_600_000, 0)
+    assert max_event_within(np.array([year_9999]), ahead_limit_ms(None, now)) == (year_9999, 0)
+    assert max_event_within(np.array([year_9999]), limit) == (None, 1)
+    assert ahead_limit_ms(10**18, END_OF_TIME - 5) == END_OF_TIME - 1  # never overflows
+
+
+def test_with_watermark_takes_max_ahead(tmp_path: Path) -> None:
+    import keyscale as ks
+    from keyscale.sources import create_log
+
+    df = ks.log_source(create_log(tmp_path / "log", "key string, ts timestamp", 1))
+    assert ks.stream(df).with_watermark("ts", "1 s").watermark.max_ahead_ms == 3_600_000  # type: ignore[union-attr]
+    assert ks.stream(df).with_watermark("ts", "1 s", max_ahead="1 day").watermark.max_ahead_ms == 86_400_000  # type: ignore[union-attr]
+    assert ks.stream(df).with_watermark("ts", "1 s", max_ahead=None).watermark.max_ahead_ms is None  # type: ignore[union-attr]
+    with pytest.raises(JobDefinitionError, match="max_ahead"):
+        ks.stream(df).with_watermark("ts", max_ahead="soon")

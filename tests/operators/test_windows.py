@@ -117,3 +117,16 @@ def test_aggregate_errors_name_the_column() -> None:
         WindowAggregate(ks.TumblingWindows(1), {"s": ks.sum("nope")}, ["key"], TYPES, "ts")
     with pytest.raises(JobDefinitionError, match="'key' has type string"):
         WindowAggregate(ks.TumblingWindows(1), {"s": ks.sum("key")}, ["key"], TYPES, "ts")
+
+
+def test_a_far_future_record_goes_to_the_late_output_and_opens_no_window() -> None:
+    """Issue 10, case 7: event times beyond the batch's bound are late, counted apart."""
+    op = WindowAggregate(ks.TumblingWindows(1), {"n": ks.count()}, ["key"], TYPES, "ts")
+    schema = pa.schema([pa.field("key", pa.string()), *op.output_fields()])
+    table = KeyedStateTable(["key", WINDOW_START], [pa.string(), pa.int64()], op.state_descriptors())
+    df = pd.DataFrame({"key": ["a", "a", "b"], "value": [1, 2, 3], "ts": [5_000, 253_402_300_799_000, 1_000]})
+    keys = np.asarray(df["key"], dtype=object)
+    res = run_windows(op, table, 0, 127, pa.Table.from_pandas(df), [keys], np.zeros(3, np.int32), 1_999, schema, limit_ms=10_000)
+    assert res.late.column("ts").to_pylist() == [253_402_300_799_000, 1_000]
+    assert (res.late_records, res.too_far_ahead) == (1, 1)
+    assert sorted(table.keys[1][table.rows_in_range(0, 127, live_only=True)].tolist()) == [5_000]  # no window at year 9999

@@ -222,3 +222,39 @@ def test_stop_with_drain_fires_every_window_of_a_running_job(data: list[pd.DataF
     got = last_rows(to_ms(read_output(tmp_path / "out"), "window_start", "window_end"), ["key", "window_start"])
     assert len(got) == len(want)  # nothing left pending: every window fired before the savepoint
     assert "draining" in log_path.read_text()
+
+
+def test_a_far_future_record_neither_stops_event_time_nor_vanishes(spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 10, cases 7 and 8: one record stamped in the year 9999 used to move the watermark
+    to the end of time (every later record late); late and dropped records left no sign."""
+    import logging
+
+    year_9999 = int(dt.datetime(9999, 12, 31, tzinfo=dt.UTC).timestamp() * 1000) - EPOCH_MS
+    on_time = [pd.DataFrame({"key": ["a"] * 30, "value": range(30), "ts": [i * 1000 for i in range(30)]})]
+    first = pd.concat([on_time[0], pd.DataFrame({"key": ["far"], "value": [99], "ts": [year_9999]})], ignore_index=True)
+    second = pd.DataFrame({"key": ["b"] * 30, "value": range(30), "ts": [30_000 + i * 1000 for i in range(30)]})
+    write_batches(tmp_path / "in", [first, second])
+    args = {"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "late": str(tmp_path / "late"),
+            "size": "10 seconds", "lateness": "0 seconds", "out_of_orderness": "1 second"}
+    with caplog.at_level(logging.WARNING, logger="keyscale"):
+        run_job(EXAMPLES / "tumbling_count.py", tmp_path / "job", 2, args, retain=1)
+    late = to_ms(read_output(tmp_path / "late"), "ts")
+    assert late.key.tolist() == ["far"]  # only the far-future record; batch 1's records are on time
+    jd = JobDir(tmp_path / "job")
+    m = jd.read_manifest(max(jd.manifest_batches()))
+    assert m.watermark_ms == EPOCH_MS + 59_000 - 1000 - 1
+    assert m.extra["counters"] == {"per_minute": {"to_late_output": 1, "too_far_ahead": 1}}
+    assert "batch 0: window 'per_minute' got 1 record too far ahead (event time more than 1 hour after the batch time): 1 to the late output" in caplog.text
+    events = [e for e in jd.read_events() if e["type"] == "records_not_processed_normally"]
+    assert events == [{"type": "records_not_processed_normally", "batch": 0, "operators": {"per_minute": {"to_late_output": 1, "too_far_ahead": 1}}}]
+
+    # Restarted, with records beyond the allowed lateness: the totals carry on (retention kept one manifest).
+    write_batches(tmp_path / "in", [pd.DataFrame({"key": ["c"] * 3, "value": [1, 2, 3], "ts": [1000, 2000, 70_000]})], first=2)
+    run_job(EXAMPLES / "tumbling_count.py", tmp_path / "job", 2, args, retain=1)
+    m = jd.read_manifest(max(jd.manifest_batches()))
+    assert len(jd.manifest_batches()) == 1
+    assert m.extra["counters"] == {"per_minute": {"late": 2, "to_late_output": 3, "too_far_ahead": 1}}
+    status = jd.read_status()["counters"]
+    assert status == {"last_batch": {"per_minute": {"late": 2, "to_late_output": 2}}, "total": m.extra["counters"]}
+    shown = cli("status", str(tmp_path / "job"), check=True).stdout
+    assert "records not processed normally by 'per_minute': 2 late, 3 to the late output, 1 too far ahead in all; last batch: 2 late, 2 to the late output" in shown

@@ -702,3 +702,17 @@ def test_timers_need_on_timer(tmp_path: Path) -> None:
     d = Driver(tmp_path, NoHandler(), REMEMBER_OUT)
     with pytest.raises(JobDefinitionError, match="on_timer"):
         d.run(0, [_row("a", 1, 0)], 1)
+
+
+def test_an_event_time_stage_reports_no_far_future_maximum_and_counts_it(tmp_path: Path) -> None:
+    """Issue 10, case 7: the first event-time stage's report feeds the watermark (Spark sources)."""
+    from dataclasses import replace
+
+    d = aggregate_driver(tmp_path)
+    rows = [{"key": k, "value": v, "id": i, SEQ: i, KG: key_group_of([k], ["string"], M)}
+            for i, (k, v) in enumerate([("a", 1_000), ("b", 253_402_300_799_000), ("c", 2_000)])]
+    spec = replace(d.spec(0, 1), event_time="value", event_time_limit_ms=10_000)
+    out, report = run_subtask(spec, iter(to_record_batches(rows, INPUT, None)), 0)
+    assert out.num_rows == 3  # a running aggregate still counts every record
+    assert report["max_event_ms"] == 2_000
+    assert report["counters"] == {"too_far_ahead": 1}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -65,3 +67,25 @@ def test_new_partitions_go_to_the_reader_holding_fewest() -> None:
     a, added = add_partitions([[(0, 3), (1, 0)], [(2, 9)]], 5)
     assert added == [(3, 1), (4, 0)]
     assert a == [[(0, 3), (1, 0), (4, 0)], [(2, 9), (3, 0)]]
+
+
+def test_a_reader_leaves_far_future_event_times_out_of_its_partitions_clocks(tmp_path: Any) -> None:
+    """Issue 10, case 7: a partition's clock (its largest event time) ignores records beyond
+    the batch's bound; they are counted and passed on."""
+    import pyarrow as pa
+
+    from keyscale.checkpoint.files import read_reports
+    from keyscale.sources import create_log
+    from keyscale.sources.reader import make_reader_function
+
+    log = create_log(tmp_path / "log", "key string, ts long", 2)
+    log.append(0, pa.table({"key": ["a", "b", "c"], "ts": [1_000, 253_402_300_799_000, 2_000]}))
+    log.append(1, pa.table({"key": ["d"], "ts": [1_700_000_000_000_000]}))  # microseconds read as ms
+    plan = plan_batch([[(0, 0), (1, 0)]], log.end_offsets())
+    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 0, plan, log.schema, "ts", event_time_limit_ms=10_000)
+    rows = list(fn(iter([pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])])))
+    assert sum(b.num_rows for b in rows) == 4  # every record goes on
+    (report,) = read_reports(tmp_path / "job", "reader", 0, 1)
+    assert report["partitions"]["0"]["max_event_ms"] == 2_000
+    assert report["partitions"]["1"]["max_event_ms"] is None
+    assert report["counters"] == {"too_far_ahead": 2}
