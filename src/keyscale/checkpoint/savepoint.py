@@ -1006,8 +1006,8 @@ def restore_savepoint(
             watermark_ms=info.watermark_ms, created_ms=int(time.time() * 1000),
             extra={
                 "restored_from": {"savepoint": str(info.path), "job": info.job, "batch": info.batch},
-                # event time and source positions travel with the savepoint
-                **{k: v for k, v in info.extra.get("checkpoint", {}).items() if k in ("watermark", "drained", "source_positions")},
+                # event time, source positions and the counts of late or dropped records travel with the savepoint
+                **{k: v for k, v in info.extra.get("checkpoint", {}).items() if k in ("watermark", "drained", "source_positions", "counters")},
             },
         )
         job_dir.commit(manifest)
