@@ -8,6 +8,7 @@ from a savepoint, on the local log and on Redis; the output equals an uninterrup
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import pytest
 from conftest import EXAMPLES, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
-from keyscale.sources import LogWriter, PartitionedLog, create_log
+from keyscale.errors import KeyscaleError
+from keyscale.sources import LocalLog, LogWriter, PartitionedLog, create_log
 from keyscale.sources.reader import from_state
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -189,3 +191,50 @@ def test_an_idle_partition_holds_the_watermark_only_without_idleness(spark: Any,
         assert wm >= quiet_ms + 100_000  # partition 1 is idle: partition 0 alone moves it
         out = read_output(tmp_path / "out")
         assert set(out.key) == {"busy", "quiet"}  # windows fired
+
+
+def _shrink(log: PartitionedLog, partition: int, records: int) -> None:
+    """Remove the last ``records`` of a partition, as a Redis failover to a replica that was behind does."""
+    end = log.end_offsets()[partition]
+    if isinstance(log, LocalLog):
+        segments = sorted(log.path.glob(f"p-{partition:05d}/*.arrow"))
+        while sum(int(s.stem.split("-")[1]) for s in segments) > end - records:
+            segments.pop().unlink()
+    else:
+        import redis
+
+        client = redis.Redis.from_url(log.uri.split("?")[0])
+        client.xdel(f"keyscale:{{{log.name}}}:{partition}", *[f"{o + 1}-0" for o in range(end - records, end)])  # type: ignore[attr-defined]
+    assert log.end_offsets()[partition] < end
+
+
+@pytest.mark.parametrize("how", ["shrunk", "recreated"])
+def test_a_log_that_went_backwards_stops_the_job(spark: Any, make_log: Any, tmp_path: Path, how: str) -> None:
+    """Issue 10, case 9: a partition whose end went back below the committed offset, or a log
+    recreated at the same URI (even with more records), used to be read on from the old
+    offsets: records skipped without a sign. Now the job stops and says what to do."""
+    log = make_log(SCHEMA, 2)
+    produce(log, 300, seed=1)
+    produce(log, 300, seed=2)
+    args = {"log": log.uri, "output": str(tmp_path / "out")}
+    run_job(JOB, tmp_path / "job", 1, args)
+    jd = JobDir(tmp_path / "job")
+    done = jd.manifest_batches()
+    committed = from_state(jd.read_manifest(max(done)).operators["reader"].operator_state)
+    assert committed is not None
+    if how == "shrunk":
+        _shrink(log, 0, 50)
+        want = rf"source 'reader': partition 0 of log .* ends at offset {log.end_offsets()[0]}, but the job has committed offset {committed[0][0][1]}"
+    else:
+        uri = log.uri
+        if isinstance(log, LocalLog):
+            shutil.rmtree(log.path)
+        else:
+            log.delete()
+        log = create_log(uri, SCHEMA, 2)
+        produce(log, 3000, seed=3)  # more than before: the offsets alone cannot tell
+        want = r"source 'reader': log .* was recreated"
+    with pytest.raises(KeyscaleError, match=want) as err:
+        run_job(JOB, tmp_path / "job", 1, args)
+    assert "--allow-non-restored-state" in str(err.value)
+    assert jd.manifest_batches() == done  # nothing read, nothing committed

@@ -411,3 +411,24 @@ def test_redis_appends_from_many_threads_get_contiguous_offsets(redis_url: str) 
         t.join()
     assert sorted(got) == [(5 * k, 5 * k + 5) for k in range(80)]
     assert log.end_offsets() == [400]
+
+
+def test_a_log_has_an_id_that_copies_keep_and_recreation_changes(make_log: Any) -> None:
+    """Issue 10, case 9: the id a reader keeps with its offsets tells a recreated log apart."""
+    log = make_log(KV, 2)
+    first = log.identity()
+    assert isinstance(first, str) and len(first) >= 16
+    log.add_partitions(1)
+    again = pickle.loads(pickle.dumps(log))
+    assert again.identity() == open_log(log.uri if isinstance(log, RedisLog) else log.path).identity() == first
+    if isinstance(log, LocalLog):
+        import shutil
+
+        shutil.rmtree(log.path)
+        other = create_log(log.path, KV, 2)
+    else:
+        uri = log._uri
+        log.delete()
+        other = create_log(uri, KV, 2)
+    assert other.identity() != first
+    assert log.identity() == other.identity()  # the old handle reads the log as it is now

@@ -89,3 +89,26 @@ def test_a_reader_leaves_far_future_event_times_out_of_its_partitions_clocks(tmp
     assert report["partitions"]["0"]["max_event_ms"] == 2_000
     assert report["partitions"]["1"]["max_event_ms"] is None
     assert report["counters"] == {"too_far_ahead": 2}
+
+
+def test_offsets_of_another_or_a_shorter_log_stop_the_job() -> None:
+    """Issue 10, case 9: check_positions names the source, the log, the partition, the committed
+    offset and the end found, and says what to do."""
+    import pytest
+
+    from keyscale.sources.log import LogError
+    from keyscale.sources.reader import check_positions, log_id_of
+
+    committed = [[(0, 50), (1, 7)], [(2, 0)]]
+    check_positions("reader", "/l", committed, [50, 9, 0], "id1", "id1")  # at the end or beyond: fine
+    check_positions("reader", "/l", committed, [50, 9, 0], None, "id1")  # a checkpoint from before ids: adopt
+    with pytest.raises(LogError, match=r"source 'reader': partition 1 of log /l ends at offset 3, but the job has committed offset 7") as e:
+        check_positions("reader", "/l", committed, [60, 3, 0], "id1", "id1")
+    assert "records [3, 7) it read are gone" in str(e.value) and "--from-savepoint" in str(e.value)
+    with pytest.raises(LogError, match=r"log /l was recreated \(its id is id2; the job's offsets belong to the log with id id1\)"):
+        check_positions("reader", "/l", committed, [500, 900, 100], "id1", "id2")
+    with pytest.raises(LogError, match="has no partition 2 any more"):
+        check_positions("reader", "/l", committed, [60, 9], "id1", "id1")
+    assert log_id_of(to_state(committed, "id1")) == "id1"
+    assert from_state(to_state(committed, "id1")) == committed
+    assert log_id_of(to_state(committed)) is None

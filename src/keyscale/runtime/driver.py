@@ -211,7 +211,8 @@ class JobRunner:
         self.max_parallelism = 0
         self.name = ""
         self.watermark = WatermarkState()
-        self._counts: counters.Counters = {}  # the last batch's counts of records not processed normally
+        self._counts: counters.Counters = {}
+        self._log_ids: dict[str, str | None] = {}  # per log source or rules stream: the id of the log its last plan is for  # the last batch's counts of records not processed normally
         self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
         self._drain_dest: str | None = None
@@ -590,13 +591,14 @@ class JobRunner:
                 intent["source_plan"] = self._plan_source(src, batch_id, self.parallelism[src.uid], read=not drain)
             # Rules streams: what this batch applies is fixed here, so a replay applies the same.
             intent["broadcast_plans"] = {uid: self._plan_source(b.source, batch_id, 1) for uid, b in self.pipeline.broadcasts.items()}
+            intent["log_ids"] = dict(self._log_ids)  # the logs the plans are for: their ids go into the manifest
             self.jobdir.write_intent(batch_id, intent)
         else:
             log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
         par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
         watermark_ms = int(intent.get("watermark_ms", self.watermark.watermark_ms))
         if df is None:
-            df = self._read_source(batch_id, intent["source_plan"], int(intent["batch_time_ms"]))
+            df = self._read_source(batch_id, intent["source_plan"], int(intent["batch_time_ms"]), intent.get("log_ids", {}))
         for uid in par:
             for s in range(par[uid]):
                 report_path(self.jobdir.path, uid, batch_id, s).unlink(missing_ok=True)
@@ -630,7 +632,8 @@ class JobRunner:
             os.kill(os.getpid(), signal.SIGKILL)
 
         batch_time_ms = int(intent["batch_time_ms"])
-        manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules)
+        manifest, records, emitted, reports = self._manifest(
+            batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules, intent.get("log_ids", {}))
         wm = self._next_watermark(reports, batch_time_ms, watermark_ms)
         counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
         totals = counters.add(counters.from_extra(self.committed.extra if self.committed else None), counts)
@@ -687,6 +690,12 @@ class JobRunner:
 
     def _plan_source(self, src: LogSource, batch_id: int, p: int, read: bool = True) -> list[list[list[int]]]:
         current = self._committed_assignment(src)
+        ends = src.log.end_offsets()
+        prev = self.committed.operators.get(src.uid) if self.committed else None
+        log_id = src.log.identity()
+        if current is not None:  # a log that shrank or was recreated would be read from the wrong offsets
+            reader.check_positions(src.uid, src.log.uri, current, ends, reader.log_id_of(prev.operator_state if prev else None), log_id)
+        self._log_ids[src.uid] = log_id
         if current is None:
             current = reader.initial_assignment(src.log.num_partitions(), p)
             log.info("source '%s': %d partitions over %d readers: %s", src.uid, src.log.num_partitions(), p, _describe_assignment(current))
@@ -696,10 +705,10 @@ class JobRunner:
         current, added = reader.add_partitions(current, src.log.num_partitions())
         for part, r in added:
             log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset 0", batch_id, src.uid, part, r)
-        plan = reader.plan_batch(current, src.log.end_offsets(), src.max_records_per_partition if read else 0)
+        plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
         return reader.plan_to_json(plan)
 
-    def _read_source(self, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int) -> DataFrame:
+    def _read_source(self, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int, log_ids: dict[str, str | None]) -> DataFrame:
         from pyspark.sql.pandas.types import to_arrow_schema
 
         assert self.pipeline is not None and self.pipeline.log_source is not None
@@ -709,7 +718,8 @@ class JobRunner:
         schema = self.pipeline.source_schema
         target = to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
         event_time = self.pipeline.watermark.column if self.pipeline.watermark else None
-        fn = reader.make_reader_function(src.log, src.uid, str(self.jobdir.path), batch_id, plan, target, event_time, self._event_time_limit(batch_time_ms))
+        fn = reader.make_reader_function(
+            src.log, src.uid, str(self.jobdir.path), batch_id, plan, target, event_time, self._event_time_limit(batch_time_ms), log_ids.get(src.uid))
         readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")
         return readers.mapInArrow(fn, schema)
 
@@ -850,6 +860,7 @@ class JobRunner:
     def _manifest(
         self, batch_id: int, batch_time_ms: int, par: dict[str, int], source_plan: list[list[list[int]]] | None = None,
         broadcast_plans: dict[str, list[list[list[int]]]] | None = None, rules: dict[str, dict[str, Any]] | None = None,
+        log_ids: dict[str, str | None] | None = None,
     ) -> tuple[Manifest, int, int, dict[str, list[dict[str, Any]]]]:
         assert self.pipeline is not None
         ops: dict[str, OperatorCheckpoint] = {}
@@ -863,7 +874,7 @@ class JobRunner:
             after = reader.advance(reader.plan_from_json(source_plan))
             ops[src.uid] = OperatorCheckpoint(
                 uid=src.uid, max_parallelism=self.max_parallelism, parallelism=p, key_columns=(), states=(),
-                operator_state=reader.to_state(after),
+                operator_state=reader.to_state(after, (log_ids or {}).get(src.uid)),
             )
         for i, step in enumerate(self.pipeline.keyed_steps):
             p = par[step.uid]
@@ -892,7 +903,7 @@ class JobRunner:
                 uid=uid, max_parallelism=self.max_parallelism, parallelism=1, key_columns=(), states=(),
                 operator_state={
                     "broadcast": broadcast_to_json((rules or {}).get(uid, {})),
-                    **reader.to_state(reader.advance(reader.plan_from_json(plan))),
+                    **reader.to_state(reader.advance(reader.plan_from_json(plan)), (log_ids or {}).get(uid)),
                 },
             )
         if self.pipeline.steps and isinstance(self.pipeline.steps[-1], NonKeyedStep):

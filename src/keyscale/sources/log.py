@@ -152,6 +152,15 @@ class PartitionedLog(ABC):
     def describe(self) -> str:
         """A few lines for people: where the log is, its schema, partitions and end offsets."""
 
+    def identity(self) -> str | None:
+        """The id the log got when it was created, read now (None: the log has none).
+
+        A log deleted and created again at the same URI gets a new id, so a reader that
+        kept the id with its offsets knows they belong to another log. A copy of the log
+        (a backup restored, a Redis replica) keeps it.
+        """
+        return None
+
     # -- shared helpers ---------------------------------------------------------------------------
 
     def _conform(self, table: pa.Table | pa.RecordBatch) -> pa.Table:
@@ -301,7 +310,7 @@ class LocalLog(PartitionedLog):
 
     Layout::
 
-        LOG/log.json                         format, partition count, schema (Arrow IPC, base64)
+        LOG/log.json                         format, id, partition count, schema (Arrow IPC, base64)
         LOG/p-00000/<base>-<count>.arrow     segments: one Arrow IPC file per append
         LOG/p-00000/.lock                    serialises appends to the partition
 
@@ -404,6 +413,10 @@ class LocalLog(PartitionedLog):
     def num_partitions(self) -> int:
         self._read_meta()
         return self._partitions
+
+    def identity(self) -> str | None:
+        log_id = self._read_meta().get("log_id")
+        return None if log_id is None else str(log_id)
 
     def _known_partition(self, partition: int) -> None:
         """Check ``partition`` exists, reading the metadata again only if it is beyond what we knew."""
@@ -534,6 +547,7 @@ def _meta_bytes(schema: pa.Schema, partitions: int) -> bytes:
     meta = {
         "format": FORMAT,
         "version": 1,
+        "log_id": uuid.uuid4().hex,  # a log created again at the same place is another log
         "partitions": partitions,
         "schema": base64.b64encode(schema_to_bytes(schema)).decode(),
         "schema_text": _ddl(schema),

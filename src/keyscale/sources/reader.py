@@ -12,6 +12,12 @@ Per batch the driver fixes each reader's ranges ``(partition, start, end)`` in t
 intent (so a replay reads exactly the same records); the next offsets are committed in the
 batch's manifest, atomically with the keyed state and after the sink output.
 
+The offsets are only meaningful for the log they were read from. The state keeps that
+log's id (:meth:`PartitionedLog.identity`), and before each batch :func:`check_positions`
+stops the job when the log was recreated (another id) or a partition now ends before the
+committed offset (records removed: a Redis failover to a replica that was behind, segments
+deleted): reading on would skip records without a sign.
+
 >>> plan_batch([[(0, 5), (1, 0)], [(2, 7)]], [9, 4, 7], limit=3)
 [[(0, 5, 8), (1, 0, 3)], [(2, 7, 7)]]
 """
@@ -29,13 +35,14 @@ import pyarrow as pa
 from keyscale.checkpoint.files import write_report
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import event_time_ms, max_event_within
-from keyscale.sources.log import PartitionedLog, open_log
+from keyscale.sources.log import LogError, PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
 
 Assignment = list[list[tuple[int, int]]]  # per reader: (partition, next offset)
 Plan = list[list[tuple[int, int, int]]]  # per reader: (partition, start, end)
 
 OFFSETS = "offsets"
+LOG_ID = "log_id"
 
 
 @dataclass(frozen=True)
@@ -126,9 +133,56 @@ def lag(assignment: Assignment, end_offsets: Sequence[int]) -> dict[int, int]:
     return {p: max(0, end_offsets[p] - off) for entries in assignment for p, off in entries if p < len(end_offsets)}
 
 
-def to_state(assignment: Assignment) -> dict[str, Any]:
-    """The source's operator state as the manifest and savepoints store it."""
-    return {OFFSETS: {"mode": "split_merge", "subtasks": [[[p, o] for p, o in e] for e in assignment]}}
+def to_state(assignment: Assignment, log_id: str | None = None) -> dict[str, Any]:
+    """The source's operator state as the manifest and savepoints store it (with the id of
+    the log the offsets belong to, when it has one)."""
+    out: dict[str, Any] = {OFFSETS: {"mode": "split_merge", "subtasks": [[[p, o] for p, o in e] for e in assignment]}}
+    if log_id is not None:
+        out[LOG_ID] = log_id
+    return out
+
+
+def log_id_of(state: dict[str, Any] | None) -> str | None:
+    """The id of the log a committed state's offsets belong to (None: not recorded)."""
+    found = (state or {}).get(LOG_ID)
+    return None if found is None else str(found)
+
+
+_WHAT_TO_DO = (
+    "The job stops so that no record is skipped without a sign. If the records should be there, restore the log "
+    "(or fail over back to the node that has them) and run the job again. To read this log from its start instead, "
+    "take a savepoint (keyscale savepoint JOB_DIR), give the source a new uid in the job, and start it in a new job "
+    "directory with --from-savepoint SP --allow-non-restored-state."
+)
+
+
+def check_positions(uid: str, log_uri: str, committed: Assignment, ends: Sequence[int], committed_id: str | None, current_id: str | None) -> None:
+    """Stop when the committed offsets do not belong to the log as it is now (see the module doc).
+
+    >>> check_positions("reader", "/logs/l", [[(0, 5)]], [7], "a", "a")
+    >>> check_positions("reader", "/logs/l", [[(0, 5)]], [3], "a", "a")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    keyscale.sources.log.LogError: source 'reader': partition 0 of log /logs/l ends at offset 3, but the job has committed offset 5 ...
+    """
+    if committed_id is not None and current_id != committed_id:
+        raise LogError(
+            f"source '{uid}': log {log_uri} was recreated (its id is {current_id or 'missing'}; the job's offsets belong to "
+            f"the log with id {committed_id}), so the committed offsets mean other records. {_WHAT_TO_DO}"
+        )
+    for entries in committed:
+        for p, off in entries:
+            if p >= len(ends):
+                raise LogError(
+                    f"source '{uid}': log {log_uri} has no partition {p} any more (it has {len(ends)}), but the job has committed "
+                    f"offset {off} there: the log was recreated or lost partitions. {_WHAT_TO_DO}"
+                )
+            if ends[p] < off:
+                raise LogError(
+                    f"source '{uid}': partition {p} of log {log_uri} ends at offset {ends[p]}, but the job has committed offset {off} "
+                    f"there: records [{ends[p]}, {off}) it read are gone (a Redis failover to a replica that was behind, "
+                    f"deleted segments, or the log recreated). {_WHAT_TO_DO}"
+                )
 
 
 def from_state(state: dict[str, Any]) -> Assignment | None:
@@ -143,13 +197,14 @@ def from_state(state: dict[str, Any]) -> Assignment | None:
 
 def make_reader_function(
     log: PartitionedLog, uid: str, job_dir: str, batch: int, plan: Plan, target: pa.Schema, event_time: str | None,
-    event_time_limit_ms: int | None = None,
+    event_time_limit_ms: int | None = None, log_id: str | None = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The ``mapInArrow`` function of the readers: input rows are reader indexes, one per task.
 
     Each reader reports, per partition, its records and largest event time; event times
     after ``event_time_limit_ms`` are not believed: counted, left out of the maximum (so
-    they never move the partition's clock), and passed on like any record.
+    they never move the partition's clock), and passed on like any record. With ``log_id``,
+    a reader first checks the log is still the one the batch was planned on.
     """
 
     def read(rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -157,6 +212,11 @@ def make_reader_function(
             for value in rb.column(0).to_pylist():
                 subtask = int(value or 0)
                 started = time.perf_counter()
+                if log_id is not None and log.identity() != log_id:
+                    raise RuntimeError(
+                        f"KEYSCALE-ERROR KeyscaleError: source '{uid}': log {log.uri} was recreated after batch {batch} was planned "
+                        f"(its id was {log_id}, now {log.identity()}); the batch's offsets mean other records. {_WHAT_TO_DO}"
+                    )
                 report: dict[str, Any] = {"subtask": subtask, "partitions": {}}
                 ahead = 0
                 for p, start, end in plan[subtask]:

@@ -6,8 +6,8 @@ query parameters go to the client as in ``redis.Redis.from_url`` (``socket_timeo
 
 Keys (the ``{NAME}`` hash tag keeps them in one slot of a Redis Cluster):
 
-- ``keyscale:{NAME}:meta``: a hash with ``format``, ``schema`` (Arrow IPC bytes),
-  ``schema_text`` and ``partitions``;
+- ``keyscale:{NAME}:meta``: a hash with ``format``, ``log_id`` (random, set at creation),
+  ``schema`` (Arrow IPC bytes), ``schema_text`` and ``partitions``;
 - ``keyscale:{NAME}:P``: the stream of partition ``P``. The record at offset ``o`` is the
   entry with id ``<o+1>-0`` (Redis refuses id ``0-0``), so ``read(p, s, e)`` is
   ``XRANGE key <s+1>-0 <e>-0``. Appends run as one Lua script that finds the last id and
@@ -29,6 +29,7 @@ stream, so every Arrow type round-trips exactly.
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -148,7 +149,7 @@ class RedisLog(PartitionedLog):
         s = _check_schema(schema)
         _check_count("the number of partitions", partitions, 1)
         url, name = _parse_uri(uri)
-        meta = {"format": FORMAT, "version": "1", "partitions": str(partitions), "schema": schema_to_bytes(s), "schema_text": _ddl(s)}
+        meta = {"format": FORMAT, "version": "1", "log_id": uuid.uuid4().hex, "partitions": str(partitions), "schema": schema_to_bytes(s), "schema_text": _ddl(s)}
         args: list[Any] = [x for kv in meta.items() for x in kv]
         client = _connect(url)
         with _errors(uri):
@@ -212,6 +213,13 @@ class RedisLog(PartitionedLog):
             raise LogError(f"Redis log {self.uri!r} no longer exists")
         self._partitions = max(self._partitions, int(n))
         return self._partitions
+
+    def identity(self) -> str | None:
+        with _errors(self._uri):
+            found: Any = self._redis().hmget(_meta_key(self._name), ["format", "log_id"])
+        if found[0] is None:
+            raise LogError(f"Redis log {self.uri!r} no longer exists")
+        return None if found[1] is None else bytes(found[1]).decode()
 
     def end_offsets(self) -> list[int]:
         n = self.num_partitions()
