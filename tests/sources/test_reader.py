@@ -112,3 +112,28 @@ def test_offsets_of_another_or_a_shorter_log_stop_the_job() -> None:
     assert log_id_of(to_state(committed, "id1")) == "id1"
     assert from_state(to_state(committed, "id1")) == committed
     assert log_id_of(to_state(committed)) is None
+
+
+def test_a_reader_stops_on_a_log_recreated_or_shrunk_after_planning(tmp_path: Any) -> None:
+    """A replayed batch's plan is fixed in its intent: the readers check the log is still the
+    one (and as long as) the plan was made for, in one line that survives Spark's wrapping."""
+    import shutil
+
+    import pyarrow as pa
+    import pytest
+
+    from keyscale.sources import create_log
+    from keyscale.sources.reader import make_reader_function
+
+    log = create_log(tmp_path / "log", "key string", 1)
+    log.append(0, pa.table({"key": ["a", "b", "c"]}))
+    plan = plan_batch([[(0, 0)]], [3])
+    one = pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])
+    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 4, plan, log.schema, None, log_id="the-old-one")
+    with pytest.raises(RuntimeError, match=r"KEYSCALE-ERROR KeyscaleError: source 'reader': log .* was recreated after batch 4 was planned"):
+        list(fn(iter([one])))
+    shutil.rmtree(tmp_path / "log")
+    create_log(tmp_path / "log", "key string", 1).append(0, pa.table({"key": ["a"]}))
+    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 4, plan, log.schema, None)
+    with pytest.raises(RuntimeError, match=r"partition 0 of log .* ends at offset 1, but batch 4 was planned to read \[0, 3\)"):
+        list(fn(iter([one])))

@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from keyscale.checkpoint.files import write_report
-from keyscale.errors import JobDefinitionError
+from keyscale.errors import JobDefinitionError, KeyscaleError
 from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.sources.log import LogError, PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
@@ -195,6 +195,24 @@ def from_state(state: dict[str, Any]) -> Assignment | None:
 # -- the Spark task ----------------------------------------------------------------------------
 
 
+def _read(log: PartitionedLog, uid: str, batch: int, p: int, start: int, end: int) -> pa.Table:
+    """The batch's records of one partition; records gone since the batch was planned (a
+    replay after the log shrank) stop the job with the same advice as a shrink at planning."""
+    if end <= start:
+        return log.schema.empty_table()
+    try:
+        return log.read(p, start, end)
+    except KeyscaleError as e:
+        ends = log.end_offsets()
+        if p < len(ends) and ends[p] < end:
+            raise RuntimeError(
+                f"KEYSCALE-ERROR KeyscaleError: source '{uid}': partition {p} of log {log.uri} ends at offset {ends[p]}, but batch {batch} "
+                f"was planned to read [{start}, {end}): records are gone (a Redis failover to a replica that was behind, deleted "
+                f"segments, or the log recreated). {_WHAT_TO_DO}"
+            ) from None
+        raise RuntimeError(f"KEYSCALE-ERROR {type(e).__name__}: source '{uid}', batch {batch}: {e}") from None
+
+
 def make_reader_function(
     log: PartitionedLog, uid: str, job_dir: str, batch: int, plan: Plan, target: pa.Schema, event_time: str | None,
     event_time_limit_ms: int | None = None, log_id: str | None = None,
@@ -220,7 +238,7 @@ def make_reader_function(
                 report: dict[str, Any] = {"subtask": subtask, "partitions": {}}
                 ahead = 0
                 for p, start, end in plan[subtask]:
-                    t = log.read(p, start, end) if end > start else log.schema.empty_table()
+                    t = _read(log, uid, batch, p, start, end)
                     info: dict[str, Any] = {"records": t.num_rows, "start": start, "end": end, "max_event_ms": None}
                     if event_time and t.num_rows:
                         info["max_event_ms"], n = max_event_within(event_time_ms(t, event_time), event_time_limit_ms)
