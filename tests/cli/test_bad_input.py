@@ -104,6 +104,8 @@ def test_null_keys_can_be_dropped(spark: Any, tmp_path: Path) -> None:
     run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
     out = read_output(tmp_path / "out")
     assert out["count"].sum() == 497 and out["key"].notna().all()
+    counted = JobDir(tmp_path / "job").latest_manifest().extra["counters"]  # type: ignore[union-attr]
+    assert counted == {"totals": {"dropped_null_keys": 3}}  # dropped, but not without a sign
 
 
 @pytest.mark.spark

@@ -716,3 +716,15 @@ def test_an_event_time_stage_reports_no_far_future_maximum_and_counts_it(tmp_pat
     assert out.num_rows == 3  # a running aggregate still counts every record
     assert report["max_event_ms"] == 2_000
     assert report["counters"] == {"too_far_ahead": 1}
+
+
+def test_dropped_null_keys_are_counted(tmp_path: Path) -> None:
+    """``null_keys="drop"`` drops in the task, where the drop is counted (issue 10, case 8)."""
+    from dataclasses import replace
+
+    d = aggregate_driver(tmp_path)
+    rows = [{"key": k, "value": 1, "id": i, SEQ: i, KG: 0} for i, k in enumerate(["a", None, "a", None])]
+    spec = replace(d.spec(0, 1), null_keys="drop")
+    out, report = run_subtask(spec, iter(to_record_batches(rows, INPUT, None)), 0)
+    assert out.to_pylist() == [{"key": "a", "count": 2, "total": 2}]
+    assert report["counters"] == {"dropped_null_keys": 2} and report["records"] == 4

@@ -16,7 +16,8 @@ Names keyscale itself counts:
 - ``too_far_ahead``: records whose event time is more than ``max_ahead`` after the batch's
   time (they never move the watermark);
 - ``to_late_output``: of those, records written to the window's late output;
-- ``dropped``: records dropped (a window without a late output).
+- ``dropped``: records dropped (a window without a late output);
+- ``dropped_null_keys``: records with a null key dropped by ``key_by(..., null_keys="drop")``.
 
 Everything here is pure.
 
@@ -38,6 +39,7 @@ LATE = "late"
 TOO_FAR_AHEAD = "too_far_ahead"
 TO_LATE_OUTPUT = "to_late_output"
 DROPPED = "dropped"
+DROPPED_NULL_KEYS = "dropped_null_keys"
 
 #: Where the manifest keeps the totals (in its ``extra``).
 MANIFEST_KEY = "counters"
@@ -116,6 +118,8 @@ def describe(batch: int, kind: str, uid: str, counts: Mapping[str, int], max_ahe
     if c.get(TOO_FAR_AHEAD):
         bound = f"more than {duration_words(max_ahead_ms)} " if max_ahead_ms is not None else ""
         what.append(f"{_records(c.pop(TOO_FAR_AHEAD))} too far ahead (event time {bound}after the batch time)")
+    if c.get(DROPPED_NULL_KEYS):
+        what.append(f"{_records(c.pop(DROPPED_NULL_KEYS))} with a null key, dropped (null_keys='drop')")
     dests = []
     if c.get(TO_LATE_OUTPUT):
         dests.append(f"{c.pop(TO_LATE_OUTPUT):,} to the late output")
@@ -136,7 +140,8 @@ def summary(counts: Mapping[str, int]) -> str:
     >>> summary({"late": 12, "too_far_ahead": 3, "to_late_output": 15})
     '12 late, 15 to the late output, 3 too far ahead'
     """
-    words = {LATE: "late", TOO_FAR_AHEAD: "too far ahead", TO_LATE_OUTPUT: "to the late output", DROPPED: "dropped"}
+    words = {LATE: "late", TOO_FAR_AHEAD: "too far ahead", TO_LATE_OUTPUT: "to the late output", DROPPED: "dropped",
+             DROPPED_NULL_KEYS: "dropped for a null key"}
     return ", ".join(f"{n:,} {words.get(k, k.replace('_', ' '))}" for k, n in sorted(counts.items()) if n)
 
 

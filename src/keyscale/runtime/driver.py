@@ -844,9 +844,6 @@ class JobRunner:
         )
         keys = [F.col(k) for k in step.key_names]
         cols = [F.col(c) for c in step.input_schema.names]
-        if step.null_keys == "drop":
-            for k in keys:
-                df = df.where(k.isNotNull())
         route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
         staged = (
             df.select(*cols, F.monotonically_increasing_id().alias(SEQ))

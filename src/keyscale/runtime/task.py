@@ -170,6 +170,17 @@ def _null_check(spec: StageTask, table: pa.Table) -> None:
             )
 
 
+def _drop_null_keys(spec: StageTask, table: pa.Table) -> tuple[pa.Table, int]:
+    """``key_by(..., null_keys="drop")``: the records without a null in a key column, and how many were dropped."""
+    nulls = sum(table.column(k).null_count for k in spec.key_names)
+    if not nulls:
+        return table, 0
+    keep = np.ones(table.num_rows, dtype=bool)
+    for k in spec.key_names:
+        keep &= ~np.asarray(table.column(k).is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    return table.filter(pa.array(keep)), int((~keep).sum())
+
+
 @dataclass(frozen=True)
 class _Grouped:
     """A batch's records grouped by key: ``order[starts[j]:starts[j+1]]`` are key j's records."""
@@ -346,6 +357,10 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
         if spec.null_keys == "error":
             _null_check(spec, table)
+        else:  # dropped here, not in Spark, so that they are counted
+            table, dropped = _drop_null_keys(spec, table)
+            if dropped:
+                counters["dropped_null_keys"] = dropped
         if spec.event_time and table.num_rows:
             max_event, ahead = max_event_within(event_time_ms(table, spec.event_time), spec.event_time_limit_ms)
             if ahead:
