@@ -15,13 +15,15 @@ import pytest
 from conftest import RUNNING_COUNT, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.savepoint import read_savepoint
+from keyscale.runtime.control_auth import read_secret
 from keyscale.runtime.driver import JobRunner, RunOptions
 
 pytestmark = [pytest.mark.spark]
 
 
-def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict[str, Any], secret: str | None, content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {secret}"} if secret else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -43,18 +45,26 @@ def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> 
         time.sleep(0.2)
     url = json.loads((jd.control / "http.json").read_text())["url"]
     assert url.startswith("http://127.0.0.1:")
+    secret = read_secret(jd.control)
 
-    with urllib.request.urlopen(url + "/status", timeout=30) as r:
+    # Without the job's secret (any local user, a web page's text/plain POST) nothing is done.
+    assert _post(url + "/rescale", {"parallelism": 4}, None)[0] == 401
+    assert _post(url + "/rescale", {"parallelism": 4}, None, "text/plain")[0] == 401
+    assert _post(url + "/stop", {"drain": True}, None)[0] == 401
+    assert _post(url + "/rescale", {"parallelism": 4}, secret, "text/plain")[0] == 415
+    assert jd.read_rescale_requests() == {} and jd.is_running()
+
+    with urllib.request.urlopen(urllib.request.Request(url + "/status", headers={"Authorization": f"Bearer {secret}"}), timeout=30) as r:
         status = json.loads(r.read())
     assert status["running"] and status["operators"]["totals"]["parallelism"] == 2 and status["last_checkpoint"] == 1
 
-    code, body = _post(url + "/rescale", {"parallelism": 999})
+    code, body = _post(url + "/rescale", {"parallelism": 999}, secret)
     assert code == 409 and "parallelism 999" in body["error"]
-    code, body = _post(url + "/rescale", {"parallelism": 3, "operator": "nope"})
+    code, body = _post(url + "/rescale", {"parallelism": 3, "operator": "nope"}, secret)
     assert code == 409 and "no keyed operator 'nope'" in body["error"]
-    code, body = _post(url + "/rescale", {})
+    code, body = _post(url + "/rescale", {}, secret)
     assert code == 400
-    code, body = _post(url + "/rescale", {"parallelism": 3})
+    code, body = _post(url + "/rescale", {"parallelism": 3}, secret)
     assert code == 202
     write_events(tmp_path / "in", files=1, rows=300, keys=30, first=2)
     while 2 not in jd.manifest_batches() and time.time() < deadline:
@@ -62,14 +72,14 @@ def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> 
     m = jd.latest_manifest()
     assert m is not None and m.batch == 2 and m.operators["totals"].parallelism == 3
 
-    code, body = _post(url + "/savepoint", {"dest": str(tmp_path / "sp")})
+    code, body = _post(url + "/savepoint", {"dest": str(tmp_path / "sp")}, secret)
     assert code == 200 and body["savepoint"] == str(tmp_path / "sp")
     assert read_savepoint(tmp_path / "sp").batch == 2
 
-    code, body = _post(url + "/nope", {})
+    code, body = _post(url + "/nope", {}, secret)
     assert code == 404
-    code, body = _post(url + "/stop", {})
+    code, body = _post(url + "/stop", {}, secret)
     assert code == 200 and body == {"stopping": True}
     thread.join(timeout=120)
     assert not thread.is_alive() and "summary" in result
-    assert not jd.is_running() and not (jd.control / "http.json").exists()
+    assert not jd.is_running() and not (jd.control / "http.json").exists() and not (jd.control / "secret").exists()

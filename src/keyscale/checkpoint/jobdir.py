@@ -7,6 +7,7 @@ Layout::
       lock                      held (flock) by the one process running the job
       status.json               written by the running job after each batch
       control/rescale.json      live rescale requests, read at the next batch
+      control/secret            the running job's control API secret (0600, new each run)
       spark/                    Spark's streaming checkpoint (source positions, batch log)
       checkpoints/manifest-<batch>.json   one per committed batch (the commit point)
       checkpoints/intent-<batch>.json     parallelism and time fixed for a batch before it runs

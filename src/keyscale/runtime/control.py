@@ -6,6 +6,10 @@ with its path); ``POST /stop`` ``{"savepoint": bool, "dest": path?}``; ``POST /c
 Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) or 409
 (refused, the job keeps running). The address is written to ``JOB_DIR/control/http.json``
 while the job runs; it listens on 127.0.0.1 only.
+
+Every request must carry ``Authorization: Bearer <JOB_DIR/control/secret>`` (else 401) and a
+Host header naming the server (else 403); POST bodies must be JSON (else 415). A refused
+request changes nothing. See :mod:`keyscale.runtime.control_auth` for why.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from keyscale.checkpoint.files import atomic_write_json
 from keyscale.errors import KeyscaleError
+from keyscale.runtime.control_auth import (
+    auth_header,
+    check_request,
+    new_secret,
+    read_secret,
+    secret_path,
+)
 from keyscale.state.keygroups import check_parallelism
 
 if TYPE_CHECKING:
@@ -34,9 +45,15 @@ class ControlServer:
 
     def __init__(self, runner: JobRunner, host: str = "127.0.0.1", port: int = 0):
         self.runner = runner
-        handler = type("Handler", (_Handler,), {"runner": runner})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        secret = new_secret(runner.jobdir.control)  # before the address: a client that finds one finds the other
+
+        class Handler(_Handler):
+            pass
+
+        Handler.runner, Handler.secret = runner, secret
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        Handler.port = int(self.httpd.server_address[1])
+        self.url = f"http://{host}:{Handler.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-control", daemon=True)
         self._thread.start()
         atomic_write_json(runner.jobdir.control / "http.json", {"url": self.url}, durable=False)
@@ -44,12 +61,15 @@ class ControlServer:
 
     def close(self) -> None:
         (self.runner.jobdir.control / "http.json").unlink(missing_ok=True)
+        secret_path(self.runner.jobdir.control).unlink(missing_ok=True)
         self.httpd.shutdown()
         self.httpd.server_close()
 
 
 class _Handler(BaseHTTPRequestHandler):
     runner: JobRunner
+    secret: str
+    port: int
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # requests are logged by what they do, not by the HTTP layer
@@ -62,13 +82,43 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refused(self, method: str) -> bool:
+        """Answer a request that is not the owner's (nothing done); True if it was refused."""
+        headers = {h: self.headers.get(h) or "" for h in ("Host", "Authorization", "Content-Type")}
+        refusal = check_request(method, headers, self.port, self.secret)
+        if refusal is None:
+            return False
+        code, reason = refusal
+        try:  # read (and ignore) a small body, so the client sees the answer rather than a reset connection
+            length = int(self.headers.get("Content-Length") or 0)
+            if 0 < length <= 1 << 16:
+                self.rfile.read(length)
+        except (ValueError, OSError):
+            pass
+        log.warning("control API: refused %s %s (%d: %s)", method, self.path, code, reason)
+        data = json.dumps({"error": reason}).encode()
+        self.send_response(code)
+        if code == 401:
+            self.send_header("WWW-Authenticate", 'Bearer realm="keyscale"')
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.close_connection = True
+        return True
+
     def do_GET(self) -> None:
+        if self._refused("GET"):
+            return
         if self.path != "/status":
             self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
             return
         self._reply(200, self.runner.live_status())
 
     def do_POST(self) -> None:
+        if self._refused("POST"):
+            return
         try:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
@@ -109,13 +159,18 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def call(jobdir: JobDir, method: str, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> dict[str, Any]:
-    """Call a running job's control API; a refusal or an unreachable job is a KeyscaleError."""
+    """Call a running job's control API; a refusal or an unreachable job is a KeyscaleError.
+
+    Reads the job's secret itself: a caller who cannot read ``JOB_DIR/control/secret`` gets a
+    KeyscaleError naming that file.
+    """
     try:
         url = json.loads((jobdir.control / "http.json").read_text())["url"]
     except (FileNotFoundError, ValueError, KeyError):
         raise KeyscaleError(f"no job is running in {jobdir.path} (no control API address)") from None
+    headers = {"Content-Type": "application/json", **auth_header(read_secret(jobdir.control))}
     data = json.dumps(body or {}).encode() if method == "POST" else None
-    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return dict(json.loads(resp.read()))

@@ -1,0 +1,120 @@
+"""Who may call a running job's control API: a per-run secret, the Host header, JSON bodies.
+
+The control API can drain a job, rescale it and write a savepoint of all its state to any
+path, so it must answer only its owner. Listening on 127.0.0.1 is not enough: every local
+user can reach that address, and so can a web page in the owner's browser (a ``text/plain``
+POST needs no CORS preflight; DNS rebinding makes a page's own host name resolve to
+127.0.0.1). Three rules close those doors:
+
+- **A secret** in ``JOB_DIR/control/secret``, mode 0600 from the moment it exists (created
+  with ``os.open(..., 0o600)`` under a temporary name, then renamed), is required on every
+  request as ``Authorization: Bearer <secret>``. Only the user who runs the job can read it;
+  a browser cannot know it and cannot send the header without a preflight the server never
+  grants.
+- **The Host header** must name the server itself (``127.0.0.1:<port>`` or
+  ``localhost:<port>``), which a rebound host name never does.
+- **POST bodies are JSON** (``Content-Type: application/json``), which a page can only send
+  after a preflight.
+
+The secret is **regenerated on every run** (not kept for the job directory's life): clients
+read it at each call, so rotation costs them nothing, and a secret that leaked (a copy of the
+job directory, a backup, a log of a debugging session) stops working when the job restarts.
+It is removed when the run ends cleanly; a killed run leaves it (still 0600), and the next run
+replaces it before it serves.
+
+The checks are pure functions of the request so they can be tested without a server.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+from keyscale.errors import KeyscaleError
+
+SECRET_FILE = "secret"
+
+
+def secret_path(control_dir: Path) -> Path:
+    """Where a job directory's control secret lives (``JOB_DIR/control/secret``)."""
+    return control_dir / SECRET_FILE
+
+
+def new_secret(control_dir: Path) -> str:
+    """Write a fresh secret to ``control_dir/secret``, readable by its owner only; return it.
+
+    The file is created 0600 under a unique temporary name (``O_EXCL | O_NOFOLLOW``: never
+    another user's file or a symlink) and renamed into place, so no reader ever sees it with
+    wider permissions or half written.
+    """
+    control_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    tmp = control_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only narrow 0o600; this is belt and braces
+        os.write(fd, token.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, secret_path(control_dir))
+    return token
+
+
+def read_secret(control_dir: Path) -> str:
+    """The running job's secret, as a client reads it; a :class:`KeyscaleError` naming the file if it cannot."""
+    path = secret_path(control_dir)
+    try:
+        token = path.read_text().strip()
+    except PermissionError:
+        raise KeyscaleError(
+            f"cannot read the control secret {path} (permission denied): only the user who runs the job "
+            f"({_owner(path)}) can control it"
+        ) from None
+    except FileNotFoundError:
+        raise KeyscaleError(f"the job has no control secret {path}: it is not running, or was started by a keyscale "
+                            "without an authenticated control API") from None
+    if not token:
+        raise KeyscaleError(f"the control secret {path} is empty")
+    return token
+
+
+def _owner(path: Path) -> str:
+    try:
+        uid = path.stat().st_uid
+    except OSError:
+        return "its owner"
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def check_request(method: str, headers: Mapping[str, str], port: int, secret: str) -> tuple[int, str] | None:
+    """Refuse a request that is not the owner's: ``(status, reason)``, or None to serve it.
+
+    In order: a foreign Host (403), a missing or wrong secret (401), a POST body that is not
+    JSON (415). Nothing of the request has been acted on when it is refused.
+    """
+    host = (headers.get("Host") or "").strip().lower()
+    if host not in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        return 403, f"Host header {host or '(none)'!r} is not this server (127.0.0.1:{port} or localhost:{port})"
+    auth = headers.get("Authorization") or ""
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), secret.encode()):
+        return 401, "missing or wrong control secret: send 'Authorization: Bearer <JOB_DIR/control/secret>'"
+    if method == "POST":
+        ctype = (headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json":
+            return 415, f"POST bodies must be JSON (Content-Type: application/json), not {ctype or '(none)'!r}"
+    return None
+
+
+def auth_header(secret: str) -> dict[str, str]:
+    """The header a client sends with every request."""
+    return {"Authorization": f"Bearer {secret}"}

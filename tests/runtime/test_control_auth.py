@@ -1,0 +1,210 @@
+"""Only the job's owner may call its control API (issue 10, case 11).
+
+A server on 127.0.0.1 with no token and any Content-Type let any local user, or a web page
+posting ``text/plain`` to a scanned port, drain, rescale or savepoint the job. These tests
+drive the real :class:`ControlServer` over HTTP with a stand-in runner (no Spark), so each
+refusal can be checked to have changed nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.errors import KeyscaleError
+from keyscale.runtime.control import ControlServer, call
+from keyscale.runtime.control_auth import check_request, new_secret, read_secret, secret_path
+
+
+class FakeRunner:
+    """What the control server needs of a JobRunner; records every action it is asked for."""
+
+    def __init__(self, jobdir: JobDir):
+        self.jobdir = jobdir
+        self.max_parallelism = 8
+        self.parallelism = {"totals": 2}
+        self.actions: list[str] = []
+
+    def live_status(self) -> dict[str, Any]:
+        self.actions.append("status")
+        return {"running": True, "pid": os.getpid()}
+
+    def take_savepoint(self, dest: str | None = None, then_stop: bool = False) -> Path:
+        self.actions.append(f"savepoint {dest}")
+        return Path(dest or "/sp")
+
+    def drain(self, dest: str | None = None) -> Path:
+        self.actions.append(f"drain {dest}")
+        return Path(dest or "/sp")
+
+    def stop(self) -> None:
+        self.actions.append("stop")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Any:
+    jd = JobDir(tmp_path / "job")
+    jd.claim("count", 8, 8)
+    runner = FakeRunner(jd)
+    srv = ControlServer(runner)  # type: ignore[arg-type]
+    yield srv, runner, jd
+    srv.close()
+
+
+def _request(url: str, method: str = "POST", body: bytes | None = b"{}", headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=body if method == "POST" else None, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _owner_headers(jd: JobDir) -> dict[str, str]:
+    return {"Content-Type": "application/json", "Authorization": f"Bearer {read_secret(jd.control)}"}
+
+
+def test_requests_without_the_secret_are_refused_and_change_nothing(server: Any) -> None:
+    srv, runner, jd = server
+    rescale = json.dumps({"parallelism": 5}).encode()
+    # A local user who found the port: no token, JSON body.
+    for path, body in [("/rescale", rescale), ("/savepoint", b'{"dest": "/tmp/stolen"}'), ("/stop", b'{"drain": true}'), ("/cancel", b"{}")]:
+        code, answer = _request(srv.url + path, body=body, headers={"Content-Type": "application/json"})
+        assert code == 401 and "control secret" in answer["error"], (path, code, answer)
+    code, _ = _request(srv.url + "/status", method="GET")
+    assert code == 401
+    # A wrong token, and a token sent without the Bearer scheme.
+    code, _ = _request(srv.url + "/rescale", body=rescale, headers={"Content-Type": "application/json", "Authorization": "Bearer nope"})
+    assert code == 401
+    code, _ = _request(srv.url + "/rescale", body=rescale, headers={"Content-Type": "application/json", "Authorization": read_secret(jd.control)})
+    assert code == 401
+    assert runner.actions == [] and jd.read_rescale_requests() == {}
+
+
+def test_a_web_page_cannot_post_text_plain_or_rebind_dns(server: Any) -> None:
+    srv, runner, jd = server
+    rescale = json.dumps({"parallelism": 5}).encode()
+    # The "simple" cross-origin POST a browser sends without a preflight: text/plain, no token.
+    code, _ = _request(srv.url + "/rescale", body=rescale, headers={"Content-Type": "text/plain"})
+    assert code == 401
+    # Even with the secret, a body that is not declared JSON is refused.
+    code, answer = _request(srv.url + "/rescale", body=rescale, headers={**_owner_headers(jd), "Content-Type": "text/plain"})
+    assert code == 415 and "application/json" in answer["error"]
+    # DNS rebinding: the page's own host name now resolves to 127.0.0.1; its Host header says so.
+    code, answer = _request(srv.url + "/rescale", body=rescale, headers={**_owner_headers(jd), "Host": f"evil.example:{srv.httpd.server_address[1]}"})
+    assert code == 403 and "evil.example" in answer["error"]
+    code, _ = _request(srv.url + "/status", method="GET", headers={**_owner_headers(jd), "Host": "127.0.0.1:1"})
+    assert code == 403
+    assert runner.actions == [] and jd.read_rescale_requests() == {}
+
+
+def test_the_owner_with_the_secret_is_served(server: Any) -> None:
+    srv, runner, jd = server
+    port = srv.httpd.server_address[1]
+    code, answer = _request(srv.url + "/rescale", body=b'{"parallelism": 5}', headers={**_owner_headers(jd), "Content-Type": "application/json; charset=utf-8"})
+    assert code == 202 and answer["parallelism"] == 5 and jd.read_rescale_requests() == {"*": 5}
+    code, answer = _request(f"http://localhost:{port}/status", method="GET", headers=_owner_headers(jd))
+    assert code == 200 and answer["running"]
+    # control.call (the CLI, the supervisor, the benchmarks) reads the secret itself.
+    assert call(jd, "POST", "/savepoint", {"dest": "/tmp/sp"})["savepoint"] == "/tmp/sp"
+    assert runner.actions == ["status", "savepoint /tmp/sp"]
+
+
+def test_the_secret_is_owner_only_fresh_per_run_and_gone_after(tmp_path: Path) -> None:
+    jd = JobDir(tmp_path / "job")
+    jd.claim("count", 8, 8)
+    old = os.umask(0)  # even a permissive umask must not widen the file
+    try:
+        first = ControlServer(FakeRunner(jd))  # type: ignore[arg-type]
+    finally:
+        os.umask(old)
+    path = secret_path(jd.control)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    token = read_secret(jd.control)
+    assert len(token) >= 40
+    assert [p.name for p in jd.control.iterdir() if p.name.startswith(".secret")] == []  # no temporary file left
+    first.close()
+    assert not path.exists()
+    second = ControlServer(FakeRunner(jd))  # type: ignore[arg-type]
+    try:
+        assert read_secret(jd.control) != token
+        code, _ = _request(second.url + "/status", method="GET", headers={"Authorization": f"Bearer {token}"})
+        assert code == 401  # the last run's secret no longer works
+    finally:
+        second.close()
+
+
+def test_new_secret_never_follows_a_planted_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / "secret").symlink_to(target)
+    new_secret(control)
+    assert target.read_text() == "keep" and not (control / "secret").is_symlink()
+
+
+def test_check_request_rules() -> None:
+    ok = {"Host": "127.0.0.1:8000", "Authorization": "Bearer s3cret", "Content-Type": "application/json"}
+    assert check_request("POST", ok, 8000, "s3cret") is None
+    assert check_request("GET", {**ok, "Content-Type": ""}, 8000, "s3cret") is None
+    assert check_request("GET", {**ok, "Host": "LOCALHOST:8000"}, 8000, "s3cret") is None
+    assert check_request("POST", {**ok, "Host": ""}, 8000, "s3cret") == (403, "Host header '(none)' is not this server (127.0.0.1:8000 or localhost:8000)")
+    assert check_request("POST", {**ok, "Host": "127.0.0.1"}, 8000, "s3cret") is not None
+    for auth in ["Bearer s3cre", "Bearer s3cretX", "", "s3cret", "Bearer"]:
+        refusal = check_request("POST", {**ok, "Authorization": auth}, 8000, "s3cret")
+        assert refusal is not None and refusal[0] == 401, auth
+    assert check_request("POST", {**ok, "Authorization": "Basic s3cret"}, 8000, "s3cret") is not None
+    assert check_request("POST", {**ok, "Content-Type": "application/x-www-form-urlencoded"}, 8000, "s3cret") == (
+        415, "POST bodies must be JSON (Content-Type: application/json), not 'application/x-www-form-urlencoded'")
+
+
+def test_read_secret_names_the_file_when_missing(tmp_path: Path) -> None:
+    with pytest.raises(KeyscaleError, match=str(tmp_path / "secret")):
+        read_secret(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_local_user_cannot_control_the_job(server: Any, tmp_path: Path) -> None:
+    """Another local user who can reach the job directory (but not the 0600 secret) is told which file it cannot read."""
+    import pwd
+
+    _srv, runner, jd = server
+    nobody = pwd.getpwnam("nobody")
+    for p in [tmp_path, *tmp_path.parents]:  # a job directory others may look into, as with a 022 umask
+        if p != Path("/"):
+            p.chmod(p.stat().st_mode | 0o055)
+    jd.control.chmod(0o755)
+    (jd.control / "http.json").chmod(0o644)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child becomes the other user and calls the API as the CLI would
+        try:
+            os.close(read_end)
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            try:
+                call(jd, "POST", "/rescale", {"parallelism": 5})
+                msg = "served"
+            except KeyscaleError as e:
+                msg = f"KeyscaleError: {e}"
+            except BaseException as e:  # reported to the parent
+                msg = f"{type(e).__name__}: {e}"
+            os.write(write_end, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        msg = f.read()
+    os.waitpid(pid, 0)
+    assert msg.startswith("KeyscaleError: cannot read the control secret " + str(secret_path(jd.control))), msg
+    assert "permission denied" in msg
+    assert runner.actions == [] and jd.read_rescale_requests() == {}
