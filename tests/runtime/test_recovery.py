@@ -69,3 +69,78 @@ def test_damaged_latest_checkpoint_falls_back(damage: Any, spark: Any, events: P
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
     pd.testing.assert_frame_equal(out, reference)
+
+
+# -- a damaged file that several checkpoints share; none left ------------------------------------
+
+
+def _totals(out: pd.DataFrame) -> pd.DataFrame:
+    """Each key's totals: its output row with the largest count."""
+    last = out.sort_values(["key", "count"]).groupby("key").tail(1)
+    return last[["key", "count", "sum"]].sort_values("key").reset_index(drop=True).astype({"count": "int64", "sum": "int64"})
+
+
+def _recount(events: Path) -> pd.DataFrame:
+    df = pd.concat([pd.read_parquet(p) for p in sorted(events.glob("part-*.parquet"))])
+    g = df.groupby("key")["value"].agg(["count", "sum"]).reset_index()
+    return g.sort_values("key").reset_index(drop=True).astype({"count": "int64", "sum": "int64"})
+
+
+def _flip(jd: JobDir, rel: str) -> None:
+    p = jd.path / rel
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def _file_of_batch(jd: JobDir, batch: int, subtask_start: int = 0) -> str:
+    m = jd.latest_manifest()
+    assert m is not None
+    return next(f.path for f in m.operators["totals"].files if f.batch == batch and f.start == subtask_start)
+
+
+def test_a_damaged_file_several_checkpoints_share_replays_every_batch_after_the_intact_one(spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    events = tmp_path / "events"
+    write_events(events, files=4, rows=1500, keys=400, seed=11)
+    args = {"input": str(events), "output": str(tmp_path / "out")}
+    run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
+    jd = JobDir(tmp_path / "job")
+    assert jd.manifest_batches()[-3:] == [1, 2, 3]
+    _flip(jd, _file_of_batch(jd, 2))  # checkpoints 2 and 3 use it; 1 does not
+    write_events(events, files=1, rows=1500, keys=400, seed=11, first=4)
+    caplog.set_level("INFO", logger="keyscale")
+    summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
+    assert summary.recovered_from == 1
+    assert len(summary.discarded) == 2
+    assert [b.batch for b in summary.batches] == [2, 3, 4]
+    assert "replaying batches 2 to 2 one at a time" in caplog.text
+    out = read_output(tmp_path / "out")
+    assert not out.duplicated(["batch", "key"]).any()
+    pd.testing.assert_frame_equal(_totals(out), _recount(events))
+
+
+def test_no_intact_checkpoint_left_refuses_to_start_then_restarts_empty_when_allowed(spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from keyscale.errors import StateError
+
+    events = tmp_path / "events"
+    write_events(events, files=3, rows=1000, keys=300, seed=12)
+    args = {"input": str(events), "output": str(tmp_path / "out")}
+    run_job(RUNNING_COUNT, tmp_path / "job", 2, args, retain=1)
+    jd = JobDir(tmp_path / "job")
+    assert jd.manifest_batches() == [2]
+    damaged = _file_of_batch(jd, 1, subtask_start=0) if any(
+        f.batch == 1 for f in jd.read_manifest(2).operators["totals"].files) else _file_of_batch(jd, 2)
+    _flip(jd, damaged)
+    with pytest.raises(StateError, match="--allow-empty-restart") as e:
+        run_job(RUNNING_COUNT, tmp_path / "job", 2, args, retain=1)
+    assert damaged in str(e.value) and "no intact checkpoint" in str(e.value)
+    assert jd.manifest_batches() == [2]  # nothing changed: the same refusal at the next try
+    assert not jd.is_running()
+
+    caplog.set_level("INFO", logger="keyscale")
+    again = {**args, "output": str(tmp_path / "out2")}
+    summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, again, retain=1, allow_empty_restart=True)
+    assert summary.recovered_from is None
+    assert "starts again with empty state and reads its input again from the beginning" in caplog.text
+    assert list(tmp_path.joinpath("job").glob("spark.set-aside-*"))
+    pd.testing.assert_frame_equal(_totals(read_output(tmp_path / "out2")), _recount(events))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keyscale.checkpoint import sparklog
 from keyscale.checkpoint.files import (
     atomic_write_json,
     atomic_write_text,
@@ -54,6 +55,8 @@ class Recovery:
 
     manifest: Manifest | None
     discarded: tuple[str, ...]  # one sentence per damaged checkpoint set aside
+    empty_restart: bool = False  # no intact checkpoint: state starts empty, input is read again
+    spark_set_aside: str | None = None  # where Spark's checkpoint went on an empty restart
 
 
 class JobDir:
@@ -205,39 +208,52 @@ class JobDir:
                     return None, f"checkpoint {batch}: {problem}"
         return m, None
 
-    def recover(self) -> Recovery:
+    def recover(self, allow_empty_restart: bool = False) -> Recovery:
         """Find the newest intact checkpoint; set damaged newer ones aside.
 
-        Spark's batch log is rolled back to the checkpoint found, so that Spark replays the
-        batches whose keyscale state was lost (their input is never skipped).
+        Spark's commit log is rolled back to the checkpoint found; the runtime then replays
+        every batch after it (:mod:`keyscale.runtime.recovery`). When no intact checkpoint is
+        left but the job has committed batches, starting would lose its state: refused with a
+        :class:`StateError` naming the damage, unless ``allow_empty_restart``: then the state
+        starts empty and the input is read again from its beginning (Spark's checkpoint and
+        the batch intents are set aside, renamed, not deleted).
         """
-        discarded: list[str] = []
+        damaged: list[tuple[int, str]] = []
         found: Manifest | None = None
         for batch in reversed(self.manifest_batches()):
             m, problem = self.check_manifest(batch)
             if m is not None:
                 found = m
                 break
-            discarded.append(problem or f"checkpoint {batch} is damaged")
+            damaged.append((batch, problem or f"checkpoint {batch} is damaged"))
+        discarded = tuple(why for _, why in damaged)
+        committed_by_spark = sparklog.commit_batches(self.spark_checkpoint)
+        empty = found is None and bool(damaged or committed_by_spark)
+        if empty and not allow_empty_restart:
+            damage = "; ".join(discarded) if damaged else (
+                f"there is no checkpoint, yet Spark's log says batches up to {committed_by_spark[-1]} were committed"
+            )
+            raise StateError(
+                f"no intact checkpoint is left in {self.checkpoints}: {damage}. Starting would lose the job's state; "
+                "to start again with empty state, reading the input again from its beginning, run with --allow-empty-restart"
+            )
+        for batch, _ in damaged:
             bad = self.manifest_path(batch)
             bad.rename(bad.with_name(bad.name + ".damaged"))
-        last = found.batch if found else -1
-        self.rollback_spark_commits(after=last)
-        return Recovery(found, tuple(discarded))
+        if empty:
+            aside = sparklog.set_aside(self.spark_checkpoint)
+            stamp = int(time.time() * 1000)
+            for p in self.checkpoints.glob("intent-*.json"):
+                folder = self.checkpoints / f"intents.set-aside-{stamp}"
+                folder.mkdir(exist_ok=True)
+                p.rename(folder / p.name)
+            return Recovery(None, discarded, empty_restart=True, spark_set_aside=str(aside) if aside else None)
+        self.rollback_spark_commits(after=found.batch if found else -1)
+        return Recovery(found, discarded)
 
     def rollback_spark_commits(self, after: int) -> list[int]:
         """Make Spark re-run every batch newer than ``after`` (its offsets are kept)."""
-        commits = self.spark_checkpoint / "commits"
-        removed = []
-        if commits.exists():
-            for p in commits.iterdir():
-                if p.name.isdigit() and int(p.name) > after:
-                    p.unlink()
-                    crc = p.with_name(f".{p.name}.crc")
-                    if crc.exists():
-                        crc.unlink()
-                    removed.append(int(p.name))
-        return sorted(removed)
+        return sparklog.remove_commits_after(self.spark_checkpoint, after)
 
     # -- batch intents -------------------------------------------------------------------
     def read_intent(self, batch: int) -> dict[str, Any] | None:

@@ -51,6 +51,7 @@ from keyscale.operators.nonkeyed import (
 )
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
+from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
     KG,
@@ -103,6 +104,7 @@ class RunOptions:
     autoscaler: AutoscalerConfig | None = None
     from_savepoint: str | None = None
     allow_non_restored_state: bool = False
+    allow_empty_restart: bool = False  # no intact checkpoint left: start with empty state, re-read the input
     drain_at_end: bool = False  # with until_idle: end with a drain (every event-time timer and window fires)
     scaling_min: int = 1  # bounds of reactive mode and the autoscaler
     scaling_max: int | None = None  # None: the number of key groups
@@ -236,9 +238,14 @@ class JobRunner:
         self.jobdir.lock()
         self._locked = True
         self._record_run_options()
-        rec = self.jobdir.recover()
+        rec = self.jobdir.recover(allow_empty_restart=opts.allow_empty_restart)
         for why in rec.discarded:
             log.warning("%s; set it aside", why)
+        if rec.empty_restart:
+            log.warning(
+                "no intact checkpoint is left: --allow-empty-restart given, so job '%s' starts again with empty state and reads "
+                "its input again from the beginning%s", self.name, f" (Spark's old checkpoint is kept as {rec.spark_set_aside})" if rec.spark_set_aside else "",
+            )
         self.committed = rec.manifest
         self.summary.discarded = rec.discarded
         if rec.manifest is not None and rec.manifest.extra.get("drained"):
@@ -369,8 +376,10 @@ class JobRunner:
                 if self.pipeline.log_source is not None:
                     self._run_log_loop()
                 else:
-                    self._query = self._spark_writer().start()
-                    self._wait()
+                    replay_spark_batches(self.jobdir, self.committed.batch if self.committed else -1, self._run_spark_once, self._stop.is_set)
+                    if not self._stop.is_set():
+                        self._query = self._spark_writer().start()
+                        self._wait()
                 if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
                     self._run_drain(spark)
             except BaseException as e:
@@ -386,7 +395,12 @@ class JobRunner:
                 self._locked = False
         return self.summary
 
-    def _spark_writer(self) -> Any:
+    def _run_spark_once(self) -> None:
+        """A query that runs one batch (the one Spark's offsets log ends with) and stops."""
+        self._query = self._spark_writer(once=True).start()
+        self._wait()
+
+    def _spark_writer(self, once: bool = False) -> Any:
         assert self.pipeline is not None
         source = self.pipeline.source
         assert not isinstance(source, LogSource)
@@ -395,6 +409,8 @@ class JobRunner:
             .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
             .queryName(f"keyscale_{self.name}_{self.run_id[:6]}")
         )
+        if once:
+            return writer.trigger(once=True)
         return writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
 
     def _run_log_loop(self) -> None:
