@@ -34,6 +34,7 @@ from keyscale.checkpoint.files import (
     verify_state_file,
 )
 from keyscale.checkpoint.manifest import Manifest
+from keyscale.checkpoint.retention import checkpoints_to_keep
 from keyscale.errors import JobDirError, StateError
 
 JOB_FILE = "job.json"
@@ -305,16 +306,27 @@ class JobDir:
 
     # -- retention -----------------------------------------------------------------------
     def retain(self, keep: int) -> int:
-        """Keep the newest ``keep`` checkpoints; delete files no kept checkpoint needs."""
+        """Keep the checkpoints :func:`checkpoints_to_keep` names (the newest ``keep`` and one
+        that shares no state file with the newest); delete files no kept checkpoint needs.
+        The intents of every batch after the oldest kept checkpoint stay: a fallback to it
+        replays those batches as they first ran."""
         batches = self.manifest_batches()
         if len(batches) <= keep:
             return 0
-        kept = [self.read_manifest(b) for b in batches[-keep:]]
-        needed = {f.path for m in kept for op in m.operators.values() for f in op.files}
-        oldest = kept[0].batch
+        manifests: dict[int, Manifest] = {}
+        for b in batches:
+            try:
+                manifests[b] = self.read_manifest(b)
+            except StateError:
+                continue  # a damaged one is never a fallback; it goes once it is old
+        kept_batches = checkpoints_to_keep({b: [f.batch for op in m.operators.values() for f in op.files] for b, m in manifests.items()}, keep)
+        kept_batches.update(batches[-keep:])
+        needed = {f.path for b in kept_batches if b in manifests for op in manifests[b].operators.values() for f in op.files}
+        oldest = min(kept_batches)
         removed = 0
-        for b in batches[:-keep]:
-            self.manifest_path(b).unlink(missing_ok=True)
+        for b in batches:
+            if b not in kept_batches:
+                self.manifest_path(b).unlink(missing_ok=True)
         for p in self.checkpoints.glob("intent-*.json"):
             if int(p.stem[len("intent-") :]) < oldest:
                 p.unlink(missing_ok=True)
@@ -322,9 +334,9 @@ class JobDir:
         if state_root.exists():
             for p in state_root.glob("*/[0-9]*"):
                 rel = p.relative_to(self.path).as_posix()
-                batch = int(p.name.split("-")[0])
+                batch = int(p.name.split("-")[0].split(".")[0])
                 if rel not in needed and batch < oldest:
-                    p.unlink(missing_ok=True)  # state files and their sidecar reports
+                    p.unlink(missing_ok=True)  # state files (also other attempts' ones) and sidecar reports
                     removed += p.suffix == ".arrow"
         return removed
 

@@ -37,8 +37,10 @@ from keyscale.checkpoint.manifest import (
     StateFile,
     chain_length,
     live_files,
+    oldest_chain_file,
     summarize_operator_state,
 )
+from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState
 from keyscale.operators.eventtime import advance as advance_watermark
@@ -98,6 +100,7 @@ class RunOptions:
     trigger_interval: str = "1 second"
     retain: int = 3
     max_chain: int = 8
+    max_file_age: int = 32  # a subtask snapshots when its oldest state file is this many batches old
     spark_conf: dict[str, str] = field(default_factory=dict)
     scaling: str = "fixed"  # "fixed" | "auto"
     autoscaler_mode: str = "recommend"  # with scaling "auto": "off" | "recommend" | "active"
@@ -808,7 +811,11 @@ class JobRunner:
         m = self.max_parallelism
         prev = self.committed.operators.get(step.uid) if self.committed else None
         files: tuple[StateFile, ...] = prev.files if prev else ()
-        compact = tuple(chain_length(files, key_group_range(s, m, p), m) >= self.opts.max_chain for s in range(p))
+        ranges = [key_group_range(s, m, p) for s in range(p)]
+        compact = tuple(
+            should_snapshot(chain_length(files, r, m), oldest_chain_file(files, r, m), batch_id, self.opts.max_chain, self.opts.max_file_age)
+            for r in ranges
+        )
         fault = None
         if self._fault("in-compaction", batch_id) and any(compact):
             fault = "kill-driver-in-compaction"
