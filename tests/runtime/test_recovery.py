@@ -105,15 +105,16 @@ def test_a_damaged_file_several_checkpoints_share_replays_every_batch_after_the_
     args = {"input": str(events), "output": str(tmp_path / "out")}
     run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
     jd = JobDir(tmp_path / "job")
-    assert jd.manifest_batches()[-3:] == [1, 2, 3]
-    _flip(jd, _file_of_batch(jd, 2))  # checkpoints 2 and 3 use it; 1 does not
+    # --retain 3, and 0: the fallback kept for when checkpoint 3's oldest files are compacted
+    assert jd.manifest_batches() == [0, 1, 2, 3]
+    _flip(jd, _file_of_batch(jd, 1))  # checkpoints 1, 2 and 3 use it
     write_events(events, files=1, rows=1500, keys=400, seed=11, first=4)
     caplog.set_level("INFO", logger="keyscale")
     summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
-    assert summary.recovered_from == 1
-    assert len(summary.discarded) == 2
-    assert [b.batch for b in summary.batches] == [2, 3, 4]
-    assert "replaying batches 2 to 2 one at a time" in caplog.text
+    assert summary.recovered_from == 0
+    assert len(summary.discarded) == 3
+    assert [b.batch for b in summary.batches] == [1, 2, 3, 4]  # every batch after the fallback, then the new one
+    assert "replaying batches 1 to 2 one at a time" in caplog.text
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
     pd.testing.assert_frame_equal(_totals(out), _recount(events))

@@ -46,7 +46,8 @@ def replay_spark_batches(jobdir: JobDir, after: int, run_once: Callable[[], None
         for j in todo:
             if stopping():
                 break
-            sparklog.hide_offsets_after(spark, hidden, j)
+            sparklog.restore_hidden(spark, hidden, upto=j)  # j is Spark's newest batch ...
+            sparklog.hide_offsets_after(spark, hidden, j)  # ... and the only one it may run
             run_once()
             if not jobdir.has_manifest(j):
                 break  # stopped before the batch ran; the next start goes on from here
