@@ -145,3 +145,18 @@ def test_no_intact_checkpoint_left_refuses_to_start_then_restarts_empty_when_all
     assert "starts again with empty state and reads its input again from the beginning" in caplog.text
     assert list(tmp_path.joinpath("job").glob("spark.set-aside-*"))
     pd.testing.assert_frame_equal(_totals(read_output(tmp_path / "out2")), _recount(events))
+
+
+def test_with_speculative_execution_every_checkpoint_verifies_and_output_is_exactly_once(spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
+    # Spark never runs a speculative copy on a host where an attempt runs, so on one machine
+    # this shows the settings change nothing; two attempts of one subtask are tested without
+    # Spark (tests/runtime/test_task.py, test_two_attempts_...).
+    conf = {"spark.speculation": "true", "spark.speculation.quantile": "0.1", "spark.speculation.multiplier": "1.1", "spark.speculation.interval": "50ms"}
+    args = {"input": str(events), "output": str(tmp_path / "out")}
+    run_job(RUNNING_COUNT, tmp_path / "job", 2, args, spark_conf=conf)
+    jd = JobDir(tmp_path / "job")
+    for b in jd.manifest_batches():
+        assert jd.check_manifest(b)[1] is None
+    out = read_output(tmp_path / "out")
+    assert not out.duplicated(["batch", "key"]).any()
+    pd.testing.assert_frame_equal(out, reference)
