@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import RUNNING_COUNT, read_output, reference_output, run_job, write_events
+from conftest import EXAMPLES, RUNNING_COUNT, read_output, reference_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
 pytestmark = [pytest.mark.spark]
@@ -160,3 +160,50 @@ def test_with_speculative_execution_every_checkpoint_verifies_and_output_is_exac
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
     pd.testing.assert_frame_equal(out, reference)
+
+
+def test_log_source_deep_fallback_replays_from_intents_and_empty_restart_reads_from_offset_0(spark: Any, tmp_path: Path) -> None:
+    import numpy as np
+    import pyarrow as pa
+
+    from keyscale.errors import StateError
+    from keyscale.sources import LogWriter, create_log
+
+    log = create_log(tmp_path / "log", "key string, value long", 2)
+    rng = np.random.default_rng(7)
+    frames = []
+
+    def produce(rows: int) -> None:
+        df = pd.DataFrame({"key": [f"k{i}" for i in rng.integers(0, 80, rows)], "value": rng.integers(1, 100, rows)})
+        LogWriter(log, ["key"]).write(pa.Table.from_pandas(df, preserve_index=False))
+        frames.append(df)
+
+    def expected() -> pd.DataFrame:
+        df = pd.concat(frames)
+        g = df.groupby("key")["value"].agg(["count", "sum"]).reset_index()
+        return g.sort_values("key").reset_index(drop=True).astype({"count": "int64", "sum": "int64"})
+
+    job = EXAMPLES / "log_count.py"
+    produce(1200)
+    args = {"log": str(tmp_path / "log"), "output": str(tmp_path / "out"), "max_records_per_batch": "150"}
+    run_job(job, tmp_path / "job", 2, args)
+    jd = JobDir(tmp_path / "job")
+    newest = jd.manifest_batches()[-1]
+    assert newest >= 4
+    # A delta the newest three checkpoints share: the fallback is two or more batches back.
+    _flip(jd, _file_of_batch(jd, newest - 2))
+    produce(300)
+    summary = run_job(job, tmp_path / "job", 2, args)
+    assert summary.recovered_from is not None and summary.recovered_from < newest - 2
+    assert [b.batch for b in summary.batches][:3] == list(range(summary.recovered_from + 1, summary.recovered_from + 4))
+    pd.testing.assert_frame_equal(_totals(read_output(tmp_path / "out")), expected())
+
+    kept = [jd.read_manifest(b) for b in jd.manifest_batches()]
+    shared = set.intersection(*({f.path for f in m.operators["totals"].files} for m in kept))
+    assert shared  # a young job: its first files are in every checkpoint
+    _flip(jd, sorted(shared)[0])
+    with pytest.raises(StateError, match="--allow-empty-restart"):
+        run_job(job, tmp_path / "job", 2, args)
+    again = {**args, "output": str(tmp_path / "out2")}
+    run_job(job, tmp_path / "job", 2, again, allow_empty_restart=True)
+    pd.testing.assert_frame_equal(_totals(read_output(tmp_path / "out2")), expected())  # every record read again

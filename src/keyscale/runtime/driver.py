@@ -431,7 +431,8 @@ class JobRunner:
                     records = self._run_batch_locked(None, batch_id)
                 except BaseException as e:
                     raise _translate(e) from None
-            if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before:
+            replayed = bool(self.summary.batches) and self.summary.batches[-1].replayed  # its intent fixed its input
+            if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before and not replayed:
                 break
             if not self.opts.until_idle:
                 self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
