@@ -11,7 +11,7 @@ from keyscale.checkpoint import sparklog
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.errors import StateError
-from keyscale.runtime.recovery import HIDDEN, replay_spark_batches
+from keyscale.runtime.recovery import replay_spark_batches
 
 
 def _job(tmp_path: Path, offsets: int, committed: int) -> JobDir:
@@ -48,7 +48,7 @@ def test_every_batch_after_the_fallback_is_replayed_in_order_then_the_log_is_who
     query = OneBatchQuery(jd)
     assert replay_spark_batches(jd, 1, query, lambda: False) == [2, 3, 4, 5]
     assert query.ran == [2, 3, 4, 5]  # 6, the newest, is replayed by the normal start
-    assert sparklog.offset_batches(jd.spark_checkpoint) == list(range(7)) and not (jd.path / HIDDEN).exists()
+    assert sparklog.offset_batches(jd.spark_checkpoint) == list(range(7)) and not jd.spark_hidden.exists()
 
 
 def test_nothing_to_replay_after_a_fallback_of_one(tmp_path: Path) -> None:
@@ -60,8 +60,7 @@ def test_an_interrupted_replay_goes_on_at_the_next_start(tmp_path: Path) -> None
     jd = _job(tmp_path, offsets=6, committed=0)
     with pytest.raises(RuntimeError):
         replay_spark_batches(jd, 0, OneBatchQuery(jd, fail_at=3), lambda: False)
-    shutil_like_kill = jd.path / HIDDEN
-    sparklog.hide_offsets_after(jd.spark_checkpoint, shutil_like_kill, 3)  # as if killed before restoring
+    sparklog.hide_offsets_after(jd.spark_checkpoint, jd.spark_hidden, 3)  # as if killed before putting them back
     query = OneBatchQuery(jd)
     assert replay_spark_batches(jd, 2, query, lambda: False) == [3, 4]
     assert sparklog.offset_batches(jd.spark_checkpoint) == list(range(6))
@@ -81,3 +80,17 @@ def test_a_batch_whose_input_spark_purged_is_refused_before_anything_runs(tmp_pa
     with pytest.raises(StateError, match="batch 1"):
         replay_spark_batches(jd, 1, query, lambda: False)
     assert query.ran == []
+
+
+def test_an_empty_restart_sets_aside_the_hidden_entries_with_spark_checkpoint(tmp_path: Path) -> None:
+    jd = _job(tmp_path, offsets=6, committed=3)
+    sparklog.hide_offsets_after(jd.spark_checkpoint, jd.spark_hidden, 2)  # killed during a replay
+    for b in jd.manifest_batches():
+        jd.manifest_path(b).write_text("{")  # and then every checkpoint damaged
+    with pytest.raises(StateError, match="--allow-empty-restart"):
+        jd.recover()
+    rec = jd.recover(allow_empty_restart=True)
+    assert rec.empty_restart and rec.manifest is None and rec.spark_set_aside is not None
+    assert sparklog.offset_batches(Path(rec.spark_set_aside)) == list(range(6))
+    assert not jd.spark_hidden.exists() and not jd.spark_checkpoint.exists()
+    assert replay_spark_batches(jd, -1, OneBatchQuery(jd), lambda: False) == []  # Spark starts afresh

@@ -73,6 +73,11 @@ class JobDir:
         return self.path / "spark"
 
     @property
+    def spark_hidden(self) -> Path:
+        """Spark offsets entries moved aside while lost batches replay one at a time."""
+        return self.path / "spark-replay-hidden"
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
@@ -242,6 +247,7 @@ class JobDir:
             bad = self.manifest_path(batch)
             bad.rename(bad.with_name(bad.name + ".damaged"))
         if empty:
+            sparklog.restore_hidden(self.spark_checkpoint, self.spark_hidden)  # set aside whole
             aside = sparklog.set_aside(self.spark_checkpoint)
             stamp = int(time.time() * 1000)
             for p in self.checkpoints.glob("intent-*.json"):

@@ -22,8 +22,6 @@ from keyscale.checkpoint.jobdir import JobDir
 
 log = logging.getLogger("keyscale")
 
-HIDDEN = "spark-replay-hidden"  # in the job directory: offsets entries Spark must not see yet
-
 
 def replay_spark_batches(jobdir: JobDir, after: int, run_once: Callable[[], None], stopping: Callable[[], bool]) -> list[int]:
     """Replay, one at a time, the batches Spark planned after checkpoint ``after`` except the
@@ -31,7 +29,7 @@ def replay_spark_batches(jobdir: JobDir, after: int, run_once: Callable[[], None
     batch and returns; returns the batches replayed. Raises :class:`StateError` before
     anything runs when Spark no longer has the input of a batch to replay."""
     spark = jobdir.spark_checkpoint
-    hidden = jobdir.path / HIDDEN
+    hidden = jobdir.spark_hidden
     sparklog.restore_hidden(spark, hidden)  # an interrupted replay: Spark's log whole again
     planned = sparklog.check_replayable(spark, after)
     todo = planned[:-1]
