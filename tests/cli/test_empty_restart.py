@@ -42,3 +42,23 @@ def test_run_refuses_with_a_clear_error_and_changes_nothing(tmp_path: Path, caps
     assert rel in last and "--allow-empty-restart" in last
     assert JobDir(tmp_path / "job").manifest_batches() == [0]  # not set aside: the same answer next time
     assert not (tmp_path / "job" / "spark.set-aside").exists()
+
+
+def test_the_flag_reaches_run_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import keyscale.runtime.driver as driver
+
+    seen = {}
+
+    class Runner:
+        def __init__(self, opts: driver.RunOptions) -> None:
+            seen["opts"] = opts
+
+        def run(self) -> None:
+            raise driver.StateError("stop here")
+
+        def stop(self) -> None: ...
+
+    monkeypatch.setattr(driver, "JobRunner", Runner)
+    argv = ["run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "--allow-empty-restart", "--max-file-age", "5"]
+    assert keyscale_main(argv) != 0
+    assert seen["opts"].allow_empty_restart and seen["opts"].max_file_age == 5
