@@ -728,3 +728,40 @@ def test_dropped_null_keys_are_counted(tmp_path: Path) -> None:
     out, report = run_subtask(spec, iter(to_record_batches(rows, INPUT, None)), 0)
     assert out.to_pylist() == [{"key": "a", "count": 2, "total": 2}]
     assert report["counters"] == {"dropped_null_keys": 2} and report["records"] == 4
+
+
+# -- two attempts of one subtask (speculation, a zombie task set) --------------------------------
+
+
+class Sampled(KeyedProcessFunction):
+    """Keeps a random sample per key: two attempts of one batch write different state."""
+
+    def open(self, ctx: Any) -> None:
+        self.pick = ctx.value_state("pick", "double")
+
+    def process_element(self, row: Any, ctx: Any) -> Any:
+        self.pick.update(random.random())
+        return [(ctx.key, row.id)]
+
+
+@pytest.mark.parametrize("last", ["first", "second"])
+def test_two_attempts_of_a_subtask_leave_reports_naming_files_that_match(tmp_path: Path, last: str) -> None:
+    """Whichever attempt's report survives names a state file that exists with its size and crc."""
+    from keyscale.checkpoint.files import report_path, verify_state_file
+
+    d = Driver(tmp_path / "job", Sampled(), arrow_schema("key string, id long"))
+    batches = make_batches(2, 80, 12, seed=21)
+    d.run(0, batches[0], 1)
+    spec = d.spec(1, 1)
+    # Attempt A and a speculative attempt B of batch 1 run in two workers; both write their
+    # state; A's report lands after B's file, then B's report lands last (or does not).
+    _, rep_a = run_subtask(spec, iter(to_record_batches(batches[1], d.input_schema, None)), 0)
+    text_a = report_path(d.job_dir, d.uid, 1, 0).read_text()
+    with worker({}):
+        _, rep_b = run_subtask(spec, iter(to_record_batches(batches[1], d.input_schema, None)), 0)
+    if last == "first":
+        report_path(d.job_dir, d.uid, 1, 0).write_text(text_a)
+    survivor = read_reports(d.job_dir, d.uid, 1, 1)[0]
+    assert survivor["file"] == (rep_a if last == "first" else rep_b)["file"]
+    assert verify_state_file(d.job_dir, StateFile.from_json(survivor["file"])) is None
+    assert verify_state_file(d.job_dir, StateFile.from_json(rep_b["file"])) is None

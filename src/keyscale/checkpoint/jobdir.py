@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keyscale.checkpoint import sparklog
 from keyscale.checkpoint.files import (
     atomic_write_json,
     atomic_write_text,
@@ -34,6 +35,7 @@ from keyscale.checkpoint.files import (
     verify_state_file,
 )
 from keyscale.checkpoint.manifest import Manifest
+from keyscale.checkpoint.retention import checkpoints_to_keep
 from keyscale.errors import JobDirError, StateError
 
 JOB_FILE = "job.json"
@@ -55,6 +57,8 @@ class Recovery:
 
     manifest: Manifest | None
     discarded: tuple[str, ...]  # one sentence per damaged checkpoint set aside
+    empty_restart: bool = False  # no intact checkpoint: state starts empty, input is read again
+    spark_set_aside: str | None = None  # where Spark's checkpoint went on an empty restart
 
 
 class JobDir:
@@ -68,6 +72,11 @@ class JobDir:
     @property
     def spark_checkpoint(self) -> Path:
         return self.path / "spark"
+
+    @property
+    def spark_hidden(self) -> Path:
+        """Spark offsets entries moved aside while lost batches replay one at a time."""
+        return self.path / "spark-replay-hidden"
 
     @property
     def checkpoints(self) -> Path:
@@ -206,39 +215,53 @@ class JobDir:
                     return None, f"checkpoint {batch}: {problem}"
         return m, None
 
-    def recover(self) -> Recovery:
+    def recover(self, allow_empty_restart: bool = False) -> Recovery:
         """Find the newest intact checkpoint; set damaged newer ones aside.
 
-        Spark's batch log is rolled back to the checkpoint found, so that Spark replays the
-        batches whose keyscale state was lost (their input is never skipped).
+        Spark's commit log is rolled back to the checkpoint found; the runtime then replays
+        every batch after it (:mod:`keyscale.runtime.recovery`). When no intact checkpoint is
+        left but the job has committed batches, starting would lose its state: refused with a
+        :class:`StateError` naming the damage, unless ``allow_empty_restart``: then the state
+        starts empty and the input is read again from its beginning (Spark's checkpoint and
+        the batch intents are set aside, renamed, not deleted).
         """
-        discarded: list[str] = []
+        damaged: list[tuple[int, str]] = []
         found: Manifest | None = None
         for batch in reversed(self.manifest_batches()):
             m, problem = self.check_manifest(batch)
             if m is not None:
                 found = m
                 break
-            discarded.append(problem or f"checkpoint {batch} is damaged")
+            damaged.append((batch, problem or f"checkpoint {batch} is damaged"))
+        discarded = tuple(why for _, why in damaged)
+        committed_by_spark = sparklog.commit_batches(self.spark_checkpoint)
+        empty = found is None and bool(damaged or committed_by_spark)
+        if empty and not allow_empty_restart:
+            damage = "; ".join(discarded) if damaged else (
+                f"there is no checkpoint, yet Spark's log says batches up to {committed_by_spark[-1]} were committed"
+            )
+            raise StateError(
+                f"no intact checkpoint is left in {self.checkpoints}: {damage}. Starting would lose the job's state; "
+                "to start again with empty state, reading the input again from its beginning, run with --allow-empty-restart"
+            )
+        for batch, _ in damaged:
             bad = self.manifest_path(batch)
             bad.rename(bad.with_name(bad.name + ".damaged"))
-        last = found.batch if found else -1
-        self.rollback_spark_commits(after=last)
-        return Recovery(found, tuple(discarded))
+        if empty:
+            sparklog.restore_hidden(self.spark_checkpoint, self.spark_hidden)  # set aside whole
+            aside = sparklog.set_aside(self.spark_checkpoint)
+            stamp = int(time.time() * 1000)
+            for p in self.checkpoints.glob("intent-*.json"):
+                folder = self.checkpoints / f"intents.set-aside-{stamp}"
+                folder.mkdir(exist_ok=True)
+                p.rename(folder / p.name)
+            return Recovery(None, discarded, empty_restart=True, spark_set_aside=str(aside) if aside else None)
+        self.rollback_spark_commits(after=found.batch if found else -1)
+        return Recovery(found, discarded)
 
     def rollback_spark_commits(self, after: int) -> list[int]:
         """Make Spark re-run every batch newer than ``after`` (its offsets are kept)."""
-        commits = self.spark_checkpoint / "commits"
-        removed = []
-        if commits.exists():
-            for p in commits.iterdir():
-                if p.name.isdigit() and int(p.name) > after:
-                    p.unlink()
-                    crc = p.with_name(f".{p.name}.crc")
-                    if crc.exists():
-                        crc.unlink()
-                    removed.append(int(p.name))
-        return sorted(removed)
+        return sparklog.remove_commits_after(self.spark_checkpoint, after)
 
     # -- batch intents -------------------------------------------------------------------
     def read_intent(self, batch: int) -> dict[str, Any] | None:
@@ -290,16 +313,27 @@ class JobDir:
 
     # -- retention -----------------------------------------------------------------------
     def retain(self, keep: int) -> int:
-        """Keep the newest ``keep`` checkpoints; delete files no kept checkpoint needs."""
+        """Keep the checkpoints :func:`checkpoints_to_keep` names (the newest ``keep`` and one
+        that shares no state file with the newest); delete files no kept checkpoint needs.
+        The intents of every batch after the oldest kept checkpoint stay: a fallback to it
+        replays those batches as they first ran."""
         batches = self.manifest_batches()
         if len(batches) <= keep:
             return 0
-        kept = [self.read_manifest(b) for b in batches[-keep:]]
-        needed = {f.path for m in kept for op in m.operators.values() for f in op.files}
-        oldest = kept[0].batch
+        manifests: dict[int, Manifest] = {}
+        for b in batches:
+            try:
+                manifests[b] = self.read_manifest(b)
+            except StateError:
+                continue  # a damaged one is never a fallback; it goes once it is old
+        kept_batches = checkpoints_to_keep({b: [f.batch for op in m.operators.values() for f in op.files] for b, m in manifests.items()}, keep)
+        kept_batches.update(batches[-keep:])
+        needed = {f.path for b in kept_batches if b in manifests for op in manifests[b].operators.values() for f in op.files}
+        oldest = min(kept_batches)
         removed = 0
-        for b in batches[:-keep]:
-            self.manifest_path(b).unlink(missing_ok=True)
+        for b in batches:
+            if b not in kept_batches:
+                self.manifest_path(b).unlink(missing_ok=True)
         for p in self.checkpoints.glob("intent-*.json"):
             if int(p.stem[len("intent-") :]) < oldest:
                 p.unlink(missing_ok=True)
@@ -307,9 +341,9 @@ class JobDir:
         if state_root.exists():
             for p in state_root.glob("*/[0-9]*"):
                 rel = p.relative_to(self.path).as_posix()
-                batch = int(p.name.split("-")[0])
+                batch = int(p.name.split("-")[0].split(".")[0])
                 if rel not in needed and batch < oldest:
-                    p.unlink(missing_ok=True)  # state files and their sidecar reports
+                    p.unlink(missing_ok=True)  # state files (also other attempts' ones) and sidecar reports
                     removed += p.suffix == ".arrow"
         return removed
 

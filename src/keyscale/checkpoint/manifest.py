@@ -237,5 +237,16 @@ def chain_length(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism
     return int(counts[rng.start : rng.end + 1].max())
 
 
+def oldest_chain_file(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int | None:
+    """The batch of the oldest file some key group of ``rng`` still needs (None: no file)."""
+    snap = latest_snapshot_batches(files, max_parallelism)
+    oldest: int | None = None
+    for f in files:
+        lo, hi = max(f.start, rng.start), min(f.end, rng.end)
+        if lo <= hi and bool((snap[lo : hi + 1] <= f.batch).any()):
+            oldest = f.batch if oldest is None else min(oldest, f.batch)
+    return oldest
+
+
 def files_overlapping(files: Sequence[StateFile], rng: KeyGroupRange) -> list[StateFile]:
     return [f for f in files if f.start <= rng.end and f.end >= rng.start]

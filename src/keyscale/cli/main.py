@@ -57,8 +57,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     opts = RunOptions(
         job_file=a.job_file, job_dir=a.job_dir, parallelism=a.parallelism, max_parallelism=a.max_parallelism,
         master=a.master, until_idle=a.until_idle, args=_parse_sets(a.set), trigger_interval=a.trigger_interval,
-        retain=a.retain, max_chain=a.compaction_chain, fault=a.fault,
+        retain=a.retain, max_chain=a.compaction_chain, max_file_age=a.max_file_age, fault=a.fault,
         from_savepoint=a.from_savepoint, allow_non_restored_state=a.allow_non_restored_state,
+        allow_empty_restart=a.allow_empty_restart,
         scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
@@ -350,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --scaling auto: recommend records decisions (status, events.jsonl) without acting; active applies them live")
     r.add_argument("--from-savepoint", metavar="SP", help="start a new job directory from a savepoint (any -p in 1..M)")
     r.add_argument("--allow-non-restored-state", action="store_true", help="drop state of operators the job no longer has")
+    r.add_argument("--max-file-age", type=int, default=32, metavar="BATCHES",
+                   help="a subtask writes a snapshot when its oldest state file is this many batches old (bounds a fallback's replay; default 32)")
+    r.add_argument("--allow-empty-restart", action="store_true",
+                   help="when no intact checkpoint is left, start again with empty state and read the input again from its beginning")
     r.add_argument("--fault", help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
 

@@ -37,8 +37,10 @@ from keyscale.checkpoint.manifest import (
     StateFile,
     chain_length,
     live_files,
+    oldest_chain_file,
     summarize_operator_state,
 )
+from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState, ahead_limit_ms
 from keyscale.operators.eventtime import advance as advance_watermark
@@ -53,6 +55,7 @@ from keyscale.operators.windows import WindowAggregate
 from keyscale.runtime import counters
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
+from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
     KG,
@@ -99,12 +102,14 @@ class RunOptions:
     trigger_interval: str = "1 second"
     retain: int = 3
     max_chain: int = 8
+    max_file_age: int = 32  # a subtask snapshots when its oldest state file is this many batches old
     spark_conf: dict[str, str] = field(default_factory=dict)
     scaling: str = "fixed"  # "fixed" | "auto"
     autoscaler_mode: str = "recommend"  # with scaling "auto": "off" | "recommend" | "active"
     autoscaler: AutoscalerConfig | None = None
     from_savepoint: str | None = None
     allow_non_restored_state: bool = False
+    allow_empty_restart: bool = False  # no intact checkpoint left: start with empty state, re-read the input
     drain_at_end: bool = False  # with until_idle: end with a drain (every event-time timer and window fires)
     scaling_min: int = 1  # bounds of reactive mode and the autoscaler
     scaling_max: int | None = None  # None: the number of key groups
@@ -240,9 +245,14 @@ class JobRunner:
         self.jobdir.lock()
         self._locked = True
         self._record_run_options()
-        rec = self.jobdir.recover()
+        rec = self.jobdir.recover(allow_empty_restart=opts.allow_empty_restart)
         for why in rec.discarded:
             log.warning("%s; set it aside", why)
+        if rec.empty_restart:
+            log.warning(
+                "no intact checkpoint is left: --allow-empty-restart given, so job '%s' starts again with empty state and reads "
+                "its input again from the beginning%s", self.name, f" (Spark's old checkpoint is kept as {rec.spark_set_aside})" if rec.spark_set_aside else "",
+            )
         self.committed = rec.manifest
         self.summary.discarded = rec.discarded
         if rec.manifest is not None and rec.manifest.extra.get("drained"):
@@ -373,8 +383,10 @@ class JobRunner:
                 if self.pipeline.log_source is not None:
                     self._run_log_loop()
                 else:
-                    self._query = self._spark_writer().start()
-                    self._wait()
+                    replay_spark_batches(self.jobdir, self.committed.batch if self.committed else -1, self._run_spark_once, self._stop.is_set)
+                    if not self._stop.is_set():
+                        self._query = self._spark_writer().start()
+                        self._wait()
                 if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
                     self._run_drain(spark)
             except BaseException as e:
@@ -390,7 +402,12 @@ class JobRunner:
                 self._locked = False
         return self.summary
 
-    def _spark_writer(self) -> Any:
+    def _run_spark_once(self) -> None:
+        """A query that runs one batch (the one Spark's offsets log ends with) and stops."""
+        self._query = self._spark_writer(once=True).start()
+        self._wait()
+
+    def _spark_writer(self, once: bool = False) -> Any:
         assert self.pipeline is not None
         source = self.pipeline.source
         assert not isinstance(source, LogSource)
@@ -399,6 +416,8 @@ class JobRunner:
             .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
             .queryName(f"keyscale_{self.name}_{self.run_id[:6]}")
         )
+        if once:
+            return writer.trigger(once=True)
         return writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
 
     def _run_log_loop(self) -> None:
@@ -416,7 +435,8 @@ class JobRunner:
                     records = self._run_batch_locked(None, batch_id)
                 except BaseException as e:
                     raise _translate(e) from None
-            if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before:
+            replayed = bool(self.summary.batches) and self.summary.batches[-1].replayed  # its intent fixed its input
+            if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before and not replayed:
                 break
             if not self.opts.until_idle:
                 self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
@@ -826,7 +846,11 @@ class JobRunner:
         m = self.max_parallelism
         prev = self.committed.operators.get(step.uid) if self.committed else None
         files: tuple[StateFile, ...] = prev.files if prev else ()
-        compact = tuple(chain_length(files, key_group_range(s, m, p), m) >= self.opts.max_chain for s in range(p))
+        ranges = [key_group_range(s, m, p) for s in range(p)]
+        compact = tuple(
+            should_snapshot(chain_length(files, r, m), oldest_chain_file(files, r, m), batch_id, self.opts.max_chain, self.opts.max_file_age)
+            for r in ranges
+        )
         fault = None
         if self._fault("in-compaction", batch_id) and any(compact):
             fault = "kill-driver-in-compaction"

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -96,8 +97,12 @@ class StageTask:
         return any(s.name == TIMER_STATES["event_time"][1] for s in self.states)
 
 
-def state_file_name(uid: str, batch: int, subtask: int, kind: str) -> str:
-    return f"state/{uid}/{batch:012d}-s{subtask:05d}-{kind}.arrow"
+def state_file_name(uid: str, batch: int, subtask: int, kind: str, attempt: str) -> str:
+    """A name unique to one attempt: two attempts of a subtask (speculation, a zombie task
+    set) never overwrite each other's file, so the report that survives names the file its
+    attempt wrote, with that file's size and crc (the report is written last, by rename).
+    Retention removes the files no manifest took."""
+    return f"state/{uid}/{batch:012d}-s{subtask:05d}-{kind}-{attempt}.arrow"
 
 
 class _Held:
@@ -387,6 +392,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
 
     compact = spec.compact[subtask]
     job_dir = Path(spec.job_dir)
+    attempt = uuid.uuid4().hex[:12]
     written: StateFile | None = None
     if compact:
         if spec.fault == "kill-driver-in-compaction" and spec.driver_pid:
@@ -394,10 +400,10 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
             time.sleep(30)
         held.table.compact()
         snap = held.table.to_arrow(held.table.rows_in_range(rng.start, rng.end))
-        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "snapshot"), snap, "snapshot", spec.batch_id, rng)
+        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "snapshot", attempt), snap, "snapshot", spec.batch_id, rng)
     elif len(changed_rows):
         delta = held.table.to_arrow(changed_rows)
-        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "delta"), delta, "delta", spec.batch_id, rng)
+        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "delta", attempt), delta, "delta", spec.batch_id, rng)
     held.version[rng.start : rng.end + 1] = spec.batch_id
     if held.table.dead_share() > 0.5:  # purged windows, expired or deleted keys: drop them once written
         held.table.compact()
