@@ -695,6 +695,7 @@ class JobRunner:
         log_id = src.log.identity()
         if current is not None:  # a log that shrank or was recreated would be read from the wrong offsets
             reader.check_positions(src.uid, src.log.uri, current, ends, reader.log_id_of(prev.operator_state if prev else None), log_id)
+            reader.check_last_records(src.uid, src.log, current, reader.last_records_of(prev.operator_state if prev else None))
         self._log_ids[src.uid] = log_id
         if current is None:
             current = reader.initial_assignment(src.log.num_partitions(), p)
@@ -871,7 +872,9 @@ class JobRunner:
             after = reader.advance(reader.plan_from_json(source_plan))
             ops[src.uid] = OperatorCheckpoint(
                 uid=src.uid, max_parallelism=self.max_parallelism, parallelism=p, key_columns=(), states=(),
-                operator_state=reader.to_state(after, (log_ids or {}).get(src.uid)),
+                operator_state=reader.to_state(after, (log_ids or {}).get(src.uid), reader.last_records_after(
+                    self.committed.operators[src.uid].operator_state if self.committed and src.uid in self.committed.operators else None,
+                    all_reports[src.uid])),
             )
         for i, step in enumerate(self.pipeline.keyed_steps):
             p = par[step.uid]
