@@ -82,7 +82,8 @@ def test_bad_durations_are_named(bad: object) -> None:
         parse_duration_ms(bad, "duration")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["keyscale", "keyscale.operators.eventtime", "keyscale.operators.windows", "keyscale.sources.reader", "keyscale.checkpoint.manifest"])
+@pytest.mark.parametrize("name", ["keyscale", "keyscale.operators.eventtime", "keyscale.operators.windows", "keyscale.sources.reader", "keyscale.checkpoint.manifest",
+                                  "keyscale.runtime.counters"])
 def test_docstring_examples_run(name: str) -> None:
     import doctest
     import importlib

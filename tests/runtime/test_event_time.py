@@ -97,11 +97,17 @@ def test_sessions_restored_from_a_savepoint_at_another_parallelism(spark: Any, d
     write_batches(tmp_path / "in", data[:4])
     run_job(EXAMPLES / "sessionization.py", tmp_path / "job", 2, args)
     before = watermarks_committed(tmp_path / "job")[-1]
+    dropped = JobDir(tmp_path / "job").latest_manifest().extra["counters"]["sessions"]["dropped"]  # type: ignore[union-attr]
+    assert dropped > 0  # late records: no late output
     assert keyscale_main(["savepoint", str(tmp_path / "job"), "--dest", str(tmp_path / "sp")]) == 0
     write_batches(tmp_path / "in", data[4:], first=4)
     run_job(EXAMPLES / "sessionization.py", tmp_path / "job2", 3, args, from_savepoint=str(tmp_path / "sp"), drain_at_end=True)
     after = watermarks_committed(tmp_path / "job2")
     assert after[0] >= before and after == sorted(after)  # restored, never back
+    # The counts of dropped records travel with the savepoint: the restored job's totals go on from there.
+    jd2 = JobDir(tmp_path / "job2")
+    own = sum(e["operators"].get("sessions", {}).get("dropped", 0) for e in jd2.read_events() if e["type"] == "records_not_processed_normally")
+    assert jd2.latest_manifest().extra["counters"]["sessions"]["dropped"] == dropped + own  # type: ignore[union-attr]
 
     want, _ = sessions(data, 2000, 0, 2999)
     got = last_rows(to_ms(read_output(tmp_path / "out"), "window_start", "window_end"), ["key", "window_start"])

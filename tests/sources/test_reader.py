@@ -137,3 +137,41 @@ def test_a_reader_stops_on_a_log_recreated_or_shrunk_after_planning(tmp_path: An
     fn = make_reader_function(log, "reader", str(tmp_path / "job"), 4, plan, log.schema, None)
     with pytest.raises(RuntimeError, match=r"partition 0 of log .* ends at offset 1, but batch 4 was planned to read \[0, 3\)"):
         list(fn(iter([one])))
+
+
+def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_record(tmp_path: Any) -> None:
+    """A failover that lost records and then got more than it lost: the offsets look fine, the
+    last record read is another one."""
+    import pyarrow as pa
+    import pytest
+
+    from keyscale.checkpoint.files import read_reports
+    from keyscale.sources import create_log
+    from keyscale.sources.log import LogError
+    from keyscale.sources.reader import (
+        check_last_records,
+        last_records_after,
+        last_records_of,
+        make_reader_function,
+    )
+
+    log = create_log(tmp_path / "log", "key string", 1)
+    log.append(0, pa.table({"key": ["a", "b"]}))
+    log.append(0, pa.table({"key": ["c"]}))
+    plan = plan_batch([[(0, 0)]], log.end_offsets())
+    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 0, plan, log.schema, None)
+    list(fn(iter([pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])])))
+    last = last_records_after(None, read_reports(tmp_path / "job", "reader", 0, 1))
+    assert list(last) == [0] and last[0][0] == 2
+    state = to_state(advance(plan), "id", last)
+    assert last_records_of(state) == last
+    committed = from_state(state)
+    assert committed == [[(0, 3)]]
+    check_last_records("reader", log, committed, last)  # the same log: fine
+    log.append(0, pa.table({"key": ["d"]}))
+    check_last_records("reader", log, committed, last)  # more records: fine
+    for segment in sorted(log.path.glob("p-00000/*.arrow"))[1:]:  # lose "c" and "d"...
+        segment.unlink()
+    log.append(0, pa.table({"key": ["x", "y"]}))  # ...and get others in their place
+    with pytest.raises(LogError, match=r"partition 0 of log .* holds another record at offset 2 than the job read there"):
+        check_last_records("reader", log, committed, last)

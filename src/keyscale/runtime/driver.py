@@ -216,8 +216,8 @@ class JobRunner:
         self.max_parallelism = 0
         self.name = ""
         self.watermark = WatermarkState()
-        self._counts: counters.Counters = {}
-        self._log_ids: dict[str, str | None] = {}  # per log source or rules stream: the id of the log its last plan is for  # the last batch's counts of records not processed normally
+        self._counts: counters.Counters = {}  # the last batch's counts of records not processed normally
+        self._log_ids: dict[str, str | None] = {}  # per log source or rules stream: the id of the log its last plan is for
         self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
         self._drain_dest: str | None = None
@@ -711,10 +711,11 @@ class JobRunner:
     def _plan_source(self, src: LogSource, batch_id: int, p: int, read: bool = True) -> list[list[list[int]]]:
         current = self._committed_assignment(src)
         ends = src.log.end_offsets()
-        prev = self.committed.operators.get(src.uid) if self.committed else None
         log_id = src.log.identity()
         if current is not None:  # a log that shrank or was recreated would be read from the wrong offsets
-            reader.check_positions(src.uid, src.log.uri, current, ends, reader.log_id_of(prev.operator_state if prev else None), log_id)
+            state = self.committed.operators[src.uid].operator_state if self.committed else None
+            reader.check_positions(src.uid, src.log.uri, current, ends, reader.log_id_of(state), log_id)
+            reader.check_last_records(src.uid, src.log, current, reader.last_records_of(state))
         self._log_ids[src.uid] = log_id
         if current is None:
             current = reader.initial_assignment(src.log.num_partitions(), p)
@@ -893,9 +894,11 @@ class JobRunner:
             all_reports[src.uid] = read_reports(self.jobdir.path, src.uid, batch_id, p)
             # The offsets advance in the same manifest as the state they produced.
             after = reader.advance(reader.plan_from_json(source_plan))
+            prev_src = self.committed.operators.get(src.uid) if self.committed else None
+            last = reader.last_records_after(prev_src.operator_state if prev_src else None, all_reports[src.uid])
             ops[src.uid] = OperatorCheckpoint(
                 uid=src.uid, max_parallelism=self.max_parallelism, parallelism=p, key_columns=(), states=(),
-                operator_state=reader.to_state(after, (log_ids or {}).get(src.uid)),
+                operator_state=reader.to_state(after, (log_ids or {}).get(src.uid), last),
             )
         for i, step in enumerate(self.pipeline.keyed_steps):
             p = par[step.uid]

@@ -25,6 +25,7 @@ deleted): reading on would skip records without a sign.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ Plan = list[list[tuple[int, int, int]]]  # per reader: (partition, start, end)
 
 OFFSETS = "offsets"
 LOG_ID = "log_id"
+LAST_RECORDS = "last_records"
 
 
 @dataclass(frozen=True)
@@ -133,13 +135,50 @@ def lag(assignment: Assignment, end_offsets: Sequence[int]) -> dict[int, int]:
     return {p: max(0, end_offsets[p] - off) for entries in assignment for p, off in entries if p < len(end_offsets)}
 
 
-def to_state(assignment: Assignment, log_id: str | None = None) -> dict[str, Any]:
+def to_state(assignment: Assignment, log_id: str | None = None, last: dict[int, tuple[int, int]] | None = None) -> dict[str, Any]:
     """The source's operator state as the manifest and savepoints store it (with the id of
-    the log the offsets belong to, when it has one)."""
+    the log the offsets belong to, when it has one, and per partition the offset and
+    fingerprint of the last record read)."""
     out: dict[str, Any] = {OFFSETS: {"mode": "split_merge", "subtasks": [[[p, o] for p, o in e] for e in assignment]}}
     if log_id is not None:
         out[LOG_ID] = log_id
+    if last:
+        out[LAST_RECORDS] = {str(p): [o, c] for p, (o, c) in sorted(last.items())}
     return out
+
+
+def last_records_of(state: dict[str, Any] | None) -> dict[int, tuple[int, int]]:
+    """Per partition: (offset, fingerprint) of the last record the committed state read."""
+    return {int(p): (int(o), int(c)) for p, (o, c) in ((state or {}).get(LAST_RECORDS) or {}).items()}
+
+
+def last_records_after(state: dict[str, Any] | None, reports: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
+    """The committed fingerprints updated with what a batch's readers read last."""
+    out = last_records_of(state)
+    for r in reports:
+        for p, info in r.get("partitions", {}).items():
+            if info.get("last_crc") is not None and info["end"] > info["start"]:
+                out[int(p)] = (int(info["end"]) - 1, int(info["last_crc"]))
+    return out
+
+
+def fingerprint(record: pa.Table) -> int:
+    """A checksum of one record as the log returns it: the same record, the same number."""
+    return zlib.crc32(repr(record.to_pylist()).encode())
+
+
+def check_last_records(uid: str, log: PartitionedLog, committed: Assignment, last: dict[int, tuple[int, int]]) -> None:
+    """Read again the last record each partition gave (one record per partition): after a
+    failover that lost records and got new ones, the offsets look fine but the record at
+    the committed offset is another one. Call after :func:`check_positions`."""
+    for entries in committed:
+        for p, off in entries:
+            if p in last and last[p][0] == off - 1 and fingerprint(log.read(p, off - 1, off)) != last[p][1]:
+                raise LogError(
+                    f"source '{uid}': partition {p} of log {log.uri} holds another record at offset {off - 1} than the job read "
+                    f"there: records the job read were lost and others written in their place (a Redis failover to a replica "
+                    f"that was behind, or the log recreated). {_WHAT_TO_DO}"
+                )
 
 
 def log_id_of(state: dict[str, Any] | None) -> str | None:
@@ -243,6 +282,8 @@ def make_reader_function(
                     if event_time and t.num_rows:
                         info["max_event_ms"], n = max_event_within(event_time_ms(t, event_time), event_time_limit_ms)
                         ahead += n
+                    if t.num_rows:
+                        info["last_crc"] = fingerprint(t.slice(t.num_rows - 1))
                     report["partitions"][str(p)] = info
                     try:
                         t = t.select(target.names).cast(target)
