@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -49,10 +48,13 @@ from keyscale.operators.nonkeyed import (
     lists_for,
     lists_state,
 )
+from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL, decode_error, input_error
+from keyscale.runtime import poison_batch
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
+    DEAD,
     KG,
     LATE,
     MAIN,
@@ -171,10 +173,15 @@ def _translate(exc: BaseException) -> BaseException:
 
     if isinstance(exc, KeyscaleError):
         return exc
-    found = re.search(r"KEYSCALE-ERROR (\w+): (.+)", str(exc))
+    text = str(exc)
+    found = decode_error(text)
     if found:
-        cls = getattr(errors, found.group(1), KeyscaleError)
-        return cls(found.group(2).strip())  # type: ignore[no-any-return]
+        cls = getattr(errors, found[0], KeyscaleError)
+        return cls(found[1])  # type: ignore[no-any-return]
+    unreadable = input_error(text)
+    if unreadable:
+        log.debug("Spark's error reading the input:\n%s", text)
+        return errors.InputDataError(unreadable)
     return exc
 
 
@@ -589,7 +596,13 @@ class JobRunner:
             intent["broadcast_plans"] = {uid: self._plan_source(b.source, batch_id, 1) for uid, b in self.pipeline.broadcasts.items()}
             self.jobdir.write_intent(batch_id, intent)
         else:
-            log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
+            intent, replanned = poison_batch.replan_intent(intent, self.opts.parallelism, [s.uid for s in self.pipeline.keyed_steps])
+            if replanned:
+                self.jobdir.write_intent(batch_id, intent)
+                log.info("batch %d: retrying the failed attempt at -p %d (it ran with %s); its time and input stay", batch_id,
+                         self.opts.parallelism, ", ".join(f"'{u}' p={old}" for u, (old, _) in replanned.items()))
+            else:
+                log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
         par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
         watermark_ms = int(intent.get("watermark_ms", self.watermark.watermark_ms))
         if df is None:
@@ -600,6 +613,7 @@ class JobRunner:
 
         out = df
         side: list[tuple[Sink, DataFrame, DataFrame]] = []
+        dead_letters: list[tuple[DataFrame, DataFrame]] = []
         rules = self._apply_broadcasts(intent.get("broadcast_plans", {}))
         for step in self.pipeline.steps:
             if isinstance(step, TransformStep):
@@ -609,11 +623,16 @@ class JobRunner:
                 out = self._nonkeyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], rules)
                 continue
             out = self._keyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], watermark_ms, rules)
-            if step.late_sink is not None:
-                # The stage runs once (cached); its rows split into the main and the late stream.
+            dead = self.pipeline.error_policy(step).on_error == "dead_letter"
+            if step.late_sink is not None or dead:
+                # The stage runs once (cached); its rows split into the main, late and dead-letter streams.
                 staged = out.persist()
                 out = staged.where(F.col(MAIN).isNotNull()).select(f"{MAIN}.*")
-                side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*"), staged))
+                if step.late_sink is not None:
+                    side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*"), staged))
+                if dead:
+                    dead_letters.append((staged.where(F.col(DEAD).isNotNull()).select(f"{DEAD}.*"), staged))
+        side += poison_batch.dead_letter_outputs(self.pipeline.dead_letter, dead_letters)
         spark_started = time.perf_counter()
         try:
             self.pipeline.sink.write(out, batch_id)
@@ -652,6 +671,7 @@ class JobRunner:
             ", ".join(f"'{u}' p={p}" for u, p in par.items()),
             f"; {removed} old state files removed" if removed else "",
         )
+        poison_batch.log_poison(self.jobdir, batch_id, reports)
         if self._on_batch_cb:
             self._on_batch_cb(rec)
         return records
@@ -786,6 +806,7 @@ class JobRunner:
     def _keyed(
         self, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int, rules: dict[str, dict[str, Any]],
     ) -> DataFrame:
+        import pyarrow.types as pa_types
         from pyspark.sql import functions as F
         from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -807,12 +828,13 @@ class JobRunner:
             fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
             extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
             broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None,
+            on_error=self.pipeline.error_policy(step) if self.pipeline else FAIL,
         )
         keys = [F.col(k) for k in step.key_names]
         cols = [F.col(c) for c in step.input_schema.names]
         if step.null_keys == "drop":
-            for k in keys:
-                df = df.where(k.isNotNull())
+            for k, t in zip(keys, step.key_types, strict=True):
+                df = df.where(k.isNotNull() & ~F.isnan(k)) if pa_types.is_floating(t) else df.where(k.isNotNull())
         route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
         staged = (
             df.select(*cols, F.monotonically_increasing_id().alias(SEQ))
@@ -820,7 +842,11 @@ class JobRunner:
             # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
             .repartition(p, F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
         )
-        schema = side_output_schema(step.output_schema, step.input_schema) if spec.late_output else step.output_schema
+        dead = spec.on_error.on_error == "dead_letter"
+        schema = (
+            side_output_schema(step.output_schema, step.input_schema if spec.late_output else None, DEAD_LETTER_SCHEMA if dead else None)
+            if spec.late_output or dead else step.output_schema
+        )
         return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
 
     def _manifest(
@@ -917,6 +943,7 @@ class JobRunner:
                     {k: r[k] for k in ("subtask", "records", "keys", "state_keys", "busy_seconds", "warm_key_groups", "loaded_key_groups")}
                     for r in reports[uid]
                 ]
+                entry["poison_records"] = sum(int(r.get("poison_records", 0)) for r in reports[uid])
             ops[uid] = entry
         for uid in sorted(operator_state_only):
             committed = self.committed.operators.get(uid) if self.committed else None

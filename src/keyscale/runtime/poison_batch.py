@@ -1,0 +1,90 @@
+"""The driver's side of poison records and failed batches (kept apart from driver.py).
+
+- Dead letters: each keyed stage under ``on_error="dead_letter"`` returns its poison
+  records as a side output of its Spark stage (like late records); the driver unions them
+  and writes them with the pipeline's dead-letter sink in the same batch, before the
+  manifest commit, so they are exactly-once like any output.
+- Counts: each subtask reports its poison records; the driver logs them per operator and
+  records them in the status and the events file.
+- Retry at another parallelism: a batch that failed left an intent (parallelism, time,
+  source plan) and no manifest. Restarted with an explicit ``-p`` that differs, the
+  intent's keyed stages are re-planned at that parallelism (its time and source plan
+  stay): a batch that failed for want of memory can be retried wider. A keyed stage's
+  output per key does not depend on its parallelism, so if the failed attempt had already
+  written the sink's output, the retry computes the same rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from functools import reduce
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.sinks.base import Sink
+
+log = logging.getLogger("keyscale")
+
+
+def dead_letter_outputs(sink: Sink | None, frames: list[tuple[DataFrame, DataFrame]]) -> list[tuple[Sink, DataFrame, DataFrame]]:
+    """The batch's dead letters of every stage as one write of the dead-letter sink:
+    (sink, rows, a cached stage to release after the write)."""
+    if sink is None or not frames:
+        return []
+    rows = reduce(lambda a, b: a.unionByName(b), [f for f, _ in frames])
+    first: Sink = sink
+    return [(first, rows, frames[0][1]), *((_NoWrite(), rows, staged) for _, staged in frames[1:])]
+
+
+class _NoWrite:
+    """Stands for the second and later cached stages of a union: released, not written."""
+
+    exactly_once = True
+
+    def write(self, df: DataFrame, batch_id: int) -> int:
+        return -1
+
+    def describe(self) -> str:
+        return "nothing"
+
+
+def poison_counts(reports: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[int, str]]:
+    """Per operator with poison records in the batch: (records, policy)."""
+    out = {}
+    for uid, rs in reports.items():
+        n = sum(int(r.get("poison_records", 0)) for r in rs)
+        if n:
+            out[uid] = (n, str(next((r["on_error"] for r in rs if "on_error" in r), "skip")))
+    return out
+
+
+def describe_poison(batch_id: int, uid: str, n: int, policy: str) -> str:
+    """``batch 7: operator 'alerts' skipped 3 records (dead letter)``."""
+    how = "dead letter" if policy == "dead_letter" else "dropped"
+    return f"batch {batch_id}: operator '{uid}' skipped {n} record{'s' if n != 1 else ''} ({how})"
+
+
+def log_poison(jobdir: JobDir, batch_id: int, reports: dict[str, list[dict[str, Any]]]) -> None:
+    """Log and record (events file) each operator's poison records of a committed batch."""
+    for uid, (n, policy) in poison_counts(reports).items():
+        log.warning("%s", describe_poison(batch_id, uid, n, policy))
+        jobdir.append_event({"type": "poison_records", "batch": batch_id, "operator": uid, "records": n, "on_error": policy})
+
+
+def replan_intent(intent: dict[str, Any], parallelism: int | None, keyed: Iterable[str]) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """The intent of an uncommitted batch with its keyed stages at ``parallelism`` (an
+    explicit ``-p``); the batch time, the watermark, the source plan (and so the source
+    readers' parallelism) and non-keyed stages stay. Returns (intent, {uid: (old, new)})."""
+    if parallelism is None:
+        return intent, {}
+    par = dict(intent["parallelism"])
+    changed = {uid: (int(par[uid]), parallelism) for uid in keyed if uid in par and int(par[uid]) != parallelism}
+    if not changed:
+        return intent, {}
+    for uid in changed:
+        par[uid] = parallelism
+    return {**intent, "parallelism": par, "replanned_from": {u: old for u, (old, _) in changed.items()}}, changed
