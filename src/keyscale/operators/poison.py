@@ -378,44 +378,35 @@ def decode_error(text: str) -> tuple[str, str] | None:
     return found.group(1), msg
 
 
-_READ_FILE = [
-    # Spark 4: [FAILED_READ_FILE.*] Encountered error while reading file <path>.
-    re.compile(r"Encountered error while reading file (\S+?)\.?\s+(?:SQLSTATE|Details|$)", re.M),
-    re.compile(r"(?:in|while reading) file (file:\S+|hdfs:\S+|s3a?:\S+|/\S+)", re.M),
-]
-_CAUSE = [
-    re.compile(r"Parquet column cannot be converted in file \S+ Column: (\[[^\]]*\]), Expected: (\S+), Found: (\S+)"),
-    re.compile(r"\[PARQUET_COLUMN_DATA_TYPE_MISMATCH\][^\n]*"),
-    re.compile(r"Illegal Parquet type: [^\n.]+"),
-    re.compile(r"\[PARQUET_TYPE_ILLEGAL\][^\n]*"),
-    re.compile(r"\[PARQUET_TYPE_NOT_SUPPORTED\][^\n]*"),
-    re.compile(r"is not a Parquet file[^\n]*"),
-    re.compile(r"(?:Caused by: )?(java\.io\.\w+Exception: [^\n]+)"),
-    re.compile(r"(?:Caused by: )?(org\.apache\.parquet\.\S+Exception: [^\n]+)"),
-]
+# Spark 4: "[FAILED_READ_FILE.<reason>] Encountered error while reading file <path>. <cause> SQLSTATE: ..."
+_READ_FILE = re.compile(r"Encountered error while reading file (\S+?)\.(?:\s+([^\n]*?))?\s*(?:SQLSTATE[^\n]*)?$", re.M)
+_OLD_READ_FILE = re.compile(r"(?:in|while reading) file (file:\S+|hdfs:\S+|s3a?:\S+|/\S+)")
 
 
 def input_error(text: str) -> str | None:
     """For a Spark error reading an input file: one line naming the file and the cause."""
-    path = None
-    for rx in _READ_FILE:
-        m = rx.search(text)
-        if m:
-            path = m.group(1).rstrip(".,;")
-            break
-    if path is None:
-        return None
-    path = re.sub(r"^file:(//)?", "", path)
-    cause = None
-    for rx in _CAUSE:
-        m = rx.search(text)
-        if m:
-            if rx is _CAUSE[0]:
-                cause = f"column {m.group(1)} is {m.group(3)} in the file, the stream's schema says {m.group(2)}"
-            else:
-                cause = (m.group(1) if m.groups() else m.group(0)).strip()
-            break
-    if cause is None:
-        caused = re.findall(r"Caused by: ([^\n]+)", text)
-        cause = caused[-1].strip() if caused else "Spark could not read it"
+    m = _READ_FILE.search(text)
+    if m is None:
+        m = _OLD_READ_FILE.search(text)
+        if m is None:
+            return None
+    path = re.sub(r"^file:(//)?", "", m.group(1).rstrip(".,;"))
+    cause = (m.group(2) or "").strip() if m.re is _READ_FILE else ""
+    if not cause:  # the innermost cause says what it is
+        caused = [c.strip() for c in re.findall(r"Caused by: ([^\n]+)", text)]
+        cause = re.sub(r"^[\w.$]+(Exception|Error): ", "", caused[-1]) if caused else "Spark could not read it"
+    col = re.search(r"Parquet column \[([^\]]+)\]", cause)
+    if col:
+        cause += _file_column_type(path, col.group(1))
     return f"cannot read input file {path}: {cause}"
+
+
+def _file_column_type(path: str, column: str) -> str:
+    """`` (the file has ts: timestamp[ns, tz=UTC])`` for a local Parquet file; else nothing."""
+    try:
+        import pyarrow.parquet as pq
+
+        schema = pq.read_schema(path)
+        return f" (the file has {column}: {schema.field(column).type})"
+    except Exception:
+        return ""

@@ -265,6 +265,7 @@ class JobRunner:
 
             conf = {**spark_conf_for_cluster(), **conf}
         spark = spark_session(opts.master, f"keyscale-{self.name}", conf)
+        poison_batch.quiet_task_failures(spark)
         self._spark = spark
         pipeline = build(JobContext(spark, dict(opts.args)))
         if not isinstance(pipeline, Pipeline):
@@ -418,6 +419,7 @@ class JobRunner:
                 try:
                     records = self._run_batch_locked(None, batch_id)
                 except BaseException as e:
+                    poison_batch.keep_trace(self.jobdir, e)
                     raise _translate(e) from None
             if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before:
                 break
@@ -518,6 +520,7 @@ class JobRunner:
         except _StopRequested:
             raise  # Spark does not commit the batch; the next run replays it
         except BaseException as e:
+            poison_batch.keep_trace(self.jobdir, e)
             self._error = _translate(e)
             raise
 

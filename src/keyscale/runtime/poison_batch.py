@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 from functools import reduce
@@ -88,3 +89,42 @@ def replan_intent(intent: dict[str, Any], parallelism: int | None, keyed: Iterab
     for uid in changed:
         par[uid] = parallelism
     return {**intent, "parallelism": par, "replanned_from": {u: old for u, (old, _) in changed.items()}}, changed
+
+
+#: Spark loggers that print a failed task's whole trace (200-570 lines, several times) at
+#: ERROR level. keyscale reports the failure itself, in one screen; the full text goes to
+#: keyscale's log at debug level and to ``JOB_DIR/last-error.txt``.
+TASK_FAILURE_LOGGERS = (
+    "org.apache.spark.executor.Executor",
+    "org.apache.spark.scheduler.TaskSetManager",
+    "org.apache.spark.util.Utils",
+    "org.apache.spark.sql.execution.datasources.FileFormatWriter",
+    "org.apache.spark.sql.execution.streaming.runtime.MicroBatchExecution",
+    "org.apache.spark.sql.execution.streaming.MicroBatchExecution",
+)
+
+
+def quiet_task_failures(spark: Any) -> None:
+    """Silence Spark's own reports of failed tasks and queries, unless Spark's log was asked
+    to be verbose (``keyscale -v``, KEYSCALE_SPARK_LOG_LEVEL other than ERROR/OFF/FATAL)."""
+    import os
+
+    if os.environ.get("KEYSCALE_SPARK_LOG_LEVEL", "ERROR").upper() not in ("ERROR", "OFF", "FATAL"):
+        return
+    try:
+        jvm = spark.sparkContext._jvm
+        configurator = jvm.org.apache.logging.log4j.core.config.Configurator
+        off = jvm.org.apache.logging.log4j.Level.OFF
+        for name in TASK_FAILURE_LOGGERS:
+            configurator.setLevel(name, off)
+    except Exception as e:  # a different logging backend: Spark stays as loud as it was
+        log.debug("could not quiet Spark's task-failure logging: %s", e)
+
+
+def keep_trace(jobdir: JobDir, exc: BaseException) -> None:
+    """The full text of a failure (Spark's wrapping included) in the job directory and the
+    debug log, while the user sees keyscale's own short error."""
+    text = f"{type(exc).__name__}: {exc}"
+    log.debug("the batch failed:\n%s", text)
+    with contextlib.suppress(OSError):
+        (jobdir.path / "last-error.txt").write_text(text + "\n")
