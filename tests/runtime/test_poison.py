@@ -318,3 +318,30 @@ def test_null_event_time_outside_windows_never_moves_the_watermark(tmp_path: Pat
     assert reports[0]["max_event_ms"] == 700
     _, reports = d.run(1, _ts_rows([None]), 1)
     assert reports[0]["max_event_ms"] is None
+
+
+class PickyCount(VectorizedKeyedFunction):
+    """A vectorized count that cannot stand the key 'bad' (it sees all keys at once)."""
+
+    def open(self, ctx: Any) -> None:
+        ctx.value_state("n", "long")
+
+    def process_batch(self, batch: KeyedBatch) -> Any:
+        if (batch.keys["key"] == "bad").any():
+            raise KeyError("bad")
+        n = batch.state["n"].to_numpy(dtype=np.int64, na_value=0) + batch.count()
+        return {"n": n}, pa.table({"key": batch.keys["key"].to_numpy(), "n": n})
+
+
+@pytest.mark.parametrize("bad_keys", [["bad"], []])
+def test_vectorized_failure_is_bisected_to_its_keys_under_dead_letter(tmp_path: Path, bad_keys: list[str]) -> None:
+    out = arrow_schema("key string, n long")
+    d = PolicyDriver(tmp_path / "job", PickyCount(), out, uid="vec", policy=ErrorPolicy("dead_letter"))
+    keys = [f"k{i}" for i in range(9)] + bad_keys
+    rows = [_row(k, 1, i) for i, k in enumerate(keys * 2)]
+    outs, reports = d.run(0, rows, 1)
+    assert rows_of(outs) == sorted(((f"k{i}", 2) for i in range(9)), key=repr)
+    assert reports[0]["poison_records"] == 2 * len(bad_keys)
+    assert d.dead is not None and sorted(json.loads(r["record"])["id"] for r in d.dead) == ([9, 19] if bad_keys else [])
+    outs, _ = d.run(1, [_row("k0", 1, 20), _row("bad", 1, 21)], 1)
+    assert rows_of(outs) == [("k0", 3)]  # k0's state kept; bad's never written

@@ -36,7 +36,7 @@ import sysconfig
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -51,6 +51,8 @@ from keyscale.operators.keyed import (
     _fire_timers,
 )
 from keyscale.state.types import arrow_schema
+
+T = TypeVar("T")
 
 ON_ERROR = ("fail", "skip", "dead_letter")
 #: The default bound of poison records per subtask and batch under skip/dead_letter.
@@ -322,6 +324,34 @@ def run_guarded(
     finally:
         cursor.i = -1
         ctx.timestamp = ctx.time_domain = None
+
+
+def bisect_failures(keys: np.ndarray, attempt: Callable[[np.ndarray], T]) -> tuple[list[T], list[tuple[int, Exception]]]:
+    """Run ``attempt`` on halves of ``keys``, recursively, until each failure is one key.
+
+    For a function that sees many keys at once (vectorized) and raised: the keys that
+    cannot be processed are found in O(failures * log(keys)) calls, the others processed.
+    Returns (results of the successful calls, [(key, its exception)]).
+    """
+    results: list[T] = []
+    failed: list[tuple[int, Exception]] = []
+    mid = len(keys) // 2
+    stack = [keys[mid:], keys[:mid]]
+    while stack:
+        part = stack.pop()
+        if not len(part):
+            continue
+        try:
+            results.append(attempt(part))
+        except KeyscaleError:
+            raise
+        except Exception as e:
+            if len(part) == 1:
+                failed.append((int(part[0]), e))
+            else:
+                half = len(part) // 2
+                stack += [part[half:], part[:half]]
+    return results, failed
 
 
 # -- rules of keys and event times -----------------------------------------------------------------

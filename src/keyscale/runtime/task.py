@@ -47,10 +47,12 @@ from keyscale.operators.poison import (
     FAIL,
     ErrorCollector,
     ErrorPolicy,
+    bisect_failures,
     encode_error,
     max_event_time,
     null_event_time_mask,
     null_key_mask,
+    one_line,
     run_guarded,
 )
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
@@ -248,6 +250,45 @@ def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g
     return out, g.index
 
 
+def _run_vectorized_guarded(
+    fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, errors: ErrorCollector,
+) -> tuple[pa.Table, pd.Index]:
+    """``_run_vectorized``; when it raises under skip/dead_letter, the keys it fails on are
+    found by bisection and set aside (all their records of the batch), the others processed."""
+    try:
+        return _run_vectorized(fn, spec, held, g, user)
+    except KeyscaleError:
+        raise
+    except Exception as e:
+        if not errors.policy.isolates or not len(g.index):
+            errors.fail_batch(e, "in a vectorized function (it sees the subtask's whole batch)")
+            raise
+
+    def attempt(idx: np.ndarray) -> tuple[pa.Table, pd.Index]:
+        sub, sub_user = _subset(g, user, idx)
+        return _run_vectorized(fn, spec, held, sub, sub_user)
+
+    results, failed = bisect_failures(np.arange(len(g.index)), attempt)
+    for j, exc in sorted(failed, key=lambda f: f[0]):
+        rows = np.sort(g.order[g.starts[j] : g.starts[j + 1]])
+        errors.add(one_line(exc), g.index[j], user.take(rows).to_pylist(), exc)
+    out = pa.concat_tables([o for o, _ in results]) if results else spec.output_schema.empty_table()
+    changed = g.index[:0].append([c for _, c in results]) if results else g.index[:0]
+    return out, changed
+
+
+def _subset(g: _Grouped, user: pa.Table, idx: np.ndarray) -> tuple[_Grouped, pa.Table]:
+    """The keys ``idx`` (positions in ``g.index``) of a grouped batch, with their records in arrival order."""
+    idx = np.sort(idx)
+    rows = np.sort(np.concatenate([g.order[g.starts[j] : g.starts[j + 1]] for j in idx]))
+    remap = np.full(len(g.index), -1, dtype=np.int64)
+    remap[idx] = np.arange(len(idx))
+    codes = remap[g.codes[rows]]
+    starts = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(idx)))]).astype(np.int64)
+    sub = _Grouped(codes, g.index[idx], [k[idx] for k in g.keys], g.kgs[idx], np.argsort(codes, kind="stable"), starts)
+    return sub, user.take(rows)
+
+
 def _with_due_keys(g: _Grouped, held: _Held, due_rows: np.ndarray) -> tuple[_Grouped, np.ndarray]:
     """The batch's keys followed by keys that have only due timers; and which keys are due."""
     if not len(due_rows):
@@ -385,11 +426,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
             changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
         else:
             if isinstance(fn, VectorizedKeyedFunction):
-                try:
-                    out, changed = _run_vectorized(fn, spec, held, grouped, user)
-                except Exception as e:
-                    errors.fail_batch(e, "in a vectorized function (it sees the subtask's whole batch: no single record to set aside)")
-                    raise
+                out, changed = _run_vectorized_guarded(fn, spec, held, grouped, user, errors)
             else:
                 ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
                 ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
