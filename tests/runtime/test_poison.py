@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from test_task import (  # noqa: F401
+    INPUT,
     TRACKER_OUT,
     Driver,
     Tracker,
@@ -345,3 +346,36 @@ def test_vectorized_failure_is_bisected_to_its_keys_under_dead_letter(tmp_path: 
     assert d.dead is not None and sorted(json.loads(r["record"])["id"] for r in d.dead) == ([9, 19] if bad_keys else [])
     outs, _ = d.run(1, [_row("k0", 1, 20), _row("bad", 1, 21)], 1)
     assert rows_of(outs) == [("k0", 3)]  # k0's state kept; bad's never written
+
+
+def test_an_unexpected_error_in_a_spark_task_names_operator_and_batch(tmp_path: Path) -> None:
+    from keyscale.operators.poison import decode_error
+
+    d = PolicyDriver(tmp_path / "job", Tracker(), TRACKER_OUT, uid="alerts")
+    spec = d.spec(4, 1)
+    broken = replace(spec, input_schema=arrow_schema("key string, nothing long"))  # a keyscale-side mismatch, not the user's
+    stage = task.make_stage_function(broken)
+    with pytest.raises(RuntimeError) as info:
+        list(stage(iter(to_record_batches([_row("a", 1, 0)], INPUT, None))))
+    found = decode_error(str(info.value))
+    assert found is not None and found[0] == "RecordError"
+    assert found[1].startswith("operator 'alerts' failed in batch 4 (subtask 0): ")
+
+
+@pytest.mark.spark
+def test_pipeline_policies_are_checked_when_the_job_is_built(spark: Any, tmp_path: Path) -> None:
+    import keyscale as ks
+    from keyscale.errors import JobDefinitionError
+
+    events = spark.readStream.schema("key string, value long, id long").parquet(str(tmp_path))
+    keyed = ks.stream(events).key_by("key")
+    with pytest.raises(JobDefinitionError, match=r"operator 'alerts' has on_error='dead_letter' but the pipeline has no dead-letter sink"):
+        keyed.process(Tracker(), TRACKER_OUT, uid="alerts", on_error="dead_letter").sink(ks.ConsoleSink())
+    with pytest.raises(JobDefinitionError, match=r"operator 'counts': on_error must be one of"):
+        keyed.aggregate(uid="counts", on_error="ignore", n=ks.count())  # type: ignore[arg-type]
+    dead = ks.ParquetSink(tmp_path / "dead")
+    p = keyed.process(Tracker(), TRACKER_OUT, uid="alerts", on_error="skip").sink(ks.ConsoleSink(), on_error="dead_letter", dead_letter=dead,
+                                                                               max_errors_per_batch=5)
+    assert p.error_policy(p.keyed_steps[0]) == ErrorPolicy("skip", 5) and p.sinks[-1] is dead
+    p = keyed.aggregate(uid="counts", n=ks.count()).sink(ks.ConsoleSink())
+    assert p.error_policy(p.keyed_steps[0]) == ErrorPolicy("fail", 1000)

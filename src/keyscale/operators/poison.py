@@ -206,7 +206,7 @@ class ErrorCollector:
         lines.append(reason)
         return "\n".join(lines)
 
-    def fail_batch(self, exc: BaseException, what: str) -> None:
+    def fail_batch(self, exc: BaseException, what: str | None = None) -> None:
         """A function that sees the whole batch raised: the batch fails (no record to blame)."""
         if isinstance(exc, KeyscaleError):
             raise exc

@@ -534,7 +534,13 @@ def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.
         tc = TaskContext.get()
         subtask = tc.partitionId() if tc is not None else 0
         try:
-            out, _ = run(spec, batches, subtask)
+            try:
+                out, _ = run(spec, batches, subtask)
+            except KeyscaleError:
+                raise
+            except Exception as e:  # never a raw numpy/pandas/user exception: name the operator and batch
+                ErrorCollector(FAIL, spec.uid, spec.batch_id, subtask).fail_batch(e)
+                raise
         except KeyscaleError as e:
             # One recognisable line survives Spark's wrapping of the Python traceback.
             raise RuntimeError(encode_error(e)) from None
