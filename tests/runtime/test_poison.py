@@ -379,3 +379,18 @@ def test_pipeline_policies_are_checked_when_the_job_is_built(spark: Any, tmp_pat
     assert p.error_policy(p.keyed_steps[0]) == ErrorPolicy("skip", 5) and p.sinks[-1] is dead
     p = keyed.aggregate(uid="counts", n=ks.count()).sink(ks.ConsoleSink())
     assert p.error_policy(p.keyed_steps[0]) == ErrorPolicy("fail", 1000)
+
+
+def test_side_outputs_late_and_dead_letters_together() -> None:
+    from keyscale.runtime.task import LATE, side_output_schema, with_side_output
+
+    main = pa.table({"k": ["a", "b"]})
+    late = pa.table({"x": pa.array([1], pa.int64())})
+    dead = pa.Table.from_pylist([{"operator": "w", "key": '"a"', "batch_id": 1, "subtask": 0, "record": "{}", "error": "E", "traceback": ""}],
+                                schema=DEAD_LETTER_SCHEMA)
+    t = with_side_output(main, late, dead)
+    assert t.schema == side_output_schema(main.schema, late.schema, DEAD_LETTER_SCHEMA)
+    assert [sum(v is not None for v in t.column(c).to_pylist()) for c in (MAIN, LATE, DEAD)] == [2, 1, 1]
+    assert all(sum(t.column(c)[i].is_valid for c in (MAIN, LATE, DEAD)) == 1 for i in range(t.num_rows))  # one set per row
+    only_dead = with_side_output(main, None, dead)
+    assert only_dead.column_names == [MAIN, DEAD] and only_dead.num_rows == 3
