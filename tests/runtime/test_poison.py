@@ -394,3 +394,16 @@ def test_side_outputs_late_and_dead_letters_together() -> None:
     assert all(sum(t.column(c)[i].is_valid for c in (MAIN, LATE, DEAD)) == 1 for i in range(t.num_rows))  # one set per row
     only_dead = with_side_output(main, None, dead)
     assert only_dead.column_names == [MAIN, DEAD] and only_dead.num_rows == 3
+
+
+def test_log_reader_ignores_null_event_times_for_the_watermark(tmp_path: Path) -> None:
+    from keyscale.checkpoint.files import read_reports as reports_of
+    from keyscale.sources import create_log
+    from keyscale.sources.reader import make_reader_function
+
+    log = create_log(tmp_path / "log", "key string, ts long", 1)
+    log.append(0, pa.table({"key": ["a", "b", "c"], "ts": pa.array([5, None, 9], pa.int64())}))
+    read = make_reader_function(log, "reader", str(tmp_path / "job"), 0, [[(0, 0, 3)]], log.schema, "ts")
+    rows = pa.concat_tables(pa.Table.from_batches([b]) for b in read(iter([pa.record_batch({"subtask": pa.array([0], pa.int32())})])))
+    assert rows.num_rows == 3
+    assert reports_of(tmp_path / "job", "reader", 0, 1)[0]["partitions"]["0"]["max_event_ms"] == 9

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from keyscale.checkpoint.files import write_report
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import event_time_ms
+from keyscale.operators.poison import max_event_time
 from keyscale.sources.log import PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
 
@@ -157,7 +157,7 @@ def make_reader_function(
                     t = log.read(p, start, end) if end > start else log.schema.empty_table()
                     info: dict[str, Any] = {"records": t.num_rows, "start": start, "end": end, "max_event_ms": None}
                     if event_time and t.num_rows:
-                        info["max_event_ms"] = int(np.max(event_time_ms(t, event_time)))
+                        info["max_event_ms"] = max_event_time(event_time_ms(t, event_time))  # nulls never move the watermark
                     report["partitions"][str(p)] = info
                     try:
                         t = t.select(target.names).cast(target)
