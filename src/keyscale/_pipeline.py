@@ -27,6 +27,7 @@ from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import Duration, WatermarkSpec, parse_duration_ms
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states, uses_timers
 from keyscale.operators.nonkeyed import BroadcastStream, ProcessFunction, describe_lists
+from keyscale.operators.poison import DEFAULT_MAX_ERRORS, ErrorPolicy, check_bound, check_on_error
 from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyedFunction
 from keyscale.operators.windows import (
     WINDOW_END,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from keyscale.sinks.base import Sink
 
 NullKeys = Literal["error", "drop"]
+OnError = Literal["fail", "skip", "dead_letter"]
 log = logging.getLogger("keyscale")
 
 
@@ -91,6 +93,7 @@ class KeyedStep:
     extra_state_keys: tuple[tuple[str, pa.DataType], ...] = ()
     late_sink: Sink | None = None  # where records too late for a window go
     broadcast: BroadcastStream | None = None  # rules delivered to every subtask as broadcast state
+    on_error: OnError | None = None  # poison records; None: the pipeline's default (sink(..., on_error=))
 
     @property
     def vectorized(self) -> bool:
@@ -225,9 +228,28 @@ class Stream:
             raise JobDefinitionError(f"null_keys must be 'error' or 'drop', not {null_keys!r}")
         return KeyedStream(self, tuple(columns), null_keys)
 
-    def sink(self, sink: Sink) -> Pipeline:
-        """End the pipeline in a sink."""
-        return Pipeline(self._source, self._steps, sink, self._schema, self._watermark)
+    def sink(
+        self, sink: Sink, on_error: OnError = "fail", dead_letter: Sink | None = None, max_errors_per_batch: int | None = DEFAULT_MAX_ERRORS,
+    ) -> Pipeline:
+        """End the pipeline in a sink.
+
+        ``on_error`` is the default poison-record policy of every keyed stage (a stage's own
+        ``on_error=`` overrides it): ``"fail"`` stops the job at the record, naming it;
+        ``"skip"`` drops and counts it; ``"dead_letter"`` writes it to ``dead_letter`` (a
+        sink, exactly-once with the batch). Under skip and dead_letter, more than
+        ``max_errors_per_batch`` poison records in one subtask and batch fail the batch
+        (None: no bound). See :mod:`keyscale.operators.poison`.
+        """
+        check_on_error(on_error, "sink()")
+        check_bound(max_errors_per_batch)
+        keyed = [s for s in self._steps if isinstance(s, KeyedStep)]
+        for s in keyed:
+            if (s.on_error or on_error) == "dead_letter" and dead_letter is None:
+                raise JobDefinitionError(
+                    f"operator '{s.uid}' has on_error='dead_letter' but the pipeline has no dead-letter sink: "
+                    "end it with .sink(main_sink, dead_letter=ks.ParquetSink(path))"
+                )
+        return Pipeline(self._source, self._steps, sink, self._schema, self._watermark, on_error, dead_letter, max_errors_per_batch)
 
     def _with(self, step: KeyedStep) -> Stream:
         return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
@@ -253,8 +275,10 @@ class KeyedStream:
     def _step(
         self, uid: str, fn: Any, output: pa.Schema, states: list[StateDescriptor], parallelism: int | None,
         extra_keys: tuple[tuple[str, pa.DataType], ...] = (), late_sink: Sink | None = None, broadcast: BroadcastStream | None = None,
+        on_error: OnError | None = None,
     ) -> Stream:
         _check_uid(uid, self._stream._steps)
+        check_on_error(on_error, f"operator '{uid}'")
         clash = [s.name for s in states if s.name in self._keys]
         if clash:
             raise JobDefinitionError(f"operator '{uid}': state '{clash[0]}' has the name of a key column")
@@ -262,25 +286,27 @@ class KeyedStream:
         event_time = wm.column if wm is not None and wm.column in self._input.names else None
         step = KeyedStep(
             uid, self._keys, self._key_types, self._input, fn, output, tuple(states), self._null_keys, parallelism, event_time,
-            extra_keys, late_sink, broadcast,
+            extra_keys, late_sink, broadcast, on_error,
         )
         return self._stream._with(step)
 
     def process(
         self, function: KeyedProcessFunction | VectorizedKeyedFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
-        broadcast: BroadcastStream | None = None,
+        broadcast: BroadcastStream | None = None, on_error: OnError | None = None,
     ) -> Stream:
         """Run a keyed process function (per key) or a vectorized one (per batch).
 
         ``schema`` is the output's Spark DDL, e.g. ``"key string, alert double"``. With
         ``broadcast`` (:func:`keyscale.broadcast`), every subtask reads the rules stream's
         state as ``ctx.broadcast_state``; a batch's rules apply before its records.
+        ``on_error`` ("fail", "skip", "dead_letter") overrides the pipeline's poison-record
+        policy for this stage.
         """
         if not isinstance(function, KeyedProcessFunction | VectorizedKeyedFunction):
             raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} is not a KeyedProcessFunction or VectorizedKeyedFunction")
         if uses_timers(function) and self._stream.watermark is None:
             log.info("operator '%s' has on_timer but the stream has no watermark: only processing-time timers will fire", uid)
-        return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism, broadcast=broadcast)
+        return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism, broadcast=broadcast, on_error=on_error)
 
     def window(self, assigner: Assigner, allowed_lateness: Duration = 0, late_output: Sink | None = None) -> WindowedStream:
         """Event-time windows per key: ``TumblingWindows``, ``SlidingWindows`` or ``SessionWindows``.
@@ -302,7 +328,7 @@ class KeyedStream:
             raise JobDefinitionError(f"window() takes TumblingWindows, SlidingWindows or SessionWindows, not {type(assigner).__name__}")
         return WindowedStream(self, assigner, parse_duration_ms(allowed_lateness, "allowed_lateness"), late_output)
 
-    def aggregate(self, uid: str, parallelism: int | None = None, **aggs: Agg) -> Stream:
+    def aggregate(self, uid: str, parallelism: int | None = None, on_error: OnError | None = None, **aggs: Agg) -> Stream:
         """Vectorized running aggregates per key; emits (key..., aggregates) for every key updated in a batch.
 
         ``aggregate(uid="totals", count=keyscale.count(), sum=keyscale.sum("value"))``
@@ -310,7 +336,7 @@ class KeyedStream:
         types = {f.name: f.type for f in self._input}
         fn = RunningAggregate(dict(aggs), list(self._keys), types)
         out = pa.schema([*(self._input.field(k) for k in self._keys), *fn.output_fields()])
-        return self._step(uid, fn, out, fn.state_descriptors(), parallelism)
+        return self._step(uid, fn, out, fn.state_descriptors(), parallelism, on_error=on_error)
 
 
 class WindowedStream:
@@ -322,16 +348,18 @@ class WindowedStream:
         self._lateness_ms = lateness_ms
         self._late = late_output
 
-    def aggregate(self, uid: str, parallelism: int | None = None, **aggs: Agg) -> Stream:
+    def aggregate(self, uid: str, parallelism: int | None = None, on_error: OnError | None = None, **aggs: Agg) -> Stream:
         """Incremental aggregates per key and window: ``count()``, ``sum``, ``min``, ``max``,
-        ``mean`` (vectorized) and ``reduce(column, fn)``. Emits (key..., window_start, window_end, aggregates)."""
+        ``mean`` (vectorized) and ``reduce(column, fn)``. Emits (key..., window_start, window_end, aggregates).
+
+        Records without an event time (null) follow ``on_error`` (or the pipeline's default)."""
         k = self._keyed
         wm = k._stream.watermark
         assert wm is not None
         types = {f.name: f.type for f in k._input}
         fn = WindowAggregate(self._assigner, dict(aggs), list(k._keys), types, wm.column, self._lateness_ms)
         out = pa.schema([*(k._input.field(c) for c in k._keys), *fn.output_fields()])
-        return k._step(uid, fn, out, fn.state_descriptors(), parallelism, ((WINDOW_START, pa.int64()),), self._late)
+        return k._step(uid, fn, out, fn.state_descriptors(), parallelism, ((WINDOW_START, pa.int64()),), self._late, on_error=on_error)
 
 
 def source_schema(source: DataFrame | LogSource) -> StructType:
@@ -361,6 +389,13 @@ class Pipeline:
     sink: Sink
     schema: StructType
     watermark: WatermarkSpec | None = None
+    on_error: OnError = "fail"  # the default poison-record policy of keyed stages
+    dead_letter: Sink | None = None
+    max_errors_per_batch: int | None = DEFAULT_MAX_ERRORS
+
+    def error_policy(self, step: KeyedStep) -> ErrorPolicy:
+        """A keyed stage's effective poison-record policy: its own, else the pipeline's."""
+        return ErrorPolicy(step.on_error or self.on_error, self.max_errors_per_batch)
 
     @property
     def keyed_steps(self) -> list[KeyedStep]:
@@ -391,7 +426,7 @@ class Pipeline:
     @property
     def sinks(self) -> list[Sink]:
         """The main sink and every side-output sink."""
-        return [self.sink, *(s.late_sink for s in self.keyed_steps if s.late_sink is not None)]
+        return [self.sink, *(s.late_sink for s in self.keyed_steps if s.late_sink is not None), *([self.dead_letter] if self.dead_letter else [])]
 
 
 def stream(df: DataFrame | LogSource) -> Stream:

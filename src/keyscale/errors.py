@@ -40,3 +40,14 @@ class ClusterError(KeyscaleError):
     """A local Spark standalone cluster (``keyscale cluster``) cannot be started, reached or changed."""
 
     exit_code = 6
+
+
+class RecordError(KeyscaleError):
+    """A record could not be processed (the user's function raised on it, or it has no
+    event time) and the operator's ``on_error`` policy, or its bound, says to stop.
+
+    Several lines: where (operator, key, batch), the record, the user's own frames, and
+    the cause on the last line.
+    """
+
+    exit_code = 7

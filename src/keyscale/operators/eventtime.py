@@ -194,7 +194,11 @@ def max_event_within(ts: np.ndarray, limit_ms: int | None) -> tuple[int | None, 
 
     >>> max_event_within(np.array([5, 10**15, 7]), 100)
     (7, 1)
+    >>> max_event_within(np.array([5.0, np.nan]), None), max_event_within(np.array([np.nan]), None)
+    ((5, 0), (None, 0))
     """
+    if ts.dtype.kind == "f":  # nulls (NaN): never move the watermark
+        ts = ts[~np.isnan(ts)]
     ahead = too_far_ahead(ts, limit_ms)
     kept = ts[~ahead]
     return (int(kept.max()) if len(kept) else None), int(ahead.sum())

@@ -17,7 +17,9 @@ Names keyscale itself counts:
   time (they never move the watermark);
 - ``to_late_output``: of those, records written to the window's late output;
 - ``dropped``: records dropped (a window without a late output);
-- ``dropped_null_keys``: records with a null key dropped by ``key_by(..., null_keys="drop")``.
+- ``dropped_null_keys``: records with a null key dropped by ``key_by(..., null_keys="drop")``;
+- ``skipped`` / ``dead_lettered``: records whose processing raised, under ``on_error="skip"``
+  or ``"dead_letter"`` (operators/poison.py).
 
 Everything here is pure.
 
@@ -40,6 +42,8 @@ TOO_FAR_AHEAD = "too_far_ahead"
 TO_LATE_OUTPUT = "to_late_output"
 DROPPED = "dropped"
 DROPPED_NULL_KEYS = "dropped_null_keys"
+SKIPPED = "skipped"
+DEAD_LETTERED = "dead_lettered"
 
 #: Where the manifest keeps the totals (in its ``extra``).
 MANIFEST_KEY = "counters"
@@ -108,6 +112,8 @@ def describe(batch: int, kind: str, uid: str, counts: Mapping[str, int], max_ahe
 
     >>> describe(3, "window", "per_minute", {"late": 5, "too_far_ahead": 2, "to_late_output": 7}, 3_600_000)
     "batch 3: window 'per_minute' got 5 late records (beyond the allowed lateness), 2 records too far ahead (event time more than 1 hour after the batch time): 7 to the late output"
+    >>> describe(7, "operator", "alerts", {"dead_lettered": 3})
+    "batch 7: operator 'alerts' got 3 records whose processing raised, sent to the dead-letter sink (on_error)"
     >>> describe(3, "source", "reader", {"too_far_ahead": 1}, 3_600_000)
     "batch 3: source 'reader' got 1 record too far ahead (event time more than 1 hour after the batch time), passed on but not used for the watermark"
     """
@@ -118,6 +124,9 @@ def describe(batch: int, kind: str, uid: str, counts: Mapping[str, int], max_ahe
     if c.get(TOO_FAR_AHEAD):
         bound = f"more than {duration_words(max_ahead_ms)} " if max_ahead_ms is not None else ""
         what.append(f"{_records(c.pop(TOO_FAR_AHEAD))} too far ahead (event time {bound}after the batch time)")
+    for name, where in ((SKIPPED, "skipped"), (DEAD_LETTERED, "sent to the dead-letter sink")):
+        if c.get(name):
+            what.append(f"{_records(c.pop(name))} whose processing raised, {where} (on_error)")
     if c.get(DROPPED_NULL_KEYS):
         what.append(f"{_records(c.pop(DROPPED_NULL_KEYS))} with a null key, dropped (null_keys='drop')")
     dests = []
@@ -141,7 +150,7 @@ def summary(counts: Mapping[str, int]) -> str:
     '12 late, 15 to the late output, 3 too far ahead'
     """
     words = {LATE: "late", TOO_FAR_AHEAD: "too far ahead", TO_LATE_OUTPUT: "to the late output", DROPPED: "dropped",
-             DROPPED_NULL_KEYS: "dropped for a null key"}
+             DROPPED_NULL_KEYS: "dropped for a null key", SKIPPED: "skipped (raised)", DEAD_LETTERED: "dead-lettered (raised)"}
     return ", ".join(f"{n:,} {words.get(k, k.replace('_', ' '))}" for k, n in sorted(counts.items()) if n)
 
 

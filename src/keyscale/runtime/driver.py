@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -51,13 +50,15 @@ from keyscale.operators.nonkeyed import (
     lists_for,
     lists_state,
 )
+from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL, decode_error, input_error
 from keyscale.operators.windows import WindowAggregate
-from keyscale.runtime import counters
+from keyscale.runtime import counters, poison_batch
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
+    DEAD,
     KG,
     LATE,
     MAIN,
@@ -178,10 +179,15 @@ def _translate(exc: BaseException) -> BaseException:
 
     if isinstance(exc, KeyscaleError):
         return exc
-    found = re.search(r"KEYSCALE-ERROR (\w+): (.+)", str(exc))
+    text = str(exc)
+    found = decode_error(text)
     if found:
-        cls = getattr(errors, found.group(1), KeyscaleError)
-        return cls(found.group(2).strip())  # type: ignore[no-any-return]
+        cls = getattr(errors, found[0], KeyscaleError)
+        return cls(found[1])  # type: ignore[no-any-return]
+    unreadable = input_error(text)
+    if unreadable:
+        log.debug("Spark's error reading the input:\n%s", text)
+        return errors.InputDataError(unreadable)
     return exc
 
 
@@ -272,6 +278,7 @@ class JobRunner:
 
             conf = {**spark_conf_for_cluster(), **conf}
         spark = spark_session(opts.master, f"keyscale-{self.name}", conf)
+        poison_batch.quiet_task_failures(spark)
         self._spark = spark
         pipeline = build(JobContext(spark, dict(opts.args)))
         if not isinstance(pipeline, Pipeline):
@@ -434,6 +441,7 @@ class JobRunner:
                 try:
                     records = self._run_batch_locked(None, batch_id)
                 except BaseException as e:
+                    poison_batch.keep_trace(self.jobdir, e)
                     raise _translate(e) from None
             replayed = bool(self.summary.batches) and self.summary.batches[-1].replayed  # its intent fixed its input
             if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before and not replayed:
@@ -535,6 +543,7 @@ class JobRunner:
         except _StopRequested:
             raise  # Spark does not commit the batch; the next run replays it
         except BaseException as e:
+            poison_batch.keep_trace(self.jobdir, e)
             self._error = _translate(e)
             raise
 
@@ -614,7 +623,13 @@ class JobRunner:
             intent["log_ids"] = dict(self._log_ids)  # the logs the plans are for: their ids go into the manifest
             self.jobdir.write_intent(batch_id, intent)
         else:
-            log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
+            intent, replanned = poison_batch.replan_intent(intent, self.opts.parallelism, [s.uid for s in self.pipeline.keyed_steps])
+            if replanned:
+                self.jobdir.write_intent(batch_id, intent)
+                log.info("batch %d: retrying the failed attempt at -p %d (it ran with %s); its time and input stay", batch_id,
+                         self.opts.parallelism, ", ".join(f"'{u}' p={old}" for u, (old, _) in replanned.items()))
+            else:
+                log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
         par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
         watermark_ms = int(intent.get("watermark_ms", self.watermark.watermark_ms))
         if df is None:
@@ -625,6 +640,7 @@ class JobRunner:
 
         out = df
         side: list[tuple[Sink, DataFrame, DataFrame]] = []
+        dead_letters: list[tuple[DataFrame, DataFrame]] = []
         rules = self._apply_broadcasts(intent.get("broadcast_plans", {}))
         for step in self.pipeline.steps:
             if isinstance(step, TransformStep):
@@ -634,11 +650,16 @@ class JobRunner:
                 out = self._nonkeyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], rules)
                 continue
             out = self._keyed(out, step, batch_id, int(intent["batch_time_ms"]), par[step.uid], watermark_ms, rules)
-            if step.late_sink is not None:
-                # The stage runs once (cached); its rows split into the main and the late stream.
+            dead = self.pipeline.error_policy(step).on_error == "dead_letter"
+            if step.late_sink is not None or dead:
+                # The stage runs once (cached); its rows split into the main, late and dead-letter streams.
                 staged = out.persist()
                 out = staged.where(F.col(MAIN).isNotNull()).select(f"{MAIN}.*")
-                side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*"), staged))
+                if step.late_sink is not None:
+                    side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*"), staged))
+                if dead:
+                    dead_letters.append((staged.where(F.col(DEAD).isNotNull()).select(f"{DEAD}.*"), staged))
+        side += poison_batch.dead_letter_outputs(self.pipeline.dead_letter, dead_letters)
         spark_started = time.perf_counter()
         try:
             self.pipeline.sink.write(out, batch_id)
@@ -866,6 +887,7 @@ class JobRunner:
             fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
             extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
             broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=self._event_time_limit(batch_time_ms),
+            on_error=self.pipeline.error_policy(step) if self.pipeline else FAIL,
         )
         keys = [F.col(k) for k in step.key_names]
         cols = [F.col(c) for c in step.input_schema.names]
@@ -876,7 +898,11 @@ class JobRunner:
             # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
             .repartition(p, F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
         )
-        schema = side_output_schema(step.output_schema, step.input_schema) if spec.late_output else step.output_schema
+        dead = spec.on_error.on_error == "dead_letter"
+        schema = (
+            side_output_schema(step.output_schema, step.input_schema if spec.late_output else None, DEAD_LETTER_SCHEMA if dead else None)
+            if spec.late_output or dead else step.output_schema
+        )
         return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
 
     def _manifest(

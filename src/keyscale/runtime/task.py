@@ -41,10 +41,20 @@ from keyscale.operators.keyed import (
     KeyedProcessFunction,
     RuntimeContext,
     rows_to_arrow,
-    run_process_function,
     ttl_column,
 )
 from keyscale.operators.nonkeyed import OperatorContext, ProcessFunction
+from keyscale.operators.poison import (
+    FAIL,
+    ErrorCollector,
+    ErrorPolicy,
+    bisect_failures,
+    encode_error,
+    null_event_time_mask,
+    null_key_mask,
+    one_line,
+    run_guarded,
+)
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.runtime.counters import window_counters
@@ -91,6 +101,7 @@ class StageTask:
     late_output: bool = False  # the stage also returns records too late for its windows
     broadcast_state: dict[str, Any] | None = None  # the rules stream's state as of this batch
     event_time_limit_ms: int | None = None  # later event times are not believed (with_watermark's max_ahead)
+    on_error: ErrorPolicy = FAIL  # poison records: fail, skip or dead-letter (operators/poison.py)
 
     @property
     def timers(self) -> bool:
@@ -165,25 +176,22 @@ def _evict(held: _Held, rng: KeyGroupRange, batch: int, keep_batches: int = 3) -
         held.version[a : b + 1] = -1
 
 
-def _null_check(spec: StageTask, table: pa.Table) -> None:
+def _null_check(spec: StageTask, table: pa.Table) -> pa.Table:
+    """Apply the null-key rule (a NaN key is a null key): stop, naming the column, or drop them."""
+    drop = np.zeros(table.num_rows, dtype=bool)
     for k in spec.key_names:
         col = table.column(k)
-        if col.null_count:
+        bad = null_key_mask(col)
+        n = int(bad.sum())
+        if n and spec.null_keys == "error":
+            nan = " (NaN counts as a null key)" if n > col.null_count else ""
             raise InputDataError(
-                f"null key in column '{k}' of operator '{spec.uid}' (batch {spec.batch_id}, {col.null_count} records); "
+                f"null key in column '{k}' of operator '{spec.uid}' (batch {spec.batch_id}, {n} records){nan}; "
                 "filter them out before key_by() or use key_by(..., null_keys='drop')"
             )
+        drop |= bad
+    return table.filter(pa.array(~drop)) if drop.any() else table
 
-
-def _drop_null_keys(spec: StageTask, table: pa.Table) -> tuple[pa.Table, int]:
-    """``key_by(..., null_keys="drop")``: the records without a null in a key column, and how many were dropped."""
-    nulls = sum(table.column(k).null_count for k in spec.key_names)
-    if not nulls:
-        return table, 0
-    keep = np.ones(table.num_rows, dtype=bool)
-    for k in spec.key_names:
-        keep &= ~np.asarray(table.column(k).is_null().to_numpy(zero_copy_only=False), dtype=bool)
-    return table.filter(pa.array(keep)), int((~keep).sum())
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,8 @@ def _group_keys(spec: StageTask, table: pa.Table) -> _Grouped:
         index = uniq
         ukeys = [np.asarray(uniq.get_level_values(i)) for i in range(len(key_arrays))]
     codes = np.asarray(codes, dtype=np.int64)
+    if len(codes) and codes.min() < 0:  # never after _null_check; never a raw numpy error either
+        raise InputDataError(f"operator '{spec.uid}' (batch {spec.batch_id}): a key that cannot be grouped (null or NaN) in {', '.join(spec.key_names)}")
     n = len(index)
     _, first = np.unique(codes, return_index=True)
     kgs = table.column(KG).to_numpy().astype(np.int32)[first] if n else np.empty(0, dtype=np.int32)
@@ -247,6 +257,45 @@ def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g
     return out, g.index
 
 
+def _run_vectorized_guarded(
+    fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, errors: ErrorCollector,
+) -> tuple[pa.Table, pd.Index]:
+    """``_run_vectorized``; when it raises under skip/dead_letter, the keys it fails on are
+    found by bisection and set aside (all their records of the batch), the others processed."""
+    try:
+        return _run_vectorized(fn, spec, held, g, user)
+    except KeyscaleError:
+        raise
+    except Exception as e:
+        if not errors.policy.isolates or not len(g.index):
+            errors.fail_batch(e, "in a vectorized function (it sees the subtask's whole batch)")
+            raise
+
+    def attempt(idx: np.ndarray) -> tuple[pa.Table, pd.Index]:
+        sub, sub_user = _subset(g, user, idx)
+        return _run_vectorized(fn, spec, held, sub, sub_user)
+
+    results, failed = bisect_failures(np.arange(len(g.index)), attempt)
+    for j, exc in sorted(failed, key=lambda f: f[0]):
+        rows = np.sort(g.order[g.starts[j] : g.starts[j + 1]])
+        errors.add(one_line(exc), g.index[j], user.take(rows).to_pylist(), exc)
+    out = pa.concat_tables([o for o, _ in results]) if results else spec.output_schema.empty_table()
+    changed = g.index[:0].append([c for _, c in results]) if results else g.index[:0]
+    return out, changed
+
+
+def _subset(g: _Grouped, user: pa.Table, idx: np.ndarray) -> tuple[_Grouped, pa.Table]:
+    """The keys ``idx`` (positions in ``g.index``) of a grouped batch, with their records in arrival order."""
+    idx = np.sort(idx)
+    rows = np.sort(np.concatenate([g.order[g.starts[j] : g.starts[j + 1]] for j in idx]))
+    remap = np.full(len(g.index), -1, dtype=np.int64)
+    remap[idx] = np.arange(len(idx))
+    codes = remap[g.codes[rows]]
+    starts = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(idx)))]).astype(np.int64)
+    sub = _Grouped(codes, g.index[idx], [k[idx] for k in g.keys], g.kgs[idx], np.argsort(codes, kind="stable"), starts)
+    return sub, user.take(rows)
+
+
 def _with_due_keys(g: _Grouped, held: _Held, due_rows: np.ndarray) -> tuple[_Grouped, np.ndarray]:
     """The batch's keys followed by keys that have only due timers; and which keys are due."""
     if not len(due_rows):
@@ -264,7 +313,7 @@ def _with_due_keys(g: _Grouped, held: _Held, due_rows: np.ndarray) -> tuple[_Gro
 
 def _run_per_key(
     fn: KeyedProcessFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, opened: RuntimeContext, ctx: Context,
-    due_rows: np.ndarray,
+    due_rows: np.ndarray, errors: ErrorCollector,
 ) -> tuple[pa.Table, pd.Index]:
     """Due timers, then ``fn.process``, per key with Python state values; only keys whose
     state changed are written back."""
@@ -276,7 +325,10 @@ def _run_per_key(
     ttl = [s for s in spec.states if s.ttl_seconds is not None]
     cursor.ttl_written = {s.name: set() for s in ttl}
     cursor.ttl_read_refresh = frozenset(s.name for s in ttl if s.ttl_refresh == "on_read_and_write")
-    emitted = list(run_process_function(fn, cursor, ctx, g.index.tolist(), g.kgs, g.order, g.starts, rows, columns, due))
+    def record_at(p: int) -> dict[str, Any]:
+        return dict(user.slice(p, 1).to_pylist()[0])
+
+    emitted = list(run_guarded(fn, cursor, ctx, g.index.tolist(), g.kgs, g.order, g.starts, rows, columns, due, errors, record_at))
     for s in ttl:  # restart the TTL clock of what was written (or read)
         clock = columns[ttl_column(s.name)]
         for i in cursor.ttl_written[s.name]:
@@ -357,15 +409,16 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     late = spec.input_schema.empty_table()
     window_stats: dict[str, int] = {}
     counters: dict[str, int] = {}  # named counts of records not processed normally (keyscale.runtime.counters)
+    errors = ErrorCollector(spec.on_error, spec.uid, spec.batch_id, subtask)
     # Windows run every batch: without records, some may still be due.
     if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
-        if spec.null_keys == "error":
-            _null_check(spec, table)
-        else:  # dropped here, not in Spark, so that they are counted
-            table, dropped = _drop_null_keys(spec, table)
-            if dropped:
-                counters["dropped_null_keys"] = dropped
+        before = table.num_rows
+        table = _null_check(spec, table)  # dropped here, not in Spark, so that they are counted
+        if table.num_rows < before:
+            counters["dropped_null_keys"] = before - table.num_rows
+        if isinstance(fn, WindowAggregate):
+            table = _without_event_time(spec, fn.event_time, table, errors)
         if spec.event_time and table.num_rows:
             max_event, ahead = max_event_within(event_time_ms(table, spec.event_time), spec.event_time_limit_ms)
             if ahead:
@@ -374,20 +427,24 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         n_keys = len(grouped.index)
         user = table.select(list(spec.input_schema.names))
         if isinstance(fn, WindowAggregate):
-            res = run_windows(
-                fn, held.table, rng.start, rng.end, user, [k[grouped.codes] for k in grouped.keys], grouped.kgs[grouped.codes],
-                spec.watermark_ms, spec.output_schema, spec.event_time_limit_ms,
-            )
+            try:
+                res = run_windows(
+                    fn, held.table, rng.start, rng.end, user, [k[grouped.codes] for k in grouped.keys], grouped.kgs[grouped.codes],
+                    spec.watermark_ms, spec.output_schema, spec.event_time_limit_ms,
+                )
+            except Exception as e:  # a reduce() function of the user's: it sees the whole batch
+                errors.fail_batch(e, "in a window aggregate (it sees the subtask's whole batch: no single record to set aside)")
+                raise
             out, late, window_stats = res.output, res.late, {"late_records": res.late_records, "windows_fired": res.fired, "windows_purged": res.purged}
             counters.update(window_counters(res.late_records, res.too_far_ahead, spec.late_output))
             changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
         else:
             if isinstance(fn, VectorizedKeyedFunction):
-                out, changed = _run_vectorized(fn, spec, held, grouped, user)
+                out, changed = _run_vectorized_guarded(fn, spec, held, grouped, user, errors)
             else:
                 ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
                 ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
-                out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx, due_rows)
+                out, changed = _run_per_key(fn, spec, held, grouped, user, opened, ctx, due_rows, errors)
             changed_rows = held.table.rows_union(changed_rows, held.table.positions(changed))
 
     compact = spec.compact[subtask]
@@ -423,31 +480,64 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         "load_seconds": load_seconds,
         **stats,
         **window_stats,
-        "counters": counters,
+        "counters": {**counters, **errors.counters()},
     }
     write_report(job_dir, spec.uid, spec.batch_id, subtask, report)
-    if spec.late_output:
-        out = with_side_output(out, late)
+    dead = errors.dead_letters() if spec.on_error.on_error == "dead_letter" else None
+    if spec.late_output or dead is not None:
+        out = with_side_output(out, late if spec.late_output else None, dead)
     return out, report
 
 
-MAIN, LATE = "__main", "__late"
+def _without_event_time(spec: StageTask, column: str, table: pa.Table, errors: ErrorCollector) -> pa.Table:
+    """A window operator's records without an event time (null) are poison: handled by on_error."""
+    bad = null_event_time_mask(table.column(column))
+    if not bad.any():
+        return table
+    rows = table.filter(pa.array(bad))
+    user = rows.select(list(spec.input_schema.names)).to_pylist()
+    keys = rows.select(list(spec.key_names)).to_pylist()
+    reason = f"null event time in column '{column}'"
+    if spec.on_error.on_error == "fail":
+        errors.add(f"{reason} ({int(bad.sum())} records)", _key_of(keys[0]), user[:1], what="a window needs every record's event time; "
+                   "filter them out before the window, or set on_error")
+    for r, k in zip(user, keys, strict=True):
+        errors.add(reason, _key_of(k), [r])
+    return table.filter(pa.array(~bad))
 
 
-def side_output_schema(main: pa.Schema, late: pa.Schema) -> pa.Schema:
-    """A stage's output when it has a side output: one struct column for each, one set per row."""
-    return pa.schema([pa.field(MAIN, pa.struct(list(main))), pa.field(LATE, pa.struct(list(late)))])
+def _key_of(row: dict[str, Any]) -> Any:
+    vals = list(row.values())
+    return vals[0] if len(vals) == 1 else vals
 
 
-def with_side_output(main: pa.Table, late: pa.Table) -> pa.Table:
+MAIN, LATE, DEAD = "__main", "__late", "__dead"
+
+
+def side_output_schema(main: pa.Schema, late: pa.Schema | None = None, dead: pa.Schema | None = None) -> pa.Schema:
+    """A stage's output when it has side outputs (late records, dead letters): one struct
+    column for each, one set per row."""
+    fields = [pa.field(MAIN, pa.struct(list(main)))]
+    if late is not None:
+        fields.append(pa.field(LATE, pa.struct(list(late))))
+    if dead is not None:
+        fields.append(pa.field(DEAD, pa.struct(list(dead))))
+    return pa.schema(fields)
+
+
+def with_side_output(main: pa.Table, late: pa.Table | None = None, dead: pa.Table | None = None) -> pa.Table:
     def packed(t: pa.Table) -> pa.Array[Any]:
         return t.to_struct_array().combine_chunks()
 
-    m, lt = packed(main), packed(late)
-    return pa.table({
-        MAIN: pa.concat_arrays([m, pa.nulls(late.num_rows, m.type)]),
-        LATE: pa.concat_arrays([pa.nulls(main.num_rows, lt.type), lt]),
-    })
+    parts = {MAIN: main, **({LATE: late} if late is not None else {}), **({DEAD: dead} if dead is not None else {})}
+    packs = {name: packed(t) for name, t in parts.items()}
+    total = sum(t.num_rows for t in parts.values())
+    cols, at = {}, 0
+    for name, t in parts.items():
+        arr = packs[name]
+        cols[name] = pa.concat_arrays([pa.nulls(at, arr.type), arr, pa.nulls(total - at - t.num_rows, arr.type)])
+        at += t.num_rows
+    return pa.table(cols)
 
 
 def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.Table, Any]], spec: Any) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
@@ -459,10 +549,16 @@ def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.
         tc = TaskContext.get()
         subtask = tc.partitionId() if tc is not None else 0
         try:
-            out, _ = run(spec, batches, subtask)
+            try:
+                out, _ = run(spec, batches, subtask)
+            except KeyscaleError:
+                raise
+            except Exception as e:  # never a raw numpy/pandas/user exception: name the operator and batch
+                ErrorCollector(FAIL, spec.uid, spec.batch_id, subtask).fail_batch(e)
+                raise
         except KeyscaleError as e:
             # One recognisable line survives Spark's wrapping of the Python traceback.
-            raise RuntimeError(f"KEYSCALE-ERROR {type(e).__name__}: {e}") from None
+            raise RuntimeError(encode_error(e)) from None
         yield from out.to_batches()
 
     return stage
