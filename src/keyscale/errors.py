@@ -40,3 +40,9 @@ class ClusterError(KeyscaleError):
     """A local Spark standalone cluster (``keyscale cluster``) cannot be started, reached or changed."""
 
     exit_code = 6
+
+
+class OutputError(KeyscaleError):
+    """A sink's output path holds output of another job lineage (see keyscale.checkpoint.lineage)."""
+
+    exit_code = 8

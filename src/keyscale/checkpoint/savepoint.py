@@ -68,6 +68,7 @@ import pyarrow.parquet as pq
 
 from keyscale.checkpoint.files import _INDEX_KEY, fsync_dir, verify_state_file, write_state_file
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.lineage import restored_lineage
 from keyscale.checkpoint.manifest import (
     Manifest,
     OperatorCheckpoint,
@@ -1008,6 +1009,8 @@ def restore_savepoint(
                 "restored_from": {"savepoint": str(info.path), "job": info.job, "batch": info.batch},
                 # event time and source positions travel with the savepoint
                 **{k: v for k, v in info.extra.get("checkpoint", {}).items() if k in ("watermark", "drained", "source_positions")},
+                # a new lineage, descending from the savepoint's at the restored batch
+                "lineage": restored_lineage(info.extra.get("checkpoint", {}), batch).to_json(),
             },
         )
         job_dir.commit(manifest)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from keyscale._pipeline import JobContext, KeyedStep, NonKeyedStep, Pipeline, TransformStep
 from keyscale.checkpoint.files import atomic_write_json, read_reports, report_path
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.lineage import Lineage, start_lineage
 from keyscale.checkpoint.manifest import (
     Manifest,
     OperatorCheckpoint,
@@ -64,6 +65,7 @@ from keyscale.runtime.task import (
     side_output_schema,
 )
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
+from keyscale.sinks.base import SinkContext
 from keyscale.sources import reader
 from keyscale.sources.reader import LogSource
 from keyscale.state.keygroups import (
@@ -209,6 +211,7 @@ class JobRunner:
         self.max_parallelism = 0
         self.name = ""
         self.watermark = WatermarkState()
+        self.lineage = Lineage("")  # set by _prepare: the job's lineage (sinks' output belongs to it)
         self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
         self._drain_dest: str | None = None
@@ -267,6 +270,7 @@ class JobRunner:
             self._restore_savepoint(pipeline, opts.from_savepoint)
         self._plan_parallelism(pipeline)
         self.watermark = _watermark_of(self.committed)
+        self.lineage = start_lineage(self.jobdir.path, self.committed)
         if pipeline.watermark is not None and self.watermark.watermark_ms > NO_WATERMARK:
             log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
         return spark
@@ -355,9 +359,14 @@ class JobRunner:
         try:
             spark = self._prepare()
             assert self.pipeline is not None
+            # Sinks learn the job's lineage before the first batch (output of another
+            # lineage is refused now, not at its batch); others only clean up.
+            ctx = SinkContext(self.lineage, self.name, str(self.jobdir.path), self.run_id, self.committed.batch if self.committed else -1)
             for sink in self.pipeline.sinks:
-                sink_cleanup = getattr(sink, "cleanup", None)
-                if callable(sink_cleanup):
+                sink_open, sink_cleanup = getattr(sink, "open", None), getattr(sink, "cleanup", None)
+                if callable(sink_open):
+                    sink_open(ctx)
+                elif callable(sink_cleanup):
                     sink_cleanup()
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
             if not self.pipeline.sink.exactly_once:
@@ -629,7 +638,7 @@ class JobRunner:
         batch_time_ms = int(intent["batch_time_ms"])
         manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules)
         wm = self._next_watermark(reports, batch_time_ms, watermark_ms)
-        manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), **({"drained": True} if drain else {})})
+        manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), "lineage": self.lineage.to_json(), **({"drained": True} if drain else {})})
         self.jobdir.commit(manifest)
         self.committed = manifest
         if wm.watermark_ms != self.watermark.watermark_ms and self.pipeline.watermark is not None:
