@@ -29,6 +29,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from keyscale._pipeline import JobContext, KeyedStep, NonKeyedStep, Pipeline, TransformStep
+from keyscale.checkpoint.drain import drain_extra
 from keyscale.checkpoint.files import atomic_write_json, read_reports, report_path
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
@@ -584,12 +585,16 @@ class JobRunner:
         started = time.perf_counter()
         started_wall = time.time()
         intent = self.jobdir.read_intent(batch_id)
+        if intent is not None and intent.get("drain") and not drain:
+            # An interrupted drain: this batch is Spark's, with its input and the job's watermark.
+            log.info("batch %d: an interrupted drain used this id; it runs as an ordinary batch", batch_id)
+            intent = None
         replayed = intent is not None
         if intent is None:
             self._apply_rescale_requests(batch_id)
             intent = {
                 "batch_time_ms": int(time.time() * 1000), "parallelism": dict(self.parallelism),
-                "watermark_ms": END_OF_TIME if drain else self.watermark.watermark_ms,
+                "watermark_ms": END_OF_TIME if drain else self.watermark.watermark_ms, **({"drain": True} if drain else {}),
             }
             src = self.pipeline.log_source
             if src is not None:
@@ -638,7 +643,7 @@ class JobRunner:
         batch_time_ms = int(intent["batch_time_ms"])
         manifest, records, emitted, reports = self._manifest(batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules)
         wm = self._next_watermark(reports, batch_time_ms, watermark_ms)
-        manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), "lineage": self.lineage.to_json(), **({"drained": True} if drain else {})})
+        manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={**manifest.extra, "watermark": wm.to_json(), "lineage": self.lineage.to_json(), **(drain_extra(self.watermark.to_json(), batch_id) if drain else {})})
         self.jobdir.commit(manifest)
         self.committed = manifest
         if wm.watermark_ms != self.watermark.watermark_ms and self.pipeline.watermark is not None:
