@@ -43,7 +43,7 @@ def _drain_when_spark_plans_batch_1(job: Path, inp: Path, out: Path, sp: Path, f
     write_batches(inp, files[:1])
     opts = RunOptions(job_file=str(EXAMPLES / "tumbling_count.py"), job_dir=str(job), parallelism=2, until_idle=False,
                       trigger_interval="100 milliseconds", args={**ARGS, "input": str(inp), "output": str(out)})
-    runner = JobRunner(opts, on_batch=lambda rec: write_batches(inp, files[1:2], first=1) if rec.batch_id == 0 else None)
+    runner = JobRunner(opts, on_batch=lambda rec: write_batches(inp, files[1:2], first=1) if rec.batch == 0 else None)
     run_batch = runner._run_batch
 
     def planned(df: Any, batch_id: int) -> None:
