@@ -165,15 +165,19 @@ def record_lineage(job_dir: Path, lineage: Lineage) -> None:
     atomic_write_json(path, d)
 
 
-def start_lineage(job_dir: Path, committed: Manifest | None) -> Lineage:
+def start_lineage(job_dir: Path, committed: Manifest | None, anew: bool = False) -> Lineage:
     """The lineage a job runs as: its checkpoint's, else a new one.
 
     A checkpoint without a lineage (a job directory that starts over with no checkpoint, or
     one written before lineages) starts a new lineage that descends from every lineage the
     job directory had, at its committed batch (-1 without one): what they wrote after it
-    is superseded by this run, which recomputes it.
+    is superseded by this run, which recomputes it. With ``anew`` the checkpoint's lineage
+    forks at the committed batch too: the next batch will not be what was written for it
+    before (an interrupted drain's output is no replay of the input batch that takes its id).
     """
     own = Lineage.from_json(committed.extra.get("lineage")) if committed is not None else None
+    if own is not None and anew and committed is not None:
+        own = descend({own.id: own}, {own.id: committed.batch})
     if own is None:
         known = {x.id: x for x in known_lineages(job_dir)}
         fork = committed.batch if committed is not None else -1

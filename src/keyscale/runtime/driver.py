@@ -271,7 +271,9 @@ class JobRunner:
             self._restore_savepoint(pipeline, opts.from_savepoint)
         self._plan_parallelism(pipeline)
         self.watermark = _watermark_of(self.committed)
-        self.lineage = start_lineage(self.jobdir.path, self.committed)
+        nxt = self.committed.batch + 1 if self.committed else 0
+        interrupted_drain = bool((self.jobdir.read_intent(nxt) or {}).get("drain")) and not self.jobdir.has_manifest(nxt)
+        self.lineage = start_lineage(self.jobdir.path, self.committed, anew=interrupted_drain)
         if pipeline.watermark is not None and self.watermark.watermark_ms > NO_WATERMARK:
             log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
         return spark
