@@ -87,6 +87,10 @@ class ParquetSink:
         folders = sorted((int(m.group(1)), p) for p in self.path.iterdir() if (m := _BATCH.match(p.name)) and p.is_dir())
         superseded = []
         for batch, folder in folders:
+            if batch <= ctx.committed:
+                # Committed history (the job's own, or shared with the savepoint it was
+                # restored from): a resumed job reads only the markers of batches it may write.
+                continue
             marker = read_marker(folder)
             action = decide(True, marker, batch, ctx.lineage, ctx.committed)
             if action is Action.REFUSE:
