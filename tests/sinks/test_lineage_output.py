@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import read_output, run_job, write_events
+from conftest import cli, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.checkpoint.savepoint import write_savepoint
@@ -61,9 +61,11 @@ def test_a_second_job_dir_on_the_same_output_is_refused_before_its_first_batch(s
     run_job(job, tmp_path / "a", 1, {"input": str(events), "output": str(out)})
     before = read_output(out)
     assert {m["job_dir"] for m in _markers(out).values()} == {str(tmp_path / "a")}
-    with pytest.raises(OutputError) as err:
-        run_job(job, tmp_path / "b", 1, {"input": str(events), "output": str(out), "factor": "2"})
-    msg = str(err.value)
+    # e.g. a deployment restored with NONE: a new job directory, empty state, the same output
+    proc = cli("run", str(job), "--job-dir", str(tmp_path / "b"), "-p", "1", "--until-idle",
+               "--set", f"input={events}", "--set", f"output={out}", "--set", "factor=2")
+    assert proc.returncode == OutputError.exit_code
+    msg = proc.stderr.strip().splitlines()[-1]
     assert str(out) in msg and "batch 0" in msg and str(tmp_path / "a") in msg and str(tmp_path / "b") in msg and "another output path" in msg
     assert not JobDir(tmp_path / "b").manifest_batches()  # nothing ran
     pd.testing.assert_frame_equal(read_output(out), before)
