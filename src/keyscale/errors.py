@@ -51,3 +51,9 @@ class RecordError(KeyscaleError):
     """
 
     exit_code = 7
+
+
+class OutputError(KeyscaleError):
+    """A sink's output path holds output of another job lineage (see keyscale.checkpoint.lineage)."""
+
+    exit_code = 8

@@ -9,7 +9,7 @@ import pyarrow.dataset as pads
 import pytest
 
 from keyscale.sinks.console import ConsoleSink
-from keyscale.sinks.parquet import ParquetSink, batch_folder_name
+from keyscale.sinks.parquet import MARKER, ParquetSink, batch_folder_name
 
 pytestmark = [pytest.mark.spark]
 
@@ -23,7 +23,8 @@ def test_parquet_sink_writes_a_batch_once(spark: Any, tmp_path: Path) -> None:
     rows = pads.dataset(str(tmp_path / "out"), partitioning="hive").to_table().to_pylist()
     assert sorted((r["key"], r["n"], r["batch"]) for r in rows) == [("a", 1, 7), ("b", 2, 7)]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [batch_folder_name(7)]
-    assert not [p for p in (tmp_path / "out" / batch_folder_name(7)).iterdir() if p.name.startswith(("_", "."))]
+    # only the marker of who wrote it (Spark's _SUCCESS and .crc files are removed)
+    assert [p.name for p in (tmp_path / "out" / batch_folder_name(7)).iterdir() if p.name.startswith(("_", "."))] == [MARKER]
 
 
 def test_parquet_sink_cleans_half_written_folders(tmp_path: Path) -> None:

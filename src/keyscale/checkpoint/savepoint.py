@@ -66,8 +66,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from keyscale.checkpoint.drain import add_empty_batch, restored_event_time, spark_log_end
 from keyscale.checkpoint.files import _INDEX_KEY, fsync_dir, verify_state_file, write_state_file
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.lineage import restored_lineage
 from keyscale.checkpoint.manifest import (
     Manifest,
     OperatorCheckpoint,
@@ -796,8 +798,14 @@ def write_savepoint(
             ops[uid] = SavepointOperator(uid, op.max_parallelism, op.parallelism, keys, states, tuple(files), dict(op.operator_state))
         source = None
         if job_dir.spark_checkpoint.is_dir():
-            _copy_spark_checkpoint(job_dir.spark_checkpoint, tmp / SOURCE_DIR, manifest.batch)
-            source = SOURCE_DIR
+            # Spark's log up to the last batch the state consumed; a drain's batch becomes an
+            # empty committed one, so a restore never skips input (checkpoint/drain.py).
+            consumed = spark_log_end(manifest)
+            _copy_spark_checkpoint(job_dir.spark_checkpoint, tmp / SOURCE_DIR, consumed)
+            if add_empty_batch(tmp / SOURCE_DIR, consumed, manifest.batch):
+                source = SOURCE_DIR
+            else:
+                shutil.rmtree(tmp / SOURCE_DIR)
         info = SavepointInfo(
             path=final, job=manifest.job, batch=manifest.batch, batch_time_ms=manifest.batch_time_ms,
             watermark_ms=manifest.watermark_ms, created_ms=int(time.time() * 1000), origin="checkpoint",
@@ -970,7 +978,9 @@ def restore_savepoint(
         plans.append((uid, op, spec))
     # Positions in the savepoint (Spark's checkpoint, or a log's offsets as operator state)
     # continue at the next batch; without any the job starts its input from scratch.
-    has_positions = info.source is not None or bool(info.extra.get("checkpoint", {}).get("source_positions"))
+    ck_extra = info.extra.get("checkpoint", {})
+    has_positions = info.source is not None or bool(ck_extra.get("source_positions"))
+    event_time, resumed_ms = restored_event_time(ck_extra)  # a drained one: the watermark before its drain
     batch = info.batch if has_positions else -1
     total = sum(len(op.files) for _, op, _ in plans) + 1
     done = 0
@@ -1003,11 +1013,14 @@ def restore_savepoint(
             shutil.copytree(info.path / info.source, job_dir.spark_checkpoint, dirs_exist_ok=True)
         manifest = Manifest(
             job=job_name, batch=batch, batch_time_ms=info.batch_time_ms, operators=ops,
-            watermark_ms=info.watermark_ms, created_ms=int(time.time() * 1000),
+            watermark_ms=resumed_ms if ck_extra.get("drained") else info.watermark_ms, created_ms=int(time.time() * 1000),
             extra={
-                "restored_from": {"savepoint": str(info.path), "job": info.job, "batch": info.batch},
+                "restored_from": {"savepoint": str(info.path), "job": info.job, "batch": info.batch, "drained": bool(ck_extra.get("drained"))},
                 # event time, source positions and the counts of late or dropped records travel with the savepoint
-                **{k: v for k, v in info.extra.get("checkpoint", {}).items() if k in ("watermark", "drained", "source_positions", "counters")},
+                **event_time,
+                **{k: v for k, v in ck_extra.items() if k in ("source_positions", "counters")},
+                # a new lineage, descending from the savepoint's at the restored batch
+                "lineage": restored_lineage(ck_extra, batch).to_json(),
             },
         )
         job_dir.commit(manifest)

@@ -28,8 +28,10 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from keyscale._pipeline import JobContext, KeyedStep, NonKeyedStep, Pipeline, TransformStep
+from keyscale.checkpoint.drain import drain_extra
 from keyscale.checkpoint.files import atomic_write_json, read_reports, report_path
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.lineage import Lineage, start_lineage
 from keyscale.checkpoint.manifest import (
     Manifest,
     OperatorCheckpoint,
@@ -70,6 +72,7 @@ from keyscale.runtime.task import (
     side_output_schema,
 )
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
+from keyscale.sinks.base import SinkContext
 from keyscale.sources import reader
 from keyscale.sources.reader import LogSource
 from keyscale.state.keygroups import (
@@ -224,6 +227,7 @@ class JobRunner:
         self.watermark = WatermarkState()
         self._counts: counters.Counters = {}  # the last batch's counts of records not processed normally
         self._log_ids: dict[str, str | None] = {}  # per log source or rules stream: the id of the log its last plan is for
+        self.lineage = Lineage("")  # set by _prepare: the job's lineage (sinks' output belongs to it)
         self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
         self._drain_dest: str | None = None
@@ -288,6 +292,9 @@ class JobRunner:
             self._restore_savepoint(pipeline, opts.from_savepoint)
         self._plan_parallelism(pipeline)
         self.watermark = _watermark_of(self.committed)
+        nxt = self.committed.batch + 1 if self.committed else 0
+        interrupted_drain = bool((self.jobdir.read_intent(nxt) or {}).get("drain")) and not self.jobdir.has_manifest(nxt)
+        self.lineage = start_lineage(self.jobdir.path, self.committed, anew=interrupted_drain)
         if pipeline.watermark is not None and self.watermark.watermark_ms > NO_WATERMARK:
             log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
         return spark
@@ -376,9 +383,14 @@ class JobRunner:
         try:
             spark = self._prepare()
             assert self.pipeline is not None
+            # Sinks learn the job's lineage before the first batch (output of another
+            # lineage is refused now, not at its batch); others only clean up.
+            ctx = SinkContext(self.lineage, self.name, str(self.jobdir.path), self.run_id, self.committed.batch if self.committed else -1)
             for sink in self.pipeline.sinks:
-                sink_cleanup = getattr(sink, "cleanup", None)
-                if callable(sink_cleanup):
+                sink_open, sink_cleanup = getattr(sink, "open", None), getattr(sink, "cleanup", None)
+                if callable(sink_open):
+                    sink_open(ctx)
+                elif callable(sink_cleanup):
                     sink_cleanup()
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
             if not self.pipeline.sink.exactly_once:
@@ -608,12 +620,16 @@ class JobRunner:
         started = time.perf_counter()
         started_wall = time.time()
         intent = self.jobdir.read_intent(batch_id)
+        if intent is not None and intent.get("drain") and not drain:
+            # An interrupted drain: this batch is Spark's, with its input and the job's watermark.
+            log.info("batch %d: an interrupted drain used this id; it runs as an ordinary batch", batch_id)
+            intent = None
         replayed = intent is not None
         if intent is None:
             self._apply_rescale_requests(batch_id)
             intent = {
                 "batch_time_ms": int(time.time() * 1000), "parallelism": dict(self.parallelism),
-                "watermark_ms": END_OF_TIME if drain else self.watermark.watermark_ms,
+                "watermark_ms": END_OF_TIME if drain else self.watermark.watermark_ms, **({"drain": True} if drain else {}),
             }
             src = self.pipeline.log_source
             if src is not None:
@@ -679,7 +695,8 @@ class JobRunner:
         counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
         totals = counters.add(counters.from_extra(self.committed.extra if self.committed else None), counts)
         manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
-            **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, **({"drained": True} if drain else {})})
+            **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": self.lineage.to_json(),
+            **(drain_extra(self.watermark.to_json(), batch_id) if drain else {})})
         self.jobdir.commit(manifest)
         self.committed = manifest
         if wm.watermark_ms != self.watermark.watermark_ms and self.pipeline.watermark is not None:

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
+
+    from keyscale.checkpoint.lineage import Lineage
+
+
+@dataclass(frozen=True)
+class SinkContext:
+    """Who writes through a sink: given to a sink's optional ``open(ctx)`` before the first batch.
+
+    A sink that keeps output per batch marks each batch with ``lineage`` (and the job, job
+    directory and run attempt, for error messages) and refuses output of other lineages
+    (:func:`keyscale.checkpoint.lineage.decide`). ``committed`` is the last batch the job
+    committed (-1 if none): batches after it are the ones it will write.
+    """
+
+    lineage: Lineage
+    job: str
+    job_dir: str
+    attempt: str
+    committed: int
 
 
 class Sink(Protocol):
@@ -14,6 +34,10 @@ class Sink(Protocol):
     ``write`` runs the batch's Spark job (it is the one action per batch). keyscale commits
     its checkpoint only after ``write`` returns, and may call it again for the same batch
     after a crash; an exactly-once sink keeps the first complete write.
+
+    Optional: ``open(ctx: SinkContext) -> None``, called once before the first batch (the
+    driver skips sinks without it); an exactly-once sink checks its output against the
+    job's lineage there, so a conflict is reported before any batch runs.
     """
 
     exactly_once: bool
