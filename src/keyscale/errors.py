@@ -30,6 +30,12 @@ class StateError(KeyscaleError):
     exit_code = 4
 
 
+class StorageError(KeyscaleError):
+    """A location (job directory, savepoint, output path) keyscale cannot use: an unsupported URI."""
+
+    exit_code = 3
+
+
 class InputDataError(KeyscaleError):
     """A batch of input violates the pipeline's contract (missing columns, null keys)."""
 

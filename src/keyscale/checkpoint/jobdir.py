@@ -37,6 +37,7 @@ from keyscale.checkpoint.files import (
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.retention import checkpoints_to_keep
 from keyscale.errors import JobDirError, StateError
+from keyscale.storage import local_path
 
 JOB_FILE = "job.json"
 
@@ -65,7 +66,7 @@ class JobDir:
     """Paths and operations on one job directory."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path).absolute()
+        self.path = local_path(path, "job directory")
         self._lock_fd: int | None = None
 
     # -- layout ------------------------------------------------------------------------

@@ -81,6 +81,7 @@ from keyscale.errors import JobDirError, StateError
 from keyscale.state.keygroups import KeyGroupRange, mask_runs
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
+from keyscale.storage import local_path
 
 __all__ = [
     "DEFAULT_ROWS_PER_FILE",
@@ -491,7 +492,7 @@ def read_savepoint(sp: str | os.PathLike[str], verify: bool = True) -> Savepoint
     ...
     keyscale.errors.StateError: savepoint /nonexistent/sp does not exist
     """
-    root = Path(sp).absolute()
+    root = local_path(sp, "savepoint")
     if not root.is_dir():
         raise StateError(f"savepoint {root} does not exist" if not root.exists() else f"savepoint {root} is not a folder")
     meta_path = root / METADATA_FILE
@@ -634,7 +635,7 @@ def staging(dest: str | os.PathLike[str]) -> Iterator[tuple[Path, Path]]:
 
     Refuses a ``dest`` that exists and is not an empty folder.
     """
-    final = Path(dest).absolute()
+    final = local_path(dest, "savepoint destination")
     tmp = _prepare_dest(final)
     try:
         yield tmp, final

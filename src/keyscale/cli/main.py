@@ -15,6 +15,7 @@ from typing import Any
 
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
+from keyscale.storage import local_path
 
 
 def _parse_sets(items: Sequence[str]) -> dict[str, str]:
@@ -182,7 +183,7 @@ def cmd_savepoint(a: argparse.Namespace) -> int:
         rec = jd.recover()
         if rec.manifest is None:
             raise KeyscaleError(f"job '{ident.name}' in {jd.path} has no checkpoint to save")
-        dest = Path(a.dest) if a.dest else jd.path / "savepoints" / f"savepoint-{rec.manifest.batch:012d}-{int(time.time())}"
+        dest = local_path(a.dest, "savepoint destination") if a.dest else jd.path / "savepoints" / f"savepoint-{rec.manifest.batch:012d}-{int(time.time())}"
         dest.parent.mkdir(parents=True, exist_ok=True)
         path = write_savepoint(jd, rec.manifest, dest, progress=text_progress("savepoint"))
     print(path)

@@ -82,6 +82,7 @@ from keyscale.state.keygroups import (
     key_group_ranges,
 )
 from keyscale.state.spark_hash import routing_values
+from keyscale.storage import local_path
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -529,7 +530,7 @@ class JobRunner:
             m = self.committed
             if m is None:
                 raise StateError("the job has not committed a batch yet; nothing to save")
-            target = Path(dest) if dest else self.jobdir.path / "savepoints" / f"savepoint-{m.batch:012d}-{int(time.time())}"
+            target = local_path(dest, "savepoint destination") if dest else self.jobdir.path / "savepoints" / f"savepoint-{m.batch:012d}-{int(time.time())}"
             log.info("taking a savepoint of batch %d into %s", m.batch, target)
             try:
                 target.parent.mkdir(parents=True, exist_ok=True)

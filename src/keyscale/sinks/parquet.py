@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from keyscale.checkpoint.files import fsync_dir
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import OutputError
+from keyscale.storage import local_path
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -70,7 +71,7 @@ class ParquetSink:
     exactly_once = True
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path).absolute()
+        self.path = local_path(path, "Parquet sink path")
         self._ctx: SinkContext | None = None
 
     def describe(self) -> str:
