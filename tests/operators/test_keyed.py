@@ -9,15 +9,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from keyscale.errors import JobDefinitionError
+from keyscale.errors import JobDefinitionError, RecordError
 from keyscale.operators.keyed import (
     Context,
     KeyedProcessFunction,
     RuntimeContext,
     describe_states,
     rows_to_arrow,
-    run_process_function,
 )
+from keyscale.operators.poison import FAIL, ErrorCollector, run_guarded
 from keyscale.state.types import StateDescriptor, arrow_schema
 
 
@@ -28,8 +28,9 @@ def run(fn: KeyedProcessFunction, keys: list[Any], records: list[tuple[Any, Any]
     codes = np.array([keys.index(k) for k, _ in records], dtype=np.int64)
     order = np.argsort(codes, kind="stable")
     starts = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(keys)))])
-    out = list(run_process_function(fn, ctx._cursor, Context(3, 1234, 0), keys, np.arange(len(keys)), order, starts,
-                                    [r for _, r in records], columns))
+    errors = ErrorCollector(FAIL, "op", 3, 0)
+    out = list(run_guarded(fn, ctx._cursor, Context(3, 1234, 0), keys, np.arange(len(keys)), order, starts,
+                           [r for _, r in records], columns, None, errors, lambda p: {"row": records[p][1]}))
     return out, list(ctx._cursor.dirty)
 
 
@@ -183,7 +184,7 @@ def test_process_returning_none_emits_nothing() -> None:
 
 
 def test_function_without_process_says_what_to_override() -> None:
-    with pytest.raises(NotImplementedError, match="must override process"):
+    with pytest.raises(RecordError, match="must override process"):
         run(KeyedProcessFunction(), ["a"], [("a", 1)], {})
 
 

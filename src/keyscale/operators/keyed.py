@@ -23,7 +23,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Generic, TypeVar
 
-import numpy as np
 import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError
@@ -378,38 +377,3 @@ def _fire_timers(fn: KeyedProcessFunction, cursor: _Cursor, ctx: Context, key: A
     ctx.timestamp = ctx.time_domain = None
 
 
-def run_process_function(
-    fn: KeyedProcessFunction,
-    cursor: _Cursor,
-    ctx: Context,
-    keys: list[Any],
-    key_groups: np.ndarray,
-    order: np.ndarray,
-    bounds: np.ndarray,
-    records: list[Any],
-    columns: dict[str, list[Any]],
-    due: np.ndarray | None = None,
-) -> Iterator[Any]:
-    """Call ``fn.process`` once per key, keys in order of their first record.
-
-    ``order[bounds[j]:bounds[j+1]]`` are the positions (in arrival order) of key j's
-    records; ``columns`` hold each state's value per key and are updated in place. Keys
-    with ``due[j]`` have timers due: they fire first (a key may have timers and no records).
-    """
-    cursor.columns = columns
-    cursor.dirty = [False] * len(keys)
-    ctx.timer_service = TimerService(cursor, ctx)
-    try:
-        for j, key in enumerate(keys):
-            cursor.i = j
-            ctx.key = key
-            ctx.key_group = int(key_groups[j])
-            if due is not None and due[j]:
-                yield from _fire_timers(fn, cursor, ctx, key)
-            if bounds[j + 1] > bounds[j]:
-                rows = [records[p] for p in order[bounds[j] : bounds[j + 1]]]
-                out = fn.process(key, rows, ctx)
-                if out is not None:
-                    yield from out
-    finally:
-        cursor.i = -1

@@ -274,8 +274,13 @@ def run_guarded(
     errors: ErrorCollector,
     record_at: Callable[[int], dict[str, Any]],
 ) -> Iterator[Any]:
-    """``keyed.run_process_function`` with each record (or key, or timer) as a unit that
-    either applies whole or is handed to ``errors`` with its state changes rolled back."""
+    """Call ``fn`` per key, keys in order of their first record, due timers first; each
+    record (or key, or timer) is a unit that either applies whole or is handed to
+    ``errors`` with its state changes rolled back.
+
+    ``order[bounds[j]:bounds[j+1]]`` are the positions (in arrival order) of key j's
+    records; ``columns`` hold each state's value per key and are updated in place.
+    """
     cursor.columns = columns
     cursor.dirty = [False] * len(keys)
     ctx.timer_service = TimerService(cursor, ctx)
