@@ -21,6 +21,8 @@ every kind comes up about equally often):
   latest checkpoint half the time), then a restart. The restart must either recover (a new
   batch commits) or refuse with an error; both are counted, apart. A refusal is resolved by
   restoring the latest savepoint into a new job directory (and a new output folder);
+  A restart that silently starts over from empty state (every kept checkpoint damaged) is
+  neither: it is counted as ``restarted_empty``, and the check shows what it cost;
 * ``restart``: ``keyscale stop JOB`` (a clean stop through the control API), then a restart
   at another parallelism.
 
@@ -171,6 +173,7 @@ class Stats:
     recoveries: int = 0
     flip_recovered: int = 0
     flip_refused: int = 0
+    flip_empty: int = 0  # restarted silently from empty state: neither a recovery nor a refusal
     refusals: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # unexpected exits of the job
     stuck: int = 0
@@ -310,10 +313,16 @@ class Harness:
         if self.watch is not None and self.last_batch() > self.watch["before"]:
             self.stats.recoveries += 1
             if self.watch["flip"]:
-                self.stats.flip_recovered += 1
                 said = [ln[len("keyscale: "):][:200] for ln in self.job_log_tail().splitlines()
-                        if ln.startswith("keyscale: ") and any(w in ln for w in ("damaged", "set it aside", "resuming", "refus"))]
-                self.event("flip-recovered", batch=self.last_batch(), job_said=said[-4:])
+                        if ln.startswith("keyscale: ") and any(w in ln for w in ("damaged", "set it aside", "resuming", "refus", "empty state"))]
+                if any("with empty state" in ln for ln in said):
+                    # Not an acceptable outcome: every kept checkpoint was lost and the job started over
+                    # from nothing with exit 0 (issue 10, case 2). Counted apart; the check shows the cost.
+                    self.stats.flip_empty += 1
+                    self.event("flip-restarted-empty", batch=self.last_batch(), job_said=said[-4:])
+                else:
+                    self.stats.flip_recovered += 1
+                    self.event("flip-recovered", batch=self.last_batch(), job_said=said[-4:])
             self.watch = None
             self.failed_starts = 0
         if self.proc is None or self.alive():
@@ -555,7 +564,7 @@ class Harness:
             "faults_total": sum(s.faults.values()),
             "faults_skipped": s.skipped,
             "recoveries": s.recoveries,
-            "flips": {"recovered": s.flip_recovered, "refused": s.flip_refused},
+            "flips": {"recovered": s.flip_recovered, "refused": s.flip_refused, "restarted_empty": s.flip_empty},
             "refusals": s.refusals,
             "job_failures": s.failures,
             "stuck_restarts": s.stuck,
