@@ -22,7 +22,9 @@ every kind comes up about equally often):
   batch commits) or refuse with an error; both are counted, apart. A refusal is resolved by
   restoring the latest savepoint into a new job directory (and a new output folder);
   A restart that silently starts over from empty state (every kept checkpoint damaged) is
-  neither: it is counted as ``restarted_empty``, and the check shows what it cost;
+  neither: it is counted as ``restarted_empty`` (any such restart, flip or not, also in
+  ``empty_restarts``), and the check shows what it cost; a flip whose outcome the next fault
+  cut short is ``interrupted``;
 * ``restart``: ``keyscale stop JOB`` (a clean stop through the control API), then a restart
   at another parallelism.
 
@@ -174,6 +176,8 @@ class Stats:
     flip_recovered: int = 0
     flip_refused: int = 0
     flip_empty: int = 0  # restarted silently from empty state: neither a recovery nor a refusal
+    flip_interrupted: int = 0  # the next fault came before the outcome was known
+    empty_restarts: int = 0  # any restart of a job directory with committed batches that started from empty state
     refusals: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # unexpected exits of the job
     stuck: int = 0
@@ -201,6 +205,7 @@ class Harness:
         self.pending: list[Async] = []
         self.watch: dict[str, Any] | None = None  # a restart whose outcome is awaited
         self.failed_starts = 0
+        self.committed: dict[int, int] = {}  # the highest batch each job directory ever committed
         self.t0 = time.time()
         from keyscale.sources import GENERATOR_DDL, create_log
 
@@ -239,12 +244,17 @@ class Harness:
         logf.close()
         self.log_offset = (self.work / f"job{self.gen.index}.log").stat().st_size
         self.expect_exit = None
+        if self.watch is not None and self.watch["flip"]:
+            self.stats.flip_interrupted += 1  # the next fault came before the flip's restart committed or failed
+            self.event("flip-interrupted")
+        self.committed[self.gen.index] = max(self.committed.get(self.gen.index, -1), self.last_batch())
         self.watch = {"since": time.time(), "before": self.last_batch(), "flip": False}
 
     def job_log_tail(self) -> str:
+        """What the current ``keyscale run`` process has written (its log since it started)."""
         path = self.work / f"job{self.gen.index}.log"
         with open(path) as f:
-            f.seek(max(0, self.log_offset - 4000))
+            f.seek(self.log_offset)
             return f.read()
 
     def last_batch(self) -> int:
@@ -252,6 +262,14 @@ class Harness:
 
         b = JobDir(self.gen.job).manifest_batches() if self.gen.job.exists() else []
         return b[-1] if b else -1
+
+    def last_commit_time(self) -> float:
+        """When the current job directory last committed a batch (its newest manifest's mtime)."""
+        times = [0.0]
+        for p in (self.gen.job / "checkpoints").glob("manifest-*.json") if self.gen.job.exists() else []:
+            with contextlib.suppress(FileNotFoundError):  # retention may delete it meanwhile
+                times.append(p.stat().st_mtime)
+        return max(times)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -310,21 +328,7 @@ class Harness:
                     self.stats.savepoints_failed.append((err.strip().splitlines() or ["?"])[-1][:200])
             elif a.kind == "rescale" and a.proc.returncode != 0:
                 self.stats.rescales_refused.append((err.strip().splitlines() or ["?"])[-1][:200])
-        if self.watch is not None and self.last_batch() > self.watch["before"]:
-            self.stats.recoveries += 1
-            if self.watch["flip"]:
-                said = [ln[len("keyscale: "):][:200] for ln in self.job_log_tail().splitlines()
-                        if ln.startswith("keyscale: ") and any(w in ln for w in ("damaged", "set it aside", "resuming", "refus", "empty state"))]
-                if any("with empty state" in ln for ln in said):
-                    # Not an acceptable outcome: every kept checkpoint was lost and the job started over
-                    # from nothing with exit 0 (issue 10, case 2). Counted apart; the check shows the cost.
-                    self.stats.flip_empty += 1
-                    self.event("flip-restarted-empty", batch=self.last_batch(), job_said=said[-4:])
-                else:
-                    self.stats.flip_recovered += 1
-                    self.event("flip-recovered", batch=self.last_batch(), job_said=said[-4:])
-            self.watch = None
-            self.failed_starts = 0
+        self.resolve_watch()
         if self.proc is None or self.alive():
             return
         rc = self.proc.returncode
@@ -349,6 +353,30 @@ class Harness:
             self.restore("three failed starts in a row")
             return
         self.start()
+
+    def resolve_watch(self) -> None:
+        """A restart committed a batch: a recovery (or, from empty state, a silent loss)."""
+        if self.watch is None or self.last_commit_time() <= self.watch["since"]:
+            return
+        said = [ln[len("keyscale: "):][:200] for ln in self.job_log_tail().splitlines()
+                if ln.startswith("keyscale: ") and any(w in ln for w in ("damaged", "set it aside", "resuming", "refus", "empty state"))]
+        empty = any("with empty state" in ln for ln in said) and self.committed.get(self.gen.index, -1) >= 0
+        if empty:
+            # Not an acceptable outcome: a job directory that had committed batches started over from
+            # nothing with exit 0 (issue 10, case 2). Counted apart; the check shows what it cost.
+            self.stats.empty_restarts += 1
+            self.event("restarted-empty", batch=self.last_batch(), after_flip=self.watch["flip"], job_said=said[-4:])
+            say(f"  the job started over from empty state: {said[-2:]}")
+        else:
+            self.stats.recoveries += 1
+        if self.watch["flip"]:
+            if empty:
+                self.stats.flip_empty += 1
+            else:
+                self.stats.flip_recovered += 1
+                self.event("flip-recovered", batch=self.last_batch(), job_said=said[-4:])
+        self.watch = None
+        self.failed_starts = 0
 
     def restore(self, why: str) -> None:
         """A new job directory and output folder from the latest savepoint (or from scratch)."""
@@ -539,6 +567,7 @@ class Harness:
             assert self.proc is not None
             rc = self.proc.wait(1800)
             if rc == 0:
+                self.resolve_watch()
                 say(f"final run done ({self.gen.job.name}, last batch {self.last_batch()})")
                 return
             msg = error_line(self.job_log_tail())
@@ -564,7 +593,9 @@ class Harness:
             "faults_total": sum(s.faults.values()),
             "faults_skipped": s.skipped,
             "recoveries": s.recoveries,
-            "flips": {"recovered": s.flip_recovered, "refused": s.flip_refused, "restarted_empty": s.flip_empty},
+            "flips": {"recovered": s.flip_recovered, "refused": s.flip_refused, "restarted_empty": s.flip_empty,
+                      "interrupted": s.flip_interrupted},
+            "empty_restarts": s.empty_restarts,
             "refusals": s.refusals,
             "job_failures": s.failures,
             "stuck_restarts": s.stuck,
@@ -702,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["work"] = str(work)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(summary, indent=1, default=str))
-    brief = {k: summary[k] for k in ("faults", "faults_total", "recoveries", "flips", "restores", "records", "records_lost",
+    brief = {k: summary[k] for k in ("faults", "faults_total", "recoveries", "flips", "empty_restarts", "restores", "records", "records_lost",
                                       "records_duplicated", "keyed_state", "late_records", "exactly_once", "wall_seconds")}
     say("summary: " + json.dumps(brief))
     for r in summary["refusals"]:
