@@ -342,6 +342,7 @@ class Harness:
             self.stats.refusals.append(msg)
             self.event("flip-refused", rc=rc, error=msg)
             say(f"  refused after a flip (exit {rc}): {msg}")
+            self.watch = None
             self.restore("refused after a byte flip")
             return
         self.stats.failures.append(f"exit {rc}: {msg}")
@@ -417,6 +418,11 @@ class Harness:
         g = self.gen
         if kind in ("rescale", "savepoint", "restart") and not self.wait_serving(120):
             return False
+        if self.watch is not None and self.watch["flip"]:
+            # A new fault before the flip's restart committed or failed: what follows is not the flip's doing.
+            self.stats.flip_interrupted += 1
+            self.event("flip-interrupted", by=kind)
+            self.watch["flip"] = False
         if kind == "kill-driver":
             if not self.alive():
                 return False
