@@ -1,0 +1,756 @@
+"""Fault injection (issue 10): a nemesis breaks a running job for minutes, then the output is checked against a model.
+
+    PYTHONPATH=src .venv/bin/python bench/chaos.py --seed 1 --minutes 3 --target-faults 12
+    PYTHONPATH=src .venv/bin/python bench/chaos.py --faults kill-driver,rescale --minutes 10 --target-faults 100
+
+The job (``bench/jobs/chaos_count.py``) reads a partitioned log that a generator thread
+fills at ``--rate`` records/s, numbers each key's records in keyed state (stage ``seq``) and
+counts them in 10-second event-time windows (stage ``windows``), writing Parquet. It runs as
+``keyscale run`` subprocesses, each in its own process group, restarted by the harness (the
+role of a supervisor) whenever it exits. A nemesis driven by ``random.Random(seed)`` injects,
+at random moments, faults of the kinds in ``--faults`` (cycling through shuffled rounds so
+every kind comes up about equally often):
+
+* ``kill-driver``: SIGKILL of the ``keyscale run`` process (its JVM and Python workers go
+  with it); the harness restarts it on the same job directory;
+* ``kill-worker``: SIGKILL of one Python worker (``pyspark.daemon`` or a forked worker), a
+  descendant of the harness's own job process, found by parent PID in ``/proc``;
+* ``rescale``: ``keyscale rescale JOB -p N`` (live, at a random N != the current one);
+* ``savepoint``: ``keyscale savepoint JOB`` of the running job (kept for restores);
+* ``flip``: SIGKILL, then one byte of a state file in the job directory XOR-ed (a file of the
+  latest checkpoint half the time), then a restart. The restart must either recover (a new
+  batch commits) or refuse with an error; both are counted, apart. A refusal is resolved by
+  restoring the latest savepoint into a new job directory (and a new output folder);
+  A restart that silently starts over from empty state (every kept checkpoint damaged) is
+  neither: it is counted as ``restarted_empty`` (any such restart, flip or not, also in
+  ``empty_restarts``), and the check shows what it cost; a flip whose outcome the next fault
+  cut short is ``interrupted``;
+* ``restart``: ``keyscale stop JOB`` (a clean stop through the control API), then a restart
+  at another parallelism.
+
+Half of the rescales and savepoints are followed within 2 s by the next fault, so kills land
+during them too. A start that fails three times in a row without committing a batch is
+treated like a refusal. After ``--minutes`` (or ``--target-faults`` faults) the generator
+stops, the job is stopped, and a last ``keyscale run --until-idle --drain-at-end`` reads the
+rest of the log and fires every window. Then the check, against a model computed from the
+log's contents:
+
+* every (key, window): its last output row's count and sum equal the log's (a shortfall is
+  records lost, an excess records duplicated; a missing window loses all its records);
+* every key: the largest record number ``n`` equals its number of records in the log
+  (keyed state of stage ``seq``: lost or doubled updates);
+* records sent to the late output are reported (the lateness bound is an hour, so a late
+  record means a wrong watermark).
+
+Output of a job directory abandoned for a restore counts up to the savepoint's batch (what
+followed is redone by the restored job); the final lineage counts whole.
+
+Prints a summary and writes it as JSON (``--out``, default ``bench/out/chaos.json``):
+faults by kind, recoveries, refusals (with their messages), job failures, restores, records,
+records lost, duplicated, late, and wall time. Exit status 0 when nothing was lost or
+duplicated, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+JOB_FILE = HERE / "jobs" / "chaos_count.py"
+OUT = HERE / "out"
+KINDS = ("kill-driver", "kill-worker", "rescale", "savepoint", "flip", "restart")
+WINDOW_MS = 10_000
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def _ppid_map() -> dict[int, int]:
+    out: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            out[int(d)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Processes below ``pid`` (children, grandchildren, ...), by parent PID."""
+    children: dict[int, list[int]] = {}
+    for p, pp in _ppid_map().items():
+        children.setdefault(pp, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def python_workers(driver_pid: int) -> list[int]:
+    """The Python workers of the harness's own job: ``pyspark.daemon`` and the workers it forks."""
+    return [p for p in descendants(driver_pid) if "pyspark.daemon" in cmdline(p) or "pyspark.worker" in cmdline(p)]
+
+
+def _env() -> dict[str, str]:
+    src = str(ROOT / "src")
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": src + (os.pathsep + path if path else "")}
+
+
+def keyscale(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "keyscale.cli.main", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(text: str) -> str:
+    """The last ``keyscale: error:`` line of a job's log (else the last exception line)."""
+    lines = text.splitlines()
+    errs = [ln for ln in lines if ln.startswith("keyscale: error:")]
+    if errs:
+        return errs[-1][:300]
+    exc = [ln.strip() for ln in lines if ln.strip().split(":")[0].endswith(("Error", "Exception"))]
+    return exc[-1][:300] if exc else (lines[-1][:300] if lines else "")
+
+
+# -- the lineage of job directories -----------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """One job directory with its output folder; restored from ``parent``'s savepoint at ``cut``."""
+
+    index: int
+    job: Path
+    out: Path
+    late: Path
+    parent: int | None = None
+    cut: int | None = None  # the parent's output counts up to this batch
+
+
+@dataclass
+class Async:
+    kind: str
+    proc: subprocess.Popen[str]
+    started: float
+    dest: Path | None = None
+    gen: int = 0
+
+
+@dataclass
+class Stats:
+    faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    skipped: dict[str, int] = field(default_factory=dict)
+    recoveries: int = 0
+    flip_recovered: int = 0
+    flip_refused: int = 0
+    flip_empty: int = 0  # restarted silently from empty state: neither a recovery nor a refusal
+    flip_interrupted: int = 0  # the next fault came before the outcome was known
+    empty_restarts: int = 0  # any restart of a job directory with committed batches that started from empty state
+    refusals: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # unexpected exits of the job
+    stuck: int = 0
+    restores: list[dict[str, Any]] = field(default_factory=list)
+    rescales_refused: list[str] = field(default_factory=list)
+    savepoints: list[dict[str, Any]] = field(default_factory=list)
+    savepoints_failed: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Harness:
+    def __init__(self, args: argparse.Namespace, work: Path):
+        self.args = args
+        self.work = work
+        self.rng = random.Random(args.seed)
+        self.kinds = [k for k in args.faults.split(",") if k]
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad:
+            raise SystemExit(f"unknown fault kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)}")
+        self.stats = Stats()
+        self.gens: list[Generation] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.expect_exit: str | None = None  # why the harness stopped or killed the job
+        self.restart_p: int | None = None
+        self.pending: list[Async] = []
+        self.watch: dict[str, Any] | None = None  # a restart whose outcome is awaited
+        self.failed_starts = 0
+        self.committed: dict[int, int] = {}  # the highest batch each job directory ever committed
+        self.t0 = time.time()
+        from keyscale.sources import GENERATOR_DDL, create_log
+
+        self.log = create_log(work / "log", GENERATOR_DDL, args.partitions)
+        self.new_generation()
+
+    # -- job processes ---------------------------------------------------------------------------
+    @property
+    def gen(self) -> Generation:
+        return self.gens[-1]
+
+    def new_generation(self, parent: int | None = None, cut: int | None = None) -> Generation:
+        i = len(self.gens)
+        g = Generation(i, self.work / f"job{i}", self.work / f"out{i}", self.work / f"late{i}", parent, cut)
+        self.gens.append(g)
+        return g
+
+    def run_argv(self, p: int | None, *extra: str) -> list[str]:
+        g = self.gen
+        argv = ["run", str(JOB_FILE), "--job-dir", str(g.job), "--max-parallelism", str(self.args.max_parallelism),
+                "--trigger-interval", self.args.trigger_interval, "--autoscaler", "off",
+                "--set", f"log={self.log.uri}", "--set", f"output={g.out}", "--set", f"late={g.late}",
+                "--set", f"limit={self.args.limit}", "--set", f"size={WINDOW_MS // 1000} seconds", *extra]
+        if p is not None:
+            argv += ["-p", str(p)]
+        return argv
+
+    def start(self, p: int | None = None, *extra: str) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        argv = self.run_argv(p, *extra)
+        logf = open(self.work / f"job{self.gen.index}.log", "a")  # noqa: SIM115 - handed to the child
+        logf.write(f"\n=== {time.strftime('%H:%M:%S')} keyscale {' '.join(argv)}\n")
+        logf.flush()
+        self.proc = subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", *argv], cwd=ROOT, env=_env(),
+                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        logf.close()
+        self.log_offset = (self.work / f"job{self.gen.index}.log").stat().st_size
+        self.expect_exit = None
+        if self.watch is not None and self.watch["flip"]:
+            self.stats.flip_interrupted += 1  # the next fault came before the flip's restart committed or failed
+            self.event("flip-interrupted")
+        self.committed[self.gen.index] = max(self.committed.get(self.gen.index, -1), self.last_batch())
+        self.watch = {"since": time.time(), "before": self.last_batch(), "flip": False}
+
+    def job_log_tail(self) -> str:
+        """What the current ``keyscale run`` process has written (its log since it started)."""
+        path = self.work / f"job{self.gen.index}.log"
+        with open(path) as f:
+            f.seek(self.log_offset)
+            return f.read()
+
+    def last_batch(self) -> int:
+        from keyscale.checkpoint.jobdir import JobDir
+
+        b = JobDir(self.gen.job).manifest_batches() if self.gen.job.exists() else []
+        return b[-1] if b else -1
+
+    def last_commit_time(self) -> float:
+        """When the current job directory last committed a batch (its newest manifest's mtime)."""
+        times = [0.0]
+        for p in (self.gen.job / "checkpoints").glob("manifest-*.json") if self.gen.job.exists() else []:
+            with contextlib.suppress(FileNotFoundError):  # retention may delete it meanwhile
+                times.append(p.stat().st_mtime)
+        return max(times)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def serving(self) -> bool:
+        return self.alive() and (self.gen.job / "control" / "http.json").exists() and self.last_batch() >= 0
+
+    def kill(self, why: str) -> None:
+        """SIGKILL the driver; its JVM and workers exit with it (the rest of its process group is reaped after 10 s)."""
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.expect_exit = why
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def wait_serving(self, timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            self.supervise()
+            if self.serving():
+                return True
+            time.sleep(0.3)
+        return False
+
+    # -- the supervisor --------------------------------------------------------------------------
+    def supervise(self) -> None:
+        """Restart the job when it exits; count recoveries and refusals; reap async commands."""
+        for a in list(self.pending):
+            if a.proc.poll() is None:
+                if time.time() - a.started > 300:
+                    a.proc.kill()
+                continue
+            self.pending.remove(a)
+            _out, err = a.proc.communicate()
+            if a.kind == "savepoint":
+                if a.proc.returncode == 0 and a.dest is not None:
+                    from keyscale.checkpoint.savepoint import read_savepoint
+
+                    try:
+                        batch = read_savepoint(a.dest, verify=False).batch
+                        self.stats.savepoints.append({"path": str(a.dest), "gen": a.gen, "batch": batch})
+                    except Exception as e:
+                        self.stats.savepoints_failed.append(f"unreadable after success: {e}")
+                else:
+                    self.stats.savepoints_failed.append((err.strip().splitlines() or ["?"])[-1][:200])
+            elif a.kind == "rescale" and a.proc.returncode != 0:
+                self.stats.rescales_refused.append((err.strip().splitlines() or ["?"])[-1][:200])
+        self.resolve_watch()
+        if self.proc is None or self.alive():
+            return
+        rc = self.proc.returncode
+        if self.expect_exit is not None:
+            p, self.restart_p = self.restart_p, None
+            self.start(p)
+            return
+        msg = error_line(self.job_log_tail())
+        if self.watch is not None and self.watch["flip"]:
+            self.stats.flip_refused += 1
+            self.stats.refusals.append(msg)
+            self.event("flip-refused", rc=rc, error=msg)
+            say(f"  refused after a flip (exit {rc}): {msg}")
+            self.watch = None
+            self.restore("refused after a byte flip")
+            return
+        self.stats.failures.append(f"exit {rc}: {msg}")
+        self.event("job-failed", rc=rc, error=msg)
+        say(f"  the job exited by itself (exit {rc}): {msg}")
+        self.failed_starts += 1
+        if self.failed_starts >= 3:
+            self.stats.stuck += 1
+            self.restore("three failed starts in a row")
+            return
+        self.start()
+
+    def resolve_watch(self) -> None:
+        """A restart committed a batch: a recovery (or, from empty state, a silent loss)."""
+        if self.watch is None or self.last_commit_time() <= self.watch["since"]:
+            return
+        said = [ln[len("keyscale: "):][:200] for ln in self.job_log_tail().splitlines()
+                if ln.startswith("keyscale: ") and any(w in ln for w in ("damaged", "set it aside", "resuming", "refus", "empty state"))]
+        empty = any("with empty state" in ln for ln in said) and self.committed.get(self.gen.index, -1) >= 0
+        if empty:
+            # Not an acceptable outcome: a job directory that had committed batches started over from
+            # nothing with exit 0 (issue 10, case 2). Counted apart; the check shows what it cost.
+            self.stats.empty_restarts += 1
+            self.event("restarted-empty", batch=self.last_batch(), after_flip=self.watch["flip"], job_said=said[-4:])
+            say(f"  the job started over from empty state: {said[-2:]}")
+        else:
+            self.stats.recoveries += 1
+        if self.watch["flip"]:
+            if empty:
+                self.stats.flip_empty += 1
+            else:
+                self.stats.flip_recovered += 1
+                self.event("flip-recovered", batch=self.last_batch(), job_said=said[-4:])
+        self.watch = None
+        self.failed_starts = 0
+
+    def restore(self, why: str) -> None:
+        """A new job directory and output folder from the latest savepoint (or from scratch)."""
+        self.kill("restore")
+        sps = self.stats.savepoints
+        sp = sps[-1] if sps else None
+        if sp is None:
+            self.new_generation()
+            self.event("restore", why=why, savepoint=None)
+            say(f"  restore ({why}): no savepoint yet, a new job directory from the log's start")
+            self.start(self.rng.randint(1, self.args.max_p))
+        else:
+            self.new_generation(parent=int(sp["gen"]), cut=int(sp["batch"]))
+            self.event("restore", why=why, savepoint=sp["path"], batch=sp["batch"])
+            say(f"  restore ({why}): from {Path(sp['path']).name} (batch {sp['batch']}) into {self.gen.job.name}")
+            self.start(self.rng.randint(1, self.args.max_p), "--from-savepoint", str(sp["path"]))
+        self.stats.restores.append({"why": why, "savepoint": sp})
+        self.failed_starts = 0
+
+    def event(self, kind: str, **kw: Any) -> None:
+        self.stats.events.append({"t": round(time.time() - self.t0, 1), "kind": kind, "gen": self.gen.index, **kw})
+
+    # -- the faults ------------------------------------------------------------------------------
+    def current_p(self) -> int:
+        from keyscale.checkpoint.jobdir import JobDir
+
+        try:
+            return int(JobDir(self.gen.job).read_status()["operators"]["seq"]["parallelism"])
+        except Exception:
+            return 1
+
+    def other_p(self) -> int:
+        cur = self.current_p()
+        return self.rng.choice([p for p in range(1, self.args.max_p + 1) if p != cur] or [1])
+
+    def inject(self, kind: str) -> bool:
+        """One fault; False if it could not be injected now (e.g. no worker process)."""
+        g = self.gen
+        if kind in ("rescale", "savepoint", "restart") and not self.wait_serving(120):
+            return False
+        if self.watch is not None and self.watch["flip"]:
+            # A new fault before the flip's restart committed or failed: what follows is not the flip's doing.
+            self.stats.flip_interrupted += 1
+            self.event("flip-interrupted", by=kind)
+            self.watch["flip"] = False
+        if kind == "kill-driver":
+            if not self.alive():
+                return False
+            self.kill("kill-driver")
+            self.event(kind)
+        elif kind == "kill-worker":
+            deadline = time.time() + 20
+            workers: list[int] = []
+            while time.time() < deadline and self.alive():
+                assert self.proc is not None
+                workers = python_workers(self.proc.pid)
+                if workers:
+                    break
+                self.supervise()
+                time.sleep(0.3)
+            if not workers:
+                return False
+            victim = self.rng.choice(sorted(workers))
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                return False
+            self.event(kind, pid=victim)
+        elif kind == "rescale":
+            p = self.other_p()
+            op = self.rng.choice([None, None, "seq", "windows", "reader"])
+            argv = ["rescale", str(g.job), "-p", str(p)] + (["--operator", op] if op else [])
+            self.pending.append(Async(kind, self._cli(argv), time.time()))
+            self.event(kind, parallelism=p, operator=op)
+        elif kind == "savepoint":
+            dest = self.work / "savepoints" / f"sp{sum(self.stats.faults.values()):04d}"
+            self.pending.append(Async(kind, self._cli(["savepoint", str(g.job), "--dest", str(dest)]), time.time(), dest, g.index))
+            self.event(kind, dest=str(dest))
+        elif kind == "flip":
+            if not self.alive():
+                return False
+            self.kill("flip")
+            flipped = self.flip_state_file()
+            if flipped is None:
+                self.restart_p = None
+                return False
+            self.event(kind, **flipped)
+            self.start()  # the restart after the flip: recovered or refused
+            assert self.watch is not None
+            self.watch["flip"] = True
+        elif kind == "restart":
+            p = self.other_p()
+            self.expect_exit = "restart"
+            self.restart_p = p
+            r = keyscale("stop", str(g.job), timeout=300)
+            if r.returncode != 0:
+                self.kill("restart")  # the clean stop failed: stop it hard, restart all the same
+            self.event(kind, parallelism=p, clean=r.returncode == 0)
+        return True
+
+    def _cli(self, argv: list[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", *argv], cwd=ROOT, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def flip_state_file(self) -> dict[str, Any] | None:
+        """XOR one byte of a state file (of the latest checkpoint half the time)."""
+        from keyscale.checkpoint.jobdir import JobDir
+
+        jd = JobDir(self.gen.job)
+        files: list[Path] = []
+        m = jd.latest_manifest() if self.rng.random() < 0.5 else None
+        if m is not None:
+            files = sorted({jd.path / f.path for op in m.operators.values() for f in op.files})
+        if not files:
+            files = sorted(p for p in (jd.path / "state").rglob("*") if p.is_file())
+        files = [f for f in files if f.exists() and f.stat().st_size > 0]
+        if not files:
+            return None
+        victim = self.rng.choice(files)
+        data = bytearray(victim.read_bytes())
+        at = self.rng.randrange(len(data))
+        data[at] ^= 1 << self.rng.randrange(8)
+        victim.write_bytes(bytes(data))
+        return {"file": str(victim.relative_to(jd.path)), "offset": at, "size": len(data)}
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from keyscale.sources import start_generator
+
+        a = self.args
+        duration = a.minutes * 60
+        say(f"work folder {self.work}; log {a.partitions} partitions at {a.rate}/s; faults {','.join(self.kinds)}; seed {a.seed}")
+        gen = start_generator(self.log, f"{a.rate}/s for {duration + 600}s", keys=a.keys, seed=a.seed)
+        self.start(self.rng.randint(1, a.max_p))
+        if not self.wait_serving(240):
+            raise SystemExit(f"the job did not start:\n{self.job_log_tail()[-3000:]}")
+        base = self.work / "savepoints" / "sp-start"
+        if keyscale("savepoint", str(self.gen.job), "--dest", str(base)).returncode == 0:  # a restore point before any fault
+            from keyscale.checkpoint.savepoint import read_savepoint
+
+            self.stats.savepoints.append({"path": str(base), "gen": 0, "batch": read_savepoint(base, verify=False).batch})
+        say(f"job serving; nemesis for {a.minutes:g} min, up to {a.target_faults} faults")
+        rounds = itertools.chain.from_iterable(self.rng.sample(self.kinds, len(self.kinds)) for _ in itertools.count())
+        mean_gap = duration / max(1, a.target_faults)
+        end = time.time() + duration
+        done = 0
+        quick = False
+        while done < a.target_faults and time.time() < end:
+            gap = self.rng.uniform(0, 2.0) if quick else self.rng.uniform(0.3, 1.7) * mean_gap
+            until = min(end, time.time() + gap)
+            while time.time() < until:
+                self.supervise()
+                time.sleep(0.2)
+            if time.time() >= end:
+                break
+            kind = next(rounds)
+            if self.inject(kind):
+                done += 1
+                self.stats.faults[kind] += 1
+                say(f"fault {done}: {kind} (batch {self.last_batch()}, {self.gen.job.name})")
+                quick = kind in ("rescale", "savepoint") and self.rng.random() < 0.5
+            else:
+                self.stats.skipped[kind] = self.stats.skipped.get(kind, 0) + 1
+                quick = False
+        say(f"nemesis done: {done} faults; stopping the generator")
+        gen.stop()
+        gen.join(60)
+        self.finish()
+        return self.summary(time.time() - self.t0)
+
+    def finish(self) -> None:
+        """Stop the job, then read the rest of the log and fire every window (``--until-idle --drain-at-end``)."""
+        deadline = time.time() + 240
+        while self.watch is not None and time.time() < deadline:  # the outcome of the last restart (a flip's above all)
+            self.supervise()
+            time.sleep(0.3)
+        if not self.wait_serving(240):
+            say("  the job is not serving before the final stop")
+        for a in self.pending:
+            try:
+                a.proc.wait(300)
+            except subprocess.TimeoutExpired:
+                a.proc.kill()
+        self.supervise()
+        self.expect_exit = "final"
+        r = keyscale("stop", str(self.gen.job), timeout=300) if self.alive() else None
+        if r is not None and r.returncode != 0:
+            self.kill("final")
+        if self.proc is not None:
+            self.proc.wait(300)
+        for attempt in range(3):
+            self.start(None, "--until-idle", "--drain-at-end")
+            assert self.proc is not None
+            rc = self.proc.wait(1800)
+            if rc == 0:
+                self.resolve_watch()
+                say(f"final run done ({self.gen.job.name}, last batch {self.last_batch()})")
+                return
+            msg = error_line(self.job_log_tail())
+            self.stats.refusals.append(f"final run: {msg}")
+            say(f"  final run refused (exit {rc}): {msg}")
+            sps = self.stats.savepoints
+            if not sps or attempt == 2:
+                break
+            sp = sps[-1]
+            self.new_generation(parent=int(sp["gen"]), cut=int(sp["batch"]))
+            self.stats.restores.append({"why": "final run refused", "savepoint": sp})
+            self.start(None, "--from-savepoint", str(sp["path"]), "--until-idle", "--drain-at-end")
+            if self.proc.wait(1800) == 0:
+                return
+        say("  the final run never succeeded: the check reads what there is")
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        check = verify(self.log, self.gens)
+        s = self.stats
+        return {
+            "config": {k: v for k, v in vars(self.args).items()},
+            "faults": {k: v for k, v in s.faults.items() if k in self.kinds},
+            "faults_total": sum(s.faults.values()),
+            "faults_skipped": s.skipped,
+            "recoveries": s.recoveries,
+            "flips": {"recovered": s.flip_recovered, "refused": s.flip_refused, "restarted_empty": s.flip_empty,
+                      "interrupted": s.flip_interrupted},
+            "empty_restarts": s.empty_restarts,
+            "refusals": s.refusals,
+            "job_failures": s.failures,
+            "stuck_restarts": s.stuck,
+            "restores": s.restores,
+            "savepoints": len(s.savepoints), "savepoints_failed": s.savepoints_failed,
+            "rescales_refused": s.rescales_refused,
+            "job_dirs": len(self.gens),
+            **check,
+            "wall_seconds": round(wall, 1),
+            "events": s.events,
+        }
+
+
+# -- the check ----------------------------------------------------------------------------------
+
+
+def model(log: Any) -> tuple[Any, Any]:
+    """Per (key, window start ms): count and sum; per key: count. From the log's contents."""
+    import pandas as pd
+
+    parts = [log.read(p, 0, e).to_pandas() for p, e in enumerate(log.end_offsets()) if e]
+    df = pd.concat(parts) if parts else pd.DataFrame({"key": [], "value": [], "ts": []})
+    ms = df["ts"].astype("int64") // 1000 if str(df["ts"].dtype).startswith("int") else _ms(df["ts"])
+    df = df.assign(w=ms - ms % WINDOW_MS)
+    windows = df.groupby(["key", "w"]).agg(count=("value", "size"), total=("value", "sum"))
+    keys = df.groupby("key").size().rename("n")
+    return windows, keys
+
+
+def _ms(col: Any) -> Any:
+    import pandas as pd
+
+    s = pd.to_datetime(col, utc=True)
+    return (s - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(milliseconds=1)
+
+
+def lineage_rows(gens: list[Generation]) -> Any:
+    """The output rows that count: the last generation whole, each ancestor up to its cut."""
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    frames = []
+    g: Generation | None = gens[-1]
+    cut: int | None = None
+    order = 0
+    while g is not None:
+        if g.out.exists() and any(g.out.glob("batch=*")):
+            df = pads.dataset(str(g.out), partitioning="hive").to_table().to_pandas()
+            if cut is not None:
+                df = df[df["batch"] <= cut]
+            frames.append(df.assign(gen_order=-order))
+        cut = g.cut
+        g = gens[g.parent] if g.parent is not None else None
+        order += 1
+    if not frames:
+        return pd.DataFrame(columns=["key", "window_start", "count", "total", "last", "batch", "gen_order"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def late_records(gens: list[Generation]) -> int:
+    import pyarrow.dataset as pads
+
+    n = 0
+    for g in gens:
+        if g.late.exists() and any(g.late.glob("batch=*")):
+            n += pads.dataset(str(g.late), partitioning="hive").count_rows()
+    return n
+
+
+def verify(log: Any, gens: list[Generation]) -> dict[str, Any]:
+    """Exactly-once: the output's final windows and per-key numbers against the model."""
+    import pandas as pd
+
+    want_w, want_k = model(log)
+    rows = lineage_rows(gens)
+    if len(rows):
+        rows = rows.assign(w=_ms(rows["window_start"]))
+        last = rows.sort_values(["gen_order", "batch"]).groupby(["key", "w"]).tail(1).set_index(["key", "w"])
+        got_w = last[["count", "total"]]
+        got_k = rows.groupby("key")["last"].max().rename("n")
+    else:
+        got_w = pd.DataFrame(columns=["count", "total"])
+        got_k = pd.Series(dtype="int64", name="n")
+    w = want_w.join(got_w, how="outer", lsuffix="_want", rsuffix="_got").fillna(0)
+    diff = w["count_got"] - w["count_want"]
+    k = pd.concat([want_k.rename("want"), got_k.rename("got")], axis=1).fillna(0)
+    kd = k["got"] - k["want"]
+    bad_w = w[(diff != 0) | (w["total_got"] != w["total_want"])]
+    return {
+        "records": int(want_k.sum()),
+        "keys": len(want_k),
+        "windows": len(want_w),
+        "records_lost": int(-diff[diff < 0].sum()),
+        "records_duplicated": int(diff[diff > 0].sum()),
+        "windows_missing": int(((w["count_got"] == 0) & (w["count_want"] > 0)).sum()),
+        "windows_extra": int(((w["count_want"] == 0) & (w["count_got"] > 0)).sum()),
+        "windows_wrong": len(bad_w),
+        "keyed_state": {"keys_short": int((kd < 0).sum()), "keys_over": int((kd > 0).sum()),
+                        "updates_lost": int(-kd[kd < 0].sum()), "updates_doubled": int(kd[kd > 0].sum())},
+        "late_records": late_records(gens),
+        "exactly_once": bool(len(bad_w) == 0 and (kd == 0).all()),
+        "examples": [{"key": kk, "window_start_ms": int(ww), "want": [int(r.count_want), int(r.total_want)], "got": [int(r.count_got), int(r.total_got)]}
+                     for (kk, ww), r in itertools.islice(bad_w.iterrows(), 5)],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", default=",".join(KINDS), help=f"comma-separated kinds (default all: {','.join(KINDS)})")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--minutes", type=float, default=5.0, help="how long the nemesis runs")
+    ap.add_argument("--target-faults", type=int, default=20, help="faults to inject (the nemesis ends early when reached)")
+    ap.add_argument("--rate", type=int, default=200, help="records/s the generator writes")
+    ap.add_argument("--keys", type=int, default=40)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--limit", type=int, default=2000, help="records a batch reads per log partition")
+    ap.add_argument("--max-p", type=int, default=4, help="parallelism is drawn from 1..max-p")
+    ap.add_argument("--max-parallelism", type=int, default=16, help="key groups")
+    ap.add_argument("--trigger-interval", default="1 second")
+    ap.add_argument("--work", help="working folder (kept; default a temporary one, deleted unless the check fails)")
+    ap.add_argument("--out", help="summary JSON (default bench/out/chaos.json)")
+    args = ap.parse_args(argv)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="keyscale-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out_path = Path(args.out) if args.out else OUT / "chaos.json"
+    h = Harness(args, work)
+    try:
+        summary = h.run()
+    finally:
+        if h.alive():
+            h.kill("harness exit")
+        for a in h.pending:
+            if a.proc.poll() is None:
+                a.proc.kill()
+    summary["work"] = str(work)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(summary, indent=1, default=str))
+    brief = {k: summary[k] for k in ("faults", "faults_total", "recoveries", "flips", "empty_restarts", "restores", "records", "records_lost",
+                                      "records_duplicated", "keyed_state", "late_records", "exactly_once", "wall_seconds")}
+    say("summary: " + json.dumps(brief))
+    for r in summary["refusals"]:
+        say(f"  refusal: {r}")
+    for f in summary["job_failures"]:
+        say(f"  job failure: {f}")
+    say(f"wrote {out_path}")
+    if summary["exactly_once"] and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if summary["exactly_once"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
