@@ -381,6 +381,35 @@ def test_local_layout_is_segments_named_by_offsets(tmp_path: Path) -> None:
         log.end_offsets()
 
 
+def test_a_listing_that_misses_a_segment_being_appended_is_not_damage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in the chaos run: a reader's directory scan, concurrent with a producer's appends,
+    missed one new segment and returned the next, and the job stopped on "offsets [53021,
+    53028) are missing". A listing is not a snapshot: only a gap that stays is damage."""
+    log = create_log(tmp_path / "l", KV, 1)
+    for i in range(3):
+        log.append(0, seq_table(i * 2, 2))
+    real = os.scandir
+    scans = {"n": 0}
+
+    class Missing:
+        """The first scan misses the middle segment, as readdir may during an append."""
+
+        def __init__(self, path: Any) -> None:
+            self.it = real(path)
+
+        def __enter__(self) -> Any:
+            entries = list(self.it.__enter__())
+            scans["n"] += 1
+            return iter([e for e in entries if scans["n"] > 1 or not e.name.startswith("00000000000000000002-")])
+
+        def __exit__(self, *exc: Any) -> None:
+            self.it.__exit__(*exc)
+
+    monkeypatch.setattr(os, "scandir", Missing)
+    assert open_log(log.uri).end_offsets() == [6]
+    assert scans["n"] == 2
+
+
 def test_redis_layout_one_stream_per_partition(redis_url: str) -> None:
     import redis
 

@@ -34,6 +34,7 @@ import fcntl
 import json
 import os
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -282,6 +283,20 @@ FORMAT = "keyscale-log"
 _SEGMENT = re.compile(r"^(\d{20})-(\d{10})\.arrow$")
 
 
+def _segment_problem(segs: list[tuple[int, int]]) -> str | None:
+    """None when sorted (base, count) segments cover offsets 0.. without a gap or overlap.
+
+    >>> _segment_problem([(0, 5), (5, 2)]), _segment_problem([(0, 5), (7, 1)]), _segment_problem([(0, 5), (4, 1)])
+    (None, 'offsets [5, 7) are missing', 'segments overlap at offset 4')
+    """
+    expect = 0
+    for base, count in segs:
+        if base != expect:
+            return f"offsets [{expect}, {base}) are missing" if base > expect else f"segments overlap at offset {base}"
+        expect = base + count
+    return None
+
+
 def _segment_name(base: int, count: int) -> str:
     return f"{base:020d}-{count:010d}.arrow"
 
@@ -429,26 +444,31 @@ class LocalLog(PartitionedLog):
     def _pdir(self, partition: int) -> Path:
         return self._path / _partition_dir(partition)
 
-    def _list_segments(self, partition: int) -> list[tuple[int, int]]:
-        """The partition's segments as (base, count), in offset order; checked to be contiguous from 0."""
-        segs: list[tuple[int, int]] = []
-        try:
-            with os.scandir(self._pdir(partition)) as it:
-                for entry in it:
-                    m = _SEGMENT.match(entry.name)
-                    if m:
-                        segs.append((int(m.group(1)), int(m.group(2))))
-        except FileNotFoundError:
-            pass  # a partition folder add_partitions has not created yet: empty
-        segs.sort()
-        expect = 0
-        for base, count in segs:
-            if base != expect:
-                what = f"offsets [{expect}, {base}) are missing" if base > expect else f"segments overlap at offset {base}"
-                raise StateError(f"partition {partition} of log {self._path} is damaged: {what}")
-            expect = base + count
-        self._segments[partition] = segs
-        return segs
+    def _list_segments(self, partition: int, attempts: int = 3) -> list[tuple[int, int]]:
+        """The partition's segments as (base, count), in offset order; checked to be contiguous from 0.
+
+        A directory listing is not a snapshot: while a writer appends, it can miss a
+        segment created during the scan and return the next one, which looks like a gap.
+        A gap is therefore damage only when it is still there in a new listing.
+        """
+        for attempt in range(attempts):
+            segs: list[tuple[int, int]] = []
+            try:
+                with os.scandir(self._pdir(partition)) as it:
+                    for entry in it:
+                        m = _SEGMENT.match(entry.name)
+                        if m:
+                            segs.append((int(m.group(1)), int(m.group(2))))
+            except FileNotFoundError:
+                pass  # a partition folder add_partitions has not created yet: empty
+            segs.sort()
+            problem = _segment_problem(segs)
+            if problem is None:
+                self._segments[partition] = segs
+                return segs
+            if attempt + 1 < attempts:
+                time.sleep(0.01 * (attempt + 1))
+        raise StateError(f"partition {partition} of log {self._path} is damaged: {problem}")
 
     def _end(self, partition: int) -> int:
         segs = self._list_segments(partition)
