@@ -7,6 +7,10 @@ Every error a user can cause (bad job file, bad job directory, bad state) is a
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
+
 
 class KeyscaleError(Exception):
     """A problem a user can fix; ``str(err)`` is a one-line explanation."""
@@ -63,3 +67,32 @@ class OutputError(KeyscaleError):
     """A sink's output path holds output of another job lineage (see keyscale.checkpoint.lineage)."""
 
     exit_code = 8
+
+
+# -- across Spark --------------------------------------------------------------------------
+# An error raised in a Spark task reaches the driver as text inside Spark's own exception.
+# One marked line carries the error's class and message (JSON, so a message of several
+# lines survives); the driver turns it back into the error it was.
+
+_KEYSCALE = re.compile(r'KEYSCALE-ERROR (\w+): ("(?:[^"\\]|\\.)*"|.+)')
+
+
+def encode_error(exc: KeyscaleError) -> str:
+    """One line that survives Spark's wrapping of a task's Python error (JSON keeps newlines).
+
+    >>> decode_error("RuntimeError: " + encode_error(StateError("checkpoint 3 is damaged")))
+    ('StateError', 'checkpoint 3 is damaged')
+    """
+    return f"KEYSCALE-ERROR {type(exc).__name__}: {json.dumps(str(exc))}"
+
+
+def decode_error(text: str) -> tuple[str, str] | None:
+    """(error class name, message) of the first KEYSCALE-ERROR line in ``text``."""
+    found = _KEYSCALE.search(text)
+    if found is None:
+        return None
+    msg = found.group(2).strip()
+    if msg.startswith('"'):
+        with contextlib.suppress(ValueError):
+            msg = str(json.loads(msg))
+    return found.group(1), msg

@@ -118,7 +118,7 @@ def test_raising_function_fails_with_operator_key_batch_record_and_user_frames(t
 
 
 def test_fail_error_survives_spark_wrapping_with_all_its_lines() -> None:
-    from keyscale.operators.poison import decode_error, encode_error
+    from keyscale.errors import decode_error, encode_error
 
     err = RecordError('operator \'x\' failed on key "a"\n  in your code:\n    raise ValueError("no")\nValueError: no')
     wrapped = f"Traceback (most recent call last):\n  File \"worker.py\"\nRuntimeError: {encode_error(err)}\n\tat org.apache.spark..."
@@ -355,7 +355,7 @@ def test_vectorized_failure_is_bisected_to_its_keys_under_dead_letter(tmp_path: 
 
 
 def test_an_unexpected_error_in_a_spark_task_names_operator_and_batch(tmp_path: Path) -> None:
-    from keyscale.operators.poison import decode_error
+    from keyscale.errors import decode_error
 
     d = PolicyDriver(tmp_path / "job", Tracker(), TRACKER_OUT, uid="alerts")
     spec = d.spec(4, 1)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from keyscale.errors import decode_error
 from keyscale.sources.reader import (
     add_partitions,
     advance,
@@ -130,13 +132,19 @@ def test_a_reader_stops_on_a_log_recreated_or_shrunk_after_planning(tmp_path: An
     plan = plan_batch([[(0, 0)]], [3])
     one = pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])
     fn = make_reader_function(log, "reader", str(tmp_path / "job"), 4, plan, log.schema, None, log_id="the-old-one")
-    with pytest.raises(RuntimeError, match=r"KEYSCALE-ERROR KeyscaleError: source 'reader': log .* was recreated after batch 4 was planned"):
+    with pytest.raises(RuntimeError) as err:  # the error crosses Spark as one marked line (keyscale.errors)
         list(fn(iter([one])))
+    found = decode_error(str(err.value))
+    assert found is not None and found[0] == "KeyscaleError"
+    assert re.match(r"source 'reader': log .* was recreated after batch 4 was planned", found[1]), found[1]
     shutil.rmtree(tmp_path / "log")
     create_log(tmp_path / "log", "key string", 1).append(0, pa.table({"key": ["a"]}))
     fn = make_reader_function(log, "reader", str(tmp_path / "job"), 4, plan, log.schema, None)
-    with pytest.raises(RuntimeError, match=r"partition 0 of log .* ends at offset 1, but batch 4 was planned to read \[0, 3\)"):
+    with pytest.raises(RuntimeError) as err:
         list(fn(iter([one])))
+    found = decode_error(str(err.value))
+    assert found is not None and found[0] == "KeyscaleError"
+    assert re.search(r"partition 0 of log .* ends at offset 1, but batch 4 was planned to read \[0, 3\)", found[1]), found[1]
 
 
 def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_record(tmp_path: Any) -> None:

@@ -25,6 +25,15 @@ from keyscale.state.table import KG_COLUMN
 _INDEX_KEY = b"keyscale.kg_index"
 
 
+def fsync_file(path: Path) -> None:
+    """Make a file's written bytes durable (it was written and closed elsewhere, e.g. by Spark)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -67,7 +67,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from keyscale.checkpoint.drain import add_empty_batch, restored_event_time, spark_log_end
-from keyscale.checkpoint.files import _INDEX_KEY, fsync_dir, verify_state_file, write_state_file
+from keyscale.checkpoint.files import (
+    _INDEX_KEY,
+    fsync_dir,
+    fsync_file,
+    verify_state_file,
+    write_state_file,
+)
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import restored_lineage
 from keyscale.checkpoint.manifest import (
@@ -573,14 +579,6 @@ def chunk_ranges(rows_per_kg: np.ndarray, rows_per_file: int) -> list[KeyGroupRa
 
 def data_file_name(uid: str, rng: KeyGroupRange) -> str:
     return f"operators/{uid}/kg-{rng.start}-{rng.end}.parquet"
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_data_file(root: Path, uid: str, rng: KeyGroupRange, table: pa.Table) -> SavepointFile:

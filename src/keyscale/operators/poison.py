@@ -27,7 +27,6 @@ runner is pure.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -41,7 +40,11 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from keyscale.errors import JobDefinitionError, KeyscaleError, RecordError
+from keyscale.errors import (
+    JobDefinitionError,
+    KeyscaleError,
+    RecordError,
+)
 from keyscale.operators.keyed import (
     TIMER_STATES,
     Context,
@@ -385,26 +388,6 @@ def null_event_time_mask(col: pa.ChunkedArray[Any] | pa.Array[Any]) -> np.ndarra
 
 
 # -- Spark's errors --------------------------------------------------------------------------------
-
-_KEYSCALE = re.compile(r'KEYSCALE-ERROR (\w+): ("(?:[^"\\]|\\.)*"|.+)')
-
-
-def encode_error(exc: KeyscaleError) -> str:
-    """One line that survives Spark's wrapping of a task's Python error (JSON keeps newlines)."""
-    return f"KEYSCALE-ERROR {type(exc).__name__}: {json.dumps(str(exc))}"
-
-
-def decode_error(text: str) -> tuple[str, str] | None:
-    """(error class name, message) of the first KEYSCALE-ERROR line in ``text``."""
-    found = _KEYSCALE.search(text)
-    if found is None:
-        return None
-    msg = found.group(2).strip()
-    if msg.startswith('"'):
-        with contextlib.suppress(ValueError):
-            msg = str(json.loads(msg))
-    return found.group(1), msg
-
 
 # Spark 4: "[FAILED_READ_FILE.<reason>] Encountered error while reading file <path>. <cause> SQLSTATE: ..."
 _READ_FILE = re.compile(r"Encountered error while reading file (\S+?)\.(?:\s+([^\n]*?))?\s*(?:SQLSTATE[^\n]*)?$", re.M)

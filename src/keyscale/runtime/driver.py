@@ -42,7 +42,7 @@ from keyscale.checkpoint.manifest import (
     summarize_operator_state,
 )
 from keyscale.checkpoint.retention import should_snapshot
-from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError
+from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError, decode_error
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState, ahead_limit_ms
 from keyscale.operators.eventtime import advance as advance_watermark
 from keyscale.operators.eventtime import describe as describe_watermark
@@ -52,7 +52,7 @@ from keyscale.operators.nonkeyed import (
     lists_for,
     lists_state,
 )
-from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL, decode_error, input_error
+from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL, input_error
 from keyscale.operators.windows import WindowAggregate
 from keyscale.runtime import counters, poison_batch
 from keyscale.runtime.control import ControlServer

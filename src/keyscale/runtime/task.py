@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from keyscale.checkpoint.files import read_state_slice, write_report, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
-from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError
+from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms, max_event_within
 from keyscale.operators.keyed import (
     TIMER_STATES,
@@ -49,7 +49,6 @@ from keyscale.operators.poison import (
     ErrorCollector,
     ErrorPolicy,
     bisect_failures,
-    encode_error,
     null_event_time_mask,
     null_key_mask,
     one_line,

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from keyscale.checkpoint.files import fsync_dir
+from keyscale.checkpoint.files import fsync_dir, fsync_file
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import OutputError
 from keyscale.storage import local_path
@@ -44,11 +44,7 @@ def _fsync_tree(folder: Path) -> None:
     """fsync every file in ``folder`` (one level: a Spark output folder), then the folder."""
     for p in folder.iterdir():
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(p)
     fsync_dir(folder)
 
 

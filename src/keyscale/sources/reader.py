@@ -34,7 +34,7 @@ from typing import Any
 import pyarrow as pa
 
 from keyscale.checkpoint.files import write_report
-from keyscale.errors import JobDefinitionError, KeyscaleError
+from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.sources.log import LogError, PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
@@ -244,12 +244,12 @@ def _read(log: PartitionedLog, uid: str, batch: int, p: int, start: int, end: in
     except KeyscaleError as e:
         ends = log.end_offsets()
         if p < len(ends) and ends[p] < end:
-            raise RuntimeError(
-                f"KEYSCALE-ERROR KeyscaleError: source '{uid}': partition {p} of log {log.uri} ends at offset {ends[p]}, but batch {batch} "
+            raise RuntimeError(encode_error(KeyscaleError(
+                f"source '{uid}': partition {p} of log {log.uri} ends at offset {ends[p]}, but batch {batch} "
                 f"was planned to read [{start}, {end}): records are gone (a Redis failover to a replica that was behind, deleted "
                 f"segments, or the log recreated). {_WHAT_TO_DO}"
-            ) from None
-        raise RuntimeError(f"KEYSCALE-ERROR {type(e).__name__}: source '{uid}', batch {batch}: {e}") from None
+            ))) from None
+        raise RuntimeError(encode_error(type(e)(f"source '{uid}', batch {batch}: {e}"))) from None
 
 
 def make_reader_function(
@@ -270,10 +270,10 @@ def make_reader_function(
                 subtask = int(value or 0)
                 started = time.perf_counter()
                 if log_id is not None and log.identity() != log_id:
-                    raise RuntimeError(
-                        f"KEYSCALE-ERROR KeyscaleError: source '{uid}': log {log.uri} was recreated after batch {batch} was planned "
+                    raise RuntimeError(encode_error(KeyscaleError(
+                        f"source '{uid}': log {log.uri} was recreated after batch {batch} was planned "
                         f"(its id was {log_id}, now {log.identity()}); the batch's offsets mean other records. {_WHAT_TO_DO}"
-                    )
+                    )))
                 report: dict[str, Any] = {"subtask": subtask, "partitions": {}}
                 ahead = 0
                 for p, start, end in plan[subtask]:
@@ -288,7 +288,7 @@ def make_reader_function(
                     try:
                         t = t.select(target.names).cast(target)
                     except (pa.ArrowInvalid, KeyError) as e:
-                        raise RuntimeError(f"KEYSCALE-ERROR InputDataError: source '{uid}', partition {p}: records do not fit the log's schema ({e})") from None
+                        raise RuntimeError(encode_error(InputDataError(f"source '{uid}', partition {p}: records do not fit the log's schema ({e})"))) from None
                     yield from t.to_batches()
                 report["records"] = sum(i["records"] for i in report["partitions"].values())
                 report["counters"] = {"too_far_ahead": ahead} if ahead else {}
