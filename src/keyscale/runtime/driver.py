@@ -757,12 +757,13 @@ class JobRunner:
             reader.check_last_records(src.uid, src.log, current, reader.last_records_of(state))
         self._log_ids[src.uid] = log_id
         if current is None:
-            current = reader.initial_assignment(src.log.num_partitions(), p)
-            log.info("source '%s': %d partitions over %d readers: %s", src.uid, src.log.num_partitions(), p, _describe_assignment(current))
+            current = reader.initial_assignment(len(ends), p)
+            log.info("source '%s': %d partitions over %d readers: %s", src.uid, len(ends), p, _describe_assignment(current))
         if len(current) != p:
             current = reader.rescale_assignment(current, p)
             log.info("batch %d: source '%s' rescaled to %d readers: partitions %s", batch_id, src.uid, p, _describe_assignment(current))
-        current, added = reader.add_partitions(current, src.log.num_partitions())
+        # The partitions are those the ends were read for: one view of the log for the whole plan.
+        current, added = reader.add_partitions(current, len(ends))
         for part, r in added:
             log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset 0", batch_id, src.uid, part, r)
         plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
