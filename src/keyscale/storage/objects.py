@@ -1,0 +1,233 @@
+"""Objects on an object store: S3 and S3-compatible servers, Google Cloud Storage, Azure.
+
+Served by ``obstore`` (Rust ``object_store``): it is the Python client that does a
+conditional create (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``), which the commit
+protocol needs, and it was the fastest of the clients measured (docs/design.md, "Storage").
+
+Settings come as every S3 tool takes them: the standard environment variables
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
+``AWS_REGION``/``AWS_DEFAULT_REGION``; ``GOOGLE_*``, ``AZURE_*`` for the others), plus
+``--storage-option KEY=VALUE`` (obstore's config keys, e.g. ``endpoint``, ``region``,
+``virtual_hosted_style_request``). The settings are read once, on the driver, and travel
+with the store to the executors (tasks pickle it), as Spark's own ``spark.hadoop.fs.s3a.*``
+settings do; where executors have their own credentials (instance profiles, workload
+identity), set none and each process finds its own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlparse
+
+from keyscale.errors import StorageError
+from keyscale.storage.base import ObjectInfo, Store, check_key, join
+
+SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss")
+
+# Environment variables read for each scheme, as obstore config keys.
+_S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "access_key_id",
+    "AWS_SECRET_ACCESS_KEY": "secret_access_key",
+    "AWS_SESSION_TOKEN": "session_token",
+    "AWS_DEFAULT_REGION": "region",
+    "AWS_REGION": "region",  # after AWS_DEFAULT_REGION: the AWS CLI prefers AWS_REGION
+    "AWS_ENDPOINT_URL": "endpoint",
+    "AWS_ENDPOINT_URL_S3": "endpoint",
+}
+
+
+def settings_from_env(scheme: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The store settings the environment gives for ``scheme`` (driver side).
+
+    >>> settings_from_env("s3", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_REGION": "eu-west-1"})
+    {'region': 'eu-west-1', 'endpoint': 'http://127.0.0.1:9000'}
+    """
+    env = dict(os.environ if env is None else env)
+    out: dict[str, str] = {}
+    if scheme in ("s3", "s3a"):
+        for var, key in _S3_ENV.items():
+            if env.get(var):
+                out[key] = env[var]
+    elif scheme == "gs":
+        for var in ("GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT_KEY"):
+            if env.get(var):
+                out[var.lower().removeprefix("google_")] = env[var]
+    else:
+        out.update({k.lower().removeprefix("azure_storage_").removeprefix("azure_"): v for k, v in env.items() if k.startswith("AZURE_") and v})
+    return out
+
+
+def _split(uri: str) -> tuple[str, str, str]:
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.lower()
+    if not parsed.netloc:
+        raise StorageError(f"{uri}: an object store location names its bucket ({scheme}://BUCKET/PREFIX)")
+    return scheme, parsed.netloc, parsed.path.strip("/")
+
+
+class ObjectStore(Store):
+    """A bucket and a prefix of an object store.
+
+    >>> s = ObjectStore("s3://bucket/jobs/a", {"endpoint": "http://127.0.0.1:1", "region": "us-east-1"})
+    >>> s.url("checkpoints/manifest-1.json"), s.sub("savepoints/x").uri
+    ('s3://bucket/jobs/a/checkpoints/manifest-1.json', 's3://bucket/jobs/a/savepoints/x')
+    """
+
+    def __init__(self, uri: str, settings: dict[str, str] | None = None):
+        super().__init__()
+        scheme, bucket, prefix = _split(uri)
+        if scheme not in SCHEMES:
+            raise StorageError(f"{uri}: keyscale cannot store in {scheme}:// locations")
+        self.scheme, self.bucket, self.prefix = scheme, bucket, prefix
+        self.uri = f"{scheme}://{bucket}" + (f"/{prefix}" if prefix else "")
+        self.settings = dict(settings or {})
+        self._client: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"uri": self.uri, "settings": self.settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["uri"], state["settings"])  # type: ignore[misc]
+
+    def sub(self, key: str) -> ObjectStore:
+        return ObjectStore(self.url(check_key(key)), self.settings)
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from obstore.store import AzureStore, GCSStore, S3Store
+
+            config = {k: v for k, v in self.settings.items() if k != "allow_http"}
+            # A plain-http endpoint (a local S3 server) is what the user configured: allow it.
+            http = self.settings.get("allow_http", "").lower() in ("1", "true") or str(config.get("endpoint", "")).startswith("http://")
+            options = {"allow_http": True} if http else None
+            try:
+                if self.scheme in ("s3", "s3a"):
+                    config.setdefault("region", "us-east-1")
+                    self._client = S3Store(self.bucket, config=config, client_options=options)  # type: ignore[arg-type]
+                elif self.scheme == "gs":
+                    self._client = GCSStore(self.bucket, config=config, client_options=options)  # type: ignore[arg-type]
+                else:
+                    self._client = AzureStore(self.bucket, config=config, client_options=options)  # type: ignore[arg-type]
+            except Exception as e:  # obstore's own errors for unknown keys, bad values
+                raise StorageError(f"{self.uri}: cannot configure the object store ({e})") from None
+        return self._client
+
+    def _key(self, key: str) -> str:
+        return join(self.prefix, check_key(key))
+
+    def _fail(self, what: str, key: str, e: Exception) -> StorageError:
+        return StorageError(f"{self.url(key)}: {what} failed ({type(e).__name__}: {e})".split("\n")[0])
+
+    # -- objects -------------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        self.requests["get"] += 1
+        try:
+            return bytes(obstore.get(self.client, self._key(key)).bytes())
+        except (NotFoundError, FileNotFoundError):
+            raise FileNotFoundError(self.url(key)) from None
+        except StorageError:
+            raise
+        except Exception as e:
+            raise self._fail("read", key, e) from None
+
+    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+        import obstore
+
+        self.requests["put"] += 1
+        try:
+            obstore.put(self.client, self._key(key), data, use_multipart=len(data) > (64 << 20))
+        except StorageError:
+            raise
+        except Exception as e:
+            raise self._fail("write", key, e) from None
+
+    def create(self, key: str, data: bytes) -> bool:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        self.requests["create"] += 1
+        try:
+            obstore.put(self.client, self._key(key), data, mode="create", use_multipart=False)
+        except (AlreadyExistsError, PreconditionError):
+            return False
+        except StorageError:
+            raise
+        except Exception as e:
+            raise self._fail("conditional create", key, e) from None
+        return True
+
+    def size(self, key: str) -> int | None:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        self.requests["head"] += 1
+        try:
+            return int(obstore.head(self.client, self._key(key))["size"])
+        except (NotFoundError, FileNotFoundError):
+            return None
+        except StorageError:
+            raise
+        except Exception as e:
+            raise self._fail("head", key, e) from None
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        import obstore
+
+        self.requests["list"] += 1
+        base = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        try:
+            out = [
+                ObjectInfo(meta["path"][strip:], int(meta["size"]))
+                for chunk in obstore.list(self.client, base + "/" if base else None)
+                for meta in chunk
+            ]
+        except StorageError:
+            raise
+        except Exception as e:
+            raise self._fail("list", prefix, e) from None
+        return sorted(out, key=lambda o: o.key)
+
+    def list_names(self, prefix: str) -> list[str]:
+        import obstore
+
+        self.requests["list"] += 1
+        base = self._key(prefix)
+        try:
+            res = obstore.list_with_delimiter(self.client, base + "/" if base else None)
+        except Exception as e:
+            raise self._fail("list", prefix, e) from None
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]]
+        names += [m["path"].rsplit("/", 1)[-1] for m in res["objects"]]
+        return sorted(set(names))
+
+    def delete(self, key: str) -> None:
+        self.delete_many([key])
+
+    def delete_many(self, keys: list[str]) -> None:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        if not keys:
+            return
+        self.requests["delete"] += 1  # one bulk request per 1000 keys where the store has one
+        try:
+            obstore.delete(self.client, [self._key(k) for k in keys])
+        except (NotFoundError, FileNotFoundError):
+            pass
+        except Exception as e:
+            raise self._fail("delete", keys[0], e) from None
+
+    def copy(self, src: str, dst: str) -> None:
+        import obstore
+
+        self.requests["copy"] += 1
+        try:
+            obstore.copy(self.client, self._key(src), self._key(dst))
+        except Exception as e:
+            raise self._fail(f"copy to {dst}", src, e) from None
