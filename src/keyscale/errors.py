@@ -28,6 +28,12 @@ class JobDirError(KeyscaleError):
     exit_code = 3
 
 
+class FencedError(JobDirError):
+    """A newer run of the job took over its job directory: this one must not commit."""
+
+    exit_code = 9
+
+
 class StateError(KeyscaleError):
     """State or a checkpoint is damaged, incompatible or missing."""
 

@@ -479,8 +479,8 @@ def _partition_writer(
     Rows arrive sorted by key group and key; chunks are contiguous key-group ranges, so each
     chunk is one run of rows, written as it streams by.
     """
-    from keyscale.checkpoint.files import fsync_file
     from keyscale.checkpoint.savepoint import sha256_file
+    from keyscale.storage.local import fsync_file
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         starts = np.array([a for a, _ in ranges], dtype=np.int64)

@@ -18,7 +18,7 @@ from conftest import ROOT, RUNNING_COUNT
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import StorageError
 from keyscale.sinks.parquet import ParquetSink
-from keyscale.storage import local_path
+from keyscale.storage import ObjectStore, local_path, open_store
 
 
 def test_doctests() -> None:
@@ -26,14 +26,28 @@ def test_doctests() -> None:
 
 
 @pytest.mark.parametrize("uri", ["s3://bucket/jobs/rc", "S3A://b/x", "gs://b/x", "hdfs://nn:8020/x", "abfss://c@a.dfs.core.windows.net/x"])
-def test_object_store_uris_are_refused_by_name(uri: str) -> None:
-    with pytest.raises(StorageError, match="cannot store in") as e:
-        local_path(uri, "job directory")
+def test_local_only_locations_refuse_uris_by_name(uri: str) -> None:
+    with pytest.raises(StorageError, match="must be a local path") as e:
+        local_path(uri, "log folder")
+    assert uri in str(e.value)
+
+
+@pytest.mark.parametrize("uri", ["hdfs://nn:8020/x", "webhdfs://nn/x", "ftp://h/x", "s3://"])
+def test_unserved_schemes_are_refused_by_name(uri: str) -> None:
+    with pytest.raises(StorageError, match="job directory") as e:
+        open_store(uri, "job directory")
     assert uri in str(e.value)
     with pytest.raises(StorageError):
         JobDir(uri)
     with pytest.raises(StorageError, match="Parquet sink path"):
         ParquetSink(uri)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/jobs/rc", "s3a://b/x", "gs://b/x", "az://c/x"])
+def test_object_store_uris_open_stores(uri: str) -> None:
+    store = open_store(uri, "job directory")
+    assert isinstance(store, ObjectStore) and store.url("a/b") == store.uri + "/a/b"
+    assert store.local_root is None
 
 
 def test_file_uris_and_paths_are_local(tmp_path: Path) -> None:
@@ -49,6 +63,9 @@ def test_file_uris_and_paths_are_local(tmp_path: Path) -> None:
 def test_any_other_scheme_is_refused(scheme: str, rest: str) -> None:
     with pytest.raises(StorageError, match=re.escape(f"{scheme}://")):
         local_path(f"{scheme}://{rest}", "job directory")
+    if scheme not in ("s3", "s3a", "gs", "az", "abfs", "abfss"):
+        with pytest.raises(StorageError, match=re.escape(f"{scheme}://")):
+            open_store(f"{scheme}://{rest}", "job directory")
 
 
 def test_run_with_an_s3_job_dir_writes_nothing_locally(tmp_path: Path) -> None:

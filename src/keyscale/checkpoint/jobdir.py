@@ -1,26 +1,33 @@
-"""The job directory: one job's identity, lock, checkpoints, state files and control inbox.
+"""The job directory: one job's identity, epochs, checkpoints, state files and control inbox.
 
-Layout::
+Layout (keys of the job directory's store: a local folder or an object store prefix)::
 
-    JOB_DIR/
-      job.json                  identity: job name, max parallelism (fixed for life)
-      lock                      held (flock) by the one process running the job
-      status.json               written by the running job after each batch
-      control/rescale.json      live rescale requests, read at the next batch
-      control/secret            the running job's control API secret (0600, new each run)
-      spark/                    Spark's streaming checkpoint (source positions, batch log)
-      checkpoints/manifest-<batch>.json   one per committed batch (the commit point)
-      checkpoints/intent-<batch>.json     parallelism and time fixed for a batch before it runs
-      state/<uid>/...           state files written by tasks
+    job.json                  identity: job name, max parallelism (fixed for life), lineages
+    epochs/<n>.json           run n's claim (created only if absent): a commit of run n checks
+                              that no run n+1 exists, so an old driver never commits after a new one
+    lock                      local disk only: held (flock) by the one process running the job
+    status.json               written by the running job (its heartbeat on an object store)
+    run.json                  how the job was started (for `keyscale rescale --restart`)
+    control/rescale.json      live rescale requests, read at the next batch
+    control/secret            the running job's control API secret (new each run)
+    checkpoints/manifest-<batch>.json   one per committed batch (the commit point; created only if absent)
+    checkpoints/intent-<batch>.json     parallelism and time fixed for a batch before it runs
+    spark/bundle-<batch>.json           Spark's own checkpoint, mirrored when the job dir is not local
+    state/<uid>/...           state files written by tasks (immutable, uniquely named)
+    events.jsonl | events/    what the job decided (autoscaler, rescales), with reasons
+
+Every object is written whole; nothing is renamed or locked on an object store (see
+docs/design.md, "Commit protocol").
 """
 
 from __future__ import annotations
 
-import fcntl
+import hashlib
 import json
 import os
-import shutil
+import socket
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,18 +35,33 @@ from pathlib import Path
 from typing import Any
 
 from keyscale.checkpoint import sparklog
-from keyscale.checkpoint.files import (
-    atomic_write_json,
-    atomic_write_text,
-    is_locked,
-    verify_state_file,
-)
+from keyscale.checkpoint.files import verify_state_file
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.retention import checkpoints_to_keep
-from keyscale.errors import JobDirError, StateError
-from keyscale.storage import local_path
+from keyscale.errors import FencedError, JobDirError, StateError, StorageError
+from keyscale.storage import LocalStore, Store, open_store
 
 JOB_FILE = "job.json"
+CHECKPOINTS = "checkpoints"
+EPOCHS = "epochs"
+# On an object store there is no lock: a job whose heartbeat (status.json) is older than
+# this is taken to be gone, and a new run may claim the job directory.
+TAKEOVER_AFTER_S = float(os.environ.get("KEYSCALE_TAKEOVER_AFTER", "30"))
+HEARTBEAT_S = TAKEOVER_AFTER_S / 3
+# Files no manifest took (other attempts', a crashed batch's) are found by listing the
+# state folder: at start and every so many batches, never once per file.
+SWEEP_EVERY = 32
+
+
+def _json(obj: object) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+def _batch_of(name: str, prefix: str) -> int | None:
+    try:
+        return int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) and name.endswith(".json") else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -62,105 +84,172 @@ class Recovery:
     spark_set_aside: str | None = None  # where Spark's checkpoint went on an empty restart
 
 
-class JobDir:
-    """Paths and operations on one job directory."""
+def spark_cache_dir(uri: str) -> Path:
+    """The local folder where Spark's checkpoint of a job directory on an object store lives
+    while the job runs (Spark writes only local or Hadoop paths; keyscale mirrors it)."""
+    base = Path(os.environ.get("KEYSCALE_SPARK_CACHE", Path.home() / ".cache" / "keyscale" / "spark"))
+    return base / hashlib.sha256(uri.encode()).hexdigest()[:16]
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = local_path(path, "job directory")
+
+class JobDir:
+    """One job directory on a store (local path, ``file://``, ``s3://``, ...)."""
+
+    def __init__(self, location: str | os.PathLike[str] | Store):
+        self.store = open_store(location, "job directory")
+        self.uri = self.store.url()  # a plain path on local disk, a URI otherwise
         self._lock_fd: int | None = None
+        self.epoch = 0  # this process's run, once claimed
+        self._batches: list[int] | None = None  # manifest batches, listed once, then kept up to date
+        self._manifests: dict[int, Manifest] = {}
+        self._intents: set[int] | None = None  # intent batches, listed once by retention, then kept
+        self._since_sweep = SWEEP_EVERY
+
+    def __str__(self) -> str:
+        return self.uri
 
     # -- layout ------------------------------------------------------------------------
     @property
+    def is_local(self) -> bool:
+        return isinstance(self.store, LocalStore)
+
+    @property
+    def path(self) -> Path:
+        """The local folder (only for a job directory on local disk)."""
+        root = self.store.local_root
+        if root is None:
+            raise StorageError(f"job directory {self.uri} is not on local disk")
+        return root
+
+    @property
     def spark_checkpoint(self) -> Path:
-        return self.path / "spark"
+        """Spark's streaming checkpoint (source positions, batch log): always a local folder."""
+        return self.path / "spark" if self.is_local else spark_cache_dir(self.uri) / "spark"
 
     @property
     def spark_hidden(self) -> Path:
         """Spark offsets entries moved aside while lost batches replay one at a time."""
-        return self.path / "spark-replay-hidden"
+        return self.spark_checkpoint.with_name("spark-replay-hidden")
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+    def manifest_key(self, batch: int) -> str:
+        return f"{CHECKPOINTS}/manifest-{batch:012d}.json"
 
-    @property
-    def control(self) -> Path:
-        return self.path / "control"
-
-    def manifest_path(self, batch: int) -> Path:
-        return self.checkpoints / f"manifest-{batch:012d}.json"
-
-    def intent_path(self, batch: int) -> Path:
-        return self.checkpoints / f"intent-{batch:012d}.json"
-
-    def state_dir(self, uid: str) -> Path:
-        return self.path / "state" / uid
+    def intent_key(self, batch: int) -> str:
+        return f"{CHECKPOINTS}/intent-{batch:012d}.json"
 
     # -- identity ------------------------------------------------------------------------
     def exists(self) -> bool:
-        return (self.path / JOB_FILE).exists()
+        return self.store.exists(JOB_FILE)
+
+    def read_job_file(self) -> dict[str, Any]:
+        text = self.store.get_text(JOB_FILE)
+        if text is None:
+            raise JobDirError(f"{self.uri} is not a keyscale job directory (no {JOB_FILE})")
+        try:
+            return dict(json.loads(text))
+        except ValueError as e:
+            raise JobDirError(f"{self.store.url(JOB_FILE)} is damaged ({e})") from None
+
+    def write_job_file(self, d: dict[str, Any]) -> None:
+        self.store.put(JOB_FILE, _json(d))
 
     def identity(self) -> JobIdentity:
+        d = self.read_job_file()
         try:
-            d = json.loads((self.path / JOB_FILE).read_text())
             return JobIdentity(str(d["name"]), int(d["max_parallelism"]), int(d.get("created_ms", 0)))
-        except FileNotFoundError:
-            raise JobDirError(f"{self.path} is not a keyscale job directory (no {JOB_FILE})") from None
         except (ValueError, KeyError) as e:
-            raise JobDirError(f"{self.path / JOB_FILE} is damaged ({e})") from None
+            raise JobDirError(f"{self.store.url(JOB_FILE)} is damaged ({e})") from None
 
     def claim(self, name: str, max_parallelism: int | None, default_max_parallelism: int) -> JobIdentity:
         """Create the directory for job ``name`` or check that it is this job's."""
-        if self.path.exists() and not self.path.is_dir():
-            raise JobDirError(f"job directory {self.path} is a file")
+        root = self.store.local_root
+        if root is not None and root.exists() and not root.is_dir():
+            raise JobDirError(f"job directory {self.uri} is a file")
         if self.exists():
             ident = self.identity()
             if ident.name != name:
-                raise JobDirError(f"job directory {self.path} belongs to job '{ident.name}', not '{name}'; use another --job-dir")
+                raise JobDirError(f"job directory {self.uri} belongs to job '{ident.name}', not '{name}'; use another --job-dir")
             if max_parallelism is not None and max_parallelism != ident.max_parallelism:
                 raise JobDirError(
-                    f"job directory {self.path} has max parallelism {ident.max_parallelism}; it cannot change to "
+                    f"job directory {self.uri} has max parallelism {ident.max_parallelism}; it cannot change to "
                     f"{max_parallelism} on running state (re-key a savepoint instead)"
                 )
             return ident
-        if self.path.exists() and any(p.name != "lock" for p in self.path.iterdir()):
-            raise JobDirError(f"{self.path} is not empty and is not a keyscale job directory")
-        self.path.mkdir(parents=True, exist_ok=True)
+        if any(n != "lock" for n in self.store.list_names("")):
+            raise JobDirError(f"{self.uri} is not empty and is not a keyscale job directory")
         ident = JobIdentity(name, max_parallelism or default_max_parallelism, int(time.time() * 1000))
-        for d in (self.checkpoints, self.control, self.path / "state"):
-            d.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.path / JOB_FILE, ident.to_json())
+        if not self.store.create(JOB_FILE, _json(ident.to_json())):
+            return self.claim(name, max_parallelism, default_max_parallelism)  # another process just made it
         return ident
 
-    # -- single writer -------------------------------------------------------------------
+    # -- single writer: a local lock, and epochs everywhere --------------------------------
     def lock(self) -> None:
-        """Take the job's lock or fail: never two processes running one job."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise JobDirError(f"job directory {self.path} is in use by a running job (pid {self.lock_holder() or '?'}); stop it first") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
+        """Become the job's one writer or fail: never two runs committing to one job.
+
+        On local disk a ``flock`` tells a second process that the job is running. On an
+        object store the running job's heartbeat does (a run whose heartbeat is older than
+        ``KEYSCALE_TAKEOVER_AFTER`` seconds is taken to be gone). Either way the new run
+        claims the next epoch; an older run that wakes up is fenced at its next commit.
+        """
+        if isinstance(self.store, LocalStore):
+            fd = self.store.try_lock("lock")
+            if fd is None:
+                raise JobDirError(f"job directory {self.uri} is in use by a running job (pid {self.lock_holder() or '?'}); stop it first")
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+            self._lock_fd = fd
+        else:
+            st = self.read_status()
+            if self._alive(st):
+                age = time.time() - int(st.get("updated_ms", 0)) / 1000
+                raise JobDirError(
+                    f"job directory {self.uri} is in use by a running job (pid {st.get('pid', '?')} on {st.get('host', '?')}, "
+                    f"last heartbeat {age:.0f} s ago); stop it first (a job that died is taken over {TAKEOVER_AFTER_S:.0f} s "
+                    "after its last heartbeat: KEYSCALE_TAKEOVER_AFTER)"
+                )
+        self.claim_epoch()
+
+    def claim_epoch(self) -> int:
+        """Create the next epoch object: from now on every older run is fenced."""
+        known = [b for n in self.store.list_names(EPOCHS) if (b := _batch_of(n, "")) is not None]
+        n = max(known, default=0) + 1
+        who = {"pid": os.getpid(), "host": socket.gethostname(), "started_ms": int(time.time() * 1000), "run": uuid.uuid4().hex}
+        while not self.store.create(f"{EPOCHS}/{n:010d}.json", _json(who)):
+            n += 1
+        self.epoch = n
+        return n
+
+    def check_epoch(self, doing: str) -> None:
+        """Raise :class:`FencedError` if a newer run claimed the job directory (one HEAD)."""
+        if self.epoch and self.store.exists(f"{EPOCHS}/{self.epoch + 1:010d}.json"):
+            newer = json.loads(self.store.get_text(f"{EPOCHS}/{self.epoch + 1:010d}.json") or "{}")
+            raise FencedError(
+                f"job directory {self.uri}: a newer run took over (pid {newer.get('pid', '?')} on {newer.get('host', '?')}); "
+                f"this run (epoch {self.epoch}, pid {os.getpid()}) stops without {doing}"
+            )
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            LocalStore.unlock(self._lock_fd)
             self._lock_fd = None
 
+    @staticmethod
+    def _alive(status: dict[str, Any]) -> bool:
+        return bool(status.get("running")) and time.time() * 1000 - int(status.get("updated_ms", 0)) < TAKEOVER_AFTER_S * 1000
+
     def is_running(self) -> bool:
-        """True when some process holds the lock."""
-        return is_locked(self.path / "lock")
+        """True when some process runs the job (local: holds the lock; else: a fresh heartbeat)."""
+        if isinstance(self.store, LocalStore):
+            return self.store.is_locked("lock")
+        return self._alive(self.read_status())
 
     def lock_holder(self) -> int | None:
-        try:
-            return int((self.path / "lock").read_text().strip() or 0) or None
-        except (FileNotFoundError, ValueError):
-            return None
+        if isinstance(self.store, LocalStore):
+            try:
+                return int((self.store.get_text("lock") or "").strip() or 0) or None
+            except ValueError:
+                return None
+        st = self.read_status()
+        return int(st["pid"]) if self._alive(st) and "pid" in st else None
 
     @contextmanager
     def locked(self) -> Iterator[JobDir]:
@@ -172,49 +261,74 @@ class JobDir:
 
     # -- checkpoints ---------------------------------------------------------------------
     def manifest_batches(self) -> list[int]:
-        if not self.checkpoints.exists():
-            return []
-        out = []
-        for p in self.checkpoints.glob("manifest-*.json"):
-            try:
-                out.append(int(p.stem[len("manifest-") :]))  # batch -1: a savepoint without source positions
-            except ValueError:
-                continue
-        return sorted(out)
+        if self._batches is None or self.epoch == 0:  # tools list every time; the writer keeps its own
+            found = [b for n in self.store.list_names(CHECKPOINTS) if (b := _batch_of(n, "manifest-")) is not None]
+            self._batches = sorted(found)  # batch -1: a savepoint without source positions
+        return list(self._batches)
 
     def read_manifest(self, batch: int) -> Manifest:
-        path = self.manifest_path(batch)
+        if batch in self._manifests:
+            return self._manifests[batch]
+        key = self.manifest_key(batch)
         try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise StateError(f"checkpoint {batch} does not exist ({path})") from None
-        except UnicodeDecodeError:
-            raise StateError(f"checkpoint {batch} ({path.name}) is damaged (not UTF-8 text)") from None
-        return Manifest.loads(text, where=f"checkpoint {batch} ({path.name})")
+            text = self.store.get_text(key)
+        except StorageError:
+            raise StateError(f"checkpoint {batch} ({key}) is damaged (not UTF-8 text)") from None
+        if text is None:
+            raise StateError(f"checkpoint {batch} does not exist ({self.store.url(key)})")
+        m = Manifest.loads(text, where=f"checkpoint {batch} ({key.rsplit('/', 1)[-1]})")
+        self._manifests[batch] = m
+        return m
 
     def has_manifest(self, batch: int) -> bool:
-        return self.manifest_path(batch).exists()
+        if self.epoch and self._batches is not None:
+            return batch in self._batches  # the one writer knows what it and its predecessors committed
+        return self.store.exists(self.manifest_key(batch))
 
     def commit(self, manifest: Manifest) -> None:
-        """The commit point of a batch: after this the batch has happened."""
-        atomic_write_text(self.manifest_path(manifest.batch), manifest.dumps())
+        """The commit point of a batch: after this the batch has happened.
+
+        The manifest is created only if absent, after checking that no newer run took over:
+        an old driver that wakes up after a new one started never commits (a commit that was
+        already in flight is one whole manifest, and the new run finds it)."""
+        self.check_epoch(f"committing batch {manifest.batch}")
+        if not self.store.create(self.manifest_key(manifest.batch), manifest.dumps().encode()):
+            self.check_epoch(f"committing batch {manifest.batch}")
+            raise StateError(
+                f"batch {manifest.batch} of {self.uri} was committed by another run while this one ran it; "
+                "this run stops (restart the job: it resumes from that checkpoint)"
+            )
+        self._manifests[manifest.batch] = manifest
+        if self._batches is not None:
+            self._batches = sorted({*self._batches, manifest.batch})
 
     def latest_manifest(self) -> Manifest | None:
         batches = self.manifest_batches()
         return self.read_manifest(batches[-1]) if batches else None
 
-    def check_manifest(self, batch: int) -> tuple[Manifest | None, str | None]:
-        """The manifest and None if it and all its files are intact, else (None, why)."""
+    def check_manifest(self, batch: int, sizes: dict[str, int] | None = None) -> tuple[Manifest | None, str | None]:
+        """The manifest and None if it and all its files are intact, else (None, why).
+        ``sizes`` (key -> size from one listing): on an object store, where objects are
+        written whole and checksummed by the store, a file is intact when its size matches."""
         try:
             m = self.read_manifest(batch)
         except StateError as e:
             return None, str(e)
         for op in m.operators.values():
             for f in op.files:
-                problem = verify_state_file(self.path, f)
+                if sizes is not None:
+                    size = sizes.get(f.path)
+                    problem = f"state file {f.path} is missing" if size is None else (
+                        f"state file {f.path} has {size} bytes, expected {f.bytes}" if size != f.bytes else None)
+                else:
+                    problem = verify_state_file(self.store, f)
                 if problem:
                     return None, f"checkpoint {batch}: {problem}"
         return m, None
+
+    def _set_aside(self, key: str, dest: str) -> None:
+        self.store.copy(key, dest)
+        self.store.delete(key)
 
     def recover(self, allow_empty_restart: bool = False) -> Recovery:
         """Find the newest intact checkpoint; set damaged newer ones aside.
@@ -224,12 +338,14 @@ class JobDir:
         left but the job has committed batches, starting would lose its state: refused with a
         :class:`StateError` naming the damage, unless ``allow_empty_restart``: then the state
         starts empty and the input is read again from its beginning (Spark's checkpoint and
-        the batch intents are set aside, renamed, not deleted).
+        the batch intents are set aside, not deleted).
         """
+        self._batches = None
         damaged: list[tuple[int, str]] = []
         found: Manifest | None = None
+        sizes = None if self.is_local else {o.key: o.size for o in self.store.list("state")}
         for batch in reversed(self.manifest_batches()):
-            m, problem = self.check_manifest(batch)
+            m, problem = self.check_manifest(batch, sizes)
             if m is not None:
                 found = m
                 break
@@ -242,20 +358,21 @@ class JobDir:
                 f"there is no checkpoint, yet Spark's log says batches up to {committed_by_spark[-1]} were committed"
             )
             raise StateError(
-                f"no intact checkpoint is left in {self.checkpoints}: {damage}. Starting would lose the job's state; "
+                f"no intact checkpoint is left in {self.store.url(CHECKPOINTS)}: {damage}. Starting would lose the job's state; "
                 "to start again with empty state, reading the input again from its beginning, run with --allow-empty-restart"
             )
         for batch, _ in damaged:
-            bad = self.manifest_path(batch)
-            bad.rename(bad.with_name(bad.name + ".damaged"))
+            key = self.manifest_key(batch)
+            self._set_aside(key, key + ".damaged")
+            self._manifests.pop(batch, None)
+        self._batches = [b for b in self.manifest_batches() if b not in dict(damaged)]
         if empty:
             sparklog.restore_hidden(self.spark_checkpoint, self.spark_hidden)  # set aside whole
             aside = sparklog.set_aside(self.spark_checkpoint)
-            stamp = int(time.time() * 1000)
-            for p in self.checkpoints.glob("intent-*.json"):
-                folder = self.checkpoints / f"intents.set-aside-{stamp}"
-                folder.mkdir(exist_ok=True)
-                p.rename(folder / p.name)
+            folder = f"{CHECKPOINTS}/intents.set-aside-{int(time.time() * 1000)}"
+            for name in self.store.list_names(CHECKPOINTS):
+                if _batch_of(name, "intent-") is not None:
+                    self._set_aside(f"{CHECKPOINTS}/{name}", f"{folder}/{name}")
             return Recovery(None, discarded, empty_restart=True, spark_set_aside=str(aside) if aside else None)
         self.rollback_spark_commits(after=found.batch if found else -1)
         return Recovery(found, discarded)
@@ -267,57 +384,78 @@ class JobDir:
     # -- batch intents -------------------------------------------------------------------
     def read_intent(self, batch: int) -> dict[str, Any] | None:
         try:
-            return dict(json.loads(self.intent_path(batch).read_text()))
-        except (FileNotFoundError, ValueError):
+            text = self.store.get_text(self.intent_key(batch))
+            return dict(json.loads(text)) if text is not None else None
+        except (ValueError, StorageError):
             return None
 
     def write_intent(self, batch: int, intent: dict[str, Any]) -> None:
-        atomic_write_json(self.intent_path(batch), intent)
+        self.store.put(self.intent_key(batch), _json(intent))
+        if self._intents is not None:
+            self._intents.add(batch)
+
+    # -- small JSON objects ----------------------------------------------------------------
+    def read_json(self, key: str) -> dict[str, Any]:
+        """An object of the job directory as JSON; {} when absent or unreadable."""
+        try:
+            text = self.store.get_text(key)
+            return dict(json.loads(text)) if text else {}
+        except (ValueError, TypeError, StorageError):
+            return {}
+
+    def write_json(self, key: str, obj: object, durable: bool = True) -> None:
+        self.store.put(key, _json(obj), durable)
 
     # -- control -------------------------------------------------------------------------
     def request_rescale(self, parallelism: int, uid: str | None = None) -> None:
         """Ask the running job for a new parallelism, applied at its next batch."""
-        self.control.mkdir(parents=True, exist_ok=True)
         req = self.read_rescale_requests()
         req[uid or "*"] = parallelism
-        atomic_write_json(self.control / "rescale.json", req)
+        self.write_json("control/rescale.json", req)
 
     def read_rescale_requests(self) -> dict[str, int]:
         try:
-            return {str(k): int(v) for k, v in json.loads((self.control / "rescale.json").read_text()).items()}
-        except (FileNotFoundError, ValueError):
+            return {str(k): int(v) for k, v in self.read_json("control/rescale.json").items()}
+        except (TypeError, ValueError):
             return {}
 
     def clear_rescale_requests(self) -> None:
-        (self.control / "rescale.json").unlink(missing_ok=True)
+        self.store.delete("control/rescale.json")
 
     def append_event(self, event: dict[str, Any]) -> None:
-        """One line of ``events.jsonl``: what the job decided or did, with its reason."""
-        with open(self.path / "events.jsonl", "a") as f:
-            f.write(json.dumps(event, sort_keys=True) + "\n")
+        """One event: what the job decided or did, with its reason (a line of ``events.jsonl``
+        on local disk; an object under ``events/`` on an object store, which cannot append)."""
+        line = json.dumps(event, sort_keys=True)
+        if isinstance(self.store, LocalStore):
+            self.store.append("events.jsonl", (line + "\n").encode())
+        else:
+            self.store.put(f"events/{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}.json", line.encode(), durable=False)
 
     def read_events(self) -> list[dict[str, Any]]:
-        try:
-            lines = (self.path / "events.jsonl").read_text().splitlines()
-        except FileNotFoundError:
-            return []
+        if isinstance(self.store, LocalStore):
+            lines = (self.store.get_text("events.jsonl") or "").splitlines()
+        else:
+            lines = [self.store.get_text(o.key) or "" for o in self.store.list("events")]
         return [dict(json.loads(ln)) for ln in lines if ln.strip()]
 
     def write_status(self, status: dict[str, Any]) -> None:
-        atomic_write_json(self.path / "status.json", status, durable=False)
+        """The job's status (on an object store also its heartbeat: see :meth:`lock`)."""
+        if self.epoch:
+            status = {**status, "epoch": self.epoch, "host": socket.gethostname()}
+        self.write_json("status.json", status, durable=False)
 
     def read_status(self) -> dict[str, Any]:
-        try:
-            return dict(json.loads((self.path / "status.json").read_text()))
-        except (FileNotFoundError, ValueError):
-            return {}
+        return self.read_json("status.json")
 
     # -- retention -----------------------------------------------------------------------
     def retain(self, keep: int) -> int:
         """Keep the checkpoints :func:`checkpoints_to_keep` names (the newest ``keep`` and one
         that shares no state file with the newest); delete files no kept checkpoint needs.
         The intents of every batch after the oldest kept checkpoint stay: a fallback to it
-        replays those batches as they first ran."""
+        replays those batches as they first ran.
+
+        Works from what this run knows (the manifests it read and wrote) without listing;
+        files no manifest ever took are found by one listing every ``SWEEP_EVERY`` calls."""
         batches = self.manifest_batches()
         if len(batches) <= keep:
             return 0
@@ -331,22 +469,27 @@ class JobDir:
         kept_batches.update(batches[-keep:])
         needed = {f.path for b in kept_batches if b in manifests for op in manifests[b].operators.values() for f in op.files}
         oldest = min(kept_batches)
-        removed = 0
-        for b in batches:
-            if b not in kept_batches:
-                self.manifest_path(b).unlink(missing_ok=True)
-        for p in self.checkpoints.glob("intent-*.json"):
-            if int(p.stem[len("intent-") :]) < oldest:
-                p.unlink(missing_ok=True)
-        state_root = self.path / "state"
-        if state_root.exists():
-            for p in state_root.glob("*/[0-9]*"):
-                rel = p.relative_to(self.path).as_posix()
-                batch = int(p.name.split("-")[0].split(".")[0])
-                if rel not in needed and batch < oldest:
-                    p.unlink(missing_ok=True)  # state files (also other attempts' ones) and sidecar reports
-                    removed += p.suffix == ".arrow"
-        return removed
+        gone = [b for b in batches if b not in kept_batches]
+        doomed = {f.path for b in gone if b in manifests for op in manifests[b].operators.values() for f in op.files} - needed
+        self._since_sweep += 1
+        if self._since_sweep >= SWEEP_EVERY:
+            self._since_sweep = 0
+            for o in self.store.list("state"):
+                name = o.key.rsplit("/", 1)[-1]
+                if name[:1].isdigit() and o.key not in needed and int(name.split("-")[0].split(".")[0]) < oldest:
+                    doomed.add(o.key)  # also other attempts' files and old reports
+        self.store.delete_many(sorted(doomed))
+        self.store.delete_many([self.manifest_key(b) for b in gone])
+        if self._intents is None:
+            self._intents = {b for n in self.store.list_names(CHECKPOINTS) if (b := _batch_of(n, "intent-")) is not None}
+        old = sorted(b for b in self._intents if b < oldest)
+        self.store.delete_many([self.intent_key(b) for b in old])
+        self._intents.difference_update(old)
+        for b in gone:
+            self._manifests.pop(b, None)
+        if self._batches is not None:
+            self._batches = [b for b in self._batches if b in kept_batches]
+        return sum(1 for p in doomed if p.endswith(".arrow"))
 
     def remove(self) -> None:
-        shutil.rmtree(self.path)
+        self.store.delete_prefix("")

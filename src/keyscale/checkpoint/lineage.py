@@ -26,15 +26,16 @@ kept if the job already committed that batch (its own history), refused otherwis
 from __future__ import annotations
 
 import enum
-import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from keyscale.checkpoint.files import atomic_write_json
 from keyscale.checkpoint.manifest import Manifest
+from keyscale.errors import KeyscaleError
+
+if TYPE_CHECKING:
+    from keyscale.checkpoint.jobdir import JobDir
 
 
 @dataclass(frozen=True)
@@ -145,27 +146,26 @@ def decide(exists: bool, marker: Marker | None, batch: int, mine: Lineage, commi
 # -- the job directory's lineages (job.json) ------------------------------------------------
 
 
-def known_lineages(job_dir: Path) -> list[Lineage]:
+def known_lineages(job_dir: JobDir) -> list[Lineage]:
     """Every lineage that ever wrote from ``job_dir`` (recorded in its ``job.json``)."""
     try:
-        d = json.loads((job_dir / "job.json").read_text())
-    except (OSError, ValueError):
+        d = job_dir.read_job_file()
+    except KeyscaleError:
         return []
     found = [Lineage.from_json(x) for x in d.get("lineages") or []]
     return [x for x in found if x is not None]
 
 
-def record_lineage(job_dir: Path, lineage: Lineage) -> None:
+def record_lineage(job_dir: JobDir, lineage: Lineage) -> None:
     """Remember ``lineage`` in ``job.json`` before it writes any output: a job directory
     that starts over later descends from it (and supersedes what it wrote)."""
-    path = job_dir / "job.json"
-    d = json.loads(path.read_text())
+    d = job_dir.read_job_file()
     entries = [x for x in d.get("lineages") or [] if isinstance(x, dict) and x.get("id") != lineage.id]
     d["lineages"] = [*entries, lineage.to_json()]
-    atomic_write_json(path, d)
+    job_dir.write_job_file(d)
 
 
-def start_lineage(job_dir: Path, committed: Manifest | None, anew: bool = False) -> Lineage:
+def start_lineage(job_dir: JobDir, committed: Manifest | None, anew: bool = False) -> Lineage:
     """The lineage a job runs as: its checkpoint's, else a new one.
 
     A checkpoint without a lineage (a job directory that starts over with no checkpoint, or

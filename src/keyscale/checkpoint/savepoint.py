@@ -67,13 +67,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from keyscale.checkpoint.drain import add_empty_batch, restored_event_time, spark_log_end
-from keyscale.checkpoint.files import (
-    _INDEX_KEY,
-    fsync_dir,
-    fsync_file,
-    verify_state_file,
-    write_state_file,
-)
+from keyscale.checkpoint.files import _INDEX_KEY, verify_state_file, write_state_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import restored_lineage
 from keyscale.checkpoint.manifest import (
@@ -88,6 +82,7 @@ from keyscale.state.keygroups import KeyGroupRange, mask_runs
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import local_path
+from keyscale.storage.local import fsync_dir, fsync_file
 
 __all__ = [
     "DEFAULT_ROWS_PER_FILE",

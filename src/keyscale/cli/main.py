@@ -10,7 +10,6 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from keyscale._logging import configure_logging
@@ -90,31 +89,34 @@ def _restart_rescale(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
 
     jd = JobDir(a.job_dir)
-    try:
-        run = json.loads((jd.path / "run.json").read_text())
-    except (FileNotFoundError, ValueError):
-        raise KeyscaleError(f"{jd.path} does not say how its job was started (no run.json); restart it by hand with keyscale run") from None
+    run = jd.read_json("run.json")
+    if not run:
+        raise KeyscaleError(f"{jd.uri} does not say how its job was started (no run.json); restart it by hand with keyscale run")
     # The job takes the savepoint before it stops; if that fails it keeps running untouched.
     resp = _ask_running_job(a.job_dir, "/stop", a.timeout, savepoint=True)
     print(f"keyscale: savepoint {resp['savepoint']} taken; stopping the job", file=sys.stderr)
     _wait_for_exit(a.job_dir, a.timeout)
-    argv = [sys.executable, "-m", "keyscale.cli.main", "run", run["job_file"], "--job-dir", str(jd.path), "-p", str(a.parallelism),
+    argv = [sys.executable, "-m", "keyscale.cli.main", "run", run["job_file"], "--job-dir", jd.uri, "-p", str(a.parallelism),
             "--master", run["master"], "--trigger-interval", run["trigger_interval"], "--retain", str(run["retain"]),
             "--compaction-chain", str(run["compaction_chain"])]
     argv += ["--until-idle"] if run["until_idle"] else []
+    for opt in a.storage_option or []:
+        argv += ["--storage-option", opt]
     for k, v in run["args"].items():
         argv += ["--set", f"{k}={v}"]
     # Resumes from the checkpoint the savepoint was taken of (the same state); the savepoint stays as a fallback.
-    with open(jd.path / "job.log", "a") as log:
+    job_log = (jd.path if jd.is_local else spark_cache_dir(jd.uri)) / "job.log"  # this host's log of the process it starts
+    job_log.parent.mkdir(parents=True, exist_ok=True)
+    with open(job_log, "a") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + a.timeout
     while not jd.is_running():
         if proc.poll() is not None:
-            raise KeyscaleError(f"the restarted job exited with code {proc.returncode}; see {jd.path / 'job.log'} (savepoint: {resp['savepoint']})")
+            raise KeyscaleError(f"the restarted job exited with code {proc.returncode}; see {job_log} (savepoint: {resp['savepoint']})")
         if time.time() > deadline:
-            raise KeyscaleError(f"the restarted job did not start within {a.timeout:.0f} s; see {jd.path / 'job.log'}")
+            raise KeyscaleError(f"the restarted job did not start within {a.timeout:.0f} s; see {job_log}")
         time.sleep(0.2)
-    print(f"keyscale: job restarted at parallelism {a.parallelism} (pid {proc.pid}, log {jd.path / 'job.log'})")
+    print(f"keyscale: job restarted at parallelism {a.parallelism} (pid {proc.pid}, log {job_log})")
     return 0
 
 
@@ -129,7 +131,7 @@ def cmd_rescale(a: argparse.Namespace) -> int:
         return _restart_rescale(a)
     if not jd.is_running():
         raise KeyscaleError(
-            f"job in {jd.path} is not running; restart it at the new parallelism with: keyscale run JOBFILE --job-dir {a.job_dir} -p {a.parallelism}"
+            f"job in {jd.uri} is not running; restart it at the new parallelism with: keyscale run JOBFILE --job-dir {a.job_dir} -p {a.parallelism}"
         )
     before = jd.latest_manifest()
     _ask_running_job(a.job_dir, "/rescale", 60, parallelism=a.parallelism, operator=a.operator)
@@ -154,7 +156,7 @@ def _ask_running_job(job_dir: str, path: str, timeout: float, **body: Any) -> di
     jd = JobDir(job_dir)
     jd.identity()
     if not jd.is_running():
-        raise KeyscaleError(f"no job is running in {jd.path}")
+        raise KeyscaleError(f"no job is running in {jd.uri}")
     return call(jd, "POST", path, body, timeout=timeout)
 
 
@@ -165,7 +167,7 @@ def _wait_for_exit(job_dir: str, timeout: float) -> None:
     deadline = time.time() + timeout
     while jd.is_running():
         if time.time() > deadline:
-            raise KeyscaleError(f"the job in {jd.path} has not stopped within {timeout:.0f} s")
+            raise KeyscaleError(f"the job in {jd.uri} has not stopped within {timeout:.0f} s")
         time.sleep(0.2)
 
 
@@ -182,7 +184,7 @@ def cmd_savepoint(a: argparse.Namespace) -> int:
     with jd.locked():
         rec = jd.recover()
         if rec.manifest is None:
-            raise KeyscaleError(f"job '{ident.name}' in {jd.path} has no checkpoint to save")
+            raise KeyscaleError(f"job '{ident.name}' in {jd.uri} has no checkpoint to save")
         dest = local_path(a.dest, "savepoint destination") if a.dest else jd.path / "savepoints" / f"savepoint-{rec.manifest.batch:012d}-{int(time.time())}"
         dest.parent.mkdir(parents=True, exist_ok=True)
         path = write_savepoint(jd, rec.manifest, dest, progress=text_progress("savepoint"))
@@ -219,7 +221,7 @@ def status_dict(job_dir: str) -> dict[str, Any]:
     running = jd.is_running()
     out: dict[str, Any] = {
         "job": ident.name,
-        "job_dir": str(jd.path),
+        "job_dir": jd.uri,
         "running": running,
         "pid": jd.lock_holder() if running else None,
         "max_parallelism": ident.max_parallelism,
@@ -294,13 +296,17 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def cmd_list(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JOB_FILE
+    from keyscale.storage import LocalStore, open_store
 
-    root = Path(a.folder)
-    if not root.is_dir():
-        raise KeyscaleError(f"{root} is not a folder")
-    found = sorted(p.parent for p in root.rglob(JOB_FILE) if "savepoints" not in p.parts)
+    root = open_store(a.folder, "folder")
+    if isinstance(root, LocalStore) and not root.root.is_dir():
+        raise KeyscaleError(f"{root.root} is not a folder")
+    found = sorted(
+        root.url(o.key[: -len(JOB_FILE)].rstrip("/")) for o in root.list()  # one listing, also on an object store
+        if o.key.split("/")[-1] == JOB_FILE and "savepoints" not in o.key.split("/")
+    )
     if not found:
-        print(f"no keyscale jobs under {root}")
+        print(f"no keyscale jobs under {root.url()}")
         return 0
     print(f"{'job':24} {'state':12} {'checkpoint':>10}  parallelism  directory")
     for d in found:
@@ -415,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from keyscale.scaling.simulate import add_simulate_parser
 
+    for located in (r, rs, st, sp, so, ca, ls, ins):  # every command that opens a job dir, savepoint or folder
+        located.add_argument(
+            "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+            help="object store setting (obstore config key, e.g. endpoint=http://127.0.0.1:9000, region=eu-west-1); "
+                 "after the AWS_*/GOOGLE_*/AZURE_* environment variables",
+        )
     auto = sub.add_parser("autoscaler", help="the autoscaler's policy, without Spark")
     add_simulate_parser(auto.add_subparsers(dest="autoscaler_command", required=True))
     return p
@@ -424,9 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     configure_logging()
+    from keyscale.storage import parse_storage_options, set_storage_options
+
     if a.verbose:
         os.environ["KEYSCALE_SPARK_LOG_LEVEL"] = "WARN"
     try:
+        set_storage_options(parse_storage_options(getattr(a, "storage_option", None) or []))
         return int(a.func(a))
     except KeyscaleError as e:
         print(f"keyscale: error: {e}", file=sys.stderr)

@@ -38,11 +38,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keyscale.checkpoint.files import atomic_write_json, is_locked
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.deploy.plan import Current, Desired, DesiredState
 from keyscale.deploy.spec import DeploymentError, DeploymentSpec
 from keyscale.errors import KeyscaleError
+from keyscale.storage.local import atomic_write_json, is_locked
 
 __all__ = ["DeploymentState", "DeploymentStatus", "DeploymentStore"]
 

@@ -22,14 +22,13 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from keyscale.checkpoint.files import atomic_write_json
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control_auth import (
+    SECRET,
     auth_header,
     check_request,
     new_secret,
     read_secret,
-    secret_path,
 )
 from keyscale.state.keygroups import check_parallelism
 
@@ -39,13 +38,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keyscale")
 
+ADDRESS = "control/http.json"  # where a client finds the running job's control API
+
 
 class ControlServer:
     """Serves one :class:`JobRunner` until :meth:`close`."""
 
     def __init__(self, runner: JobRunner, host: str = "127.0.0.1", port: int = 0):
         self.runner = runner
-        secret = new_secret(runner.jobdir.control)  # before the address: a client that finds one finds the other
+        secret = new_secret(runner.jobdir.store)  # before the address: a client that finds one finds the other
 
         class Handler(_Handler):
             pass
@@ -56,12 +57,11 @@ class ControlServer:
         self.url = f"http://{host}:{Handler.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-control", daemon=True)
         self._thread.start()
-        atomic_write_json(runner.jobdir.control / "http.json", {"url": self.url}, durable=False)
+        runner.jobdir.write_json(ADDRESS, {"url": self.url}, durable=False)
         log.info("control API at %s", self.url)
 
     def close(self) -> None:
-        (self.runner.jobdir.control / "http.json").unlink(missing_ok=True)
-        secret_path(self.runner.jobdir.control).unlink(missing_ok=True)
+        self.runner.jobdir.store.delete_many([ADDRESS, SECRET])
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -164,11 +164,10 @@ def call(jobdir: JobDir, method: str, path: str, body: dict[str, Any] | None = N
     Reads the job's secret itself: a caller who cannot read ``JOB_DIR/control/secret`` gets a
     KeyscaleError naming that file.
     """
-    try:
-        url = json.loads((jobdir.control / "http.json").read_text())["url"]
-    except (FileNotFoundError, ValueError, KeyError):
-        raise KeyscaleError(f"no job is running in {jobdir.path} (no control API address)") from None
-    headers = {"Content-Type": "application/json", **auth_header(read_secret(jobdir.control))}
+    url = jobdir.read_json(ADDRESS).get("url")
+    if not url:
+        raise KeyscaleError(f"no job is running in {jobdir.uri} (no control API address)")
+    headers = {"Content-Type": "application/json", **auth_header(read_secret(jobdir.store))}
     data = json.dumps(body or {}).encode() if method == "POST" else None
     req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
@@ -181,4 +180,4 @@ def call(jobdir: JobDir, method: str, path: str, body: dict[str, Any] | None = N
             msg = str(e)
         raise KeyscaleError(msg) from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        raise KeyscaleError(f"the job in {jobdir.path} does not answer its control API ({e})") from None
+        raise KeyscaleError(f"the job in {jobdir.uri} does not answer its control API ({e})") from None

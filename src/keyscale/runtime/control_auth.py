@@ -28,55 +28,44 @@ The checks are pure functions of the request so they can be tested without a ser
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
 from keyscale.errors import KeyscaleError
+from keyscale.storage import Store
 
-SECRET_FILE = "secret"
+SECRET = "control/secret"
 
 
-def secret_path(control_dir: Path) -> Path:
+def secret_path(store: Store) -> str:
     """Where a job directory's control secret lives (``JOB_DIR/control/secret``)."""
-    return control_dir / SECRET_FILE
+    return store.url(SECRET)
 
 
-def new_secret(control_dir: Path) -> str:
-    """Write a fresh secret to ``control_dir/secret``, readable by its owner only; return it.
-
-    The file is created 0600 under a unique temporary name (``O_EXCL | O_NOFOLLOW``: never
-    another user's file or a symlink) and renamed into place, so no reader ever sees it with
-    wider permissions or half written.
-    """
-    control_dir.mkdir(parents=True, exist_ok=True)
+def new_secret(store: Store) -> str:
+    """Write a fresh secret to ``JOB_DIR/control/secret``; return it. On local disk the file
+    is readable by its owner only (created 0600 under a unique temporary name, never another
+    user's file or a symlink, and renamed into place); on an object store, the bucket's
+    permissions decide who can read it, as they decide who can read the job's state."""
     token = secrets.token_urlsafe(32)
-    tmp = control_dir / f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the umask can only narrow 0o600; this is belt and braces
-        os.write(fd, token.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, secret_path(control_dir))
+    store.put(SECRET, token.encode(), private=True)
     return token
 
 
-def read_secret(control_dir: Path) -> str:
+def read_secret(store: Store) -> str:
     """The running job's secret, as a client reads it; a :class:`KeyscaleError` naming the file if it cannot."""
-    path = secret_path(control_dir)
+    path = secret_path(store)
     try:
-        token = path.read_text().strip()
+        token = (store.get_text(SECRET) or "").strip() if store.exists(SECRET) else None
     except PermissionError:
         raise KeyscaleError(
             f"cannot read the control secret {path} (permission denied): only the user who runs the job "
-            f"({_owner(path)}) can control it"
+            f"({_owner(Path(path))}) can control it"
         ) from None
-    except FileNotFoundError:
+    if token is None:
         raise KeyscaleError(f"the job has no control secret {path}: it is not running, or was started by a keyscale "
-                            "without an authenticated control API") from None
+                            "without an authenticated control API")
     if not token:
         raise KeyscaleError(f"the control secret {path} is empty")
     return token

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from keyscale._pipeline import JobContext, KeyedStep, NonKeyedStep, Pipeline, TransformStep
 from keyscale.checkpoint.drain import drain_extra
-from keyscale.checkpoint.files import atomic_write_json, read_reports, report_path
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
 from keyscale.checkpoint.manifest import (
@@ -42,6 +41,7 @@ from keyscale.checkpoint.manifest import (
     summarize_operator_state,
 )
 from keyscale.checkpoint.retention import should_snapshot
+from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError, decode_error
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK, WatermarkState, ahead_limit_ms
 from keyscale.operators.eventtime import advance as advance_watermark
@@ -56,8 +56,10 @@ from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL, input_error
 from keyscale.operators.windows import WindowAggregate
 from keyscale.runtime import counters, poison_batch
 from keyscale.runtime.control import ControlServer
+from keyscale.runtime.heartbeat import Heartbeat
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.recovery import replay_spark_batches
+from keyscale.runtime.reports import Reports
 from keyscale.runtime.session import spark_session
 from keyscale.runtime.task import (
     DEAD,
@@ -233,6 +235,9 @@ class JobRunner:
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[Path | None] = Future()
+        self._reports = Reports()  # tasks' reports: through Spark once the session is there
+        self._heartbeat: Heartbeat | None = None
+        self._mirror: SparkMirror | None = None
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> SparkSession:
@@ -255,6 +260,9 @@ class JobRunner:
             check_parallelism(opts.parallelism, self.max_parallelism)
         self.jobdir.lock()
         self._locked = True
+        if not self.jobdir.is_local:  # Spark's checkpoint is local: rebuild it from the job directory
+            self._mirror = SparkMirror(self.jobdir.store, self.jobdir.spark_checkpoint)
+            self._mirror.pull()
         self._record_run_options()
         rec = self.jobdir.recover(allow_empty_restart=opts.allow_empty_restart)
         for why in rec.discarded:
@@ -283,6 +291,7 @@ class JobRunner:
 
             conf = {**spark_conf_for_cluster(), **conf}
         spark = spark_session(opts.master, f"keyscale-{self.name}", conf)
+        self._reports = Reports(spark)
         poison_batch.quiet_task_failures(spark)
         self._spark = spark
         pipeline = build(JobContext(spark, dict(opts.args)))
@@ -295,7 +304,7 @@ class JobRunner:
         self.watermark = _watermark_of(self.committed)
         nxt = self.committed.batch + 1 if self.committed else 0
         interrupted_drain = bool((self.jobdir.read_intent(nxt) or {}).get("drain")) and not self.jobdir.has_manifest(nxt)
-        self.lineage = start_lineage(self.jobdir.path, self.committed, anew=interrupted_drain)
+        self.lineage = start_lineage(self.jobdir, self.committed, anew=interrupted_drain)
         if pipeline.watermark is not None and self.watermark.watermark_ms > NO_WATERMARK:
             log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
         return spark
@@ -323,7 +332,7 @@ class JobRunner:
     def _record_run_options(self) -> None:
         """How this job was started, so that `keyscale rescale --restart` can start it again."""
         o = self.opts
-        atomic_write_json(self.jobdir.path / "run.json", {
+        self.jobdir.write_json("run.json", {
             "job_file": str(Path(o.job_file).absolute()), "args": o.args, "master": o.master, "until_idle": o.until_idle,
             "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
         }, durable=False)
@@ -386,7 +395,7 @@ class JobRunner:
             assert self.pipeline is not None
             # Sinks learn the job's lineage before the first batch (output of another
             # lineage is refused now, not at its batch); others only clean up.
-            ctx = SinkContext(self.lineage, self.name, str(self.jobdir.path), self.run_id, self.committed.batch if self.committed else -1)
+            ctx = SinkContext(self.lineage, self.name, self.jobdir.uri, self.run_id, self.committed.batch if self.committed else -1)
             for sink in self.pipeline.sinks:
                 sink_open, sink_cleanup = getattr(sink, "open", None), getattr(sink, "cleanup", None)
                 if callable(sink_open):
@@ -397,6 +406,8 @@ class JobRunner:
             if not self.pipeline.sink.exactly_once:
                 log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
             control = ControlServer(self)
+            if not self.jobdir.is_local:
+                self._heartbeat = Heartbeat(self.jobdir, lambda: self._status(self._last_reports))
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
             try:
@@ -416,6 +427,8 @@ class JobRunner:
             finally:
                 control.close()
         finally:
+            if self._heartbeat is not None:
+                self._heartbeat.close()
             if self._locked:
                 self.jobdir.write_status({**self._status(self._last_reports), "running": False})
                 self.jobdir.unlock()
@@ -638,6 +651,8 @@ class JobRunner:
             # Rules streams: what this batch applies is fixed here, so a replay applies the same.
             intent["broadcast_plans"] = {uid: self._plan_source(b.source, batch_id, 1) for uid, b in self.pipeline.broadcasts.items()}
             intent["log_ids"] = dict(self._log_ids)  # the logs the plans are for: their ids go into the manifest
+            if self._mirror is not None and df is not None:
+                self._mirror.push(batch_id)  # Spark's offsets of this batch are in the job directory before anything of it
             self.jobdir.write_intent(batch_id, intent)
         else:
             intent, replanned = poison_batch.replan_intent(intent, self.opts.parallelism, [s.uid for s in self.pipeline.keyed_steps])
@@ -651,9 +666,6 @@ class JobRunner:
         watermark_ms = int(intent.get("watermark_ms", self.watermark.watermark_ms))
         if df is None:
             df = self._read_source(batch_id, intent["source_plan"], int(intent["batch_time_ms"]), intent.get("log_ids", {}))
-        for uid in par:
-            for s in range(par[uid]):
-                report_path(self.jobdir.path, uid, batch_id, s).unlink(missing_ok=True)
 
         out = df
         side: list[tuple[Sink, DataFrame, DataFrame]] = []
@@ -696,9 +708,10 @@ class JobRunner:
         counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
         totals = counters.add(counters.from_extra(self.committed.extra if self.committed else None), counts)
         manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
-            **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": self.lineage.to_json(),
+            **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": self.lineage.to_json(), "epoch": self.jobdir.epoch,
             **(drain_extra(self.watermark.to_json(), batch_id) if drain else {})})
         self.jobdir.commit(manifest)
+        self._reports.forget(batch_id)
         self.committed = manifest
         if wm.watermark_ms != self.watermark.watermark_ms and self.pipeline.watermark is not None:
             log.info("batch %d: watermark advanced to %s", batch_id, describe_watermark(wm.watermark_ms))
@@ -714,7 +727,8 @@ class JobRunner:
         source = self._source_status(src) if src is not None else None  # one read of the log's end per batch
         if self._autoscaler is not None:
             self._autoscale(batch_id, started_wall, seconds, par, reports, source.get("lag") if source else None)
-        self.jobdir.write_status({**self._status(reports, source), "running": True})
+        if self.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
+            self.jobdir.write_status({**self._status(reports, source), "running": True})
         log.info(
             "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",
             batch_id, seconds, spark_seconds, f"{records:,}", f"{emitted:,}",
@@ -780,7 +794,7 @@ class JobRunner:
         target = to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
         event_time = self.pipeline.watermark.column if self.pipeline.watermark else None
         fn = reader.make_reader_function(
-            src.log, src.uid, str(self.jobdir.path), batch_id, plan, target, event_time, self._event_time_limit(batch_time_ms), log_ids.get(src.uid))
+            src.log, src.uid, batch_id, plan, target, event_time, self._event_time_limit(batch_time_ms), log_ids.get(src.uid), self._reports.sender)
         readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")
         return readers.mapInArrow(fn, schema)
 
@@ -871,9 +885,9 @@ class JobRunner:
         prev = self.committed.operators.get(step.uid) if self.committed else None
         lists = lists_for(prev.operator_state if prev else {}, step.lists, p, step.uid)
         spec = NonKeyedTask(
-            job_dir=str(self.jobdir.path), uid=step.uid, function=step.function, output_schema=step.output_schema, parallelism=p,
+            uid=step.uid, function=step.function, output_schema=step.output_schema, parallelism=p,
             batch_id=batch_id, batch_time_ms=batch_time_ms, lists=tuple(lists),
-            broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None,
+            broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, report_to=self._reports.sender,
         )
         # Round robin: a subtask's share, one Spark task per subtask (partition i is subtask i).
         return df.repartition(p).mapInArrow(make_nonkeyed_function(spec), from_arrow_schema(step.output_schema))
@@ -898,7 +912,7 @@ class JobRunner:
         if self._fault("mid-batch", batch_id):
             fault = "kill-driver-mid-batch"
         spec = StageTask(
-            job_dir=str(self.jobdir.path), run_id=self.run_id, uid=step.uid, function=step.function,
+            store=self.jobdir.store, run_id=self.run_id, uid=step.uid, function=step.function,
             key_names=step.key_names, key_types=step.key_types, input_schema=step.input_schema,
             output_schema=step.output_schema, states=step.states, null_keys=step.null_keys,
             max_parallelism=m, parallelism=p, batch_id=batch_id, batch_time_ms=batch_time_ms,
@@ -906,7 +920,7 @@ class JobRunner:
             fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
             extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
             broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=self._event_time_limit(batch_time_ms),
-            on_error=self.pipeline.error_policy(step) if self.pipeline else FAIL,
+            on_error=self.pipeline.error_policy(step) if self.pipeline else FAIL, report_to=self._reports.sender,
         )
         keys = [F.col(k) for k in step.key_names]
         cols = [F.col(c) for c in step.input_schema.names]
@@ -936,7 +950,7 @@ class JobRunner:
         src = self.pipeline.log_source
         if src is not None and source_plan is not None:
             p = par[src.uid]
-            all_reports[src.uid] = read_reports(self.jobdir.path, src.uid, batch_id, p)
+            all_reports[src.uid] = self._reports.take(src.uid, batch_id, p)
             # The offsets advance in the same manifest as the state they produced.
             after = reader.advance(reader.plan_from_json(source_plan))
             prev_src = self.committed.operators.get(src.uid) if self.committed else None
@@ -947,7 +961,7 @@ class JobRunner:
             )
         for i, step in enumerate(self.pipeline.keyed_steps):
             p = par[step.uid]
-            reports = read_reports(self.jobdir.path, step.uid, batch_id, p)
+            reports = self._reports.take(step.uid, batch_id, p)
             all_reports[step.uid] = reports
             if i == 0 and src is None:
                 records = sum(int(r["records"]) for r in reports)
@@ -961,7 +975,7 @@ class JobRunner:
                 states=tuple(d.to_json() for d in step.states), files=tuple(files),
             )
         for nk in self.pipeline.nonkeyed_steps:
-            reports = read_reports(self.jobdir.path, nk.uid, batch_id, par[nk.uid])
+            reports = self._reports.take(nk.uid, batch_id, par[nk.uid])
             all_reports[nk.uid] = reports
             ops[nk.uid] = OperatorCheckpoint(
                 uid=nk.uid, max_parallelism=self.max_parallelism, parallelism=par[nk.uid], key_columns=(), states=(),

@@ -103,5 +103,5 @@ def keep_trace(jobdir: JobDir, exc: BaseException) -> None:
     debug log, while the user sees keyscale's own short error."""
     text = f"{type(exc).__name__}: {exc}"
     log.debug("the batch failed:\n%s", text)
-    with contextlib.suppress(OSError):
-        (jobdir.path / "last-error.txt").write_text(text + "\n")
+    with contextlib.suppress(OSError, KeyscaleError):
+        jobdir.store.put("last-error.txt", (text + "\n").encode(), durable=False)

@@ -23,7 +23,6 @@ import uuid
 from collections import namedtuple
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -31,7 +30,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from keyscale.checkpoint.files import read_state_slice, write_report, write_state_file
+from keyscale.checkpoint.files import read_state_slice, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms, max_event_within
@@ -56,10 +55,12 @@ from keyscale.operators.poison import (
 )
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.operators.windows import WindowAggregate, run_windows
+from keyscale.runtime import reports
 from keyscale.runtime.counters import window_counters
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.table import KeyedStateTable, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
+from keyscale.storage import Store
 
 SEQ = "__seq"
 KG = "__kg"
@@ -75,7 +76,7 @@ _NULLABLE = {
 class StageTask:
     """Everything a task of a keyed stage needs, shipped from the driver (pickled)."""
 
-    job_dir: str
+    store: Store  # the job directory's: state files are read and written through it
     run_id: str
     uid: str
     function: Any
@@ -101,6 +102,7 @@ class StageTask:
     broadcast_state: dict[str, Any] | None = None  # the rules stream's state as of this batch
     event_time_limit_ms: int | None = None  # later event times are not believed (with_watermark's max_ahead)
     on_error: ErrorPolicy = FAIL  # poison records: fail, skip or dead-letter (operators/poison.py)
+    report_to: Any = None  # where the report goes (keyscale.runtime.reports): a Spark accumulator
 
     @property
     def timers(self) -> bool:
@@ -137,7 +139,7 @@ _HELD: dict[tuple[str, str], _Held] = {}
 
 def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, int]]:
     """The worker's state for ``rng`` brought to version ``spec.committed``."""
-    key = (spec.job_dir, spec.uid)
+    key = (spec.store.uri, spec.uid)
     held = _HELD.get(key)
     if held is None or held.run_id != spec.run_id or held.signature != _signature(spec):
         held = _HELD[key] = _Held(spec)
@@ -148,7 +150,6 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
     snap = latest_snapshot_batches(files, spec.max_parallelism)[lo : hi + 1]
     full = (ver < 0) | (ver > spec.committed) | (snap > ver)
     start_at = np.where(full, snap, ver + 1)  # first batch each key group still needs
-    job_dir = Path(spec.job_dir)
     for a, b in mask_runs(full, lo):
         held.table.drop_key_groups(a, b)
     stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": 0}
@@ -160,7 +161,7 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
             continue
         stats["files_read"] += 1
         for ra, rb in runs:
-            held.table.apply(read_state_slice(job_dir, f, KeyGroupRange(ra, rb)))
+            held.table.apply(read_state_slice(spec.store, f, KeyGroupRange(ra, rb)))
     if stats["files_read"]:
         held.table.compact()  # deletes replayed from deltas leave all-null rows
     return held, stats
@@ -447,7 +448,6 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
             changed_rows = held.table.rows_union(changed_rows, held.table.positions(changed))
 
     compact = spec.compact[subtask]
-    job_dir = Path(spec.job_dir)
     attempt = uuid.uuid4().hex[:12]
     written: StateFile | None = None
     if compact:
@@ -456,10 +456,10 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
             time.sleep(30)
         held.table.compact()
         snap = held.table.to_arrow(held.table.rows_in_range(rng.start, rng.end))
-        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "snapshot", attempt), snap, "snapshot", spec.batch_id, rng)
+        written = write_state_file(spec.store, state_file_name(spec.uid, spec.batch_id, subtask, "snapshot", attempt), snap, "snapshot", spec.batch_id, rng)
     elif len(changed_rows):
         delta = held.table.to_arrow(changed_rows)
-        written = write_state_file(job_dir, state_file_name(spec.uid, spec.batch_id, subtask, "delta", attempt), delta, "delta", spec.batch_id, rng)
+        written = write_state_file(spec.store, state_file_name(spec.uid, spec.batch_id, subtask, "delta", attempt), delta, "delta", spec.batch_id, rng)
     held.version[rng.start : rng.end + 1] = spec.batch_id
     if held.table.dead_share() > 0.5:  # purged windows, expired or deleted keys: drop them once written
         held.table.compact()
@@ -481,7 +481,6 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         **window_stats,
         "counters": {**counters, **errors.counters()},
     }
-    write_report(job_dir, spec.uid, spec.batch_id, subtask, report)
     dead = errors.dead_letters() if spec.on_error.on_error == "dead_letter" else None
     if spec.late_output or dead is not None:
         out = with_side_output(out, late if spec.late_output else None, dead)
@@ -549,7 +548,7 @@ def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.
         subtask = tc.partitionId() if tc is not None else 0
         try:
             try:
-                out, _ = run(spec, batches, subtask)
+                out, report = run(spec, batches, subtask)
             except KeyscaleError:
                 raise
             except Exception as e:  # never a raw numpy/pandas/user exception: name the operator and batch
@@ -558,6 +557,7 @@ def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.
         except KeyscaleError as e:
             # One recognisable line survives Spark's wrapping of the Python traceback.
             raise RuntimeError(encode_error(e)) from None
+        reports.send(spec.report_to, spec.uid, spec.batch_id, subtask, report)
         yield from out.to_batches()
 
     return stage
@@ -575,7 +575,6 @@ def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]],
 class NonKeyedTask:
     """What a task of a non-keyed stage needs: its function and each subtask's list state."""
 
-    job_dir: str
     uid: str
     function: ProcessFunction
     output_schema: pa.Schema
@@ -584,6 +583,7 @@ class NonKeyedTask:
     batch_time_ms: int
     lists: tuple[dict[str, list[Any]], ...]  # per subtask: list name -> entries
     broadcast_state: dict[str, Any] | None = None
+    report_to: Any = None  # where the report goes (keyscale.runtime.reports)
 
 
 def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
@@ -610,7 +610,6 @@ def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], 
     except (TypeError, ValueError) as e:
         raise JobDefinitionError(f"operator '{spec.uid}': list state entries must be JSON values ({e})") from None
     report = {"subtask": subtask, "records": len(records), "emitted": out.num_rows, "lists": lists, "busy_seconds": time.perf_counter() - started}
-    write_report(Path(spec.job_dir), spec.uid, spec.batch_id, subtask, report)
     return out, report
 
 

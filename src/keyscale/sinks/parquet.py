@@ -11,10 +11,10 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from keyscale.checkpoint.files import fsync_dir, fsync_file
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import OutputError
 from keyscale.storage import local_path
+from keyscale.storage.local import fsync_dir, fsync_file
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame

@@ -28,14 +28,13 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from keyscale.checkpoint.files import write_report
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import event_time_ms, max_event_within
+from keyscale.runtime import reports
 from keyscale.sources.log import LogError, PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
 
@@ -253,15 +252,16 @@ def _read(log: PartitionedLog, uid: str, batch: int, p: int, start: int, end: in
 
 
 def make_reader_function(
-    log: PartitionedLog, uid: str, job_dir: str, batch: int, plan: Plan, target: pa.Schema, event_time: str | None,
-    event_time_limit_ms: int | None = None, log_id: str | None = None,
+    log: PartitionedLog, uid: str, batch: int, plan: Plan, target: pa.Schema, event_time: str | None,
+    event_time_limit_ms: int | None = None, log_id: str | None = None, report_to: Any = None,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The ``mapInArrow`` function of the readers: input rows are reader indexes, one per task.
 
     Each reader reports, per partition, its records and largest event time; event times
     after ``event_time_limit_ms`` are not believed: counted, left out of the maximum (so
     they never move the partition's clock), and passed on like any record. With ``log_id``,
-    a reader first checks the log is still the one the batch was planned on.
+    a reader first checks the log is still the one the batch was planned on. Reports go to
+    ``report_to`` (:mod:`keyscale.runtime.reports`).
     """
 
     def read(rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -293,6 +293,6 @@ def make_reader_function(
                 report["records"] = sum(i["records"] for i in report["partitions"].values())
                 report["counters"] = {"too_far_ahead": ahead} if ahead else {}
                 report["busy_seconds"] = time.perf_counter() - started
-                write_report(Path(job_dir), uid, batch, subtask, report)
+                reports.send(report_to, uid, batch, subtask, report)
 
     return read

@@ -15,7 +15,13 @@ cannot serve is an error, never a local folder named after its scheme.
 from keyscale.storage.base import ObjectInfo, Store, join
 from keyscale.storage.local import LocalStore
 from keyscale.storage.objects import ObjectStore
-from keyscale.storage.uri import local_path, open_store, parse_storage_options, scheme_of, set_storage_options
+from keyscale.storage.uri import (
+    local_path,
+    open_store,
+    parse_storage_options,
+    scheme_of,
+    set_storage_options,
+)
 
 __all__ = [
     "LocalStore",

@@ -101,9 +101,10 @@ class Store(ABC):
             raise StorageError(f"{self.url(key)} is damaged (not UTF-8 text)") from None
 
     @abstractmethod
-    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+    def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
         """Write the whole object (replacing any); readers never see a part of it.
-        ``durable=False`` for objects that may be lost in a crash (status, addresses)."""
+        ``durable=False`` for objects that may be lost in a crash (status, addresses);
+        ``private``: readable by the writing user only, where the store has file modes."""
 
     @abstractmethod
     def create(self, key: str, data: bytes) -> bool:

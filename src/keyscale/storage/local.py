@@ -9,13 +9,14 @@ writers exactly one creates the object, and it never appears half written.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import stat
 import uuid
 from pathlib import Path
 
-from keyscale.storage.base import ObjectInfo, Store, check_key, join
+from keyscale.storage.base import ObjectInfo, Store, check_key
 
 
 def _fsync_dir(path: Path) -> None:
@@ -70,20 +71,24 @@ class LocalStore(Store):
         except IsADirectoryError:
             raise FileNotFoundError(self.url(key)) from None
 
-    def _write_temp(self, target: Path, data: bytes, durable: bool) -> Path:
+    def _write_temp(self, target: Path, data: bytes, durable: bool, private: bool = False) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
-        with open(tmp, "wb") as f:
+        # O_EXCL | O_NOFOLLOW: never another user's file or a symlink planted under that name.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if private else 0o644)
+        with open(fd, "wb") as f:
+            if private:
+                os.fchmod(fd, 0o600)  # the umask can only narrow 0o600; this is belt and braces
             f.write(data)
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
         return tmp
 
-    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+    def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
         self.requests["put"] += 1
         target = self.path(key)
-        tmp = self._write_temp(target, data, durable)
+        tmp = self._write_temp(target, data, durable, private)
         try:
             os.replace(tmp, target)
         except BaseException:
@@ -155,6 +160,14 @@ class LocalStore(Store):
         self.put(dst, self.get(src))
 
     # -- local only ----------------------------------------------------------------------
+    def append(self, key: str, data: bytes) -> None:
+        """Append to a local file (an event log: object stores write one object per event)."""
+        self.requests["append"] += 1
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(data)
+
     def try_lock(self, key: str) -> int | None:
         """An exclusive ``flock`` on ``key`` (created if absent): its fd, or None if held.
         Local only: it tells a second process on this machine that the job is running."""
@@ -190,4 +203,30 @@ class LocalStore(Store):
             os.close(fd)
 
 
-__all__ = ["LocalStore", "join"]
+
+
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write a local file so that readers see the old file or the whole new one (for
+    local-only state: deployments, clusters)."""
+    LocalStore(path.parent).put(path.name, data, durable)
+
+
+def atomic_write_json(path: Path, obj: object, durable: bool = True) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode(), durable)
+
+
+def is_locked(path: Path) -> bool:
+    """True while some process holds an exclusive ``flock`` on the local file ``path``."""
+    return LocalStore(path.parent).is_locked(path.name)
+
+
+def fsync_file(path: Path) -> None:
+    """Make a local file's written bytes durable (it was written and closed elsewhere)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+fsync_dir = _fsync_dir

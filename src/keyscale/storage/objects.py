@@ -135,7 +135,7 @@ class ObjectStore(Store):
         except Exception as e:
             raise self._fail("read", key, e) from None
 
-    def put(self, key: str, data: bytes, durable: bool = True) -> None:
+    def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
         import obstore
 
         self.requests["put"] += 1

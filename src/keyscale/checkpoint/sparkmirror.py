@@ -1,0 +1,112 @@
+"""Spark's own streaming checkpoint, mirrored into a job directory that is not on local disk.
+
+Spark writes its checkpoint (source positions, its batch log) only to local or Hadoop
+paths, and this Spark has no object-store Hadoop connector. So while a job whose job
+directory is on an object store runs, Spark's checkpoint lives in a local folder, and
+keyscale copies it into the job directory: before each batch's intent, one object
+``spark/bundle-<batch>.json`` with the files Spark wrote or deleted since the last one
+(every ``FULL_EVERY`` batches, and at a run's first batch, all of them). At start, the
+newest full bundle and the deltas after it rebuild the folder, on whichever host the
+driver runs. Spark's files of batch ``b`` (its offsets) are in the bundle of ``b``, written
+before anything of ``b`` is; its commit of ``b`` comes with the bundle of ``b + 1``, and
+a commit that is missing only makes Spark offer ``b`` again, which keyscale skips (it is
+committed). Hadoop's ``.crc`` side files are not copied (Spark reads the files without them).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from keyscale.storage import Store
+
+FOLDER = "spark"
+FULL_EVERY = 20
+
+
+def _bundle_key(batch: int) -> str:
+    return f"{FOLDER}/bundle-{batch:012d}.json"
+
+
+def _batch(name: str) -> int | None:
+    try:
+        return int(name[len("bundle-"):-len(".json")]) if name.startswith("bundle-") and name.endswith(".json") else None
+    except ValueError:
+        return None
+
+
+def _encode(data: bytes) -> dict[str, str]:
+    try:
+        return {"text": data.decode()}
+    except UnicodeDecodeError:
+        return {"b64": base64.b64encode(data).decode()}
+
+
+def _decode(d: dict[str, str]) -> bytes:
+    return d["text"].encode() if "text" in d else base64.b64decode(d["b64"])
+
+
+class SparkMirror:
+    """The local folder ``local`` kept in ``store`` (the job directory) as bundles."""
+
+    def __init__(self, store: Store, local: Path):
+        self.store, self.local = store, local
+        self._pushed: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last sent
+        self._since_full = FULL_EVERY  # a run's first bundle is full
+
+    def _scan(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for folder, _, files in os.walk(self.local):
+            for name in files:
+                if name.endswith(".crc"):
+                    continue
+                p = Path(folder) / name
+                st = p.stat()
+                out[p.relative_to(self.local).as_posix()] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    def pull(self) -> int:
+        """Rebuild the local folder from the job directory; returns the files written."""
+        batches = sorted(b for n in self.store.list_names(FOLDER) if (b := _batch(n)) is not None)
+        chain: list[dict[str, Any]] = []
+        for b in reversed(batches):  # back to the newest full bundle
+            bundle = json.loads(self.store.get(_bundle_key(b)))
+            chain.append(bundle)
+            if bundle.get("full"):
+                break
+        shutil.rmtree(self.local, ignore_errors=True)
+        self.local.mkdir(parents=True, exist_ok=True)
+        files: dict[str, bytes] = {}
+        for bundle in reversed(chain):
+            if bundle.get("full"):
+                files.clear()
+            for rel in bundle.get("deleted", []):
+                files.pop(rel, None)
+            files.update({rel: _decode(d) for rel, d in bundle["files"].items()})
+        for rel, data in files.items():
+            target = self.local / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        self._pushed = {}
+        self._since_full = FULL_EVERY
+        return len(files)
+
+    def push(self, batch: int) -> None:
+        """One object with what Spark changed since the last push (all files, now and then)."""
+        now = self._scan() if self.local.exists() else {}
+        full = self._since_full >= FULL_EVERY
+        changed = [rel for rel, sig in now.items() if full or self._pushed.get(rel) != sig]
+        bundle = {
+            "batch": batch, "full": full,
+            "files": {rel: _encode((self.local / rel).read_bytes()) for rel in sorted(changed)},
+            "deleted": [] if full else sorted(set(self._pushed) - set(now)),
+        }
+        self.store.put(_bundle_key(batch), json.dumps(bundle, sort_keys=True).encode())
+        self._pushed = now
+        self._since_full = 1 if full else self._since_full + 1
+        if full:  # older bundles are no longer needed to rebuild the folder
+            self.store.delete_many([_bundle_key(b) for n in self.store.list_names(FOLDER) if (b := _batch(n)) is not None and b < batch])

@@ -1,0 +1,40 @@
+"""A running job's heartbeat on an object store, where no lock tells that it runs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from keyscale.checkpoint.jobdir import HEARTBEAT_S, JobDir
+from keyscale.errors import FencedError, KeyscaleError
+
+log = logging.getLogger("keyscale")
+
+
+class Heartbeat:
+    """Writes the job's status every ``HEARTBEAT_S`` seconds (with batches or without), so
+    another process can tell a running job from one that died; stops once a newer run
+    took over the job directory (this run is fenced: it must not write there any more)."""
+
+    def __init__(self, jobdir: JobDir, status: Callable[[], dict[str, Any]], every: float = HEARTBEAT_S):
+        self.jobdir, self.status, self.every = jobdir, status, every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="keyscale-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                self.jobdir.check_epoch("writing its status")
+                self.jobdir.write_status({**self.status(), "running": True})
+            except FencedError as e:
+                log.error("%s", e)
+                return
+            except KeyscaleError as e:  # the store is unreachable for a while: try again later
+                log.warning("could not write the job's heartbeat: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
