@@ -86,7 +86,7 @@ def _restart_rescale(a: argparse.Namespace) -> int:
     """Flink's `modify -p`: savepoint, stop, start again at the new parallelism."""
     import subprocess
 
-    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.checkpoint.jobdir import JobDir, spark_cache_dir
 
     jd = JobDir(a.job_dir)
     run = jd.read_json("run.json")

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.sinks.base import Sink
 
+from keyscale.errors import KeyscaleError
+
 log = logging.getLogger("keyscale")
 
 
