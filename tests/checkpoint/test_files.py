@@ -1,4 +1,4 @@
-"""State files (Arrow IPC indexed by key group) and atomic writes."""
+"""State files (Arrow IPC indexed by key group)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import pyarrow as pa
 import pytest
 
 from keyscale.checkpoint.files import (
-    atomic_write_bytes,
-    atomic_write_json,
-    file_crc32,
     kg_index,
     read_state_slice,
     verify_state_file,
@@ -58,7 +55,7 @@ def test_write_returns_its_manifest_entry(written: tuple[Path, StateFile, pa.Tab
     path = job_dir / REL
     assert (f.path, f.batch, f.kind, f.start, f.end, f.rows) == (REL, 3, "delta", 10, 19, table.num_rows)
     assert f.bytes == path.stat().st_size
-    assert f.crc32 == file_crc32(path) == zlib.crc32(path.read_bytes())
+    assert f.crc32 == zlib.crc32(path.read_bytes())
     assert verify_state_file(job_dir, f) is None
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
 
@@ -167,30 +164,3 @@ def test_kg_index() -> None:
     assert kg_index(kgs, 0, 7) == [[3, 0, 2], [5, 2, 1], [6, 3, 3]]
     assert kg_index(kgs, 5, 5) == [[5, 2, 1]]
     assert kg_index(np.empty(0, dtype=np.int32), 0, 7) == []
-
-
-def test_atomic_write_bytes_replaces_and_leaves_no_temp_file(tmp_path: Path) -> None:
-    path = tmp_path / "x.bin"
-    atomic_write_bytes(path, b"one")
-    assert path.read_bytes() == b"one"
-    atomic_write_bytes(path, b"two, longer", durable=False)
-    assert path.read_bytes() == b"two, longer"
-    atomic_write_json(tmp_path / "y.json", {"b": 1, "a": [1, 2]})
-    assert (tmp_path / "y.json").read_text().startswith("{")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "y.json"]
-
-
-def test_atomic_write_bytes_failure_leaves_the_old_file(tmp_path: Path) -> None:
-    path = tmp_path / "x.bin"
-    atomic_write_bytes(path, b"old")
-    with pytest.raises(TypeError):
-        atomic_write_bytes(path, "not bytes")  # type: ignore[arg-type]
-    assert path.read_bytes() == b"old"
-
-
-def test_atomic_write_bytes_failure_leaves_no_temp_file(tmp_path: Path) -> None:
-    path = tmp_path / "x.bin"
-    atomic_write_bytes(path, b"old")
-    with pytest.raises(TypeError):
-        atomic_write_bytes(path, "not bytes")  # type: ignore[arg-type]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]

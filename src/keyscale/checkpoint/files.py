@@ -8,6 +8,7 @@ only its slice without scanning (memory-mapped, so untouched pages are never rea
 from __future__ import annotations
 
 import json
+import os
 import zlib
 
 import numpy as np
@@ -17,7 +18,9 @@ from keyscale.checkpoint.manifest import FileKind, StateFile
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN
-from keyscale.storage import LocalStore, Store
+from keyscale.storage import LocalStore, Store, open_store
+
+Location = Store | str | os.PathLike[str]  # a job directory: its store, or where it is
 
 _INDEX_KEY = b"keyscale.kg_index"
 
@@ -30,8 +33,9 @@ def kg_index(kgs: np.ndarray, start: int, end: int) -> list[list[int]]:
     return [[start + i, int(bounds[i]), int(bounds[i + 1] - bounds[i])] for i in range(end - start + 1) if bounds[i + 1] > bounds[i]]
 
 
-def write_state_file(store: Store, rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> StateFile:
+def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> StateFile:
     """Write a key-group-sorted state table as one object; returns its manifest entry."""
+    store = open_store(job_dir, "job directory")
     kgs = table.column(KG_COLUMN).to_numpy()
     index = kg_index(kgs, rng.start, rng.end)
     meta = {
@@ -83,9 +87,9 @@ def _open_state_file(store: Store, f: StateFile, verify: bool) -> pa.Table:
         raise StateError(f"state file {where} is unreadable ({e})") from None
 
 
-def read_state_slice(store: Store, f: StateFile, rng: KeyGroupRange, verify: bool = False) -> pa.Table:
+def read_state_slice(job_dir: Location, f: StateFile, rng: KeyGroupRange, verify: bool = False) -> pa.Table:
     """The rows of key groups ``rng`` in state file ``f`` (zero-copy where possible)."""
-    table = _open_state_file(store, f, verify)
+    table = _open_state_file(open_store(job_dir, "job directory"), f, verify)
     meta = table.schema.metadata or {}
     index = json.loads(meta.get(_INDEX_KEY, b"[]"))
     lo, hi = max(rng.start, f.start), min(rng.end, f.end)
@@ -97,9 +101,9 @@ def read_state_slice(store: Store, f: StateFile, rng: KeyGroupRange, verify: boo
     return table.slice(first, last - first)
 
 
-def verify_state_file(store: Store, f: StateFile) -> str | None:
+def verify_state_file(job_dir: Location, f: StateFile) -> str | None:
     """None when the file is intact, else a sentence saying what is wrong."""
-    data = store.get_or_none(f.path)
+    data = open_store(job_dir, "job directory").get_or_none(f.path)
     if data is None:
         return f"state file {f.path} is missing"
     if len(data) != f.bytes:

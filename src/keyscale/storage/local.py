@@ -76,13 +76,17 @@ class LocalStore(Store):
         tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
         # O_EXCL | O_NOFOLLOW: never another user's file or a symlink planted under that name.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if private else 0o644)
-        with open(fd, "wb") as f:
-            if private:
-                os.fchmod(fd, 0o600)  # the umask can only narrow 0o600; this is belt and braces
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            with open(fd, "wb") as f:
+                if private:
+                    os.fchmod(fd, 0o600)  # the umask can only narrow 0o600; this is belt and braces
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return tmp
 
     def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
