@@ -8,6 +8,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
+from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import (
     Action,
     Lineage,
@@ -109,9 +110,10 @@ def test_markers_and_lineages_round_trip() -> None:
     assert Marker.from_json("junk") == Marker(None)
 
 
-def _job_dir(tmp_path: Path) -> Path:
-    (tmp_path / "job.json").write_text(json.dumps({"name": "j", "max_parallelism": 8, "created_ms": 0}))
-    return tmp_path
+def _job_dir(tmp_path: Path) -> JobDir:
+    jd = JobDir(tmp_path)
+    jd.claim("j", 8, 8)
+    return jd
 
 
 def _manifest(batch: int, extra: dict[str, object]) -> Manifest:

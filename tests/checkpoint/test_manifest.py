@@ -324,7 +324,7 @@ def _committed_jobdir(tmp_path: object) -> tuple[JobDir, bytes]:
     jd = JobDir(tmp_path)  # type: ignore[arg-type]
     jd.claim("wc", 128, 128)
     jd.commit(_manifest())
-    path = jd.manifest_path(7)
+    path = (jd.path / jd.manifest_key(7))
     return jd, path.read_bytes()
 
 
@@ -339,7 +339,7 @@ def test_jobdir_reads_its_committed_manifest(tmp_path: object) -> None:
 def test_jobdir_manifest_with_a_flipped_ascii_bit_names_the_checkpoint(tmp_path: object, bit: int) -> None:
     jd, raw = _committed_jobdir(tmp_path)
     i = raw.index(b'"parallelism"') + 1
-    jd.manifest_path(7).write_bytes(raw[:i] + bytes([raw[i] ^ bit]) + raw[i + 1 :])
+    (jd.path / jd.manifest_key(7)).write_bytes(raw[:i] + bytes([raw[i] ^ bit]) + raw[i + 1 :])
     with pytest.raises(StateError, match=r"checkpoint 7 \(manifest-000000000007.json\)"):
         jd.read_manifest(7)
 
@@ -347,6 +347,6 @@ def test_jobdir_manifest_with_a_flipped_ascii_bit_names_the_checkpoint(tmp_path:
 def test_jobdir_manifest_with_a_flipped_high_bit_names_the_checkpoint(tmp_path: object) -> None:
     jd, raw = _committed_jobdir(tmp_path)
     i = raw.index(b'"parallelism"') + 1
-    jd.manifest_path(7).write_bytes(raw[:i] + bytes([raw[i] ^ 0x80]) + raw[i + 1 :])
+    (jd.path / jd.manifest_key(7)).write_bytes(raw[:i] + bytes([raw[i] ^ 0x80]) + raw[i + 1 :])
     with pytest.raises(StateError, match="checkpoint 7"):
         jd.read_manifest(7)

@@ -41,11 +41,11 @@ def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> 
     thread.start()
     jd = JobDir(tmp_path / "job")
     deadline = time.time() + 120
-    while (1 not in jd.manifest_batches() or not (jd.control / "http.json").exists()) and time.time() < deadline:
+    while (1 not in jd.manifest_batches() or not ((jd.path / "control") / "http.json").exists()) and time.time() < deadline:
         time.sleep(0.2)
-    url = json.loads((jd.control / "http.json").read_text())["url"]
+    url = json.loads(((jd.path / "control") / "http.json").read_text())["url"]
     assert url.startswith("http://127.0.0.1:")
-    secret = read_secret(jd.control)
+    secret = read_secret(jd.store)
 
     # Without the job's secret (any local user, a web page's text/plain POST) nothing is done.
     assert _post(url + "/rescale", {"parallelism": 4}, None)[0] == 401
@@ -82,4 +82,4 @@ def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> 
     assert code == 200 and body == {"stopping": True}
     thread.join(timeout=120)
     assert not thread.is_alive() and "summary" in result
-    assert not jd.is_running() and not (jd.control / "http.json").exists() and not (jd.control / "secret").exists()
+    assert not jd.is_running() and not ((jd.path / "control") / "http.json").exists() and not ((jd.path / "control") / "secret").exists()

@@ -22,6 +22,7 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control import ControlServer, call
 from keyscale.runtime.control_auth import check_request, new_secret, read_secret, secret_path
+from keyscale.storage import LocalStore
 
 
 class FakeRunner:
@@ -69,7 +70,7 @@ def _request(url: str, method: str = "POST", body: bytes | None = b"{}", headers
 
 
 def _owner_headers(jd: JobDir) -> dict[str, str]:
-    return {"Content-Type": "application/json", "Authorization": f"Bearer {read_secret(jd.control)}"}
+    return {"Content-Type": "application/json", "Authorization": f"Bearer {read_secret(jd.store)}"}
 
 
 def test_requests_without_the_secret_are_refused_and_change_nothing(server: Any) -> None:
@@ -84,7 +85,7 @@ def test_requests_without_the_secret_are_refused_and_change_nothing(server: Any)
     # A wrong token, and a token sent without the Bearer scheme.
     code, _ = _request(srv.url + "/rescale", body=rescale, headers={"Content-Type": "application/json", "Authorization": "Bearer nope"})
     assert code == 401
-    code, _ = _request(srv.url + "/rescale", body=rescale, headers={"Content-Type": "application/json", "Authorization": read_secret(jd.control)})
+    code, _ = _request(srv.url + "/rescale", body=rescale, headers={"Content-Type": "application/json", "Authorization": read_secret(jd.store)})
     assert code == 401
     assert runner.actions == [] and jd.read_rescale_requests() == {}
 
@@ -126,16 +127,16 @@ def test_the_secret_is_owner_only_fresh_per_run_and_gone_after(tmp_path: Path) -
         first = ControlServer(FakeRunner(jd))  # type: ignore[arg-type]
     finally:
         os.umask(old)
-    path = secret_path(jd.control)
+    path = Path(secret_path(jd.store))
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    token = read_secret(jd.control)
+    token = read_secret(jd.store)
     assert len(token) >= 40
-    assert [p.name for p in jd.control.iterdir() if p.name.startswith(".secret")] == []  # no temporary file left
+    assert [p.name for p in (jd.path / "control").iterdir() if p.name.startswith(".secret")] == []  # no temporary file left
     first.close()
     assert not path.exists()
     second = ControlServer(FakeRunner(jd))  # type: ignore[arg-type]
     try:
-        assert read_secret(jd.control) != token
+        assert read_secret(jd.store) != token
         code, _ = _request(second.url + "/status", method="GET", headers={"Authorization": f"Bearer {token}"})
         assert code == 401  # the last run's secret no longer works
     finally:
@@ -148,7 +149,7 @@ def test_new_secret_never_follows_a_planted_symlink(tmp_path: Path) -> None:
     control = tmp_path / "control"
     control.mkdir()
     (control / "secret").symlink_to(target)
-    new_secret(control)
+    new_secret(LocalStore(tmp_path))
     assert target.read_text() == "keep" and not (control / "secret").is_symlink()
 
 
@@ -168,8 +169,8 @@ def test_check_request_rules() -> None:
 
 
 def test_read_secret_names_the_file_when_missing(tmp_path: Path) -> None:
-    with pytest.raises(KeyscaleError, match=str(tmp_path / "secret")):
-        read_secret(tmp_path)
+    with pytest.raises(KeyscaleError, match=str(tmp_path / "control" / "secret")):
+        read_secret(LocalStore(tmp_path))
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to act as another user")
@@ -182,8 +183,8 @@ def test_another_local_user_cannot_control_the_job(server: Any, tmp_path: Path) 
     for p in [tmp_path, *tmp_path.parents]:  # a job directory others may look into, as with a 022 umask
         if p != Path("/"):
             p.chmod(p.stat().st_mode | 0o055)
-    jd.control.chmod(0o755)
-    (jd.control / "http.json").chmod(0o644)
+    (jd.path / "control").chmod(0o755)
+    ((jd.path / "control") / "http.json").chmod(0o644)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child becomes the other user and calls the API as the CLI would
@@ -205,6 +206,6 @@ def test_another_local_user_cannot_control_the_job(server: Any, tmp_path: Path) 
     with os.fdopen(read_end) as f:
         msg = f.read()
     os.waitpid(pid, 0)
-    assert msg.startswith("KeyscaleError: cannot read the control secret " + str(secret_path(jd.control))), msg
+    assert msg.startswith("KeyscaleError: cannot read the control secret " + str(secret_path(jd.store))), msg
     assert "permission denied" in msg
     assert runner.actions == [] and jd.read_rescale_requests() == {}

@@ -24,7 +24,6 @@ from test_task import (  # noqa: F401
 )
 
 import keyscale.runtime.task as task
-from keyscale.checkpoint.files import read_reports
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.errors import InputDataError, RecordError
 from keyscale.operators.eventtime import NO_WATERMARK
@@ -65,16 +64,16 @@ class PolicyDriver(Driver):
 
     def run(self, batch: int, rows: Sequence[dict[str, Any]], p: int, **kw: Any) -> tuple[list[pa.Table], list[dict[str, Any]]]:  # type: ignore[override]
         spec = replace(self.spec(batch, p), on_error=self.policy, event_time=self.event_time)
-        outs, self.dead = [], []
+        outs, self.dead, reports = [], [], []
         for i in range(p):
             rng = key_group_range(i, M, p)
             mine = [r for r in rows if rng.start <= r[KG] <= rng.end]
-            out, _ = run_subtask(spec, iter(to_record_batches(mine, self.input_schema, None)), i)
+            out, rep = run_subtask(spec, iter(to_record_batches(mine, self.input_schema, None)), i)
+            reports.append(rep)
             if DEAD in out.column_names:
                 self.dead += [r for r in out.column(DEAD).to_pylist() if r is not None]
                 out = pa.Table.from_pylist([r for r in out.column(MAIN).to_pylist() if r is not None], schema=self.output_schema)
             outs.append(out)
-        reports = read_reports(self.job_dir, self.uid, batch, p)
         self.files = live_files([*self.files, *(StateFile.from_json(r["file"]) for r in reports if r["file"])], M)
         self.committed = batch
         return outs, reports
@@ -403,13 +402,14 @@ def test_side_outputs_late_and_dead_letters_together() -> None:
 
 
 def test_log_reader_ignores_null_event_times_for_the_watermark(tmp_path: Path) -> None:
-    from keyscale.checkpoint.files import read_reports as reports_of
+    from keyscale.runtime.reports import Reports
     from keyscale.sources import create_log
     from keyscale.sources.reader import make_reader_function
 
     log = create_log(tmp_path / "log", "key string, ts long", 1)
     log.append(0, pa.table({"key": ["a", "b", "c"], "ts": pa.array([5, None, 9], pa.int64())}))
-    read = make_reader_function(log, "reader", str(tmp_path / "job"), 0, [[(0, 0, 3)]], log.schema, "ts")
+    collected = Reports()
+    read = make_reader_function(log, "reader", 0, [[(0, 0, 3)]], log.schema, "ts", report_to=collected.sender)
     rows = pa.concat_tables(pa.Table.from_batches([b]) for b in read(iter([pa.record_batch({"subtask": pa.array([0], pa.int32())})])))
     assert rows.num_rows == 3
-    assert reports_of(tmp_path / "job", "reader", 0, 1)[0]["partitions"]["0"]["max_event_ms"] == 9
+    assert collected.take("reader", 0, 1)[0]["partitions"]["0"]["max_event_ms"] == 9

@@ -28,7 +28,7 @@ def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def _damage_manifest(jd: JobDir) -> str:
-    path = jd.manifest_path(jd.manifest_batches()[-1])
+    path = (jd.path / jd.manifest_key(jd.manifest_batches()[-1]))
     path.write_text(path.read_text()[:100])  # a torn write
     return path.name
 

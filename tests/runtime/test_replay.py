@@ -86,7 +86,7 @@ def test_an_empty_restart_sets_aside_the_hidden_entries_with_spark_checkpoint(tm
     jd = _job(tmp_path, offsets=6, committed=3)
     sparklog.hide_offsets_after(jd.spark_checkpoint, jd.spark_hidden, 2)  # killed during a replay
     for b in jd.manifest_batches():
-        jd.manifest_path(b).write_text("{")  # and then every checkpoint damaged
+        (jd.path / jd.manifest_key(b)).write_text("{")  # and then every checkpoint damaged
     with pytest.raises(StateError, match="--allow-empty-restart"):
         jd.recover()
     rec = jd.recover(allow_empty_restart=True)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pytest
 
 import keyscale.runtime.task as task
-from keyscale.checkpoint.files import read_reports, read_state_slice
+from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.errors import InputDataError, JobDefinitionError
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states
@@ -30,6 +30,7 @@ from keyscale.runtime.task import KG, SEQ, StageTask, run_subtask
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.types import arrow_schema
+from keyscale.storage import LocalStore
 
 M = 16
 SPARK_TYPES = {pa.string(): "string", pa.int64(): "long"}
@@ -159,7 +160,7 @@ class Driver:
         fn = function if function is not None else self.function
         states = fn.state_descriptors() if isinstance(fn, RunningAggregate) else describe_states(fn, self.uid)
         return StageTask(
-            job_dir=str(self.job_dir), run_id=self.run_id, uid=self.uid, function=fn,
+            store=LocalStore(self.job_dir), run_id=self.run_id, uid=self.uid, function=fn,
             key_names=self.key_names,
             key_types=tuple(self.input_schema.field(k).type for k in self.key_names),
             input_schema=self.input_schema, output_schema=self.output_schema, states=tuple(states),
@@ -190,9 +191,8 @@ class Driver:
             assert out.schema == self.output_schema
             outs.append(out)
             reps.append(rep)
-        reports = read_reports(self.job_dir, self.uid, batch, p)
+        reports = reps
         assert [r["subtask"] for r in reports] == list(range(p))
-        assert [r["file"] for r in reports] == [r["file"] for r in reps]
         new = [StateFile.from_json(r["file"]) for r in reports if r["file"]]
         self.files = live_files([*self.files, *new], M)
         self.committed = batch
@@ -609,15 +609,23 @@ def test_failed_attempt_leaves_no_warm_state_claiming_its_version(tmp_path: Path
     assert rows_of(outs) == want[2]
 
 
-def test_report_is_written_as_a_sidecar(tmp_path: Path) -> None:
+def test_report_names_the_subtask_and_its_state_file(tmp_path: Path) -> None:
+    from keyscale.errors import KeyscaleError
+    from keyscale.runtime.reports import Reports, send
+
     d = aggregate_driver(tmp_path)
     _, reports = d.run(0, make_batches(1, 30, 5)[0], 2)
     assert [set(r) >= {"subtask", "range", "records", "keys", "emitted", "file", "state_keys", "busy_seconds",
                        "load_seconds", "warm_key_groups", "loaded_key_groups", "files_read"} for r in reports] == [True, True]
-    from keyscale.errors import KeyscaleError
-
+    collector = Reports()
+    for r in reports:
+        send(collector.sender, "op", 0, r["subtask"], r)
+    assert collector.take("op", 0, 2) == reports
     with pytest.raises(KeyscaleError, match="subtask 2 of operator 'op' did not report for batch 0"):
-        read_reports(d.job_dir, "op", 0, 3)
+        collector.take("op", 0, 3)
+    collector.forget(0)
+    with pytest.raises(KeyscaleError, match="subtask 0 of operator 'op' did not report"):
+        collector.take("op", 0, 2)
     f = StateFile.from_json(reports[0]["file"])
     assert (d.job_dir / f.path).exists() and f.range == KeyGroupRange(0, 7)
     assert np.all(read_state_slice(d.job_dir, f, f.range).column(KG).to_numpy() <= 7)
@@ -746,22 +754,24 @@ class Sampled(KeyedProcessFunction):
 
 @pytest.mark.parametrize("last", ["first", "second"])
 def test_two_attempts_of_a_subtask_leave_reports_naming_files_that_match(tmp_path: Path, last: str) -> None:
-    """Whichever attempt's report survives names a state file that exists with its size and crc."""
-    from keyscale.checkpoint.files import report_path, verify_state_file
+    """Whichever attempt's report the driver takes names a state file that exists with its size and crc."""
+    from keyscale.checkpoint.files import verify_state_file
+    from keyscale.runtime.reports import Reports, send
 
     d = Driver(tmp_path / "job", Sampled(), arrow_schema("key string, id long"))
     batches = make_batches(2, 80, 12, seed=21)
     d.run(0, batches[0], 1)
     spec = d.spec(1, 1)
     # Attempt A and a speculative attempt B of batch 1 run in two workers; both write their
-    # state; A's report lands after B's file, then B's report lands last (or does not).
+    # state and both report (Spark carries the reports of both successful attempts).
     _, rep_a = run_subtask(spec, iter(to_record_batches(batches[1], d.input_schema, None)), 0)
-    text_a = report_path(d.job_dir, d.uid, 1, 0).read_text()
     with worker({}):
         _, rep_b = run_subtask(spec, iter(to_record_batches(batches[1], d.input_schema, None)), 0)
-    if last == "first":
-        report_path(d.job_dir, d.uid, 1, 0).write_text(text_a)
-    survivor = read_reports(d.job_dir, d.uid, 1, 1)[0]
+    assert rep_a["file"] != rep_b["file"]  # each attempt its own file
+    collector = Reports()
+    for rep in ([rep_b, rep_a] if last == "first" else [rep_a, rep_b]):
+        send(collector.sender, d.uid, 1, 0, rep)
+    survivor = collector.take(d.uid, 1, 1)[0]
     assert survivor["file"] == (rep_a if last == "first" else rep_b)["file"]
     assert verify_state_file(d.job_dir, StateFile.from_json(survivor["file"])) is None
     assert verify_state_file(d.job_dir, StateFile.from_json(rep_b["file"])) is None

@@ -76,7 +76,7 @@ def test_a_reader_leaves_far_future_event_times_out_of_its_partitions_clocks(tmp
     the batch's bound; they are counted and passed on."""
     import pyarrow as pa
 
-    from keyscale.checkpoint.files import read_reports
+    from keyscale.runtime.reports import Reports
     from keyscale.sources import create_log
     from keyscale.sources.reader import make_reader_function
 
@@ -84,10 +84,11 @@ def test_a_reader_leaves_far_future_event_times_out_of_its_partitions_clocks(tmp
     log.append(0, pa.table({"key": ["a", "b", "c"], "ts": [1_000, 253_402_300_799_000, 2_000]}))
     log.append(1, pa.table({"key": ["d"], "ts": [1_700_000_000_000_000]}))  # microseconds read as ms
     plan = plan_batch([[(0, 0), (1, 0)]], log.end_offsets())
-    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 0, plan, log.schema, "ts", event_time_limit_ms=10_000)
+    collected = Reports()
+    fn = make_reader_function(log, "reader", 0, plan, log.schema, "ts", event_time_limit_ms=10_000, report_to=collected.sender)
     rows = list(fn(iter([pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])])))
     assert sum(b.num_rows for b in rows) == 4  # every record goes on
-    (report,) = read_reports(tmp_path / "job", "reader", 0, 1)
+    (report,) = collected.take("reader", 0, 1)
     assert report["partitions"]["0"]["max_event_ms"] == 2_000
     assert report["partitions"]["1"]["max_event_ms"] is None
     assert report["counters"] == {"too_far_ahead": 2}
@@ -131,7 +132,7 @@ def test_a_reader_stops_on_a_log_recreated_or_shrunk_after_planning(tmp_path: An
     log.append(0, pa.table({"key": ["a", "b", "c"]}))
     plan = plan_batch([[(0, 0)]], [3])
     one = pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])
-    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 4, plan, log.schema, None, log_id="the-old-one")
+    fn = make_reader_function(log, "reader", 4, plan, log.schema, None, log_id="the-old-one")
     with pytest.raises(RuntimeError) as err:  # the error crosses Spark as one marked line (keyscale.errors)
         list(fn(iter([one])))
     found = decode_error(str(err.value))
@@ -139,7 +140,7 @@ def test_a_reader_stops_on_a_log_recreated_or_shrunk_after_planning(tmp_path: An
     assert re.match(r"source 'reader': log .* was recreated after batch 4 was planned", found[1]), found[1]
     shutil.rmtree(tmp_path / "log")
     create_log(tmp_path / "log", "key string", 1).append(0, pa.table({"key": ["a"]}))
-    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 4, plan, log.schema, None)
+    fn = make_reader_function(log, "reader", 4, plan, log.schema, None)
     with pytest.raises(RuntimeError) as err:
         list(fn(iter([one])))
     found = decode_error(str(err.value))
@@ -153,7 +154,7 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
     import pyarrow as pa
     import pytest
 
-    from keyscale.checkpoint.files import read_reports
+    from keyscale.runtime.reports import Reports
     from keyscale.sources import create_log
     from keyscale.sources.log import LogError
     from keyscale.sources.reader import (
@@ -167,9 +168,10 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
     log.append(0, pa.table({"key": ["a", "b"]}))
     log.append(0, pa.table({"key": ["c"]}))
     plan = plan_batch([[(0, 0)]], log.end_offsets())
-    fn = make_reader_function(log, "reader", str(tmp_path / "job"), 0, plan, log.schema, None)
+    collected = Reports()
+    fn = make_reader_function(log, "reader", 0, plan, log.schema, None, report_to=collected.sender)
     list(fn(iter([pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])])))
-    last = last_records_after(None, read_reports(tmp_path / "job", "reader", 0, 1))
+    last = last_records_after(None, collected.take("reader", 0, 1))
     assert list(last) == [0] and last[0][0] == 2
     state = to_state(advance(plan), "id", last)
     assert last_records_of(state) == last

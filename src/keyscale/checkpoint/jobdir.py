@@ -267,7 +267,7 @@ class JobDir:
         return list(self._batches)
 
     def read_manifest(self, batch: int) -> Manifest:
-        if batch in self._manifests:
+        if self.epoch and batch in self._manifests:  # the writer's own (tools always read)
             return self._manifests[batch]
         key = self.manifest_key(batch)
         try:
@@ -341,6 +341,7 @@ class JobDir:
         the batch intents are set aside, not deleted).
         """
         self._batches = None
+        self._manifests.clear()
         damaged: list[tuple[int, str]] = []
         found: Manifest | None = None
         sizes = None if self.is_local else {o.key: o.size for o in self.store.list("state")}
@@ -455,7 +456,8 @@ class JobDir:
         replays those batches as they first ran.
 
         Works from what this run knows (the manifests it read and wrote) without listing;
-        files no manifest ever took are found by one listing every ``SWEEP_EVERY`` calls."""
+        files no manifest ever took are found by one listing (every ``SWEEP_EVERY`` calls
+        on an object store, where a listing is a billed request; every call on local disk)."""
         batches = self.manifest_batches()
         if len(batches) <= keep:
             return 0
@@ -472,7 +474,7 @@ class JobDir:
         gone = [b for b in batches if b not in kept_batches]
         doomed = {f.path for b in gone if b in manifests for op in manifests[b].operators.values() for f in op.files} - needed
         self._since_sweep += 1
-        if self._since_sweep >= SWEEP_EVERY:
+        if self._since_sweep >= SWEEP_EVERY or self.is_local:  # listing a local folder costs nothing
             self._since_sweep = 0
             for o in self.store.list("state"):
                 name = o.key.rsplit("/", 1)[-1]
