@@ -271,9 +271,9 @@ class Supervisor:
 
         (A killed job leaves its control address behind: the answer must come from ``pid``.)
         """
-        from keyscale.runtime.control import call
+        from keyscale.runtime.control import ADDRESS, call
 
-        if jd.lock_holder() != pid or not (jd.control / "http.json").exists() or not jd.is_running():
+        if jd.lock_holder() != pid or not jd.store.exists(ADDRESS) or not jd.is_running():
             return False
         try:
             return call(jd, "GET", "/status", timeout=5).get("pid") == pid
@@ -328,8 +328,8 @@ class Supervisor:
         try:
             created = jd.read_manifest(batches[-1]).created_ms
         except StateError:  # damaged: the job falls back to an intact one when it resumes
-            created = int(jd.manifest_path(batches[-1]).stat().st_mtime * 1000)
-        return Snapshot(str(jd.path), batches[-1], created)
+            created = 0
+        return Snapshot(jd.uri, batches[-1], created)
 
     def _launch(self, spec: DeploymentSpec, restore: Restore | RestoreStrategy, reason: str) -> Outcome | None:
         if isinstance(restore, RestoreStrategy):
@@ -457,8 +457,8 @@ class Supervisor:
                 self._event("savepoint", f"the job committed batch {rec.manifest.batch} after its savepoint of batch {info.batch} "
                             f"(a batch under way when it stopped); took a savepoint of its final checkpoint instead: {sp}")
                 info = read_savepoint(sp, verify=False)
-            self.status.savepoints.append({"path": str(info.path), "job_dir": str(jd.path), "batch": info.batch, "created_ms": info.created_ms})
-            self._event("savepoint", f"savepoint of batch {info.batch} of {jd.path}: {info.path}", path=str(info.path), batch=info.batch)
+            self.status.savepoints.append({"path": str(info.path), "job_dir": jd.uri, "batch": info.batch, "created_ms": info.created_ms})
+            self._event("savepoint", f"savepoint of batch {info.batch} of {jd.uri}: {info.path}", path=str(info.path), batch=info.batch)
         self._save()
         return sp
 

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -131,6 +132,7 @@ class BatchRecord:
     emitted: int
     parallelism: dict[str, int]
     replayed: bool = False
+    requests: dict[str, int] = field(default_factory=dict)  # storage requests of the batch, driver and tasks, per kind
 
 
 @dataclass
@@ -633,6 +635,7 @@ class JobRunner:
             return 0
         started = time.perf_counter()
         started_wall = time.time()
+        requests_before = Counter(self.jobdir.store.requests)
         intent = self.jobdir.read_intent(batch_id)
         if intent is not None and intent.get("drain") and not drain:
             # An interrupted drain: this batch is Spark's, with its input and the job's watermark.
@@ -719,7 +722,11 @@ class JobRunner:
         self._report_counts(batch_id, counts)
         removed = self.jobdir.retain(self.opts.retain)
         seconds = time.perf_counter() - started
-        rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed)
+        requests = Counter(self.jobdir.store.requests) - requests_before
+        for rs in reports.values():
+            for r in rs:
+                requests.update(r.get("store_requests", {}))
+        rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests))
         self.summary.batches.append(rec)
         self.summary.parallelism = dict(self.parallelism)
         self._last_reports = reports

@@ -480,6 +480,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
         **stats,
         **window_stats,
         "counters": {**counters, **errors.counters()},
+        "store_requests": dict(spec.store.requests),  # this task's copy of the store: its own requests
     }
     dead = errors.dead_letters() if spec.on_error.on_error == "dead_letter" else None
     if spec.late_output or dead is not None:
