@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -74,9 +75,11 @@ def test_tasks_run_as_the_worker_user_and_cannot_read_the_drivers_files(tmp_path
     assert out["read"]["ok"] is False, out["read"]
     assert out["read"]["error"] in ("PermissionError", "FileNotFoundError"), out["read"]
     assert str(secret) in out["read"]["message"]
-    # The executor logs are in the worker's own work dir; its scratch dirs are gone.
-    assert any(w.work_dir.glob("app-*/*/stderr"))
-    assert not (w.work_dir.parent / "local").exists() and not (w.work_dir.parent / "tmp").exists()
+    # The workers had their own dirs in the worker user's home; once stopped, their
+    # executor logs are in the cluster folder, as on a plain cluster, and the rest is gone.
+    assert w.work_dir.is_relative_to(Path(pwd.getpwnam("keyscale-worker").pw_dir) / "clusters")
+    assert any((folder / "work" / w.id).glob("app-*/*/stderr"))
+    assert not w.work_dir.parent.exists() and not w2.work_dir.parent.exists()
 
 
 def test_isolated_needs_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ What a worker gets:
   executor logs, ``app-*/N/stderr``), ``local/`` (``SPARK_LOCAL_DIRS``: shuffle and
   block files), ``tmp/`` (``TMPDIR`` and ``java.io.tmpdir``) and ``conf/`` (an empty
   ``SPARK_CONF_DIR``). The cluster id is a hash of the cluster folder, which may itself
-  be private to the driver.
+  be private to the driver. When the worker is stopped its ``work/`` is copied to the
+  cluster folder's ``work/worker-N/`` (where a plain cluster keeps it) and the rest is
+  deleted.
 * **The Python and Java it needs.** Executors run the driver's ``PYSPARK_PYTHON``; the
   worker user must be able to execute it and read its install, its venv, ``sys.path``
   (``PYTHONPATH`` included: that is how a source tree's keyscale reaches the workers) and
@@ -38,6 +40,7 @@ Only root can start isolated workers (``setpriv`` to another user).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -239,10 +242,18 @@ def worker_dirs(user: WorkerUser, folder: Path, worker_id: str) -> Path:
     return base
 
 
-def remove_scratch(base: Path) -> None:
-    """Delete a stopped worker's ``local`` and ``tmp`` (shuffle files); its ``work`` (logs) stays."""
-    for sub in ("local", "tmp"):
-        shutil.rmtree(base / sub, ignore_errors=True)
+def retire_worker_dirs(base: Path, keep_work_in: Path) -> None:
+    """After a worker stopped: copy its ``work`` (executor logs) to ``keep_work_in``, delete the rest.
+
+    So the logs stay with the cluster folder, as for a cluster that is not isolated, and
+    nothing piles up in the worker user's home.
+    """
+    if (base / "work").is_dir():
+        with contextlib.suppress(OSError, shutil.Error):
+            shutil.copytree(base / "work", keep_work_in, dirs_exist_ok=True, symlinks=True)
+    shutil.rmtree(base, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        base.parent.rmdir()  # the cluster's folder in the home, once its last worker is gone
 
 
 def isolated_env(env: dict[str, str], user: WorkerUser, base: Path) -> dict[str, str]:

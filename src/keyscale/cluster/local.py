@@ -466,7 +466,10 @@ class _Isolation:
         hidden = isolation.hidden_folders(isolation.needed_paths(python, env, home), user)
         iso = cls(folder, user, hidden)
         check = iso.dirs("check")
-        isolation.check_worker_python(user, hidden, check / ".mnt", isolation.isolated_env(env, user, check), python)
+        try:
+            isolation.check_worker_python(user, hidden, check / ".mnt", isolation.isolated_env(env, user, check), python)
+        finally:
+            shutil.rmtree(check, ignore_errors=True)
         return iso
 
 
@@ -690,8 +693,9 @@ def _stop_all(info: ClusterInfo, grace: float) -> None:
 
 
 def _remove_scratch(info: ClusterInfo, w: WorkerInfo) -> None:
+    """An isolated worker's dirs after it stopped: logs to the cluster folder, the rest deleted."""
     if info.worker_user is not None:
-        isolation.remove_scratch(w.work_dir.parent)
+        isolation.retire_worker_dirs(w.work_dir.parent, info.folder / "work" / w.id)
 
 
 def start_cluster(
