@@ -126,3 +126,13 @@ def test_docstring_examples_run() -> None:
 
     result = doctest.testmod(isolation_module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_cli_worker_user_implies_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from keyscale.cli.main import main
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert main(["cluster", "start", "--dir", str(tmp_path / "c"), "--worker-user", "ks-test-worker"]) == 6
+    assert "isolated workers run as the user 'ks-test-worker', and only root can" in capsys.readouterr().err
+    assert main(["cluster", "start", "--dir", str(tmp_path / "c"), "--isolated"]) == 6
+    assert "run as the user 'keyscale-worker'" in capsys.readouterr().err
