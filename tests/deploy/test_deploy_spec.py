@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from keyscale.deploy.spec import (
+    RUN_FIELDS,
     DeploymentError,
     DeploymentSpec,
     RestartStrategy,
@@ -203,3 +204,20 @@ def test_the_example_deployment_file_is_valid() -> None:
     spec = load_deployment(example)
     assert spec.name == "running-count" and spec.job_file == example.parent / "running_count.py"
     assert spec.restart.backoff_factor == 2.0 and spec.upgrade_strategy is UpgradeStrategy.STATEFUL
+
+
+def test_spark_conf_reaches_the_command_line_and_is_a_run_setting(folder: Path) -> None:
+    spec = _parse(folder, MINIMAL + '[spark_conf]\n"spark.executor.memory" = "1g"\n"spark.sql.shuffle.partitions" = 8\n')
+    assert spec.spark_conf == {"spark.executor.memory": "1g", "spark.sql.shuffle.partitions": "8"}
+    argv = spec.command("/s/jobs/1", python="py")
+    confs = [argv[i + 1] for i, a in enumerate(argv) if a == "--conf"]
+    assert confs == ["spark.executor.memory=1g", "spark.sql.shuffle.partitions=8"]
+    assert DeploymentSpec.from_json(spec.to_json()) == spec
+    # A spec stored before spark_conf existed reads as none.
+    old = spec.to_json()
+    del old["spark_conf"]
+    assert DeploymentSpec.from_json(old).spark_conf == {}
+    other = _parse(folder, MINIMAL + '[spark_conf]\n"spark.executor.memory" = "2g"\n')
+    assert spec.changes(other) == ["spark_conf"] and "spark_conf" in RUN_FIELDS
+    with pytest.raises(DeploymentError, match=r"spark_conf\.x: must be a string, number or boolean, not list"):
+        _parse(folder, MINIMAL + "[spark_conf]\nx = [1]\n")

@@ -14,6 +14,7 @@ from typing import Any
 
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
+from keyscale.runtime.session import parse_spark_conf
 from keyscale.storage import local_path
 
 
@@ -63,6 +64,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
+        spark_conf=parse_spark_conf(a.conf),
     )
     runner = JobRunner(opts)
 
@@ -104,6 +106,8 @@ def _restart_rescale(a: argparse.Namespace) -> int:
         argv += ["--storage-option", opt]
     for k, v in run["args"].items():
         argv += ["--set", f"{k}={v}"]
+    for k, v in run.get("spark_conf", {}).items():
+        argv += ["--conf", f"{k}={v}"]
     # Resumes from the checkpoint the savepoint was taken of (the same state); the savepoint stays as a fallback.
     job_log = (jd.path if jd.is_local else spark_cache_dir(jd.uri)) / "job.log"  # this host's log of the process it starts
     job_log.parent.mkdir(parents=True, exist_ok=True)
@@ -344,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--drain-at-end", action="store_true",
                    help="with --until-idle: end with a drain batch (watermark at the end of time: every timer and window fires)")
     r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an argument for the job")
+    r.add_argument("--conf", action="append", default=[], metavar="NAME=VALUE",
+                   help="a Spark setting for the job's session (repeatable); wins over keyscale's defaults (README: Spark settings)")
     r.add_argument("--trigger-interval", default="1 second")
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",

@@ -3,6 +3,7 @@
 ``keyscale``'s parser registers them with :func:`add_cluster_parsers`::
 
     keyscale cluster start --dir D [--workers N] [--cores C] [--memory 1g]   # prints the master URL
+    keyscale cluster start --dir D --isolated [--worker-user NAME]  # workers as another user (root only)
     keyscale cluster status --dir D [--json]
     keyscale cluster add-worker --dir D [--cores C] [--memory 1g]            # prints the worker's id
     keyscale cluster stop-worker --dir D WORKER_ID [--kill] [--grace S]
@@ -54,10 +55,12 @@ def _plural(n: int, word: str) -> str:
 
 
 def cmd_start(a: argparse.Namespace) -> int:
-    info = start_cluster(a.dir, workers=a.workers, cores=a.cores, memory=a.memory, timeout=a.timeout)
+    info = start_cluster(a.dir, workers=a.workers, cores=a.cores, memory=a.memory, timeout=a.timeout,
+                         isolated=a.isolated, worker_user=a.worker_user)  # fmt: skip
+    as_user = f" running as user {info.worker_user}" if info.worker_user else ""
     print(
         f"keyscale: Spark master {info.master_url} (web UI {info.webui_url}) with "
-        f"{_plural(len(info.workers), 'worker')} x {_plural(a.cores, 'core')}, {a.memory} each; "
+        f"{_plural(len(info.workers), 'worker')} x {_plural(a.cores, 'core')}, {a.memory} each{as_user}; "
         f"logs and state in {info.folder}; run jobs with: keyscale run JOB --master {info.master_url}",
         file=sys.stderr,
     )
@@ -136,6 +139,10 @@ def add_cluster_parsers(subparsers: Any) -> argparse.ArgumentParser:
     st.add_argument("--workers", type=int, default=1, help="number of workers (default 1)")
     st.add_argument("--cores", type=int, default=1, help="cores per worker (default 1)")
     st.add_argument("--memory", default="1g", help="memory per worker for executors (default 1g)")
+    st.add_argument("--isolated", action="store_true",
+                    help="run the workers and their executors as the user keyscale-worker (created if absent; needs root) "
+                    "with their own dirs, so tasks cannot read the driver's private local files")
+    st.add_argument("--worker-user", metavar="NAME", help="with --isolated: this user instead of keyscale-worker (implies --isolated)")
     st.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help=argparse.SUPPRESS)
     st.set_defaults(func=cmd_start)
 

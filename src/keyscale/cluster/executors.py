@@ -52,6 +52,7 @@ by the listener bus. It is the fallback.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from typing import Any
@@ -62,6 +63,7 @@ __all__ = [
     "UNLIMITED",
     "executor_cores",
     "executor_ids",
+    "is_loopback_master",
     "request_executors",
     "spark_conf_for_cluster",
     "wait_for_executor_cores",
@@ -73,11 +75,42 @@ UNLIMITED = 2**31 - 1
 """``request_executors(spark, UNLIMITED)``: every core the cluster offers, as before any request."""
 
 
+def is_loopback_master(master: str) -> bool:
+    """Whether the standalone master URL ``master`` names this machine's loopback only.
+
+    ``spark://127.0.0.1:P``, ``spark://localhost:P``, any ``127.x.y.z``, ``[::1]``; with
+    several masters (``spark://h1:p1,h2:p2``) all of them must be.
+
+    >>> is_loopback_master("spark://localhost:7077"), is_loopback_master("spark://[::1]:7077")
+    (True, True)
+    >>> is_loopback_master("spark://10.0.0.5:7077"), is_loopback_master("spark://127.0.0.1:1,node2:2")
+    (False, False)
+    >>> is_loopback_master("local[2]")
+    False
+    """
+    if not master.startswith("spark://"):
+        return False
+    hosts = []
+    for hp in master[len("spark://") :].split(","):
+        host = hp.rsplit(":", 1)[0] if hp.count(":") == 1 or hp.startswith("[") else hp
+        hosts.append(host.strip("[]").lower())
+    for host in hosts:
+        if host == "localhost":
+            continue
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return False
+        except ValueError:
+            return False
+    return bool(hosts)
+
+
 def spark_conf_for_cluster(
     cores_per_executor: int = 1,
     memory_per_executor: str = "512m",
     *,
-    driver_host: str = "127.0.0.1",
+    master: str | None = None,
+    driver_host: str | None = None,
 ) -> dict[str, str]:
     """Spark conf for a keyscale job on a standalone cluster (pass it to ``spark_session``).
 
@@ -88,11 +121,22 @@ def spark_conf_for_cluster(
     locality wait, so a new executor gets tasks in the next batch; a disconnected executor
     dropped after 1 s instead of 5 (a released executor is gone sooner; the price: if the
     master's word on why an executor left comes later than that, a task that was running
-    there counts as a task failure); the driver bound to ``driver_host`` (the cluster's
-    executors connect back to it).
+    there counts as a task failure).
+
+    The driver's host (``spark.driver.host`` and ``spark.driver.bindAddress``: where the
+    executors connect back to) is ``driver_host`` if given; else 127.0.0.1 when ``master``
+    is on this machine's loopback (:func:`is_loopback_master`: a ``keyscale cluster``,
+    whose executors are local and reach the driver there whatever the machine's hostname
+    resolves to); else not set, so Spark picks this machine's address as usual (a remote
+    master's executors could not reach a driver on 127.0.0.1). ``keyscale run --conf``
+    can set both.
 
     >>> spark_conf_for_cluster(memory_per_executor="1g")["spark.executor.memory"]
     '1g'
+    >>> spark_conf_for_cluster(master="spark://localhost:7077")["spark.driver.bindAddress"]
+    '127.0.0.1'
+    >>> "spark.driver.host" in spark_conf_for_cluster(master="spark://spark-master.example:7077")
+    False
     >>> spark_conf_for_cluster(cores_per_executor=0)
     Traceback (most recent call last):
     ...
@@ -100,15 +144,18 @@ def spark_conf_for_cluster(
     """
     if cores_per_executor < 1:
         raise ClusterError(f"cores per executor must be at least 1, got {cores_per_executor}")
-    return {
+    conf = {
         "spark.executor.cores": str(cores_per_executor),
         "spark.executor.memory": memory_per_executor,
         "spark.dynamicAllocation.enabled": "false",
         "spark.locality.wait": "0s",
         "spark.standalone.executorRemoveDelayOnDisconnection": "1s",
-        "spark.driver.host": driver_host,
-        "spark.driver.bindAddress": driver_host,
     }
+    if driver_host is None and master is not None and is_loopback_master(master):
+        driver_host = "127.0.0.1"
+    if driver_host is not None:
+        conf["spark.driver.host"] = conf["spark.driver.bindAddress"] = driver_host
+    return conf
 
 
 def _backend(spark: Any) -> Any:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from keyscale.cluster import isolation
 from keyscale.errors import ClusterError
 
 __all__ = [
@@ -163,6 +164,8 @@ class ClusterInfo:
     master_started: int = 0
     workers: tuple[WorkerInfo, ...] = ()
     next_worker: int = 1
+    worker_user: str | None = None
+    """The Unix user the workers run as when the cluster is isolated (:mod:`keyscale.cluster.isolation`)."""
 
     @property
     def cores(self) -> int:
@@ -188,6 +191,7 @@ class ClusterInfo:
             },
             "workers": [w.to_dict() for w in self.workers],
             "next_worker": self.next_worker,
+            "worker_user": self.worker_user,
         }  # fmt: skip
 
     @classmethod
@@ -199,6 +203,7 @@ class ClusterInfo:
             master_log=Path(m["log"]), master_started=int(m.get("started", 0)),
             workers=tuple(WorkerInfo.from_dict(w) for w in d.get("workers", [])),
             next_worker=int(d.get("next_worker", 1)),
+            worker_user=None if d.get("worker_user") is None else str(d["worker_user"]),
         )  # fmt: skip
 
 
@@ -417,18 +422,59 @@ def _env(folder: Path, home: Path) -> dict[str, str]:
     return env
 
 
-def _spawn(folder: Path, cls: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(folder: Path, cls: str, args: list[str], log: Path, iso: _Isolation | None = None,
+           worker_id: str = "") -> subprocess.Popen[bytes]:
     home = spark_home()
     if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
         raise ClusterError("Spark needs Java: install Java 17 or set JAVA_HOME")
     for sub in ("conf", "logs", "work"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
+    argv = ["bash", str(home / "bin" / "spark-class"), cls, *args]
+    env = _env(folder, home)
+    cwd = folder
+    if iso is not None:
+        # The worker is the user's process from the start (the JVM is this PID, exec'd by
+        # unshare/sh/setpriv), so recorded PIDs and process groups mean the same as without.
+        cwd = iso.dirs(worker_id)
+        env = isolation.isolated_env(env, iso.user, cwd)
+        argv = isolation.isolated_command(argv, iso.user, iso.hidden, cwd / ".mnt")
     with open(log, "ab") as out:
         return subprocess.Popen(
-            ["bash", str(home / "bin" / "spark-class"), cls, *args],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=folder, env=_env(folder, home), start_new_session=True,
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=cwd, env=env, start_new_session=True,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Isolation:
+    """How the workers of an isolated cluster are started (see :mod:`keyscale.cluster.isolation`)."""
+
+    folder: Path
+    user: isolation.WorkerUser
+    hidden: dict[Path, list[Path]]
+
+    def dirs(self, worker_id: str) -> Path:
+        return isolation.worker_dirs(self.user, self.folder, worker_id)
+
+    @classmethod
+    def prepare(cls, folder: Path, user_name: str) -> _Isolation:
+        """Create or find the user, work out what to bind back, and check it can import keyscale."""
+        user = isolation.ensure_worker_user(user_name)
+        home = spark_home()
+        python = isolation.executors_python()
+        env = _env(folder, home)
+        hidden = isolation.hidden_folders(isolation.needed_paths(python, env, home), user)
+        iso = cls(folder, user, hidden)
+        check = iso.dirs("check")
+        try:
+            isolation.check_worker_python(user, hidden, check / ".mnt", isolation.isolated_env(env, user, check), python)
+        finally:
+            shutil.rmtree(check, ignore_errors=True)
+        return iso
+
+
+def _isolation(info: ClusterInfo) -> _Isolation | None:
+    return None if info.worker_user is None else _Isolation.prepare(info.folder, info.worker_user)
 
 
 def _start_time(pid: int) -> int:
@@ -571,21 +617,28 @@ def _start_master(folder: Path, timeout: float) -> ClusterInfo:
     raise ClusterError(f"the Spark master could not bind free ports in {_START_ATTEMPTS} attempts; see {log}")  # pragma: no cover
 
 
-def _launch_worker(info: ClusterInfo, worker_id: str, cores: int, memory: str) -> tuple[subprocess.Popen[bytes], WorkerInfo, int]:
+def _launch_worker(
+    info: ClusterInfo, worker_id: str, cores: int, memory: str, iso: _Isolation | None
+) -> tuple[subprocess.Popen[bytes], WorkerInfo, int]:
     folder = info.folder
     log = folder / "logs" / f"{worker_id}.log"
-    work = folder / "work" / worker_id
-    work.mkdir(parents=True, exist_ok=True)
+    if iso is None:
+        work = folder / "work" / worker_id
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = iso.dirs(worker_id) / "work"  # the worker user's: the cluster folder may be closed to it
     port, webui = _free_ports(2)
     offset = _log_size(log)
     args = [info.master_url, "--host", HOST, "--port", str(port), "--webui-port", str(webui),
             "--cores", str(cores), "--memory", memory, "--work-dir", str(work)]  # fmt: skip
-    proc = _spawn(folder, WORKER_CLASS, args, log)
+    proc = _spawn(folder, WORKER_CLASS, args, log, iso, worker_id)
     w = WorkerInfo(worker_id, proc.pid, cores, memory, port, webui, log, work, _start_time(proc.pid))
     return proc, w, offset
 
 
-def _start_workers(info: ClusterInfo, count: int, cores: int, memory: str, timeout: float) -> ClusterInfo:
+def _start_workers(
+    info: ClusterInfo, count: int, cores: int, memory: str, timeout: float, iso: _Isolation | None
+) -> ClusterInfo:
     """Start ``count`` workers at once and wait until the master lists all of them ALIVE.
 
     ``cluster.json`` records each one as soon as it is launched. On failure the caller
@@ -594,7 +647,7 @@ def _start_workers(info: ClusterInfo, count: int, cores: int, memory: str, timeo
     pending: dict[str, tuple[subprocess.Popen[bytes], WorkerInfo, int, int]] = {}
     for _ in range(count):
         wid = f"worker-{info.next_worker}"
-        proc, w, offset = _launch_worker(info, wid, cores, memory)
+        proc, w, offset = _launch_worker(info, wid, cores, memory, iso)
         info = replace(info, workers=(*info.workers, w), next_worker=info.next_worker + 1)
         pending[wid] = (proc, w, offset, 1)
         _write_state(info)
@@ -610,7 +663,7 @@ def _start_workers(info: ClusterInfo, count: int, cores: int, memory: str, timeo
             if code is None:
                 continue
             if attempts < _START_ATTEMPTS and _bind_failed(w.log, offset):
-                proc2, w2, offset2 = _launch_worker(info, wid, cores, memory)
+                proc2, w2, offset2 = _launch_worker(info, wid, cores, memory, iso)
                 info = replace(info, workers=tuple(w2 if x.id == wid else x for x in info.workers))
                 _write_state(info)
                 pending[wid] = (proc2, w2, offset2, attempts + 1)
@@ -635,7 +688,14 @@ def _stop_all(info: ClusterInfo, grace: float) -> None:
                 os.kill(w.pid, signal.SIGTERM)
     for w in info.workers:
         _terminate(w.pid, w.started, grace=grace, kill=False)
+        _remove_scratch(info, w)
     _terminate(info.master_pid, info.master_started, grace=grace, kill=False)
+
+
+def _remove_scratch(info: ClusterInfo, w: WorkerInfo) -> None:
+    """An isolated worker's dirs after it stopped: logs to the cluster folder, the rest deleted."""
+    if info.worker_user is not None:
+        isolation.retire_worker_dirs(w.work_dir.parent, info.folder / "work" / w.id)
 
 
 def start_cluster(
@@ -645,6 +705,8 @@ def start_cluster(
     memory: str = "1g",
     *,
     timeout: float = DEFAULT_TIMEOUT,
+    isolated: bool = False,
+    worker_user: str | None = None,
 ) -> ClusterInfo:
     """Start a master and ``workers`` workers of ``cores`` cores and ``memory`` each in ``folder``.
 
@@ -653,6 +715,12 @@ def start_cluster(
     cluster whose processes are all gone (a reboot) is replaced. Worker memory is what the
     worker offers to executors: at least ``cores`` times the executors' memory (512m with
     :func:`keyscale.cluster.spark_conf_for_cluster`) for every core to get an executor.
+
+    ``isolated=True`` runs the workers (their executors and Python workers too) as the
+    Unix user ``worker_user`` (default ``keyscale-worker``, created if absent; giving
+    ``worker_user`` implies ``isolated``) with their own dirs, so tasks cannot read the
+    driver's private local folders; needs root. Workers added later are isolated too. See
+    :mod:`keyscale.cluster.isolation`.
 
     >>> start_cluster("/tmp/ks-c", workers=0, cores=0)
     Traceback (most recent call last):
@@ -673,9 +741,12 @@ def start_cluster(
                 )
             _stop_all(old, grace=2.0)  # stale record: make sure nothing of it is left
             (path / STATE_FILE).unlink(missing_ok=True)
+        user = worker_user or (isolation.DEFAULT_WORKER_USER if isolated else None)
+        iso = _Isolation.prepare(path, user) if user is not None else None
         try:
-            info = _start_master(path, timeout)
-            return _start_workers(info, workers, cores, memory, timeout)
+            info = replace(_start_master(path, timeout), worker_user=user)
+            _write_state(info)
+            return _start_workers(info, workers, cores, memory, timeout, iso)
         except BaseException:
             started = read_cluster(path)  # everything launched is recorded at once
             if started is not None:
@@ -702,7 +773,7 @@ def add_worker(
         info = _require_running(path)
         before = {w.id for w in info.workers}
         try:
-            info = _start_workers(info, 1, cores, memory, timeout)
+            info = _start_workers(info, 1, cores, memory, timeout, _isolation(info))
         except BaseException:
             now = read_cluster(path) or info
             for w in now.workers:
@@ -734,6 +805,7 @@ def stop_worker(
         info = _require(path)
         w = info.worker(worker_id)
         _terminate(w.pid, w.started, grace=grace, kill=kill)
+        _remove_scratch(info, w)
         _write_state(replace(info, workers=tuple(x for x in info.workers if x.id != worker_id)))
     if _alive(info.master_pid, info.master_started):
         deadline = time.monotonic() + wait

@@ -124,7 +124,7 @@ class RestartStrategy:
 
 
 #: Fields whose change needs a new job process (the upgrade strategy applies).
-RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism")
+RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism", "spark_conf")
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class DeploymentSpec:
     restore_strategy: RestoreStrategy = RestoreStrategy.LATEST_STATE
     allow_non_restored_state: bool = False
     restart: RestartStrategy = field(default_factory=RestartStrategy)
+    spark_conf: dict[str, str] = field(default_factory=dict)  # keyscale run --conf
 
     @property
     def base_dir(self) -> Path:
@@ -186,6 +187,7 @@ class DeploymentSpec:
             "restore_strategy": self.restore_strategy.value,
             "allow_non_restored_state": self.allow_non_restored_state,
             "restart": self.restart.to_json(),
+            "spark_conf": dict(self.spark_conf),
         }
 
     @classmethod
@@ -198,6 +200,7 @@ class DeploymentSpec:
             compaction_chain=int(d["compaction_chain"]), state_dir=Path(d["state_dir"]), savepoint_dir=Path(d["savepoint_dir"]),
             upgrade_strategy=UpgradeStrategy(d["upgrade_strategy"]), restore_strategy=RestoreStrategy(d["restore_strategy"]),
             allow_non_restored_state=bool(d["allow_non_restored_state"]), restart=RestartStrategy.from_json(d["restart"]),
+            spark_conf={str(k): str(v) for k, v in d.get("spark_conf", {}).items()},  # absent in specs stored before it
         )
 
     def settings(self) -> dict[str, Any]:
@@ -235,6 +238,8 @@ class DeploymentSpec:
             argv += ["--max-parallelism", str(self.max_parallelism)]
         for k, v in self.args.items():
             argv += ["--set", f"{k}={v}"]
+        for k, v in self.spark_conf.items():
+            argv += ["--conf", f"{k}={v}"]
         if from_savepoint is not None:
             argv += ["--from-savepoint", str(from_savepoint)]
             if self.allow_non_restored_state:
@@ -280,7 +285,7 @@ def file_sha256(path: Path) -> str:
 _TOP = (
     "name", "job", "args", "parallelism", "max_parallelism", "master", "trigger_interval", "retain",
     "compaction_chain", "state_dir", "savepoint_dir", "upgrade_strategy", "restore_strategy",
-    "allow_non_restored_state", "restart",
+    "allow_non_restored_state", "restart", "spark_conf",
 )
 _RESTART = ("attempts", "backoff_seconds", "backoff_factor", "max_backoff_seconds")
 
@@ -347,6 +352,22 @@ def _path(base: Path, text: str) -> Path:
     return Path(os.path.normpath((p if p.is_absolute() else base / p).absolute()))
 
 
+def _text_table(top: _Fields, key: str) -> dict[str, str]:
+    """A table of NAME = string, number or boolean (``[args]``, ``[spark_conf]``), as text."""
+    raw = top.get(key, {})
+    if not isinstance(raw, dict):
+        top.fail(key, f"must be a table of NAME = value, not {raw!r}")
+    out: dict[str, str] = {}
+    for k, v in raw.items():
+        if isinstance(v, bool):
+            out[k] = "true" if v else "false"
+        elif isinstance(v, str | int | float):
+            out[k] = str(v)
+        else:
+            top.fail(f"{key}.{k}", f"must be a string, number or boolean, not {type(v).__name__}")
+    return out
+
+
 def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
     """Parse and validate the text of deployment file ``path`` (relative paths start at its folder).
 
@@ -368,17 +389,8 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
         top.fail("job", f"{job_file} is not a Python file (.py)")
     if not job_file.is_file():
         top.fail("job", f"job file {job_file} does not exist")
-    raw_args = top.get("args", {})
-    if not isinstance(raw_args, dict):
-        top.fail("args", f"must be a table of NAME = value, not {raw_args!r}")
-    args: dict[str, str] = {}
-    for k, v in raw_args.items():
-        if isinstance(v, bool):
-            args[k] = "true" if v else "false"
-        elif isinstance(v, str | int | float):
-            args[k] = str(v)
-        else:
-            top.fail(f"args.{k}", f"must be a string, number or boolean, not {type(v).__name__}")
+    args = _text_table(top, "args")
+    spark_conf = _text_table(top, "spark_conf")
     parallelism = top.integer("parallelism", 1, 1)
     assert parallelism is not None
     max_parallelism = top.integer("max_parallelism", None, 1)
@@ -415,6 +427,7 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
         parallelism=parallelism, max_parallelism=max_parallelism, master=master, trigger_interval=interval,
         retain=retain, compaction_chain=chain, state_dir=state_dir, savepoint_dir=savepoint_dir,
         upgrade_strategy=upgrade, restore_strategy=restore, allow_non_restored_state=allow, restart=restart,
+        spark_conf=spark_conf,
     )
 
 

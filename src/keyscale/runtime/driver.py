@@ -287,12 +287,8 @@ class JobRunner:
             log.info("resuming job '%s' from checkpoint %d%s", self.name, rec.manifest.batch, fell_back)
         else:
             log.info("starting job '%s' with empty state in %s", self.name, self.jobdir.path)
-        conf = dict(opts.spark_conf)
-        if opts.master.startswith("spark://"):
-            from keyscale.cluster import spark_conf_for_cluster
-
-            conf = {**spark_conf_for_cluster(), **conf}
-        spark = spark_session(opts.master, f"keyscale-{self.name}", conf)
+        # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
+        spark = spark_session(opts.master, f"keyscale-{self.name}", opts.spark_conf)
         self._reports = Reports(spark)
         poison_batch.quiet_task_failures(spark)
         self._spark = spark
@@ -337,6 +333,7 @@ class JobRunner:
         self.jobdir.write_json("run.json", {
             "job_file": str(Path(o.job_file).absolute()), "args": o.args, "master": o.master, "until_idle": o.until_idle,
             "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
+            "spark_conf": o.spark_conf,
         }, durable=False)
 
     def _plan_parallelism(self, pipeline: Pipeline) -> None:

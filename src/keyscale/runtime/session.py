@@ -1,38 +1,101 @@
-"""The Spark session keyscale runs a job in."""
+"""The Spark session keyscale runs a job in, and the Spark settings it gets.
+
+:func:`session_conf` is the whole rule, without Spark: keyscale's defaults
+(:data:`SESSION_DEFAULTS`), then on a standalone master (``spark://``) those of
+:func:`keyscale.cluster.spark_conf_for_cluster`, then the user's settings
+(``keyscale run --conf NAME=VALUE``), which always win.
+
+>>> conf = session_conf("spark://10.1.2.3:7077", {"spark.sql.shuffle.partitions": "8"})
+>>> conf["spark.sql.shuffle.partitions"], "spark.driver.host" in conf, conf["spark.executor.cores"]
+('8', False, '1')
+>>> session_conf("spark://127.0.0.1:7077")["spark.driver.host"]
+'127.0.0.1'
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
+
+from keyscale.errors import KeyscaleError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+__all__ = ["SESSION_DEFAULTS", "parse_spark_conf", "session_conf", "spark_session"]
 
-def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: dict[str, str] | None = None) -> SparkSession:
+SESSION_DEFAULTS: dict[str, str] = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "200000",
+    "spark.python.worker.reuse": "true",
+    "spark.sql.streaming.forceDeleteTempCheckpointLocation": "true",
+    "spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
+    "spark.driver.memory": "2g",
+    "spark.sql.session.timeZone": "UTC",
+}
+"""What keyscale sets on every session unless the user's conf says otherwise (README: "Spark settings")."""
+
+
+def parse_spark_conf(items: Iterable[str], option: str = "--conf") -> dict[str, str]:
+    """``NAME=VALUE`` items (``keyscale run --conf``) as a dict; a later item wins over an earlier one.
+
+    The value is everything after the first ``=`` (it may hold ``=`` and spaces); the name
+    may not be empty or hold spaces. A bad item is a :class:`KeyscaleError` naming it.
+
+    >>> parse_spark_conf(["spark.executor.memory=1g", "spark.executor.extraJavaOptions=-Da=b -Dc=d"])
+    {'spark.executor.memory': '1g', 'spark.executor.extraJavaOptions': '-Da=b -Dc=d'}
+    >>> parse_spark_conf(["spark.executor.memory"])
+    Traceback (most recent call last):
+    ...
+    keyscale.errors.KeyscaleError: --conf 'spark.executor.memory' must look like NAME=VALUE (a Spark setting, e.g. spark.executor.memory=1g)
+    """
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or not name or any(c.isspace() for c in name):
+            raise KeyscaleError(f"{option} {item!r} must look like NAME=VALUE (a Spark setting, e.g. spark.executor.memory=1g)")
+        out[name] = value
+    return out
+
+
+def session_conf(master: str, user_conf: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every Spark setting keyscale gives a session for ``master``: its defaults, then ``user_conf``.
+
+    On a standalone master (``spark://...``) the defaults include
+    :func:`~keyscale.cluster.spark_conf_for_cluster`'s, which pin the driver to 127.0.0.1
+    only when the master is on this machine's loopback. ``local[...]`` masters get
+    :data:`SESSION_DEFAULTS` alone. The user's settings always win.
+
+    >>> session_conf("local[2]", {"spark.ui.enabled": "true"})["spark.ui.enabled"]
+    'true'
+    """
+    conf = dict(SESSION_DEFAULTS)
+    if master.startswith("spark://"):
+        from keyscale.cluster.executors import spark_conf_for_cluster
+
+        conf.update(spark_conf_for_cluster(master=master))
+    conf.update(user_conf or {})
+    return conf
+
+
+def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Mapping[str, str] | None = None) -> SparkSession:
     """A Spark session configured for keyscale (or the active one, reconfigured).
 
-    Python workers run this interpreter, so they import the same keyscale and pyarrow.
+    Its settings are :func:`session_conf` of ``master`` and ``conf``. Python workers run
+    this interpreter (unless ``PYSPARK_PYTHON`` says otherwise), so they import the same
+    keyscale and pyarrow.
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    builder = (
-        SparkSession.builder.master(master)
-        .appName(app_name)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "200000")
-        .config("spark.python.worker.reuse", "true")
-        .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
-        .config("spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs", "false")
-        .config("spark.driver.memory", "2g")
-        .config("spark.sql.session.timeZone", "UTC")
-    )
-    for k, v in (conf or {}).items():
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for k, v in session_conf(master, conf).items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("KEYSCALE_SPARK_LOG_LEVEL", "ERROR"))
