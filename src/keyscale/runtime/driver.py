@@ -206,7 +206,7 @@ class JobRunner:
         self.opts = opts
         self.jobdir = JobDir(opts.job_dir)
         self.run_id = uuid.uuid4().hex
-        self.summary = RunSummary(job="", job_dir=str(self.jobdir.path))
+        self.summary = RunSummary(job="", job_dir=self.jobdir.uri)
         self._on_batch_cb = on_batch
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -278,7 +278,7 @@ class JobRunner:
         self.summary.discarded = rec.discarded
         if rec.manifest is not None and rec.manifest.extra.get("drained"):
             raise JobDirError(
-                f"job '{self.name}' in {self.jobdir.path} was drained (stopped with --drain): its event time is at the end, "
+                f"job '{self.name}' in {self.jobdir.uri} was drained (stopped with --drain): its event time is at the end, "
                 "so it cannot resume; start a new job directory from its savepoint with --from-savepoint"
             )
         if rec.manifest is not None:
@@ -286,7 +286,7 @@ class JobRunner:
             fell_back = " (the newer ones were damaged)" if rec.discarded else ""
             log.info("resuming job '%s' from checkpoint %d%s", self.name, rec.manifest.batch, fell_back)
         else:
-            log.info("starting job '%s' with empty state in %s", self.name, self.jobdir.path)
+            log.info("starting job '%s' with empty state in %s", self.name, self.jobdir.uri)
         # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
         spark = spark_session(opts.master, f"keyscale-{self.name}", opts.spark_conf)
         self._reports = Reports(spark)
@@ -312,7 +312,7 @@ class JobRunner:
 
         if self.committed is not None:
             raise JobDirError(
-                f"job directory {self.jobdir.path} already has checkpoint {self.committed.batch}; "
+                f"job directory {self.jobdir.uri} already has checkpoint {self.committed.batch}; "
                 "--from-savepoint starts a new job directory (or drop the flag to resume from the checkpoint)"
             )
         specs = {s.uid: OperatorSpec(s.state_key_columns, s.states) for s in pipeline.keyed_steps}
