@@ -16,7 +16,15 @@ import pytest
 from keyscale.checkpoint.lineage import Lineage, Marker
 from keyscale.errors import OutputError
 from keyscale.sinks.base import SinkContext
-from keyscale.sinks.parquet import MARKER, SUPERSEDED, BatchMarker, OutputFile, ParquetSink, batch_folder_name, read_output
+from keyscale.sinks.parquet import (
+    MARKER,
+    SUPERSEDED,
+    BatchMarker,
+    OutputFile,
+    ParquetSink,
+    batch_folder_name,
+    read_output,
+)
 from keyscale.storage import Store, join, open_store
 
 pytestmark = [pytest.mark.spark]

@@ -155,10 +155,7 @@ def _write_partition(store: Store, folder: str, attempt: str, batch_id: int, bat
         store.put(join(folder, name), data)
     except KeyscaleError as e:
         raise RuntimeError(encode_error(StorageError(f"Parquet sink, batch {batch_id}, partition {partition}: {e}"))) from None
-    yield pa.RecordBatch.from_pydict(
-        {"name": [name], "rows": [rows], "bytes": [len(data)]},
-        schema=pa.schema([("name", pa.string()), ("rows", pa.int64()), ("bytes", pa.int64())]),
-    )
+    yield pa.RecordBatch.from_pydict({"name": [name], "rows": [rows], "bytes": [len(data)]})  # string, int64, int64
 
 
 # -- the sink -------------------------------------------------------------------------------
