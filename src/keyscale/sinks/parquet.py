@@ -7,9 +7,9 @@ the same on local disk and on S3, with no rename and no directory fsync:
 1. ``write(df, b)`` lists ``PATH/batch=<b>/`` once. A marker there decides as
    :func:`keyscale.checkpoint.lineage.decide` says (keep, supersede, refuse).
 2. Otherwise every Spark task writes its partition as one Parquet object
-   ``batch=<b>/part-<partition>-<attempt>.parquet`` through the (pickled) store and returns
+   ``batch=<b>/part-<partition>-<write id>.parquet`` through the (pickled) store and returns
    its name, rows and bytes; the driver collects them (the batch's one Spark action).
-   ``<attempt>`` is drawn once per ``write`` call: a task retry or a speculative copy
+   ``<write id>`` is drawn once per ``write`` call: a task retry or a speculative copy
    rewrites the same name, and a concurrent writer of the same batch (another job on
    the same output) never overwrites this one's files.
 3. The driver creates the marker, listing the files, with ``store.create`` (conditional):
@@ -112,7 +112,7 @@ def read_marker(store: Store, folder: str) -> BatchMarker | None:
 # -- the tasks ------------------------------------------------------------------------------
 
 
-def _write_partition(store: Store, folder: str, attempt: str, batch_id: int, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _write_partition(store: Store, folder: str, write_id: str, batch_id: int, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """One Spark task: its partition as one Parquet object (none if it has no rows);
     yields (name, rows, bytes) for the driver."""
     import pyarrow as pa
@@ -121,7 +121,7 @@ def _write_partition(store: Store, folder: str, attempt: str, batch_id: int, bat
 
     ctx = TaskContext.get()
     partition = ctx.partitionId() if ctx is not None else 0
-    name = f"part-{partition:05d}-{attempt}.parquet"
+    name = f"part-{partition:05d}-{write_id}.parquet"
     buf = io.BytesIO()
     writer: pq.ParquetWriter | None = None
     pending: list[pa.RecordBatch] = []
@@ -290,8 +290,8 @@ class ParquetSink:
                     df.write.format("noop").mode("overwrite").save()
                     return -1
                 leftovers = []  # superseded: moved aside
-        attempt = uuid.uuid4().hex[:12]
-        task = functools.partial(_write_partition, self.store, folder, attempt, batch_id)
+        write_id = uuid.uuid4().hex[:12]  # this call's file names (a concurrent writer's differ)
+        task = functools.partial(_write_partition, self.store, folder, write_id, batch_id)
         files = tuple(sorted(
             (OutputFile(r["name"], int(r["rows"]), int(r["bytes"])) for r in df.mapInArrow(task, _RESULT_SCHEMA).collect()),
             key=lambda f: f.name,
@@ -307,9 +307,9 @@ class ParquetSink:
             # Another writer finished this batch first: its files are the batch, not ours.
             self.store.delete_many([join(folder, f.name) for f in files])
             found = self._inspect(folder)
-            if found is None or self._keep_or_refuse(found.marker, batch_id, folder):
+            if found is not None and self._keep_or_refuse(found.marker, batch_id, folder):
                 return -1
-            return self.write(df, batch_id)  # its output was superseded (moved aside): write ours
+            return self.write(df, batch_id)  # its output was moved aside (superseded): write ours
         listed = {f.name for f in files}
         stale = [join(folder, n) for n in leftovers if n not in listed]
         if stale:
