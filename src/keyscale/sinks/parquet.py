@@ -1,64 +1,188 @@
-"""Exactly-once Parquet output: one folder per batch that appears whole, by one rename."""
+"""Exactly-once Parquet output on any store (local disk, ``file://``, ``s3://``...): one
+folder per batch, complete once its marker ``_keyscale.json`` exists.
+
+The protocol follows object-store rules (immutable objects, create-if-absent), so it is
+the same on local disk and on S3, with no rename and no directory fsync:
+
+1. ``write(df, b)`` lists ``PATH/batch=<b>/`` once. A marker there decides as
+   :func:`keyscale.checkpoint.lineage.decide` says (keep, supersede, refuse).
+2. Otherwise every Spark task writes its partition as one Parquet object
+   ``batch=<b>/part-<partition>-<write id>.parquet`` through the (pickled) store and returns
+   its name, rows and bytes; the driver collects them (the batch's one Spark action).
+   ``<write id>`` is drawn once per ``write`` call: a task retry or a speculative copy
+   rewrites the same name, and a concurrent writer of the same batch (another job on
+   the same output) never overwrites this one's files.
+3. The driver creates the marker, listing the files, with ``store.create`` (conditional):
+   that is the commit point of the batch's output. Then it deletes objects of the folder
+   that the marker does not list (left by an attempt that crashed before its marker).
+   If the create finds a marker, another writer finished the batch first: its marker is
+   decided on, and this attempt deletes its own files.
+"""
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import logging
 import os
 import re
-import shutil
 import uuid
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from keyscale.checkpoint.lineage import Action, Marker, decide
-from keyscale.errors import OutputError
-from keyscale.storage import local_path
-from keyscale.storage.local import fsync_dir, fsync_file
+from keyscale.errors import KeyscaleError, OutputError, StorageError, encode_error
+from keyscale.storage import Store, join, open_store
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import DataFrame
 
     from keyscale.sinks.base import SinkContext
 
 log = logging.getLogger(__name__)
 
-MARKER = "_keyscale.json"  # who wrote a batch folder; Spark and pyarrow skip "_" files
+MARKER = "_keyscale.json"  # who wrote a batch folder, and its files; Spark and pyarrow skip "_" files
 SUPERSEDED = "_superseded"  # folders of an ancestor lineage replaced by a newer run
 _BATCH = re.compile(r"^batch=(-?\d+)$")
+# The files this protocol writes. A folder without a marker that holds only such files is
+# an attempt that did not finish; anything else is another program's output (refused).
+_ATTEMPT_FILE = re.compile(r"^part-\d{5}-[0-9a-f]{12}\.parquet$")
+_LEGACY_TMP = "_tmp-"  # temporary folders of the rename protocol (keyscale before issue 11)
+_RESULT_SCHEMA = "name string, rows long, bytes long"
+# Rows a task buffers before it writes them as one Parquet row group: Arrow batches from
+# Spark are small (maxRecordsPerBatch), row groups of a few of them would be tiny.
+_ROW_GROUP_BYTES = 64 << 20
 
 
 def batch_folder_name(batch_id: int) -> str:
     return f"batch={batch_id:012d}"
 
 
-def read_marker(folder: Path) -> Marker | None:
-    """The marker of a batch folder (None: no marker, or one that cannot be read)."""
+@dataclass(frozen=True)
+class OutputFile:
+    """One Parquet object of a batch, as its marker lists it."""
+
+    name: str
+    rows: int
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "rows": self.rows, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class BatchMarker:
+    """A batch folder's ``_keyscale.json``: who wrote it, and which files are the batch.
+
+    ``files`` is None for markers of the rename protocol (keyscale before issue 11), whose
+    folders appeared whole: every Parquet file in them is the batch.
+    """
+
+    marker: Marker
+    files: tuple[OutputFile, ...] | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.marker.to_json()
+        if self.files is not None:
+            d["files"] = [f.to_json() for f in self.files]
+            d["rows"] = sum(f.rows for f in self.files)
+        return d
+
+    @staticmethod
+    def parse(data: bytes) -> BatchMarker | None:
+        """The marker in ``data``, None if it cannot be read (damaged)."""
+        try:
+            d = json.loads(data)
+            files = d.get("files") if isinstance(d, dict) else None
+            listed = None if files is None else tuple(OutputFile(str(f["name"]), int(f["rows"]), int(f["bytes"])) for f in files)
+            return BatchMarker(Marker.from_json(d), listed)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+
+def read_marker(store: Store, folder: str) -> BatchMarker | None:
+    """The marker of batch folder ``folder`` (None: no marker, or one that cannot be read)."""
+    data = store.get_or_none(join(folder, MARKER))
+    return None if data is None else BatchMarker.parse(data)
+
+
+# -- the tasks ------------------------------------------------------------------------------
+
+
+def _write_partition(store: Store, folder: str, write_id: str, batch_id: int, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """One Spark task: its partition as one Parquet object (none if it has no rows);
+    yields (name, rows, bytes) for the driver."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    partition = ctx.partitionId() if ctx is not None else 0
+    name = f"part-{partition:05d}-{write_id}.parquet"
+    buf = io.BytesIO()
+    writer: pq.ParquetWriter | None = None
+    pending: list[pa.RecordBatch] = []
+    pending_bytes = rows = 0
+
+    def flush() -> None:
+        nonlocal writer, pending, pending_bytes
+        table = pa.Table.from_batches(pending)
+        if writer is None:
+            writer = pq.ParquetWriter(buf, table.schema)
+        writer.write_table(table, row_group_size=max(table.num_rows, 1))
+        pending, pending_bytes = [], 0
+
+    for b in batches:
+        if b.num_rows == 0:
+            continue
+        pending.append(b)
+        pending_bytes += b.nbytes
+        rows += b.num_rows
+        if pending_bytes >= _ROW_GROUP_BYTES:
+            flush()
+    if pending:
+        flush()
+    if writer is None:
+        return  # an empty partition writes no file
+    writer.close()
+    data = buf.getvalue()
     try:
-        return Marker.from_json(json.loads((folder / MARKER).read_text()))
-    except (OSError, ValueError):
-        return None
+        # A retry or a speculative copy of this task writes the same name (whole objects:
+        # a reader sees one copy or the other, identical by determinism).
+        store.put(join(folder, name), data)
+    except KeyscaleError as e:
+        raise RuntimeError(encode_error(StorageError(f"Parquet sink, batch {batch_id}, partition {partition}: {e}"))) from None
+    yield pa.RecordBatch.from_pydict({"name": [name], "rows": [rows], "bytes": [len(data)]})  # string, int64, int64
 
 
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file in ``folder`` (one level: a Spark output folder), then the folder."""
-    for p in folder.iterdir():
-        if p.is_file():
-            fsync_file(p)
-    fsync_dir(folder)
+# -- the sink -------------------------------------------------------------------------------
 
 
 class ParquetSink:
-    """Write each batch to ``PATH/batch=<id>/`` (Parquet), atomically and at most once.
+    """Write each batch to ``PATH/batch=<id>/`` (Parquet) exactly once, on local disk, a
+    ``file://`` URI or an object store (``s3://``; settings as for job directories).
 
-    Readers see a batch's files all at once or not at all (the folder is renamed into
-    place); a batch replayed after a crash finds its folder and writes nothing again.
-    Spark and pyarrow read ``PATH`` as one dataset with a ``batch`` column. Each folder
-    holds ``_keyscale.json``, naming the job lineage, job, job directory and attempt that
-    wrote it; output of another lineage is refused (see :mod:`keyscale.checkpoint.lineage`),
-    output of an ancestor lineage that this run recomputes is moved to
-    ``PATH/_superseded/<lineage>/``. Files and folders are fsynced before ``write``
-    returns, so the output is durable before the job commits the batch.
+    ``_keyscale.json`` in a batch folder is its completion mark, as ``_SUCCESS`` is for
+    Hadoop's committers: it is written last, atomically (create-if-absent), and lists the
+    batch's files with their rows and sizes. Readers that must see only complete batches
+    read the folders that have a marker, and only the files it lists
+    (:func:`read_output` does). A folder without a marker is an attempt that did not
+    finish (the job crashed while writing it): keyscale completes it on replay, writing the
+    batch anew and deleting the unfinished attempt's files once the new marker exists.
+    Spark (``spark.read.parquet(PATH)``) and pyarrow read a local ``PATH`` as one dataset
+    with a ``batch`` column; they do not look at markers, so they may also see a batch
+    being written.
+
+    The marker names the job lineage, job, job directory and attempt that wrote it; output
+    of another lineage is refused (see :mod:`keyscale.checkpoint.lineage`), output of an
+    ancestor lineage that this run recomputes is moved to ``PATH/_superseded/<lineage>/``.
+    Every file, the marker last, is durable before ``write`` returns (the store's ``put``
+    and ``create``), so the output is durable before the job commits the batch. Each task
+    writes its partition through the store (executors need no disk shared with the
+    driver); it holds the partition's Parquet bytes in memory while it writes them.
 
     >>> ParquetSink("/tmp/out").describe()
     'parquet files in /tmp/out'
@@ -66,8 +190,9 @@ class ParquetSink:
 
     exactly_once = True
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = local_path(path, "Parquet sink path")
+    def __init__(self, path: str | os.PathLike[str] | Store):
+        self.store = open_store(path, "Parquet sink path")
+        self.path = self.store.url()
         self._ctx: SinkContext | None = None
 
     def describe(self) -> str:
@@ -76,26 +201,43 @@ class ParquetSink:
     # -- lineage -----------------------------------------------------------------------------
     def open(self, ctx: SinkContext) -> None:
         """Check the whole output path against the job's lineage before the first batch:
-        refuse another lineage's batches, move aside an ancestor's superseded ones."""
+        refuse another lineage's batches, move aside an ancestor's superseded ones.
+
+        One LIST of the output path; a marker is read only for batches the job may still
+        write (after ``ctx.committed``), so a long history costs no request per folder."""
         self._ctx = ctx
-        self.cleanup()
-        if not self.path.is_dir():
-            return
-        folders = sorted((int(m.group(1)), p) for p in self.path.iterdir() if (m := _BATCH.match(p.name)) and p.is_dir())
+        names = self.store.list_names("")
+        for name in names:
+            if name.startswith(_LEGACY_TMP):
+                self.store.delete_prefix(name)  # half-written by the rename protocol of an older keyscale
+        folders = sorted((int(m.group(1)), n) for n in names if (m := _BATCH.match(n)))
         superseded = []
         for batch, folder in folders:
             if batch <= ctx.committed:
                 # Committed history (the job's own, or shared with the savepoint it was
                 # restored from): a resumed job reads only the markers of batches it may write.
                 continue
-            marker = read_marker(folder)
-            action = decide(True, marker, batch, ctx.lineage, ctx.committed)
+            found = self._inspect(folder)
+            if found is None:
+                continue  # an unfinished attempt: write() replaces it
+            action = decide(True, found.marker, batch, ctx.lineage, ctx.committed)
             if action is Action.REFUSE:
-                raise self._conflict(batch, marker)
+                raise self._conflict(batch, found.marker)
             if action is Action.SUPERSEDE:
-                superseded.append((batch, folder, marker))
-        for batch, folder, marker in superseded:
-            self._supersede(batch, folder, marker)
+                superseded.append((batch, folder, found))
+        for batch, folder, found in superseded:
+            self._supersede(batch, folder, found.marker)
+
+    def _inspect(self, folder: str) -> BatchMarker | None:
+        """What a batch folder holds, for a lineage decision: its marker; a marker of
+        "no lineage" for a folder that is not keyscale's (no marker, other files) or whose
+        marker is damaged; None for an unfinished attempt (no marker, only its files)."""
+        data = self.store.get_or_none(join(folder, MARKER))
+        if data is not None:
+            return BatchMarker.parse(data) or BatchMarker(Marker(None), None)
+        if all(_ATTEMPT_FILE.match(o.key.rsplit("/", 1)[-1]) for o in self.store.list(folder)):
+            return None
+        return BatchMarker(Marker(None), None)
 
     def _conflict(self, batch: int, marker: Marker | None) -> OutputError:
         assert self._ctx is not None
@@ -109,61 +251,115 @@ class ParquetSink:
             "give this job another output path (or move the old output away)"
         )
 
-    def _supersede(self, batch: int, folder: Path, marker: Marker | None) -> None:
+    def _supersede(self, batch: int, folder: str, marker: Marker | None) -> None:
+        """Move a batch folder to ``_superseded/<lineage>/`` (copy, then delete: objects
+        cannot be renamed). The copy's marker is written last and the original's marker is
+        deleted first, so a crash at any point leaves a marked folder in one place or the
+        other, and at worst an unmarked remainder that the next write of the batch replaces."""
         lid = marker.lineage if marker is not None and marker.lineage else "unknown"
-        dest_dir = self.path / SUPERSEDED / lid
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        dest = dest_dir / folder.name
-        if dest.exists():
-            dest = dest_dir / f"{folder.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(folder, dest)
-        fsync_dir(dest_dir)
-        fsync_dir(self.path)
+        objects = [o.key for o in self.store.list(folder)]
+        prefix = len(folder) + 1
+        own = self.store.get_or_none(join(folder, MARKER))
+        dest = join(SUPERSEDED, lid, folder)
+        theirs = self.store.get_or_none(join(dest, MARKER))
+        if theirs is not None and theirs != own:
+            # the same lineage's batch set aside before, with other output: keep both
+            dest = f"{dest}-{uuid.uuid4().hex[:8]}"
+        data = [k for k in objects if k[prefix:] != MARKER]
+        for key in data:
+            self.store.copy(key, join(dest, key[prefix:]))
+        if own is not None:
+            self.store.copy(join(folder, MARKER), join(dest, MARKER))
+            self.store.delete(join(folder, MARKER))
+        self.store.delete_prefix(folder)
         log.warning(
             "output of batch %d from an earlier run (lineage %s, job directory %s) is superseded by this run, which "
             "recomputes it (restored from an older savepoint or started over); the old folder is kept in %s",
-            batch, lid[:8], marker.job_dir if marker else "?", dest,
+            batch, lid[:8], marker.job_dir if marker else "?", self.store.url(dest),
         )
 
     # -- one batch ---------------------------------------------------------------------------
     def write(self, df: DataFrame, batch_id: int) -> int:
-        final = self.path / batch_folder_name(batch_id)
-        if final.exists():
-            ctx = self._ctx
-            marker = read_marker(final)
-            action = Action.KEEP if ctx is None else decide(True, marker, batch_id, ctx.lineage, ctx.committed)
-            if action is Action.REFUSE:
-                raise self._conflict(batch_id, marker)
-            if action is Action.KEEP:
-                # Replay of a batch whose output is complete: run the stages (state must be
-                # rebuilt) but keep the first output; it is identical by determinism.
-                df.write.format("noop").mode("overwrite").save()
-                return -1
-            self._supersede(batch_id, final, marker)
-        created = not self.path.exists()
-        self.path.mkdir(parents=True, exist_ok=True)
-        if created:
-            fsync_dir(self.path.parent)
-        tmp = self.path / f"_tmp-{batch_id}-{uuid.uuid4().hex[:8]}"
-        df.write.mode("overwrite").parquet(str(tmp))
-        for p in list(tmp.iterdir()):
-            if p.name.startswith("_") or p.name.startswith("."):
-                p.unlink()
+        """Write batch ``batch_id`` once; returns its rows (-1 if an earlier write is kept)."""
+        folder = batch_folder_name(batch_id)
+        leftovers = [o.key[len(folder) + 1:] for o in self.store.list(folder)]
+        if MARKER in leftovers or any(not _ATTEMPT_FILE.match(n) for n in leftovers):
+            found = self._inspect(folder)
+            if found is not None:
+                if self._keep_or_refuse(found.marker, batch_id, folder):
+                    df.write.format("noop").mode("overwrite").save()
+                    return -1
+                leftovers = []  # superseded: moved aside
+        write_id = uuid.uuid4().hex[:12]  # this call's file names (a concurrent writer's differ)
+        task = functools.partial(_write_partition, self.store, folder, write_id, batch_id)
+        files = tuple(sorted(
+            (OutputFile(r["name"], int(r["rows"]), int(r["bytes"])) for r in df.mapInArrow(task, _RESULT_SCHEMA).collect()),
+            key=lambda f: f.name,
+        ))
         ctx = self._ctx
-        marker = Marker(
-            ctx.lineage.id if ctx else None, ctx.job if ctx else "", ctx.job_dir if ctx else "",
-            ctx.attempt if ctx else "", batch_id,
+        marker = BatchMarker(
+            Marker(ctx.lineage.id if ctx else None, ctx.job if ctx else "", ctx.job_dir if ctx else "", ctx.attempt if ctx else "", batch_id),
+            files,
         )
-        (tmp / MARKER).write_text(json.dumps(marker.to_json(), sort_keys=True))
-        # Durable before the rename makes the folder visible, and the rename durable before
-        # the job commits the batch (its manifest is fsynced; its output must be too).
-        _fsync_tree(tmp)
-        os.rename(tmp, final)
-        fsync_dir(self.path)
-        return -1
+        # The commit point of the batch's output: the files are in place (each task's put
+        # returned), the marker makes them the batch.
+        if not self.store.create(join(folder, MARKER), json.dumps(marker.to_json(), sort_keys=True).encode()):
+            # Another writer finished this batch first: its files are the batch, not ours.
+            self.store.delete_many([join(folder, f.name) for f in files])
+            found = self._inspect(folder)
+            if found is not None and self._keep_or_refuse(found.marker, batch_id, folder):
+                return -1
+            return self.write(df, batch_id)  # its output was moved aside (superseded): write ours
+        listed = {f.name for f in files}
+        stale = [join(folder, n) for n in leftovers if n not in listed]
+        if stale:
+            # An unfinished attempt's files: not part of the batch (the marker says which are).
+            self.store.delete_many(stale)
+        return sum(f.rows for f in files)
 
-    def cleanup(self) -> None:
-        """Remove half-written temporary folders left by a crash."""
-        if self.path.exists():
-            for p in self.path.glob("_tmp-*"):
-                shutil.rmtree(p, ignore_errors=True)
+    def _keep_or_refuse(self, marker: Marker, batch_id: int, folder: str) -> bool:
+        """True if the batch's existing output stays (a replay); raises if it is another
+        lineage's; False once an ancestor's output has been moved aside."""
+        ctx = self._ctx
+        action = Action.KEEP if ctx is None else decide(True, marker, batch_id, ctx.lineage, ctx.committed)
+        if action is Action.REFUSE:
+            raise self._conflict(batch_id, marker)
+        if action is Action.KEEP:
+            # Replay of a batch whose output is complete: the caller runs the stages (state
+            # must be rebuilt) but keeps the first output; it is identical by determinism.
+            return True
+        self._supersede(batch_id, folder, marker)
+        return False
+
+
+# -- reading the output back ----------------------------------------------------------------
+
+
+def read_output(path: str | os.PathLike[str] | Store) -> pa.Table:
+    """The complete batches of a Parquet sink's output as one table with a ``batch`` column
+    (int64), ordered by batch: only folders with a marker, only the files it lists
+    (output of the rename protocol: every Parquet file of a marked folder). Works on every
+    store; for local output, ``spark.read.parquet(PATH)`` works too.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    store = open_store(path, "Parquet sink path")
+    tables = []
+    for batch, folder in sorted((int(m.group(1)), n) for n in store.list_names("") if (m := _BATCH.match(n))):
+        found = read_marker(store, folder)
+        if found is None:
+            continue  # unfinished (or unreadable): not a complete batch
+        if found.files is not None:
+            names = [f.name for f in found.files]
+        else:
+            names = sorted(o.key[len(folder) + 1:] for o in store.list(folder) if o.key.endswith(".parquet"))
+        for name in names:
+            try:
+                table = pq.read_table(pa.BufferReader(store.get(join(folder, name))))
+            except FileNotFoundError:
+                raise StorageError(f"{store.url(join(folder, name))} is missing: its batch's marker lists it") from None
+            tables.append(table.append_column("batch", pa.array([batch] * table.num_rows, pa.int64())))
+    if not tables:
+        return pa.table({"batch": pa.array([], pa.int64())})
+    return pa.concat_tables(tables, promote_options="default")

@@ -20,6 +20,7 @@ them, so no executor needs the driver's disk.
 
 from __future__ import annotations
 
+import builtins
 import posixpath
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -122,7 +123,7 @@ class Store(ABC):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object under ``prefix`` (recursive), sorted by key."""
 
-    def list_names(self, prefix: str) -> list[str]:
+    def list_names(self, prefix: str) -> builtins.list[str]:
         """The names (last key part) of the objects directly under folder ``prefix``, sorted."""
         base = prefix.strip("/") + "/"
         return sorted({o.key[len(base):].split("/")[0] for o in self.list(prefix) if o.key.startswith(base)})
@@ -131,7 +132,7 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Delete the object if it exists."""
 
-    def delete_many(self, keys: list[str]) -> None:
+    def delete_many(self, keys: builtins.list[str]) -> None:
         for k in keys:
             self.delete(k)
 

@@ -8,6 +8,7 @@ writers exactly one creates the object, and it never appears half written.
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import json
 import os
@@ -139,7 +140,7 @@ class LocalStore(Store):
                     continue  # deleted while listing
         return sorted(out, key=lambda o: o.key)
 
-    def list_names(self, prefix: str) -> list[str]:
+    def list_names(self, prefix: str) -> builtins.list[str]:
         self.requests["list"] += 1
         try:
             return sorted(n for n in os.listdir(self.path(prefix)) if not (n.startswith(".") and ".tmp-" in n))

@@ -16,6 +16,7 @@ identity), set none and each process finds its own.
 
 from __future__ import annotations
 
+import builtins
 import os
 from typing import Any
 from urllib.parse import urlparse
@@ -193,7 +194,7 @@ class ObjectStore(Store):
             raise self._fail("list", prefix, e) from None
         return sorted(out, key=lambda o: o.key)
 
-    def list_names(self, prefix: str) -> list[str]:
+    def list_names(self, prefix: str) -> builtins.list[str]:
         import obstore
 
         self.requests["list"] += 1
@@ -209,7 +210,7 @@ class ObjectStore(Store):
     def delete(self, key: str) -> None:
         self.delete_many([key])
 
-    def delete_many(self, keys: list[str]) -> None:
+    def delete_many(self, keys: builtins.list[str]) -> None:
         import obstore
         from obstore.exceptions import NotFoundError
 
