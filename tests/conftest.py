@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
@@ -70,13 +69,17 @@ def write_events(folder: Path, files: int, rows: int, keys: int, seed: int = 0, 
         os.utime(final, (stamp, stamp))
 
 
-def read_output(folder: Path) -> pd.DataFrame:
-    """Every row a job wrote, with its batch, in a canonical order."""
-    if not folder.exists() or not any(folder.glob("batch=*")):
+def read_output(folder: Path | str) -> pd.DataFrame:
+    """Every row a job wrote (complete batches only: those with a marker), with its batch,
+    in a canonical order; ``folder`` may be a local path or an ``s3://`` location."""
+    from keyscale.sinks.parquet import read_output as read_sink_output
+
+    table = read_sink_output(folder)
+    if table.num_rows == 0:
         return pd.DataFrame()
-    df = pads.dataset(str(folder), partitioning="hive").to_table().to_pandas()
-    cols = list(df.columns)
-    return df.sort_values(cols).reset_index(drop=True)
+    df = table.to_pandas()
+    df = df[[c for c in df.columns if c != "batch"] + ["batch"]]
+    return df.sort_values(list(df.columns)).reset_index(drop=True)
 
 
 def run_job(

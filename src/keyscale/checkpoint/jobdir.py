@@ -98,6 +98,7 @@ class JobDir:
         self.store = open_store(location, "job directory")
         self.uri = self.store.url()  # a plain path on local disk, a URI otherwise
         self._lock_fd: int | None = None
+        self._local_id = uuid.uuid4().hex[:8]
         self.epoch = 0  # this process's run, once claimed
         self._batches: list[int] | None = None  # manifest batches, listed once, then kept up to date
         self._manifests: dict[int, Manifest] = {}
@@ -122,8 +123,12 @@ class JobDir:
 
     @property
     def spark_checkpoint(self) -> Path:
-        """Spark's streaming checkpoint (source positions, batch log): always a local folder."""
-        return self.path / "spark" if self.is_local else spark_cache_dir(self.uri) / "spark"
+        """Spark's streaming checkpoint (source positions, batch log): always a local folder.
+        For a job directory on an object store, a folder of this process (a run that takes
+        over never shares one with the run it fenced), rebuilt from the job directory."""
+        if self.is_local:
+            return self.path / "spark"
+        return spark_cache_dir(self.uri) / f"run-{os.getpid()}-{self._local_id}" / "spark"
 
     @property
     def spark_hidden(self) -> Path:
