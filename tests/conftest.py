@@ -223,7 +223,10 @@ def s3_bucket(s3_server: Any, request: pytest.FixtureRequest, monkeypatch: pytes
     The test's environment points at the server (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
     AWS_SECRET_ACCESS_KEY, AWS_REGION, AWS_DEFAULT_REGION, AWS_ALLOW_HTTP,
     AWS_EC2_METADATA_DISABLED), so keyscale code and child processes (Spark workers,
-    the CLI) find it as they would find a real S3.
+    the CLI) find it as they would find a real S3. Spark's Python workers are the
+    exception when the session's Spark started before this test: they keep the
+    environment of their JVM's launch, so code running in them must be given the
+    endpoint and keys explicitly (all tests of one session share one server).
     """
     import contextlib
     import re

@@ -135,3 +135,29 @@ def test_the_binary_is_found_beside_the_interpreter(monkeypatch: pytest.MonkeyPa
         pytest.skip(f"no weed in {beside.parent} (installed elsewhere)")
     monkeypatch.setenv("PATH", "/nonexistent")
     assert seaweed.find_weed() == beside
+
+
+def test_of_writers_racing_to_create_or_swap_one_key_exactly_one_wins(s3_bucket: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = _store(s3_bucket)
+
+    def attempt(key: str, data: bytes, mode: Any) -> bool:
+        try:
+            store.put(key, data, mode=mode)
+            return True
+        except (AlreadyExistsError, PreconditionError):
+            return False
+
+    # Few writers: SeaweedFS queues conditional writes to one key behind a lock its waiters
+    # poll once a second, so the k-th loser of a race is refused only after ~k seconds.
+    with ThreadPoolExecutor(4) as pool:
+        for trial in range(3):
+            key = f"race/{trial}"
+            wins = list(pool.map(lambda i, key=key: attempt(key, bytes([i]), "create"), range(4)))
+            assert sum(wins) == 1
+            assert bytes(store.get(key).bytes()) == bytes([wins.index(True)])
+            etag = store.head(key)["e_tag"]
+            wins = list(pool.map(lambda i, key=key, etag=etag: attempt(key, bytes([100 + i]), {"e_tag": etag}), range(4)))
+            assert sum(wins) == 1
+            assert bytes(store.get(key).bytes()) == bytes([100 + wins.index(True)])

@@ -470,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in server.env().items():
             print(f"export {key}={value}")
         print(f"# SeaweedFS pid {server.pid}, log {server.log_path}; Ctrl-C stops it", flush=True)
-        # SIGTERM (kill PID) stops it as cleanly as Ctrl-C.
+        # Ctrl-C even when started from a shell that ignores SIGINT for background jobs;
+        # SIGTERM (kill PID) stops it as cleanly.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         while server.running():
             time.sleep(0.5)
