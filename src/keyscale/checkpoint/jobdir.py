@@ -239,7 +239,18 @@ class JobDir:
 
     @staticmethod
     def _alive(status: dict[str, Any]) -> bool:
-        return bool(status.get("running")) and time.time() * 1000 - int(status.get("updated_ms", 0)) < TAKEOVER_AFTER_S * 1000
+        """A fresh heartbeat, unless it is of a process of this host that is gone (a crashed
+        job restarted on the same machine need not wait for its heartbeat to go stale)."""
+        if not status.get("running") or time.time() * 1000 - int(status.get("updated_ms", 0)) >= TAKEOVER_AFTER_S * 1000:
+            return False
+        if status.get("host") == socket.gethostname() and isinstance(status.get("pid"), int):
+            try:
+                os.kill(status["pid"], 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True  # another user's live process
+        return True
 
     def is_running(self) -> bool:
         """True when some process runs the job (local: holds the lock; else: a fresh heartbeat)."""
