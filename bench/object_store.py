@@ -1,0 +1,126 @@
+"""Workload W with state and sink on local disk against the same on an S3 server, same run.
+
+    .venv/bin/python bench/object_store.py --repeats 3 [--keys string]
+
+Starts a private SeaweedFS (keyscale.storage.seaweed) on 127.0.0.1. Per repeat, interleaved
+so that machine noise hits both alike: the W running count (``bench/jobs/w_count.py``,
+vectorized, Parquet sink, parallelism 2, local[2]) with job directory and output on local
+disk, then with both on S3. Steady batch = median of batches 1-4 of Spark's own
+``triggerExecution``; medians over repeats. Also the storage requests of each steady batch
+(driver and tasks: job directory only; the sink's are reported apart: its part objects and
+its marker), and the end-to-end wall time.
+
+``--keys string`` runs the same with string keys (``k<n>``), the case users have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _workload import DEFAULT_DATA_ROOT, ensure_workload  # noqa: E402
+
+from keyscale.runtime.driver import JobRunner, RunOptions  # noqa: E402
+from keyscale.sinks.parquet import read_marker  # noqa: E402
+from keyscale.storage import open_store  # noqa: E402
+from keyscale.storage.seaweed import create_bucket, start_seaweedfs  # noqa: E402
+
+
+def string_keyed(data: Path) -> Path:
+    """W with its int64 keys written as strings ``k<n>`` (made once, next to W)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    out = data.parent / (data.name + "-string")
+    if (out / "_COMPLETE").exists():
+        return out
+    out.mkdir(exist_ok=True)
+    for f in sorted(data.glob("*.parquet")):
+        t = pq.read_table(f)
+        keys = pc.binary_join_element_wise(pa.scalar("k"), pc.cast(t.column("key"), pa.string()), "")
+        pq.write_table(t.set_column(0, "key", keys), out / f.name)
+        os.utime(out / f.name, (f.stat().st_mtime, f.stat().st_mtime))
+    (out / "_COMPLETE").write_text("ok")
+    return out
+
+
+def run(data: Path, job_dir: str, output: str, key_type: str) -> dict[str, Any]:
+    opts = RunOptions(
+        job_file=str(HERE / "jobs" / "w_count.py"), job_dir=job_dir, parallelism=2, until_idle=True,
+        args={"input": str(data), "mode": "vectorized", "sink": "parquet", "output": output, "key_type": key_type},
+    )
+    t = time.perf_counter()
+    runner = JobRunner(opts)
+    s = runner.run()
+    wall = time.perf_counter() - t
+    steady = s.batches[1:5]
+    requests: Counter[str] = Counter()
+    for b in steady:
+        requests.update(b.requests)
+    out = open_store(output, "output")
+    sink_objects = []
+    for b in steady:
+        m = read_marker(out, f"batch={b.batch:012d}")
+        sink_objects.append(1 + (len(m.files) if m is not None and m.files is not None else 0))
+    return {
+        "steady": statistics.median(s.trigger_seconds[1:5]), "wall": wall, "rows": s.records,
+        "writes_per_batch": max(b.requests.get("put", 0) + b.requests.get("create", 0) for b in steady),
+        "requests_per_batch": {k: v / len(steady) for k, v in sorted(requests.items())},
+        "sink_objects_per_batch": statistics.median(sink_objects),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--keys", choices=["long", "string"], default="long")
+    a = ap.parse_args(argv)
+    data = ensure_workload(DEFAULT_DATA_ROOT, "W")
+    if a.keys == "string":
+        data = string_keyed(data)
+    tmp = Path(tempfile.mkdtemp(prefix="ks-objstore-"))
+    server = start_seaweedfs(tmp / "weed", "bench", "bench-secret-0123")
+    os.environ.update(server.env())
+    results: dict[str, list[dict[str, Any]]] = {"local": [], "s3": []}
+    try:
+        for r in range(a.repeats):
+            bucket = f"bench-{r}"
+            create_bucket(server, bucket)
+            for where in ("local", "s3"):
+                root = str(tmp / f"r{r}") if where == "local" else f"s3://{bucket}"
+                res = run(data, f"{root}/job", f"{root}/out", a.keys)
+                results[where].append(res)
+                print(f"repeat {r} {where}: steady {res['steady']:.2f} s, wall {res['wall']:.1f} s, "
+                      f"writes/batch {res['writes_per_batch']}, requests/batch {res['requests_per_batch']}, "
+                      f"sink objects/batch {res['sink_objects_per_batch']}", flush=True)
+            shutil.rmtree(tmp / f"r{r}", ignore_errors=True)
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    loc = statistics.median(x["steady"] for x in results["local"])
+    s3 = statistics.median(x["steady"] for x in results["s3"])
+    wl = statistics.median(x["wall"] for x in results["local"])
+    ws = statistics.median(x["wall"] for x in results["s3"])
+    print(f"\n| where | steady batch | end to end | writes per batch (job dir) | requests per batch (job dir) | sink objects per batch |")
+    print("|---|---|---|---|---|---|")
+    for where, st, w in (("local disk", loc, wl), ("S3 (SeaweedFS)", s3, ws)):
+        x = results["local" if where == "local disk" else "s3"][-1]
+        print(f"| {where} | {st:.2f} s | {w:.1f} s | {x['writes_per_batch']} | {x['requests_per_batch']} | {x['sink_objects_per_batch']} |")
+    print(f"\nS3 / local: steady {s3 / loc:.2f}x, end to end {ws / wl:.2f}x (target steady <= 1.3x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
