@@ -499,7 +499,7 @@ class JobDir:
         self.store.delete_many(sorted(doomed))
         self.store.delete_many([self.manifest_key(b) for b in gone])
         if self._intents is None:
-            self._intents = {b for n in self.store.list_names(CHECKPOINTS) if (b := _batch_of(n, "intent-")) is not None}
+            self._intents = {i for n in self.store.list_names(CHECKPOINTS) if (i := _batch_of(n, "intent-")) is not None}
         old = sorted(b for b in self._intents if b < oldest)
         self.store.delete_many([self.intent_key(b) for b in old])
         self._intents.difference_update(old)
