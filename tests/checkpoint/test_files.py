@@ -164,3 +164,30 @@ def test_kg_index() -> None:
     assert kg_index(kgs, 0, 7) == [[3, 0, 2], [5, 2, 1], [6, 3, 3]]
     assert kg_index(kgs, 5, 5) == [[5, 2, 1]]
     assert kg_index(np.empty(0, dtype=np.int32), 0, 7) == []
+
+
+def test_a_few_key_groups_of_a_large_file_on_an_object_store_are_read_by_range(
+    s3_bucket: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key group that moved to another subtask reads its rows, not the whole file."""
+    from keyscale.checkpoint import files
+    from keyscale.storage import open_store
+
+    monkeypatch.setattr(files, "CHUNK_ROWS", 500)
+    monkeypatch.setattr(files, "RANGED_MIN_BYTES", 0)
+    rng = np.random.default_rng(3)
+    kgs = np.sort(rng.integers(0, 128, 20_000)).astype(np.int32)
+    table = pa.table({"key": pa.array([f"key-{i:08d}" for i in range(len(kgs))]), KG_COLUMN: pa.array(kgs),
+                      "count": pa.array(rng.integers(0, 1000, len(kgs)))})
+    store = open_store(f"{s3_bucket}/job", "job directory")
+    f = write_state_file(store, REL, table, "snapshot", 3, KeyGroupRange(0, 127))
+    for lo, hi in [(0, 0), (5, 9), (64, 127), (127, 127), (40, 41)]:
+        store.requests.clear()
+        got = read_state_slice(store, f, KeyGroupRange(lo, hi))
+        want = table.filter((table.column(KG_COLUMN).to_numpy() >= lo) & (table.column(KG_COLUMN).to_numpy() <= hi))
+        assert got.to_pylist() == want.to_pylist()
+        assert store.requests["get"] == 0 and store.requests["get_range"] >= 1
+    # The whole range is one plain read.
+    store.requests.clear()
+    assert read_state_slice(store, f, KeyGroupRange(0, 127)).num_rows == table.num_rows
+    assert store.requests["get"] == 1 and store.requests["get_range"] == 0

@@ -7,9 +7,11 @@ only its slice without scanning (memory-mapped, so untouched pages are never rea
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import zlib
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +25,12 @@ from keyscale.storage import LocalStore, Store, open_store
 Location = Store | str | os.PathLike[str]  # a job directory: its store, or where it is
 
 _INDEX_KEY = b"keyscale.kg_index"
+_CHUNK_KEY = b"keyscale.chunk_rows"
+# Record batches of this many rows (the last one shorter): a reader that needs a few key
+# groups of a file on an object store fetches only the batches holding them, by byte range.
+CHUNK_ROWS = 1 << 16
+# Below this size a file is fetched whole (one request beats a few ranged ones).
+RANGED_MIN_BYTES = 4 << 20
 
 
 def kg_index(kgs: np.ndarray, start: int, end: int) -> list[list[int]]:
@@ -43,11 +51,12 @@ def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: Fi
         b"keyscale.kind": kind.encode(),
         b"keyscale.batch": str(batch).encode(),
         b"keyscale.range": f"{rng.start}-{rng.end}".encode(),
+        _CHUNK_KEY: str(CHUNK_ROWS).encode(),
     }
-    table = table.replace_schema_metadata(meta)
+    table = table.replace_schema_metadata(meta).combine_chunks()  # batches of exactly CHUNK_ROWS rows
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=1 << 20)
+        writer.write_table(table, max_chunksize=CHUNK_ROWS)
     data = sink.getvalue().to_pybytes()
     store.put(rel_path, data)
     return StateFile(
@@ -87,18 +96,90 @@ def _open_state_file(store: Store, f: StateFile, verify: bool) -> pa.Table:
         raise StateError(f"state file {where} is unreadable ({e})") from None
 
 
-def read_state_slice(job_dir: Location, f: StateFile, rng: KeyGroupRange, verify: bool = False) -> pa.Table:
-    """The rows of key groups ``rng`` in state file ``f`` (zero-copy where possible)."""
-    table = _open_state_file(open_store(job_dir, "job directory"), f, verify)
-    meta = table.schema.metadata or {}
-    index = json.loads(meta.get(_INDEX_KEY, b"[]"))
+def _rows_of(meta: dict[bytes, bytes] | None, f: StateFile, rng: KeyGroupRange) -> tuple[int, int]:
+    """The rows ``[first, last)`` of key groups ``rng`` in a file with schema metadata ``meta``."""
+    index = json.loads((meta or {}).get(_INDEX_KEY, b"[]"))
     lo, hi = max(rng.start, f.start), min(rng.end, f.end)
     rows = [(first, n) for kg, first, n in index if lo <= kg <= hi]
     if not rows:
-        return table.slice(0, 0)
-    first = rows[0][0]
-    last = rows[-1][0] + rows[-1][1]
-    return table.slice(first, last - first)
+        return 0, 0
+    return rows[0][0], rows[-1][0] + rows[-1][1]
+
+
+class _Ranged(io.RawIOBase):
+    """One object of a store as a read-only, seekable file, fetched by byte ranges with a
+    read-ahead window: Arrow reads the footer, then only the record batches it is asked for."""
+
+    def __init__(self, store: Store, key: str, size: int, window: int = 1 << 20):
+        self._store, self._key, self._size, self._window = store, key, size, window
+        self._pos = self._buf_start = 0
+        self._buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
+        if n <= 0:
+            return b""
+        if not (self._buf_start <= self._pos and self._pos + n <= self._buf_start + len(self._buf)):
+            self._buf = self._store.get_range(self._key, self._pos, min(max(n, self._window), self._size - self._pos))
+            self._buf_start = self._pos
+        off = self._pos - self._buf_start
+        self._pos += n
+        return self._buf[off : off + n]
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def _read_ranged(store: Store, f: StateFile, rng: KeyGroupRange) -> pa.Table | None:
+    """Only the record batches of ``f`` that hold key groups ``rng`` (None: the file has no
+    fixed batch size, read it whole)."""
+    try:
+        reader = pa.ipc.open_file(pa.PythonFile(_Ranged(store, f.path, f.bytes), mode="r"))
+    except FileNotFoundError:
+        raise StateError(f"state file {store.url(f.path)} is missing") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StateError(f"state file {store.url(f.path)} is unreadable ({e})") from None
+    meta = reader.schema.metadata or {}
+    chunk = int(meta.get(_CHUNK_KEY, b"0"))
+    if chunk <= 0:
+        return None
+    first, last = _rows_of(meta, f, rng)
+    if last <= first:
+        return reader.schema.empty_table()
+    todo = range(first // chunk, (last - 1) // chunk + 1)
+    table = pa.Table.from_batches([reader.get_batch(i) for i in todo], schema=reader.schema)
+    return table.slice(first - todo[0] * chunk, last - first)
+
+
+def read_state_slice(job_dir: Location, f: StateFile, rng: KeyGroupRange, verify: bool = False) -> pa.Table:
+    """The rows of key groups ``rng`` in state file ``f``: memory-mapped on local disk (pages
+    outside the slice are never read); on an object store, a large file of which only part
+    is needed is read by byte ranges (a key group that moved reads its rows, not the file)."""
+    store = open_store(job_dir, "job directory")
+    partial = rng.start > f.start or rng.end < f.end
+    if partial and not verify and not isinstance(store, LocalStore) and f.bytes >= RANGED_MIN_BYTES:
+        ranged = _read_ranged(store, f, rng)
+        if ranged is not None:
+            return ranged
+    table = _open_state_file(store, f, verify)
+    first, last = _rows_of(table.schema.metadata, f, rng)
+    return table.slice(first, max(0, last - first))
 
 
 def verify_state_file(job_dir: Location, f: StateFile) -> str | None:

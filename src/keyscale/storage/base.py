@@ -85,6 +85,10 @@ class Store(ABC):
     def get(self, key: str) -> bytes:
         """The object's bytes; :class:`FileNotFoundError` if there is none."""
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``start`` (fewer at its end)."""
+        return self.get(key)[start : start + length]
+
     def get_or_none(self, key: str) -> bytes | None:
         try:
             return self.get(key)

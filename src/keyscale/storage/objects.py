@@ -136,6 +136,18 @@ class ObjectStore(Store):
         except Exception as e:
             raise self._fail("read", key, e) from None
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        self.requests["get_range"] += 1
+        try:
+            return bytes(obstore.get_range(self.client, self._key(key), start=start, length=length))
+        except (NotFoundError, FileNotFoundError):
+            raise FileNotFoundError(self.url(key)) from None
+        except Exception as e:
+            raise self._fail("ranged read", key, e) from None
+
     def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
         import obstore
 
