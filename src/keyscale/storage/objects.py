@@ -119,7 +119,16 @@ class ObjectStore(Store):
         return join(self.prefix, check_key(key))
 
     def _fail(self, what: str, key: str, e: Exception) -> StorageError:
-        return StorageError(f"{self.url(key)}: {what} failed ({type(e).__name__}: {e})".split("\n")[0])
+        text = str(e).split("\n")[0]
+        if "169.254.169.254" in text or "credential" in text.lower():  # no keys, so obstore asked the cloud metadata service
+            return StorageError(
+                f"{self.url(key)}: {what} failed: no credentials for {self.scheme}:// (set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, and AWS_ENDPOINT_URL for a server other than AWS, or give --storage-option)"
+            )
+        if "error sending request" in text.lower() or "connection refused" in text.lower():
+            where = self.settings.get("endpoint", "the default endpoint")
+            return StorageError(f"{self.url(key)}: {what} failed: cannot reach {where} ({text[:200]})")
+        return StorageError(f"{self.url(key)}: {what} failed ({type(e).__name__}: {text[:300]})")
 
     # -- objects -------------------------------------------------------------------------
     def get(self, key: str) -> bytes:

@@ -89,7 +89,7 @@ def open_store(location: str | os.PathLike[str] | Store, what: str, options: dic
     >>> open_store("hdfs://nn/jobs/rc", "job directory")
     Traceback (most recent call last):
     ...
-    keyscale.errors.StorageError: job directory hdfs://nn/jobs/rc: keyscale cannot store in hdfs:// locations (it serves local paths, file://, s3://, gs:// and az://)
+    keyscale.errors.StorageError: job directory hdfs://nn/jobs/rc: keyscale cannot store in hdfs:// locations (it serves local paths, file://, s3://, gs:// and az://); HDFS needs the Hadoop native client (libhdfs), which this installation lacks: mount HDFS locally (NFS gateway, FUSE) and give the path
     """
     from keyscale.storage.local import LocalStore
     from keyscale.storage.objects import SCHEMES, ObjectStore, settings_from_env
@@ -104,6 +104,9 @@ def open_store(location: str | os.PathLike[str] | Store, what: str, options: dic
             return ObjectStore(os.fspath(location), {**settings_from_env(scheme), **_OPTIONS, **(options or {})})
         except StorageError as e:
             raise StorageError(f"{what} {e}") from None
+    why = ""
+    if scheme in ("hdfs", "viewfs", "webhdfs"):
+        why = "; HDFS needs the Hadoop native client (libhdfs), which this installation lacks: mount HDFS locally (NFS gateway, FUSE) and give the path"
     raise StorageError(
-        f"{what} {os.fspath(location)}: keyscale cannot store in {scheme}:// locations (it serves local paths, file://, s3://, gs:// and az://)"
+        f"{what} {os.fspath(location)}: keyscale cannot store in {scheme}:// locations (it serves local paths, file://, s3://, gs:// and az://){why}"
     )
