@@ -20,12 +20,16 @@ from pathlib import Path
 from keyscale.storage.base import ObjectInfo, Store, check_key
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Make a local file's written bytes (or a folder's entries) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_fsync_dir = fsync_path
 
 
 class LocalStore(Store):
@@ -225,13 +229,4 @@ def is_locked(path: Path) -> bool:
     return LocalStore(path.parent).is_locked(path.name)
 
 
-def fsync_file(path: Path) -> None:
-    """Make a local file's written bytes durable (it was written and closed elsewhere)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-fsync_dir = _fsync_dir
+fsync_file = fsync_dir = fsync_path  # a file written and closed elsewhere; a folder's entries
