@@ -218,7 +218,7 @@ def test_bootstrap_local_then_restore(tmp_path: Path, kind: str, two_keys: bool)
     if kind == "arrow":
         data = pa.Table.from_pandas(frame, preserve_index=False, schema=_schema(two_keys))
     calls: list[tuple[str, int, int]] = []
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (data, keys, STATE_TYPES)}, 16, rows_per_file=30, progress=lambda *a: calls.append(a))
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (data, keys, STATE_TYPES)}, 16, rows_per_file=30, progress=lambda *a: calls.append(a)))
     info = read_savepoint(sp)
     assert (info.batch, info.source, info.origin) == (-1, None, "bootstrap")
     op = info.operators["op"]
@@ -247,9 +247,9 @@ def test_bootstrap_refuses_bad_input(tmp_path: Path) -> None:
 def test_bootstrap_value_state_holding_an_array(tmp_path: Path) -> None:
     frame = pd.DataFrame({"k": [1, 2], "v": [[1, 2], [3]]})
     desc = StateDescriptor("v", "value", pa.list_(pa.int64()))
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["k"], {"v": desc})}, 8)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["k"], {"v": desc})}, 8))
     assert read_savepoint(sp).operators["op"].states == (desc,)
-    implied = write_savepoint_from_dataframes(tmp_path / "sp2", "job", {"op": (frame, ["k"], {"v": "array<long>"})}, 8)
+    implied = Path(write_savepoint_from_dataframes(tmp_path / "sp2", "job", {"op": (frame, ["k"], {"v": "array<long>"})}, 8))
     assert read_savepoint(implied).operators["op"].states[0].kind == "list"
 
 
@@ -272,7 +272,7 @@ def test_bootstrap_from_spark_then_read_back(spark: Any, tmp_path: Path, two_key
     frame = _reference(300, seed=4, two_keys=two_keys)
     keys = ["user", "shard"] if two_keys else ["user"]
     df = _spark_frame(spark, frame, two_keys).repartition(3)
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, keys, STATE_TYPES)}, 16, rows_per_file=40)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, keys, STATE_TYPES)}, 16, rows_per_file=40))
     info = read_savepoint(sp)
     op = info.operators["op"]
     assert len(op.files) > 3 and op.rows == len(_expected(frame, keys))
@@ -324,7 +324,7 @@ def test_spark_bootstrap_refuses_duplicates_and_null_keys(spark: Any, tmp_path: 
     assert list(tmp_path.iterdir()) == []
     # int state column cast to the declared long; an empty frame gives an empty operator
     df = spark.createDataFrame([(1, 5)], "k int, n int")
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["k"], {"n": "long"}), "empty": (df.limit(0), ["k"], {"n": "long"})}, 8)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["k"], {"n": "long"}), "empty": (df.limit(0), ["k"], {"n": "long"})}, 8))
     info = read_savepoint(sp)
     assert info.operators["op"].key_columns == (("k", pa.int32()),)
     assert pq.read_table(sp / info.operators["op"].files[0].path).to_pylist() == [{"k": 1, "key_group": key_group_of([1], ["int"], 8), "n": 5}]
@@ -374,9 +374,9 @@ def test_rekey_keeps_every_key_and_value(tmp_path: Path) -> None:
     jd = _checkpoint(tmp_path / "job", frame, 16, 4)
     man = jd.latest_manifest()
     assert man is not None
-    sp = write_savepoint(jd, man, tmp_path / "sp16", rows_per_file=50)
+    sp = Path(write_savepoint(jd, man, tmp_path / "sp16", rows_per_file=50))
     calls: list[tuple[str, int, int]] = []
-    sp32 = rekey_savepoint(sp, tmp_path / "sp32", 32, progress=lambda *a: calls.append(a), rows_per_file=50)
+    sp32 = Path(rekey_savepoint(sp, tmp_path / "sp32", 32, progress=lambda *a: calls.append(a), rows_per_file=50))
     assert calls[-1][1] == calls[-1][2]
     info = read_savepoint(sp32)
     op = info.operators["op"]
@@ -397,7 +397,7 @@ def test_rekey_keeps_every_key_and_value(tmp_path: Path) -> None:
     with pytest.raises(StateError, match="max parallelism 32"):
         _restored(sp32, tmp_path / "job16", (("user", pa.string()),), 16)
     # and back down again: same content as the original
-    sp16 = rekey_savepoint(sp32, tmp_path / "back16", 16)
+    sp16 = Path(rekey_savepoint(sp32, tmp_path / "back16", 16))
     a = pa.concat_tables([pq.read_table(sp / f.path) for f in read_savepoint(sp).operators["op"].files])
     b = pa.concat_tables([pq.read_table(sp16 / f.path) for f in read_savepoint(sp16).operators["op"].files])
     assert a.equals(b)
@@ -405,7 +405,7 @@ def test_rekey_keeps_every_key_and_value(tmp_path: Path) -> None:
 
 def test_rekey_refuses_an_existing_destination_and_damaged_source(tmp_path: Path) -> None:
     frame = _reference(50)
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["user"], STATE_TYPES)}, 16)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["user"], STATE_TYPES)}, 16))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(StateError, match="not empty"):
@@ -423,8 +423,8 @@ def test_rekey_matches_spark_key_groups(spark: Any, tmp_path: Path) -> None:
 
     frame = _reference(500, seed=8, two_keys=True)
     df = _spark_frame(spark, frame, True)
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["user", "shard"], STATE_TYPES)}, 16)
-    sp32 = rekey_savepoint(sp, tmp_path / "sp32", 32)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["user", "shard"], STATE_TYPES)}, 16))
+    sp32 = Path(rekey_savepoint(sp, tmp_path / "sp32", 32))
     state = read_keyed_state(spark, sp32, "op", flatten=False)
     check = state.select("user", "shard", "key_group", "total", F.pmod(F.hash("user", "shard"), F.lit(32)).alias("spark_kg"))
     rows = check.collect()
@@ -442,7 +442,7 @@ def test_inspect_savepoint(tmp_path: Path) -> None:
     jd = _checkpoint(tmp_path / "job", frame, 16, 2)
     man = jd.latest_manifest()
     assert man is not None
-    sp = write_savepoint(jd, man, tmp_path / "sp", rows_per_file=40)
+    sp = Path(write_savepoint(jd, man, tmp_path / "sp", rows_per_file=40))
     text = inspect_savepoint(sp)
     info = read_savepoint(sp)
     op = info.operators["op"]

@@ -216,8 +216,8 @@ def test_bootstrap_run_read_back_and_rekey(spark: Any, events: Path, tmp_path: P
     )
 
     history = spark.createDataFrame([(f"k{i}", 10, 1000 + i) for i in range(0, 250, 2)], "key string, count long, sum long")
-    sp16 = write_savepoint_from_dataframes(tmp_path / "sp16", "running_count", {"totals": (history, ["key"], {"count": "long", "sum": "long"})}, 16)
-    sp32 = rekey_savepoint(sp16, tmp_path / "sp32", 32)
+    sp16 = Path(write_savepoint_from_dataframes(tmp_path / "sp16", "running_count", {"totals": (history, ["key"], {"count": "long", "sum": "long"})}, 16))
+    sp32 = Path(rekey_savepoint(sp16, tmp_path / "sp32", 32))
     assert read_savepoint(sp32).max_parallelism == 32
 
     inp = tmp_path / "in"

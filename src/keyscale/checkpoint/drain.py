@@ -20,7 +20,7 @@ in a run without the drain.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +80,17 @@ def restored_event_time(checkpoint_extra: Mapping[str, Any]) -> tuple[dict[str, 
         wm = info.get("watermark") if isinstance(info, dict) else None
     out = {"watermark": wm} if wm else {}
     return out, (int(wm["watermark_ms"]) if wm else None)
+
+
+def add_empty_batch_files(files: MutableMapping[str, bytes], consumed: int, batch: int) -> bool:
+    """:func:`add_empty_batch` on Spark's checkpoint held as ``{relative path: bytes}`` (a
+    savepoint's copy, written through the storage seam)."""
+    if batch <= consumed:
+        return True
+    off, com = files.get(f"offsets/{consumed}"), files.get(f"commits/{consumed}")
+    if consumed < 0 or off is None or com is None:
+        return False
+    for n in range(consumed + 1, batch + 1):
+        files[f"offsets/{n}"] = off
+        files[f"commits/{n}"] = com
+    return True
