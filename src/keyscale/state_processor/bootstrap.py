@@ -352,6 +352,7 @@ def write_savepoint_from_dataframes(
     >>> frame = pd.DataFrame({"user": ["ann", "bob"], "recent": [[1, 2], [7]]})
     >>> sp = write_savepoint_from_dataframes(Path(tempfile.mkdtemp()) / "sp", "clicks",
     ...                                      {"track": (frame, ["user"], {"recent": "array<long>"})}, 16)
+    >>> from keyscale.checkpoint.savepoint import read_savepoint
     >>> info = read_savepoint(sp)
     >>> info.batch, info.operators["track"].states[0].kind, info.operators["track"].rows
     (-1, 'list', 2)

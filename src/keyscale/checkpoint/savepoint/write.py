@@ -97,6 +97,8 @@ def abandon_savepoint(store: Store) -> None:
     """Delete a savepoint's data files (never its metadata, never anything else there)."""
     for prefix in DATA_PREFIXES:
         store.delete_prefix(prefix.rstrip("/"))
+    if store.is_local and not store.list_names(""):
+        store.delete_prefix("")  # the folder itself, left empty (an object store has none)
 
 
 def write_data_file(store: Store, uid: str, rng: KeyGroupRange, table: pa.Table) -> SavepointFile:
