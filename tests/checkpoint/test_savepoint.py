@@ -332,13 +332,13 @@ def test_existing_destination_refused(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     write_savepoint(job.jd, job.manifest, tmp_path / "empty")  # an empty folder is fine
     meta = (tmp_path / "empty" / METADATA_FILE).read_bytes()
-    with pytest.raises(StateError, match="already holds a savepoint.*never overwritten"):
+    with pytest.raises(StateError, match=r"already holds a savepoint.*never overwritten"):
         write_savepoint(job.jd, job.manifest, tmp_path / "empty")
     assert (tmp_path / "empty" / METADATA_FILE).read_bytes() == meta
     read_savepoint(tmp_path / "empty")  # untouched and intact
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(StateError, match="exists and is not empty.*notes.txt"):
+    with pytest.raises(StateError, match=r"exists and is not empty.*notes\.txt"):
         write_savepoint(job.jd, job.manifest, tmp_path / "other")
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
     (tmp_path / "file").write_text("x")

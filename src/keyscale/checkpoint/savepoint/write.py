@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from keyscale.checkpoint.drain import add_empty_batch_files, spark_log_end
+from keyscale.checkpoint.drain import add_empty_batch, spark_log_end
 from keyscale.checkpoint.files import _INDEX_KEY, read_state_slice
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import (
@@ -302,7 +302,7 @@ def _copy_spark_checkpoint(job_dir: JobDir, manifest: Manifest, dest: Store) -> 
         return None
     consumed = spark_log_end(manifest)
     files = spark_checkpoint_files(folder, consumed)
-    if not files or not add_empty_batch_files(files, consumed, manifest.batch):
+    if not files or not add_empty_batch(files, consumed, manifest.batch):
         return None
     for rel, data in sorted(files.items()):
         dest.put(f"{SOURCE_DIR}/{rel}", data)
