@@ -868,3 +868,26 @@ def test_inspect_on_s3(at: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert out[0] == f"savepoint {sp}"
     assert f"operator '{UID}': max parallelism {M} (ran at parallelism 2)" in out
     assert out[-1].startswith("source positions: source/spark")
+
+
+@pytest.mark.parametrize("sp_kind", ["s3", "local"])
+def test_cli_savepoint_of_a_stopped_job_on_s3(at: Any, sp_kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`keyscale savepoint` of a stopped job whose job directory is on S3, from a machine
+    without its local Spark folder: the source positions come from the job directory."""
+    from keyscale.checkpoint.sparkmirror import SparkMirror
+    from keyscale.cli.main import main as keyscale_main
+
+    job = run_sim(at("s3", "job"), 2)
+    SparkMirror(job.jd.store, job.jd.spark_checkpoint).push(job.batch)  # as the running job did
+    shutil.rmtree(job.jd.spark_checkpoint)  # another machine
+    dest = at(sp_kind, "sp")
+    assert keyscale_main(["savepoint", str(job.jd.uri), "--dest", str(dest)]) == 0
+    sp = capsys.readouterr().out.strip()
+    assert sp == str(dest)
+    info = read_savepoint(sp)
+    assert (info.batch, info.source, info.operators[UID].rows) == (4, "source/spark", len(job.state))
+    assert open_store(sp, "savepoint").exists("source/spark/commits/4")
+    assert keyscale_main(["savepoint", str(job.jd.uri)]) == 0  # default: inside the job directory
+    default = capsys.readouterr().out.strip()
+    assert default.startswith(f"{job.jd.uri}/savepoints/savepoint-000000000004-")
+    assert read_savepoint(default).operators[UID].rows == len(job.state)
