@@ -477,18 +477,16 @@ def test_doctests(name: str) -> None:
 # -- on object stores -------------------------------------------------------------------------
 #
 # Savepoints and job directories on S3 (SeaweedFS, the ``s3_bucket`` fixture), mixed with
-# local ones; without the fixture these skip.
+# local ones (marked ``s3``).
 
 
 @pytest.fixture
-def bucket(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def bucket(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("KEYSCALE_SPARK_CACHE", str(tmp_path / "spark-cache"))
-    try:
-        return str(request.getfixturevalue("s3_bucket"))
-    except pytest.FixtureLookupError:
-        pytest.skip("no S3 server fixture (s3_bucket)")
+    return str(s3_bucket)
 
 
+@pytest.mark.s3
 def test_bootstrap_and_rekey_on_s3(bucket: str, tmp_path: Path) -> None:
     frame = _reference(120, seed=4)
     sp = write_savepoint_from_dataframes(f"{bucket}/sp16", "job", {"op": (frame, ["user"], STATE_TYPES)}, 16, rows_per_file=30)
@@ -507,6 +505,7 @@ def test_bootstrap_and_rekey_on_s3(bucket: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.spark
+@pytest.mark.s3
 def test_state_processor_on_s3(spark: Any, bucket: str, tmp_path: Path) -> None:
     """A job directory on S3: its checkpoint read as a DataFrame, a savepoint of it on S3 read
     by tasks through the store, restored into job directories on S3 and on local disk at

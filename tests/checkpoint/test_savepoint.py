@@ -732,7 +732,7 @@ def test_documented_pyarrow_reader_runs(savepoint: tuple[Path, SimJob], tmp_path
 # -- savepoints on object stores, and across stores -------------------------------------------
 #
 # The same protocol on every store: a job directory and a savepoint may each be local or on
-# S3 (SeaweedFS, the ``s3_bucket`` fixture), in any mix; without the fixture these skip.
+# S3 (SeaweedFS, the ``s3_bucket`` fixture), in any mix; the S3 cases are marked ``s3``.
 
 
 @pytest.fixture
@@ -745,10 +745,7 @@ def at(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monke
         if kind == "local":
             return tmp_path / name
         if not bucket:
-            try:
-                bucket.append(request.getfixturevalue("s3_bucket"))
-            except pytest.FixtureLookupError:
-                pytest.skip("no S3 server fixture (s3_bucket)")
+            bucket.append(request.getfixturevalue("s3_bucket"))  # only for tests marked s3
         return f"{bucket[0]}/{name}"
 
     return where
@@ -756,7 +753,8 @@ def at(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize(
     ("job_kind", "sp_kind", "new_kind"),
-    [("s3", "s3", "s3"), ("s3", "local", "local"), ("local", "s3", "s3"), ("s3", "s3", "local"), ("local", "s3", "local")],
+    [pytest.param(*kinds, marks=pytest.mark.s3) for kinds in
+     [("s3", "s3", "s3"), ("s3", "local", "local"), ("local", "s3", "s3"), ("s3", "s3", "local"), ("local", "s3", "local")]],
 )
 def test_savepoint_across_stores(at: Any, job_kind: str, sp_kind: str, new_kind: str) -> None:
     job = run_sim(at(job_kind, "job"), 3)
@@ -791,7 +789,7 @@ def test_savepoint_across_stores(at: Any, job_kind: str, sp_kind: str, new_kind:
         assert not (sc.parent / "state").exists()  # nothing of the job directory went to local disk
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_interrupted_savepoint_is_written_again(at: Any, kind: str) -> None:
     job = run_sim(at("local", "job"), 2)
     assert job.manifest is not None
@@ -812,7 +810,7 @@ def test_interrupted_savepoint_is_written_again(at: Any, kind: str) -> None:
     assert all(store.get(k) == v for k, v in complete.items() if k != METADATA_FILE)  # canonical: same bytes
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_complete_savepoint_is_never_overwritten(at: Any, kind: str) -> None:
     job = run_sim(at("local", "job"), 2)
     assert job.manifest is not None
@@ -826,7 +824,7 @@ def test_complete_savepoint_is_never_overwritten(at: Any, kind: str) -> None:
     assert read_savepoint(sp).batch == 4
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_failed_savepoint_leaves_nothing(at: Any, kind: str) -> None:
     job = run_sim(at(kind, "job"), 2)
     assert job.manifest is not None
@@ -837,7 +835,7 @@ def test_failed_savepoint_leaves_nothing(at: Any, kind: str) -> None:
     assert not open_store(at(kind, "sp"), "savepoint").list()
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_damaged_savepoint_on_a_store_names_the_file(at: Any, kind: str) -> None:
     job = run_sim(at("local", "job"), 2)
     assert job.manifest is not None
@@ -856,6 +854,7 @@ def test_damaged_savepoint_on_a_store_names_the_file(at: Any, kind: str) -> None
         read_savepoint(at(kind, "nothing-here"))
 
 
+@pytest.mark.s3
 def test_inspect_on_s3(at: Any, capsys: pytest.CaptureFixture[str]) -> None:
     from keyscale.cli.main import main as keyscale_main
 
@@ -870,6 +869,7 @@ def test_inspect_on_s3(at: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert out[-1].startswith("source positions: source/spark")
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize("sp_kind", ["s3", "local"])
 def test_cli_savepoint_of_a_stopped_job_on_s3(at: Any, sp_kind: str, capsys: pytest.CaptureFixture[str]) -> None:
     """`keyscale savepoint` of a stopped job whose job directory is on S3, from a machine
