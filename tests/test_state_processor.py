@@ -192,14 +192,14 @@ def _expected(frame: pd.DataFrame, keys: list[str]) -> dict[tuple[Any, ...], dic
     return out
 
 
-def _restored(sp: Path, path: Path, keys: tuple[tuple[str, pa.DataType], ...], m: int) -> dict[tuple[Any, ...], dict[str, Any]]:
+def _restored(sp: Path | str, path: Path | str, keys: tuple[tuple[str, pa.DataType], ...], m: int) -> dict[tuple[Any, ...], dict[str, Any]]:
     jd = JobDir(path)
     jd.claim("job", m, m)
     man = restore_savepoint(sp, jd, "job", {"op": OperatorSpec(keys, STATES)})
     op = man.operators["op"]
     t = KeyedStateTable([k for k, _ in keys], [t for _, t in keys], STATES)
     for f in op.files:
-        t.apply(read_state_slice(jd.path, f, f.range, verify=True))
+        t.apply(read_state_slice(jd.store, f, f.range, verify=True))
     out = {}
     types = [spark for spark in ("string", "long")][: len(keys)]
     for r in t.to_arrow().to_pylist():
@@ -218,7 +218,7 @@ def test_bootstrap_local_then_restore(tmp_path: Path, kind: str, two_keys: bool)
     if kind == "arrow":
         data = pa.Table.from_pandas(frame, preserve_index=False, schema=_schema(two_keys))
     calls: list[tuple[str, int, int]] = []
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (data, keys, STATE_TYPES)}, 16, rows_per_file=30, progress=lambda *a: calls.append(a))
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (data, keys, STATE_TYPES)}, 16, rows_per_file=30, progress=lambda *a: calls.append(a)))
     info = read_savepoint(sp)
     assert (info.batch, info.source, info.origin) == (-1, None, "bootstrap")
     op = info.operators["op"]
@@ -247,9 +247,9 @@ def test_bootstrap_refuses_bad_input(tmp_path: Path) -> None:
 def test_bootstrap_value_state_holding_an_array(tmp_path: Path) -> None:
     frame = pd.DataFrame({"k": [1, 2], "v": [[1, 2], [3]]})
     desc = StateDescriptor("v", "value", pa.list_(pa.int64()))
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["k"], {"v": desc})}, 8)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["k"], {"v": desc})}, 8))
     assert read_savepoint(sp).operators["op"].states == (desc,)
-    implied = write_savepoint_from_dataframes(tmp_path / "sp2", "job", {"op": (frame, ["k"], {"v": "array<long>"})}, 8)
+    implied = Path(write_savepoint_from_dataframes(tmp_path / "sp2", "job", {"op": (frame, ["k"], {"v": "array<long>"})}, 8))
     assert read_savepoint(implied).operators["op"].states[0].kind == "list"
 
 
@@ -272,7 +272,7 @@ def test_bootstrap_from_spark_then_read_back(spark: Any, tmp_path: Path, two_key
     frame = _reference(300, seed=4, two_keys=two_keys)
     keys = ["user", "shard"] if two_keys else ["user"]
     df = _spark_frame(spark, frame, two_keys).repartition(3)
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, keys, STATE_TYPES)}, 16, rows_per_file=40)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, keys, STATE_TYPES)}, 16, rows_per_file=40))
     info = read_savepoint(sp)
     op = info.operators["op"]
     assert len(op.files) > 3 and op.rows == len(_expected(frame, keys))
@@ -324,7 +324,7 @@ def test_spark_bootstrap_refuses_duplicates_and_null_keys(spark: Any, tmp_path: 
     assert list(tmp_path.iterdir()) == []
     # int state column cast to the declared long; an empty frame gives an empty operator
     df = spark.createDataFrame([(1, 5)], "k int, n int")
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["k"], {"n": "long"}), "empty": (df.limit(0), ["k"], {"n": "long"})}, 8)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["k"], {"n": "long"}), "empty": (df.limit(0), ["k"], {"n": "long"})}, 8))
     info = read_savepoint(sp)
     assert info.operators["op"].key_columns == (("k", pa.int32()),)
     assert pq.read_table(sp / info.operators["op"].files[0].path).to_pylist() == [{"k": 1, "key_group": key_group_of([1], ["int"], 8), "n": 5}]
@@ -335,7 +335,7 @@ def test_spark_bootstrap_refuses_duplicates_and_null_keys(spark: Any, tmp_path: 
 # -- reading a checkpoint ---------------------------------------------------------------------
 
 
-def _checkpoint(path: Path, frame: pd.DataFrame, m: int, p: int) -> JobDir:
+def _checkpoint(path: Path | str, frame: pd.DataFrame, m: int, p: int) -> JobDir:
     """Batch 0 of a job: a snapshot per subtask of ``frame`` (one row per key)."""
     jd = JobDir(path)
     jd.claim("job", m, m)
@@ -345,7 +345,7 @@ def _checkpoint(path: Path, frame: pd.DataFrame, m: int, p: int) -> JobDir:
     files = []
     for s, rng in enumerate(key_group_ranges(m, p)):
         part = table.filter(pa.array((kgs >= rng.start) & (kgs <= rng.end))).sort_by(KG_COLUMN)
-        files.append(write_state_file(jd.path, f"state/op/000000000000-s{s:05d}-snapshot.arrow", part, "snapshot", 0, rng))
+        files.append(write_state_file(jd.store, f"state/op/000000000000-s{s:05d}-snapshot.arrow", part, "snapshot", 0, rng))
     op = OperatorCheckpoint("op", m, p, (("user", "string"),), tuple(d.to_json() for d in STATES), tuple(files))
     jd.commit(Manifest("job", 0, 1000, {"op": op}))
     (jd.spark_checkpoint / "commits").mkdir(parents=True)
@@ -374,9 +374,9 @@ def test_rekey_keeps_every_key_and_value(tmp_path: Path) -> None:
     jd = _checkpoint(tmp_path / "job", frame, 16, 4)
     man = jd.latest_manifest()
     assert man is not None
-    sp = write_savepoint(jd, man, tmp_path / "sp16", rows_per_file=50)
+    sp = Path(write_savepoint(jd, man, tmp_path / "sp16", rows_per_file=50))
     calls: list[tuple[str, int, int]] = []
-    sp32 = rekey_savepoint(sp, tmp_path / "sp32", 32, progress=lambda *a: calls.append(a), rows_per_file=50)
+    sp32 = Path(rekey_savepoint(sp, tmp_path / "sp32", 32, progress=lambda *a: calls.append(a), rows_per_file=50))
     assert calls[-1][1] == calls[-1][2]
     info = read_savepoint(sp32)
     op = info.operators["op"]
@@ -397,7 +397,7 @@ def test_rekey_keeps_every_key_and_value(tmp_path: Path) -> None:
     with pytest.raises(StateError, match="max parallelism 32"):
         _restored(sp32, tmp_path / "job16", (("user", pa.string()),), 16)
     # and back down again: same content as the original
-    sp16 = rekey_savepoint(sp32, tmp_path / "back16", 16)
+    sp16 = Path(rekey_savepoint(sp32, tmp_path / "back16", 16))
     a = pa.concat_tables([pq.read_table(sp / f.path) for f in read_savepoint(sp).operators["op"].files])
     b = pa.concat_tables([pq.read_table(sp16 / f.path) for f in read_savepoint(sp16).operators["op"].files])
     assert a.equals(b)
@@ -405,7 +405,7 @@ def test_rekey_keeps_every_key_and_value(tmp_path: Path) -> None:
 
 def test_rekey_refuses_an_existing_destination_and_damaged_source(tmp_path: Path) -> None:
     frame = _reference(50)
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["user"], STATE_TYPES)}, 16)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (frame, ["user"], STATE_TYPES)}, 16))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(StateError, match="not empty"):
@@ -423,8 +423,8 @@ def test_rekey_matches_spark_key_groups(spark: Any, tmp_path: Path) -> None:
 
     frame = _reference(500, seed=8, two_keys=True)
     df = _spark_frame(spark, frame, True)
-    sp = write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["user", "shard"], STATE_TYPES)}, 16)
-    sp32 = rekey_savepoint(sp, tmp_path / "sp32", 32)
+    sp = Path(write_savepoint_from_dataframes(tmp_path / "sp", "job", {"op": (df, ["user", "shard"], STATE_TYPES)}, 16))
+    sp32 = Path(rekey_savepoint(sp, tmp_path / "sp32", 32))
     state = read_keyed_state(spark, sp32, "op", flatten=False)
     check = state.select("user", "shard", "key_group", "total", F.pmod(F.hash("user", "shard"), F.lit(32)).alias("spark_kg"))
     rows = check.collect()
@@ -442,7 +442,7 @@ def test_inspect_savepoint(tmp_path: Path) -> None:
     jd = _checkpoint(tmp_path / "job", frame, 16, 2)
     man = jd.latest_manifest()
     assert man is not None
-    sp = write_savepoint(jd, man, tmp_path / "sp", rows_per_file=40)
+    sp = Path(write_savepoint(jd, man, tmp_path / "sp", rows_per_file=40))
     text = inspect_savepoint(sp)
     info = read_savepoint(sp)
     op = info.operators["op"]
@@ -464,10 +464,74 @@ def test_inspect_savepoint(tmp_path: Path) -> None:
     np.testing.assert_equal(len(inspect_savepoint(sp, verify=True)) > 0, True)
 
 
-def test_doctests() -> None:
+@pytest.mark.parametrize("name", ["", ".keygroups", ".read", ".bootstrap", ".rekey"])
+def test_doctests(name: str) -> None:
     import doctest
+    import importlib
 
-    import keyscale.state_processor as module
-
+    module = importlib.import_module("keyscale.state_processor" + name)
     result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0
+    assert result.failed == 0 and (result.attempted > 0 or name in (".read", ".bootstrap", ".rekey"))
+
+
+# -- on object stores -------------------------------------------------------------------------
+#
+# Savepoints and job directories on S3 (SeaweedFS, the ``s3_bucket`` fixture), mixed with
+# local ones (marked ``s3``).
+
+
+@pytest.fixture
+def bucket(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("KEYSCALE_SPARK_CACHE", str(tmp_path / "spark-cache"))
+    return str(s3_bucket)
+
+
+@pytest.mark.s3
+def test_bootstrap_and_rekey_on_s3(bucket: str, tmp_path: Path) -> None:
+    frame = _reference(120, seed=4)
+    sp = write_savepoint_from_dataframes(f"{bucket}/sp16", "job", {"op": (frame, ["user"], STATE_TYPES)}, 16, rows_per_file=30)
+    assert sp == f"{bucket}/sp16" and read_savepoint(sp).operators["op"].rows == len(_expected(frame, ["user"]))
+    to_local = rekey_savepoint(sp, tmp_path / "sp32", 32, rows_per_file=30)  # S3 -> local
+    to_s3 = rekey_savepoint(to_local, f"{bucket}/sp32", 32, rows_per_file=30)  # local -> S3
+    a = pa.concat_tables([pq.read_table(Path(to_local) / f.path) for f in read_savepoint(to_local).operators["op"].files])
+    info = read_savepoint(to_s3)
+    b = pa.concat_tables([pq.read_table(pa.BufferReader(info.store.get(f.path))) for f in info.operators["op"].files])
+    assert a.equals(b)
+    for where in (f"{bucket}/job32", tmp_path / "job32"):
+        assert _restored(to_s3, where, (("user", pa.string()),), 32) == _expected(frame, ["user"])
+    with pytest.raises(StateError, match="already holds a savepoint"):
+        rekey_savepoint(sp, f"{bucket}/sp32", 32)
+    assert inspect_savepoint(to_s3).splitlines()[0] == f"savepoint {bucket}/sp32"
+
+
+@pytest.mark.spark
+@pytest.mark.s3
+def test_state_processor_on_s3(spark: Any, bucket: str, tmp_path: Path) -> None:
+    """A job directory on S3: its checkpoint read as a DataFrame, a savepoint of it on S3 read
+    by tasks through the store, restored into job directories on S3 and on local disk at
+    another parallelism and read back; a bootstrap from a Spark DataFrame written to S3 by
+    Spark's tasks."""
+    frame = _reference(150, seed=11)
+    want = _expected(frame, ["user"])
+
+    def state(location: str | Path, **kw: Any) -> dict[tuple[Any, ...], dict[str, Any]]:
+        rows = read_keyed_state(spark, location, "op", flatten=False, **kw).collect()
+        return {(r["user"],): {"total": r["total"], "recent": r["recent"], "parity": r["parity"]} for r in rows}
+
+    jd = _checkpoint(f"{bucket}/job", frame, 16, 3)
+    assert state(f"{bucket}/job") == want
+    man = jd.latest_manifest()
+    assert man is not None
+    sp = write_savepoint(jd, man, f"{bucket}/sp", rows_per_file=40)
+    assert len(read_savepoint(sp).operators["op"].files) > 1
+    assert state(sp) == want
+    assert read_keyed_state(spark, sp, "op", state="recent").count() == sum(len(v["recent"] or []) for v in want.values())
+    for where in (f"{bucket}/restored", str(tmp_path / "restored")):
+        new = JobDir(where)
+        new.claim("job", 16, 16)
+        m = restore_savepoint(sp, new, "job", {"op": OperatorSpec((("user", pa.string()),), STATES)})
+        assert m.batch == 0
+        assert state(where) == want
+    df = _spark_frame(spark, frame, False)
+    boot = write_savepoint_from_dataframes(f"{bucket}/boot", "job", {"op": (df, ["user"], STATE_TYPES)}, 16, rows_per_file=40)
+    assert state(boot) == want

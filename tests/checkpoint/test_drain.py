@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import doctest
 import importlib
-from pathlib import Path
 
 from keyscale.checkpoint.drain import (
     add_empty_batch,
@@ -16,28 +15,25 @@ from keyscale.checkpoint.manifest import Manifest
 from keyscale.operators.eventtime import END_OF_TIME
 
 
-def _spark_dir(tmp_path: Path, offsets: int, commits: int) -> Path:
-    d = tmp_path / "spark"
-    (d / "offsets").mkdir(parents=True)
-    (d / "commits").mkdir()
-    for n in range(offsets + 1):
-        (d / "offsets" / str(n)).write_text(f'v1\n{{"batchWatermarkMs":0}}\n{{"logOffset":{n}}}')
-    for n in range(commits + 1):
-        (d / "commits" / str(n)).write_text('v1\n{"nextBatchWatermarkMs":0}')
-    return d
+def _spark_log(offsets: int, commits: int) -> dict[str, bytes]:
+    """Spark's checkpoint as a savepoint copies it: relative path -> bytes."""
+    files = {f"offsets/{n}": f'v1\n{{"batchWatermarkMs":0}}\n{{"logOffset":{n}}}'.encode() for n in range(offsets + 1)}
+    files.update({f"commits/{n}": b'v1\n{"nextBatchWatermarkMs":0}' for n in range(commits + 1)})
+    return files
 
 
-def test_the_drains_id_becomes_an_empty_committed_batch(tmp_path: Path) -> None:
-    d = _spark_dir(tmp_path, 2, 2)  # batches 0-2 consumed; the drain is batch 3
+def test_the_drains_id_becomes_an_empty_committed_batch() -> None:
+    d = _spark_log(2, 2)  # batches 0-2 consumed; the drain is batch 3
     assert add_empty_batch(d, 2, 3)
-    assert (d / "offsets" / "3").read_text() == (d / "offsets" / "2").read_text()  # reads nothing
-    assert (d / "commits" / "3").read_text() == (d / "commits" / "2").read_text()  # and is done
+    assert d["offsets/3"] == d["offsets/2"]  # reads nothing
+    assert d["commits/3"] == d["commits/2"]  # and is done
 
 
-def test_nothing_consumed_gives_no_spark_positions(tmp_path: Path) -> None:
-    d = _spark_dir(tmp_path, -1, -1)
+def test_nothing_consumed_gives_no_spark_positions() -> None:
+    d = _spark_log(-1, -1)
     assert not add_empty_batch(d, -1, 0)
-    assert add_empty_batch(_spark_dir(tmp_path / "x", 4, 4), 4, 4)  # not drained: nothing to add
+    x = _spark_log(4, 4)
+    assert add_empty_batch(x, 4, 4) and x == _spark_log(4, 4)  # not drained: nothing to add
 
 
 def test_a_drain_manifest_names_the_last_spark_batch_and_the_watermark_before() -> None:

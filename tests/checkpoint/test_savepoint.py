@@ -47,6 +47,7 @@ from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
+from keyscale.storage import Store, open_store
 
 M = 16
 UID = "tracker"
@@ -67,7 +68,7 @@ Key = tuple[Any, ...]
 class SimJob:
     """Writes checkpoints of one keyed operator the way the runtime does (deltas, snapshots)."""
 
-    path: Path
+    path: Path | str  # a local folder or an object store URI
     key_columns: tuple[tuple[str, pa.DataType], ...] = SINGLE_KEY
     states: tuple[StateDescriptor, ...] = STATES
     uid: str = UID
@@ -123,7 +124,7 @@ class SimJob:
                 rows = [(k, self.state.get(k)) for k in updates if self.kg(k) in rng]
             if rows or kind == "snapshot":
                 rel = f"state/{self.uid}/{b:012d}-s{s:05d}-{kind}.arrow"
-                new.append(write_state_file(self.jd.path, rel, self._table(rows), kind, b, rng))  # type: ignore[arg-type]
+                new.append(write_state_file(self.jd.store, rel, self._table(rows), kind, b, rng))  # type: ignore[arg-type]
         self.files = live_files([*self.files, *new], self.max_parallelism)
         op = OperatorCheckpoint(
             self.uid, self.max_parallelism, parallelism,
@@ -160,7 +161,7 @@ def make_key(i: int, key_columns: tuple[tuple[str, pa.DataType], ...]) -> Key:
     return (f"u{i}",) if len(key_columns) == 1 else (f"u{i % 23}", i // 23)
 
 
-def run_sim(path: Path, final_p: int, key_columns: tuple[tuple[str, pa.DataType], ...] = SINGLE_KEY, seed: int = 0, keys: int = 120) -> SimJob:
+def run_sim(path: Path | str, final_p: int, key_columns: tuple[tuple[str, pa.DataType], ...] = SINGLE_KEY, seed: int = 0, keys: int = 120) -> SimJob:
     """Five batches: snapshots at P=3, deltas, a rescale to ``final_p``, deletes, partial compaction."""
     rng = random.Random(seed)
     job = SimJob(path, key_columns)
@@ -190,7 +191,7 @@ def normalize(states: Sequence[StateDescriptor], row: dict[str, Any]) -> dict[st
     return out
 
 
-def state_of(jd_path: Path, op: OperatorCheckpoint, key_columns: tuple[tuple[str, pa.DataType], ...], states: Sequence[StateDescriptor]) -> dict[Key, dict[str, Any]]:
+def state_of(jd_path: Path | Store, op: OperatorCheckpoint, key_columns: tuple[tuple[str, pa.DataType], ...], states: Sequence[StateDescriptor]) -> dict[Key, dict[str, Any]]:
     """Every key's state, each key group rebuilt alone from its ``restore_chain``."""
     out: dict[Key, dict[str, Any]] = {}
     names = [k for k, _ in key_columns]
@@ -211,7 +212,7 @@ def expected(job: SimJob, states: Sequence[StateDescriptor] = STATES) -> dict[Ke
     return {k: normalize(states, v) for k, v in job.state.items()}
 
 
-def new_job_dir(path: Path, m: int = M, name: str = "job") -> JobDir:
+def new_job_dir(path: Path | str, m: int = M, name: str = "job") -> JobDir:
     jd = JobDir(path)
     jd.claim(name, m, m)
     return jd
@@ -229,8 +230,8 @@ def test_round_trip_through_a_moved_savepoint(tmp_path: Path, p: int, key_column
     assert state_of(job.jd.path, op, key_columns, STATES) == expected(job)  # the simulation is right
 
     calls: list[tuple[str, int, int]] = []
-    sp = write_savepoint(job.jd, job.manifest, tmp_path / "sp", progress=lambda *a: calls.append(a), rows_per_file=15)
-    assert sp == (tmp_path / "sp").absolute()
+    sp = Path(write_savepoint(job.jd, job.manifest, tmp_path / "sp", progress=lambda *a: calls.append(a), rows_per_file=15))
+    assert sp == (tmp_path / "sp").absolute()  # a local savepoint's location is its path
     assert calls[0][1] == 0 and calls[-1][1] == calls[-1][2] and len(calls) > 3
     moved = tmp_path / "elsewhere" / "deeper" / "sp-moved"
     moved.parent.mkdir(parents=True)
@@ -267,7 +268,7 @@ def test_round_trip_through_a_moved_savepoint(tmp_path: Path, p: int, key_column
 def test_savepoint_layout_and_metadata(tmp_path: Path) -> None:
     job = run_sim(tmp_path / "job", 2, MULTI_KEY)
     assert job.manifest is not None
-    sp = write_savepoint(job.jd, job.manifest, tmp_path / "sp", rows_per_file=20)
+    sp = Path(write_savepoint(job.jd, job.manifest, tmp_path / "sp", rows_per_file=20))
     meta = json.loads((sp / METADATA_FILE).read_text())
     assert meta["format"] == "keyscale-savepoint" and meta["format_version"] == 1
     assert (meta["job"], meta["batch"], meta["source"]) == ("job", 4, "source/spark")
@@ -309,7 +310,7 @@ def test_savepoint_content_does_not_depend_on_parallelism(tmp_path: Path) -> Non
     for p in (1, 2, 5, 16):
         job = run_sim(tmp_path / f"job{p}", p, seed=7)
         assert job.manifest is not None
-        sp = write_savepoint(job.jd, job.manifest, tmp_path / f"sp{p}")
+        sp = Path(write_savepoint(job.jd, job.manifest, tmp_path / f"sp{p}"))
         info = read_savepoint(sp)
         tables.append(pa.concat_tables([pq.read_table(sp / f.path) for f in info.operators[UID].files]))
     assert all(t.equals(tables[0]) for t in tables[1:])
@@ -330,8 +331,16 @@ def test_existing_destination_refused(tmp_path: Path) -> None:
     assert job.manifest is not None
     (tmp_path / "empty").mkdir()
     write_savepoint(job.jd, job.manifest, tmp_path / "empty")  # an empty folder is fine
-    with pytest.raises(StateError, match="exists and is not empty"):
+    meta = (tmp_path / "empty" / METADATA_FILE).read_bytes()
+    with pytest.raises(StateError, match=r"already holds a savepoint.*never overwritten"):
         write_savepoint(job.jd, job.manifest, tmp_path / "empty")
+    assert (tmp_path / "empty" / METADATA_FILE).read_bytes() == meta
+    read_savepoint(tmp_path / "empty")  # untouched and intact
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(StateError, match=r"exists and is not empty.*notes\.txt"):
+        write_savepoint(job.jd, job.manifest, tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
     (tmp_path / "file").write_text("x")
     with pytest.raises(StateError, match="is a file"):
         write_savepoint(job.jd, job.manifest, tmp_path / "file")
@@ -341,7 +350,7 @@ def test_savepoint_of_an_empty_operator(tmp_path: Path) -> None:
     job = SimJob(tmp_path / "job")
     job.commit({}, 2)
     assert job.manifest is not None
-    sp = write_savepoint(job.jd, job.manifest, tmp_path / "sp")
+    sp = Path(write_savepoint(job.jd, job.manifest, tmp_path / "sp"))
     assert read_savepoint(sp).operators[UID].files == ()
     target = new_job_dir(tmp_path / "new")
     m = restore_savepoint(sp, target, "job", {UID: OperatorSpec(SINGLE_KEY, STATES)})
@@ -355,7 +364,7 @@ def test_savepoint_of_an_empty_operator(tmp_path: Path) -> None:
 def savepoint(tmp_path: Path) -> tuple[Path, SimJob]:
     job = run_sim(tmp_path / "job", 2)
     assert job.manifest is not None
-    return write_savepoint(job.jd, job.manifest, tmp_path / "sp", rows_per_file=20), job
+    return Path(write_savepoint(job.jd, job.manifest, tmp_path / "sp", rows_per_file=20)), job
 
 
 def _restore(sp: Path, tmp_path: Path, name: str = "new", **kw: Any) -> Manifest:
@@ -518,7 +527,7 @@ def _narrow_job(tmp_path: Path) -> tuple[SimJob, Path]:
     ups[("only-gone",)] = {"count": None, "ratio": None, "small": None, "info": None, "hist": None, "by": None, "gone": "bye"}
     job.commit(ups, 2, snapshot=range(2))
     assert job.manifest is not None
-    return job, write_savepoint(job.jd, job.manifest, tmp_path / "sp")
+    return job, Path(write_savepoint(job.jd, job.manifest, tmp_path / "sp"))
 
 
 def test_schema_evolution_add_drop_widen(tmp_path: Path) -> None:
@@ -694,13 +703,14 @@ def test_text_progress() -> None:
     assert quiet.getvalue() == ""
 
 
-def test_doctests() -> None:
+@pytest.mark.parametrize("name", ["", ".schema", ".format", ".write", ".restore", ".progress"])
+def test_doctests(name: str) -> None:
     import doctest
+    import importlib
 
-    import keyscale.checkpoint.savepoint as module
-
+    module = importlib.import_module("keyscale.checkpoint.savepoint" + name)
     result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0
+    assert result.failed == 0 and (result.attempted > 0 or name in (".write", ".restore"))
 
 
 def test_documented_pyarrow_reader_runs(savepoint: tuple[Path, SimJob], tmp_path: Path) -> None:
@@ -717,3 +727,167 @@ def test_documented_pyarrow_reader_runs(savepoint: tuple[Path, SimJob], tmp_path
     out = subprocess.run([sys.executable, str(script), str(sp), UID], capture_output=True, text=True, timeout=120, check=True).stdout
     assert f"operator {UID}: M=16, keys [user string]" in out and f"{len(job.state)} keys" in out
     assert "recent [{'user'" in out and "parity [{'user'" in out
+
+
+# -- savepoints on object stores, and across stores -------------------------------------------
+#
+# The same protocol on every store: a job directory and a savepoint may each be local or on
+# S3 (SeaweedFS, the ``s3_bucket`` fixture), in any mix; the S3 cases are marked ``s3``.
+
+
+@pytest.fixture
+def at(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``at(kind, name)``: a fresh location named ``name``, local or on S3."""
+    monkeypatch.setenv("KEYSCALE_SPARK_CACHE", str(tmp_path / "spark-cache"))  # a remote job's local Spark folder
+    bucket: list[str] = []
+
+    def where(kind: str, name: str) -> Path | str:
+        if kind == "local":
+            return tmp_path / name
+        if not bucket:
+            bucket.append(request.getfixturevalue("s3_bucket"))  # only for tests marked s3
+        return f"{bucket[0]}/{name}"
+
+    return where
+
+
+@pytest.mark.parametrize(
+    ("job_kind", "sp_kind", "new_kind"),
+    [pytest.param(*kinds, marks=pytest.mark.s3) for kinds in
+     [("s3", "s3", "s3"), ("s3", "local", "local"), ("local", "s3", "s3"), ("s3", "s3", "local"), ("local", "s3", "local")]],
+)
+def test_savepoint_across_stores(at: Any, job_kind: str, sp_kind: str, new_kind: str) -> None:
+    job = run_sim(at(job_kind, "job"), 3)
+    assert job.manifest is not None
+    sp = write_savepoint(job.jd, job.manifest, at(sp_kind, "sp"), rows_per_file=15)
+    assert sp == open_store(at(sp_kind, "sp"), "savepoint").url()  # a path on local disk, else the URI
+    job.jd.remove()  # self-contained: nothing of the job is needed any more
+    info = read_savepoint(sp)
+    assert (info.job, info.batch, info.source, info.operators[UID].rows) == ("job", 4, "source/spark", len(job.state))
+    sp_store = open_store(sp, "savepoint")
+    assert {o.key.split("/")[0] for o in sp_store.list()} == {METADATA_FILE, "operators", "source"}
+    assert sp_store.exists("source/spark/offsets/4") and not sp_store.exists("source/spark/offsets/5")
+
+    target = new_job_dir(at(new_kind, "restored"))
+    if new_kind == "s3":
+        target.lock()  # as the driver does: the restore commits under this run's epoch
+    m = restore_savepoint(sp, target, "job", {UID: OperatorSpec(SINGLE_KEY, STATES)})
+    assert m.batch == 4 and JobDir(target.store).latest_manifest() == m
+    assert state_of(target.store, m.operators[UID], SINGLE_KEY, STATES) == expected(job)
+    for new_p in (1, 5):  # each subtask's range at a new parallelism holds exactly its keys
+        for s in range(new_p):
+            rng = key_group_range(s, M, new_p)
+            t = KeyedStateTable(["user"], [pa.string()], STATES)
+            for f in m.operators[UID].files:
+                t.apply(read_state_slice(target.store, f, rng))
+            assert len(t) == sum(1 for k in job.state if job.kg(k) in rng)
+    # Spark's checkpoint: in the new job's local folder; for a job directory on S3 also in it
+    sc = target.spark_checkpoint
+    assert sorted(int(p.name) for p in (sc / "offsets").iterdir() if p.name.isdigit()) == list(range(5))
+    if new_kind == "s3":
+        assert target.store.list_names("spark") == ["bundle-000000000004.json"]
+        assert not (sc.parent / "state").exists()  # nothing of the job directory went to local disk
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_interrupted_savepoint_is_written_again(at: Any, kind: str) -> None:
+    job = run_sim(at("local", "job"), 2)
+    assert job.manifest is not None
+    dest = at(kind, "sp")
+    sp = write_savepoint(job.jd, job.manifest, dest, rows_per_file=20)
+    store = open_store(sp, "savepoint")
+    complete = {o.key: store.get(o.key) for o in store.list()}
+    # a crash before the metadata: data files (one of another attempt's ranges) and no metadata
+    store.delete(METADATA_FILE)
+    store.put(f"operators/{UID}/kg-999-999.parquet", b"left by a crashed attempt")
+    with pytest.raises(StateError, match="is not a keyscale savepoint"):
+        read_savepoint(sp)
+    again = write_savepoint(job.jd, job.manifest, dest, rows_per_file=20)
+    assert again == sp
+    info = read_savepoint(sp)
+    assert {o.key for o in store.list()} == set(complete)  # the stray file is gone
+    assert {f.path for f in info.operators[UID].files} == {k for k in complete if k.startswith("operators/")}
+    assert all(store.get(k) == v for k, v in complete.items() if k != METADATA_FILE)  # canonical: same bytes
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_complete_savepoint_is_never_overwritten(at: Any, kind: str) -> None:
+    job = run_sim(at("local", "job"), 2)
+    assert job.manifest is not None
+    sp = write_savepoint(job.jd, job.manifest, at(kind, "sp"))
+    store = open_store(sp, "savepoint")
+    before = {o.key: store.get(o.key) for o in store.list()}
+    later = job.commit({make_key(1, SINGLE_KEY): {"total": 7}}, 2)
+    with pytest.raises(StateError, match=f"{METADATA_FILE}.*never overwritten"):
+        write_savepoint(job.jd, later, sp)
+    assert {o.key: store.get(o.key) for o in store.list()} == before
+    assert read_savepoint(sp).batch == 4
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_failed_savepoint_leaves_nothing(at: Any, kind: str) -> None:
+    job = run_sim(at(kind, "job"), 2)
+    assert job.manifest is not None
+    victim = job.manifest.operators[UID].files[-1]
+    job.jd.store.put(victim.path, b"garbage")
+    with pytest.raises(StateError, match=f"checkpoint 4: operator '{UID}'.*{Path(victim.path).name}"):
+        write_savepoint(job.jd, job.manifest, at(kind, "sp"))
+    assert not open_store(at(kind, "sp"), "savepoint").list()
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_damaged_savepoint_on_a_store_names_the_file(at: Any, kind: str) -> None:
+    job = run_sim(at("local", "job"), 2)
+    assert job.manifest is not None
+    sp = write_savepoint(job.jd, job.manifest, at(kind, "sp"), rows_per_file=20)
+    store = open_store(sp, "savepoint")
+    f = read_savepoint(sp).operators[UID].files[0]
+    data = bytearray(store.get(f.path))
+    data[len(data) // 2] ^= 0xFF
+    store.put(f.path, bytes(data))
+    with pytest.raises(StateError, match=f"{store.url(f.path)}.*sha256"):
+        restore_savepoint(sp, new_job_dir(at("local", "new")), "job", {UID: OperatorSpec(SINGLE_KEY, STATES)})
+    store.delete(f.path)
+    with pytest.raises(StateError, match=f"{store.url(f.path)}.*is missing"):
+        read_savepoint(sp, verify=False)
+    with pytest.raises(StateError, match="does not exist"):
+        read_savepoint(at(kind, "nothing-here"))
+
+
+@pytest.mark.s3
+def test_inspect_on_s3(at: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from keyscale.cli.main import main as keyscale_main
+
+    job = run_sim(at("s3", "job"), 2)
+    assert job.manifest is not None
+    sp = write_savepoint(job.jd, job.manifest, at("s3", "sp"), rows_per_file=20)
+    assert isinstance(sp, str) and sp.startswith("s3://")
+    assert keyscale_main(["inspect", sp]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"savepoint {sp}"
+    assert f"operator '{UID}': max parallelism {M} (ran at parallelism 2)" in out
+    assert out[-1].startswith("source positions: source/spark")
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("sp_kind", ["s3", "local"])
+def test_cli_savepoint_of_a_stopped_job_on_s3(at: Any, sp_kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`keyscale savepoint` of a stopped job whose job directory is on S3, from a machine
+    without its local Spark folder: the source positions come from the job directory."""
+    from keyscale.checkpoint.sparkmirror import SparkMirror
+    from keyscale.cli.main import main as keyscale_main
+
+    job = run_sim(at("s3", "job"), 2)
+    SparkMirror(job.jd.store, job.jd.spark_checkpoint).push(job.batch)  # as the running job did
+    shutil.rmtree(job.jd.spark_checkpoint)  # another machine
+    dest = at(sp_kind, "sp")
+    assert keyscale_main(["savepoint", str(job.jd.uri), "--dest", str(dest)]) == 0
+    sp = capsys.readouterr().out.strip()
+    assert sp == str(dest)
+    info = read_savepoint(sp)
+    assert (info.batch, info.source, info.operators[UID].rows) == (4, "source/spark", len(job.state))
+    assert open_store(sp, "savepoint").exists("source/spark/commits/4")
+    assert keyscale_main(["savepoint", str(job.jd.uri)]) == 0  # default: inside the job directory
+    default = capsys.readouterr().out.strip()
+    assert default.startswith(f"{job.jd.uri}/savepoints/savepoint-000000000004-")
+    assert read_savepoint(default).operators[UID].rows == len(job.state)

@@ -66,6 +66,33 @@ def test_savepoint_moved_and_restored_at_any_parallelism(spark: Any, events: Pat
     assert moved.exists()
 
 
+@pytest.mark.s3
+def test_savepoint_of_a_job_on_s3_restored_anywhere(spark: Any, events: Path, reference: pd.DataFrame, s3_bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A job directory on S3: savepoints to S3 and to local disk (the job stopped), each
+    restored into job directories on S3 and on local disk at other parallelisms."""
+    from keyscale.state_processor import read_keyed_state
+
+    inp, job = tmp_path / "in", f"{s3_bucket}/jobs/rc"
+    _stage(events, inp, slice(0, 3))
+    run_job(RUNNING_COUNT, job, 2, {"input": str(inp), "output": str(tmp_path / "out")}, max_parallelism=16)
+    sps = {"s3": f"{s3_bucket}/savepoints/sp", "local": str(tmp_path / "sp")}
+    for sp in sps.values():
+        assert keyscale_main(["savepoint", job, "--dest", sp]) == 0
+        assert capsys.readouterr().out.strip() == sp
+    assert keyscale_main(["inspect", sps["s3"]]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"savepoint {sps['s3']}"
+    _stage(events, inp, slice(3, 6))
+    for sp_kind, new_job, n in (("s3", f"{s3_bucket}/jobs/a", 3), ("local", f"{s3_bucket}/jobs/b", 1), ("s3", str(tmp_path / "job-c"), 16)):
+        out = tmp_path / f"out-{n}"
+        summary = run_job(RUNNING_COUNT, new_job, n, {"input": str(inp), "output": str(out)}, from_savepoint=sps[sp_kind])
+        assert summary.recovered_from == 2 and [b.batch for b in summary.batches] == [3, 4, 5]
+        assert all(b.parallelism["totals"] == n for b in summary.batches)
+        pd.testing.assert_frame_equal(_union(tmp_path / "out", out), reference)
+    state = read_keyed_state(spark, f"{s3_bucket}/jobs/a", "totals").toPandas().set_index("key")
+    everything = pd.concat([pd.read_parquet(f) for f in sorted(inp.glob("part-*.parquet"))])
+    assert (state["count"].sort_index() == everything.groupby("key").size().sort_index()).all()
+
+
 def test_restore_refuses_a_job_dir_with_checkpoints(spark: Any, events: Path, tmp_path: Path) -> None:
     inp = tmp_path / "in"
     _stage(events, inp, slice(0, 1))
@@ -216,8 +243,8 @@ def test_bootstrap_run_read_back_and_rekey(spark: Any, events: Path, tmp_path: P
     )
 
     history = spark.createDataFrame([(f"k{i}", 10, 1000 + i) for i in range(0, 250, 2)], "key string, count long, sum long")
-    sp16 = write_savepoint_from_dataframes(tmp_path / "sp16", "running_count", {"totals": (history, ["key"], {"count": "long", "sum": "long"})}, 16)
-    sp32 = rekey_savepoint(sp16, tmp_path / "sp32", 32)
+    sp16 = Path(write_savepoint_from_dataframes(tmp_path / "sp16", "running_count", {"totals": (history, ["key"], {"count": "long", "sum": "long"})}, 16))
+    sp32 = Path(rekey_savepoint(sp16, tmp_path / "sp32", 32))
     assert read_savepoint(sp32).max_parallelism == 32
 
     inp = tmp_path / "in"

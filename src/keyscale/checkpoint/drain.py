@@ -19,9 +19,7 @@ in a run without the drain.
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from keyscale.checkpoint.manifest import Manifest
@@ -47,24 +45,6 @@ def spark_log_end(manifest: Manifest) -> int:
     return manifest.batch
 
 
-def add_empty_batch(spark_dir: Path, consumed: int, batch: int) -> bool:
-    """Make ``batch`` an empty, committed batch in a copy of Spark's checkpoint whose log
-    ends at ``consumed``: ``offsets/<batch>`` and ``commits/<batch>`` are copies of
-    ``consumed``'s (same source positions: the batch reads nothing). Returns False when
-    there is nothing to copy (no batch consumed): the caller then leaves Spark's checkpoint
-    out, and the restored job starts its input from the beginning.
-    """
-    if batch <= consumed:
-        return True
-    src_off, src_com = spark_dir / "offsets" / str(consumed), spark_dir / "commits" / str(consumed)
-    if consumed < 0 or not src_off.is_file() or not src_com.is_file():
-        return False
-    for n in range(consumed + 1, batch + 1):
-        shutil.copyfile(src_off, spark_dir / "offsets" / str(n))
-        shutil.copyfile(src_com, spark_dir / "commits" / str(n))
-    return True
-
-
 def restored_event_time(checkpoint_extra: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
     """The event-time entries of a restored manifest's ``extra`` and its watermark: a drained
     savepoint resumes at the watermark from before its drain and is not drained itself.
@@ -80,3 +60,26 @@ def restored_event_time(checkpoint_extra: Mapping[str, Any]) -> tuple[dict[str, 
         wm = info.get("watermark") if isinstance(info, dict) else None
     out = {"watermark": wm} if wm else {}
     return out, (int(wm["watermark_ms"]) if wm else None)
+
+
+def add_empty_batch(files: MutableMapping[str, bytes], consumed: int, batch: int) -> bool:
+    """Make ``batch`` an empty, committed batch in a copy of Spark's checkpoint (as
+    ``{relative path: bytes}``: a savepoint's copy) whose log ends at ``consumed``:
+    ``offsets/<batch>`` and ``commits/<batch>`` are copies of ``consumed``'s (same source
+    positions: the batch reads nothing). Returns False when there is nothing to copy (no
+    batch consumed): the caller then leaves Spark's checkpoint out, and the restored job
+    starts its input from the beginning.
+
+    >>> files = {"offsets/2": b"o2", "commits/2": b"c2"}
+    >>> add_empty_batch(files, 2, 3), sorted(files)
+    (True, ['commits/2', 'commits/3', 'offsets/2', 'offsets/3'])
+    """
+    if batch <= consumed:
+        return True
+    off, com = files.get(f"offsets/{consumed}"), files.get(f"commits/{consumed}")
+    if consumed < 0 or off is None or com is None:
+        return False
+    for n in range(consumed + 1, batch + 1):
+        files[f"offsets/{n}"] = off
+        files[f"commits/{n}"] = com
+    return True

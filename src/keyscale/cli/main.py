@@ -15,7 +15,7 @@ from typing import Any
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.session import parse_spark_conf
-from keyscale.storage import local_path
+from keyscale.storage import local_path, open_store, scheme_of
 
 
 def _parse_sets(items: Sequence[str]) -> dict[str, str]:
@@ -175,29 +175,41 @@ def _wait_for_exit(job_dir: str, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def _savepoint_dest(dest: str | None) -> str | None:
+    """A ``--dest`` as the running job must see it: a relative local path is made absolute
+    here (the job runs in its own working directory); URIs stay as they are."""
+    if dest is None or scheme_of(dest) is not None:
+        return dest
+    return str(local_path(dest, "savepoint destination"))
+
+
 def cmd_savepoint(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.checkpoint.savepoint import text_progress, write_savepoint
+    from keyscale.checkpoint.sparkmirror import SparkMirror
 
     jd = JobDir(a.job_dir)
     ident = jd.identity()
+    dest = _savepoint_dest(a.dest)
     if jd.is_running():
-        resp = _ask_running_job(a.job_dir, "/savepoint", a.timeout, dest=a.dest)
+        resp = _ask_running_job(a.job_dir, "/savepoint", a.timeout, dest=dest)
         print(resp["savepoint"])
         return 0
     with jd.locked():
         rec = jd.recover()
         if rec.manifest is None:
             raise KeyscaleError(f"job '{ident.name}' in {jd.uri} has no checkpoint to save")
-        dest = local_path(a.dest, "savepoint destination") if a.dest else jd.path / "savepoints" / f"savepoint-{rec.manifest.batch:012d}-{int(time.time())}"
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        path = write_savepoint(jd, rec.manifest, dest, progress=text_progress("savepoint"))
+        if not jd.is_local:  # Spark's checkpoint (the source positions) is kept in the job directory
+            SparkMirror(jd.store, jd.spark_checkpoint).pull()
+        default = f"savepoints/savepoint-{rec.manifest.batch:012d}-{int(time.time())}"
+        target = open_store(dest, "savepoint destination") if dest else jd.store.sub(default)
+        path = write_savepoint(jd, rec.manifest, target, progress=text_progress("savepoint"))
     print(path)
     return 0
 
 
 def cmd_stop(a: argparse.Namespace) -> int:
-    resp = _ask_running_job(a.job_dir, "/stop", a.timeout, savepoint=a.savepoint or a.drain, drain=a.drain, dest=a.dest)
+    resp = _ask_running_job(a.job_dir, "/stop", a.timeout, savepoint=a.savepoint or a.drain, drain=a.drain, dest=_savepoint_dest(a.dest))
     if resp.get("savepoint"):
         print(resp["savepoint"])
     _wait_for_exit(a.job_dir, a.timeout)
@@ -387,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("savepoint", help="take a savepoint (running job: at its next batch boundary; stopped job: of its last checkpoint)")
     sp.add_argument("job_dir")
-    sp.add_argument("--dest", help="savepoint folder (default JOB_DIR/savepoints/savepoint-<batch>-<time>)")
+    sp.add_argument("--dest", help="where to write the savepoint: a folder, file:// or s3:// location (default JOB_DIR/savepoints/savepoint-<batch>-<time>)")
     sp.add_argument("--timeout", type=float, default=600)
     sp.set_defaults(func=cmd_savepoint)
 
@@ -396,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--savepoint", action="store_true", help="take a savepoint first and print its path")
     so.add_argument("--drain", action="store_true",
                     help="end with one more batch whose watermark is at the end of time (every event-time timer and window fires), then a savepoint; the job cannot resume after it")
-    so.add_argument("--dest", help="savepoint folder")
+    so.add_argument("--dest", help="where to write the savepoint: a folder, file:// or s3:// location")
     so.add_argument("--timeout", type=float, default=600)
     so.set_defaults(func=cmd_stop)
 
@@ -410,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_list)
 
     ins = sub.add_parser("inspect", help="summarise a savepoint: operators, states, keys and bytes per key-group range")
-    ins.add_argument("savepoint")
+    ins.add_argument("savepoint", help="the savepoint: a folder, file:// or s3:// location")
     ins.set_defaults(func=cmd_inspect)
 
     from keyscale.deploy.cli import add_apply_parser, add_deployment_parsers

@@ -85,7 +85,7 @@ from keyscale.state.keygroups import (
     key_group_ranges,
 )
 from keyscale.state.spark_hash import routing_values
-from keyscale.storage import local_path
+from keyscale.storage import open_store
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -236,7 +236,7 @@ class JobRunner:
         self._spark: SparkSession = None  # type: ignore[assignment]  # set by _prepare
         self._drain = threading.Event()
         self._drain_dest: str | None = None
-        self._drained: Future[Path | None] = Future()
+        self._drained: Future[str | None] = Future()
         self._reports = Reports()  # tasks' reports: through Spark once the session is there
         self._heartbeat: Heartbeat | None = None
         self._mirror: SparkMirror | None = None
@@ -321,7 +321,7 @@ class JobRunner:
             specs[uid] = OperatorSpec((), ())
         log.info("restoring from savepoint %s", savepoint)
         self.committed = restore_savepoint(
-            Path(savepoint), self.jobdir, self.name, specs,
+            savepoint, self.jobdir, self.name, specs,
             allow_non_restored_state=self.opts.allow_non_restored_state, progress=text_progress("restore"),
         )
         self.summary.recovered_from = self.committed.batch
@@ -505,7 +505,7 @@ class JobRunner:
         """Ask the job to stop after the current batch (safe from any thread)."""
         self._stop.set()
 
-    def drain(self, dest: str | None = None, timeout: float = 600) -> Path:
+    def drain(self, dest: str | None = None, timeout: float = 600) -> str:
         """Stop with a drain: after the current batch, one last batch runs with the watermark at
         the end of time (every event-time timer and window fires), then the final savepoint.
 
@@ -525,12 +525,12 @@ class JobRunner:
         empty = None if self.pipeline.log_source else spark.createDataFrame([], self.pipeline.source_schema)
         with self._batch_lock:
             self._run_batch_locked(empty, batch_id, drain=True)
-        path: Path | None = None
+        path: str | None = None
         if self._drain.is_set():
             path = self.take_savepoint(self._drain_dest)
         self._drained.set_result(path)
 
-    def take_savepoint(self, dest: str | None = None, then_stop: bool = False) -> Path:
+    def take_savepoint(self, dest: str | None = None, then_stop: bool = False) -> str:
         """A savepoint of the last committed batch, taken between two batches.
 
         With ``then_stop`` the job stops right after it: no batch commits in between, so
@@ -542,13 +542,13 @@ class JobRunner:
             m = self.committed
             if m is None:
                 raise StateError("the job has not committed a batch yet; nothing to save")
-            target = local_path(dest, "savepoint destination") if dest else self.jobdir.path / "savepoints" / f"savepoint-{m.batch:012d}-{int(time.time())}"
-            log.info("taking a savepoint of batch %d into %s", m.batch, target)
+            default = f"savepoints/savepoint-{m.batch:012d}-{int(time.time())}"
+            target = open_store(dest, "savepoint destination") if dest else self.jobdir.store.sub(default)
+            log.info("taking a savepoint of batch %d into %s", m.batch, target.url())
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
                 path = write_savepoint(self.jobdir, m, target, progress=text_progress("savepoint"))
             except OSError as e:
-                raise StateError(f"savepoint into {target} failed: {e}") from None
+                raise StateError(f"savepoint into {target.url()} failed: {e}") from None
             if then_stop:
                 self._stop.set()
         log.info("savepoint of batch %d complete: %s", m.batch, path)
