@@ -251,7 +251,8 @@ class RateSchedule:
         ft = _frac(t)
         if ft <= 0:
             return Fraction(0)
-        if ft >= self._starts[-1]:
+        # A float time at the (float) duration is the end: the float may round below the exact end.
+        if ft >= self._starts[-1] or (not isinstance(t, Fraction) and t >= self.duration):
             return self._cums[-1]
         i = self._locate(ft)
         return self._cums[i] + self.segments[i].cumulative(ft - self._starts[i])
