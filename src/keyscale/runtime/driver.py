@@ -59,6 +59,7 @@ log = logging.getLogger("keyscale")
 
 T = TypeVar("T")
 
+
 class _StopRequested(Exception):
     """Raised by a batch that begins after a stop request: Spark must not commit it."""
 
@@ -119,6 +120,7 @@ class JobRunner:
 
     def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None):
         jobdir = JobDir(opts.job_dir)
+        # What the batch modules share (commit, stages, source_plan, parallelism, status).
         self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri), on_batch=on_batch)
         self._error: BaseException | None = None
         self._stop = threading.Event()
