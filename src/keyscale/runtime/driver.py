@@ -113,7 +113,7 @@ class JobRunner:
     watermark: _OfJob[WatermarkState] = _OfJob()
     lineage: _OfJob[Lineage] = _OfJob()  # set by _prepare: the job's lineage (sinks' output belongs to it)
     _spark: _OfJob[SparkSession] = _OfJob()  # set by _prepare
-    _reports: _OfJob[Reports] = _OfJob()  # tasks' reports: through Spark once the session is there
+    _reports: _OfJob[Reports] = _OfJob()
     _mirror: _OfJob[SparkMirror | None] = _OfJob()
     _autoscaler: _OfJob[Autoscaler | None] = _OfJob()
     _last_reports: _OfJob[dict[str, list[dict[str, Any]]] | None] = _OfJob()
