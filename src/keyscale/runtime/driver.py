@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 from keyscale._pipeline import JobContext, Pipeline
 from keyscale.checkpoint.jobdir import JobDir
@@ -90,7 +90,13 @@ class _OfJob(Generic[T]):
     def __set_name__(self, owner: type, name: str) -> None:
         self.field = name.lstrip("_")
 
-    def __get__(self, runner: JobRunner, owner: type | None = None) -> T:
+    @overload
+    def __get__(self, runner: None, owner: type) -> _OfJob[T]: ...
+    @overload
+    def __get__(self, runner: JobRunner, owner: type | None = None) -> T: ...
+    def __get__(self, runner: JobRunner | None, owner: type | None = None) -> T | _OfJob[T]:
+        if runner is None:  # on the class (introspection, mocks with spec=JobRunner)
+            return self
         return cast(T, getattr(runner.job, self.field))
 
     def __set__(self, runner: JobRunner, value: T) -> None:
