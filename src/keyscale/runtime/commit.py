@@ -20,8 +20,9 @@ stores alike)", step by step.
 6. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
    driver's log loop starts the next batch (``driver.py``).
 
-Reads and advances :class:`~keyscale.runtime.jobstate.JobState`; everything persistent goes
-through ``job.jobdir``.
+Reads and advances :class:`~keyscale.runtime.jobstate.JobState`. What it persists goes
+through ``job.jobdir`` (intent, manifest, retention, status), ``job.mirror`` (Spark's
+checkpoint) and the pipeline's sinks (the output).
 """
 
 from __future__ import annotations
