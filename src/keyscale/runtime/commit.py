@@ -1,0 +1,292 @@
+"""The commit protocol of one batch: docs/design.md, "Commit protocol (local disk and object
+stores alike)", step by step.
+
+0. **Epoch.** Claimed at set-up (``JobDir.lock``, from ``driver.py``); checked by every
+   commit, in :meth:`JobDir.commit <keyscale.checkpoint.jobdir.JobDir.commit>` (step 5).
+1. **Skip** (:func:`run_batch`): a batch with a manifest is skipped; the job directory knows
+   its committed batches from one listing at start.
+2. **Intent** (:func:`fix_intent`): parallelism per operator (live rescale requests land
+   here), batch time, watermark, the source and rules streams' plans; a replay reuses it
+   (:func:`replay_intent`). For a Spark source on an object store, Spark's checkpoint of
+   the batch is pushed first (the mirror bundle).
+3. **Tasks** (``stages.py``): the batch's Spark plan; its tasks report their state files
+   through Spark (``job.reports``).
+4. **Sink** (:func:`write_sinks`): the batch's one Spark action, idempotent for its id.
+5. **Manifest** (:func:`commit_manifest`): built from the tasks' reports
+   (:func:`build_manifest`), created only if absent after the epoch check (``JobDir.commit``):
+   the commit point. Then the job's state moves on (committed manifest, watermark) and
+   retention deletes what no kept manifest needs (:func:`run_batch`), and the batch is
+   recorded (:func:`record`).
+6. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
+   driver's log loop starts the next batch (``driver.py``).
+
+Reads and advances :class:`~keyscale.runtime.jobstate.JobState`. What it persists goes
+through ``job.jobdir`` (intent, manifest, retention, status), ``job.mirror`` (Spark's
+checkpoint) and the pipeline's sinks (the output).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from keyscale._pipeline import NonKeyedStep
+from keyscale.checkpoint.drain import drain_extra
+from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, live_files
+from keyscale.operators.eventtime import END_OF_TIME, WatermarkState
+from keyscale.operators.eventtime import advance as advance_watermark
+from keyscale.operators.eventtime import describe as describe_watermark
+from keyscale.operators.nonkeyed import broadcast_to_json, lists_state
+from keyscale.runtime import counters, parallelism, poison_batch, stages
+from keyscale.runtime.jobstate import BatchRecord, JobState
+from keyscale.runtime.source_plan import plan_source, read_source, source_status
+from keyscale.runtime.status import report_counts, status
+from keyscale.sources import reader
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+log = logging.getLogger("keyscale")
+
+TaskReports = dict[str, list[dict[str, Any]]]  # the tasks' reports of a batch, per operator uid
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """When a batch began, and the job directory's storage requests until then."""
+
+    started: float  # perf_counter
+    started_wall: float  # time.time
+    requests_before: Counter[str]
+
+
+def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = False) -> int:
+    """Run and commit one batch; returns the records it read. ``df`` is Spark's batch,
+    or None for a log source (read here, by reader tasks, as the intent says)."""
+    assert job.pipeline is not None
+    # 1. Skip.
+    if job.jobdir.has_manifest(batch_id):
+        log.info("batch %d is already committed; skipping its replay", batch_id)
+        job.summary.skipped.append(batch_id)
+        return 0
+    clock = _Clock(time.perf_counter(), time.time(), Counter(job.jobdir.store.requests))
+    # 2. Intent.
+    intent, replayed = fix_intent(job, df, batch_id, drain)
+    # 3. Tasks: the batch's Spark plan, run by the sink write.
+    par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
+    watermark_ms = int(intent.get("watermark_ms", job.watermark.watermark_ms))
+    batch_time_ms = int(intent["batch_time_ms"])
+    if df is None:
+        df = read_source(job, batch_id, intent["source_plan"], batch_time_ms, intent.get("log_ids", {}))
+    rules = stages.apply_broadcasts(job, intent.get("broadcast_plans", {}))
+    plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules)
+    # 4. Sink.
+    spark_seconds = write_sinks(job, plan, batch_id)
+    if job.fault("after-sink", batch_id):
+        os.kill(os.getpid(), signal.SIGKILL)
+    # 5. Manifest: the commit point.
+    records, emitted, reports = commit_manifest(job, batch_id, intent, par, watermark_ms, rules, drain)
+    removed = job.jobdir.retain(job.opts.retain)
+    return record(job, batch_id, clock, records, emitted, par, replayed, reports, spark_seconds, removed)
+
+
+def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) -> tuple[dict[str, Any], bool]:
+    """Step 2: the batch's intent, new or (a replay) as first written; and whether it is a replay."""
+    assert job.pipeline is not None
+    intent = job.jobdir.read_intent(batch_id)
+    if intent is not None and intent.get("drain") and not drain:
+        # An interrupted drain: this batch is Spark's, with its input and the job's watermark.
+        log.info("batch %d: an interrupted drain used this id; it runs as an ordinary batch", batch_id)
+        intent = None
+    if intent is not None:
+        return replay_intent(job, batch_id, intent), True
+    parallelism.apply_rescale_requests(job, batch_id)
+    intent = {
+        "batch_time_ms": int(time.time() * 1000), "parallelism": dict(job.parallelism),
+        "watermark_ms": END_OF_TIME if drain else job.watermark.watermark_ms, **({"drain": True} if drain else {}),
+    }
+    src = job.pipeline.log_source
+    if src is not None:
+        intent["source_plan"] = plan_source(job, src, batch_id, job.parallelism[src.uid], read=not drain)
+    # Rules streams: what this batch applies is fixed here, so a replay applies the same.
+    intent["broadcast_plans"] = {uid: plan_source(job, b.source, batch_id, 1) for uid, b in job.pipeline.broadcasts.items()}
+    intent["log_ids"] = dict(job.log_ids)  # the logs the plans are for: their ids go into the manifest
+    if job.mirror is not None and df is not None:
+        job.mirror.push(batch_id)  # Spark's offsets of this batch are in the job directory before anything of it
+    job.jobdir.write_intent(batch_id, intent)
+    return intent, False
+
+
+def replay_intent(job: JobState, batch_id: int, intent: dict[str, Any]) -> dict[str, Any]:
+    """A replay's intent: as first written, except a failed batch retried at a new ``-p``."""
+    assert job.pipeline is not None
+    intent, replanned = poison_batch.replan_intent(intent, job.opts.parallelism, [s.uid for s in job.pipeline.keyed_steps])
+    if replanned:
+        job.jobdir.write_intent(batch_id, intent)
+        log.info("batch %d: retrying the failed attempt at -p %d (it ran with %s); its time and input stay", batch_id,
+                 job.opts.parallelism, ", ".join(f"'{u}' p={old}" for u, (old, _) in replanned.items()))
+    else:
+        log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
+    return intent
+
+
+def write_sinks(job: JobState, plan: stages.BatchPlan, batch_id: int) -> float:
+    """Step 4: the main sink, then the side outputs (late rows, dead letters); the seconds
+    Spark took (the batch's tasks run here)."""
+    assert job.pipeline is not None
+    spark_started = time.perf_counter()
+    try:
+        job.pipeline.sink.write(plan.main, batch_id)
+        for sink, late_df, _ in plan.side:
+            sink.write(late_df, batch_id)
+    finally:
+        for *_, staged in plan.side:
+            staged.unpersist()
+    return time.perf_counter() - spark_started
+
+
+def commit_manifest(
+    job: JobState, batch_id: int, intent: dict[str, Any], par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]], drain: bool,
+) -> tuple[int, int, TaskReports]:
+    """Step 5: build the manifest, commit it (epoch check, created only if absent), and move
+    the job's state on to it. Returns the batch's records in, rows out and task reports."""
+    assert job.pipeline is not None
+    batch_time_ms = int(intent["batch_time_ms"])
+    manifest, records, emitted, reports = build_manifest(
+        job, batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules, intent.get("log_ids", {}))
+    wm = next_watermark(job, reports, batch_time_ms, watermark_ms)
+    counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
+    totals = counters.add(counters.from_extra(job.committed.extra if job.committed else None), counts)
+    manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
+        **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(), "epoch": job.jobdir.epoch,
+        **(drain_extra(job.watermark.to_json(), batch_id) if drain else {})})
+    job.jobdir.commit(manifest)
+    job.reports.forget(batch_id)
+    job.committed = manifest
+    if wm.watermark_ms != job.watermark.watermark_ms and job.pipeline.watermark is not None:
+        log.info("batch %d: watermark advanced to %s", batch_id, describe_watermark(wm.watermark_ms))
+    job.watermark = wm
+    report_counts(job, batch_id, counts)
+    return records, emitted, reports
+
+
+def record(
+    job: JobState, batch_id: int, clock: _Clock, records: int, emitted: int, par: dict[str, int], replayed: bool,
+    reports: TaskReports, spark_seconds: float, removed: int,
+) -> int:
+    """After the commit: the batch's record (summary, autoscaler, status, log line, the
+    ``on_batch`` callback). Returns the records it read."""
+    assert job.pipeline is not None
+    seconds = time.perf_counter() - clock.started
+    requests = Counter(job.jobdir.store.requests) - clock.requests_before
+    for rs in reports.values():
+        for r in rs:
+            requests.update(r.get("store_requests", {}))
+    rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests))
+    job.summary.batches.append(rec)
+    job.summary.parallelism = dict(job.parallelism)
+    job.last_reports = reports
+    src = job.pipeline.log_source
+    source = source_status(job, src) if src is not None else None  # one read of the log's end per batch
+    if job.autoscaler is not None:
+        parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, source.get("lag") if source else None)
+    if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
+        job.jobdir.write_status({**status(job, reports, source), "running": True})
+    log.info(
+        "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",
+        batch_id, seconds, spark_seconds, f"{records:,}", f"{emitted:,}",
+        ", ".join(f"'{u}' p={p}" for u, p in par.items()),
+        f"; {removed} old state files removed" if removed else "",
+    )
+    if job.on_batch:
+        job.on_batch(rec)
+    return records
+
+
+def build_manifest(
+    job: JobState, batch_id: int, batch_time_ms: int, par: dict[str, int], source_plan: list[list[list[int]]] | None = None,
+    broadcast_plans: dict[str, list[list[list[int]]]] | None = None, rules: dict[str, dict[str, Any]] | None = None,
+    log_ids: dict[str, str | None] | None = None,
+) -> tuple[Manifest, int, int, TaskReports]:
+    """The batch's manifest from its tasks' reports: per operator its state files (keyed),
+    lists (non-keyed), offsets (the source: in the same manifest as the state they
+    produced) or rules state (broadcasts). Also its records in, rows out and the reports."""
+    assert job.pipeline is not None
+    ops: dict[str, OperatorCheckpoint] = {}
+    records = emitted = 0
+    all_reports: TaskReports = {}
+    src = job.pipeline.log_source
+    if src is not None and source_plan is not None:
+        p = par[src.uid]
+        all_reports[src.uid] = job.reports.take(src.uid, batch_id, p)
+        # The offsets advance in the same manifest as the state they produced.
+        after = reader.advance(reader.plan_from_json(source_plan))
+        prev_src = job.committed.operators.get(src.uid) if job.committed else None
+        last = reader.last_records_after(prev_src.operator_state if prev_src else None, all_reports[src.uid])
+        ops[src.uid] = OperatorCheckpoint(
+            uid=src.uid, max_parallelism=job.max_parallelism, parallelism=p, key_columns=(), states=(),
+            operator_state=reader.to_state(after, (log_ids or {}).get(src.uid), last),
+        )
+    for i, step in enumerate(job.pipeline.keyed_steps):
+        p = par[step.uid]
+        reports = job.reports.take(step.uid, batch_id, p)
+        all_reports[step.uid] = reports
+        if i == 0 and src is None:
+            records = sum(int(r["records"]) for r in reports)
+        emitted = sum(int(r["emitted"]) for r in reports)
+        prev = job.committed.operators.get(step.uid) if job.committed else None
+        new = [StateFile.from_json(r["file"]) for r in reports if r["file"]]
+        files = live_files([*(prev.files if prev else ()), *new], job.max_parallelism)
+        ops[step.uid] = OperatorCheckpoint(
+            uid=step.uid, max_parallelism=job.max_parallelism, parallelism=p,
+            key_columns=tuple((k, str(t)) for k, t in step.state_key_columns),
+            states=tuple(d.to_json() for d in step.states), files=tuple(files),
+        )
+    for nk in job.pipeline.nonkeyed_steps:
+        reports = job.reports.take(nk.uid, batch_id, par[nk.uid])
+        all_reports[nk.uid] = reports
+        ops[nk.uid] = OperatorCheckpoint(
+            uid=nk.uid, max_parallelism=job.max_parallelism, parallelism=par[nk.uid], key_columns=(), states=(),
+            operator_state=lists_state(nk.lists, [r["lists"] for r in reports]),
+        )
+    for uid, plan in (broadcast_plans or {}).items():
+        ops[uid] = OperatorCheckpoint(
+            uid=uid, max_parallelism=job.max_parallelism, parallelism=1, key_columns=(), states=(),
+            operator_state={
+                "broadcast": broadcast_to_json((rules or {}).get(uid, {})),
+                **reader.to_state(reader.advance(reader.plan_from_json(plan)), (log_ids or {}).get(uid)),
+            },
+        )
+    if job.pipeline.steps and isinstance(job.pipeline.steps[-1], NonKeyedStep):
+        emitted = sum(int(r["emitted"]) for r in all_reports[job.pipeline.steps[-1].uid])
+    if src is not None and src.uid in all_reports:
+        records = sum(int(r["records"]) for r in all_reports[src.uid])
+    extra = {"source_positions": "operator_state"} if src is not None else {}
+    manifest = Manifest(job=job.name, batch=batch_id, batch_time_ms=batch_time_ms, operators=ops, created_ms=int(time.time() * 1000), extra=extra)
+    return manifest, records, emitted, all_reports
+
+
+def next_watermark(job: JobState, reports: TaskReports, batch_time_ms: int, ran_with: int) -> WatermarkState:
+    """The watermark after this batch, from the event times its first event-time stage saw."""
+    spec = job.pipeline.watermark if job.pipeline else None
+    now = replace(job.watermark, watermark_ms=max(job.watermark.watermark_ms, ran_with))
+    if spec is None or ran_with >= END_OF_TIME:
+        return now
+    assert job.pipeline is not None
+    src = job.pipeline.log_source
+    if src is not None and src.uid in reports:  # one input per partition of the log
+        seen: dict[str, int | None] = {}
+        for r in reports[src.uid]:
+            for part, info in r["partitions"].items():
+                seen[f"partition-{part}"] = info["max_event_ms"]
+        return advance_watermark(spec, now, seen, batch_time_ms)
+    stage = next((s for s in job.pipeline.keyed_steps if s.event_time), None)
+    if stage is None:
+        return now
+    maxima = [int(r["max_event_ms"]) for r in reports[stage.uid] if r.get("max_event_ms") is not None]
+    return advance_watermark(spec, now, {"source": max(maxima) if maxima else None}, batch_time_ms)

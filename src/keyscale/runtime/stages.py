@@ -1,0 +1,170 @@
+"""The Spark plan of one batch: its stages, as ``mapInArrow`` calls over exact shuffles.
+
+Per keyed stage: key group and arrival sequence columns, a shuffle to one partition per
+subtask (partition ``i`` is subtask ``i``), and ``mapInArrow`` running the subtask
+(:class:`~keyscale.runtime.task.StageTask`); per non-keyed stage a round robin over its
+subtasks (:class:`~keyscale.runtime.task.NonKeyedTask`); rules streams (broadcasts) are
+applied on the driver. Nothing here runs a Spark action, writes the job directory or
+changes ``JobState``: the sink write runs the plan (commit protocol step 4, ``commit.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from keyscale._pipeline import KeyedStep, NonKeyedStep, TransformStep
+from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
+from keyscale.checkpoint.retention import should_snapshot
+from keyscale.errors import JobDefinitionError
+from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
+from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
+from keyscale.runtime import poison_batch
+from keyscale.runtime.jobstate import JobState
+from keyscale.runtime.task import (
+    DEAD,
+    KG,
+    LATE,
+    MAIN,
+    SEQ,
+    NonKeyedTask,
+    StageTask,
+    make_nonkeyed_function,
+    make_stage_function,
+    side_output_schema,
+)
+from keyscale.state.keygroups import key_group_range
+from keyscale.state.spark_hash import routing_values
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from keyscale.sinks.base import Sink
+
+
+@dataclass
+class BatchPlan:
+    """A batch's Spark plan, not run yet: the main output and the side outputs."""
+
+    main: DataFrame
+    # (sink, its rows, the cached stage output they are split from: unpersisted after the write)
+    side: list[tuple[Sink, DataFrame, DataFrame]]
+
+
+def plan_stages(
+    job: JobState, df: DataFrame, batch_id: int, batch_time_ms: int, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]],
+) -> BatchPlan:
+    """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``."""
+    from pyspark.sql import functions as F
+
+    assert job.pipeline is not None
+    out = df
+    side: list[tuple[Sink, DataFrame, DataFrame]] = []
+    dead_letters: list[tuple[DataFrame, DataFrame]] = []
+    for step in job.pipeline.steps:
+        if isinstance(step, TransformStep):
+            out = step.fn(out)
+            continue
+        if isinstance(step, NonKeyedStep):
+            out = nonkeyed(job, out, step, batch_id, batch_time_ms, par[step.uid], rules)
+            continue
+        out = keyed(job, out, step, batch_id, batch_time_ms, par[step.uid], watermark_ms, rules)
+        dead = job.pipeline.error_policy(step).on_error == "dead_letter"
+        if step.late_sink is not None or dead:
+            # The stage runs once (cached); its rows split into the main, late and dead-letter streams.
+            staged = out.persist()
+            out = staged.where(F.col(MAIN).isNotNull()).select(f"{MAIN}.*")
+            if step.late_sink is not None:
+                side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*"), staged))
+            if dead:
+                dead_letters.append((staged.where(F.col(DEAD).isNotNull()).select(f"{DEAD}.*"), staged))
+    side += poison_batch.dead_letter_outputs(job.pipeline.dead_letter, dead_letters)
+    return BatchPlan(out, side)
+
+
+def apply_broadcasts(job: JobState, plans: dict[str, list[list[list[int]]]]) -> dict[str, dict[str, Any]]:
+    """Each rules stream's state for this batch: the committed state with the batch's
+    rules records applied on the driver, in partition then offset order."""
+    assert job.pipeline is not None
+    out = {}
+    for uid, b in job.pipeline.broadcasts.items():
+        prev = job.committed.operators.get(uid) if job.committed else None
+        state = broadcast_from_json(prev.operator_state.get("broadcast") if prev else None)
+        for ranges in plans.get(uid, []):
+            for part, start, end in sorted(ranges):
+                if end > start:
+                    for row in b.source.log.read(part, start, end).to_pylist():
+                        b.apply(state, SimpleNamespace(**row))
+        try:
+            json.dumps(broadcast_to_json(state))
+        except (TypeError, ValueError) as e:
+            raise JobDefinitionError(f"broadcast state '{uid}': values must be JSON values ({e})") from None
+        out[uid] = state
+    return out
+
+
+def nonkeyed(job: JobState, df: DataFrame, step: NonKeyedStep, batch_id: int, batch_time_ms: int, p: int, rules: dict[str, dict[str, Any]]) -> DataFrame:
+    """A non-keyed stage at parallelism ``p``: its lists from the committed manifest."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    prev = job.committed.operators.get(step.uid) if job.committed else None
+    lists = lists_for(prev.operator_state if prev else {}, step.lists, p, step.uid)
+    spec = NonKeyedTask(
+        uid=step.uid, function=step.function, output_schema=step.output_schema, parallelism=p,
+        batch_id=batch_id, batch_time_ms=batch_time_ms, lists=tuple(lists),
+        broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, report_to=job.reports.sender,
+    )
+    # Round robin: a subtask's share, one Spark task per subtask (partition i is subtask i).
+    return df.repartition(p).mapInArrow(make_nonkeyed_function(spec), from_arrow_schema(step.output_schema))
+
+
+def keyed(
+    job: JobState, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int, rules: dict[str, dict[str, Any]],
+) -> DataFrame:
+    """A keyed stage at parallelism ``p``: its state files from the committed manifest, which
+    subtasks snapshot (compact) this batch, and the exact shuffle to its subtasks."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    m = job.max_parallelism
+    prev = job.committed.operators.get(step.uid) if job.committed else None
+    files: tuple[StateFile, ...] = prev.files if prev else ()
+    ranges = [key_group_range(s, m, p) for s in range(p)]
+    compact = tuple(
+        should_snapshot(chain_length(files, r, m), oldest_chain_file(files, r, m), batch_id, job.opts.max_chain, job.opts.max_file_age)
+        for r in ranges
+    )
+    fault = None
+    if job.fault("in-compaction", batch_id) and any(compact):
+        fault = "kill-driver-in-compaction"
+    if job.fault("mid-batch", batch_id):
+        fault = "kill-driver-mid-batch"
+    spec = StageTask(
+        store=job.jobdir.store, run_id=job.run_id, uid=step.uid, function=step.function,
+        key_names=step.key_names, key_types=step.key_types, input_schema=step.input_schema,
+        output_schema=step.output_schema, states=step.states, null_keys=step.null_keys,
+        max_parallelism=m, parallelism=p, batch_id=batch_id, batch_time_ms=batch_time_ms,
+        committed=job.committed.batch if job.committed else -1, files=files, compact=compact,
+        fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
+        extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
+        broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
+        on_error=job.pipeline.error_policy(step) if job.pipeline else FAIL, report_to=job.reports.sender,
+    )
+    keys = [F.col(k) for k in step.key_names]
+    cols = [F.col(c) for c in step.input_schema.names]
+    route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
+    staged = (
+        df.select(*cols, F.monotonically_increasing_id().alias(SEQ))
+        .withColumn(KG, F.pmod(F.hash(*keys), F.lit(m)).cast("int"))
+        # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
+        .repartition(p, F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
+    )
+    dead = spec.on_error.on_error == "dead_letter"
+    schema = (
+        side_output_schema(step.output_schema, step.input_schema if spec.late_output else None, DEAD_LETTER_SCHEMA if dead else None)
+        if spec.late_output or dead else step.output_schema
+    )
+    return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))

@@ -1,0 +1,81 @@
+"""What a running job tells: its status (``status.json``, ``GET /status``), the counts of
+records a batch did not process normally, and its parallelism in one line.
+
+Reads ``JobState``; writes nothing but ``job.counts`` and the job's event log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from keyscale.checkpoint.manifest import summarize_operator_state
+from keyscale.operators.eventtime import describe as describe_watermark
+from keyscale.operators.windows import WindowAggregate
+from keyscale.runtime import counters
+from keyscale.runtime.jobstate import JobState
+from keyscale.runtime.source_plan import source_status
+from keyscale.state.keygroups import key_group_ranges
+
+log = logging.getLogger("keyscale")
+
+
+def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status file's content; ``source``: the log source's status, if already read."""
+    ops: dict[str, Any] = {}
+    src = job.pipeline.log_source if job.pipeline else None
+    operator_state_only = {s.uid for s in job.pipeline.nonkeyed_steps} | set(job.pipeline.broadcasts) if job.pipeline else set()
+    for uid, p in job.parallelism.items():
+        if src is not None and uid == src.uid:
+            ops[uid] = source or source_status(job, src)
+            continue
+        if uid in operator_state_only:
+            continue
+
+        entry: dict[str, Any] = {
+            "parallelism": p,
+            "max_parallelism": job.max_parallelism,
+            "ranges": [str(r) for r in key_group_ranges(job.max_parallelism, p)],
+        }
+        if reports and uid in reports:
+            entry["subtasks"] = [
+                {k: r[k] for k in ("subtask", "records", "keys", "state_keys", "busy_seconds", "warm_key_groups", "loaded_key_groups")}
+                for r in reports[uid]
+            ]
+        ops[uid] = entry
+    for uid in sorted(operator_state_only):
+        committed = job.committed.operators.get(uid) if job.committed else None
+        ops[uid] = {"parallelism": job.parallelism.get(uid, 1),  # a broadcast stream is applied by the driver: 1
+                    "operator_state": summarize_operator_state(committed.operator_state) if committed else {}}
+    return {
+        "job": job.name,
+        "pid": os.getpid(),
+        "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
+                    "last_decisions": job.decisions},
+        "last_checkpoint": job.committed.batch if job.committed else None,
+        "watermark": describe_watermark(job.watermark.watermark_ms) if job.pipeline and job.pipeline.watermark else None,
+        "watermark_ms": job.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
+        "updated_ms": int(time.time() * 1000),
+        "operators": ops,
+        "counters": {"last_batch": job.counts, "total": counters.from_extra(job.committed.extra if job.committed else None)},
+    }
+
+
+def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> None:
+    """Records a batch diverted, dropped or did not believe: a log line per operator and an event."""
+    job.counts = counts
+    if not counts or job.pipeline is None:
+        return
+    job.jobdir.append_event(counters.event(batch_id, counts))
+    src, spec = job.pipeline.log_source, job.pipeline.watermark
+    windows = {s.uid for s in job.pipeline.keyed_steps if isinstance(s.function, WindowAggregate)}
+    for uid, c in counts.items():
+        kind = "source" if src is not None and uid == src.uid else "window" if uid in windows else "operator"
+        log.warning("%s", counters.describe(batch_id, kind, uid, c, spec.max_ahead_ms if spec else None))
+
+
+def describe_parallelism(job: JobState) -> str:
+    """Each operator's parallelism, for the log line a run starts with."""
+    return ", ".join(f"'{u}' at parallelism {p} of {job.max_parallelism} key groups" for u, p in job.parallelism.items())
