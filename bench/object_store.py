@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     s3 = statistics.median(x["steady"] for x in results["s3"])
     wl = statistics.median(x["wall"] for x in results["local"])
     ws = statistics.median(x["wall"] for x in results["s3"])
-    print(f"\n| where | steady batch | end to end | writes per batch (job dir) | requests per batch (job dir) | sink objects per batch |")
+    print("\n| where | steady batch | end to end | writes per batch (job dir) | requests per batch (job dir) | sink objects per batch |")
     print("|---|---|---|---|---|---|")
     for where, st, w in (("local disk", loc, wl), ("S3 (SeaweedFS)", s3, ws)):
         x = results["local" if where == "local disk" else "s3"][-1]
