@@ -77,7 +77,10 @@ def read_output(folder: Path | str) -> pd.DataFrame:
     table = read_sink_output(folder)
     if table.num_rows == 0:
         return pd.DataFrame()
-    df = table.to_pandas(coerce_temporal_nanoseconds=True)  # as pandas reads any timestamp: datetime64[ns]
+    try:
+        df = table.to_pandas(coerce_temporal_nanoseconds=True)  # as pandas reads any timestamp: datetime64[ns]
+    except pa.ArrowInvalid:  # beyond datetime64[ns] (year 2262): keep the file's unit
+        df = table.to_pandas()
     df = df[[c for c in df.columns if c != "batch"] + ["batch"]]
     return df.sort_values(list(df.columns)).reset_index(drop=True)
 
