@@ -239,6 +239,7 @@ class JobRunner:
         self._drained: Future[Path | None] = Future()
         self._reports = Reports()  # tasks' reports: through Spark once the session is there
         self._heartbeat: Heartbeat | None = None
+        self._committed_status: dict[str, Any] | None = None  # the status as of the last commit
         self._mirror: SparkMirror | None = None
 
     # -- set-up --------------------------------------------------------------------------
@@ -406,7 +407,7 @@ class JobRunner:
                 log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
             control = ControlServer(self)
             if not self.jobdir.is_local:
-                self._heartbeat = Heartbeat(self.jobdir, lambda: self._status(self._last_reports))
+                self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
             try:
@@ -731,8 +732,9 @@ class JobRunner:
         source = self._source_status(src) if src is not None else None  # one read of the log's end per batch
         if self._autoscaler is not None:
             self._autoscale(batch_id, started_wall, seconds, par, reports, source.get("lag") if source else None)
+        self._committed_status = self._status(reports, source)
         if self.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
-            self.jobdir.write_status({**self._status(reports, source), "running": True})
+            self.jobdir.write_status({**self._committed_status, "running": True})
         log.info(
             "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",
             batch_id, seconds, spark_seconds, f"{records:,}", f"{emitted:,}",
@@ -1016,6 +1018,16 @@ class JobRunner:
             "unassigned_partitions": [p for p in range(len(ends)) if p not in lag],
             "lag": sum(lag.values()),
         }
+
+    def _heartbeat_status(self) -> dict[str, Any]:
+        """What the heartbeat writes: the status as of the last commit, as on local disk
+        (written after each commit), with the time of the heartbeat. A status computed
+        while a batch runs would pair that batch's new parallelism (a rescale applies at its
+        start) with the readers' partitions of the last commit."""
+        committed = self._committed_status
+        if committed is None:
+            return self._status(self._last_reports)
+        return {**committed, "updated_ms": int(time.time() * 1000)}
 
     def _status(self, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
         """The status file's content; ``source``: the log source's status, if already read."""
