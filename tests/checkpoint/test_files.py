@@ -164,3 +164,18 @@ def test_kg_index() -> None:
     assert kg_index(kgs, 0, 7) == [[3, 0, 2], [5, 2, 1], [6, 3, 3]]
     assert kg_index(kgs, 5, 5) == [[5, 2, 1]]
     assert kg_index(np.empty(0, dtype=np.int32), 0, 7) == []
+
+
+def test_a_state_file_that_cannot_be_written_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task that cannot write a local job directory (on a cluster: a folder on the driver's
+    disk the executor does not share) fails naming the file, its user and host, and what
+    to do; not with a raw PermissionError the batch blames on the operator."""
+    from keyscale.errors import StorageError
+    from keyscale.storage import LocalStore
+
+    def denied(self: LocalStore, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", str(self.path(key)))
+
+    monkeypatch.setattr(LocalStore, "put", denied)
+    with pytest.raises(StorageError, match=rf"state file: cannot write {tmp_path / REL} as user '.+' on host '.+': Permission denied \(.*use an object store: s3://"):
+        write_state_file(tmp_path, REL, _state_table(), "delta", 3, KeyGroupRange(10, 19))
