@@ -191,3 +191,18 @@ def test_a_few_key_groups_of_a_large_file_on_an_object_store_are_read_by_range(
     store.requests.clear()
     assert read_state_slice(store, f, KeyGroupRange(0, 127)).num_rows == table.num_rows
     assert store.requests["get"] == 1 and store.requests["get_range"] == 0
+
+
+def test_a_state_file_that_cannot_be_written_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task that cannot write a local job directory (on a cluster: a folder on the driver's
+    disk the executor does not share) fails naming the file, its user and host, and what
+    to do; not with a raw PermissionError the batch blames on the operator."""
+    from keyscale.errors import StorageError
+    from keyscale.storage import LocalStore
+
+    def denied(self: LocalStore, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
+        raise PermissionError(13, "Permission denied", str(self.path(key)))
+
+    monkeypatch.setattr(LocalStore, "put", denied)
+    with pytest.raises(StorageError, match=rf"state file: cannot write {tmp_path / REL} as user '.+' on host '.+': Permission denied \(.*use an object store: s3://"):
+        write_state_file(tmp_path, REL, _state_table(), "delta", 3, KeyGroupRange(10, 19))

@@ -17,10 +17,11 @@ import numpy as np
 import pyarrow as pa
 
 from keyscale.checkpoint.manifest import FileKind, StateFile
-from keyscale.errors import StateError
+from keyscale.errors import StateError, StorageError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN
 from keyscale.storage import LocalStore, Store, open_store
+from keyscale.storage.local import local_write_failure
 
 Location = Store | str | os.PathLike[str]  # a job directory: its store, or where it is
 
@@ -58,7 +59,10 @@ def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: Fi
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=CHUNK_ROWS)
     data = sink.getvalue().to_pybytes()
-    store.put(rel_path, data)
+    try:
+        store.put(rel_path, data)
+    except OSError as e:  # a local job directory this process cannot write (a task: the driver's disk)
+        raise StorageError(f"state file: {local_write_failure(store.url(rel_path), e)}") from None
     return StateFile(
         path=rel_path, batch=batch, kind=kind, start=rng.start, end=rng.end,
         rows=table.num_rows, bytes=len(data), crc32=zlib.crc32(data),

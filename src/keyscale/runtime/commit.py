@@ -195,8 +195,9 @@ def record(
     source = source_status(job, src) if src is not None else None  # one read of the log's end per batch
     if job.autoscaler is not None:
         parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, source.get("lag") if source else None)
+    job.committed_status = status(job, reports, source)
     if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
-        job.jobdir.write_status({**status(job, reports, source), "running": True})
+        job.jobdir.write_status({**job.committed_status, "running": True})
     log.info(
         "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",
         batch_id, seconds, spark_seconds, f"{records:,}", f"{emitted:,}",

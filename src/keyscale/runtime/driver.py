@@ -265,7 +265,7 @@ class JobRunner:
                 log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
             control = ControlServer(self)
             if not self.jobdir.is_local:
-                self._heartbeat = Heartbeat(self.jobdir, lambda: self._status(self._last_reports))
+                self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
             try:
@@ -412,6 +412,16 @@ class JobRunner:
                 self._stop.set()
         log.info("savepoint of batch %d complete: %s", m.batch, path)
         return path
+
+    def _heartbeat_status(self) -> dict[str, Any]:
+        """What the heartbeat writes: the status as of the last commit, as on local disk
+        (written after each commit), with the time of the heartbeat. A status computed
+        while a batch runs would pair that batch's new parallelism (a rescale applies at its
+        start) with the readers' partitions of the last commit."""
+        committed = self.job.committed_status
+        if committed is None:
+            return self._status(self._last_reports)
+        return {**committed, "updated_ms": int(time.time() * 1000)}
 
     def live_status(self) -> dict[str, Any]:
         """What ``GET /status`` answers: the status file's content, current."""

@@ -110,6 +110,7 @@ class JobState:
     counts: counters.Counters = field(default_factory=dict)  # the last batch's counts of records not processed normally
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its last plan is for
     last_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
+    committed_status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
 
     def fault(self, point: str, batch_id: int) -> bool:
         """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here."""

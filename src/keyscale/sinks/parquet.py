@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import KeyscaleError, OutputError, StorageError, encode_error
 from keyscale.storage import Store, join, open_store
+from keyscale.storage.local import local_write_failure
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -155,6 +156,12 @@ def _write_partition(store: Store, folder: str, write_id: str, batch_id: int, ba
         store.put(join(folder, name), data)
     except KeyscaleError as e:
         raise RuntimeError(encode_error(StorageError(f"Parquet sink, batch {batch_id}, partition {partition}: {e}"))) from None
+    except OSError as e:
+        # A local folder this executor cannot write: on a cluster, typically one on the
+        # driver's disk that the executor (another host or user) does not share.
+        raise RuntimeError(encode_error(StorageError(
+            f"Parquet sink, batch {batch_id}, partition {partition}: {local_write_failure(store.url(join(folder, name)), e)}"
+        ))) from None
     yield pa.RecordBatch.from_pydict({"name": [name], "rows": [rows], "bytes": [len(data)]})  # string, int64, int64
 
 

@@ -32,6 +32,31 @@ def fsync_path(path: Path) -> None:
 _fsync_dir = fsync_path
 
 
+def local_write_failure(path: str, e: OSError) -> str:
+    """Why a task could not write ``path`` on local disk, for an error message: the
+    executor's user and host (on a cluster, the driver's local folders are not the
+    executors'), the system's reason, and what to do instead.
+
+    >>> local_write_failure("/data/out/x", PermissionError(13, "Permission denied"))  # doctest: +ELLIPSIS
+    "cannot write /data/out/x as user '...' on host '...': Permission denied (every executor must be able to write ..."
+    """
+    import errno
+    import pwd
+    import socket
+
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = str(os.geteuid())
+    said = f"cannot write {path} as user '{user}' on host '{socket.gethostname()}': {e.strerror or e}"
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.EROFS):
+        return said  # a full disk, an I/O error: the system's reason says it all
+    return (
+        f"{said} (every executor must be able to write a local folder it is given; on a cluster "
+        "whose executors do not share this disk, use an object store: s3://BUCKET/PATH)"
+    )
+
+
 class LocalStore(Store):
     """A folder; keys are paths below it.
 
