@@ -222,6 +222,7 @@ class Harness:
         self.expect_exit: str | None = None  # why the harness stopped or killed the job
         self.restart_p: int | None = None
         self.pending: list[Async] = []
+        self.stale_address: bytes | None = None  # the control address a killed run left (see start)
         self.watch: dict[str, Any] | None = None  # a restart whose outcome is awaited
         self.failed_starts = 0
         self.committed: dict[int, int] = {}  # the highest batch each job directory ever committed
@@ -264,6 +265,10 @@ class Harness:
     def start(self, p: int | None = None, *extra: str) -> None:
         assert self.proc is None or self.proc.poll() is not None
         argv = self.run_argv(p, *extra)
+        from keyscale.runtime.control import ADDRESS
+
+        # A killed run leaves its control address behind: serving() waits for this run's own.
+        self.stale_address = self.jobdir().store.get_or_none(ADDRESS)
         logf = open(self.work / f"job{self.gen.index}.log", "a")  # noqa: SIM115 - handed to the child
         logf.write(f"\n=== {time.strftime('%H:%M:%S')} keyscale {' '.join(argv)}\n")
         logf.flush()
@@ -307,7 +312,10 @@ class Harness:
     def serving(self) -> bool:
         from keyscale.runtime.control import ADDRESS
 
-        return self.alive() and self.jobdir().store.exists(ADDRESS) and self.last_batch() >= 0
+        if not self.alive():
+            return False
+        address = self.jobdir().store.get_or_none(ADDRESS)
+        return address is not None and address != self.stale_address and self.last_batch() >= 0
 
     def kill(self, why: str) -> None:
         """SIGKILL the driver; its JVM and workers exit with it (the rest of its process group is reaped after 10 s)."""
