@@ -394,6 +394,36 @@ class JobDir:
         self.rollback_spark_commits(after=found.batch if found else -1)
         return Recovery(found, discarded)
 
+    def set_aside_damaged(self) -> tuple[str, ...]:
+        """Check the newest checkpoints in full (every state file's size and checksum) and set
+        aside the damaged ones, down to the newest intact one; one sentence per checkpoint set
+        aside (none if the newest is intact, or if a newer run took over).
+
+        On an object store :meth:`recover` checks sizes only (reading every state file at each
+        start would cost a job of terabytes its restart), so a file damaged in place is found
+        when a task reads it. The run that finds it calls this before it exits, so that its
+        restart falls back to the newest intact checkpoint and replays the batches after it,
+        as on local disk. A checkpoint is set aside only when a read proves the damage."""
+        try:
+            self.check_epoch("setting damaged checkpoints aside")
+        except FencedError:
+            return ()
+        self._batches = None
+        self._manifests.clear()
+        found: list[str] = []
+        for batch in reversed(self.manifest_batches()):
+            m, problem = self.check_manifest(batch)
+            if m is not None:
+                break
+            key = self.manifest_key(batch)
+            if not self.store.exists(key):
+                continue  # retention deleted it meanwhile
+            self._set_aside(key, key + ".damaged")
+            found.append(problem or f"checkpoint {batch} is damaged")
+        self._batches = None
+        self._manifests.clear()
+        return tuple(found)
+
     def rollback_spark_commits(self, after: int) -> list[int]:
         """Make Spark re-run every batch newer than ``after`` (its offsets are kept)."""
         return sparklog.remove_commits_after(self.spark_checkpoint, after)

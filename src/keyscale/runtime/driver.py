@@ -422,6 +422,12 @@ class JobRunner:
             except BaseException as e:
                 if not self._drained.done():
                     self._drained.set_exception(e)
+                if isinstance(e, StateError) and str(e).startswith("state file ") and not self.jobdir.is_local:
+                    # A task found a state file damaged in place (recovery on an object store checks
+                    # sizes only): set aside the checkpoints that read proves damaged, so the restart
+                    # falls back to the newest intact one instead of failing on the same file again.
+                    for why in self.jobdir.set_aside_damaged():
+                        log.warning("%s; set it aside (the restart resumes from an older checkpoint)", why)
                 raise
             finally:
                 control.close()
