@@ -25,7 +25,10 @@ every kind comes up about equally often):
   A restart that silently starts over from empty state (every kept checkpoint damaged) is
   neither: it is counted as ``restarted_empty`` (any such restart, flip or not, also in
   ``empty_restarts``), and the check shows what it cost; a flip whose outcome the next fault
-  cut short is ``interrupted``;
+  cut short is ``interrupted``. On S3 the start checks state files by size only: a flipped
+  byte is found by the task that reads the file, and the run sets the damaged checkpoint aside
+  and exits (``flips_found_at_read``); the harness restarts it and the flip's outcome is that
+  restart's;
 * ``restart``: ``keyscale stop JOB`` (a clean stop through the control API), then a restart
   at another parallelism.
 
@@ -193,6 +196,7 @@ class Stats:
     flip_refused: int = 0
     flip_empty: int = 0  # restarted silently from empty state: neither a recovery nor a refusal
     flip_interrupted: int = 0  # the next fault came before the outcome was known
+    flip_found_at_read: int = 0  # object store: the run that read the damaged file set its checkpoint aside and exited
     empty_restarts: int = 0  # any restart of a job directory with committed batches that started from empty state
     refusals: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # unexpected exits of the job
@@ -377,6 +381,17 @@ class Harness:
             self.start(p)
             return
         msg = error_line(self.job_log_tail())
+        if self.watch is not None and self.watch["flip"] and "the restart resumes from an older checkpoint" in self.job_log_tail():
+            # On an object store the start checks state files by size only: a task found the flipped
+            # byte, the run set the damaged checkpoint aside and exited. The outcome is its restart's.
+            self.stats.flip_found_at_read += 1
+            self.event("flip-found-at-read", rc=rc, error=msg)
+            say(f"  the flip was found when the state was read (exit {rc}): {msg}; restarting")
+            self.watch = None
+            self.start()
+            assert self.watch is not None
+            self.watch["flip"] = True
+            return
         if self.watch is not None and self.watch["flip"]:
             self.stats.flip_refused += 1
             self.stats.refusals.append(msg)
@@ -646,6 +661,7 @@ class Harness:
             "recoveries": s.recoveries,
             "flips": {"recovered": s.flip_recovered, "refused": s.flip_refused, "restarted_empty": s.flip_empty,
                       "interrupted": s.flip_interrupted},
+            "flips_found_at_read": s.flip_found_at_read,
             "empty_restarts": s.empty_restarts,
             "refusals": s.refusals,
             "job_failures": s.failures,
