@@ -426,8 +426,11 @@ class JobRunner:
                     # A task found a state file damaged in place (recovery on an object store checks
                     # sizes only): set aside the checkpoints that read proves damaged, so the restart
                     # falls back to the newest intact one instead of failing on the same file again.
-                    for why in self.jobdir.set_aside_damaged():
-                        log.warning("%s; set it aside (the restart resumes from an older checkpoint)", why)
+                    try:
+                        for why in self.jobdir.set_aside_damaged():
+                            log.warning("%s; set it aside (the restart resumes from an older checkpoint)", why)
+                    except Exception as check_failed:  # the store failing now: the job's own error is what to report
+                        log.warning("could not check the checkpoints for damage (%s)", check_failed)
                 raise
             finally:
                 control.close()
