@@ -26,9 +26,9 @@ every kind comes up about equally often):
   neither: it is counted as ``restarted_empty`` (any such restart, flip or not, also in
   ``empty_restarts``), and the check shows what it cost; a flip whose outcome the next fault
   cut short is ``interrupted``. On S3 the start checks state files by size only: a flipped
-  byte is found by the task that reads the file, and the run sets the damaged checkpoint aside
-  and exits (``flips_found_at_read``); the harness restarts it and the flip's outcome is that
-  restart's;
+  byte is found by the task that reads the file, and the run reports the damage and exits
+  (``flips_found_at_read``); the harness restarts it (that start checks every state file in
+  full) and the flip's outcome is that restart's;
 * ``restart``: ``keyscale stop JOB`` (a clean stop through the control API), then a restart
   at another parallelism.
 
@@ -196,7 +196,7 @@ class Stats:
     flip_refused: int = 0
     flip_empty: int = 0  # restarted silently from empty state: neither a recovery nor a refusal
     flip_interrupted: int = 0  # the next fault came before the outcome was known
-    flip_found_at_read: int = 0  # object store: the run that read the damaged file set its checkpoint aside and exited
+    flip_found_at_read: int = 0  # object store: the run that read the damaged file reported it and exited
     empty_restarts: int = 0  # any restart of a job directory with committed batches that started from empty state
     refusals: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # unexpected exits of the job
@@ -381,9 +381,9 @@ class Harness:
             self.start(p)
             return
         msg = error_line(self.job_log_tail())
-        if self.watch is not None and self.watch["flip"] and "the restart resumes from an older checkpoint" in self.job_log_tail():
+        if self.watch is not None and self.watch["flip"] and "the next start checks every state file" in self.job_log_tail():
             # On an object store the start checks state files by size only: a task found the flipped
-            # byte, the run set the damaged checkpoint aside and exited. The outcome is its restart's.
+            # byte, the run reported it and exited; its restart checks in full. The outcome is that restart's.
             self.stats.flip_found_at_read += 1
             self.event("flip-found-at-read", rc=rc, error=msg)
             say(f"  the flip was found when the state was read (exit {rc}): {msg}; restarting")

@@ -424,13 +424,13 @@ class JobRunner:
                     self._drained.set_exception(e)
                 if isinstance(e, StateError) and str(e).startswith("state file ") and not self.jobdir.is_local:
                     # A task found a state file damaged in place (recovery on an object store checks
-                    # sizes only): set aside the checkpoints that read proves damaged, so the restart
-                    # falls back to the newest intact one instead of failing on the same file again.
+                    # sizes only): the restart checks every state file in full, so it falls back to
+                    # the newest intact checkpoint (or refuses) instead of failing on the same file again.
                     try:
-                        for why in self.jobdir.set_aside_damaged():
-                            log.warning("%s; set it aside (the restart resumes from an older checkpoint)", why)
-                    except Exception as check_failed:  # the store failing now: the job's own error is what to report
-                        log.warning("could not check the checkpoints for damage (%s)", check_failed)
+                        self.jobdir.report_damage(str(e))
+                        log.warning("the next start checks every state file of the checkpoints in full and resumes from the newest intact one")
+                    except Exception as report_failed:  # the store failing now: the job's own error is what to report
+                        log.warning("could not record the damage for the next start (%s)", report_failed)
                 raise
             finally:
                 control.close()
