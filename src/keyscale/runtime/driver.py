@@ -404,9 +404,10 @@ class JobRunner:
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
             if not self.pipeline.sink.exactly_once:
                 log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
-            control = ControlServer(self)
             if not self.jobdir.is_local:
+                # Before the control API: a client that finds its address must find the job running too.
                 self._heartbeat = Heartbeat(self.jobdir, lambda: self._status(self._last_reports))
+            control = ControlServer(self)
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
             try:
