@@ -2,6 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python bench/chaos.py --seed 1 --minutes 3 --target-faults 12
     PYTHONPATH=src .venv/bin/python bench/chaos.py --faults kill-driver,rescale --minutes 10 --target-faults 100
+    PYTHONPATH=src .venv/bin/python bench/chaos.py --store s3 --seed 7 --minutes 12 --target-faults 40
 
 The job (``bench/jobs/chaos_count.py``) reads a partitioned log that a generator thread
 fills at ``--rate`` records/s, numbers each key's records in keyed state (stage ``seq``) and
@@ -24,7 +25,10 @@ every kind comes up about equally often):
   A restart that silently starts over from empty state (every kept checkpoint damaged) is
   neither: it is counted as ``restarted_empty`` (any such restart, flip or not, also in
   ``empty_restarts``), and the check shows what it cost; a flip whose outcome the next fault
-  cut short is ``interrupted``;
+  cut short is ``interrupted``. On S3 the start checks state files by size only: a flipped
+  byte is found by the task that reads the file, and the run reports the damage and exits
+  (``flips_found_at_read``); the harness restarts it (that start checks every state file in
+  full) and the flip's outcome is that restart's;
 * ``restart``: ``keyscale stop JOB`` (a clean stop through the control API), then a restart
   at another parallelism.
 
@@ -44,6 +48,16 @@ log's contents:
 
 Output of a job directory abandoned for a restore counts up to the savepoint's batch (what
 followed is redone by the restored job); the final lineage counts whole.
+
+With ``--store s3`` the job directories, outputs, late outputs and savepoints live on S3: the
+harness starts a private SeaweedFS server (in the work folder, stopped at the end) with a
+bucket, and every generation gets ``s3://`` locations; the log (the input) stays local. The
+harness reads job directories only through :class:`~keyscale.checkpoint.jobdir.JobDir` and the
+store, outputs only through :func:`~keyscale.sinks.parquet.read_output` (complete batches), and
+``flip`` gets the object, XORs one byte and puts it back through the store. Savepoint faults
+(and restores from savepoints) need a keyscale that writes savepoints to S3: the harness
+probes it with the first savepoint and, if refused, leaves them out and says so (a refusal is
+then resolved by a new job directory that reads the log from its start).
 
 Prints a summary and writes it as JSON (``--out``, default ``bench/out/chaos.json``):
 faults by kind, recoveries, refusals (with their messages), job failures, restores, records,
@@ -149,14 +163,19 @@ def error_line(text: str) -> str:
 
 @dataclass
 class Generation:
-    """One job directory with its output folder; restored from ``parent``'s savepoint at ``cut``."""
+    """One job directory with its output folder; restored from ``parent``'s savepoint at ``cut``.
+    Locations are local paths or ``s3://`` URIs (``--store``)."""
 
     index: int
-    job: Path
-    out: Path
-    late: Path
+    job: str
+    out: str
+    late: str
     parent: int | None = None
     cut: int | None = None  # the parent's output counts up to this batch
+
+    @property
+    def name(self) -> str:
+        return self.job.rstrip("/").rsplit("/", 1)[-1]
 
 
 @dataclass
@@ -164,7 +183,7 @@ class Async:
     kind: str
     proc: subprocess.Popen[str]
     started: float
-    dest: Path | None = None
+    dest: str | None = None
     gen: int = 0
 
 
@@ -177,6 +196,7 @@ class Stats:
     flip_refused: int = 0
     flip_empty: int = 0  # restarted silently from empty state: neither a recovery nor a refusal
     flip_interrupted: int = 0  # the next fault came before the outcome was known
+    flip_found_at_read: int = 0  # object store: the run that read the damaged file reported it and exited
     empty_restarts: int = 0  # any restart of a job directory with committed batches that started from empty state
     refusals: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # unexpected exits of the job
@@ -185,13 +205,16 @@ class Stats:
     rescales_refused: list[str] = field(default_factory=list)
     savepoints: list[dict[str, Any]] = field(default_factory=list)
     savepoints_failed: list[str] = field(default_factory=list)
+    savepoints_unsupported: str | None = None  # --store s3 on a keyscale that cannot write savepoints there
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Harness:
-    def __init__(self, args: argparse.Namespace, work: Path):
+    def __init__(self, args: argparse.Namespace, work: Path, root: str | None = None):
+        """``root``: where job directories, outputs and savepoints go (default the work folder)."""
         self.args = args
         self.work = work
+        self.root = root.rstrip("/") if root else str(work)
         self.rng = random.Random(args.seed)
         self.kinds = [k for k in args.faults.split(",") if k]
         bad = [k for k in self.kinds if k not in KINDS]
@@ -203,6 +226,7 @@ class Harness:
         self.expect_exit: str | None = None  # why the harness stopped or killed the job
         self.restart_p: int | None = None
         self.pending: list[Async] = []
+        self.stale_address: bytes | None = None  # the control address a killed run left (see start)
         self.watch: dict[str, Any] | None = None  # a restart whose outcome is awaited
         self.failed_starts = 0
         self.committed: dict[int, int] = {}  # the highest batch each job directory ever committed
@@ -219,13 +243,22 @@ class Harness:
 
     def new_generation(self, parent: int | None = None, cut: int | None = None) -> Generation:
         i = len(self.gens)
-        g = Generation(i, self.work / f"job{i}", self.work / f"out{i}", self.work / f"late{i}", parent, cut)
+        g = Generation(i, self.loc(f"job{i}"), self.loc(f"out{i}"), self.loc(f"late{i}"), parent, cut)
         self.gens.append(g)
         return g
 
+    def loc(self, name: str) -> str:
+        """A location under the root: a local path (``--store local``) or an ``s3://`` URI."""
+        return f"{self.root}/{name}"
+
+    def jobdir(self) -> Any:
+        from keyscale.checkpoint.jobdir import JobDir
+
+        return JobDir(self.gen.job)
+
     def run_argv(self, p: int | None, *extra: str) -> list[str]:
         g = self.gen
-        argv = ["run", str(JOB_FILE), "--job-dir", str(g.job), "--max-parallelism", str(self.args.max_parallelism),
+        argv = ["run", str(JOB_FILE), "--job-dir", g.job, "--max-parallelism", str(self.args.max_parallelism),
                 "--trigger-interval", self.args.trigger_interval, "--autoscaler", "off",
                 "--set", f"log={self.log.uri}", "--set", f"output={g.out}", "--set", f"late={g.late}",
                 "--set", f"limit={self.args.limit}", "--set", f"size={WINDOW_MS // 1000} seconds", *extra]
@@ -236,6 +269,10 @@ class Harness:
     def start(self, p: int | None = None, *extra: str) -> None:
         assert self.proc is None or self.proc.poll() is not None
         argv = self.run_argv(p, *extra)
+        from keyscale.runtime.control import ADDRESS
+
+        # A killed run leaves its control address behind: serving() waits for this run's own.
+        self.stale_address = self.jobdir().store.get_or_none(ADDRESS)
         logf = open(self.work / f"job{self.gen.index}.log", "a")  # noqa: SIM115 - handed to the child
         logf.write(f"\n=== {time.strftime('%H:%M:%S')} keyscale {' '.join(argv)}\n")
         logf.flush()
@@ -258,24 +295,31 @@ class Harness:
             return f.read()
 
     def last_batch(self) -> int:
-        from keyscale.checkpoint.jobdir import JobDir
-
-        b = JobDir(self.gen.job).manifest_batches() if self.gen.job.exists() else []
+        jd = self.jobdir()
+        b = jd.manifest_batches() if jd.exists() else []
         return b[-1] if b else -1
 
     def last_commit_time(self) -> float:
-        """When the current job directory last committed a batch (its newest manifest's mtime)."""
-        times = [0.0]
-        for p in (self.gen.job / "checkpoints").glob("manifest-*.json") if self.gen.job.exists() else []:
-            with contextlib.suppress(FileNotFoundError):  # retention may delete it meanwhile
-                times.append(p.stat().st_mtime)
-        return max(times)
+        """When the current job directory last committed a batch: its newest manifest's
+        ``created_ms`` (the store has no mtimes; both sides of the comparison are this host's clock)."""
+        jd = self.jobdir()
+        for b in reversed(jd.manifest_batches() if jd.exists() else []):
+            try:
+                return float(jd.read_manifest(b).created_ms) / 1000
+            except Exception:  # retention deleted it meanwhile, or it is damaged: the one before
+                continue
+        return 0.0
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def serving(self) -> bool:
-        return self.alive() and (self.gen.job / "control" / "http.json").exists() and self.last_batch() >= 0
+        from keyscale.runtime.control import ADDRESS
+
+        if not self.alive():
+            return False
+        address = self.jobdir().store.get_or_none(ADDRESS)
+        return address is not None and address != self.stale_address and self.last_batch() >= 0
 
     def kill(self, why: str) -> None:
         """SIGKILL the driver; its JVM and workers exit with it (the rest of its process group is reaped after 10 s)."""
@@ -321,7 +365,7 @@ class Harness:
 
                     try:
                         batch = read_savepoint(a.dest, verify=False).batch
-                        self.stats.savepoints.append({"path": str(a.dest), "gen": a.gen, "batch": batch})
+                        self.stats.savepoints.append({"path": a.dest, "gen": a.gen, "batch": batch})
                     except Exception as e:
                         self.stats.savepoints_failed.append(f"unreadable after success: {e}")
                 else:
@@ -337,6 +381,17 @@ class Harness:
             self.start(p)
             return
         msg = error_line(self.job_log_tail())
+        if self.watch is not None and self.watch["flip"] and "the next start checks every state file" in self.job_log_tail():
+            # On an object store the start checks state files by size only: a task found the flipped
+            # byte, the run reported it and exited; its restart checks in full. The outcome is that restart's.
+            self.stats.flip_found_at_read += 1
+            self.event("flip-found-at-read", rc=rc, error=msg)
+            say(f"  the flip was found when the state was read (exit {rc}): {msg}; restarting")
+            self.watch = None
+            self.start()
+            assert self.watch is not None
+            self.watch["flip"] = True
+            return
         if self.watch is not None and self.watch["flip"]:
             self.stats.flip_refused += 1
             self.stats.refusals.append(msg)
@@ -392,7 +447,7 @@ class Harness:
         else:
             self.new_generation(parent=int(sp["gen"]), cut=int(sp["batch"]))
             self.event("restore", why=why, savepoint=sp["path"], batch=sp["batch"])
-            say(f"  restore ({why}): from {Path(sp['path']).name} (batch {sp['batch']}) into {self.gen.job.name}")
+            say(f"  restore ({why}): from {sp['path'].rstrip('/').rsplit('/', 1)[-1]} (batch {sp['batch']}) into {self.gen.name}")
             self.start(self.rng.randint(1, self.args.max_p), "--from-savepoint", str(sp["path"]))
         self.stats.restores.append({"why": why, "savepoint": sp})
         self.failed_starts = 0
@@ -402,10 +457,8 @@ class Harness:
 
     # -- the faults ------------------------------------------------------------------------------
     def current_p(self) -> int:
-        from keyscale.checkpoint.jobdir import JobDir
-
         try:
-            return int(JobDir(self.gen.job).read_status()["operators"]["seq"]["parallelism"])
+            return int(self.jobdir().read_status()["operators"]["seq"]["parallelism"])
         except Exception:
             return 1
 
@@ -449,13 +502,13 @@ class Harness:
         elif kind == "rescale":
             p = self.other_p()
             op = self.rng.choice([None, None, "seq", "windows", "reader"])
-            argv = ["rescale", str(g.job), "-p", str(p)] + (["--operator", op] if op else [])
+            argv = ["rescale", g.job, "-p", str(p)] + (["--operator", op] if op else [])
             self.pending.append(Async(kind, self._cli(argv), time.time()))
             self.event(kind, parallelism=p, operator=op)
         elif kind == "savepoint":
-            dest = self.work / "savepoints" / f"sp{sum(self.stats.faults.values()):04d}"
-            self.pending.append(Async(kind, self._cli(["savepoint", str(g.job), "--dest", str(dest)]), time.time(), dest, g.index))
-            self.event(kind, dest=str(dest))
+            dest = self.loc(f"savepoints/sp{sum(self.stats.faults.values()):04d}")
+            self.pending.append(Async(kind, self._cli(["savepoint", g.job, "--dest", dest]), time.time(), dest, g.index))
+            self.event(kind, dest=dest)
         elif kind == "flip":
             if not self.alive():
                 return False
@@ -472,7 +525,7 @@ class Harness:
             p = self.other_p()
             self.expect_exit = "restart"
             self.restart_p = p
-            r = keyscale("stop", str(g.job), timeout=300)
+            r = keyscale("stop", g.job, timeout=300)
             if r.returncode != 0:
                 self.kill("restart")  # the clean stop failed: stop it hard, restart all the same
             self.event(kind, parallelism=p, clean=r.returncode == 0)
@@ -483,25 +536,25 @@ class Harness:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def flip_state_file(self) -> dict[str, Any] | None:
-        """XOR one byte of a state file (of the latest checkpoint half the time)."""
-        from keyscale.checkpoint.jobdir import JobDir
-
-        jd = JobDir(self.gen.job)
-        files: list[Path] = []
+        """XOR one byte of a state file (of the latest checkpoint half the time): get the
+        object, flip, put it back, through the job directory's store (local disk or S3)."""
+        jd = self.jobdir()
+        store = jd.store
+        keys: list[str] = []
         m = jd.latest_manifest() if self.rng.random() < 0.5 else None
         if m is not None:
-            files = sorted({jd.path / f.path for op in m.operators.values() for f in op.files})
-        if not files:
-            files = sorted(p for p in (jd.path / "state").rglob("*") if p.is_file())
-        files = [f for f in files if f.exists() and f.stat().st_size > 0]
-        if not files:
+            keys = sorted({f.path for op in m.operators.values() for f in op.files})
+        if not keys:
+            keys = [o.key for o in store.list("state")]
+        keys = [k for k in keys if (store.size(k) or 0) > 0]
+        if not keys:
             return None
-        victim = self.rng.choice(files)
-        data = bytearray(victim.read_bytes())
+        victim = self.rng.choice(keys)
+        data = bytearray(store.get(victim))
         at = self.rng.randrange(len(data))
         data[at] ^= 1 << self.rng.randrange(8)
-        victim.write_bytes(bytes(data))
-        return {"file": str(victim.relative_to(jd.path)), "offset": at, "size": len(data)}
+        store.put(victim, bytes(data))
+        return {"file": victim, "offset": at, "size": len(data)}
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -514,11 +567,18 @@ class Harness:
         self.start(self.rng.randint(1, a.max_p))
         if not self.wait_serving(240):
             raise SystemExit(f"the job did not start:\n{self.job_log_tail()[-3000:]}")
-        base = self.work / "savepoints" / "sp-start"
-        if keyscale("savepoint", str(self.gen.job), "--dest", str(base)).returncode == 0:  # a restore point before any fault
+        base = self.loc("savepoints/sp-start")
+        r = keyscale("savepoint", self.gen.job, "--dest", base)
+        if r.returncode == 0:  # a restore point before any fault
             from keyscale.checkpoint.savepoint import read_savepoint
 
-            self.stats.savepoints.append({"path": str(base), "gen": 0, "batch": read_savepoint(base, verify=False).batch})
+            self.stats.savepoints.append({"path": base, "gen": 0, "batch": read_savepoint(base, verify=False).batch})
+        elif a.store != "local" and "savepoint" in self.kinds:
+            # This keyscale cannot write a savepoint to the store: no savepoint faults, and a refusal
+            # is resolved by a new job directory from the log's start.
+            self.stats.savepoints_unsupported = error_line(r.stderr)
+            self.kinds.remove("savepoint")
+            say(f"savepoints on {a.store} refused ({self.stats.savepoints_unsupported}): no savepoint faults; restores start from the log")
         say(f"job serving; nemesis for {a.minutes:g} min, up to {a.target_faults} faults")
         rounds = itertools.chain.from_iterable(self.rng.sample(self.kinds, len(self.kinds)) for _ in itertools.count())
         mean_gap = duration / max(1, a.target_faults)
@@ -537,7 +597,7 @@ class Harness:
             if self.inject(kind):
                 done += 1
                 self.stats.faults[kind] += 1
-                say(f"fault {done}: {kind} (batch {self.last_batch()}, {self.gen.job.name})")
+                say(f"fault {done}: {kind} (batch {self.last_batch()}, {self.gen.name})")
                 quick = kind in ("rescale", "savepoint") and self.rng.random() < 0.5
             else:
                 self.stats.skipped[kind] = self.stats.skipped.get(kind, 0) + 1
@@ -563,7 +623,7 @@ class Harness:
                 a.proc.kill()
         self.supervise()
         self.expect_exit = "final"
-        r = keyscale("stop", str(self.gen.job), timeout=300) if self.alive() else None
+        r = keyscale("stop", self.gen.job, timeout=300) if self.alive() else None
         if r is not None and r.returncode != 0:
             self.kill("final")
         if self.proc is not None:
@@ -574,7 +634,7 @@ class Harness:
             rc = self.proc.wait(1800)
             if rc == 0:
                 self.resolve_watch()
-                say(f"final run done ({self.gen.job.name}, last batch {self.last_batch()})")
+                say(f"final run done ({self.gen.name}, last batch {self.last_batch()})")
                 return
             msg = error_line(self.job_log_tail())
             self.stats.refusals.append(f"final run: {msg}")
@@ -601,12 +661,14 @@ class Harness:
             "recoveries": s.recoveries,
             "flips": {"recovered": s.flip_recovered, "refused": s.flip_refused, "restarted_empty": s.flip_empty,
                       "interrupted": s.flip_interrupted},
+            "flips_found_at_read": s.flip_found_at_read,
             "empty_restarts": s.empty_restarts,
             "refusals": s.refusals,
             "job_failures": s.failures,
             "stuck_restarts": s.stuck,
             "restores": s.restores,
             "savepoints": len(s.savepoints), "savepoints_failed": s.savepoints_failed,
+            "savepoints_unsupported": s.savepoints_unsupported,
             "rescales_refused": s.rescales_refused,
             "job_dirs": len(self.gens),
             **check,
@@ -639,17 +701,20 @@ def _ms(col: Any) -> Any:
 
 
 def lineage_rows(gens: list[Generation]) -> Any:
-    """The output rows that count: the last generation whole, each ancestor up to its cut."""
+    """The output rows that count: the last generation whole, each ancestor up to its cut.
+    Read with :func:`~keyscale.sinks.parquet.read_output`: complete batches only, on any store."""
     import pandas as pd
-    import pyarrow.dataset as pads
+
+    from keyscale.sinks.parquet import read_output
 
     frames = []
     g: Generation | None = gens[-1]
     cut: int | None = None
     order = 0
     while g is not None:
-        if g.out.exists() and any(g.out.glob("batch=*")):
-            df = pads.dataset(str(g.out), partitioning="hive").to_table().to_pandas()
+        table = read_output(g.out)
+        if table.num_rows:
+            df = table.to_pandas()
             if cut is not None:
                 df = df[df["batch"] <= cut]
             frames.append(df.assign(gen_order=-order))
@@ -662,13 +727,9 @@ def lineage_rows(gens: list[Generation]) -> Any:
 
 
 def late_records(gens: list[Generation]) -> int:
-    import pyarrow.dataset as pads
+    from keyscale.sinks.parquet import read_output
 
-    n = 0
-    for g in gens:
-        if g.late.exists() and any(g.late.glob("batch=*")):
-            n += pads.dataset(str(g.late), partitioning="hive").count_rows()
-    return n
+    return sum(read_output(g.late).num_rows for g in gens)
 
 
 def verify(log: Any, gens: list[Generation]) -> dict[str, Any]:
@@ -721,21 +782,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-p", type=int, default=4, help="parallelism is drawn from 1..max-p")
     ap.add_argument("--max-parallelism", type=int, default=16, help="key groups")
     ap.add_argument("--trigger-interval", default="1 second")
+    ap.add_argument("--store", choices=("local", "s3"), default="local",
+                    help="where job directories, outputs and savepoints live: the work folder, or a private SeaweedFS S3 server")
     ap.add_argument("--work", help="working folder (kept; default a temporary one, deleted unless the check fails)")
     ap.add_argument("--out", help="summary JSON (default bench/out/chaos.json)")
     args = ap.parse_args(argv)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="keyscale-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     out_path = Path(args.out) if args.out else OUT / "chaos.json"
-    h = Harness(args, work)
+    server = None
+    root = None
+    if args.store == "s3":
+        from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+
+        server = start_seaweedfs(work / "seaweedfs", "keyscale-chaos", "keyscale-chaos-secret")
+        create_bucket(server, "chaos")
+        # The job processes and CLI commands the harness starts inherit these; Spark's own
+        # checkpoint folders (local by design) stay in the work folder.
+        os.environ.update(server.env())
+        os.environ["KEYSCALE_SPARK_CACHE"] = str(work / "spark-cache")
+        root = "s3://chaos"
+        say(f"SeaweedFS (pid {server.pid}) at {server.endpoint_url}; job directories and outputs under {root}")
     try:
-        summary = h.run()
+        h = Harness(args, work, root)
+        try:
+            summary = h.run()
+        finally:
+            if h.alive():
+                h.kill("harness exit")
+            for a in h.pending:
+                if a.proc.poll() is None:
+                    a.proc.kill()
     finally:
-        if h.alive():
-            h.kill("harness exit")
-        for a in h.pending:
-            if a.proc.poll() is None:
-                a.proc.kill()
+        if server is not None:
+            server.stop()  # its own process group, by its PID
     summary["work"] = str(work)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(summary, indent=1, default=str))

@@ -70,7 +70,8 @@ def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: Fi
 
 
 def _open_state_file(store: Store, f: StateFile, verify: bool) -> pa.Table:
-    """The whole table of ``f``, checked against its manifest entry (size, and crc with ``verify``)."""
+    """The whole table of ``f``, checked against its manifest entry: size, and crc (on local disk
+    with ``verify`` only; from an object store always, the bytes being in memory)."""
     where = store.url(f.path)
     if isinstance(store, LocalStore):  # memory-mapped: pages outside the slice are never read
         path = store.path(f.path)
@@ -90,7 +91,10 @@ def _open_state_file(store: Store, f: StateFile, verify: bool) -> pa.Table:
             raise StateError(f"state file {where} is missing") from None
         if len(data) != f.bytes:
             raise StateError(f"state file {where} is damaged (size {len(data)}, checkpoint says {f.bytes})")
-        if verify and zlib.crc32(data) != f.crc32:
+        # Always checked here, whatever ``verify`` says: the whole object is in memory already
+        # (a checksum pass is cheap next to the request), and on an object store recovery checks
+        # sizes only, so this read is where a file damaged in place is found.
+        if zlib.crc32(data) != f.crc32:
             raise StateError(f"state file {where} is damaged (checksum mismatch)")
         source = pa.BufferReader(data)
     try:

@@ -44,6 +44,7 @@ from keyscale.storage import LocalStore, Store, open_store
 JOB_FILE = "job.json"
 CHECKPOINTS = "checkpoints"
 EPOCHS = "epochs"
+DAMAGE_REPORT = "damage.json"  # a run found a damaged state file: the next start checks in full
 # On an object store there is no lock: a job whose heartbeat (status.json) is older than
 # this is taken to be gone, and a new run may claim the job directory.
 TAKEOVER_AFTER_S = float(os.environ.get("KEYSCALE_TAKEOVER_AFTER", "30"))
@@ -360,7 +361,9 @@ class JobDir:
         self._manifests.clear()
         damaged: list[tuple[int, str]] = []
         found: Manifest | None = None
-        sizes = None if self.is_local else {o.key: o.size for o in self.store.list("state")}
+        reported = None if self.is_local else self.store.get_text(DAMAGE_REPORT)
+        # Sizes only on an object store, unless a run found a damaged file (then in full, as on local disk).
+        sizes = None if self.is_local or reported is not None else {o.key: o.size for o in self.store.list("state")}
         for batch in reversed(self.manifest_batches()):
             m, problem = self.check_manifest(batch, sizes)
             if m is not None:
@@ -390,9 +393,24 @@ class JobDir:
             for name in self.store.list_names(CHECKPOINTS):
                 if _batch_of(name, "intent-") is not None:
                     self._set_aside(f"{CHECKPOINTS}/{name}", f"{folder}/{name}")
+            if reported is not None:
+                self.store.delete(DAMAGE_REPORT)
             return Recovery(None, discarded, empty_restart=True, spark_set_aside=str(aside) if aside else None)
         self.rollback_spark_commits(after=found.batch if found else -1)
+        if reported is not None:
+            self.store.delete(DAMAGE_REPORT)  # checked in full: what is damaged is set aside
         return Recovery(found, discarded)
+
+    def report_damage(self, why: str) -> None:
+        """Ask the next start to check every state file of the checkpoints in full.
+
+        On an object store :meth:`recover` checks state files by size only (reading every
+        state file at each start would cost a job of terabytes its restart), so a file damaged
+        in place is found when a task reads it. The run that finds it calls this before it
+        exits; the next :meth:`recover` then checks sizes and checksums, as on local disk: it
+        falls back to the newest intact checkpoint, or refuses when none is left (unless
+        ``allow_empty_restart``). The request stays until a recovery succeeds."""
+        self.store.put(DAMAGE_REPORT, _json({"why": why, "pid": os.getpid(), "host": socket.gethostname(), "time_ms": int(time.time() * 1000)}))
 
     def rollback_spark_commits(self, after: int) -> list[int]:
         """Make Spark re-run every batch newer than ``after`` (its offsets are kept)."""

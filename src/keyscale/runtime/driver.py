@@ -263,9 +263,10 @@ class JobRunner:
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
             if not self.pipeline.sink.exactly_once:
                 log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
-            control = ControlServer(self)
             if not self.jobdir.is_local:
+                # Before the control API: a client that finds its address must find the job running too.
                 self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
+            control = ControlServer(self)
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
             try:
@@ -281,6 +282,15 @@ class JobRunner:
             except BaseException as e:
                 if not self._drained.done():
                     self._drained.set_exception(e)
+                if isinstance(e, StateError) and str(e).startswith("state file ") and not self.jobdir.is_local:
+                    # A task found a state file damaged in place (recovery on an object store checks
+                    # sizes only): the restart checks every state file in full, so it falls back to
+                    # the newest intact checkpoint (or refuses) instead of failing on the same file again.
+                    try:
+                        self.jobdir.report_damage(str(e))
+                        log.warning("the next start checks every state file of the checkpoints in full and resumes from the newest intact one")
+                    except Exception as report_failed:  # the store failing now: the job's own error is what to report
+                        log.warning("could not record the damage for the next start (%s)", report_failed)
                 raise
             finally:
                 control.close()

@@ -22,19 +22,29 @@ class Heartbeat:
         self.jobdir, self.status, self.every = jobdir, status, every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="keyscale-heartbeat", daemon=True)
-        self._thread.start()
+        # The first beat before returning: until it, `keyscale stop/rescale/savepoint` would find the
+        # job "not running" (the status of a run that is gone, or none) although it runs.
+        if self._beat():
+            self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            try:
-                self.jobdir.check_epoch("writing its status")
-                self.jobdir.write_status({**self.status(), "running": True})
-            except FencedError as e:
-                log.error("%s", e)
+            if not self._beat():
                 return
-            except KeyscaleError as e:  # the store is unreachable for a while: try again later
-                log.warning("could not write the job's heartbeat: %s", e)
+
+    def _beat(self) -> bool:
+        """Write the status once; False when this run is fenced (it must stop writing)."""
+        try:
+            self.jobdir.check_epoch("writing its status")
+            self.jobdir.write_status({**self.status(), "running": True})
+        except FencedError as e:
+            log.error("%s", e)
+            return False
+        except KeyscaleError as e:  # the store is unreachable for a while: try again later
+            log.warning("could not write the job's heartbeat: %s", e)
+        return True
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # not started when the first beat found this run fenced
+            self._thread.join(timeout=5)
