@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -232,3 +233,43 @@ def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, red
     got = read_output(out).groupby("key")["count"].max().sort_index()
     records = pd.concat([log.read(p, 0, e).to_pandas() for p, e in enumerate(log.end_offsets())])
     pd.testing.assert_series_equal(got, records.groupby("key").size().sort_index(), check_names=False, check_dtype=False)
+
+
+def test_running_count_on_an_isolated_cluster_restarts_3_to_2_after_a_kill_exactly_once(
+    cluster: Any, s3_bucket: str, spark: Any, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A Spark-source job on the isolated cluster, state and output on S3: the driver is
+    killed after the sink wrote batch 1 (before its commit), restarted at parallelism 3,
+    then restarted at 2 with more input. Output equals a run at parallelism 1 on local disk."""
+    from conftest import RUNNING_COUNT, reference_output, write_events
+
+    events = tmp_path / "events"
+    write_events(events, files=5, rows=1200, keys=200, seed=5)
+    reference = reference_output(tmp_path_factory, events, 1)
+    # The input must be readable by the workers' user: a world-readable folder of its own.
+    inp = Path(tempfile.mkdtemp(prefix="ks-cluster-input-", dir="/tmp"))
+    try:
+        inp.chmod(0o755)
+
+        def feed(upto: int) -> None:
+            for p in sorted(events.glob("part-*.parquet"))[:upto]:
+                if not (inp / p.name).exists():
+                    shutil.copy2(p, inp / p.name)
+                    (inp / p.name).chmod(0o644)
+
+        job, out = f"{s3_bucket}/jobs/rc", f"{s3_bucket}/out"
+        base = ["run", str(RUNNING_COUNT), "--job-dir", job, "--master", cluster.master_url, "--until-idle",
+                "--set", f"input={inp}", "--set", f"output={out}"]
+        feed(3)
+        killed = cli(*base, "-p", "3", "--fault", "after-sink:1", timeout=600)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        assert JobDir(job).manifest_batches()[-1] == 0
+        cli(*base, "-p", "3", check=True, timeout=600)
+        feed(5)
+        resumed = cli(*base, "-p", "2", check=True, timeout=600)
+        assert "resuming job 'running_count' from checkpoint 2" in resumed.stderr
+        got = read_output(out)
+        assert not got.duplicated(["batch", "key"]).any()
+        pd.testing.assert_frame_equal(got.reset_index(drop=True), reference.reset_index(drop=True), check_dtype=False)
+    finally:
+        shutil.rmtree(inp, ignore_errors=True)
