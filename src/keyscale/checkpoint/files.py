@@ -192,7 +192,11 @@ def read_state_slice(job_dir: Location, f: StateFile, rng: KeyGroupRange, verify
 
 def verify_state_file(job_dir: Location, f: StateFile) -> str | None:
     """None when the file is intact, else a sentence saying what is wrong."""
-    data = open_store(job_dir, "job directory").get_or_none(f.path)
+    return state_bytes_problem(f, open_store(job_dir, "job directory").get_or_none(f.path))
+
+
+def state_bytes_problem(f: StateFile, data: bytes | None) -> str | None:
+    """What is wrong with ``data`` read as state file ``f`` (None: intact, by size and crc32)."""
     if data is None:
         return f"state file {f.path} is missing"
     if len(data) != f.bytes:

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from keyscale.checkpoint.drain import add_empty_batch, spark_log_end
-from keyscale.checkpoint.files import _INDEX_KEY, read_state_slice
+from keyscale.checkpoint.files import _INDEX_KEY, read_state_slice, state_bytes_problem
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import (
     Manifest,
@@ -163,15 +163,10 @@ class CheckpointFiles:
 
     def verify(self, f: StateFile) -> str | None:
         """None when ``f`` is intact (size, crc32), else what is wrong."""
-        import zlib
-
         data = self.store.get_or_none(f.path)
-        if data is None:
-            return f"state file {f.path} is missing"
-        if len(data) != f.bytes:
-            return f"state file {f.path} has {len(data)} bytes, expected {f.bytes}"
-        if zlib.crc32(data) != f.crc32:
-            return f"state file {f.path} fails its checksum"
+        problem = state_bytes_problem(f, data)
+        if problem is not None or data is None:
+            return problem
         if not self.store.is_local:
             self._schemas[f.path] = _state_file_schema(self.store, f, data)
         return None
