@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,16 @@ def test_process_identity_guards_against_pid_reuse() -> None:
     assert not _alive(me, started + 1)  # same PID, another process: not ours
     assert not _alive(_dead_pid(), 0)
     assert _group_members(pgrp, 0)  # our own group has members ...
-    assert _group_members(pgrp, _proc_stat(pgrp)[2] + 1) == []  # type: ignore[index]  # ... but not if its leader is foreign
+    # ... but a group is not ours if its leader is foreign (a group of its own: ours may have lost its leader)
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        leader = _proc_stat(child.pid)
+        assert leader is not None
+        assert _group_members(child.pid, leader[2]) == [child.pid]
+        assert _group_members(child.pid, leader[2] + 1) == []
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_free_ports_are_distinct_and_bindable() -> None:
