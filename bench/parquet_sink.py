@@ -25,7 +25,7 @@ from typing import Any
 
 def rename_protocol(df: Any, root: Path, batch: int) -> None:
     """The sink as it was before issue 11 (keyscale.sinks.parquet at 3118e3a), minus the lineage checks."""
-    from keyscale.storage.local import fsync_dir, fsync_file
+    from keyscale.storage.local import fsync_path
 
     tmp = root / f"_tmp-{batch}-{uuid.uuid4().hex[:8]}"
     df.write.mode("overwrite").parquet(str(tmp))
@@ -34,10 +34,10 @@ def rename_protocol(df: Any, root: Path, batch: int) -> None:
             p.unlink()
     (tmp / "_keyscale.json").write_text("{}")
     for p in tmp.iterdir():
-        fsync_file(p)
-    fsync_dir(tmp)
+        fsync_path(p)
+    fsync_path(tmp)
     os.rename(tmp, root / f"batch={batch:012d}")
-    fsync_dir(root)
+    fsync_path(root)
 
 
 def main(argv: list[str] | None = None) -> int:

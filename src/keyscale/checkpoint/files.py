@@ -195,12 +195,20 @@ def verify_state_file(job_dir: Location, f: StateFile) -> str | None:
     return state_bytes_problem(f, open_store(job_dir, "job directory").get_or_none(f.path))
 
 
+def state_size_problem(f: StateFile, size: int | None) -> str | None:
+    """What is wrong with state file ``f`` found with ``size`` bytes (None: absent)."""
+    if size is None:
+        return f"state file {f.path} is missing"
+    if size != f.bytes:
+        return f"state file {f.path} has {size} bytes, expected {f.bytes}"
+    return None
+
+
 def state_bytes_problem(f: StateFile, data: bytes | None) -> str | None:
     """What is wrong with ``data`` read as state file ``f`` (None: intact, by size and crc32)."""
-    if data is None:
-        return f"state file {f.path} is missing"
-    if len(data) != f.bytes:
-        return f"state file {f.path} has {len(data)} bytes, expected {f.bytes}"
+    problem = state_size_problem(f, None if data is None else len(data))
+    if problem is not None or data is None:
+        return problem
     if zlib.crc32(data) != f.crc32:
         return f"state file {f.path} fails its checksum"
     return None

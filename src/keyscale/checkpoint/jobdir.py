@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from keyscale.checkpoint import sparklog
-from keyscale.checkpoint.files import verify_state_file
+from keyscale.checkpoint.files import state_size_problem, verify_state_file
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.retention import checkpoints_to_keep
 from keyscale.errors import FencedError, JobDirError, StateError, StorageError
@@ -333,12 +333,7 @@ class JobDir:
             return None, str(e)
         for op in m.operators.values():
             for f in op.files:
-                if sizes is not None:
-                    size = sizes.get(f.path)
-                    problem = f"state file {f.path} is missing" if size is None else (
-                        f"state file {f.path} has {size} bytes, expected {f.bytes}" if size != f.bytes else None)
-                else:
-                    problem = verify_state_file(self.store, f)
+                problem = state_size_problem(f, sizes.get(f.path)) if sizes is not None else verify_state_file(self.store, f)
                 if problem:
                     return None, f"checkpoint {batch}: {problem}"
         return m, None
@@ -418,11 +413,7 @@ class JobDir:
 
     # -- batch intents -------------------------------------------------------------------
     def read_intent(self, batch: int) -> dict[str, Any] | None:
-        try:
-            text = self.store.get_text(self.intent_key(batch))
-            return dict(json.loads(text)) if text is not None else None
-        except (ValueError, StorageError):
-            return None
+        return self.read_json(self.intent_key(batch)) or None  # an intent is never empty
 
     def write_intent(self, batch: int, intent: dict[str, Any]) -> None:
         self.store.put(self.intent_key(batch), _json(intent))

@@ -144,7 +144,6 @@ class JobRunner:
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[str | None] = Future()
-        self._reports = Reports()  # tasks' reports: through Spark once the session is there
         self._heartbeat: Heartbeat | None = None
 
     # -- set-up --------------------------------------------------------------------------

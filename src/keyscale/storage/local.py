@@ -29,8 +29,6 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-_fsync_dir = fsync_path
-
 
 def local_write_failure(path: str, e: OSError) -> str:
     """Why a task could not write ``path`` on local disk, for an error message: the
@@ -129,7 +127,7 @@ class LocalStore(Store):
             tmp.unlink(missing_ok=True)
             raise
         if durable:
-            _fsync_dir(target.parent)
+            fsync_path(target.parent)
 
     def create(self, key: str, data: bytes) -> bool:
         self.requests["create"] += 1
@@ -141,7 +139,7 @@ class LocalStore(Store):
             return False
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(target.parent)
+        fsync_path(target.parent)
         return True
 
     def size(self, key: str) -> int | None:
@@ -253,5 +251,3 @@ def is_locked(path: Path) -> bool:
     """True while some process holds an exclusive ``flock`` on the local file ``path``."""
     return LocalStore(path.parent).is_locked(path.name)
 
-
-fsync_file = fsync_dir = fsync_path  # a file written and closed elsewhere; a folder's entries
