@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keyscale-installed
 
-.PHONY: setup run test lint typecheck bench clean redis
+.PHONY: setup run test lint typecheck bench clean redis browser
 
 setup: $(STAMP)
 
@@ -18,13 +18,18 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/python examples/demo.py
 
-test: setup redis
+test: setup redis browser
 	$(BIN)/python -m pytest -q
 
 # The log tests start their own redis-server; install the Debian package if it is missing (as root).
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
 		|| { echo "make: could not install redis-server (apt-get, as root)"; exit 1; }
+
+# The dashboard tests drive Debian's chromium through chromedriver; install them if missing (as root).
+browser:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+		|| { echo "make: could not install chromium and chromium-driver (apt-get, as root)"; exit 1; }
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples
