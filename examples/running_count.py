@@ -24,3 +24,7 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         .aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"))
         .sink(ks.ParquetSink(ctx.arg("output")))
     )
+
+
+if __name__ == "__main__":  # spark-submit examples/running_count.py --job-dir DIR -p 2 --set input=... --set output=...
+    raise SystemExit(ks.main(build))

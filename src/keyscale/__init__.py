@@ -37,6 +37,8 @@ from keyscale.operators.vectorized import (
     sum,
 )
 from keyscale.operators.windows import SessionWindows, SlidingWindows, TumblingWindows, reduce
+from keyscale.runtime.handle import JobHandle
+from keyscale.runtime.submit import main
 from keyscale.sinks.console import ConsoleSink
 from keyscale.sinks.noop import NoopSink
 from keyscale.sinks.parquet import ParquetSink
@@ -49,6 +51,7 @@ __all__ = [
     "ConsoleSink",
     "Context",
     "JobContext",
+    "JobHandle",
     "KeyedBatch",
     "KeyedProcessFunction",
     "KeyedStream",
@@ -74,6 +77,7 @@ __all__ = [
     "broadcast",
     "count",
     "log_source",
+    "main",
     "max",
     "mean",
     "min",

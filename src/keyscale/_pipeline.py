@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
+    from keyscale.runtime.handle import JobHandle
     from keyscale.sinks.base import Sink
 
 NullKeys = Literal["error", "drop"]
@@ -427,6 +428,23 @@ class Pipeline:
     def sinks(self) -> list[Sink]:
         """The main sink and every side-output sink."""
         return [self.sink, *(s.late_sink for s in self.keyed_steps if s.late_sink is not None), *([self.dead_letter] if self.dead_letter else [])]
+
+    def start(self, job_dir: str, parallelism: int | None = None, *, name: str | None = None, **options: Any) -> JobHandle:
+        """Run this pipeline on the SparkSession it was built on, in a background thread of
+        this process, with its state in ``job_dir``; returns a :class:`keyscale.JobHandle`
+        (``status()``, ``rescale(n)``, ``savepoint()``, ``stop(savepoint=True)``,
+        ``await_termination()``) once the job is set up.
+
+        ``name`` is the job's name (default: the job directory's last part); a job
+        directory remembers it, so a later start in the same directory resumes from its
+        checkpoint. ``options`` are :class:`~keyscale.runtime.jobstate.RunOptions` fields:
+        ``until_idle=True`` (end when the input is read), ``trigger_interval="1 second"``,
+        ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"``,
+        ``retain``, ``drain_at_end``... keyscale changes none of the session's settings.
+        """
+        from keyscale.runtime.handle import start_job
+
+        return start_job(self, job_dir, parallelism, name, **options)
 
 
 def stream(df: DataFrame | LogSource) -> Stream:

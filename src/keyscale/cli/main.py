@@ -52,12 +52,29 @@ def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
         raise KeyscaleError(f"autoscaler options: {e}") from None
 
 
+def _stored_sets(job_dir: str, given: dict[str, str]) -> dict[str, str]:
+    """The ``--set`` values of the job's last start, under those given now: a job resumes
+    without repeating them (a value given now wins, and the log says which were reused)."""
+    from keyscale.checkpoint.jobdir import JobDir
+
+    try:
+        stored = JobDir(job_dir).read_json("run.json").get("args") or {}
+    except KeyscaleError:
+        return given
+    reused = {k: v for k, v in stored.items() if k not in given}
+    if reused:
+        logging.getLogger("keyscale").info(
+            "using the job's stored settings from its last start: %s (give --set NAME=VALUE to change one)",
+            ", ".join(f"{k}={v}" for k, v in sorted(reused.items())))
+    return {**reused, **given}
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from keyscale.runtime.driver import JobRunner, RunOptions
 
     opts = RunOptions(
         job_file=a.job_file, job_dir=a.job_dir, parallelism=a.parallelism, max_parallelism=a.max_parallelism,
-        master=a.master, until_idle=a.until_idle, args=_parse_sets(a.set), trigger_interval=a.trigger_interval,
+        master=a.master, until_idle=a.until_idle, args=_stored_sets(a.job_dir, _parse_sets(a.set)), trigger_interval=a.trigger_interval,
         retain=a.retain, max_chain=a.compaction_chain, max_file_age=a.max_file_age, fault=a.fault,
         from_savepoint=a.from_savepoint, allow_non_restored_state=a.allow_non_restored_state,
         allow_empty_restart=a.allow_empty_restart,
@@ -94,6 +111,9 @@ def _restart_rescale(a: argparse.Namespace) -> int:
     run = jd.read_json("run.json")
     if not run:
         raise KeyscaleError(f"{jd.uri} does not say how its job was started (no run.json); restart it by hand with keyscale run")
+    if not run.get("job_file"):
+        raise KeyscaleError(f"the job in {jd.uri} was started from Python (Pipeline.start), not from a job file: "
+                            "rescale it live (keyscale rescale DIR N, or handle.rescale(n)), or stop it and start it again from Python")
     # The job takes the savepoint before it stops; if that fails it keeps running untouched.
     resp = _ask_running_job(a.job_dir, "/stop", a.timeout, savepoint=True)
     print(f"keyscale: savepoint {resp['savepoint']} taken; stopping the job", file=sys.stderr)
@@ -239,6 +259,10 @@ def status_dict(job_dir: str) -> dict[str, Any]:
         "job": ident.name,
         "job_dir": jd.uri,
         "running": running,
+        # A job that is not running either stopped or failed (its last status says which, and why).
+        "state": live.get("state", "running") if running else ("failed" if live.get("state") == "failed" else "stopped"),
+        "last_error": live.get("last_error"),
+        "pending_rescale": live.get("pending_rescale") if running else None,
         "pid": jd.lock_holder() if running else None,
         "max_parallelism": ident.max_parallelism,
         "last_checkpoint": m.batch if m else None,
@@ -282,8 +306,15 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(st, indent=1))
         return 0
-    state = f"running (pid {st['pid']})" if st["running"] else "not running"
+    state = f"{st['state']} (pid {st['pid']})" if st["running"] else st["state"]
     print(f"job '{st['job']}' in {st['job_dir']}: {state}")
+    if st["state"] == "failed" and st["last_error"]:
+        err = st["last_error"]
+        print(f"  failed at batch {err['batch']} ({time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(err['time_ms'] / 1000))} UTC): {err['message']}")
+        print("  (the traceback: keyscale status --json)")
+    if st["pending_rescale"]:
+        want = ", ".join(f"{'all operators' if u == '*' else repr(u)} -> {p}" for u, p in st["pending_rescale"]["parallelism"].items())
+        print(f"  rescale pending (applied at the next batch): {want}")
     print(f"  max parallelism (key groups): {st['max_parallelism']}; last checkpoint: {st['last_checkpoint']}; kept: {st['checkpoints']}")
     if "watermark" in st:
         print(f"  watermark: {st['watermark']}")
@@ -332,7 +363,7 @@ def cmd_list(a: argparse.Namespace) -> int:
             print(f"{'?':24} {'unreadable':12} {'':>10}  {'':11}  {d} ({e})")
             continue
         par = ", ".join(f"{u}={o['parallelism']}" for u, o in st["operators"].items()) or "-"
-        state = "running" if st["running"] else "stopped"
+        state = st["state"]
         last = "-" if st["last_checkpoint"] is None else str(st["last_checkpoint"])
         print(f"{st['job']:24} {state:12} {last:>10}  {par:11}  {d}")
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,6 +65,19 @@ class ControlServer:
         self.runner.jobdir.store.delete_many([ADDRESS, SECRET])
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def request_rescale(runner: JobRunner, parallelism: int, operator: str | None = None) -> None:
+    """Ask a running job to rescale at its next batch (all operators, or ``operator``); it
+    shows as pending in the status until then. A parallelism the job cannot take, or an
+    operator it does not have, is a KeyscaleError and changes nothing."""
+    check_parallelism(parallelism, runner.max_parallelism)
+    if operator is not None and operator not in runner.parallelism:
+        raise KeyscaleError(f"the job has no keyed operator '{operator}' (it has {', '.join(runner.parallelism)})")
+    runner.jobdir.request_rescale(parallelism, operator)
+    pending = dict((runner.job.pending_rescale or {}).get("parallelism", {}))
+    pending[operator or "*"] = parallelism
+    runner.job.pending_rescale = {"parallelism": pending, "requested_ms": int(time.time() * 1000)}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -130,12 +144,8 @@ class _Handler(BaseHTTPRequestHandler):
         r = self.runner
         try:
             if self.path == "/rescale":
-                p = int(body["parallelism"])
-                check_parallelism(p, r.max_parallelism)
-                op = body.get("operator")
-                if op is not None and op not in r.parallelism:
-                    raise KeyscaleError(f"the job has no keyed operator '{op}' (it has {', '.join(r.parallelism)})")
-                r.jobdir.request_rescale(p, op)
+                p, op = int(body["parallelism"]), body.get("operator")
+                request_rescale(r, p, op)
                 self._reply(202, {"accepted": True, "parallelism": p, "operator": op})
             elif self.path == "/savepoint":
                 self._reply(200, {"savepoint": str(r.take_savepoint(body.get("dest")))})

@@ -39,7 +39,7 @@ from keyscale.runtime.jobstate import seconds as _seconds
 from keyscale.runtime.jobstate import watermark_of as _watermark_of
 from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.reports import Reports
-from keyscale.runtime.session import spark_session
+from keyscale.runtime.session import missing_keyscale, spark_session, user_session
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
@@ -75,11 +75,21 @@ def _translate(exc: BaseException) -> BaseException:
     if found:
         cls = getattr(errors, found[0], KeyscaleError)
         return cls(found[1])  # type: ignore[no-any-return]
+    no_keyscale = missing_keyscale(text, _python_of_workers())
+    if no_keyscale:
+        return errors.KeyscaleError(no_keyscale)
     unreadable = input_error(text)
     if unreadable:
         log.debug("Spark's error reading the input:\n%s", text)
         return errors.InputDataError(unreadable)
     return exc
+
+
+def _python_of_workers() -> str:
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    return str(sc.pythonExec) if sc is not None else "python3"
 
 
 class _OfJob(Generic[T]):
@@ -124,8 +134,13 @@ class JobRunner:
     _autoscaler: _OfJob[Autoscaler | None] = _OfJob()
     _last_reports: _OfJob[dict[str, list[dict[str, Any]]] | None] = _OfJob()
 
-    def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None):
+    def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None,
+                 pipeline: Pipeline | None = None, name: str | None = None):
+        """``pipeline``: a pipeline built by the caller on their own SparkSession (the Python
+        API, :meth:`keyscale.Pipeline.start`), run under ``name``; without it the runner loads
+        ``opts.job_file`` and builds the pipeline on a session of its own."""
         jobdir = JobDir(opts.job_dir)
+        self._given = (pipeline, name) if pipeline is not None else None
         # What the batch modules share (commit, stages, source_plan, parallelism, status).
         self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri), on_batch=on_batch)
         self._error: BaseException | None = None
@@ -149,7 +164,10 @@ class JobRunner:
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> SparkSession:
         opts = self.opts
-        self.name, build, _ = load_job(opts.job_file)
+        if self._given is not None:
+            self.name, build = self._given[1] or "job", None
+        else:
+            self.name, build, _ = load_job(opts.job_file)
         self.summary.job = self.name
         if opts.parallelism is not None and opts.parallelism < 1:
             raise KeyscaleError(f"parallelism {opts.parallelism} must be at least 1")
@@ -192,14 +210,20 @@ class JobRunner:
             log.info("resuming job '%s' from checkpoint %d%s", self.name, rec.manifest.batch, fell_back)
         else:
             log.info("starting job '%s' with empty state in %s", self.name, self.jobdir.uri)
-        # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
-        spark = spark_session(opts.master, f"keyscale-{self.name}", opts.spark_conf)
+        if build is None:  # the caller's pipeline, on the caller's session: its settings are theirs
+            assert self._given is not None
+            pipeline = self._given[0]
+            spark = user_session(pipeline)
+        else:
+            # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
+            spark = spark_session(opts.master, f"keyscale-{self.name}", opts.spark_conf)
         self._reports = Reports(spark)
         poison_batch.quiet_task_failures(spark)
         self._spark = spark
-        pipeline = build(JobContext(spark, dict(opts.args)))
-        if not isinstance(pipeline, Pipeline):
-            raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
+        if build is not None:
+            pipeline = build(JobContext(spark, dict(opts.args)))
+            if not isinstance(pipeline, Pipeline):
+                raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
         self.pipeline = pipeline
         if opts.from_savepoint:
             self._restore_savepoint(pipeline, opts.from_savepoint)
@@ -236,7 +260,7 @@ class JobRunner:
         """How this job was started, so that `keyscale rescale --restart` can start it again."""
         o = self.opts
         self.jobdir.write_json("run.json", {
-            "job_file": str(Path(o.job_file).absolute()), "args": o.args, "master": o.master, "until_idle": o.until_idle,
+            "job_file": str(Path(o.job_file).absolute()) if o.job_file else None, "args": o.args, "master": o.master, "until_idle": o.until_idle,
             "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
             "spark_conf": o.spark_conf,
         }, durable=False)
@@ -266,6 +290,7 @@ class JobRunner:
                 # Before the control API: a client that finds its address must find the job running too.
                 self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
             control = ControlServer(self)
+            self.job.state = "running"
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
             try:
@@ -277,8 +302,10 @@ class JobRunner:
                         self._query = self._spark_writer().start()
                         self._wait()
                 if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
+                    self.job.state = "draining"
                     self._run_drain(spark)
             except BaseException as e:
+                self._record_failure(e)
                 if not self._drained.done():
                     self._drained.set_exception(e)
                 if isinstance(e, StateError) and str(e).startswith("state file ") and not self.jobdir.is_local:
@@ -293,14 +320,34 @@ class JobRunner:
                 raise
             finally:
                 control.close()
+        except BaseException as e:
+            if self.job.last_error is None:  # failed before the first batch (set-up, the sink's checks)
+                self._record_failure(e)
+            raise
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.close()
+            if self.job.state != "failed":
+                self.job.state = "stopped"
             if self._locked:
                 self.jobdir.write_status({**self._status(self._last_reports), "running": False})
                 self.jobdir.unlock()
                 self._locked = False
         return self.summary
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """The job failed: its status says so, with the error, until the next start."""
+        import traceback
+
+        if isinstance(exc, _StopRequested | KeyboardInterrupt):
+            return
+        self.job.state = "failed"
+        self.job.last_error = {
+            "message": f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyscaleError) else str(exc),
+            "traceback": "".join(traceback.format_exception(exc)),
+            "batch": self.committed.batch + 1 if self.committed else 0,
+            "time_ms": int(time.time() * 1000),
+        }
 
     def _run_spark_once(self) -> None:
         """A query that runs one batch (the one Spark's offsets log ends with) and stops."""

@@ -111,6 +111,9 @@ class JobState:
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its last plan is for
     last_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
     committed_status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
+    state: str = "starting"  # "starting" | "running" | "draining" | "stopped" | "failed" (status.json, GET /status)
+    last_error: dict[str, Any] | None = None  # why the job failed: message, traceback, batch, time_ms
+    pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
 
     def fault(self, point: str, batch_id: int) -> bool:
         """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here."""

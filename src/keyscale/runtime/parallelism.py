@@ -110,6 +110,7 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
     if not reqs:
         return
     job.jobdir.clear_rescale_requests()
+    job.pending_rescale = None
     for uid in list(job.parallelism):
         want = reqs.get(uid, reqs.get("*"))
         if want is None or want == job.parallelism[uid]:

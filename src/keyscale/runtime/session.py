@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -24,10 +25,13 @@ from keyscale.errors import KeyscaleError
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["SESSION_DEFAULTS", "parse_spark_conf", "session_conf", "spark_session"]
+    from keyscale._pipeline import Pipeline
+
+log = logging.getLogger("keyscale")
+
+__all__ = ["SESSION_DEFAULTS", "missing_keyscale", "parse_spark_conf", "session_conf", "spark_session", "user_session"]
 
 SESSION_DEFAULTS: dict[str, str] = {
-    "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.shuffle.partitions": "2",
     "spark.sql.execution.arrow.maxRecordsPerBatch": "200000",
@@ -100,3 +104,41 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("KEYSCALE_SPARK_LOG_LEVEL", "ERROR"))
     return spark
+
+
+def user_session(pipeline: Pipeline) -> SparkSession:
+    """The caller's own session, for a pipeline built on it (the Python API).
+
+    keyscale changes none of its settings. One thing it fills in when the user left it
+    unset: on a ``local`` master, Python workers run this interpreter (``sys.executable``)
+    rather than whatever ``python3`` is first on the PATH, which in a notebook or an IDE is
+    often not the environment keyscale is installed in. ``PYSPARK_PYTHON`` or
+    ``spark.pyspark.python``, if set, win; on a cluster, set one of them (README: "Your own
+    SparkSession").
+    """
+    from pyspark.sql import DataFrame, SparkSession
+
+    src = pipeline.source
+    spark = src.sparkSession if isinstance(src, DataFrame) else SparkSession.getActiveSession()
+    if spark is None:
+        raise KeyscaleError("no active SparkSession: create one (SparkSession.builder.getOrCreate()) before starting the job")
+    sc = spark.sparkContext
+    chosen = os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python")
+    if not chosen and str(sc.master).startswith("local"):
+        sc.pythonExec = sys.executable
+        log.info("Python workers run %s (the driver's interpreter; set PYSPARK_PYTHON or spark.pyspark.python to choose)", sys.executable)
+    return spark
+
+
+def missing_keyscale(error_text: str, python: str) -> str | None:
+    """The one-line explanation of a task failure that is Python workers without keyscale.
+
+    >>> missing_keyscale("... ModuleNotFoundError: No module named 'keyscale' ...", "python3")
+    "Spark's Python workers (python3) cannot import keyscale: set spark.pyspark.python (or PYSPARK_PYTHON) to the Python that has keyscale installed, e.g. .config('spark.pyspark.python', sys.executable) on a single machine"
+    >>> missing_keyscale("ValueError: bad", "python3") is None
+    True
+    """
+    if "No module named 'keyscale'" not in error_text:
+        return None
+    return (f"Spark's Python workers ({python}) cannot import keyscale: set spark.pyspark.python (or PYSPARK_PYTHON) to the "
+            "Python that has keyscale installed, e.g. .config('spark.pyspark.python', sys.executable) on a single machine")

@@ -52,6 +52,9 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
     return {
         "job": job.name,
         "pid": os.getpid(),
+        "state": job.state,
+        "last_error": job.last_error,
+        "pending_rescale": job.pending_rescale,
         "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
                     "last_decisions": job.decisions},
         "last_checkpoint": job.committed.batch if job.committed else None,
