@@ -48,7 +48,7 @@ def test_local_masters_get_keyscales_defaults_only() -> None:
 
 def test_the_users_conf_wins_over_every_default() -> None:
     user = {
-        "spark.ui.enabled": "true",  # a keyscale default
+        "spark.sql.shuffle.partitions": "16",  # a keyscale default
         "spark.executor.cores": "2",  # a cluster default
         "spark.driver.host": "10.0.0.9",  # a pinned one
         "spark.custom.setting": "x",
