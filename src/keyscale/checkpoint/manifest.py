@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from keyscale.errors import StateError
-from keyscale.state.keygroups import KeyGroupRange
+from keyscale.state.keygroups import KeyGroupRange, key_group_ranges
 
 FORMAT_VERSION = 1
 FileKind = Literal["delta", "snapshot"]
@@ -74,6 +74,16 @@ class OperatorCheckpoint:
     states: tuple[dict[str, Any], ...]  # StateDescriptor.to_json()
     files: tuple[StateFile, ...] = ()
     operator_state: dict[str, Any] = field(default_factory=dict)  # non-keyed state, by name
+
+    def state_bytes_per_subtask(self) -> list[int]:
+        """Bytes of the checkpoint's state files per subtask's key-group range (a file that
+        spans several ranges is shared by the key groups each holds of it)."""
+        out = []
+        for r in key_group_ranges(self.max_parallelism, self.parallelism):
+            share = sum(f.bytes * (min(f.end, r.end) - max(f.start, r.start) + 1) / (f.end - f.start + 1)
+                        for f in self.files if f.start <= r.end and f.end >= r.start)
+            out.append(int(share))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -282,9 +282,8 @@ def status_dict(job_dir: str) -> dict[str, Any]:
             continue
         ranges = key_group_ranges(op.max_parallelism, op.parallelism)
         per = []
-        for i, r in enumerate(ranges):
-            nbytes = sum(f.bytes * (min(f.end, r.end) - max(f.start, r.start) + 1) / (f.end - f.start + 1) for f in op.files if f.start <= r.end and f.end >= r.start)
-            sub = {"subtask": i, "key_groups": str(r), "state_bytes": int(nbytes)}
+        for i, (r, nbytes) in enumerate(zip(ranges, op.state_bytes_per_subtask(), strict=True)):
+            sub = {"subtask": i, "key_groups": str(r), "state_bytes": nbytes}
             current = m is not None and live.get("last_checkpoint") == m.batch
             for s in live.get("operators", {}).get(uid, {}).get("subtasks", []) if current else []:
                 if s.get("subtask") == i:

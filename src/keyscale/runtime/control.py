@@ -1,6 +1,7 @@
 """The running job's control API: a small HTTP server on localhost.
 
-``GET /status``; ``POST /rescale`` ``{"parallelism": N, "operator": uid?}`` (applied at the
+``GET /status``; ``GET /metrics`` (Prometheus' text format, :mod:`keyscale.runtime.metrics`);
+``GET /health`` (200 while the job runs its batches, else 503); ``POST /rescale`` ``{"parallelism": N, "operator": uid?}`` (applied at the
 next batch); ``POST /savepoint`` ``{"dest": path?}`` (taken between two batches, answers
 with its path); ``POST /stop`` ``{"savepoint": bool, "dest": path?}``; ``POST /cancel``.
 Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) or 409
@@ -23,6 +24,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control_auth import (
     SECRET,
@@ -31,6 +34,7 @@ from keyscale.runtime.control_auth import (
     new_secret,
     read_secret,
 )
+from keyscale.runtime.metrics import health, registry_for
 from keyscale.state.keygroups import check_parallelism
 
 if TYPE_CHECKING:
@@ -52,7 +56,7 @@ class ControlServer:
         class Handler(_Handler):
             pass
 
-        Handler.runner, Handler.secret = runner, secret
+        Handler.runner, Handler.secret, Handler.registry = runner, secret, registry_for(runner)
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         Handler.port = int(self.httpd.server_address[1])
         self.url = f"http://{host}:{Handler.port}"
@@ -84,6 +88,7 @@ class _Handler(BaseHTTPRequestHandler):
     runner: JobRunner
     secret: str
     port: int
+    registry: CollectorRegistry
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # requests are logged by what they do, not by the HTTP layer
@@ -125,10 +130,20 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self._refused("GET"):
             return
-        if self.path != "/status":
+        if self.path == "/status":
+            self._reply(200, self.runner.live_status())
+        elif self.path == "/health":
+            code, body = health(self.runner.job.state, self.runner.query_active())
+            self._reply(code, body)
+        elif self.path == "/metrics":
+            data = generate_latest(self.registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        else:
             self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
-            return
-        self._reply(200, self.runner.live_status())
 
     def do_POST(self) -> None:
         if self._refused("POST"):

@@ -479,6 +479,11 @@ class JobRunner:
             return self._status(self._last_reports)
         return {**committed, "updated_ms": int(time.time() * 1000)}
 
+    def query_active(self) -> bool | None:
+        """Whether the job's Spark query runs (None: no query, a keyscale-driven source or between queries)."""
+        q = self._query
+        return None if q is None else bool(q.isActive)
+
     def live_status(self) -> dict[str, Any]:
         """What ``GET /status`` answers: the status file's content, current."""
         return {**self._status(self._last_reports), "running": True}
