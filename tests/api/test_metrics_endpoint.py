@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import write_events
 from prometheus_client.parser import text_string_to_metric_families
 
 import keyscale as ks
+from conftest import write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.runtime.control import ADDRESS, call
 from keyscale.runtime.control_auth import auth_header, read_secret
