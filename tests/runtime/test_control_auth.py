@@ -14,6 +14,7 @@ import stat
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ class FakeRunner:
         self.max_parallelism = 8
         self.parallelism = {"totals": 2}
         self.actions: list[str] = []
+        self.job = SimpleNamespace(pending_rescale=None, state="running")
 
     def live_status(self) -> dict[str, Any]:
         self.actions.append("status")

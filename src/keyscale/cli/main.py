@@ -237,6 +237,15 @@ def cmd_stop(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(a: argparse.Namespace) -> int:
+    """A one-time link to the running job's dashboard (the browser cannot send the secret)."""
+    resp = _ask_running_job(a.job_dir, "/ui/token", 30)
+    print(resp["url"])
+    print(f"keyscale: open this link within {resp['expires_in_seconds']:.0f} s; it works once and logs this browser in "
+          "until the job stops", file=sys.stderr)
+    return 0
+
+
 def cmd_cancel(a: argparse.Namespace) -> int:
     _ask_running_job(a.job_dir, "/cancel", a.timeout)
     _wait_for_exit(a.job_dir, a.timeout)
@@ -441,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--dest", help="where to write the savepoint: a folder, file:// or s3:// location")
     so.add_argument("--timeout", type=float, default=600)
     so.set_defaults(func=cmd_stop)
+
+    da = sub.add_parser("dashboard", help="print a one-time link to a running job's web dashboard")
+    da.add_argument("job_dir")
+    da.set_defaults(func=cmd_dashboard)
 
     ca = sub.add_parser("cancel", help="stop a running job without a savepoint")
     ca.add_argument("job_dir")

@@ -193,8 +193,14 @@ def record(
     job.last_reports = reports
     src = job.pipeline.log_source
     source = source_status(job, src) if src is not None else None  # one read of the log's end per batch
+    backlog = source.get("lag") if source else None
+    job.history.append({
+        "batch": batch_id, "time_ms": int(time.time() * 1000), "seconds": round(seconds, 4), "records": records, "emitted": emitted,
+        "parallelism": dict(par), "backlog": backlog, "replayed": replayed,
+        "checkpoint_bytes": sum(f.bytes for op in job.committed.operators.values() for f in op.files) if job.committed else None,
+    })
     if job.autoscaler is not None:
-        parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, source.get("lag") if source else None)
+        parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, backlog)
     job.committed_status = status(job, reports, source)
     if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
         job.jobdir.write_status({**job.committed_status, "running": True})

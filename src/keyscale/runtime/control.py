@@ -1,7 +1,9 @@
 """The running job's control API: a small HTTP server on localhost.
 
 ``GET /status``; ``GET /metrics`` (Prometheus' text format, :mod:`keyscale.runtime.metrics`);
-``GET /health`` (200 while the job runs its batches, else 503); ``POST /rescale`` ``{"parallelism": N, "operator": uid?}`` (applied at the
+``GET /health`` (200 while the job runs its batches, else 503); ``GET /history`` (recent
+batches, rescales and decisions, savepoints: the dashboard's timelines); ``GET /ui/`` (the
+dashboard, :mod:`keyscale.web`; ``POST /ui/token`` gives a one-time login link); ``POST /rescale`` ``{"parallelism": N, "operator": uid?}`` (applied at the
 next batch); ``POST /savepoint`` ``{"dest": path?}`` (taken between two batches, answers
 with its path); ``POST /stop`` ``{"savepoint": bool, "dest": path?}``; ``POST /cancel``.
 Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) or 409
@@ -23,19 +25,24 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control_auth import (
+    CSRF_HEADER,
     SECRET,
+    SESSION_COOKIE,
     auth_header,
+    check_host,
     check_request,
     new_secret,
     read_secret,
 )
 from keyscale.runtime.metrics import health, registry_for
 from keyscale.state.keygroups import check_parallelism
+from keyscale.web import LOGIN_TTL_SECONDS, Logins, static_file
 
 if TYPE_CHECKING:
     from keyscale.checkpoint.jobdir import JobDir
@@ -56,7 +63,7 @@ class ControlServer:
         class Handler(_Handler):
             pass
 
-        Handler.runner, Handler.secret, Handler.registry = runner, secret, registry_for(runner)
+        Handler.runner, Handler.secret, Handler.registry, Handler.logins = runner, secret, registry_for(runner), Logins()
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         Handler.port = int(self.httpd.server_address[1])
         self.url = f"http://{host}:{Handler.port}"
@@ -89,6 +96,7 @@ class _Handler(BaseHTTPRequestHandler):
     secret: str
     port: int
     registry: CollectorRegistry
+    logins: Logins
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # requests are logged by what they do, not by the HTTP layer
@@ -103,8 +111,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _refused(self, method: str) -> bool:
         """Answer a request that is not the owner's (nothing done); True if it was refused."""
-        headers = {h: self.headers.get(h) or "" for h in ("Host", "Authorization", "Content-Type")}
-        refusal = check_request(method, headers, self.port, self.secret)
+        headers = {h: self.headers.get(h) or "" for h in ("Host", "Authorization", "Content-Type", "Cookie", CSRF_HEADER)}
+        if method == "GET" and self.path.startswith("/ui/login?"):  # the one-time link carries its own proof
+            refusal = check_host(headers, self.port)
+        else:
+            refusal = check_request(method, headers, self.port, self.secret, self.logins.sessions)
         if refusal is None:
             return False
         code, reason = refusal
@@ -132,6 +143,33 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if self.path == "/status":
             self._reply(200, self.runner.live_status())
+        elif self.path == "/history":
+            job = self.runner.job
+            self._reply(200, {"batches": list(job.history), "events": list(job.events), "savepoints": job.savepoints})
+        elif self.path.startswith("/ui/login?"):
+            token = parse_qs(urlsplit(self.path).query).get("token", [""])[0]
+            session = self.logins.redeem(token)
+            if session is None:
+                self._reply(401, {"error": "this login link is unknown, used or expired: run keyscale dashboard DIR for a new one"})
+                return
+            log.info("dashboard: a browser logged in with a one-time link")
+            self.send_response(303)
+            self.send_header("Set-Cookie", f"{SESSION_COOKIE}={session}; HttpOnly; SameSite=Strict; Path=/")
+            self.send_header("Location", "/ui/")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.path in ("/ui", "/ui/") or self.path.startswith("/ui/static/"):
+            found = static_file("index.html" if self.path in ("/ui", "/ui/") else self.path[len("/ui/static/"):])
+            if found is None:
+                self._reply(404, {"error": f"no such file: {self.path}"})
+                return
+            data, ctype = found
+            self.send_response(200)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Security-Policy", "default-src 'self'; style-src 'self' 'unsafe-inline'")
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path == "/health":
             code, body = health(self.runner.job.state, self.runner.query_active())
             self._reply(code, body)
@@ -162,6 +200,9 @@ class _Handler(BaseHTTPRequestHandler):
                 p, op = int(body["parallelism"]), body.get("operator")
                 request_rescale(r, p, op)
                 self._reply(202, {"accepted": True, "parallelism": p, "operator": op})
+            elif self.path == "/ui/token":
+                self._reply(200, {"url": f"http://127.0.0.1:{self.port}/ui/login?token={self.logins.issue()}",
+                                  "expires_in_seconds": LOGIN_TTL_SECONDS})
             elif self.path == "/savepoint":
                 self._reply(200, {"savepoint": str(r.take_savepoint(body.get("dest")))})
             elif self.path in ("/stop", "/cancel"):

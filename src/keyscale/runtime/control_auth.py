@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from keyscale.errors import KeyscaleError
@@ -84,19 +84,55 @@ def _owner(path: Path) -> str:
         return f"uid {uid}"
 
 
-def check_request(method: str, headers: Mapping[str, str], port: int, secret: str) -> tuple[int, str] | None:
+SESSION_COOKIE = "keyscale_session"
+CSRF_HEADER = "X-Keyscale-Request"
+
+
+def session_of(cookie_header: str) -> str:
+    """The dashboard session id in a ``Cookie`` header ('' if none).
+
+    >>> session_of("a=1; keyscale_session=abc; b=2")
+    'abc'
+    """
+    for part in cookie_header.split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == SESSION_COOKIE:
+            return value
+    return ""
+
+
+def check_host(headers: Mapping[str, str], port: int) -> tuple[int, str] | None:
+    """A foreign Host header (DNS rebinding): 403, else None."""
+    host = (headers.get("Host") or "").strip().lower()
+    if host not in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        return 403, f"Host header {host or '(none)'!r} is not this server (127.0.0.1:{port} or localhost:{port})"
+    return None
+
+
+def check_request(method: str, headers: Mapping[str, str], port: int, secret: str,
+                  sessions: Collection[str] = ()) -> tuple[int, str] | None:
     """Refuse a request that is not the owner's: ``(status, reason)``, or None to serve it.
 
     In order: a foreign Host (403), a missing or wrong secret (401), a POST body that is not
     JSON (415). Nothing of the request has been acted on when it is refused.
+
+    A browser on the dashboard carries no secret but the session cookie its one-time login
+    link set (``sessions``: the ids this run issued; HttpOnly, SameSite=Strict); its POSTs
+    must also carry the ``X-Keyscale-Request`` header, which a page of another site cannot
+    send without a CORS preflight the server never grants (403 otherwise).
     """
-    host = (headers.get("Host") or "").strip().lower()
-    if host not in (f"127.0.0.1:{port}", f"localhost:{port}"):
-        return 403, f"Host header {host or '(none)'!r} is not this server (127.0.0.1:{port} or localhost:{port})"
+    refused = check_host(headers, port)
+    if refused is not None:
+        return refused
     auth = headers.get("Authorization") or ""
     scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), secret.encode()):
+    by_secret = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), secret.encode())
+    session = session_of(headers.get("Cookie") or "")
+    by_session = bool(session) and any(hmac.compare_digest(session.encode(), s.encode()) for s in sessions)
+    if not by_secret and not by_session:
         return 401, "missing or wrong control secret: send 'Authorization: Bearer <JOB_DIR/control/secret>'"
+    if method == "POST" and not by_secret and not headers.get(CSRF_HEADER):
+        return 403, f"a dashboard request must carry the {CSRF_HEADER} header"
     if method == "POST":
         ctype = (headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         if ctype != "application/json":

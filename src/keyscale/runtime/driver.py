@@ -466,6 +466,7 @@ class JobRunner:
                 raise StateError(f"savepoint into {target.url()} failed: {e}") from None
             if then_stop:
                 self._stop.set()
+        self.job.savepoints.append({"batch": m.batch, "path": str(path), "time_ms": int(time.time() * 1000)})
         log.info("savepoint of batch %d complete: %s", m.batch, path)
         return path
 

@@ -10,6 +10,8 @@ collector. The driver (``driver.py``: set-up, run, stop, savepoints) fills it in
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -86,6 +88,9 @@ class RunSummary:
         return sum(b.records for b in self.batches)
 
 
+HISTORY = 720  # batches (and events) the dashboard's timelines show
+
+
 @dataclass(eq=False)
 class JobState:
     """One running job's state between batches (see the module docstring for who writes what)."""
@@ -114,6 +119,15 @@ class JobState:
     state: str = "starting"  # "starting" | "running" | "draining" | "stopped" | "failed" (status.json, GET /status)
     last_error: dict[str, Any] | None = None  # why the job failed: message, traceback, batch, time_ms
     pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
+    # What the dashboard draws (GET /history): the recent batches, rescales and decisions with
+    # their reasons, savepoints; bounded, this run only (events.jsonl keeps everything).
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    savepoints: list[dict[str, Any]] = field(default_factory=list)
+
+    def note(self, batch: int, kind: str, reason: str, **details: Any) -> None:
+        """An event the dashboard marks on its timelines (a rescale, an autoscaler decision)."""
+        self.events.append({"batch": batch, "time_ms": int(time.time() * 1000), "type": kind, "reason": reason, **details})
 
     def fault(self, point: str, batch_id: int) -> bool:
         """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here."""

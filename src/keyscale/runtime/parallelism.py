@@ -99,6 +99,7 @@ def follow_cores(job: JobState, batch_id: int) -> None:
     job.jobdir.append_event({"type": "reactive", "batch": batch_id, "executor_cores": cores, "from": changed, "to": target})
     for uid, p in changed.items():
         job.summary.rescales.append((batch_id, uid, p, target))
+        job.note(batch_id, "rescale", f"reactive: the job has {cores} executor cores", operator=uid, **{"from": p, "to": target})
         job.parallelism[uid] = target
 
 
@@ -122,6 +123,8 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
             continue
         log.info("batch %d: rescaling '%s' live from %d to %d subtasks (no restart; key groups reassigned)", batch_id, uid, job.parallelism[uid], want)
         job.summary.rescales.append((batch_id, uid, job.parallelism[uid], want))
+        job.note(batch_id, "rescale", "requested (control API, keyscale rescale or the active autoscaler)", operator=uid,
+                 **{"from": job.parallelism[uid], "to": want})
         job.parallelism[uid] = want
 
 
@@ -143,6 +146,8 @@ def autoscale(
         event = {"type": "autoscaler", "mode": mode, "batch": batch_id, **d.to_dict()}
         job.decisions[uid] = event
         job.jobdir.append_event(event)
+        if d.changes:
+            job.note(batch_id, "autoscaler", d.reason, operator=uid, mode=mode, **{"from": d.current_parallelism, "to": d.target_parallelism})
         if d.changes:
             if mode == "active":
                 log.info("autoscaler: %s", d.reason)

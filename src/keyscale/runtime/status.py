@@ -44,6 +44,10 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
                 {k: r[k] for k in ("subtask", "records", "keys", "state_keys", "busy_seconds", "warm_key_groups", "loaded_key_groups")}
                 for r in reports[uid]
             ]
+            op = job.committed.operators.get(uid) if job.committed else None
+            if op is not None and op.parallelism == len(entry["subtasks"]):  # the checkpoint's bytes per subtask's range
+                for sub, nbytes in zip(entry["subtasks"], op.state_bytes_per_subtask(), strict=True):
+                    sub["state_bytes"] = nbytes
         ops[uid] = entry
     for uid in sorted(operator_state_only):
         committed = job.committed.operators.get(uid) if job.committed else None

@@ -1,0 +1,134 @@
+"""The web dashboard (issue 13) in real headless Chromium against a running job: it renders
+the operators' key groups and the timelines, a rescale from the page takes effect, and the
+page cannot be opened without the one-time login link. Screenshots are kept in
+``test-artifacts/`` (git-ignored) for a person to look at."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import keyscale as ks
+from conftest import write_events
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.runtime.control import ADDRESS, call
+from keyscale.runtime.control_auth import check_request
+from keyscale.web import Logins, static_file
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"
+pytestmark = pytest.mark.skipif(not (shutil.which("chromium") and shutil.which("chromedriver")),
+                                reason="needs Debian's chromium and chromium-driver (make test installs them)")
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="keyscale-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1400,1600", f"--user-data-dir={profile}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _wait(pred: Any, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    inp = tmp_path / "in"
+    write_events(inp, files=3, rows=2000, keys=300)
+    events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(inp))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count(), total=ks.sum("value"))
+           .sink(ks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="clicks", trigger_interval="300 milliseconds"))
+    jd = JobDir(str(tmp_path / "job"))
+    try:
+        _wait(lambda: job.status()["last_checkpoint"] == 2, "three batches")
+        job.savepoint()
+        base = jd.read_json(ADDRESS)["url"]
+        # Without the login link the page is refused.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "/ui/", timeout=10)
+        assert refused.value.code == 401
+
+        link = call(jd, "POST", "/ui/token")["url"]
+        browser.get(link)
+        _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the page to load")
+        assert browser.find_element(By.ID, "job").text == "clicks"
+        assert browser.find_element(By.ID, "state").text == "running"
+        strips = browser.find_elements(By.CSS_SELECTOR, "[data-operator=totals] rect.subtask")
+        assert len(strips) == 2
+        assert len(browser.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 4  # uPlot drew the four timelines
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")) == 3
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#savepoints tbody tr")) == 1
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "dashboard-running.png"))
+
+        # A rescale from the page: pending at once, applied by the next batch.
+        field = browser.find_element(By.ID, "parallelism")
+        field.clear()
+        field.send_keys("3")
+        browser.find_element(By.ID, "rescale").click()
+        _wait(lambda: "requested" in browser.find_element(By.ID, "result").text, "the page's answer")
+        assert job.status()["pending_rescale"]["parallelism"] == {"*": 3}
+        write_events(inp, files=1, rows=2000, keys=300, first=3)
+        _wait(lambda: job.status()["operators"]["totals"]["parallelism"] == 3 and job.status()["last_checkpoint"] == 3, "the rescale")
+        _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, "[data-operator=totals] rect.subtask")) == 3, "the page to show 3 subtasks")
+        assert "rescale of 'totals' 2 → 3" in browser.find_element(By.ID, "events").text
+        browser.save_screenshot(str(ARTIFACTS / "dashboard-rescaled.png"))
+    finally:
+        job.stop()
+
+
+def test_a_login_link_works_once() -> None:
+    logins = Logins(ttl=60)
+    token = logins.issue()
+    session = logins.redeem(token)
+    assert session is not None and logins.redeem(token) is None and logins.redeem("forged") is None
+    headers = {"Host": "127.0.0.1:9", "Cookie": f"keyscale_session={session}", "Content-Type": "application/json"}
+    assert check_request("GET", headers, 9, "secret", logins.sessions) is None
+    # A POST from the page needs the CSRF header; a cookie of another run, or none, is refused.
+    assert check_request("POST", headers, 9, "secret", logins.sessions) == (403, "a dashboard request must carry the X-Keyscale-Request header")
+    assert check_request("POST", {**headers, "X-Keyscale-Request": "1"}, 9, "secret", logins.sessions) is None
+    assert check_request("GET", {**headers, "Cookie": "keyscale_session=old"}, 9, "secret", logins.sessions)[0] == 401  # type: ignore[index]
+    assert check_request("GET", {**headers, "Host": "evil.example:9"}, 9, "secret", logins.sessions)[0] == 403  # type: ignore[index]
+
+
+def test_an_expired_login_link_is_refused() -> None:
+    logins = Logins(ttl=0.0)
+    token = logins.issue()
+    time.sleep(0.01)
+    assert logins.redeem(token) is None
+
+
+def test_the_dashboard_is_vendored() -> None:
+    page = static_file("index.html")
+    assert page is not None
+    html = page[0].decode()
+    assert "http://" not in html and "https://" not in html  # no CDN: every file is served by the job
+    for name in ("uPlot.iife.min.js", "uPlot.min.css", "dashboard.js", "dashboard.css", "uPlot.LICENSE"):
+        assert static_file(name) is not None, name
