@@ -268,8 +268,10 @@ def test_bootstrap_run_read_back_and_rekey(spark: Any, events: Path, tmp_path: P
 
 
 @pytest.mark.slow
-def test_rescale_with_restart(events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
-    """`keyscale rescale --restart`: savepoint, stop, start again at N; a failing savepoint
+@pytest.mark.parametrize("new_process", [False, True], ids=["same-spark-application", "new-process"])
+def test_rescale_with_restart(events: Path, reference: pd.DataFrame, tmp_path: Path, new_process: bool) -> None:
+    """`keyscale rescale --restart`: savepoint, stop, start again at N (by default in the same
+    process and Spark application; with --new-process, a new one); a failing savepoint
     leaves the job running untouched."""
     inp = tmp_path / "in"
     _stage(events, inp, slice(0, 2))
@@ -296,15 +298,21 @@ def test_rescale_with_restart(events: Path, reference: pd.DataFrame, tmp_path: P
         assert proc.poll() is None and jd.is_running()  # untouched
         (job / "savepoints").unlink()
 
-        done = cli("rescale", str(job), "-p", "3", "--restart", check=True)
-        assert proc.wait(timeout=120) == 0
+        app_before = jd.read_status()["spark"]["application_id"]
+        done = cli("rescale", str(job), "-p", "3", "--restart", *(["--new-process"] if new_process else []), check=True)
         assert "restarted at parallelism 3" in done.stdout
-        started.append(int(done.stdout.split("(pid ")[1].split(",")[0]))
+        if new_process:
+            assert proc.wait(timeout=120) == 0
+            started.append(int(done.stdout.split("(pid ")[1].split(",")[0]))
+        else:
+            assert f"same process, pid {proc.pid}" in done.stdout and proc.poll() is None
         _stage(events, inp, slice(2, 6))
         while (jd.latest_manifest() is None or jd.latest_manifest().batch < 5) and time.time() < deadline:  # type: ignore[union-attr]
             time.sleep(0.3)
         m = jd.latest_manifest()
         assert m is not None and m.batch == 5 and m.operators["totals"].parallelism == 3
+        app_after = jd.read_status()["spark"]["application_id"]
+        assert (app_after != app_before) if new_process else (app_after == app_before)  # executors kept: the same application
         cli("stop", str(job), check=True)
     finally:
         for pid in started:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -83,15 +84,25 @@ def cmd_run(a: argparse.Namespace) -> int:
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
         spark_conf=parse_spark_conf(a.conf),
     )
-    runner = JobRunner(opts)
+    log = logging.getLogger("keyscale")
+    while True:
+        runner = JobRunner(opts)
 
-    def _graceful(signum: int, _frame: Any) -> None:
-        logging.getLogger("keyscale").info("received %s; stopping after the current batch", signal.Signals(signum).name)
-        runner.stop()
+        def _graceful(signum: int, _frame: Any, runner: JobRunner = runner) -> None:
+            log.info("received %s; stopping after the current batch", signal.Signals(signum).name)
+            runner.stop()
 
-    signal.signal(signal.SIGTERM, _graceful)
-    signal.signal(signal.SIGINT, _graceful)
-    s = runner.run()
+        signal.signal(signal.SIGTERM, _graceful)
+        signal.signal(signal.SIGINT, _graceful)
+        s = runner.run()
+        req = runner.restart_request
+        if req is None:
+            break
+        # keyscale rescale --restart / keyscale upgrade: the same process, JVM and executors;
+        # only the query starts again, from the checkpoint the savepoint was taken of.
+        opts = dataclasses.replace(opts, parallelism=req["parallelism"] or opts.parallelism, job_file=req["job_file"] or opts.job_file,
+                                   from_savepoint=None, fault=None)
+        log.info("restarting job '%s' in the same Spark application (parallelism %s, %s)", s.job, opts.parallelism or "as checkpointed", opts.job_file)
     rescales = "; ".join(f"batch {b}: '{u}' {f}->{t}" for b, u, f, t in s.rescales) or "none"
     print(
         f"keyscale: job '{s.job}' processed {len(s.batches)} batches ({s.records:,} records); "
@@ -114,6 +125,8 @@ def _restart_rescale(a: argparse.Namespace) -> int:
     if not run.get("job_file"):
         raise KeyscaleError(f"the job in {jd.uri} was started from Python (Pipeline.start), not from a job file: "
                             "rescale it live (keyscale rescale DIR N, or handle.rescale(n)), or stop it and start it again from Python")
+    if not getattr(a, "new_process", False):
+        return _restart_in_place(a, jd, job_file=getattr(a, "new_job_file", None))
     # The job takes the savepoint before it stops; if that fails it keeps running untouched.
     resp = _ask_running_job(a.job_dir, "/stop", a.timeout, savepoint=True)
     print(f"keyscale: savepoint {resp['savepoint']} taken; stopping the job", file=sys.stderr)
@@ -142,6 +155,43 @@ def _restart_rescale(a: argparse.Namespace) -> int:
         time.sleep(0.2)
     print(f"keyscale: job restarted at parallelism {a.parallelism} (pid {proc.pid}, log {job_log})")
     return 0
+
+
+def _restart_in_place(a: argparse.Namespace, jd: Any, job_file: str | None) -> int:
+    """Restart without a new JVM: the running `keyscale run` takes a savepoint, ends its query
+    and starts the job again in the same Spark application (executors kept)."""
+    from keyscale.runtime.control import call
+
+    p = getattr(a, "parallelism", None)
+    body: dict[str, Any] = {"parallelism": p}
+    if job_file:
+        body["job_file"] = str(os.path.abspath(job_file))
+    resp = _ask_running_job(a.job_dir, "/restart", a.timeout, **body)
+    print(f"keyscale: savepoint {resp['savepoint']} taken; restarting in the same Spark application", file=sys.stderr)
+    deadline = time.time() + a.timeout
+    while time.time() < deadline:
+        time.sleep(0.2)
+        try:
+            st = call(jd, "GET", "/status", timeout=5)
+        except KeyscaleError:
+            continue  # between the two runs: no control API for a moment
+        if st.get("state") == "running" and (p is None or all(o.get("parallelism") == p for o in st.get("operators", {}).values()
+                                                              if "ranges" in o)):
+            print(f"keyscale: job restarted{f' at parallelism {p}' if p else ''} (same process, pid {st.get('pid')})")
+            return 0
+        if st.get("state") == "failed":
+            break
+    raise KeyscaleError(f"the job in {jd.uri} did not restart within {a.timeout:.0f} s (savepoint: {resp['savepoint']}); see keyscale status {a.job_dir}")
+
+
+def cmd_upgrade(a: argparse.Namespace) -> int:
+    """A new version of the job's code, restarted in the same Spark application from its checkpoint."""
+    from keyscale.checkpoint.jobdir import JobDir
+
+    jd = JobDir(a.job_dir)
+    if not jd.is_running():
+        raise KeyscaleError(f"no job is running in {jd.uri}; start the new code with keyscale run {a.job_file} --job-dir {a.job_dir}")
+    return _restart_in_place(a, jd, job_file=a.job_file)
 
 
 def cmd_rescale(a: argparse.Namespace) -> int:
@@ -427,9 +477,18 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("-p", "--parallelism", type=int, required=True)
     rs.add_argument("--operator", help="only this operator uid (default: all keyed operators)")
     rs.add_argument("--wait", type=float, default=0, help="wait up to this many seconds for a batch at the new parallelism")
-    rs.add_argument("--restart", action="store_true", help="instead of live: savepoint, stop, and start again at the new parallelism")
+    rs.add_argument("--restart", action="store_true",
+                    help="instead of live: savepoint, end the query, start it again at the new parallelism in the same Spark application")
+    rs.add_argument("--new-process", action="store_true", help="with --restart: a new keyscale run process (a new JVM) instead")
     rs.add_argument("--timeout", type=float, default=600, help=argparse.SUPPRESS)
     rs.set_defaults(func=cmd_rescale)
+
+    up = sub.add_parser("upgrade", help="run new code of a running job: savepoint, then restart in the same Spark application")
+    up.add_argument("job_dir")
+    up.add_argument("job_file", help="the new job file (same NAME and operator uids: its state is restored by uid)")
+    up.add_argument("-p", "--parallelism", type=int, help="also change the parallelism")
+    up.add_argument("--timeout", type=float, default=600, help=argparse.SUPPRESS)
+    up.set_defaults(func=cmd_upgrade)
 
     st = sub.add_parser("status", help="parallelism, checkpoints, key-group ranges and state size")
     st.add_argument("job_dir")

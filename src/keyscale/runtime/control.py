@@ -5,7 +5,9 @@
 batches, rescales and decisions, savepoints: the dashboard's timelines); ``GET /ui/`` (the
 dashboard, :mod:`keyscale.web`; ``POST /ui/token`` gives a one-time login link); ``POST /rescale`` ``{"parallelism": N, "operator": uid?}`` (applied at the
 next batch); ``POST /savepoint`` ``{"dest": path?}`` (taken between two batches, answers
-with its path); ``POST /stop`` ``{"savepoint": bool, "dest": path?}``; ``POST /cancel``.
+with its path); ``POST /stop`` ``{"savepoint": bool, "dest": path?}``; ``POST /restart``
+``{"parallelism": N?, "job_file": path?}`` (savepoint, then the same process starts the job
+again in the same Spark application); ``POST /cancel``.
 Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) or 409
 (refused, the job keeps running). The address is written to ``JOB_DIR/control/http.json``
 while the job runs; it listens on 127.0.0.1 only.
@@ -200,6 +202,10 @@ class _Handler(BaseHTTPRequestHandler):
                 p, op = int(body["parallelism"]), body.get("operator")
                 request_rescale(r, p, op)
                 self._reply(202, {"accepted": True, "parallelism": p, "operator": op})
+            elif self.path == "/restart":
+                want = body.get("parallelism")
+                path = r.request_restart(int(want) if want is not None else None, body.get("job_file"))
+                self._reply(200, {"restarting": True, "savepoint": path})
             elif self.path == "/ui/token":
                 self._reply(200, {"url": f"http://127.0.0.1:{self.port}/ui/login?token={self.logins.issue()}",
                                   "expires_in_seconds": LOGIN_TTL_SECONDS})

@@ -159,6 +159,9 @@ class JobRunner:
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[str | None] = Future()
+        # Set by request_restart: the run ends, and `keyscale run` starts the job again in the
+        # same process and Spark application (parallelism, job file), from this checkpoint.
+        self.restart_request: dict[str, Any] | None = None
         self._heartbeat: Heartbeat | None = None
 
     # -- set-up --------------------------------------------------------------------------
@@ -327,7 +330,7 @@ class JobRunner:
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.close()
-            if self.job.state != "failed":
+            if self.job.state not in ("failed", "restarting"):
                 self.job.state = "stopped"
             if self._locked:
                 self.jobdir.write_status({**self._status(self._last_reports), "running": False})
@@ -419,6 +422,24 @@ class JobRunner:
     def stop(self) -> None:
         """Ask the job to stop after the current batch (safe from any thread)."""
         self._stop.set()
+
+    def request_restart(self, parallelism: int | None, job_file: str | None = None) -> str:
+        """Restart without a new JVM: a savepoint (the fallback), then the run ends between two
+        batches; the process that runs it (``keyscale run``) starts the job again in the same
+        Spark application at ``parallelism`` with ``job_file`` (reloaded: new code). Returns
+        the savepoint's path. Only for a job started from a job file."""
+        if not self.opts.job_file:
+            raise KeyscaleError("a job started from Python restarts from Python: handle.stop(), then start it again")
+        if parallelism is not None:
+            check_parallelism(parallelism, self.max_parallelism)
+        if job_file is not None:
+            load_job(job_file)  # a file that does not load is refused now, while the job still runs
+        path = self.take_savepoint(None, then_stop=True)
+        self.restart_request = {"parallelism": parallelism, "job_file": job_file, "savepoint": path}
+        self.job.state = "restarting"
+        log.info("restarting in the same Spark application%s%s after the current batch (savepoint %s)",
+                 f" at parallelism {parallelism}" if parallelism else "", f" with {job_file}" if job_file else "", path)
+        return path
 
     def drain(self, dest: str | None = None, timeout: float = 600) -> str:
         """Stop with a drain: after the current batch, one last batch runs with the watermark at

@@ -59,6 +59,7 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
         "state": job.state,
         "last_error": job.last_error,
         "pending_rescale": job.pending_rescale,
+        "spark": _spark_of(job),
         "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
                     "last_decisions": job.decisions},
         "last_checkpoint": job.committed.batch if job.committed else None,
@@ -68,6 +69,14 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
         "operators": ops,
         "counters": {"last_batch": job.counts, "total": counters.from_extra(job.committed.extra if job.committed else None)},
     }
+
+
+def _spark_of(job: JobState) -> dict[str, Any] | None:
+    """The Spark application the job runs in (its id, and its web UI if on)."""
+    if job.spark is None:
+        return None
+    sc = job.spark.sparkContext
+    return {"application_id": sc.applicationId, "ui": sc.uiWebUrl, "master": sc.master}
 
 
 def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> None:
