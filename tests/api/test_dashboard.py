@@ -22,6 +22,7 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.runtime.control import ADDRESS, call
 from keyscale.runtime.control_auth import check_request
 from keyscale.web import Logins, static_file
+from keyscale.web.folder import FolderServer, folder_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -100,8 +101,37 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
         _wait(lambda: len(browser.find_elements(By.CSS_SELECTOR, "[data-operator=totals] rect.subtask")) == 3, "the page to show 3 subtasks")
         assert "rescale of 'totals' 2 → 3" in browser.find_element(By.ID, "events").text
         browser.save_screenshot(str(ARTIFACTS / "dashboard-rescaled.png"))
+
+        # The folder page lists the job and opens its dashboard through a fresh one-time link.
+        folder = FolderServer(str(tmp_path))
+        try:
+            with pytest.raises(urllib.error.HTTPError) as no_login:
+                urllib.request.urlopen(f"http://127.0.0.1:{folder.port}/jobs", timeout=10)
+            assert no_login.value.code == 401
+            browser.delete_all_cookies()
+            browser.get(folder.login_url)
+            _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the folder page")
+            row = browser.find_element(By.CSS_SELECTOR, "tr[data-job=clicks]")
+            assert "running" in row.text and "totals=3" in row.text
+            browser.save_screenshot(str(ARTIFACTS / "folder.png"))
+            row.find_element(By.LINK_TEXT, "open").click()
+            _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true" and "/ui/" in browser.current_url,
+                  "the job's dashboard from the folder page")
+            assert browser.find_element(By.ID, "job").text == "clicks"
+        finally:
+            folder.close()
     finally:
         job.stop()
+
+
+def test_the_folder_page_says_which_jobs_failed(tmp_path: Path) -> None:
+    ok, bad = JobDir(str(tmp_path / "a")), JobDir(str(tmp_path / "nested" / "b"))
+    ok.claim("a", None, 128)
+    bad.claim("b", None, 128)
+    bad.write_status({"state": "failed", "last_error": {"message": "ValueError: boom", "traceback": "", "batch": 3, "time_ms": 0}})
+    rows = {r["job"]: r for r in folder_rows(str(tmp_path))}
+    assert rows["a"]["state"] == "stopped" and rows["a"]["error"] is None
+    assert rows["b"]["state"] == "failed" and rows["b"]["error"] == "ValueError: boom"
 
 
 def test_a_login_link_works_once() -> None:

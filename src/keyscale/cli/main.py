@@ -15,6 +15,7 @@ from typing import Any
 
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
+from keyscale.runtime.jobstatus import find_jobs, status_dict
 from keyscale.runtime.session import parse_spark_conf
 from keyscale.storage import local_path, open_store, scheme_of
 
@@ -296,65 +297,33 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ui(a: argparse.Namespace) -> int:
+    """Serve the folder page until interrupted."""
+    from keyscale.web.folder import FolderServer
+
+    find_jobs(a.folder)  # a folder that is not one fails now, with its name
+    server = FolderServer(a.folder, a.port)
+    print(server.login_url)
+    print(f"keyscale: the jobs under {a.folder}; open this link within 2 minutes (it works once); Ctrl-C to stop", file=sys.stderr)
+    def _interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
 def cmd_cancel(a: argparse.Namespace) -> int:
     _ask_running_job(a.job_dir, "/cancel", a.timeout)
     _wait_for_exit(a.job_dir, a.timeout)
     print(f"keyscale: job in {a.job_dir} cancelled", file=sys.stderr)
     return 0
-
-
-def status_dict(job_dir: str) -> dict[str, Any]:
-    from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.checkpoint.manifest import summarize_operator_state
-    from keyscale.runtime import counters
-    from keyscale.state.keygroups import key_group_ranges
-
-    jd = JobDir(job_dir)
-    ident = jd.identity()
-    m = jd.latest_manifest()
-    live = jd.read_status()
-    running = jd.is_running()
-    out: dict[str, Any] = {
-        "job": ident.name,
-        "job_dir": jd.uri,
-        "running": running,
-        # A job that is not running either stopped or failed (its last status says which, and why).
-        "state": live.get("state", "running") if running else ("failed" if live.get("state") == "failed" else "stopped"),
-        "last_error": live.get("last_error"),
-        "pending_rescale": live.get("pending_rescale") if running else None,
-        "pid": jd.lock_holder() if running else None,
-        "max_parallelism": ident.max_parallelism,
-        "last_checkpoint": m.batch if m else None,
-        "checkpoints": jd.manifest_batches(),
-        "operators": {},
-    }
-    if live.get("watermark") is not None:
-        out["watermark"] = live["watermark"]
-    # Records late, too far ahead, dropped...: totals from the checkpoint (they survive restarts), the last batch's from the job.
-    totals = counters.from_extra(m.extra) if m else {}
-    last = live.get("counters", {}).get("last_batch", {}) if m is not None and live.get("last_checkpoint") == m.batch else {}
-    out["counters"] = {"total": totals, "last_batch": last}
-    for uid, op in (m.operators.items() if m else []):
-        if not op.key_columns:  # operator state only: a source's offsets, list or broadcast state
-            out["operators"][uid] = {"parallelism": op.parallelism, "operator_state": summarize_operator_state(op.operator_state),
-                                     **({"lag": live["operators"][uid]["lag"]} if "lag" in live.get("operators", {}).get(uid, {}) else {})}
-            continue
-        ranges = key_group_ranges(op.max_parallelism, op.parallelism)
-        per = []
-        for i, (r, nbytes) in enumerate(zip(ranges, op.state_bytes_per_subtask(), strict=True)):
-            sub = {"subtask": i, "key_groups": str(r), "state_bytes": nbytes}
-            current = m is not None and live.get("last_checkpoint") == m.batch
-            for s in live.get("operators", {}).get(uid, {}).get("subtasks", []) if current else []:
-                if s.get("subtask") == i:
-                    sub["state_keys"] = s.get("state_keys")
-            per.append(sub)
-        out["operators"][uid] = {
-            "parallelism": op.parallelism,
-            "state_files": len(op.files),
-            "states": [s["name"] for s in op.states],
-            "subtasks": per,
-        }
-    return out
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -400,18 +369,9 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_list(a: argparse.Namespace) -> int:
-    from keyscale.checkpoint.jobdir import JOB_FILE
-    from keyscale.storage import LocalStore, open_store
-
-    root = open_store(a.folder, "folder")
-    if isinstance(root, LocalStore) and not root.root.is_dir():
-        raise KeyscaleError(f"{root.root} is not a folder")
-    found = sorted(
-        root.url(o.key[: -len(JOB_FILE)].rstrip("/")) for o in root.list()  # one listing, also on an object store
-        if o.key.split("/")[-1] == JOB_FILE and "savepoints" not in o.key.split("/")
-    )
+    found = find_jobs(a.folder)
     if not found:
-        print(f"no keyscale jobs under {root.url()}")
+        print(f"no keyscale jobs under {a.folder}")
         return 0
     print(f"{'job':24} {'state':12} {'checkpoint':>10}  parallelism  directory")
     for d in found:
@@ -513,6 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     da = sub.add_parser("dashboard", help="print a one-time link to a running job's web dashboard")
     da.add_argument("job_dir")
     da.set_defaults(func=cmd_dashboard)
+
+    ui = sub.add_parser("ui", help="a web page of every job under a folder, linking to their dashboards")
+    ui.add_argument("folder")
+    ui.add_argument("--port", type=int, default=0, help="default: any free port")
+    ui.set_defaults(func=cmd_ui)
 
     ca = sub.add_parser("cancel", help="stop a running job without a savepoint")
     ca.add_argument("job_dir")

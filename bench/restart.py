@@ -1,0 +1,133 @@
+"""Restart at a new parallelism without a new JVM (issue 12), against a cold restart and
+Spark's offline repartition + restart, on the same state in the same run.
+
+    .venv/bin/python bench/restart.py --repeats 3
+
+State: W-1M's 5 files (~865k keys) counted at P=2 by ``bench/jobs/w_count.py``. Then, per
+repeat, from the same copy of that state:
+
+- **in place**: a running ``keyscale run -p 2`` is told ``keyscale rescale -p 4 --restart``;
+  it takes a savepoint, ends its query, starts it again at P=4 in the same process and Spark
+  application; one more file arrives as it is back; time from the request to that file's
+  batch committed.
+- **cold**: ``keyscale rescale -p 4 --restart --new-process``: a new process (JVM, Python
+  workers) from the same checkpoint; time from the request to the new file's batch.
+- **Spark**: new session + ``_streamingCheckpointManager.repartition(ckpt, 4)`` + restart
+  until the first batch (``bench/spark_baselines.offline_repartition``, the same W-1M files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from _workload import DEFAULT_DATA_ROOT, ensure_workload  # noqa: E402
+from spark_baselines import make_spark, offline_repartition  # noqa: E402
+
+from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "keyscale.cli.main", *args], capture_output=True, text=True, cwd=ROOT, check=True)
+
+
+def build_state(data: Path, root: Path) -> tuple[Path, Path]:
+    """The count's state at P=2 over the workload's files: (its input folder, its job dir)."""
+    inp = root / "in"
+    inp.mkdir(parents=True)
+    for f in sorted(data.glob("part-*.parquet")):
+        os.link(f, inp / f.name)
+    _cli("run", str(HERE / "jobs" / "w_count.py"), "--job-dir", str(root / "job"), "-p", "2", "--until-idle",
+         "--set", f"input={inp}", "--set", "mode=vectorized", "--set", "sink=noop")
+    return inp, root / "job"
+
+
+def restart_once(state: tuple[Path, Path], data: Path, new_process: bool) -> float:
+    """Seconds from the restart request to the first batch committed at P=4."""
+    src_in, src_job = state
+    tmp = Path(tempfile.mkdtemp(prefix="ks-restart-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        inp, job = tmp / "in", tmp / "job"
+        shutil.copytree(src_in, inp, copy_function=os.link)
+        shutil.copytree(src_job, job, symlinks=True)
+        jd = JobDir(job)
+        committed = jd.latest_manifest()
+        assert committed is not None
+        with open(tmp / "job.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "keyscale.cli.main", "run", str(HERE / "jobs" / "w_count.py"), "--job-dir", str(job),
+                 "-p", "2", "--trigger-interval", "200 milliseconds", "--set", f"input={inp}", "--set", "mode=vectorized",
+                 "--set", "sink=noop"], cwd=ROOT, stdout=log, stderr=log))
+        while not jd.read_json("control/http.json"):
+            assert procs[0].poll() is None, (tmp / "job.log").read_text()[-2000:]
+            time.sleep(0.1)
+        time.sleep(2)  # the resumed query is up and idle
+        t0 = time.perf_counter()
+        done = _cli("rescale", str(job), "-p", "4", "--restart", *(["--new-process"] if new_process else []))
+        pid = int(done.stdout.split("pid ")[1].split(",")[0].rstrip(")")) if new_process else None
+        newest = sorted(data.glob("part-*.parquet"))[0]
+        shutil.copyfile(newest, inp / "part-99999.parquet")  # one more file: the first batch of the restarted job
+        while True:
+            m = jd.latest_manifest()
+            if m is not None and m.batch > committed.batch:
+                break
+            time.sleep(0.05)
+        seconds = time.perf_counter() - t0
+        assert m.operators["count"].parallelism == 4
+        _cli("stop", str(job))
+        if pid is not None:  # the new process is not our child: wait until it is gone
+            while Path(f"/proc/{pid}").exists():
+                time.sleep(0.1)
+        return seconds
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(HERE / "out" / "restart.json"))
+    a = ap.parse_args(argv)
+    logging.getLogger("keyscale").setLevel(logging.WARNING)
+    w1m = ensure_workload(DEFAULT_DATA_ROOT, "W-1M", keys=1_000_000)
+    root = Path(tempfile.mkdtemp(prefix="ks-restart-state-"))
+    try:
+        state = build_state(w1m, root)
+        runs: dict[str, list[float]] = {"in_place": [], "cold": [], "spark": []}
+        for rep in range(a.repeats):  # interleaved: the machine's load hits all three alike
+            runs["in_place"].append(restart_once(state, w1m, new_process=False))
+            runs["cold"].append(restart_once(state, w1m, new_process=True))
+            r: dict[str, Any] = offline_repartition(make_spark, w1m, 2, 4)
+            runs["spark"].append(float(r["total_seconds"]))
+            print(f"repeat {rep + 1}: in place {runs['in_place'][-1]:.2f} s, cold {runs['cold'][-1]:.2f} s, "
+                  f"Spark repartition + restart {runs['spark'][-1]:.2f} s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"median: in place {med['in_place']:.2f} s, cold {med['cold']:.2f} s, Spark {med['spark']:.2f} s; "
+          f"in place / Spark {med['in_place'] / med['spark']:.2f}, cold / Spark {med['cold'] / med['spark']:.2f}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"command": "bench/restart.py " + " ".join(argv or sys.argv[1:]), "runs": runs, "median": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
