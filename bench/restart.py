@@ -42,7 +42,10 @@ from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "keyscale.cli.main", *args], capture_output=True, text=True, cwd=ROOT, check=True)
+    done = subprocess.run([sys.executable, "-m", "keyscale.cli.main", *args], capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"keyscale {' '.join(args)} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return done
 
 
 def build_state(data: Path, root: Path) -> tuple[Path, Path]:
@@ -53,18 +56,20 @@ def build_state(data: Path, root: Path) -> tuple[Path, Path]:
         os.link(f, inp / f.name)
     _cli("run", str(HERE / "jobs" / "w_count.py"), "--job-dir", str(root / "job"), "-p", "2", "--until-idle",
          "--set", f"input={inp}", "--set", "mode=vectorized", "--set", "sink=noop")
+    shutil.copytree(root / "job", root / "job.built", symlinks=True)
     return inp, root / "job"
 
 
 def restart_once(state: tuple[Path, Path], data: Path, new_process: bool) -> float:
-    """Seconds from the restart request to the first batch committed at P=4."""
-    src_in, src_job = state
+    """Seconds from the restart request to the first batch committed at P=4 (the state is
+    put back as built first: Spark's checkpoint names the input folder, so it stays put)."""
+    inp, job = state
     tmp = Path(tempfile.mkdtemp(prefix="ks-restart-"))
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        inp, job = tmp / "in", tmp / "job"
-        shutil.copytree(src_in, inp, copy_function=os.link)
-        shutil.copytree(src_job, job, symlinks=True)
+        shutil.rmtree(job, ignore_errors=True)
+        shutil.copytree(job.with_name("job.built"), job, symlinks=True)
+        (inp / "part-99999.parquet").unlink(missing_ok=True)
         jd = JobDir(job)
         committed = jd.latest_manifest()
         assert committed is not None
@@ -78,7 +83,11 @@ def restart_once(state: tuple[Path, Path], data: Path, new_process: bool) -> flo
             time.sleep(0.1)
         time.sleep(2)  # the resumed query is up and idle
         t0 = time.perf_counter()
-        done = _cli("rescale", str(job), "-p", "4", "--restart", *(["--new-process"] if new_process else []))
+        try:
+            done = _cli("rescale", str(job), "-p", "4", "--restart", *(["--new-process"] if new_process else []))
+        except RuntimeError:
+            print((tmp / "job.log").read_text()[-3000:], file=sys.stderr)
+            raise
         pid = int(done.stdout.split("pid ")[1].split(",")[0].rstrip(")")) if new_process else None
         newest = sorted(data.glob("part-*.parquet"))[0]
         shutil.copyfile(newest, inp / "part-99999.parquet")  # one more file: the first batch of the restarted job

@@ -16,6 +16,7 @@ import pytest
 from conftest import ALERTS, ROOT, RUNNING_COUNT, cli, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import InputDataError, JobDefinitionError, JobDirError
+from keyscale.runtime.control import call
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
@@ -157,7 +158,10 @@ def test_running_job_refuses_a_second_writer_and_rescales_live(tmp_path: Path) -
         # Rescale live; a new file makes the next batch happen.
         rescale = subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", "rescale", str(job_dir), "-p", "4", "--wait", "120"],
                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.0)
+        # The next batch must come after the request: wait until the job shows it pending.
+        while time.time() < deadline and not call(jd, "GET", "/status").get("pending_rescale"):
+            assert rescale.poll() is None, rescale.communicate()
+            time.sleep(0.2)
         write_events(tmp_path / "in", files=1, rows=300, keys=40, first=2)
         out, err = rescale.communicate(timeout=180)
         assert rescale.returncode == 0, err
