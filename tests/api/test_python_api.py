@@ -80,15 +80,19 @@ def test_the_job_file_runs_under_spark_submit_with_the_users_conf(tmp_path: Path
     pd.testing.assert_frame_equal(_last_per_key(out), _input_totals(tmp_path / "in"), check_dtype=False)
 
 
+class Boom(ks.KeyedProcessFunction):
+    """Defined at module level in a test file workers cannot import: shipped by value."""
+
+    def process_element(self, row: Any, ctx: Any) -> Any:
+        if row.key == "k3":
+            raise ValueError(f"cannot handle {row.key}")
+        yield (ctx.key, row.value)
+
+
 @pytest.mark.spark
 def test_a_failed_job_says_failed_with_its_error(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from keyscale.cli.main import main as cli
 
-    class Boom(ks.KeyedProcessFunction):  # defined here: Python workers get it by value, not by module
-        def process_element(self, row: Any, ctx: Any) -> Any:
-            if row.key == "k3":
-                raise ValueError(f"cannot handle {row.key}")
-            yield (ctx.key, row.value)
 
     write_events(tmp_path / "in", files=1, rows=200, keys=10)
     events = spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path / "in"))

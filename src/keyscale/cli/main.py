@@ -272,7 +272,7 @@ def cmd_savepoint(a: argparse.Namespace) -> int:
             raise KeyscaleError(f"job '{ident.name}' in {jd.uri} has no checkpoint to save")
         if not jd.is_local:  # Spark's checkpoint (the source positions) is kept in the job directory
             SparkMirror(jd.store, jd.spark_checkpoint).pull()
-        default = f"savepoints/savepoint-{rec.manifest.batch:012d}-{int(time.time())}"
+        default = f"savepoints/savepoint-{rec.manifest.batch:012d}-{int(time.time() * 1000)}"
         target = open_store(dest, "savepoint destination") if dest else jd.store.sub(default)
         path = write_savepoint(jd, rec.manifest, target, progress=text_progress("savepoint"))
     print(path)

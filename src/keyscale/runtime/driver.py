@@ -478,7 +478,7 @@ class JobRunner:
             m = self.committed
             if m is None:
                 raise StateError("the job has not committed a batch yet; nothing to save")
-            default = f"savepoints/savepoint-{m.batch:012d}-{int(time.time())}"
+            default = f"savepoints/savepoint-{m.batch:012d}-{int(time.time() * 1000)}"  # ms: two in one second must not collide
             target = open_store(dest, "savepoint destination") if dest else self.jobdir.store.sub(default)
             log.info("taking a savepoint of batch %d into %s", m.batch, target.url())
             try:
