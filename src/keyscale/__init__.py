@@ -9,7 +9,15 @@ exactly-once checkpoints. See the README for the model and the CLI.
 Agg(kind='count', column=None, fn=None)
 """
 
-from keyscale._pipeline import JobContext, KeyedStream, Pipeline, Stream, WindowedStream, stream
+from keyscale._pipeline import (
+    JobContext,
+    KeyedStream,
+    Pipeline,
+    Stream,
+    WindowedStream,
+    pipeline,
+    stream,
+)
 from keyscale.errors import KeyscaleError
 from keyscale.operators.keyed import (
     Context,
@@ -81,6 +89,7 @@ __all__ = [
     "max",
     "mean",
     "min",
+    "pipeline",
     "reduce",
     "stream",
     "sum",

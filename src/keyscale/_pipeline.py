@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
@@ -232,7 +232,7 @@ class Stream:
     def sink(
         self, sink: Sink, on_error: OnError = "fail", dead_letter: Sink | None = None, max_errors_per_batch: int | None = DEFAULT_MAX_ERRORS,
     ) -> Pipeline:
-        """End the pipeline in a sink.
+        """End the pipeline (or one branch of it: :func:`keyscale.pipeline`) in a sink.
 
         ``on_error`` is the default poison-record policy of every keyed stage (a stage's own
         ``on_error=`` overrides it): ``"fail"`` stops the job at the record, naming it;
@@ -243,14 +243,14 @@ class Stream:
         """
         check_on_error(on_error, "sink()")
         check_bound(max_errors_per_batch)
-        keyed = [s for s in self._steps if isinstance(s, KeyedStep)]
-        for s in keyed:
-            if (s.on_error or on_error) == "dead_letter" and dead_letter is None:
+        policies = {s.uid: ErrorPolicy(s.on_error or on_error, max_errors_per_batch) for s in self._steps if isinstance(s, KeyedStep)}
+        for uid, policy in policies.items():
+            if policy.on_error == "dead_letter" and dead_letter is None:
                 raise JobDefinitionError(
-                    f"operator '{s.uid}' has on_error='dead_letter' but the pipeline has no dead-letter sink: "
+                    f"operator '{uid}' has on_error='dead_letter' but the pipeline has no dead-letter sink: "
                     "end it with .sink(main_sink, dead_letter=ks.ParquetSink(path))"
                 )
-        return Pipeline(self._source, self._steps, sink, self._schema, self._watermark, on_error, dead_letter, max_errors_per_batch)
+        return _check_sinks(Pipeline(self._source, (Branch(self._steps, sink),), self._watermark, policies, dead_letter))
 
     def _with(self, step: KeyedStep) -> Stream:
         return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
@@ -382,21 +382,51 @@ def _session(source: DataFrame | LogSource) -> SparkSession:
 
 
 @dataclass(frozen=True)
-class Pipeline:
-    """A complete job: source, stages, sink."""
+class Branch:
+    """One path of a pipeline: the stages a sink's rows go through, from the source on.
+    Branches of one pipeline share the stages they have in common (the same objects)."""
 
-    source: DataFrame | LogSource
     steps: tuple[Step, ...]
     sink: Sink
-    schema: StructType
+
+    @property
+    def last_stage(self) -> str | None:
+        """The uid of the last stateful stage whose rows the sink gets (None: none)."""
+        return next((s.uid for s in reversed(self.steps) if not isinstance(s, TransformStep)), None)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A complete job: one source, its stages, and one sink per branch."""
+
+    source: DataFrame | LogSource
+    branches: tuple[Branch, ...]
     watermark: WatermarkSpec | None = None
-    on_error: OnError = "fail"  # the default poison-record policy of keyed stages
+    policies: dict[str, ErrorPolicy] = field(default_factory=dict)  # each keyed stage's poison-record policy
     dead_letter: Sink | None = None
-    max_errors_per_batch: int | None = DEFAULT_MAX_ERRORS
 
     def error_policy(self, step: KeyedStep) -> ErrorPolicy:
-        """A keyed stage's effective poison-record policy: its own, else the pipeline's."""
-        return ErrorPolicy(step.on_error or self.on_error, self.max_errors_per_batch)
+        """A keyed stage's effective poison-record policy: its own, else its branch's ``sink(on_error=)``."""
+        return self.policies.get(step.uid) or ErrorPolicy(step.on_error or "fail")
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """Every stage once, each after the stages it reads from."""
+        seen: dict[int, Step] = {}
+        for b in self.branches:
+            for s in b.steps:
+                seen.setdefault(id(s), s)
+        return tuple(seen.values())
+
+    @property
+    def sink(self) -> Sink:
+        """The first branch's sink."""
+        return self.branches[0].sink
+
+    @property
+    def output_uids(self) -> list[str]:
+        """The last stateful stage of each branch (whose rows its sink gets), once each."""
+        return list(dict.fromkeys(b.last_stage for b in self.branches if b.last_stage is not None))
 
     @property
     def keyed_steps(self) -> list[KeyedStep]:
@@ -426,8 +456,11 @@ class Pipeline:
 
     @property
     def sinks(self) -> list[Sink]:
-        """The main sink and every side-output sink."""
-        return [self.sink, *(s.late_sink for s in self.keyed_steps if s.late_sink is not None), *([self.dead_letter] if self.dead_letter else [])]
+        """Each branch's sink and every side-output sink (late records, dead letters)."""
+        return [
+            *(b.sink for b in self.branches), *(s.late_sink for s in self.keyed_steps if s.late_sink is not None),
+            *([self.dead_letter] if self.dead_letter else []),
+        ]
 
     def start(self, job_dir: str, parallelism: int | None = None, *, name: str | None = None, **options: Any) -> JobHandle:
         """Run this pipeline on the SparkSession it was built on, in a background thread of
@@ -459,3 +492,55 @@ def stream(df: DataFrame | LogSource) -> Stream:
     if not df.isStreaming:
         raise JobDefinitionError("keyscale.stream() needs a streaming DataFrame (spark.readStream...), not a batch one")
     return Stream(df)
+
+
+def pipeline(*branches: Pipeline) -> Pipeline:
+    """One job with several sinks: each argument ends one branch (``stream.sink(...)``), and
+    all start from the same ``ks.stream(...)``. A batch runs each stage once, however many
+    branches read it, and each sink gets the batch exactly once.
+
+    Branch after any stage: ``events.key_by("user").window(...).aggregate(...)`` and
+    ``events.key_by("page").aggregate(...)`` read the same ``events``; or send one stage's
+    rows to two sinks::
+
+        events = ks.stream(df).with_watermark("ts", "10 seconds")
+        sessions = events.key_by("user").window(ks.SessionWindows("30 minutes")).aggregate(uid="sessions", clicks=ks.count())
+        pages = events.key_by("page").aggregate(uid="page_counts", views=ks.count())
+        return ks.pipeline(sessions.sink(ks.ParquetSink(a)), pages.sink(ks.ParquetSink(b)), pages.sink(ks.ConsoleSink()))
+    """
+    if not branches:
+        raise JobDefinitionError("keyscale.pipeline() needs at least one branch: stream.sink(...)")
+    wrong = next((b for b in branches if not isinstance(b, Pipeline)), None)
+    if wrong is not None:
+        raise JobDefinitionError(f"keyscale.pipeline() takes branches ending in .sink(...), not {type(wrong).__name__}")
+    first = branches[0]
+    if any(b.source is not first.source for b in branches):
+        raise JobDefinitionError("the branches of keyscale.pipeline() start from different streams: branch one ks.stream(...) instead")
+    if any(b.watermark != first.watermark for b in branches):
+        raise JobDefinitionError("the branches of keyscale.pipeline() have different watermarks: call with_watermark() once, before branching")
+    merged = Pipeline(first.source, tuple(br for b in branches for br in b.branches), first.watermark)
+    by_uid: dict[str, Step] = {}
+    for s in merged.steps:
+        if not isinstance(s, TransformStep) and by_uid.setdefault(s.uid, s) is not s:
+            raise JobDefinitionError(f"two stages have the uid '{s.uid}'; each stateful stage needs its own")
+    policies: dict[str, ErrorPolicy] = {}
+    for b in branches:
+        for uid, p in b.policies.items():
+            if policies.setdefault(uid, p) != p:
+                raise JobDefinitionError(f"operator '{uid}' is in two branches whose sink(on_error=..., max_errors_per_batch=...) differ: give them the same")
+    dead = {id(b.dead_letter): b.dead_letter for b in branches if b.dead_letter is not None}
+    if len(dead) > 1:
+        raise JobDefinitionError("the branches of keyscale.pipeline() have different dead-letter sinks: a job has one; give it on one branch")
+    return _check_sinks(replace(merged, policies=policies, dead_letter=next(iter(dead.values()), None)))
+
+
+def _check_sinks(p: Pipeline) -> Pipeline:
+    """Two outputs into one exactly-once sink would lose rows: a batch's second write finds
+    the first one's output and, as a replay does, keeps it."""
+    seen: set[str] = set()
+    for sink in p.sinks:
+        where = sink.describe()
+        if sink.exactly_once and where in seen:
+            raise JobDefinitionError(f"two outputs of the pipeline write to {where}: each needs a sink of its own")
+        seen.add(where)
+    return p

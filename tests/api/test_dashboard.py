@@ -86,6 +86,7 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
         assert len(browser.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 4  # uPlot drew the four timelines
         assert len(browser.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")) == 3
         assert len(browser.find_elements(By.CSS_SELECTOR, "#savepoints tbody tr")) == 1
+        assert browser.find_element(By.ID, "outputs").text == f"'totals' → parquet files in {tmp_path / 'out'}"
         ARTIFACTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "dashboard-running.png"))
 

@@ -365,6 +365,9 @@ def cmd_status(a: argparse.Namespace) -> int:
         for s in op["subtasks"]:
             keys = f", {s['state_keys']:,} keys" if "state_keys" in s else ""
             print(f"    subtask {s['subtask']}: key groups {s['key_groups']}, ~{s['state_bytes']:,} bytes{keys}")
+    for o in st.get("outputs", []):
+        of = f" of '{o['from']}'" if o["from"] else ""
+        print(f"  {'output' if o['kind'] == 'output' else o['kind']}{of}: {o['sink']}")
     return 0
 
 

@@ -11,13 +11,15 @@ stores alike)", step by step.
    the batch is pushed first (the mirror bundle).
 3. **Tasks** (``stages.py``): the batch's Spark plan; its tasks report their state files
    through Spark (``job.reports``).
-4. **Sink** (:func:`write_sinks`): the batch's one Spark action, idempotent for its id.
+4. **Sink** (:func:`write_sinks`): each sink's write, idempotent for the batch id; the
+   first runs the batch's tasks (stage outputs read by several writes are cached).
 5. **Manifest** (:func:`commit_manifest`): built from the tasks' reports
    (:func:`build_manifest`), created only if absent after the epoch check (``JobDir.commit``):
    the commit point. Then the job's state moves on (committed manifest, watermark) and
    retention deletes what no kept manifest needs (:func:`run_batch`), and the batch is
    recorded (:func:`record`).
-6. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
+6. **Post-commit** (:func:`post_commit`): two-phase sinks make the batch visible.
+7. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
    driver's log loop starts the next batch (``driver.py``).
 
 Reads and advances :class:`~keyscale.runtime.jobstate.JobState`. What it persists goes
@@ -35,7 +37,6 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from keyscale._pipeline import NonKeyedStep
 from keyscale.checkpoint.drain import drain_extra
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, live_files
 from keyscale.operators.eventtime import END_OF_TIME, WatermarkState
@@ -91,6 +92,8 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         os.kill(os.getpid(), signal.SIGKILL)
     # 5. Manifest: the commit point.
     records, emitted, reports = commit_manifest(job, batch_id, intent, par, watermark_ms, rules, drain)
+    # 6. Two-phase sinks make the batch's output visible.
+    post_commit(job, batch_id)
     removed = job.jobdir.retain(job.opts.retain)
     return record(job, batch_id, clock, records, emitted, par, replayed, reports, spark_seconds, removed)
 
@@ -136,18 +139,29 @@ def replay_intent(job: JobState, batch_id: int, intent: dict[str, Any]) -> dict[
 
 
 def write_sinks(job: JobState, plan: stages.BatchPlan, batch_id: int) -> float:
-    """Step 4: the main sink, then the side outputs (late rows, dead letters); the seconds
-    Spark took (the batch's tasks run here)."""
-    assert job.pipeline is not None
+    """Step 4: each branch's sink, then the side outputs (late rows, dead letters); the
+    seconds Spark took (the batch's tasks run here)."""
     spark_started = time.perf_counter()
     try:
-        job.pipeline.sink.write(plan.main, batch_id)
-        for sink, late_df, _ in plan.side:
-            sink.write(late_df, batch_id)
+        for i, (sink, rows) in enumerate(plan.writes):
+            if i == 1 and job.fault("between-sinks", batch_id):
+                os.kill(os.getpid(), signal.SIGKILL)
+            sink.write(rows, batch_id)
     finally:
-        for *_, staged in plan.side:
+        for staged in plan.cached:
             staged.unpersist()
     return time.perf_counter() - spark_started
+
+
+def post_commit(job: JobState, batch_id: int) -> None:
+    """Step 6: sinks that commit in two phases (a transaction written before the manifest,
+    made visible after it) commit batch ``batch_id`` now. A crash before this is resolved
+    by the sink's ``open(ctx)``: batches up to ``ctx.committed`` are committed there."""
+    assert job.pipeline is not None
+    for sink in job.pipeline.sinks:
+        hook = getattr(sink, "post_commit", None)
+        if callable(hook):
+            hook(batch_id)
 
 
 def commit_manifest(
@@ -225,7 +239,7 @@ def build_manifest(
     produced) or rules state (broadcasts). Also its records in, rows out and the reports."""
     assert job.pipeline is not None
     ops: dict[str, OperatorCheckpoint] = {}
-    records = emitted = 0
+    records = 0
     all_reports: TaskReports = {}
     src = job.pipeline.log_source
     if src is not None and source_plan is not None:
@@ -245,7 +259,6 @@ def build_manifest(
         all_reports[step.uid] = reports
         if i == 0 and src is None:
             records = sum(int(r["records"]) for r in reports)
-        emitted = sum(int(r["emitted"]) for r in reports)
         prev = job.committed.operators.get(step.uid) if job.committed else None
         new = [StateFile.from_json(r["file"]) for r in reports if r["file"]]
         files = live_files([*(prev.files if prev else ()), *new], job.max_parallelism)
@@ -269,8 +282,8 @@ def build_manifest(
                 **reader.to_state(reader.advance(reader.plan_from_json(plan)), (log_ids or {}).get(uid)),
             },
         )
-    if job.pipeline.steps and isinstance(job.pipeline.steps[-1], NonKeyedStep):
-        emitted = sum(int(r["emitted"]) for r in all_reports[job.pipeline.steps[-1].uid])
+    # Rows out: what the last stage of each branch emitted (its sink's rows).
+    emitted = sum(int(r["emitted"]) for uid in job.pipeline.output_uids for r in all_reports.get(uid, []))
     if src is not None and src.uid in all_reports:
         records = sum(int(r["records"]) for r in all_reports[src.uid])
     extra = {"source_positions": "operator_state"} if src is not None else {}

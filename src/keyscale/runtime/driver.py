@@ -286,9 +286,11 @@ class JobRunner:
                     sink_open(ctx)
                 elif callable(sink_cleanup):
                     sink_cleanup()
-            log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), self.pipeline.sink.describe())
-            if not self.pipeline.sink.exactly_once:
-                log.warning("this sink is not exactly-once: a batch replayed after a crash writes its output again")
+            outputs = [b.sink for b in self.pipeline.branches]
+            log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), ", ".join(s.describe() for s in outputs))
+            for sink in self.pipeline.sinks:
+                if not sink.exactly_once:
+                    log.warning("%s is not exactly-once: a batch replayed after a crash writes its output again", sink.describe())
             if not self.jobdir.is_local:
                 # Before the control API: a client that finds its address must find the job running too.
                 self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)

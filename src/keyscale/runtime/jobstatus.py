@@ -49,6 +49,7 @@ def status_dict(job_dir: str) -> dict[str, Any]:
         "last_checkpoint": m.batch if m else None,
         "checkpoints": jd.manifest_batches(),
         "operators": {},
+        "outputs": live.get("outputs", []),
     }
     if live.get("watermark") is not None:
         out["watermark"] = live["watermark"]

@@ -1,8 +1,8 @@
 """The driver's side of poison records and failed batches (kept apart from driver.py).
 
 - Dead letters: each keyed stage under ``on_error="dead_letter"`` returns its poison
-  records as a side output of its Spark stage (like late records); the driver unions them
-  and writes them with the pipeline's dead-letter sink in the same batch, before the
+  records as a side output of its Spark stage (like late records); the batch plan
+  (runtime/stages.py) unions them and writes them with the pipeline's dead-letter sink in the same batch, before the
   manifest commit, so they are exactly-once like any output.
 - Counts: each subtask reports its poison records as named counters (``skipped``,
   ``dead_lettered``), logged, shown and totalled with the other counters (runtime/counters.py).
@@ -19,40 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
-from functools import reduce
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
-
     from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.sinks.base import Sink
 
 from keyscale.errors import KeyscaleError
 
 log = logging.getLogger("keyscale")
-
-
-def dead_letter_outputs(sink: Sink | None, frames: list[tuple[DataFrame, DataFrame]]) -> list[tuple[Sink, DataFrame, DataFrame]]:
-    """The batch's dead letters of every stage as one write of the dead-letter sink:
-    (sink, rows, a cached stage to release after the write)."""
-    if sink is None or not frames:
-        return []
-    rows = reduce(lambda a, b: a.unionByName(b), [f for f, _ in frames])
-    first: Sink = sink
-    return [(first, rows, frames[0][1]), *((_NoWrite(), rows, staged) for _, staged in frames[1:])]
-
-
-class _NoWrite:
-    """Stands for the second and later cached stages of a union: released, not written."""
-
-    exactly_once = True
-
-    def write(self, df: DataFrame, batch_id: int) -> int:
-        return -1
-
-    def describe(self) -> str:
-        return "nothing"
 
 
 def replan_intent(intent: dict[str, Any], parallelism: int | None, keyed: Iterable[str]) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from keyscale._pipeline import KeyedStep, NonKeyedStep, TransformStep
+from keyscale._pipeline import Branch, KeyedStep, NonKeyedStep, TransformStep
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
-from keyscale.runtime import poison_batch
 from keyscale.runtime.jobstate import JobState
 from keyscale.runtime.task import (
     DEAD,
@@ -47,42 +49,84 @@ if TYPE_CHECKING:
 
 @dataclass
 class BatchPlan:
-    """A batch's Spark plan, not run yet: the main output and the side outputs."""
+    """A batch's Spark plan, not run yet: each sink and its rows (each branch's sink, then
+    the side outputs: late records, dead letters), and the stage outputs cached because
+    more than one write reads them (released after the writes)."""
 
-    main: DataFrame
-    # (sink, its rows, the cached stage output they are split from: unpersisted after the write)
-    side: list[tuple[Sink, DataFrame, DataFrame]]
+    writes: list[tuple[Sink, DataFrame]]
+    cached: list[DataFrame]
 
 
 def plan_stages(
     job: JobState, df: DataFrame, batch_id: int, batch_time_ms: int, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]],
 ) -> BatchPlan:
-    """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``."""
+    """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``.
+
+    Each stage is planned once, however many branches read it; where several writes read
+    one stage's output (branches, side outputs), it is cached, so its tasks run (and its
+    state moves) once per batch."""
     from pyspark.sql import functions as F
 
-    assert job.pipeline is not None
-    out = df
-    side: list[tuple[Sink, DataFrame, DataFrame]] = []
-    dead_letters: list[tuple[DataFrame, DataFrame]] = []
-    for step in job.pipeline.steps:
-        if isinstance(step, TransformStep):
-            out = step.fn(out)
-            continue
-        if isinstance(step, NonKeyedStep):
-            out = nonkeyed(job, out, step, batch_id, batch_time_ms, par[step.uid], rules)
-            continue
-        out = keyed(job, out, step, batch_id, batch_time_ms, par[step.uid], watermark_ms, rules)
-        dead = job.pipeline.error_policy(step).on_error == "dead_letter"
-        if step.late_sink is not None or dead:
-            # The stage runs once (cached); its rows split into the main, late and dead-letter streams.
-            staged = out.persist()
-            out = staged.where(F.col(MAIN).isNotNull()).select(f"{MAIN}.*")
-            if step.late_sink is not None:
-                side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*"), staged))
-            if dead:
-                dead_letters.append((staged.where(F.col(DEAD).isNotNull()).select(f"{DEAD}.*"), staged))
-    side += poison_batch.dead_letter_outputs(job.pipeline.dead_letter, dead_letters)
-    return BatchPlan(out, side)
+    pipeline = job.pipeline
+    assert pipeline is not None
+    readers = _readers(pipeline.branches)
+    frames: dict[tuple[int, ...], DataFrame] = {}
+    side: list[tuple[Sink, DataFrame]] = []
+    dead_letters: list[DataFrame] = []
+    cached: list[DataFrame] = []
+
+    def shared(path: tuple[int, ...], out: DataFrame) -> DataFrame:
+        if readers[path] > 1:
+            out = out.persist()
+            cached.append(out)
+        frames[path] = out
+        return out
+
+    writes: list[tuple[Sink, DataFrame]] = []
+    for branch in pipeline.branches:
+        path: tuple[int, ...] = ()
+        out = frames[path] if path in frames else shared(path, df)
+        for step in branch.steps:
+            path = (*path, id(step))
+            if path in frames:
+                out = frames[path]
+                continue
+            if isinstance(step, TransformStep):
+                out = shared(path, step.fn(out))
+                continue
+            if isinstance(step, NonKeyedStep):
+                out = shared(path, nonkeyed(job, out, step, batch_id, batch_time_ms, par[step.uid], rules))
+                continue
+            out = keyed(job, out, step, batch_id, batch_time_ms, par[step.uid], watermark_ms, rules)
+            dead = pipeline.error_policy(step).on_error == "dead_letter"
+            if step.late_sink is not None or dead:
+                # The stage runs once (cached); its rows split into the main, late and dead-letter streams.
+                staged = out.persist()
+                cached.append(staged)
+                out = staged.where(F.col(MAIN).isNotNull()).select(f"{MAIN}.*")
+                if step.late_sink is not None:
+                    side.append((step.late_sink, staged.where(F.col(LATE).isNotNull()).select(f"{LATE}.*")))
+                if dead:
+                    dead_letters.append(staged.where(F.col(DEAD).isNotNull()).select(f"{DEAD}.*"))
+                frames[path] = out  # a filter of the cached stage: reading it twice runs nothing twice
+                continue
+            out = shared(path, out)
+        writes.append((branch.sink, out))
+    if pipeline.dead_letter is not None and dead_letters:
+        side.append((pipeline.dead_letter, reduce(lambda a, b: a.unionByName(b), dead_letters)))
+    return BatchPlan(writes + side, cached)
+
+
+def _readers(branches: Sequence[Branch]) -> Counter[tuple[int, ...]]:
+    """How many writes or next stages read the output of each path of stages (a path: the
+    ids of the stages from the source on; ``()`` is the input)."""
+    readers: set[tuple[tuple[int, ...], int | str]] = set()
+    for i, b in enumerate(branches):
+        ids = tuple(id(s) for s in b.steps)
+        for n in range(len(ids)):
+            readers.add((ids[:n], ids[n]))
+        readers.add((ids, f"sink {i}"))
+    return Counter(path for path, _ in readers)
 
 
 def apply_broadcasts(job: JobState, plans: dict[str, list[list[list[int]]]]) -> dict[str, dict[str, Any]]:

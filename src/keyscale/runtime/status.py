@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+from keyscale._pipeline import Pipeline
 from keyscale.checkpoint.manifest import summarize_operator_state
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.windows import WindowAggregate
@@ -67,8 +68,19 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
         "watermark_ms": job.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
         "updated_ms": int(time.time() * 1000),
         "operators": ops,
+        "outputs": outputs(job.pipeline) if job.pipeline else [],
         "counters": {"last_batch": job.counts, "total": counters.from_extra(job.committed.extra if job.committed else None)},
     }
+
+
+def outputs(pipeline: Pipeline) -> list[dict[str, Any]]:
+    """Where the job's rows go: each branch's sink after its last stateful stage ("from"),
+    then the side outputs (late records, dead letters)."""
+    out = [{"from": b.last_stage, "kind": "output", "sink": b.sink.describe()} for b in pipeline.branches]
+    out += [{"from": s.uid, "kind": "late records", "sink": s.late_sink.describe()} for s in pipeline.keyed_steps if s.late_sink is not None]
+    if pipeline.dead_letter is not None:
+        out.append({"from": None, "kind": "dead letters", "sink": pipeline.dead_letter.describe()})
+    return out
 
 
 def _spark_of(job: JobState) -> dict[str, Any] | None:

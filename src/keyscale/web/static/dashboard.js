@@ -112,6 +112,14 @@ function render(status, history) {
   const ops = document.getElementById("operators");
   ops.replaceChildren(...Object.entries(status.operators || {}).map(([uid, op]) => drawOperator(uid, op, op.max_parallelism || 1)));
 
+  document.getElementById("outputs").replaceChildren(...(status.outputs || []).map((o) => {
+    const li = document.createElement("li");
+    li.textContent = o.kind === "output"
+      ? `${o.from ? `'${o.from}'` : "the input"} → ${o.sink}`
+      : `${o.kind}${o.from ? ` of '${o.from}'` : ""} → ${o.sink}`;
+    return li;
+  }));
+
   const batches = history.batches;
   const t = batches.map((b) => b.time_ms / 1000);
   const events = history.events;
