@@ -37,6 +37,7 @@ from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.jobstate import BatchRecord, JobState, RunOptions, RunSummary
 from keyscale.runtime.jobstate import seconds as _seconds
 from keyscale.runtime.jobstate import watermark_of as _watermark_of
+from keyscale.runtime.profiling import profiled
 from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.reports import Reports
 from keyscale.runtime.session import missing_keyscale, spark_session, user_session
@@ -536,7 +537,8 @@ class JobRunner:
     def _run_batch_locked(self, df: DataFrame | None, batch_id: int, drain: bool = False) -> int:
         """Run and commit one batch (``commit.run_batch``; the caller holds the batch lock);
         returns the records it read. ``df`` is Spark's batch, or None for a log source."""
-        return commit.run_batch(self.job, df, batch_id, drain)
+        with profiled("driver-batch"):
+            return commit.run_batch(self.job, df, batch_id, drain)
 
     def _status(self, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
         return status.status(self.job, reports, source)

@@ -58,6 +58,7 @@ from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, m
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.runtime import reports
 from keyscale.runtime.counters import window_counters
+from keyscale.runtime.profiling import profiled
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.table import KeyedStateTable, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
@@ -569,7 +570,8 @@ def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.
         subtask = tc.partitionId() if tc is not None else 0
         try:
             try:
-                out, report = run(spec, batches, subtask)
+                with profiled(f"task-{spec.uid}"):
+                    out, report = run(spec, batches, subtask)
             except KeyscaleError:
                 raise
             except Exception as e:  # never a raw numpy/pandas/user exception: name the operator and batch
