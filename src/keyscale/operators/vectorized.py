@@ -67,7 +67,13 @@ class KeyedBatch:
 
 
 class VectorizedKeyedFunction:
-    """Base class for vectorized keyed functions; declare state in ``open``."""
+    """Base class for vectorized keyed functions; declare state in ``open``.
+
+    ``input_columns``: the columns of ``batch.records`` the function reads (None: all of
+    them). Declaring them saves converting the others to pandas every batch.
+    """
+
+    input_columns: list[str] | None = None
 
     def open(self, ctx: RuntimeContext) -> None:
         """Declare value states here (``ctx.value_state(name, type)``)."""
@@ -174,6 +180,7 @@ class RunningAggregate(VectorizedKeyedFunction):
             raise JobDefinitionError("aggregate() needs at least one aggregate, e.g. aggregate(uid='counts', n=keyscale.count())")
         self.aggs = aggs
         self.key_names = key_names
+        self.input_columns = sorted({a.column for a in aggs.values() if a.column is not None})
         self.types: dict[str, pa.DataType] = {}
         for name, agg in aggs.items():
             if agg.kind == "reduce":

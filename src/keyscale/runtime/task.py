@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from keyscale.checkpoint.files import read_state_slice, write_state_file
 from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
@@ -229,6 +230,16 @@ class _Grouped:
 
 def _group_keys(spec: StageTask, table: pa.Table) -> _Grouped:
     """Factorize the key columns: codes per record, unique keys (first-appearance order), etc."""
+    if len(spec.key_names) == 1 and not is_numeric(spec.key_types[0]):
+        # One string-like key: Arrow's hash encoding (first-appearance order, as pd.factorize)
+        # makes Python objects of the distinct keys only, not of every record's.
+        enc: Any = pc.dictionary_encode(table.column(spec.key_names[0]).combine_chunks())
+        codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
+        uniques = np.empty(len(enc.dictionary), dtype=object)
+        uniques[:] = enc.dictionary.to_pylist()
+        index = pd.Index(uniques)
+        ukeys = [uniques]
+        return _finish_grouping(spec, table, codes, index, ukeys)
     key_arrays = []
     for k, t in zip(spec.key_names, spec.key_types, strict=True):
         col = table.column(k)
@@ -242,6 +253,10 @@ def _group_keys(spec: StageTask, table: pa.Table) -> _Grouped:
         assert isinstance(uniq, pd.MultiIndex)
         index = uniq
         ukeys = [np.asarray(uniq.get_level_values(i)) for i in range(len(key_arrays))]
+    return _finish_grouping(spec, table, codes, index, ukeys)
+
+
+def _finish_grouping(spec: StageTask, table: pa.Table, codes: Any, index: pd.Index, ukeys: list[np.ndarray]) -> _Grouped:
     codes = np.asarray(codes, dtype=np.int64)
     if len(codes) and codes.min() < 0:  # never after _null_check; never a raw numpy error either
         raise InputDataError(f"operator '{spec.uid}' (batch {spec.batch_id}): a key that cannot be grouped (null or NaN) in {', '.join(spec.key_names)}")
@@ -257,7 +272,8 @@ def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g
     """One call for the whole batch; every key of the batch is written back."""
     pos = held.table.positions(g.index)
     batch = KeyedBatch(
-        records=user.to_pandas(types_mapper=_NULLABLE.get),
+        # Only the columns the function says it reads become pandas (a string key column is costly).
+        records=(user if fn.input_columns is None else user.select(fn.input_columns)).to_pandas(types_mapper=_NULLABLE.get),
         codes=g.codes,
         keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, g.keys, strict=True)}),
         state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states}),
