@@ -19,6 +19,8 @@ from functools import reduce
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
+
 from keyscale._pipeline import Branch, KeyedStep, NonKeyedStep, TransformStep
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
@@ -186,19 +188,20 @@ def keyed(
         fault = "kill-driver-in-compaction"
     if job.fault("mid-batch", batch_id):
         fault = "kill-driver-mid-batch"
+    policy = job.pipeline.error_policy(step) if job.pipeline else FAIL
     spec = StageTask(
         store=job.jobdir.store, run_id=job.run_id, uid=step.uid, function=step.function,
-        key_names=step.key_names, key_types=step.key_types, input_schema=step.input_schema,
+        key_names=step.key_names, key_types=step.key_types, input_schema=task_input(step, policy.on_error == "dead_letter"),
         output_schema=step.output_schema, states=step.states, null_keys=step.null_keys,
         max_parallelism=m, parallelism=p, batch_id=batch_id, batch_time_ms=batch_time_ms,
         committed=job.committed.batch if job.committed else -1, files=files, compact=compact,
         fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
         extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
-        on_error=job.pipeline.error_policy(step) if job.pipeline else FAIL, report_to=job.reports.sender,
+        on_error=policy, report_to=job.reports.sender,
     )
     keys = [F.col(k) for k in step.key_names]
-    cols = [F.col(c) for c in step.input_schema.names]
+    cols = [F.col(c) for c in spec.input_schema.names]
     route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
     staged = (
         df.select(*cols, F.monotonically_increasing_id().alias(SEQ))
@@ -212,3 +215,15 @@ def keyed(
         if spec.late_output or dead else step.output_schema
     )
     return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
+
+
+def task_input(step: KeyedStep, dead_letters: bool) -> pa.Schema:
+    """The columns a keyed stage's tasks get: for a function that declares the columns it
+    reads (``input_columns``; the built-in aggregates do), those, its keys and the event
+    time, so the others never cross the shuffle and Arrow; all of them when poison records
+    go to dead letters or late records to a late output (both carry whole records)."""
+    reads = getattr(step.function, "input_columns", None)
+    if reads is None or dead_letters or step.late_sink is not None:
+        return step.input_schema
+    keep = {*step.key_names, *reads, *([step.event_time] if step.event_time else [])}
+    return pa.schema([f for f in step.input_schema if f.name in keep])
