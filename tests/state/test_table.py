@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from keyscale.state import table as table_module
 from keyscale.state.table import KG_COLUMN, KeyedStateTable, make_index, numpy_to_arrow
 from keyscale.state.types import StateDescriptor
 
@@ -303,3 +306,51 @@ def test_random_upserts_equal_a_dict_model(ops: list[tuple[str, Any]]) -> None:
                 if want is not None:
                     v = vals[j]
                     assert (v.tolist() if isinstance(v, np.generic) else v) == want
+
+
+# -- one string key: found by hash, checked against the key, exact after a collision ---------
+
+STRING_POOL = ["a", "b", "ab", "ba", "", "ü", "abc", "cab", "zz"]
+COUNT = StateDescriptor("n", "value", pa.int64())
+
+
+@st.composite
+def string_ops(draw: st.DrawFn) -> tuple[str, Any]:
+    kind = draw(st.sampled_from(["upsert", "upsert", "upsert", "compact", "drop"]))
+    if kind == "upsert":
+        keys = draw(st.lists(st.sampled_from(STRING_POOL), unique=True, max_size=5))
+        return kind, (keys, [draw(st.one_of(st.none(), st.integers(0, 9))) for _ in keys])
+    if kind == "drop":
+        a = draw(st.integers(0, 4))
+        return kind, (a, draw(st.integers(a, 4)))
+    return kind, None
+
+
+@pytest.mark.parametrize("weak_hash", [False, True], ids=["siphash", "colliding-hash"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(string_ops(), max_size=10))
+def test_string_keys_found_by_hash_equal_a_dict_model_even_when_hashes_collide(weak_hash: bool, ops: list[tuple[str, Any]]) -> None:
+    def kg(k: str) -> int:
+        return len(k) % 5
+
+    weak = (lambda keys: np.array([len(k) for k in keys], dtype=np.uint64)) if weak_hash else table_module._hash
+    with mock.patch.object(table_module, "_hash", weak):
+        t = KeyedStateTable(["k"], [pa.string()], [COUNT])
+        model: dict[str, int | None] = {}
+        for kind, arg in ops:
+            if kind == "upsert":
+                keys, vals = arg
+                if keys:
+                    t.upsert([_obj(keys)], np.array([kg(k) for k in keys], dtype=np.int32), {"n": _col(COUNT, vals)})
+                    model.update(zip(keys, vals, strict=True))
+            elif kind == "compact":
+                t.compact()
+                model = {k: v for k, v in model.items() if v is not None}
+            else:
+                a, b = arg
+                t.drop_key_groups(a, b)
+                model = {k: v for k, v in model.items() if not a <= kg(k) <= b}
+            pos = t.positions(make_index([_obj(STRING_POOL)]))
+            vals, ok = t.gather("n", pos)
+            got = {k: (int(v) if o else None) for k, v, o, p in zip(STRING_POOL, vals, ok, pos, strict=True) if p >= 0}
+            assert got == model

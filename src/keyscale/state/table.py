@@ -60,6 +60,11 @@ def make_index(key_arrays: Sequence[np.ndarray]) -> pd.Index:
     return index
 
 
+def _hash(keys: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each key (pandas' vectorized SipHash of strings and bytes)."""
+    return np.asarray(pd.util.hash_array(keys, categorize=False), dtype=np.uint64)
+
+
 class KeyedStateTable:
     """Columnar keyed state for some key groups of one operator.
 
@@ -76,8 +81,13 @@ class KeyedStateTable:
         self.key_names = list(key_names)
         self.key_types = list(key_types)
         self.states = list(states)
-        self.index: pd.Index = make_index([np.empty(0, dtype=self._key_dtype(t)) for t in self.key_types])
         self.keys: list[np.ndarray] = [np.empty(0, dtype=self._key_dtype(t)) for t in self.key_types]
+        # Lookups: one string-like key is found by a 64-bit hash of it in an integer index
+        # (fast to build and probe), each hit checked against the key itself; after a
+        # collision, and for numeric or several keys, by a pandas index of the keys.
+        self._hashed = len(self.key_types) == 1 and not is_numeric(self.key_types[0])
+        self._hashes = np.empty(0, dtype=np.uint64)
+        self._lookup: pd.Index | None = None  # built at the first lookup after a change
         self.kg = np.empty(0, dtype=np.int32)
         self.values: dict[str, np.ndarray] = {}
         self.valid: dict[str, np.ndarray] = {}
@@ -102,7 +112,24 @@ class KeyedStateTable:
         """Row of each key in ``index`` (-1 where the table has no row for it)."""
         if len(self.kg) == 0:
             return np.full(len(index), -1, dtype=np.intp)
-        return np.asarray(self.index.get_indexer(index), dtype=np.intp)
+        if self._hashed:
+            probe = np.asarray(index, dtype=object)
+            pos = np.asarray(self._index().get_indexer(pd.Index(_hash(probe))), dtype=np.intp)
+            hit = pos >= 0
+            if (self.keys[0][pos[hit]] == probe[hit]).all():
+                return pos
+            self._stop_hashing()  # two keys share a hash: exact lookups from now on
+        return np.asarray(self._index().get_indexer(index), dtype=np.intp)
+
+    def _index(self) -> pd.Index:
+        if self._lookup is None:
+            self._lookup = pd.Index(self._hashes) if self._hashed else make_index(self.keys)
+        return self._lookup
+
+    def _stop_hashing(self) -> None:
+        self._hashed = False
+        self._hashes = np.empty(0, dtype=np.uint64)
+        self._lookup = None
 
     def gather(self, name: str, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Values and validity of state ``name`` at rows ``pos`` (-1 gives invalid)."""
@@ -148,8 +175,14 @@ class KeyedStateTable:
 
     def _append(self, key_arrays: Sequence[np.ndarray], kgs: np.ndarray, columns: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         n = len(kgs)
+        if self._hashed:  # the new keys are not in the table; their hashes must not be either
+            new_hashes = _hash(np.asarray(key_arrays[0], dtype=object))
+            if len(np.unique(new_hashes)) < n or self._index().isin(new_hashes).any():
+                self._stop_hashing()
+            else:
+                self._hashes = np.concatenate([self._hashes, new_hashes])
         self.keys = [np.concatenate([old, new.astype(old.dtype, copy=False)]) for old, new in zip(self.keys, key_arrays, strict=True)]
-        self.index = make_index(self.keys)
+        self._lookup = None
         self.kg = np.concatenate([self.kg, kgs.astype(np.int32, copy=False)])
         for s in self.states:
             if s.name in columns:
@@ -188,7 +221,9 @@ class KeyedStateTable:
 
     def _take(self, rows: np.ndarray) -> None:
         self.keys = [k[rows] for k in self.keys]
-        self.index = make_index(self.keys)
+        if self._hashed:
+            self._hashes = self._hashes[rows]
+        self._lookup = None
         self.kg = self.kg[rows]
         for name in self.values:
             self.values[name] = self.values[name][rows]
