@@ -32,6 +32,7 @@ def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory
     "fault",
     [
         "mid-batch:2",  # a task kills the driver while the batch is being processed
+        "mid-upload:2",  # a task kills the driver while its state file uploads (its output streaming on)
         "after-sink:2",  # output written, checkpoint not committed
         "in-compaction:2",  # a task kills the driver while writing a snapshot
     ],

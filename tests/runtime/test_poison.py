@@ -36,6 +36,7 @@ from keyscale.operators.vectorized import (
     count,
 )
 from keyscale.operators.windows import TumblingWindows, WindowAggregate
+from keyscale.runtime.spark_task import make_stage_function
 from keyscale.runtime.task import DEAD, KG, MAIN, SEQ, run_subtask
 from keyscale.state.keygroups import key_group_range
 from keyscale.state.spark_hash import key_group_of
@@ -359,7 +360,7 @@ def test_an_unexpected_error_in_a_spark_task_names_operator_and_batch(tmp_path: 
     d = PolicyDriver(tmp_path / "job", Tracker(), TRACKER_OUT, uid="alerts")
     spec = d.spec(4, 1)
     broken = replace(spec, input_schema=arrow_schema("key string, nothing long"))  # a keyscale-side mismatch, not the user's
-    stage = task.make_stage_function(broken)
+    stage = make_stage_function(broken)
     with pytest.raises(RuntimeError) as info:
         list(stage(iter(to_record_batches([_row("a", 1, 0)], INPUT, None))))
     found = decode_error(str(info.value))

@@ -259,9 +259,16 @@ def upsert_ops(draw: st.DrawFn) -> tuple[str, Any]:
     return kind, None
 
 
+@pytest.mark.parametrize("weak_hash", [False, True], ids=["siphash", "colliding-hash"])
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(upsert_ops(), max_size=12))
-def test_random_upserts_equal_a_dict_model(ops: list[tuple[str, Any]]) -> None:
+@given(ops=st.lists(upsert_ops(), max_size=12))
+def test_random_upserts_equal_a_dict_model(weak_hash: bool, ops: list[tuple[str, Any]]) -> None:
+    weak = (lambda columns: np.array([len(k) for k in columns[0]], dtype=np.uint64)) if weak_hash else table_module._hash
+    with mock.patch.object(table_module, "_hash", weak):
+        _check_model(ops)
+
+
+def _check_model(ops: list[tuple[str, Any]]) -> None:
     names = [s.name for s in MODEL_STATES]
     t = KeyedStateTable(["u", "i"], [pa.string(), pa.int64()], MODEL_STATES)
     model: dict[tuple[str, int], dict[str, Any]] = {}
@@ -333,7 +340,7 @@ def test_string_keys_found_by_hash_equal_a_dict_model_even_when_hashes_collide(w
     def kg(k: str) -> int:
         return len(k) % 5
 
-    weak = (lambda keys: np.array([len(k) for k in keys], dtype=np.uint64)) if weak_hash else table_module._hash
+    weak = (lambda columns: np.array([len(k) for k in columns[0]], dtype=np.uint64)) if weak_hash else table_module._hash
     with mock.patch.object(table_module, "_hash", weak):
         t = KeyedStateTable(["k"], [pa.string()], [COUNT])
         model: dict[str, int | None] = {}

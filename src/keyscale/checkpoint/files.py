@@ -44,7 +44,21 @@ def kg_index(kgs: np.ndarray, start: int, end: int) -> list[list[int]]:
 
 def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> StateFile:
     """Write a key-group-sorted state table as one object; returns its manifest entry."""
-    store = open_store(job_dir, "job directory")
+    entry, data = encode_state_file(rel_path, table, kind, batch, rng)
+    put_state_file(open_store(job_dir, "job directory"), rel_path, data)
+    return entry
+
+
+def put_state_file(store: Store, rel_path: str, data: bytes) -> None:
+    """Store an encoded state file (the upload; its manifest entry is already known)."""
+    try:
+        store.put(rel_path, data)
+    except OSError as e:  # a local job directory this process cannot write (a task: the driver's disk)
+        raise StorageError(f"state file: {local_write_failure(store.url(rel_path), e)}") from None
+
+
+def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> tuple[StateFile, bytes]:
+    """A key-group-sorted state table as the bytes of one state file, and its manifest entry."""
     kgs = table.column(KG_COLUMN).to_numpy()
     index = kg_index(kgs, rng.start, rng.end)
     meta = {
@@ -59,14 +73,11 @@ def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: Fi
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=CHUNK_ROWS)
     data = sink.getvalue().to_pybytes()
-    try:
-        store.put(rel_path, data)
-    except OSError as e:  # a local job directory this process cannot write (a task: the driver's disk)
-        raise StorageError(f"state file: {local_write_failure(store.url(rel_path), e)}") from None
-    return StateFile(
+    entry = StateFile(
         path=rel_path, batch=batch, kind=kind, start=rng.start, end=rng.end,
         rows=table.num_rows, bytes=len(data), crc32=zlib.crc32(data),
     )
+    return entry, data
 
 
 def _open_state_file(store: Store, f: StateFile, verify: bool) -> pa.Table:

@@ -3,7 +3,7 @@
 Per keyed stage: key group and arrival sequence columns, a shuffle to one partition per
 subtask (partition ``i`` is subtask ``i``), and ``mapInArrow`` running the subtask
 (:class:`~keyscale.runtime.task.StageTask`); per non-keyed stage a round robin over its
-subtasks (:class:`~keyscale.runtime.task.NonKeyedTask`); rules streams (broadcasts) are
+subtasks (:class:`~keyscale.runtime.nonkeyed_task.NonKeyedTask`); rules streams (broadcasts) are
 applied on the driver. Nothing here runs a Spark action, writes the job directory or
 changes ``JobState``: the sink write runs the plan (commit protocol step 4, ``commit.py``).
 """
@@ -28,16 +28,15 @@ from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
 from keyscale.runtime.jobstate import JobState
+from keyscale.runtime.nonkeyed_task import NonKeyedTask, make_nonkeyed_function
+from keyscale.runtime.spark_task import make_stage_function
 from keyscale.runtime.task import (
     DEAD,
     KG,
     LATE,
     MAIN,
     SEQ,
-    NonKeyedTask,
     StageTask,
-    make_nonkeyed_function,
-    make_stage_function,
     side_output_schema,
 )
 from keyscale.state.keygroups import key_group_range
@@ -188,6 +187,8 @@ def keyed(
         fault = "kill-driver-in-compaction"
     if job.fault("mid-batch", batch_id):
         fault = "kill-driver-mid-batch"
+    if job.fault("mid-upload", batch_id):
+        fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
     policy = job.pipeline.error_policy(step) if job.pipeline else FAIL
     spec = StageTask(
         store=job.jobdir.store, run_id=job.run_id, uid=step.uid, function=step.function,

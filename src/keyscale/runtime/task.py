@@ -15,13 +15,13 @@ attempt never leaves a copy that claims a version it does not have.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections import deque, namedtuple
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,9 +32,14 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyscale.checkpoint.files import read_state_slice, write_state_file
-from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
-from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
+from keyscale.checkpoint.files import encode_state_file, put_state_file, read_state_slice
+from keyscale.checkpoint.manifest import (
+    FileKind,
+    StateFile,
+    files_overlapping,
+    latest_snapshot_batches,
+)
+from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms, max_event_within
 from keyscale.operators.keyed import (
     TIMER_STATES,
@@ -44,7 +49,6 @@ from keyscale.operators.keyed import (
     rows_to_arrow,
     ttl_column,
 )
-from keyscale.operators.nonkeyed import OperatorContext, ProcessFunction
 from keyscale.operators.poison import (
     FAIL,
     ErrorCollector,
@@ -57,9 +61,7 @@ from keyscale.operators.poison import (
 )
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.operators.windows import WindowAggregate, run_windows
-from keyscale.runtime import reports
 from keyscale.runtime.counters import window_counters
-from keyscale.runtime.profiling import profiled
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.table import KeyedStateTable, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
@@ -96,7 +98,7 @@ class StageTask:
     committed: int  # batch whose manifest the state comes from (-1: none yet)
     files: tuple[StateFile, ...]  # the operator's live files at ``committed``
     compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
-    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction"
+    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction" | "kill-driver-mid-upload"
     driver_pid: int = 0
     watermark_ms: int = NO_WATERMARK  # the watermark this batch runs with
     event_time: str | None = None  # the event-time column whose maximum the task reports
@@ -423,7 +425,16 @@ def _empty_input(spec: StageTask) -> pa.Table:
 
 
 def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
-    """Process one subtask's records; returns (output, report). Needs no Spark: testable alone."""
+    """Process one subtask's records; returns (output, report) once its state file is
+    stored. Needs no Spark: testable alone."""
+    out, report, upload = run_subtask_deferred(spec, batches, subtask)
+    if upload is not None:
+        upload.wait()
+    return out, report
+
+
+def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any], Upload | None]:
+    """``run_subtask`` with the state file's upload still running (wait for it before the report goes)."""
     started = time.perf_counter()
     fn = spec.function
     opened = RuntimeContext(spec.uid, subtask, spec.parallelism, spec.max_parallelism)
@@ -487,16 +498,20 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     compact = spec.compact[subtask]
     attempt = uuid.uuid4().hex[:12]
     written: StateFile | None = None
+    upload: Upload | None = None
     if compact:
         if spec.fault == "kill-driver-in-compaction" and spec.driver_pid:
             os.kill(spec.driver_pid, signal.SIGKILL)
             time.sleep(30)
         held.table.compact()
-        snap = held.table.to_arrow(held.table.rows_in_range(rng.start, rng.end))
-        written = write_state_file(spec.store, state_file_name(spec.uid, spec.batch_id, subtask, "snapshot", attempt), snap, "snapshot", spec.batch_id, rng)
-    elif len(changed_rows):
-        delta = held.table.to_arrow(changed_rows)
-        written = write_state_file(spec.store, state_file_name(spec.uid, spec.batch_id, subtask, "delta", attempt), delta, "delta", spec.batch_id, rng)
+        kind: FileKind = "snapshot"
+        rows = held.table.rows_in_range(rng.start, rng.end)
+    else:
+        kind, rows = "delta", changed_rows
+    if compact or len(changed_rows):
+        name = state_file_name(spec.uid, spec.batch_id, subtask, kind, attempt)
+        written, data = encode_state_file(name, held.table.to_arrow(rows), kind, spec.batch_id, rng)
+        upload = Upload(spec, name, data)
     held.version[rng.start : rng.end + 1] = spec.batch_id
     if held.table.dead_share() > 0.5:  # purged windows, expired or deleted keys: drop them once written
         held.table.compact()
@@ -522,7 +537,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     dead = errors.dead_letters() if spec.on_error.on_error == "dead_letter" else None
     if spec.late_output or dead is not None:
         out = with_side_output(out, late if spec.late_output else None, dead)
-    return out, report
+    return out, report, upload
 
 
 def _without_event_time(spec: StageTask, column: str, table: pa.Table, errors: ErrorCollector) -> pa.Table:
@@ -576,82 +591,25 @@ def with_side_output(main: pa.Table, late: pa.Table | None = None, dead: pa.Tabl
     return pa.table(cols)
 
 
-def _as_spark_task(run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.Table, Any]], spec: Any) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function: partition ``i`` of the stage's input is subtask ``i``."""
+class Upload:
+    """A state file's upload in a thread of the task (obstore and file writes release the GIL)."""
 
-    def stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from pyspark import TaskContext
+    def __init__(self, spec: StageTask, rel_path: str, data: bytes):
+        self._error: BaseException | None = None
 
-        tc = TaskContext.get()
-        subtask = tc.partitionId() if tc is not None else 0
-        try:
+        def put() -> None:
             try:
-                with profiled(f"task-{spec.uid}"):
-                    out, report = run(spec, batches, subtask)
-            except KeyscaleError:
-                raise
-            except Exception as e:  # never a raw numpy/pandas/user exception: name the operator and batch
-                ErrorCollector(FAIL, spec.uid, spec.batch_id, subtask).fail_batch(e)
-                raise
-        except KeyscaleError as e:
-            # One recognisable line survives Spark's wrapping of the Python traceback.
-            raise RuntimeError(encode_error(e)) from None
-        reports.send(spec.report_to, spec.uid, spec.batch_id, subtask, report)
-        yield from out.to_batches()
+                if spec.fault == "kill-driver-mid-upload" and spec.driver_pid:
+                    os.kill(spec.driver_pid, signal.SIGKILL)
+                    time.sleep(30)
+                put_state_file(spec.store, rel_path, data)
+            except BaseException as e:  # handed to wait(), in the task's own thread
+                self._error = e
 
-    return stage
+        self._thread = threading.Thread(target=put, name="keyscale-upload", daemon=True)
+        self._thread.start()
 
-
-def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The function given to ``DataFrame.mapInArrow`` for this keyed stage and batch."""
-    return _as_spark_task(run_subtask, spec)
-
-
-# -- non-keyed stages --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NonKeyedTask:
-    """What a task of a non-keyed stage needs: its function and each subtask's list state."""
-
-    uid: str
-    function: ProcessFunction
-    output_schema: pa.Schema
-    parallelism: int
-    batch_id: int
-    batch_time_ms: int
-    lists: tuple[dict[str, list[Any]], ...]  # per subtask: list name -> entries
-    broadcast_state: dict[str, Any] | None = None
-    report_to: Any = None  # where the report goes (keyscale.runtime.reports)
-
-
-def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
-    """One subtask of a non-keyed stage: restore its lists, process, report the lists back."""
-    started = time.perf_counter()
-    fn = spec.function
-    ctx = OperatorContext(spec.uid, subtask, spec.parallelism, spec.batch_id, spec.batch_time_ms, spec.broadcast_state)
-    fn.open(ctx)
-    for name, entries in spec.lists[subtask].items():
-        if name in ctx.lists:
-            ctx.lists[name].update(entries)
-    parts = list(batches)
-    records = pa.Table.from_batches(parts).to_pandas(types_mapper=_NULLABLE.get) if parts else pd.DataFrame()
-    result = fn.process(records, ctx)
-    if isinstance(result, pd.DataFrame):
-        out = pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
-    elif isinstance(result, pa.Table):
-        out = result
-    else:
-        out = rows_to_arrow(list(result or []), spec.output_schema, spec.uid)
-    lists = {name: s.get() for name, s in ctx.lists.items()}
-    try:
-        json.dumps(lists)
-    except (TypeError, ValueError) as e:
-        raise JobDefinitionError(f"operator '{spec.uid}': list state entries must be JSON values ({e})") from None
-    report = {"subtask": subtask, "records": len(records), "emitted": out.num_rows, "lists": lists, "busy_seconds": time.perf_counter() - started}
-    return out, report
-
-
-def make_nonkeyed_function(spec: NonKeyedTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The function given to ``DataFrame.mapInArrow`` for this non-keyed stage and batch."""
-    return _as_spark_task(run_nonkeyed_subtask, spec)
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

@@ -60,9 +60,19 @@ def make_index(key_arrays: Sequence[np.ndarray]) -> pd.Index:
     return index
 
 
-def _hash(keys: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of each key (pandas' vectorized SipHash of strings and bytes)."""
-    return np.asarray(pd.util.hash_array(keys, categorize=False), dtype=np.uint64)
+def _hash(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """A 64-bit hash of each key, from its columns (pandas' vectorized SipHash per column)."""
+    h = np.asarray(pd.util.hash_array(columns[0], categorize=False), dtype=np.uint64)
+    for col in columns[1:]:
+        h = (h * np.uint64(1_000_003)) ^ np.asarray(pd.util.hash_array(col, categorize=False), dtype=np.uint64)
+    return h
+
+
+def _columns(index: pd.Index) -> list[np.ndarray]:
+    """The key columns of a lookup index (one, or a MultiIndex's levels)."""
+    if isinstance(index, pd.MultiIndex):
+        return [np.asarray(index.get_level_values(i)) for i in range(index.nlevels)]
+    return [np.asarray(index)]
 
 
 class KeyedStateTable:
@@ -82,10 +92,10 @@ class KeyedStateTable:
         self.key_types = list(key_types)
         self.states = list(states)
         self.keys: list[np.ndarray] = [np.empty(0, dtype=self._key_dtype(t)) for t in self.key_types]
-        # Lookups: one string-like key is found by a 64-bit hash of it in an integer index
-        # (fast to build and probe), each hit checked against the key itself; after a
-        # collision, and for numeric or several keys, by a pandas index of the keys.
-        self._hashed = len(self.key_types) == 1 and not is_numeric(self.key_types[0])
+        # Lookups: a key (string-like, or of several columns) is found by a 64-bit hash of
+        # it in an integer index (fast to build and probe), each hit checked against the key
+        # itself; after a collision, and for one numeric column, by a pandas index of the keys.
+        self._hashed = not (len(self.key_types) == 1 and is_numeric(self.key_types[0]))
         self._hashes = np.empty(0, dtype=np.uint64)
         self._lookup: pd.Index | None = None  # built at the first lookup after a change
         self.kg = np.empty(0, dtype=np.int32)
@@ -113,10 +123,10 @@ class KeyedStateTable:
         if len(self.kg) == 0:
             return np.full(len(index), -1, dtype=np.intp)
         if self._hashed:
-            probe = np.asarray(index, dtype=object)
+            probe = _columns(index)
             pos = np.asarray(self._index().get_indexer(pd.Index(_hash(probe))), dtype=np.intp)
             hit = pos >= 0
-            if (self.keys[0][pos[hit]] == probe[hit]).all():
+            if all((k[pos[hit]] == p[hit]).all() for k, p in zip(self.keys, probe, strict=True)):
                 return pos
             self._stop_hashing()  # two keys share a hash: exact lookups from now on
         return np.asarray(self._index().get_indexer(index), dtype=np.intp)
@@ -176,7 +186,7 @@ class KeyedStateTable:
     def _append(self, key_arrays: Sequence[np.ndarray], kgs: np.ndarray, columns: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         n = len(kgs)
         if self._hashed:  # the new keys are not in the table; their hashes must not be either
-            new_hashes = _hash(np.asarray(key_arrays[0], dtype=object))
+            new_hashes = _hash(list(key_arrays))
             if len(np.unique(new_hashes)) < n or self._index().isin(new_hashes).any():
                 self._stop_hashing()
             else:
