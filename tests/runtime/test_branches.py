@@ -120,3 +120,22 @@ def test_branches_must_share_one_stream_and_each_need_their_own_sink(spark: Any,
         ks.pipeline(counts.sink(ks.ParquetSink(str(tmp_path / "a")), on_error="skip"), counts.sink(ks.ParquetSink(str(tmp_path / "b"))))
     with pytest.raises(JobDefinitionError, match="branches ending in"):
         ks.pipeline(counts)  # type: ignore[arg-type]
+
+
+def test_a_stage_gets_only_the_columns_its_function_reads(spark: Any, tmp_path: Path) -> None:
+    from keyscale.runtime.stages import task_input
+
+    events = ks.stream(spark.readStream.schema("key string, value long, ts timestamp, note string").parquet(str(tmp_path)))
+    totals = events.key_by("key").aggregate(uid="totals", n=ks.count(), total=ks.sum("value"))
+    step = totals.sink(ks.ParquetSink(str(tmp_path / "a"))).keyed_steps[0]
+    assert task_input(step, dead_letters=False).names == ["key", "value"]  # ts and note never cross the shuffle
+    assert task_input(step, dead_letters=True).names == ["key", "value", "ts", "note"]  # a dead letter is the whole record
+
+    class Declared(ks.VectorizedKeyedFunction):
+        def __init__(self) -> None:
+            self.input_columns = ["note"]
+
+    timed = events.with_watermark("ts", "1 second").key_by("key").process(Declared(), "key string", uid="declared")
+    assert task_input(timed.sink(ks.ParquetSink(str(tmp_path / "b"))).keyed_steps[0], False).names == ["key", "ts", "note"]
+    undeclared = events.key_by("key").process(ks.VectorizedKeyedFunction(), "key string", uid="all")
+    assert task_input(undeclared.sink(ks.ParquetSink(str(tmp_path / "c"))).keyed_steps[0], False).names == ["key", "value", "ts", "note"]
