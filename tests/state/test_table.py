@@ -12,7 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keyscale.state import table as table_module
-from keyscale.state.table import KG_COLUMN, KeyedStateTable, make_index, numpy_to_arrow
+from keyscale.state.table import (
+    KG_COLUMN,
+    KeyedStateTable,
+    factorize_keys,
+    make_index,
+    numpy_to_arrow,
+)
 from keyscale.state.types import StateDescriptor
 
 N = StateDescriptor("n", "value", pa.int64())
@@ -361,3 +367,14 @@ def test_string_keys_found_by_hash_equal_a_dict_model_even_when_hashes_collide(w
             vals, ok = t.gather("n", pos)
             got = {k: (int(v) if o else None) for k, v, o, p in zip(STRING_POOL, vals, ok, pos, strict=True) if p >= 0}
             assert got == model
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "", "ü"]), st.integers(-2, 2)), max_size=30))
+def test_factorize_keys_groups_rows_by_key_in_first_appearance_order(rows: list[tuple[str, int]]) -> None:
+    codes, index, columns = factorize_keys([_obj([r[0] for r in rows]), np.array([r[1] for r in rows], dtype=np.int64)])
+    order = list(dict.fromkeys(rows))  # distinct keys, first appearance first
+    assert [order[c] for c in codes] == rows
+    assert list(zip(*columns, strict=True)) == order
+    assert list(index) == order
+    assert list(KeyedStateTable(["u", "i"], [pa.string(), pa.int64()], [N]).positions(index)) == [-1] * len(order)

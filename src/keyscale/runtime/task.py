@@ -63,7 +63,7 @@ from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, m
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.runtime.counters import window_counters
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
-from keyscale.state.table import KeyedStateTable, make_index
+from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
 from keyscale.storage import Store
 
@@ -246,15 +246,7 @@ def _group_keys(spec: StageTask, table: pa.Table) -> _Grouped:
     for k, t in zip(spec.key_names, spec.key_types, strict=True):
         col = table.column(k)
         key_arrays.append(np.asarray(col.to_numpy()) if is_numeric(t) else np.asarray(col.to_pylist(), dtype=object))
-    if len(key_arrays) == 1:
-        codes, uniques = pd.factorize(key_arrays[0])
-        index = pd.Index(uniques)
-        ukeys = [np.asarray(uniques)]
-    else:
-        codes, uniq = pd.MultiIndex.from_arrays(key_arrays).factorize()
-        assert isinstance(uniq, pd.MultiIndex)
-        index = uniq
-        ukeys = [np.asarray(uniq.get_level_values(i)) for i in range(len(key_arrays))]
+    codes, index, ukeys = factorize_keys(key_arrays)
     return _finish_grouping(spec, table, codes, index, ukeys)
 
 
