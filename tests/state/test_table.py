@@ -269,9 +269,14 @@ def upsert_ops(draw: st.DrawFn) -> tuple[str, Any]:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(upsert_ops(), max_size=12))
 def test_random_upserts_equal_a_dict_model(weak_hash: bool, ops: list[tuple[str, Any]]) -> None:
-    weak = (lambda columns: np.array([len(k) for k in columns[0]], dtype=np.uint64)) if weak_hash else table_module._hash
-    with mock.patch.object(table_module, "_hash", weak):
+    with _hashing(weak_hash):
         _check_model(ops)
+
+
+def _hashing(weak: bool) -> Any:
+    """The table's own key hash, or one that collides on purpose (keys of one length share it)."""
+    fn = (lambda columns: np.array([len(k) for k in columns[0]], dtype=np.uint64)) if weak else table_module._hash
+    return mock.patch.object(table_module, "_hash", fn)
 
 
 def _check_model(ops: list[tuple[str, Any]]) -> None:
@@ -346,8 +351,7 @@ def test_string_keys_found_by_hash_equal_a_dict_model_even_when_hashes_collide(w
     def kg(k: str) -> int:
         return len(k) % 5
 
-    weak = (lambda columns: np.array([len(k) for k in columns[0]], dtype=np.uint64)) if weak_hash else table_module._hash
-    with mock.patch.object(table_module, "_hash", weak):
+    with _hashing(weak_hash):
         t = KeyedStateTable(["k"], [pa.string()], [COUNT])
         model: dict[str, int | None] = {}
         for kind, arg in ops:
