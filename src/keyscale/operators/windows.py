@@ -47,7 +47,7 @@ from keyscale.operators.eventtime import (
     too_far_ahead,
 )
 from keyscale.operators.vectorized import Agg, result_type
-from keyscale.state.table import KeyedStateTable, make_index
+from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
 from keyscale.state.types import StateDescriptor
 
 WINDOW_START = "window_start"
@@ -338,7 +338,7 @@ def _group(key_arrays: list[np.ndarray], key_groups: np.ndarray, idx: np.ndarray
         combined = codes[0].astype(np.int64) * (int(codes[1].max()) + 1) + codes[1]
         gid, _ = pd.factorize(combined)
     else:
-        gid, _ = pd.MultiIndex.from_arrays(codes).factorize()
+        gid = factorize_keys(codes)[0]
     gid = np.asarray(gid, dtype=np.int64)
     n = int(gid.max()) + 1 if len(gid) else 0
     _, first = np.unique(gid, return_index=True)
@@ -385,7 +385,7 @@ def _merge_sessions(
         rows = rows[np.asarray(stored_keys.isin(make_index(rec_keys)), dtype=bool)]
     # One interval per record and per stored session: key, start, end, accumulators.
     all_keys = [np.concatenate([r, t[rows].astype(r.dtype, copy=False)]) for r, t in zip(rec_keys, table.keys[:nk], strict=True)]
-    kcode = np.asarray(make_index(all_keys).factorize()[0], dtype=np.int64)
+    kcode = factorize_keys(all_keys)[0]  # by hashing: a MultiIndex's factorize builds a tuple per row
     s = np.concatenate([starts, table.keys[nk][rows].astype(np.int64)])
     e = np.concatenate([ends, table.values[WINDOW_END][rows]])
     kg = np.concatenate([key_groups[idx], table.kg[rows]]).astype(np.int32)
