@@ -1,0 +1,126 @@
+"""keyscale.testing: a keyed stage tested without Spark, through the job's own task code
+and state files: the same output at any parallelism and across a snapshot and restore."""
+
+from __future__ import annotations
+
+import doctest
+import random
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import keyscale as ks
+import keyscale.testing
+from keyscale.testing import KeyedHarness
+
+MINUTE = 60_000
+T0 = 1_767_225_600_000
+
+
+def test_the_module_examples_run() -> None:
+    assert doctest.testmod(keyscale.testing, raise_on_error=True).attempted > 0
+
+
+batches = st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "dd", "ü"]), st.integers(-5, 5)), max_size=8), min_size=1, max_size=5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=batches, p=st.integers(1, 4), restore_at=st.integers(0, 4), restore_p=st.integers(1, 5))
+def test_an_aggregate_gives_the_same_output_at_any_parallelism_and_across_a_restore(
+    data: list[list[tuple[str, int]]], p: int, restore_at: int, restore_p: int,
+) -> None:
+    def harness(parallelism: int) -> KeyedHarness:
+        return KeyedHarness.aggregate(key_by=["k"], input_schema="k string, v long", parallelism=parallelism,
+                                      n=ks.count(), total=ks.sum("v"), top=ks.max("v"))
+
+    one, other = harness(1), harness(p)
+    for i, rows in enumerate(data):
+        if i == restore_at:
+            other = other.snapshot().restore(parallelism=restore_p)
+        records = [{"k": k, "v": v} for k, v in rows]
+        assert other.process(records) == one.process(records)
+    for k in {k for rows in data for k, _ in rows}:
+        assert other.state(k) == one.state(k)
+
+
+class SessionTimeout(ks.KeyedProcessFunction):
+    """Counts a key's records; a processing-time timer 10 s after the first emits the count."""
+
+    def open(self, ctx: Any) -> None:
+        self.n = ctx.value_state("n", "long")
+
+    def process_element(self, row: Any, ctx: Any) -> Any:
+        if self.n.value() is None:
+            ctx.timer_service.register_processing_time_timer(ctx.processing_time + 10_000)
+        self.n.update((self.n.value() or 0) + 1)
+        return []
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Any) -> Any:
+        n = self.n.value()
+        self.n.clear()
+        return [(key, n)]
+
+
+def test_processing_time_timers_fire_when_the_clock_moves_also_after_a_restore_elsewhere() -> None:
+    h = KeyedHarness.of(SessionTimeout(), key_by=["k"], input_schema="k string", output_schema="k string, n long", parallelism=2)
+    assert h.process([{"k": "a"}, {"k": "b"}, {"k": "a"}]) == []
+    h.advance_processing_time("5 seconds")
+    assert h.process([{"k": "a"}]) == []
+    assert h.state("a") == {"n": 3}
+    restored = h.snapshot().restore(parallelism=3)
+    restored.advance_processing_time("6 seconds")
+    assert restored.process() == [{"k": "a", "n": 3}, {"k": "b", "n": 1}]
+    assert restored.state("a") is None
+
+
+def test_a_tumbling_window_fires_at_the_watermark_and_sends_late_records_aside() -> None:
+    def run(restore: bool) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+        h = KeyedHarness.window(ks.TumblingWindows("1 minute"), key_by=["user"], input_schema="user string, ts long, v long",
+                                event_time="ts", parallelism=2, clicks=ks.count(), total=ks.sum("v"))
+        out = [h.process([{"user": "ann", "ts": T0 + 1_000, "v": 1}, {"user": "bob", "ts": T0 + 2_000, "v": 2},
+                          {"user": "ann", "ts": T0 + MINUTE + 5, "v": 4}])]
+        assert h.state("ann") == {T0: {"clicks": 1, "total": 1}, T0 + MINUTE: {"clicks": 1, "total": 4}}
+        if restore:
+            h = h.snapshot().restore(parallelism=4)
+        h.advance_watermark(T0 + MINUTE)  # the first minute is complete
+        out.append(h.process([{"user": "ann", "ts": T0 + 3_000, "v": 8}]))  # too late: the watermark passed its window
+        return out, h.late
+
+    out, late = run(restore=False)
+    assert out[0] == []
+    assert [(r["user"], r["window_start"], r["clicks"], r["total"]) for r in out[1]] == [("ann", T0, 1, 1), ("bob", T0, 1, 2)]
+    assert late == [{"user": "ann", "ts": T0 + 3_000, "v": 8}]
+    assert run(restore=True) == (out, late)
+
+
+class Doubler(ks.VectorizedKeyedFunction):
+    """A vectorized running sum of twice the values."""
+
+    def __init__(self) -> None:
+        self.input_columns = ["v"]
+
+    def open(self, ctx: Any) -> None:
+        ctx.value_state("s", "long")
+
+    def process_batch(self, batch: Any) -> Any:
+        import pandas as pd
+
+        assert list(batch.records.columns) == ["v"]  # only what it declared
+        s = batch.state["s"].fillna(0).to_numpy() + 2 * batch.reduce("v", "sum")
+        return {"s": s}, pd.DataFrame({"k": batch.keys["k"], "s": s})
+
+
+def test_a_vectorized_function_keeps_its_state_across_parallelism_changes() -> None:
+    rnd = random.Random(3)
+    rows = [[{"k": f"k{rnd.randrange(20)}", "v": rnd.randrange(10)} for _ in range(50)] for _ in range(4)]
+    steady = KeyedHarness.of(Doubler(), key_by=["k"], input_schema="k string, v long", output_schema="k string, s long")
+    moving = KeyedHarness.of(Doubler(), key_by=["k"], input_schema="k string, v long", output_schema="k string, s long", parallelism=3)
+    for i, batch in enumerate(rows):
+        assert moving.process(batch) == steady.process(batch)
+        moving = moving.snapshot().restore(parallelism=[2, 5, 1, 4][i])
+    totals: dict[str, int] = {}
+    for batch in rows:
+        for r in batch:
+            totals[r["k"]] = totals.get(r["k"], 0) + 2 * r["v"]
+    assert {k: moving.state(k) for k in totals} == {k: {"s": v} for k, v in totals.items()}
