@@ -7,19 +7,22 @@ import doctest
 import random
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keyscale as ks
 import keyscale.testing
-from keyscale.testing import KeyedHarness
+import keyscale.testing.nonkeyed
+from keyscale.testing import KeyedHarness, OperatorHarness
 
 MINUTE = 60_000
 T0 = 1_767_225_600_000
 
 
-def test_the_module_examples_run() -> None:
-    assert doctest.testmod(keyscale.testing, raise_on_error=True).attempted > 0
+@pytest.mark.parametrize("module", [keyscale.testing, keyscale.testing.nonkeyed], ids=lambda m: m.__name__)
+def test_the_module_examples_run(module: Any) -> None:
+    assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
 
 batches = st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "dd", "ü"]), st.integers(-5, 5)), max_size=8), min_size=1, max_size=5)
@@ -124,3 +127,28 @@ def test_a_vectorized_function_keeps_its_state_across_parallelism_changes() -> N
         for r in batch:
             totals[r["k"]] = totals.get(r["k"], 0) + 2 * r["v"]
     assert {k: moving.state(k) for k in totals} == {k: {"s": v} for k, v in totals.items()}
+
+
+class Rules(ks.ProcessFunction):
+    """Union state: every subtask holds all the rules; split/merge: each its share of the ids."""
+
+    def open(self, ctx: Any) -> None:
+        self.rules = ctx.list_state("rules", mode="union")
+        self.ids = ctx.list_state("ids")
+
+    def process(self, records: Any, ctx: Any) -> Any:
+        if ctx.batch_id == 0:
+            self.rules.update(["r1", "r2"] if ctx.subtask_index == 0 else [])
+        self.ids.update([*self.ids.get(), *records["id"].tolist()])
+        return [(ctx.subtask_index, len(self.rules.get()))]
+
+
+@pytest.mark.parametrize("to", [1, 2, 5])
+def test_a_process_function_keeps_split_merge_entries_and_unions_across_a_restore(to: int) -> None:
+    h = OperatorHarness(Rules(), input_schema="id long", output_schema="subtask int, rules long", parallelism=3)
+    h.process([{"id": i} for i in range(7)])
+    restored = h.snapshot().restore(parallelism=to)
+    lists = restored.lists()
+    assert lists["rules"] == [["r1", "r2"]] * to  # union: each subtask gets all of them
+    assert sorted(i for share in lists["ids"] for i in share) == list(range(7)) and len(lists["ids"]) == to  # split/merge: each once
+    assert restored.process([{"id": 7}]) == [{"subtask": i, "rules": 2} for i in range(to)]  # every subtask runs each batch

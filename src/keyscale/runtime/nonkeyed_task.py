@@ -32,6 +32,7 @@ class NonKeyedTask:
     lists: tuple[dict[str, list[Any]], ...]  # per subtask: list name -> entries
     broadcast_state: dict[str, Any] | None = None
     report_to: Any = None  # where the report goes (keyscale.runtime.reports)
+    input_schema: pa.Schema | None = None  # a subtask without records still gets these columns
 
 
 def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
@@ -44,7 +45,10 @@ def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], 
         if name in ctx.lists:
             ctx.lists[name].update(entries)
     parts = list(batches)
-    records = pa.Table.from_batches(parts).to_pandas(types_mapper=_NULLABLE.get) if parts else pd.DataFrame()
+    if parts:
+        records = pa.Table.from_batches(parts).to_pandas(types_mapper=_NULLABLE.get)
+    else:  # no records this batch: the same columns, no rows
+        records = spec.input_schema.empty_table().to_pandas(types_mapper=_NULLABLE.get) if spec.input_schema is not None else pd.DataFrame()
     result = fn.process(records, ctx)
     if isinstance(result, pd.DataFrame):
         out = pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)

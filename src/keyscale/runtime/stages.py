@@ -161,6 +161,7 @@ def nonkeyed(job: JobState, df: DataFrame, step: NonKeyedStep, batch_id: int, ba
         uid=step.uid, function=step.function, output_schema=step.output_schema, parallelism=p,
         batch_id=batch_id, batch_time_ms=batch_time_ms, lists=tuple(lists),
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, report_to=job.reports.sender,
+        input_schema=step.input_schema,
     )
     # Round robin: a subtask's share, one Spark task per subtask (partition i is subtask i).
     return df.repartition(p).mapInArrow(make_nonkeyed_function(spec), from_arrow_schema(step.output_schema))
