@@ -10,6 +10,8 @@ the parallelism, state that survives a restore.
   ``aggregate``, ``window``).
 - :class:`OperatorHarness`: a non-keyed ``ProcessFunction`` with its list state
   (split/merge or union on restore).
+- :func:`run_job_file`: a whole job file (PySpark steps and all) on in-memory batches, with
+  local Spark, each batch's output back.
 
 >>> import keyscale as ks
 >>> from keyscale.testing import KeyedHarness
@@ -26,5 +28,6 @@ the parallelism, state that survives a restore.
 
 from keyscale.testing.keyed import KeyedHarness, Snapshot
 from keyscale.testing.nonkeyed import OperatorHarness, OperatorSnapshot
+from keyscale.testing.pipeline import run_job_file
 
-__all__ = ["KeyedHarness", "OperatorHarness", "OperatorSnapshot", "Snapshot"]
+__all__ = ["KeyedHarness", "OperatorHarness", "OperatorSnapshot", "Snapshot", "run_job_file"]
