@@ -140,3 +140,34 @@ def test_clickstream(spark: Any) -> None:
         for r in batch:
             counts[r["page"]] = counts.get(r["page"], 0) + 1
         assert out == [{"page": p, "views": counts[p]} for p in sorted({r["page"] for r in batch})]
+
+
+def test_log_count(spark: Any) -> None:
+    rnd = random.Random(7)
+    records = [{"key": f"k{rnd.randrange(5)}", "value": rnd.randrange(10), "ts": T0 + dt.timedelta(seconds=i)} for i in range(30)]
+    got = run_job_file(EXAMPLES / "log_count.py", logs={"log": (EVENTS, records)}, args={"max_records_per_batch": "10"})["output"]
+    totals: dict[str, list[int]] = {}
+    want = []
+    for b in range(3):  # one partition, 10 records a batch, in log order
+        part = records[b * 10:(b + 1) * 10]
+        for r in part:
+            t = totals.setdefault(r["key"], [0, 0])
+            t[0], t[1] = t[0] + 1, t[1] + r["value"]
+        want.append([{"key": k, "count": totals[k][0], "sum": totals[k][1]} for k in sorted({r["key"] for r in part})])
+    assert got[:3] == want and not any(got[3:])
+
+
+def test_threshold_rules(spark: Any) -> None:
+    rules = [{"key": "a", "threshold": 10}, {"key": "b", "threshold": 1000}]
+    events_ = [{"key": k, "value": v} for k, v in [("a", 4), ("b", 600), ("c", 70), ("a", 7), ("c", 40), ("b", 500)]]
+    got = run_job_file(EXAMPLES / "threshold_rules.py", logs={"events": ("key string, value long", events_),
+                                                               "rules": ("key string, threshold long", rules)})["output"]
+    totals: dict[str, int] = {}
+    want = []
+    for e in events_:
+        before = totals.get(e["key"], 0)
+        totals[e["key"]] = before + e["value"]
+        threshold = {"a": 10, "b": 1000}.get(e["key"], 100)
+        want.append({"key": e["key"], "total": totals[e["key"]], "threshold": threshold,
+                     "alert": before < threshold <= totals[e["key"]], "version": 2})  # both rules apply before the first events
+    assert [r for b in got for r in b] == sorted(want, key=lambda r: tuple(str(v) for v in r.values()))

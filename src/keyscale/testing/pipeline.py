@@ -23,19 +23,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from keyscale.sources.log import create_log
 from keyscale.state.types import arrow_schema
 from keyscale.storage import LocalStore
 from keyscale.testing.keyed import Records, sorted_rows, to_arrow
 
 
 def run_job_file(
-    job_file: str | Path, batches: Sequence[Records], *, schema: str, input: str = "input", outputs: Sequence[str] = ("output",),
-    args: dict[str, str] | None = None, parallelism: int = 2, **options: Any,
+    job_file: str | Path, batches: Sequence[Records] = (), *, schema: str = "", input: str = "input", outputs: Sequence[str] = ("output",),
+    logs: dict[str, tuple[str, Records]] | None = None, args: dict[str, str] | None = None, parallelism: int = 2, **options: Any,
 ) -> dict[str, list[list[dict[str, Any]]]]:
     """Run ``job_file`` on ``batches`` (each: dicts, pandas or Arrow of the Spark DDL
     ``schema``) with local Spark; returns, per output name, each batch's rows (sorted,
-    without the ``batch`` column). ``options`` are RunOptions fields (``drain_at_end=True``
-    to fire the windows still open at the end, ``max_parallelism``...)."""
+    without the ``batch`` column). ``logs``: for a job on partitioned logs, the argument
+    naming each log and its (schema, records), written to a one-partition folder log before
+    the run (how many records a batch reads is the job's own setting). ``options`` are
+    RunOptions fields (``drain_at_end=True`` to fire the windows still open at the end...)."""
     import pyarrow.parquet as pq
 
     from keyscale.runtime.driver import JobRunner, RunOptions
@@ -44,13 +47,17 @@ def run_job_file(
     root = Path(tempfile.mkdtemp(prefix="keyscale-run-"))
     try:
         inputs = LocalStore(root / "in")
-        arrow = arrow_schema(schema)
         for i, records in enumerate(batches):
+            arrow = arrow_schema(schema)
             buf = io.BytesIO()
             pq.write_table(to_arrow(records, arrow), buf)
             inputs.put(f"part-{i:05d}.parquet", buf.getvalue())
+        for name, (log_schema, records) in (logs or {}).items():
+            log = create_log(root / "logs" / name, log_schema, 1)
+            log.append(0, to_arrow(records, arrow_schema(log_schema)))
         folders = {name: root / "out" / name for name in outputs}
-        every = {input: str(root / "in"), **{n: str(f) for n, f in folders.items()}, **(args or {})}
+        every = {**({input: str(root / "in")} if batches else {}), **{n: str(root / "logs" / n) for n in logs or {}},
+                 **{n: str(f) for n, f in folders.items()}, **(args or {})}
         opts = RunOptions(job_file=str(job_file), job_dir=str(root / "job"), parallelism=parallelism, until_idle=True, args=every, **options)
         summary = JobRunner(opts).run()
         n = max([len(batches), *(b.batch + 1 for b in summary.batches)])
