@@ -501,11 +501,12 @@ def test_multi_column_keys(tmp_path: Path, kind: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
-def test_aggregate_over_null_values(tmp_path: Path) -> None:
-    rows = [{"key": "a", "value": v, "id": i, SEQ: i, KG: key_group_of(["a"], ["string"], M)} for i, v in enumerate([3, None, 4])]
-    d = aggregate_driver(tmp_path)
-    outs, _ = d.run(0, rows, 1)
-    assert rows_of(outs) == [("a", 3, 7)]
+def test_aggregate_over_null_values() -> None:
+    from keyscale.testing import KeyedHarness
+
+    h = KeyedHarness.aggregate(key_by=["key"], input_schema=INPUT, count=count(), total=ksum("value"))
+    assert h.process([{"key": "a", "value": v, "id": i} for i, v in enumerate([3, None, 4])]) == [{"key": "a", "count": 3, "total": 7}]
+    assert h.process([{"key": "b", "value": None, "id": 3}]) == [{"key": "b", "count": 1, "total": None}]  # only nulls: null, as in SQL
 
 
 # -- compaction ----------------------------------------------------------------------------
