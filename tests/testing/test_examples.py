@@ -171,3 +171,11 @@ def test_threshold_rules(spark: Any) -> None:
         want.append({"key": e["key"], "total": totals[e["key"]], "threshold": threshold,
                      "alert": before < threshold <= totals[e["key"]], "version": 2})  # both rules apply before the first events
     assert [r for b in got for r in b] == sorted(want, key=lambda r: tuple(str(v) for v in r.values()))
+
+
+def test_demo_running_count_rescaled_live_twice(spark: Any) -> None:
+    """examples/demo.py (`make run`): the running count rescaled live 2 -> 4 after batch 1, -> 1 after batch 3."""
+    data = events(batches=6, rows=30, keys=10, seed=4)
+    run = run_job_file(EXAMPLES / "running_count.py", data, schema=EVENTS, parallelism=2, rescales={1: 4, 3: 1})
+    assert [(b, old, new) for b, _, old, new in run.rescales] == [(2, 2, 4), (4, 4, 1)]
+    assert run["output"] == run_job_file(EXAMPLES / "running_count.py", data, schema=EVENTS, parallelism=1)["output"]

@@ -28,6 +28,6 @@ the parallelism, state that survives a restore.
 
 from keyscale.testing.keyed import KeyedHarness, Snapshot
 from keyscale.testing.nonkeyed import OperatorHarness, OperatorSnapshot
-from keyscale.testing.pipeline import run_job_file
+from keyscale.testing.pipeline import JobRun, run_job_file
 
-__all__ = ["KeyedHarness", "OperatorHarness", "OperatorSnapshot", "Snapshot", "run_job_file"]
+__all__ = ["JobRun", "KeyedHarness", "OperatorHarness", "OperatorSnapshot", "Snapshot", "run_job_file"]

@@ -20,6 +20,7 @@ import io
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +30,35 @@ from keyscale.storage import LocalStore
 from keyscale.testing.keyed import Records, sorted_rows, to_arrow
 
 
+@dataclass
+class JobRun:
+    """What :func:`run_job_file` returns: each output's rows per batch (``run["output"][b]``)
+    and the live rescales that took place, as (batch, operator, from, to)."""
+
+    outputs: dict[str, list[list[dict[str, Any]]]]
+    rescales: list[tuple[int, str, int, int]] = field(default_factory=list)
+
+    def __getitem__(self, output: str) -> list[list[dict[str, Any]]]:
+        return self.outputs[output]
+
+
 def run_job_file(
     job_file: str | Path, batches: Sequence[Records] = (), *, schema: str = "", input: str = "input", outputs: Sequence[str] = ("output",),
-    logs: dict[str, tuple[str, Records]] | None = None, args: dict[str, str] | None = None, parallelism: int = 2, **options: Any,
-) -> dict[str, list[list[dict[str, Any]]]]:
+    logs: dict[str, tuple[str, Records]] | None = None, args: dict[str, str] | None = None, parallelism: int = 2,
+    rescales: dict[int, int] | None = None, **options: Any,
+) -> JobRun:
     """Run ``job_file`` on ``batches`` (each: dicts, pandas or Arrow of the Spark DDL
     ``schema``) with local Spark; returns, per output name, each batch's rows (sorted,
     without the ``batch`` column). ``logs``: for a job on partitioned logs, the argument
     naming each log and its (schema, records), written to a one-partition folder log before
     the run (how many records a batch reads is the job's own setting). ``options`` are
-    RunOptions fields (``drain_at_end=True`` to fire the windows still open at the end...)."""
+    RunOptions fields (``drain_at_end=True`` to fire the windows still open at the end...).
+    ``rescales``: after batch ``b`` commits, ask the running job for parallelism
+    ``rescales[b]``, as ``keyscale rescale`` does (a live rescale at the next batch)."""
     import pyarrow.parquet as pq
 
-    from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions
     from keyscale.sinks.parquet import read_output
 
     root = Path(tempfile.mkdtemp(prefix="keyscale-run-"))
@@ -59,7 +76,13 @@ def run_job_file(
         every = {**({input: str(root / "in")} if batches else {}), **{n: str(root / "logs" / n) for n in logs or {}},
                  **{n: str(f) for n, f in folders.items()}, **(args or {})}
         opts = RunOptions(job_file=str(job_file), job_dir=str(root / "job"), parallelism=parallelism, until_idle=True, args=every, **options)
-        summary = JobRunner(opts).run()
+        job_dir = JobDir(str(root / "job"))
+
+        def on_batch(rec: BatchRecord) -> None:
+            if rec.batch in (rescales or {}):
+                job_dir.request_rescale((rescales or {})[rec.batch])
+
+        summary = JobRunner(opts, on_batch).run()
         n = max([len(batches), *(b.batch + 1 for b in summary.batches)])
         result: dict[str, list[list[dict[str, Any]]]] = {}
         for name, folder in folders.items():
@@ -69,6 +92,6 @@ def run_job_file(
                     b = row.pop("batch")
                     per_batch[b].append(row)
             result[name] = [sorted_rows(rows) for rows in per_batch]
-        return result
+        return JobRun(result, list(summary.rescales))
     finally:
         shutil.rmtree(root, ignore_errors=True)
