@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,9 @@ def run_job_file(
             buf = io.BytesIO()
             pq.write_table(to_arrow(records, arrow), buf)
             inputs.put(f"part-{i:05d}.parquet", buf.getvalue())
+            # A second apart: Spark orders new files by modification time, and files
+            # written within one tick would be read in any order.
+            inputs.set_modified(f"part-{i:05d}.parquet", time.time() - len(batches) + i)
         for name, (log_schema, records) in (logs or {}).items():
             log = create_log(root / "logs" / name, log_schema, 1)
             log.append(0, to_arrow(records, arrow_schema(log_schema)))
