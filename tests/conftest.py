@@ -248,3 +248,53 @@ def s3_bucket(s3_server: Any, request: pytest.FixtureRequest, monkeypatch: pytes
     # Frees the bucket's volumes: the server allows a limited number (-volume.max).
     with contextlib.suppress(StorageError, OSError):
         delete_bucket(s3_server, name)
+
+
+# -- Kafka (keyscale.kafka): a real Kafka-protocol broker (Tansu) for the session -----------------
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A Tansu broker on 127.0.0.1 (keyscale.kafka.broker), started on first use and
+    stopped, by its PID, at the end of the session. Tests make topics of their own."""
+    from keyscale.kafka.broker import start_tansu
+
+    broker = start_tansu(log_dir=tmp_path_factory.mktemp("tansu"))
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+_topic_count = 0
+
+
+def new_topic(bootstrap: str, partitions: int, prefix: str = "t") -> str:
+    """A new topic with ``partitions`` partitions and a name no other test uses."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    global _topic_count
+    _topic_count += 1
+    name = f"{prefix}{_topic_count:03d}-{os.getpid()}"
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(name, partitions)])[name].result(timeout=30)
+    return name
+
+
+def produce_events(bootstrap: str, topic: str, rows: int, keys: int, first: int = 0, seed: int = 0) -> list[dict[str, Any]]:
+    """``rows`` JSON events {key, value, ts} keyed by their key (numbered from ``first``);
+    returns them."""
+    import json
+
+    import numpy as np
+    from confluent_kafka import Producer
+
+    rng = np.random.default_rng(seed + first)
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "partitioner": "murmur2_random", "log_level": 3})
+    out = []
+    for i in range(first, first + rows):
+        e = {"key": f"k{int(rng.integers(keys)):04d}", "value": int(rng.integers(1, 100)), "ts": f"2026-01-01T00:{(i // 60) % 60:02d}:{i % 60:02d}Z"}
+        p.produce(topic, key=e["key"].encode(), value=json.dumps(e).encode())
+        out.append(e)
+    p.flush(30)
+    return out

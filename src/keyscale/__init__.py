@@ -19,6 +19,8 @@ from keyscale._pipeline import (
     stream,
 )
 from keyscale.errors import KeyscaleError
+from keyscale.kafka.sink import KafkaSink
+from keyscale.kafka.source import json_values, kafka_decoder, kafka_source
 from keyscale.operators.keyed import (
     Context,
     KeyedProcessFunction,
@@ -60,6 +62,7 @@ __all__ = [
     "Context",
     "JobContext",
     "JobHandle",
+    "KafkaSink",
     "KeyedBatch",
     "KeyedProcessFunction",
     "KeyedStream",
@@ -84,6 +87,9 @@ __all__ = [
     "WindowedStream",
     "broadcast",
     "count",
+    "json_values",
+    "kafka_decoder",
+    "kafka_source",
     "log_source",
     "main",
     "max",

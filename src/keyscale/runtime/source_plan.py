@@ -44,16 +44,17 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
         reader.check_positions(src.uid, src.log.uri, current, ends, reader.log_id_of(state), log_id)
         reader.check_last_records(src.uid, src.log, current, reader.last_records_of(state))
     job.log_ids[src.uid] = log_id
+    firsts = src.log.first_offsets() if current is None or len(ends) > sum(len(e) for e in current) else None
     if current is None:
-        current = reader.initial_assignment(len(ends), p)
+        current = reader.initial_assignment(len(ends), p, firsts)
         log.info("source '%s': %d partitions over %d readers: %s", src.uid, len(ends), p, describe_assignment(current))
     if len(current) != p:
         current = reader.rescale_assignment(current, p)
         log.info("batch %d: source '%s' rescaled to %d readers: partitions %s", batch_id, src.uid, p, describe_assignment(current))
     # The partitions are those the ends were read for: one view of the log for the whole plan.
-    current, added = reader.add_partitions(current, len(ends))
+    current, added = reader.add_partitions(current, len(ends), firsts)
     for part, r in added:
-        log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset 0", batch_id, src.uid, part, r)
+        log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset %d", batch_id, src.uid, part, r, firsts[part] if firsts else 0)
     plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
     return reader.plan_to_json(plan)
 

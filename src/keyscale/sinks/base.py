@@ -26,6 +26,7 @@ class SinkContext:
     job_dir: str
     attempt: str
     committed: int
+    fault: str = ""  # test-only: the run's --fault (sinks with fault points of their own)
 
 
 class Sink(Protocol):

@@ -153,6 +153,20 @@ class PartitionedLog(ABC):
     def describe(self) -> str:
         """A few lines for people: where the log is, its schema, partitions and end offsets."""
 
+    def first_offsets(self) -> list[int]:
+        """Per partition, where a reader that has never read it starts (0 here; a Kafka
+        topic's first record still held, or its end)."""
+        return [0] * self.num_partitions()
+
+    def fingerprints(self) -> bool:
+        """Whether the record before a committed offset can be read back to check it is
+        the one the job read (False where offsets have gaps, as Kafka's do)."""
+        return True
+
+    def take_skipped(self) -> int:
+        """Records the last reads in this process dropped as undecodable (and resets the count)."""
+        return 0
+
     def identity(self) -> str | None:
         """The id the log got when it was created, read now (None: the log has none).
 

