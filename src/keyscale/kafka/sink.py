@@ -197,6 +197,7 @@ def _write_task(
             os.kill(driver_pid, signal.SIGKILL)
             time.sleep(30)
         producer.commit_transaction(timeout_ms / 1000)
+        producer.poll(0)  # serve the last events, or librdkafka reports them purged when the producer goes
     except KafkaException as e:
         raise RuntimeError(encode_error(OutputError(f"Kafka sink (topic {topic!r}), batch {batch_id}, task {task}: {e.args[0].str() if e.args else e}"))) from None
     yield from result(rows, True)
