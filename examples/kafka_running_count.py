@@ -21,6 +21,7 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         bootstrap, ctx.arg("input"), uid="events",
         decoder=ks.json_values("key string, value long, ts timestamp"),
         max_records_per_batch=int(ctx.arg("max_records", "100000")),
+        commit_group=ctx.args.get("group"),  # positions also in this consumer group, for lag monitors
     )
     return (
         ks.stream(events)

@@ -133,8 +133,16 @@ def test_savepoint_restore_at_another_parallelism(kafka_broker: Any, tmp_path: P
     sp = tmp_path / "sp"
     cli("savepoint", str(tmp_path / "a"), "--dest", str(sp), check=True)
     events += produce_events(b, src, 500, keys=30, first=len(events), seed=3)
-    cli("run", str(JOB), "--job-dir", str(tmp_path / "b"), "-p", "3", "--until-idle", "--from-savepoint", str(sp), *args, check=True)
+    cli("run", str(JOB), "--job-dir", str(tmp_path / "b"), "-p", "3", "--until-idle", "--from-savepoint", str(sp), *args,
+        "--set", "group=monitor", check=True)
     _check_exactly_once(_updates(b, out), events)
+    # The positions also went to the consumer group, for lag monitors.
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": b, "group.id": "monitor"})
+    committed = {t.partition: t.offset for t in c.committed([TopicPartition(src, p) for p in range(4)], timeout=10)}
+    c.close()
+    assert committed == dict(enumerate(KafkaLog(b, src).end_offsets()))
 
 
 def test_a_recreated_topic_stops_the_job(kafka_broker: Any, tmp_path: Path) -> None:

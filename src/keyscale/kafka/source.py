@@ -30,6 +30,7 @@ columns plugs in its own format (see :func:`kafka_decoder`).
 from __future__ import annotations
 
 import io
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,6 +44,8 @@ from keyscale.kafka.client import KafkaConnectorError, partition_count, reader_c
 from keyscale.sources.log import LogError, PartitionedLog
 from keyscale.sources.reader import LogSource
 from keyscale.state.types import arrow_schema
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RAW_SCHEMA", "KafkaDecoder", "KafkaLog", "json_values", "kafka_decoder", "kafka_source"]
 
@@ -197,7 +200,7 @@ class KafkaLog(PartitionedLog):
     """
 
     def __init__(self, bootstrap: str, topic: str, decoder: KafkaDecoder | None = None, options: Mapping[str, Any] | None = None,
-                 starting_offsets: Literal["earliest", "latest"] = "earliest") -> None:
+                 starting_offsets: Literal["earliest", "latest"] = "earliest", commit_group: str | None = None) -> None:
         if not bootstrap or not topic:
             raise JobDefinitionError("a Kafka source needs a bootstrap address and a topic")
         if starting_offsets not in ("earliest", "latest"):
@@ -207,6 +210,7 @@ class KafkaLog(PartitionedLog):
         self.decoder = decoder
         self.options = dict(options or {})
         self.starting_offsets = starting_offsets
+        self.commit_group = commit_group
         self._config = reader_config(bootstrap, self.options, f"Kafka topic {topic!r}")
         self._known: dict[int, int] = {}
         self._skipped = 0
@@ -347,6 +351,23 @@ class KafkaLog(PartitionedLog):
             self._skipped += raw.num_rows - out.num_rows
         return out
 
+    def positions_committed(self, positions: dict[int, int]) -> None:
+        """With ``commit_group``: commit the job's positions to that consumer group, so
+        lag monitors (kafka-consumer-groups, Burrow...) see the job. Best effort: a failure
+        is logged, never fails the job (the positions that count are in the manifest)."""
+        if not self.commit_group:
+            return
+        from confluent_kafka import Consumer, TopicPartition
+
+        try:
+            c = Consumer({**self._config, "group.id": self.commit_group})
+            try:
+                c.commit(offsets=[TopicPartition(self.topic, p, o) for p, o in sorted(positions.items())], asynchronous=False)
+            finally:
+                c.close()
+        except Exception as e:
+            log.warning("Kafka topic %r: committing positions to consumer group %r for monitoring failed: %s", self.topic, self.commit_group, e)
+
     def take_skipped(self) -> int:
         n, self._skipped = self._skipped, 0
         return n
@@ -386,6 +407,7 @@ def _admin_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def kafka_source(
     bootstrap: str, topic: str, uid: str = "source", *, decoder: KafkaDecoder | None = None, options: Mapping[str, Any] | None = None,
     max_records_per_batch: int | None = None, parallelism: int | None = None, starting_offsets: Literal["earliest", "latest"] = "earliest",
+    commit_group: str | None = None,
 ) -> LogSource:
     """A Kafka topic as a job's source, read by ``parallelism`` reader tasks; give the result
     to :func:`keyscale.stream`.
@@ -399,7 +421,8 @@ def kafka_source(
     starts: the first record the topic holds, or its end.
 
     The offsets are keyscale's state (in its checkpoints and savepoints), not the
-    consumer group's: monitoring tools that read group offsets do not see them.
+    consumer group's. ``commit_group``: also commit them to this consumer group after
+    each checkpoint, for monitoring tools that read group offsets (never read back).
 
     ``ks.stream(ks.kafka_source("broker:9092", "clicks", uid="clicks", decoder=ks.json_values("user string, ts timestamp")))``
     """
@@ -409,4 +432,4 @@ def kafka_source(
         topic = topic[0]
     if max_records_per_batch is not None and max_records_per_batch < 1:
         raise JobDefinitionError(f"source '{uid}': max_records_per_batch must be at least 1")
-    return LogSource(KafkaLog(bootstrap, topic, decoder, options, starting_offsets), uid, parallelism, max_records_per_batch)
+    return LogSource(KafkaLog(bootstrap, topic, decoder, options, starting_offsets, commit_group), uid, parallelism, max_records_per_batch)

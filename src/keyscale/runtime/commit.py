@@ -162,6 +162,12 @@ def post_commit(job: JobState, batch_id: int) -> None:
         hook = getattr(sink, "post_commit", None)
         if callable(hook):
             hook(batch_id)
+    src = job.pipeline.log_source
+    if src is not None and job.committed is not None and src.uid in job.committed.operators:
+        # For monitoring tools only (a Kafka consumer group's offsets): the job's own
+        # positions are the manifest's.
+        positions = reader.from_state(job.committed.operators[src.uid].operator_state) or []
+        src.log.positions_committed({p: o for entries in positions for p, o in entries})
 
 
 def commit_manifest(

@@ -163,6 +163,11 @@ class PartitionedLog(ABC):
         the one the job read (False where offsets have gaps, as Kafka's do)."""
         return True
 
+    def positions_committed(self, positions: dict[int, int]) -> None:
+        """Told after each checkpoint: the next offset per partition the job will read (a
+        Kafka topic commits them to a consumer group for monitoring tools; others ignore it)."""
+        return None
+
     def take_skipped(self) -> int:
         """Records the last reads in this process dropped as undecodable (and resets the count)."""
         return 0
