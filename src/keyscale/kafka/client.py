@@ -31,7 +31,7 @@ class KafkaConnectorError(LogError):
 def reader_config(bootstrap: str, options: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
     """Consumer settings: keyscale's defaults, the user's ``options`` over them, and the
     settings keyscale's offsets depend on (a contradicting option is an error)."""
-    opts = {k: str(v) if isinstance(v, bool | int | float) else v for k, v in (options or {}).items()}
+    opts = {k: (str(v).lower() if isinstance(v, bool) else str(v) if isinstance(v, int | float) else v) for k, v in (options or {}).items()}
     for key, needed in _READER_REQUIRED.items():
         if key in opts and str(opts[key]).lower() != needed:
             raise KafkaConnectorError(f"{what}: option {key}={opts[key]!r} cannot be served: keyscale's readers need {key}={needed}")

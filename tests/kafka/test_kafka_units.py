@@ -1,0 +1,52 @@
+"""The pure parts of the Kafka connectors: settings, encoding and decoding (no broker)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from keyscale.errors import JobDefinitionError
+from keyscale.kafka.client import KafkaConnectorError, reader_config
+from keyscale.kafka.sink import KafkaSink, encode_values
+from keyscale.kafka.source import RAW_SCHEMA, json_values, kafka_source
+
+texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
+ints = st.integers(min_value=-(2**62), max_value=2**62)
+
+
+@given(st.lists(st.tuples(texts, st.none() | ints, st.none() | texts), max_size=30))
+def test_sink_json_values_decode_back_to_the_same_rows(rows: list[tuple[str, int | None, str | None]]) -> None:
+    table = pa.table({"key": [r[0] for r in rows], "n": pa.array([r[1] for r in rows], pa.int64()), "s": pa.array([r[2] for r in rows], pa.string())})
+    keys, values = encode_values(table, "key", None)
+    assert [k.decode() if k is not None else None for k in keys] == table.column("key").to_pylist()
+    raw = pa.table({"value": pa.array(values, pa.binary()), "offset": pa.array(range(len(rows)), pa.int64())})
+    decoded = json_values("key string, n long, s string")(raw)
+    assert decoded.to_pylist() == table.to_pylist()
+    assert [json.loads(v) for v in values if v is not None] == table.to_pylist()
+
+
+def test_decoder_keeps_row_count_for_null_values_and_multiline_json() -> None:
+    raw = pa.table({"value": pa.array([b'{\n"n": 1\n}', None, b'{"n": 3, "other": [1]}'], pa.binary())})
+    assert json_values("n long")(raw).column("n").to_pylist() == [1, None, 3]
+
+
+def test_reader_settings_keyscale_depends_on_cannot_be_overridden() -> None:
+    cfg = reader_config("b:9092", {"isolation.level": "read_uncommitted", "security.protocol": "SSL"}, "source 'x'")
+    assert cfg["isolation.level"] == "read_uncommitted"  # the user's choice is kept
+    assert cfg["enable.partition.eof"] == "true" and cfg["bootstrap.servers"] == "b:9092"
+    with pytest.raises(KafkaConnectorError, match="enable.auto.commit='true' cannot be served"):
+        reader_config("b:9092", {"enable.auto.commit": True}, "source 'x'")
+
+
+def test_definition_errors_name_the_thing_at_fault() -> None:
+    with pytest.raises(JobDefinitionError, match="clashes"):
+        json_values("kafka_offset long", metadata=["offset"])
+    with pytest.raises(JobDefinitionError, match="one topic per source"):
+        kafka_source("b:9092", ["a", "b"], uid="events")  # type: ignore[arg-type]
+    with pytest.raises(JobDefinitionError, match="'transactional.id' is keyscale's to set"):
+        KafkaSink("b:9092", "out", options={"transactional.id": "mine"})
+    assert kafka_source("b:9092", "clicks").schema == RAW_SCHEMA
