@@ -38,7 +38,7 @@ def test_reader_settings_keyscale_depends_on_cannot_be_overridden() -> None:
     cfg = reader_config("b:9092", {"isolation.level": "read_uncommitted", "security.protocol": "SSL"}, "source 'x'")
     assert cfg["isolation.level"] == "read_uncommitted"  # the user's choice is kept
     assert cfg["enable.partition.eof"] == "true" and cfg["bootstrap.servers"] == "b:9092"
-    with pytest.raises(KafkaConnectorError, match="enable.auto.commit='true' cannot be served"):
+    with pytest.raises(KafkaConnectorError, match=r"enable\.auto\.commit='true' cannot be served"):
         reader_config("b:9092", {"enable.auto.commit": True}, "source 'x'")
 
 
@@ -47,6 +47,6 @@ def test_definition_errors_name_the_thing_at_fault() -> None:
         json_values("kafka_offset long", metadata=["offset"])
     with pytest.raises(JobDefinitionError, match="one topic per source"):
         kafka_source("b:9092", ["a", "b"], uid="events")  # type: ignore[arg-type]
-    with pytest.raises(JobDefinitionError, match="'transactional.id' is keyscale's to set"):
+    with pytest.raises(JobDefinitionError, match=r"'transactional\.id' is keyscale's to set"):
         KafkaSink("b:9092", "out", options={"transactional.id": "mine"})
     assert kafka_source("b:9092", "clicks").schema == RAW_SCHEMA
