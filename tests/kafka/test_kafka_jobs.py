@@ -125,20 +125,21 @@ def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, kafka_
 
 
 def test_savepoint_restore_at_another_parallelism(kafka_broker: Any, tmp_path: Path) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from keyscale.checkpoint.savepoint import write_savepoint
+
     b = kafka_broker.bootstrap
     src, out = new_topic(b, 4, "in"), new_topic(b, 2, "out")
     events = produce_events(b, src, 600, keys=30, seed=3)
-    args = ["--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}", "--set", "max_records=100"]
-    cli("run", str(JOB), "--job-dir", str(tmp_path / "a"), "-p", "2", "--until-idle", *args, check=True)
-    sp = tmp_path / "sp"
-    cli("savepoint", str(tmp_path / "a"), "--dest", str(sp), check=True)
+    args = {"bootstrap": b, "input": src, "output": out, "max_records": "100"}
+    run_job(JOB, tmp_path / "a", 2, args)
+    a = JobDir(tmp_path / "a")
+    sp = write_savepoint(a, a.read_manifest(a.manifest_batches()[-1]), tmp_path / "sp")
     events += produce_events(b, src, 500, keys=30, first=len(events), seed=3)
-    cli("run", str(JOB), "--job-dir", str(tmp_path / "b"), "-p", "3", "--until-idle", "--from-savepoint", str(sp), *args,
-        "--set", "group=monitor", check=True)
+    run_job(JOB, tmp_path / "b", 3, {**args, "group": "monitor"}, from_savepoint=sp)
     _check_exactly_once(_updates(b, out), events)
     # The positions also went to the consumer group, for lag monitors.
-    from confluent_kafka import Consumer, TopicPartition
-
     c = Consumer({"bootstrap.servers": b, "group.id": "monitor"})
     committed = {t.partition: t.offset for t in c.committed([TopicPartition(src, p) for p in range(4)], timeout=10)}
     c.close()
@@ -151,16 +152,14 @@ def test_a_recreated_topic_stops_the_job(kafka_broker: Any, tmp_path: Path) -> N
     b = kafka_broker.bootstrap
     src, out = new_topic(b, 2, "in"), new_topic(b, 1, "out")
     produce_events(b, src, 100, keys=5)
-    args = ["run", str(JOB), "--job-dir", str(tmp_path / "job"), "-p", "1", "--until-idle",
-            "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}"]
-    cli(*args, check=True)
+    args = {"bootstrap": b, "input": src, "output": out}
+    run_job(JOB, tmp_path / "job", 1, args)
     admin = AdminClient({"bootstrap.servers": b})
     admin.delete_topics([src])[src].result(timeout=30)
     admin.create_topics([NewTopic(src, 2)])[src].result(timeout=30)
     produce_events(b, src, 10, keys=5)
-    again = cli(*args)
-    assert again.returncode != 0
-    assert "was recreated" in again.stderr, again.stderr[-2000:]
+    with pytest.raises(LogError, match="was recreated"):
+        run_job(JOB, tmp_path / "job", 1, args)
 
 
 def test_a_missing_output_topic_is_an_error_before_the_first_batch(kafka_broker: Any, tmp_path: Path) -> None:

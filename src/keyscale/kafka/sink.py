@@ -140,7 +140,7 @@ def _write_task(
 ) -> Iterator[pa.RecordBatch]:
     """One Spark task: its rows in one transaction with its commit record (see the module doc)."""
     import pyarrow as pa
-    from confluent_kafka import Consumer, KafkaException, Producer
+    from confluent_kafka import KafkaException, Producer
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
@@ -160,47 +160,63 @@ def _write_task(
         drain()
         yield from result(0, False)
         return
+    producer = Producer(_producer_settings(bootstrap, options, f"{txn_prefix}-{task}", timeout_ms))
     try:
-        producer = Producer(_producer_settings(bootstrap, options, f"{txn_prefix}-{task}", timeout_ms))
         producer.init_transactions(timeout_ms / 1000)  # fences an earlier attempt of this task
-        if attempt > 0:
-            reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
-                               "enable.auto.commit": False, "isolation.level": "read_committed",
-                               **{k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
-            try:
-                found = any(r.get("lineage") == lineage and r.get("batch") == batch_id and r.get("task") == task
-                            for r in _read_commit_log(reader, commit_log, commit_log_start))
-            finally:
-                reader.close()
-            if found:
-                drain()
-                yield from result(0, False)
-                return
-        producer.begin_transaction()
-        rows = 0
-        for b in batches:
-            if b.num_rows == 0:
-                continue
-            keys, values = encode_values(pa.Table.from_batches([b]), key, value)
-            for k, v in zip(keys, values, strict=True):
-                while True:
-                    try:
-                        producer.produce(topic, value=v, key=k)
-                        break
-                    except BufferError:
-                        producer.poll(0.05)  # the local queue is full: let deliveries drain
-            rows += b.num_rows
-        record = {"lineage": lineage, "batch": batch_id, "task": task, "rows": rows, "txn": f"{txn_prefix}-{task}"}
-        producer.produce(commit_log, key=f"{lineage}:{batch_id}:{task}".encode(), value=json.dumps(record).encode(), partition=0)
-        producer.flush(timeout_ms / 1000)  # pre-commit: every record of the transaction is on the brokers
-        if fault == f"{_FAULT}:{batch_id}" and task == 0 and driver_pid:
-            os.kill(driver_pid, signal.SIGKILL)
-            time.sleep(30)
-        producer.commit_transaction(timeout_ms / 1000)
-        producer.poll(0)  # serve the last events, or librdkafka reports them purged when the producer goes
+        if attempt > 0 and _committed_before(bootstrap, options, commit_log, commit_log_start, lineage, batch_id, task):
+            drain()
+            rows, written = 0, False
+        else:
+            rows, written = _transaction(producer, topic, commit_log, key, value, batches, lineage, batch_id, task, timeout_ms,
+                                         kill_driver=driver_pid if fault == f"{_FAULT}:{batch_id}" and task == 0 else 0), True
     except KafkaException as e:
         raise RuntimeError(encode_error(OutputError(f"Kafka sink (topic {topic!r}), batch {batch_id}, task {task}: {e.args[0].str() if e.args else e}"))) from None
-    yield from result(rows, True)
+    finally:
+        producer.close()  # one left to the garbage collector keeps reconnecting to a broker that is gone
+    yield from result(rows, written)
+
+
+def _committed_before(bootstrap: str, options: dict[str, Any], commit_log: str, start: int, lineage: str, batch_id: int, task: int) -> bool:
+    """Whether an earlier attempt of this task committed its output (a retried Spark task)."""
+    from confluent_kafka import Consumer
+
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
+                       "enable.auto.commit": False, "isolation.level": "read_committed", "log_level": 3,
+                       **{k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
+    try:
+        return any(r.get("lineage") == lineage and r.get("batch") == batch_id and r.get("task") == task
+                   for r in _read_commit_log(reader, commit_log, start))
+    finally:
+        reader.close()
+
+
+def _transaction(producer: Any, topic: str, commit_log: str, key: str | None, value: str | None, batches: Iterator[pa.RecordBatch],
+                 lineage: str, batch_id: int, task: int, timeout_ms: int, kill_driver: int) -> int:
+    """The task's rows and its commit record in one transaction; returns the rows."""
+    import pyarrow as pa
+
+    producer.begin_transaction()
+    rows = 0
+    for b in batches:
+        if b.num_rows == 0:
+            continue
+        keys, values = encode_values(pa.Table.from_batches([b]), key, value)
+        for k, v in zip(keys, values, strict=True):
+            while True:
+                try:
+                    producer.produce(topic, value=v, key=k)
+                    break
+                except BufferError:
+                    producer.poll(0.05)  # the local queue is full: let deliveries drain
+        rows += b.num_rows
+    record = {"lineage": lineage, "batch": batch_id, "task": task, "rows": rows}
+    producer.produce(commit_log, key=f"{lineage}:{batch_id}:{task}".encode(), value=json.dumps(record).encode(), partition=0)
+    producer.flush(timeout_ms / 1000)  # pre-commit: every record of the transaction is on the brokers
+    if kill_driver:  # test-only fault: between pre-commit and commit
+        os.kill(kill_driver, signal.SIGKILL)
+        time.sleep(30)
+    producer.commit_transaction(timeout_ms / 1000)
+    return rows
 
 
 class KafkaSink:
@@ -288,6 +304,8 @@ class KafkaSink:
                 p.init_transactions(self.timeout_ms / 1000)
             except Exception as e:
                 raise OutputError(f"Kafka sink (topic {self.topic!r}): could not fence transactional id of task {task}: {e}") from None
+            finally:
+                p.close()
         c = self._consumer("read_committed")
         try:
             committed = [r for r in _read_commit_log(c, self.commit_log, 0) if r.get("lineage") == lineage]
