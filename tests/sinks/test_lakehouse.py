@@ -18,7 +18,7 @@ from conftest import cli, write_events
 from keyscale import DeltaSink, IcebergSink
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
-from keyscale.errors import OutputError
+from keyscale.errors import OutputError, StorageError
 from keyscale.sinks import delta as delta_module
 from keyscale.sinks import iceberg as iceberg_module
 from keyscale.sinks.base import SinkContext
@@ -247,6 +247,18 @@ def test_on_s3_a_replayed_batch_is_not_written_again(spark: Any, s3_lake: Lake) 
     assert sink.write(spark.createDataFrame([("a", 2)], SCHEMA), 1) == 1
     assert sink.write(spark.createDataFrame([("a", 3)], SCHEMA), 1) == -1
     assert upserts.rows() == [("a", 2), ("b", 1)]
+
+
+def test_on_s3_a_missing_bucket_is_a_one_line_error(spark: Any, s3_lake: Lake, tmp_path: Path) -> None:
+    if isinstance(s3_lake, DeltaLake):
+        sink: Any = DeltaSink("s3://no-such-bucket/tables/counts")
+    else:
+        sink = IcebergSink({**s3_lake.catalog, "warehouse": "s3://no-such-bucket/warehouse"}, "analytics.counts")  # type: ignore[attr-defined]
+    with pytest.raises(StorageError) as e:  # at open (Delta reads the table's log) or at the first batch
+        sink.open(_ctx(Lineage("lineage-a")))
+        sink.write(spark.createDataFrame([("a", 1)], SCHEMA), 0)
+    assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+    assert str(e.value).startswith(f"{sink.describe()}: cannot ") and "bucket" in str(e.value).lower()
 
 
 # -- a real job, killed after its sinks wrote batch 2 and before its checkpoint ------------------

@@ -4,6 +4,7 @@ last row per key of an upsert batch, and S3 settings from the environment."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -116,6 +117,18 @@ def last_per_key(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     if len(last) == table.num_rows:
         return table
     return table.take(pc.take(last, pc.sort_indices(last)))  # the kept rows, in output order
+
+
+def one_line(error: BaseException) -> str:
+    """A storage library's error as one line: delta-rs reports a chain of causes on
+    indented, coloured lines, ending in the server's XML; the S3 message is what counts."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    server = re.search(r"<Message>(.*?)</Message>", text, re.S)
+    parts = [line.strip().lstrip("\u21b3").strip() for line in text.splitlines()]
+    parts = [p for p in parts if p and not p.startswith("<")]
+    if server:
+        parts.append(server.group(1).strip())
+    return ": ".join(parts) or type(error).__name__
 
 
 # -- S3 settings from the environment -----------------------------------------------------

@@ -29,6 +29,7 @@ from keyscale.sinks._lakehouse import (
     delta_s3_options,
     last_per_key,
     nullable,
+    one_line,
     schema_mismatch,
 )
 
@@ -176,7 +177,7 @@ class DeltaSink:
             return 0
         if self.mode == "upsert":
             table = last_per_key(table, self.keys)
-        from deltalake.exceptions import CommitFailedError
+        from deltalake.exceptions import CommitFailedError, DeltaError
 
         for _attempt in range(COMMIT_ATTEMPTS):
             if dt is None:
@@ -188,7 +189,9 @@ class DeltaSink:
             except CommitFailedError as e:
                 # Another writer committed first and delta-rs could not rebase this commit on
                 # it (e.g. the same transaction: a zombie of this job). The batch may be in now.
-                log.warning("%s: batch %d: %s; checking the table again", self.describe(), batch_id, e)
+                log.warning("%s: batch %d: %s; checking the table again", self.describe(), batch_id, one_line(e))
+            except (OSError, DeltaError) as e:
+                raise StorageError(f"{self.describe()}: batch {batch_id} could not be written: {one_line(e)}") from None
             dt = self._load()
             if dt is not None and self._has(dt, batch_id):
                 return -1
@@ -222,19 +225,20 @@ class DeltaSink:
     def _load(self) -> DeltaTable | None:
         """The table at its newest version, None if there is none yet."""
         from deltalake import DeltaTable
-        from deltalake.exceptions import TableNotFoundError
+        from deltalake.exceptions import DeltaError, TableNotFoundError
 
         try:
             return DeltaTable(self.uri, storage_options=self.options())
         except TableNotFoundError:
             return None
-        except OSError as e:
-            raise StorageError(f"{self.describe()}: cannot read the table: {e}") from None
+        except (OSError, DeltaError) as e:
+            raise StorageError(f"{self.describe()}: cannot read the table: {one_line(e)}") from None
 
     def _create(self, schema: pa.Schema) -> DeltaTable:
         """Create the table from the output's schema (``mode="ignore"``: a table that another
         writer created in the meantime is used as it is, if its schema fits)."""
         from deltalake import CommitProperties, DeltaTable
+        from deltalake.exceptions import DeltaError
 
         ctx = self._ctx
         try:
@@ -242,8 +246,8 @@ class DeltaSink:
                 self.uri, nullable(schema), mode="ignore", storage_options=self.options(),
                 commit_properties=CommitProperties(custom_metadata={JOB_KEY: ctx.job if ctx else ""}),
             )
-        except OSError as e:
-            raise StorageError(f"{self.describe()}: cannot create the table: {e}") from None
+        except (OSError, DeltaError) as e:
+            raise StorageError(f"{self.describe()}: cannot create the table: {one_line(e)}") from None
         dt = self._load()
         assert dt is not None
         log.info("created %s", self.describe())

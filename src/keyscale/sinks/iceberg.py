@@ -27,6 +27,7 @@ from keyscale.sinks._lakehouse import (
     iceberg_s3_properties,
     last_per_key,
     nullable,
+    one_line,
     schema_mismatch,
 )
 
@@ -158,8 +159,8 @@ class IcebergSink:
             assert self._properties is not None
             try:
                 self._catalog = load_catalog(self.catalog_name, **iceberg_s3_properties(self._properties))
-            except (ValueError, ImportError, OSError) as e:
-                raise OutputError(f"{self.describe()}: cannot load the catalog: {e}") from None
+            except Exception as e:  # bad properties or an unreachable catalog (SQL, REST...): one line, no traceback
+                raise OutputError(f"{self.describe()}: cannot load the catalog: {type(e).__name__}: {one_line(e)}") from None
         return self._catalog
 
     # -- before the first batch -----------------------------------------------------------
@@ -212,6 +213,8 @@ class IcebergSink:
             except CommitFailedException as e:
                 # Another writer committed first: the batch may be in the table now.
                 log.warning("%s: batch %d: %s; checking the table again", self.describe(), batch_id, e)
+            except OSError as e:
+                raise StorageError(f"{self.describe()}: batch {batch_id} could not be written: {one_line(e)}") from None
             table = self._load()
             if table is not None and self._has(table, batch_id):
                 return -1
@@ -242,7 +245,7 @@ class IcebergSink:
         except (NoSuchTableError, NoSuchNamespaceError):
             return None
         except OSError as e:
-            raise StorageError(f"{self.describe()}: cannot read the table: {e}") from None
+            raise StorageError(f"{self.describe()}: cannot read the table: {one_line(e)}") from None
 
     def _create(self, schema: pa.Schema) -> Table:
         """Create the namespace and the table from the output's schema; a table that another
@@ -252,7 +255,7 @@ class IcebergSink:
             catalog.create_namespace_if_not_exists(self.identifier[:-1])
             table = catalog.create_table_if_not_exists(self.identifier, nullable(schema), properties=_TABLE_PROPERTIES)
         except OSError as e:
-            raise StorageError(f"{self.describe()}: cannot create the table: {e}") from None
+            raise StorageError(f"{self.describe()}: cannot create the table: {one_line(e)}") from None
         log.info("created %s", self.describe())
         return table
 
