@@ -40,6 +40,14 @@ def check_mode(sink: str, mode: str, keys: Sequence[str] | str | None) -> tuple[
     return cast(Mode, mode), found
 
 
+def require(sink: str, module: str, extra: str) -> None:
+    """The library a sink writes with is installed (an optional dependency of keyscale)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise OutputError(f"{sink} needs the '{module}' package: pip install 'keyscale[{extra}]'")
+
+
 def check_key_columns(sink: str, keys: Sequence[str], columns: Sequence[str]) -> None:
     """Every key is an output column (checked before the batch's Spark job runs)."""
     for k in keys:

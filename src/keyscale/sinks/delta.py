@@ -30,6 +30,7 @@ from keyscale.sinks._lakehouse import (
     last_per_key,
     nullable,
     one_line,
+    require,
     schema_mismatch,
 )
 
@@ -120,6 +121,7 @@ class DeltaSink:
         keys: Sequence[str] | None = None,
         storage_options: Mapping[str, str] | None = None,
     ):
+        require("Delta sink", "deltalake", "delta")
         self.uri = table_uri(uri)
         self.mode, self.keys = check_mode(f"Delta sink for {self.uri}", mode, keys)
         self.storage_options = dict(storage_options or {})

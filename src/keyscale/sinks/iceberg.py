@@ -28,6 +28,7 @@ from keyscale.sinks._lakehouse import (
     last_per_key,
     nullable,
     one_line,
+    require,
     schema_mismatch,
 )
 
@@ -79,9 +80,9 @@ class IcebergSink:
     comes before keyscale's checkpoint commit; a batch written again after a crash between
     the two finds its snapshot in the table's history, runs the batch's Spark job (keyed
     state is rebuilt by it) and writes nothing. Readers see a batch when its commit is
-    done. A batch with no rows commits nothing (its replay writes nothing either). Keep at
-    least the newest snapshot of the running job when expiring snapshots: it is how a
-    replay knows its batch. A job restored from an older savepoint recomputes the
+    done. A batch with no rows, or an upsert that changes no row, commits nothing (its
+    replay writes nothing either). Keep at least the newest snapshot of the running job
+    when expiring snapshots: it is how a replay knows its batch. A job restored from an older savepoint recomputes the
     batches after it under a new lineage: in append mode their earlier rows stay (the log
     warns, naming them); upsert mode overwrites them by key.
 
@@ -115,6 +116,7 @@ class IcebergSink:
         mode: Mode = "append",
         keys: Sequence[str] | None = None,
     ):
+        require("Iceberg sink", "pyiceberg", "iceberg")
         parts = tuple(table.split(".")) if isinstance(table, str) else tuple(table)
         if len(parts) < 2 or not all(parts):
             raise OutputError(f"Iceberg sink: table {table!r} needs a namespace: give it as 'namespace.table'")
