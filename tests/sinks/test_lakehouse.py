@@ -167,6 +167,33 @@ def test_an_empty_batch_commits_nothing_and_lineages_have_their_own_batches(spar
     assert lake.rows() == [("a", 1), ("b", 1), ("b", 1)]
 
 
+@pytest.mark.parametrize("mode", ["append", "upsert"])
+def test_a_batch_another_writer_commits_meanwhile_is_not_written_twice(
+    spark: Any, lake: Lake, mode: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A zombie driver of the same job commits the batch between this writer's check and its
+    commit: the commit fails (same Delta transaction; Iceberg: no blind retry), the sink
+    looks again, finds the batch, and writes nothing."""
+    keys = ["key"] if mode == "upsert" else None
+    sink, zombie = lake.sink(mode, keys), lake.sink(mode, keys)
+    for s in (sink, zombie):
+        s.open(_ctx(Lineage("lineage-a")))
+    assert sink.write(spark.createDataFrame([("a", 1)], SCHEMA), 0) == 1
+    commit = sink._commit
+
+    def racing(table: Any, data: Any, batch_id: int) -> None:
+        assert zombie.write(spark.createDataFrame([("a", 2), ("b", 1)], SCHEMA), batch_id) == 2
+        commit(table, data, batch_id)
+
+    monkeypatch.setattr(sink, "_commit", racing)
+    with caplog.at_level(logging.WARNING, logger="keyscale"):
+        assert sink.write(spark.createDataFrame([("a", 2), ("b", 1)], SCHEMA), 1) == -1
+    assert "batch 1" in caplog.text and "checking the table again" in caplog.text
+    assert lake.rows() == ([("a", 1), ("a", 2), ("b", 1)] if mode == "append" else [("a", 2), ("b", 1)])
+    commits = lake.commits()
+    assert commits.count(0) == 1 and set(commits) == {0, 1} and commits == sorted(commits)
+
+
 def test_output_that_does_not_fit_the_table_is_refused_naming_the_column(spark: Any, lake: Lake) -> None:
     sink = lake.sink()
     sink.open(_ctx(Lineage("lineage-a")))
