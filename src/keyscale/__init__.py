@@ -50,6 +50,8 @@ from keyscale.operators.windows import SessionWindows, SlidingWindows, TumblingW
 from keyscale.runtime.handle import JobHandle
 from keyscale.runtime.submit import main
 from keyscale.sinks.console import ConsoleSink
+from keyscale.sinks.delta import DeltaSink
+from keyscale.sinks.iceberg import IcebergSink
 from keyscale.sinks.noop import NoopSink
 from keyscale.sinks.parquet import ParquetSink
 from keyscale.sources.reader import LogSource, log_source
@@ -60,6 +62,8 @@ __all__ = [
     "BroadcastStream",
     "ConsoleSink",
     "Context",
+    "DeltaSink",
+    "IcebergSink",
     "JobContext",
     "JobHandle",
     "KafkaSink",
