@@ -107,6 +107,15 @@ def _json_default(v: Any) -> Any:
     return str(v)
 
 
+def _commit_log_reader(bootstrap: str, options: Mapping[str, Any], isolation: str) -> Any:
+    """A consumer of the commit log, with the connection settings of the sink's options."""
+    from confluent_kafka import Consumer
+
+    return Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
+                     "enable.auto.commit": False, "isolation.level": isolation, "log_level": 3,
+                     **{k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
+
+
 def _read_commit_log(consumer: Any, topic: str, start: int, timeout: float = 30.0) -> Iterator[dict[str, Any]]:
     """Commit records of the commit log from ``start`` to its (stable) end."""
     from confluent_kafka import KafkaError, TopicPartition
@@ -178,11 +187,7 @@ def _write_task(
 
 def _committed_before(bootstrap: str, options: dict[str, Any], commit_log: str, start: int, lineage: str, batch_id: int, task: int) -> bool:
     """Whether an earlier attempt of this task committed its output (a retried Spark task)."""
-    from confluent_kafka import Consumer
-
-    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
-                       "enable.auto.commit": False, "isolation.level": "read_committed", "log_level": 3,
-                       **{k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
+    reader = _commit_log_reader(bootstrap, options, "read_committed")
     try:
         return any(r.get("lineage") == lineage and r.get("batch") == batch_id and r.get("task") == task
                    for r in _read_commit_log(reader, commit_log, start))
@@ -264,11 +269,7 @@ class KafkaSink:
         return f"keyscale-{lineage[:16]}-{self.topic}"
 
     def _consumer(self, isolation: str) -> Any:
-        from confluent_kafka import Consumer
-
-        return Consumer({"bootstrap.servers": self.bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
-                         "enable.auto.commit": False, "isolation.level": isolation, "log_level": 3,
-                         **{k: v for k, v in self.options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
+        return _commit_log_reader(self.bootstrap, self.options, isolation)
 
     def open(self, ctx: SinkContext) -> None:
         """Check the topic, create the commit log, fence this lineage's open transactions,

@@ -1,17 +1,26 @@
-"""What the Delta Lake and Iceberg sinks share: argument checks, schema comparison, the
-last row per key of an upsert batch, and S3 settings from the environment."""
+"""What the Delta Lake and Iceberg sinks share: the write loop (:class:`TableSink`),
+argument checks, schema comparison, the last row per key of an upsert batch, and S3
+settings from the environment."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast
 
-from keyscale.errors import OutputError
+from keyscale.errors import OutputError, StorageError
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from pyspark.sql import DataFrame
+
+    from keyscale.sinks.base import SinkContext
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")  # a table handle: deltalake.DeltaTable, pyiceberg Table
 
 Mode = Literal["append", "upsert"]
 
@@ -217,3 +226,100 @@ def iceberg_s3_properties(user: Mapping[str, str]) -> dict[str, str]:
         if key not in out and key.replace("s3.", "client.") not in out:
             out[key] = value
     return out
+
+
+class TableSink(ABC, Generic[T]):
+    """An exactly-once table sink: each batch is one table commit that carries the job's
+    lineage and the batch id, so a replayed batch the table already has is a no-op.
+
+    Subclasses say how to load, create, check and commit to their kind of table; the
+    write loop, the replay check and the lost-race retries are here."""
+
+    exactly_once = True
+    mode: Mode
+    keys: tuple[str, ...]
+    _ctx: SinkContext | None = None
+    # Errors of a commit that lost a race to another writer (checked again, retried) and
+    # of storage (reported as one line).
+    _conflicts: tuple[type[BaseException], ...] = ()
+    _storage_errors: tuple[type[BaseException], ...] = (OSError,)
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    @abstractmethod
+    def _load(self) -> T | None:
+        """The table, None if it does not exist yet."""
+
+    @abstractmethod
+    def _create(self, schema: pa.Schema) -> T: ...
+
+    @abstractmethod
+    def _check_schema(self, table: T, schema: pa.Schema) -> None: ...
+
+    @abstractmethod
+    def _newest(self, table: T, lineage: str) -> int | None:
+        """The newest batch of ``lineage`` the table has (None: none)."""
+
+    @abstractmethod
+    def _commit(self, table: T, data: pa.Table, batch_id: int) -> None: ...
+
+    def _before_commit(self, table: T) -> None:
+        """A hook before each commit attempt (Iceberg warns about its retry setting)."""
+
+    def _has(self, table: T, batch_id: int) -> bool:
+        newest = self._newest(table, self._ctx.lineage.id if self._ctx else "none")
+        return newest is not None and newest >= batch_id
+
+    def open(self, ctx: SinkContext) -> None:
+        """Learn the job's lineage; say what the table already holds of it and of the
+        lineages this run supersedes (a restore recomputes what they wrote after the fork)."""
+        self._ctx = ctx
+        table = self._load()
+        if table is None:
+            return
+        self._before_commit(table)
+        own = self._newest(table, ctx.lineage.id)
+        if own is not None and own > ctx.committed:
+            log.info("%s already has batches up to %d of this job (committed: %d): their replay writes nothing",
+                     self.describe(), own, ctx.committed)
+        for lineage, fork in sorted(ctx.lineage.ancestors.items()):
+            theirs = self._newest(table, lineage)
+            if theirs is not None and theirs > fork:
+                log.warning(
+                    "%s has batches %d..%d of an earlier run (lineage %s) that this run recomputes (restored from an "
+                    "older savepoint or started over): %s", self.describe(), fork + 1, theirs, lineage[:8],
+                    "their rows stay in the table next to the new ones" if self.mode == "append" else "the upserts overwrite them by key",
+                )
+
+    def write(self, df: DataFrame, batch_id: int) -> int:
+        """Write batch ``batch_id`` in one commit; returns its rows (-1 if the table has it)."""
+        check_key_columns(self.describe(), self.keys, list(df.columns))
+        table = self._load()
+        if table is not None and self._has(table, batch_id):
+            # A replay: the table has the batch. Run the plan (state is rebuilt by it), keep the table.
+            df.write.format("noop").mode("overwrite").save()
+            return -1
+        data: pa.Table = df.toArrow()  # the batch's one Spark action
+        if data.num_rows == 0:
+            return 0  # nothing to commit; a replay of it writes nothing either
+        if self.mode == "upsert":
+            data = last_per_key(data, self.keys)
+        for _attempt in range(COMMIT_ATTEMPTS):
+            if table is None:
+                table = self._create(data.schema)
+            self._check_schema(table, data.schema)
+            self._before_commit(table)
+            try:
+                self._commit(table, data, batch_id)
+                return data.num_rows
+            except self._conflicts as e:
+                # Another writer committed first (e.g. a zombie of this job): the batch may be in now.
+                log.warning("%s: batch %d: %s; checking the table again", self.describe(), batch_id, one_line(e))
+            except self._storage_errors as e:
+                raise StorageError(f"{self.describe()}: batch {batch_id} could not be written: {one_line(e)}") from None
+            table = self._load()
+            if table is not None and self._has(table, batch_id):
+                return -1
+        raise StorageError(f"{self.describe()}: batch {batch_id} could not be committed: other writers changed the table "
+                           f"under each of {COMMIT_ATTEMPTS} attempts")

@@ -20,14 +20,12 @@ from urllib.parse import urlsplit
 from keyscale.errors import OutputError, StorageError
 from keyscale.sinks._lakehouse import (
     BATCH_KEY,
-    COMMIT_ATTEMPTS,
     JOB_KEY,
     LINEAGE_KEY,
     Mode,
-    check_key_columns,
+    TableSink,
     check_mode,
     delta_s3_options,
-    last_per_key,
     nullable,
     one_line,
     require,
@@ -37,9 +35,7 @@ from keyscale.sinks._lakehouse import (
 if TYPE_CHECKING:
     import pyarrow as pa
     from deltalake import CommitProperties, DeltaTable
-    from pyspark.sql import DataFrame
 
-    from keyscale.sinks.base import SinkContext
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +59,7 @@ def table_uri(uri: str | os.PathLike[str]) -> str:
     return os.path.abspath(text)
 
 
-class DeltaSink:
+class DeltaSink(TableSink["DeltaTable"]):
     """Write each batch to a Delta Lake table exactly once, in one table commit.
 
     ``uri``: a local path, ``file://``, ``s3://`` (AWS or any S3-compatible server),
@@ -112,8 +108,6 @@ class DeltaSink:
     keyscale.errors.OutputError: Delta sink: cannot write a table at hdfs://lake/counts: ...
     """
 
-    exactly_once = True
-
     def __init__(
         self,
         uri: str | os.PathLike[str],
@@ -122,10 +116,15 @@ class DeltaSink:
         storage_options: Mapping[str, str] | None = None,
     ):
         require("Delta sink", "deltalake", "delta")
+        from deltalake.exceptions import CommitFailedError, DeltaError
+
+        # CommitFailedError: another writer committed first and delta-rs could not rebase
+        # this commit on it (the same transaction: a zombie of this job).
+        self._conflicts = (CommitFailedError,)
+        self._storage_errors = (OSError, DeltaError)
         self.uri = table_uri(uri)
         self.mode, self.keys = check_mode(f"Delta sink for {self.uri}", mode, keys)
         self.storage_options = dict(storage_options or {})
-        self._ctx: SinkContext | None = None
 
     def describe(self) -> str:
         # The table alone (not the mode): two outputs of one job into one table share the
@@ -144,65 +143,8 @@ class DeltaSink:
             return delta_s3_options(self.storage_options)
         return dict(self.storage_options)
 
-    # -- before the first batch -----------------------------------------------------------
-    def open(self, ctx: SinkContext) -> None:
-        """Learn the job's lineage; say what the table already holds of it and of the
-        lineages this run supersedes (a restore recomputes what they wrote after the fork)."""
-        self._ctx = ctx
-        dt = self._load()
-        if dt is None:
-            return
-        own = dt.transaction_version(self.app_id)
-        if own is not None and own > ctx.committed:
-            log.info("%s already has batches up to %d of this job (committed: %d): their replay writes nothing",
-                     self.describe(), own, ctx.committed)
-        for lineage, fork in sorted(ctx.lineage.ancestors.items()):
-            theirs = dt.transaction_version(f"keyscale-{lineage}")
-            if theirs is not None and theirs > fork:
-                log.warning(
-                    "%s has batches %d..%d of an earlier run (lineage %s) that this run recomputes (restored from an "
-                    "older savepoint or started over): %s", self.describe(), fork + 1, theirs, lineage[:8],
-                    "their rows stay in the table next to the new ones" if self.mode == "append" else "the upserts overwrite them by key",
-                )
-
-    # -- one batch ------------------------------------------------------------------------
-    def write(self, df: DataFrame, batch_id: int) -> int:
-        """Write batch ``batch_id`` in one commit; returns its rows (-1 if the table has it)."""
-        check_key_columns(self.describe(), self.keys, list(df.columns))
-        dt = self._load()
-        if dt is not None and self._has(dt, batch_id):
-            # A replay: the table has the batch. Run the plan (state is rebuilt by it), keep the table.
-            df.write.format("noop").mode("overwrite").save()
-            return -1
-        table: pa.Table = df.toArrow()  # the batch's one Spark action
-        if table.num_rows == 0:
-            return 0
-        if self.mode == "upsert":
-            table = last_per_key(table, self.keys)
-        from deltalake.exceptions import CommitFailedError, DeltaError
-
-        for _attempt in range(COMMIT_ATTEMPTS):
-            if dt is None:
-                dt = self._create(table.schema)
-            self._check_schema(dt, table.schema)
-            try:
-                self._commit(dt, table, batch_id)
-                return table.num_rows
-            except CommitFailedError as e:
-                # Another writer committed first and delta-rs could not rebase this commit on
-                # it (e.g. the same transaction: a zombie of this job). The batch may be in now.
-                log.warning("%s: batch %d: %s; checking the table again", self.describe(), batch_id, one_line(e))
-            except (OSError, DeltaError) as e:
-                raise StorageError(f"{self.describe()}: batch {batch_id} could not be written: {one_line(e)}") from None
-            dt = self._load()
-            if dt is not None and self._has(dt, batch_id):
-                return -1
-        raise StorageError(f"{self.describe()}: batch {batch_id} could not be committed: other writers changed the table "
-                           f"under each of {COMMIT_ATTEMPTS} attempts")
-
-    def _has(self, dt: DeltaTable, batch_id: int) -> bool:
-        version = dt.transaction_version(self.app_id)
-        return version is not None and version >= batch_id
+    def _newest(self, table: DeltaTable, lineage: str) -> int | None:
+        return table.transaction_version(f"keyscale-{lineage}")
 
     def _commit_properties(self, batch_id: int) -> CommitProperties:
         from deltalake import CommitProperties, Transaction
@@ -212,15 +154,15 @@ class DeltaSink:
         # The transaction and the data are one atomic commit: the table has both or neither.
         return CommitProperties(app_transactions=[Transaction(self.app_id, batch_id)], custom_metadata=info)
 
-    def _commit(self, dt: DeltaTable, table: pa.Table, batch_id: int) -> None:
+    def _commit(self, table: DeltaTable, data: pa.Table, batch_id: int) -> None:
         from deltalake import write_deltalake
 
         props = self._commit_properties(batch_id)
         if self.mode == "append":
-            write_deltalake(dt, table, mode="append", commit_properties=props)
+            write_deltalake(table, data, mode="append", commit_properties=props)
             return
         on = " AND ".join(f"s.{_quote(k)} = t.{_quote(k)}" for k in self.keys)
-        (dt.merge(table, on, source_alias="s", target_alias="t", commit_properties=props)
+        (table.merge(data, on, source_alias="s", target_alias="t", commit_properties=props)
            .when_matched_update_all().when_not_matched_insert_all().execute())
 
     # -- the table ------------------------------------------------------------------------

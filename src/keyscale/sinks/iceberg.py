@@ -18,14 +18,12 @@ from urllib.parse import urlsplit, urlunsplit
 from keyscale.errors import OutputError, StorageError
 from keyscale.sinks._lakehouse import (
     BATCH_KEY,
-    COMMIT_ATTEMPTS,
     JOB_KEY,
     LINEAGE_KEY,
     Mode,
-    check_key_columns,
+    TableSink,
     check_mode,
     iceberg_s3_properties,
-    last_per_key,
     nullable,
     one_line,
     require,
@@ -36,9 +34,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyiceberg.catalog import Catalog
     from pyiceberg.table import Table
-    from pyspark.sql import DataFrame
 
-    from keyscale.sinks.base import SinkContext
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +45,7 @@ RETRIES = "commit.retry.num-retries"
 _TABLE_PROPERTIES = {RETRIES: "0"}
 
 
-class IcebergSink:
+class IcebergSink(TableSink["Table"]):
     """Write each batch to an Iceberg table exactly once, in one catalog commit.
 
     ``catalog``: a pyiceberg ``Catalog``, or the properties to load one with
@@ -107,8 +103,6 @@ class IcebergSink:
     keyscale.errors.OutputError: Iceberg sink for analytics.counts: mode='upsert' needs keys=[...], ...
     """
 
-    exactly_once = True
-
     def __init__(
         self,
         catalog: Catalog | Mapping[str, str],
@@ -117,6 +111,9 @@ class IcebergSink:
         keys: Sequence[str] | None = None,
     ):
         require("Iceberg sink", "pyiceberg", "iceberg")
+        from pyiceberg.exceptions import CommitFailedException
+
+        self._conflicts = (CommitFailedException,)  # another writer committed first
         parts = tuple(table.split(".")) if isinstance(table, str) else tuple(table)
         if len(parts) < 2 or not all(parts):
             raise OutputError(f"Iceberg sink: table {table!r} needs a namespace: give it as 'namespace.table'")
@@ -134,7 +131,6 @@ class IcebergSink:
             self.catalog_name = catalog.name
             where = str(catalog.properties.get("uri", ""))
         self._where = _without_password(where)
-        self._ctx: SinkContext | None = None
         self._warned_retries = False
 
     @property
@@ -165,67 +161,8 @@ class IcebergSink:
                 raise OutputError(f"{self.describe()}: cannot load the catalog: {type(e).__name__}: {one_line(e)}") from None
         return self._catalog
 
-    # -- before the first batch -----------------------------------------------------------
-    def open(self, ctx: SinkContext) -> None:
-        """Learn the job's lineage; say what the table already holds of it and of the
-        lineages this run supersedes (a restore recomputes what they wrote after the fork)."""
-        self._ctx = ctx
-        table = self._load()
-        if table is None:
-            return
-        self._warn_retries(table)
-        newest = _newest_batches(table)
-        own = newest.get(ctx.lineage.id)
-        if own is not None and own > ctx.committed:
-            log.info("%s already has batches up to %d of this job (committed: %d): their replay writes nothing",
-                     self.describe(), own, ctx.committed)
-        for lineage, fork in sorted(ctx.lineage.ancestors.items()):
-            theirs = newest.get(lineage)
-            if theirs is not None and theirs > fork:
-                log.warning(
-                    "%s has batches %d..%d of an earlier run (lineage %s) that this run recomputes (restored from an "
-                    "older savepoint or started over): %s", self.describe(), fork + 1, theirs, lineage[:8],
-                    "their rows stay in the table next to the new ones" if self.mode == "append" else "the upserts overwrite them by key",
-                )
-
-    # -- one batch ------------------------------------------------------------------------
-    def write(self, df: DataFrame, batch_id: int) -> int:
-        """Write batch ``batch_id`` in one commit; returns its rows (-1 if the table has it)."""
-        from pyiceberg.exceptions import CommitFailedException
-
-        check_key_columns(self.describe(), self.keys, list(df.columns))
-        table = self._load()
-        if table is not None and self._has(table, batch_id):
-            # A replay: the table has the batch. Run the plan (state is rebuilt by it), keep the table.
-            df.write.format("noop").mode("overwrite").save()
-            return -1
-        data: pa.Table = df.toArrow()  # the batch's one Spark action
-        if data.num_rows == 0:
-            return 0
-        if self.mode == "upsert":
-            data = last_per_key(data, self.keys)
-        for _attempt in range(COMMIT_ATTEMPTS):
-            if table is None:
-                table = self._create(data.schema)
-            self._check_schema(table, data.schema)
-            self._warn_retries(table)
-            try:
-                self._commit(table, data, batch_id)
-                return data.num_rows
-            except CommitFailedException as e:
-                # Another writer committed first: the batch may be in the table now.
-                log.warning("%s: batch %d: %s; checking the table again", self.describe(), batch_id, e)
-            except OSError as e:
-                raise StorageError(f"{self.describe()}: batch {batch_id} could not be written: {one_line(e)}") from None
-            table = self._load()
-            if table is not None and self._has(table, batch_id):
-                return -1
-        raise StorageError(f"{self.describe()}: batch {batch_id} could not be committed: other writers changed the table "
-                           f"under each of {COMMIT_ATTEMPTS} attempts")
-
-    def _has(self, table: Table, batch_id: int) -> bool:
-        newest = _newest_batch(table, self.lineage)
-        return newest is not None and newest >= batch_id
+    def _newest(self, table: Table, lineage: str) -> int | None:
+        return _newest_batch(table, lineage)
 
     def _commit(self, table: Table, data: pa.Table, batch_id: int) -> None:
         ctx = self._ctx
@@ -268,7 +205,7 @@ class IcebergSink:
             raise OutputError(f"{self.describe()}: the job's output no longer fits the table: {why}; "
                               "write to a new table, or change this one to the new schema")
 
-    def _warn_retries(self, table: Table) -> None:
+    def _before_commit(self, table: Table) -> None:
         if self._warned_retries or table.properties.get(RETRIES) == "0":
             return
         self._warned_retries = True
@@ -286,21 +223,6 @@ def _newest_batch(table: Table, lineage: str) -> int | None:
         if summary is not None and summary[LINEAGE_KEY] == lineage:
             return _batch(summary[BATCH_KEY])
     return None
-
-
-def _newest_batches(table: Table) -> dict[str, int]:
-    """Every lineage in the table's current history, with its newest batch."""
-    from pyiceberg.table.snapshots import ancestors_of
-
-    found: dict[str, int] = {}
-    for snapshot in ancestors_of(table.current_snapshot(), table.metadata):
-        summary = snapshot.summary
-        lineage = summary[LINEAGE_KEY] if summary is not None else None
-        if isinstance(lineage, str) and lineage not in found:
-            batch = _batch(summary[BATCH_KEY] if summary is not None else None)
-            if batch is not None:
-                found[lineage] = batch
-    return found
 
 
 def _batch(value: Any) -> int | None:
