@@ -21,6 +21,7 @@ from keyscale._pipeline import (
 from keyscale.errors import KeyscaleError
 from keyscale.kafka.sink import KafkaSink
 from keyscale.kafka.source import json_values, kafka_decoder, kafka_source
+from keyscale.operators.coprocess import KeyedCoProcessFunction
 from keyscale.operators.keyed import (
     Context,
     KeyedProcessFunction,
@@ -68,6 +69,7 @@ __all__ = [
     "JobHandle",
     "KafkaSink",
     "KeyedBatch",
+    "KeyedCoProcessFunction",
     "KeyedProcessFunction",
     "KeyedStream",
     "KeyscaleError",

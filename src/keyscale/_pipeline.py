@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
+    from keyscale._connect import ConnectedStreams
     from keyscale.runtime.handle import JobHandle
     from keyscale.sinks.base import Sink
 
@@ -213,6 +214,17 @@ class Stream:
         _check_uid(uid, self._steps)
         step = NonKeyedStep(uid, function, _to_arrow_schema(self._schema), arrow_schema(schema), describe_lists(function, uid), parallelism, broadcast)
         return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
+
+    def connect(self, other: Stream) -> ConnectedStreams:
+        """This stream and ``other`` into one keyed stage: ``.key_by(keys, other_keys)``
+        then ``.process(KeyedCoProcessFunction, schema, uid)`` or ``.interval_join(lower,
+        upper, uid)`` (see :mod:`keyscale._connect`). Both must read Spark streaming sources.
+
+        ``users.connect(clicks).key_by("id", "user").process(Enrich(), "user string, name string, page string", uid="enrich")``
+        """
+        from keyscale._connect import ConnectedStreams
+
+        return ConnectedStreams(self, other)
 
     def key_by(self, *columns: str, null_keys: NullKeys = "error") -> KeyedStream:
         """Partition the stream by key columns: the next stage's state is per key.

@@ -1,0 +1,147 @@
+"""Two keyed inputs in one stage: ``KeyedCoProcessFunction`` and the interval join.
+
+``a.connect(b).key_by(ka, kb).process(fn, schema, uid)`` runs ``fn`` over both inputs
+keyed alike: records of ``a`` go to ``process_element1``, records of ``b`` to
+``process_element2``, with one keyed state and one set of timers per key shared by both
+(Flink's ``KeyedCoProcessFunction``). keyscale builds this on its one-input keyed stage:
+the two inputs become one stream of rows ``(key..., __side, in1, in2)`` where ``in1`` (or
+``in2``) holds the record as it was, so the state is in the same key groups as any other
+stage's and rescales, checkpoints, savepoints and restores the same way. This module is
+the per-record dispatch and the interval join; :mod:`keyscale._connect` builds the
+combined stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pyarrow as pa
+
+from keyscale.errors import JobDefinitionError
+from keyscale.operators.keyed import Context, KeyedProcessFunction, RuntimeContext
+
+SIDE = "__side"
+INPUTS = ("in1", "in2")
+
+
+class KeyedCoProcessFunction:
+    """Base class for a function over two keyed inputs sharing state and timers.
+
+    Override ``process_element1(row, ctx)`` (a record of the first input, a dict of its
+    columns) and ``process_element2(row, ctx)``; optionally ``on_timer(key, timestamp,
+    ctx)``. Declare state in ``open(ctx)`` as for :class:`KeyedProcessFunction`. Each
+    returns or yields output rows (tuples in the output schema's order, or dicts).
+
+    >>> class Enrich(KeyedCoProcessFunction):
+    ...     def open(self, ctx):
+    ...         self.name = ctx.value_state("name", "string")
+    ...     def process_element1(self, row, ctx):      # a user update
+    ...         self.name.update(row["name"])
+    ...     def process_element2(self, row, ctx):      # a click
+    ...         yield (ctx.key, self.name.value(), row["page"])
+    """
+
+    def open(self, ctx: RuntimeContext) -> None:
+        """Declare state here."""
+
+    def process_element1(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        raise NotImplementedError(f"{type(self).__name__} must override process_element1()")
+
+    def process_element2(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        raise NotImplementedError(f"{type(self).__name__} must override process_element2()")
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        return None
+
+
+class CoProcessAdapter(KeyedProcessFunction):
+    """The one-input keyed function keyscale runs for a co-process function: each combined
+    row goes to the side it came from, as the record it was."""
+
+    def __init__(self, function: KeyedCoProcessFunction, keys: int):
+        self.function = function
+        self.side = keys  # the combined row: key columns, then __side, in1, in2
+
+    def open(self, ctx: RuntimeContext) -> None:
+        self.function.open(ctx)
+
+    def process_element(self, row: Any, ctx: Context) -> Iterable[Any] | None:
+        if row[self.side] == 0:
+            return self.function.process_element1(_as_dict(row[self.side + 1]), ctx)
+        return self.function.process_element2(_as_dict(row[self.side + 2]), ctx)
+
+
+class CoProcessAdapterWithTimers(CoProcessAdapter):
+    """The same for a function with ``on_timer`` (only those get timer state)."""
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        return self.function.on_timer(key, timestamp, ctx)
+
+
+def adapt(function: KeyedCoProcessFunction, keys: int) -> CoProcessAdapter:
+    """The keyed function running ``function`` on rows with ``keys`` key columns first."""
+    if not isinstance(function, KeyedCoProcessFunction):
+        raise JobDefinitionError(f"{type(function).__name__} is not a KeyedCoProcessFunction")
+    timers = type(function).on_timer is not KeyedCoProcessFunction.on_timer
+    return CoProcessAdapterWithTimers(function, keys) if timers else CoProcessAdapter(function, keys)
+
+
+def _as_dict(record: Any) -> dict[str, Any]:
+    return record if isinstance(record, dict) else dict(record.asDict() if hasattr(record, "asDict") else record)
+
+
+def _ms(value: Any) -> int:
+    """An event time as epoch milliseconds (a datetime or an int)."""
+    if hasattr(value, "timestamp"):
+        return int(value.timestamp() * 1000)
+    return int(value)
+
+
+class IntervalJoin(KeyedCoProcessFunction):
+    """Rows of both inputs with the same key and ``t1 + lower <= t2 <= t1 + upper`` (event
+    times, ms), joined: each pair once, when its second row arrives. Each side's rows wait in
+    list state until the watermark passes the last time a row of the other side could still
+    join them, then an event-time timer removes them (Flink's interval join).
+    """
+
+    def __init__(self, time1: str, time2: str, lower_ms: int, upper_ms: int, type1: pa.DataType, type2: pa.DataType,
+                 names1: list[str], names2: list[str]):
+        self.time1, self.time2 = time1, time2
+        self.lower, self.upper = lower_ms, upper_ms
+        self.type1, self.type2 = type1, type2
+        self.names1, self.names2 = names1, names2  # output column names per input column
+
+    def open(self, ctx: RuntimeContext) -> None:
+        self.left = ctx.list_state("left", self.type1)
+        self.right = ctx.list_state("right", self.type2)
+
+    def _emit(self, left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
+        out = {n: left[c] for c, n in zip(left, self.names1, strict=True)}
+        out.update({n: right[c] for c, n in zip(right, self.names2, strict=True)})
+        return out
+
+    def process_element1(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        t = _ms(row[self.time1])
+        if t + self.upper < ctx.current_watermark:
+            return None  # no right row that could join it can arrive any more (they would be late)
+        out = [self._emit(row, r) for r in self.right.get() if t + self.lower <= _ms(r[self.time2]) <= t + self.upper]
+        self.left.add(row)
+        ctx.timer_service.register_event_time_timer(t + self.upper)
+        return out
+
+    def process_element2(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        t = _ms(row[self.time2])
+        if t - self.lower < ctx.current_watermark:
+            return None
+        out = [self._emit(r, row) for r in self.left.get() if _ms(r[self.time1]) + self.lower <= t <= _ms(r[self.time1]) + self.upper]
+        self.right.add(row)
+        ctx.timer_service.register_event_time_timer(t - self.lower)
+        return out
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        # A left row at t joins right rows up to t + upper, a right row at t left rows from
+        # t - upper: once the watermark passes those times, no partner can come any more.
+        self.left.update(r for r in self.left.get() if _ms(r[self.time1]) + self.upper > timestamp)
+        self.right.update(r for r in self.right.get() if _ms(r[self.time2]) - self.lower > timestamp)
+        return None

@@ -1,0 +1,136 @@
+"""Two keyed inputs in one stage: a co-process function (enrichment) and the interval
+join, on real Spark, across a live rescale and a restart."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import read_output, run_job
+from keyscale.checkpoint.jobdir import JobDir
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+JOB = '''
+import keyscale as ks
+
+NAME = "connected"
+
+class Enrich(ks.KeyedCoProcessFunction):
+    """Clicks get the user's latest name; a click before any name waits for it."""
+    def open(self, ctx):
+        self.name = ctx.value_state("name", "string")
+        self.waiting = ctx.list_state("waiting", "string")
+    def process_element1(self, row, ctx):
+        self.name.update(row["name"])
+        for page in self.waiting.get():
+            yield (ctx.key, row["name"], page)
+        self.waiting.update([])
+    def process_element2(self, row, ctx):
+        if self.name.value() is None:
+            self.waiting.add(row["page"])
+        else:
+            yield (ctx.key, self.name.value(), row["page"])
+
+def build(ctx):
+    read = lambda name, schema: ctx.spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(ctx.arg(name))
+    users = ks.stream(read("users", "id string, name string, ts timestamp")).with_watermark("ts", "1 hour")
+    clicks = ks.stream(read("clicks", "user string, page string, ts timestamp")).with_watermark("ts", "1 hour")
+    if ctx.arg("mode") == "enrich":
+        out = users.connect(clicks).key_by("id", "user").process(Enrich(), "user string, name string, page string", uid="enrich")
+    else:
+        out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
+    return out.sink(ks.ParquetSink(ctx.arg("output")))
+'''
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def _write(folder: Path, batches: list[list[dict[str, Any]]], schema: pa.Schema) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, rows in enumerate(batches):
+        path = folder / f"part-{i:05d}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+        os.utime(path, (1_700_000_000 + i, 1_700_000_000 + i))  # Spark reads files in time order
+
+
+USERS = pa.schema([("id", pa.string()), ("name", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])
+CLICKS = pa.schema([("user", pa.string()), ("page", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[dict[str, Any]]], list[list[dict[str, Any]]]]:
+    root = tmp_path_factory.mktemp("connect")
+    users, clicks = [], []
+    for b in range(6):
+        # Users u0..u19 named in batch b under "n<b>" if (i + b) % 3 == 0; clicks of every user.
+        users.append([{"id": f"u{i}", "name": f"n{b}-{i}", "ts": T0 + dt.timedelta(seconds=60 * b + i)} for i in range(20) if (i + b) % 3 == 0])
+        clicks.append([{"user": f"u{(i * 7 + b) % 20}", "page": f"p{b}-{i}", "ts": T0 + dt.timedelta(seconds=60 * b + i * 2)} for i in range(25)])
+    _write(root / "users", users, USERS)
+    _write(root / "clicks", clicks, CLICKS)
+    return root / "users", root / "clicks", users, clicks
+
+
+def _expected_enrich(users: list[list[dict[str, Any]]], clicks: list[list[dict[str, Any]]]) -> list[tuple[str, str, str]]:
+    """Batch by batch: a batch's names apply before its clicks only where the model says
+    so: each key's rows in a batch in the combined order, names (first input) first."""
+    name: dict[str, str] = {}
+    waiting: dict[str, list[str]] = {}
+    out = []
+    for ub, cb in zip(users, clicks, strict=True):
+        for u in ub:
+            name[u["id"]] = u["name"]
+            out += [(u["id"], u["name"], p) for p in waiting.pop(u["id"], [])]
+        for c in cb:
+            if c["user"] in name:
+                out.append((c["user"], name[c["user"]], c["page"]))
+            else:
+                waiting.setdefault(c["user"], []).append(c["page"])
+    return sorted(out)
+
+
+def _job(tmp_path: Path) -> Path:
+    path = tmp_path / "connected.py"
+    path.write_text(JOB)
+    return path
+
+
+def test_co_process_enrichment_is_the_same_across_a_live_rescale(spark: Any, inputs: Any, tmp_path: Path) -> None:
+    users_dir, clicks_dir, users, clicks = inputs
+    job = _job(tmp_path)
+    args = {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "enrich"}
+    run_job(job, tmp_path / "a", 2, {**args, "output": str(tmp_path / "out-a")})
+    jd = JobDir(tmp_path / "b")
+
+    def rescale(rec: Any) -> None:
+        if rec.batch == 1:
+            jd.request_rescale(3)
+
+    summary = run_job(job, tmp_path / "b", 2, {**args, "output": str(tmp_path / "out-b")}, rescale)
+    assert any(r[1] == "enrich" and r[3] == 3 for r in summary.rescales)
+    a, b = read_output(tmp_path / "out-a"), read_output(tmp_path / "out-b")
+    assert sorted(zip(a["user"], a["name"], a["page"], strict=True)) == _expected_enrich(users, clicks)
+    assert a.drop(columns="batch").equals(b.drop(columns="batch"))
+
+
+def test_interval_join_matches_a_plain_join_and_forgets_old_rows(spark: Any, inputs: Any, tmp_path: Path) -> None:
+    users_dir, clicks_dir, users, clicks = inputs
+    out = run_job(_job(tmp_path), tmp_path / "job", 2,
+                  {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "join", "output": str(tmp_path / "out")}, drain_at_end=True)
+    assert out.batches
+    got = read_output(tmp_path / "out")
+    pairs = sorted(zip(got["id"], got["name"], got["page"], strict=True))
+    want = sorted((u["id"], u["name"], c["page"]) for u in (u for b in users for u in b) for c in (c for b in clicks for c in b)
+                  if u["id"] == c["user"] and u["ts"] - dt.timedelta(seconds=30) <= c["ts"] <= u["ts"] + dt.timedelta(minutes=1))
+    assert pairs == want
+    # The drain at the end moves the watermark past every row: each row's timer removed it.
+    from keyscale.state_processor.read import read_keyed_state
+
+    for side in ("left", "right"):
+        assert read_keyed_state(spark, tmp_path / "job", "join", state=side).count() == 0
