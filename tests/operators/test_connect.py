@@ -134,3 +134,21 @@ def test_interval_join_matches_a_plain_join_and_forgets_old_rows(spark: Any, inp
 
     for side in ("left", "right"):
         assert read_keyed_state(spark, tmp_path / "job", "join", state=side).count() == 0
+
+
+def test_interval_join_restored_from_a_savepoint_at_another_parallelism(spark: Any, inputs: Any, tmp_path: Path) -> None:
+    """The rows waiting in the join's state move with a savepoint taken mid-stream and
+    restored at P=3: the pairs after it plus those before are the whole join."""
+    from keyscale.checkpoint.savepoint import write_savepoint
+
+    users_dir, clicks_dir, _, _ = inputs
+    job = _job(tmp_path)
+    args = {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "join"}
+    run_job(job, tmp_path / "a", 2, {**args, "output": str(tmp_path / "out-a")}, retain=20)  # keep checkpoint 2
+    a = JobDir(tmp_path / "a")
+    sp = write_savepoint(a, a.read_manifest(2), tmp_path / "sp")
+    run_job(job, tmp_path / "b", 3, {**args, "output": str(tmp_path / "out-b")}, from_savepoint=str(sp))
+    whole, after = read_output(tmp_path / "out-a"), read_output(tmp_path / "out-b")
+    pairs = lambda df: sorted(zip(df["id"], df["page"], strict=True))  # noqa: E731
+    assert len(after) > 0
+    assert pairs(whole) == sorted(pairs(whole[whole.batch <= 2]) + pairs(after))
