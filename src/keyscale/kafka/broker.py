@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keyscale._subprocess import die_with_parent, stop_group
 from keyscale.errors import KeyscaleError
 
 __all__ = ["Broker", "find_tansu", "start_tansu"]
@@ -55,15 +55,7 @@ class Broker:
 
     def stop(self, grace: float = 2.0) -> None:
         """SIGTERM to the broker's own process group, SIGKILL after ``grace`` s; idempotent."""
-        if self._process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGTERM)
-            try:
-                self._process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._process.pid, signal.SIGKILL)
-                self._process.wait()
+        stop_group(self._process, grace)
 
 
 def find_tansu() -> Path:
@@ -86,14 +78,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the starting process dies (Linux), so a test
-    run killed hard leaves no broker behind."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def start_tansu(port: int | None = None, log_dir: str | os.PathLike[str] | None = None, timeout: float = 30.0) -> Broker:
     """Start a Tansu broker on ``127.0.0.1:port`` (a free port when None), in-memory storage.
 
@@ -111,7 +95,7 @@ def start_tansu(port: int | None = None, log_dir: str | os.PathLike[str] | None 
             proc = subprocess.Popen(
                 [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         broker = Broker(f"127.0.0.1:{chosen}", proc.pid, log_path, proc)
         deadline = time.monotonic() + timeout

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from keyscale._subprocess import die_with_parent, stop_group
 from keyscale.errors import StorageError
 
 __all__ = [
@@ -114,19 +115,7 @@ class S3Server:
         SeaweedFS's graceful stop waits up to 15 s for its gRPC streams, and the data of a
         test server is thrown away anyway. Idempotent.
         """
-        if self._process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGTERM)
-            try:
-                self._process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._process.pid, signal.SIGKILL)
-                self._process.wait()
-        else:
-            # The leader is gone; anything left in its group is still ours to end.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._process.pid, signal.SIGKILL)
+        stop_group(self._process, grace)
         _remove_grpc_sockets(self.ports)
 
 
@@ -358,20 +347,8 @@ def _launch(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # its own process group: stop() signals exactly it
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGKILL when the starting process dies (Linux).
-
-    A test run killed hard (CI timeout, kill -9) would otherwise leave the server
-    running with its ports taken.
-    """
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _wait_ready(server: S3Server, deadline: float) -> None:
