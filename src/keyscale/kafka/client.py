@@ -40,6 +40,13 @@ def reader_config(bootstrap: str, options: Mapping[str, Any] | None, what: str) 
     return {**_READER_DEFAULTS, **opts, **_READER_REQUIRED, "bootstrap.servers": bootstrap}
 
 
+def connection_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a client's ``options`` that say how to reach and log in to the
+    brokers (security, SASL, TLS, sockets, client id): what every other client keyscale
+    opens for the same connector (admin, commit log readers) needs too."""
+    return {k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl.", "socket.", "client."))}
+
+
 def partition_count(admin_or_consumer: Any, topic: str, bootstrap: str, timeout: float = 10.0) -> int:
     """The topic's number of partitions; a clear error when it does not exist."""
     try:

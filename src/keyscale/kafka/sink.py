@@ -52,7 +52,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from keyscale.errors import JobDefinitionError, OutputError, encode_error
-from keyscale.kafka.client import KafkaConnectorError, partition_count
+from keyscale.kafka.client import KafkaConnectorError, connection_options, partition_count
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -108,12 +108,13 @@ def _json_default(v: Any) -> Any:
 
 
 def _commit_log_reader(bootstrap: str, options: Mapping[str, Any], isolation: str) -> Any:
-    """A consumer of the commit log, with the connection settings of the sink's options."""
+    """A consumer that reads to partition ends (the commit log, output checks), with the
+    connection settings of ``options``."""
     from confluent_kafka import Consumer
 
     return Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale", "enable.partition.eof": True,
                      "enable.auto.commit": False, "isolation.level": isolation, "log_level": 3,
-                     **{k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl."))}})
+                     **connection_options(options)})
 
 
 def _read_commit_log(consumer: Any, topic: str, start: int, timeout: float = 30.0) -> Iterator[dict[str, Any]]:
@@ -278,7 +279,7 @@ class KafkaSink:
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         self._ctx = ctx
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 3})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 3, **connection_options(self.options)})
         try:
             partition_count(admin, self.topic, self.bootstrap)
         except KafkaConnectorError as e:
@@ -351,10 +352,9 @@ class KafkaSink:
 def read_committed(bootstrap: str, topic: str, timeout: float = 30.0) -> list[tuple[int, int, bytes | None, bytes | None]]:
     """Every record of ``topic`` a ``read_committed`` consumer sees, as (partition, offset,
     key, value): for tests and small checks of a sink's output."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import KafkaError, TopicPartition
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "keyscale-check", "enable.partition.eof": True,
-                  "enable.auto.commit": False, "isolation.level": "read_committed", "log_level": 3})
+    c = _commit_log_reader(bootstrap, {}, "read_committed")
     try:
         n = partition_count(c, topic, bootstrap)
         c.assign([TopicPartition(topic, p, 0) for p in range(n)])

@@ -33,14 +33,20 @@ import io
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import pyarrow as pa
 
 from keyscale.errors import InputDataError, JobDefinitionError
-from keyscale.kafka.client import KafkaConnectorError, partition_count, reader_config, true_ends
+from keyscale.kafka.client import (
+    KafkaConnectorError,
+    connection_options,
+    partition_count,
+    reader_config,
+    true_ends,
+)
 from keyscale.sources.log import LogError, PartitionedLog
 from keyscale.sources.reader import LogSource
 from keyscale.state.types import arrow_schema
@@ -265,10 +271,8 @@ class KafkaLog(PartitionedLog):
         from confluent_kafka import TopicPartition
 
         try:
-            if client is None:
-                with self._client() as c:
-                    return int(c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10, cached=False)[0])
-            return int(client.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10, cached=False)[0])
+            with self._client() if client is None else nullcontext(client) as c:
+                return int(c.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10, cached=False)[0])
         except Exception as e:
             raise KafkaConnectorError(f"Kafka topic {self.topic!r}, partition {p}: the broker did not tell its first offset: {e}") from None
 
@@ -278,7 +282,7 @@ class KafkaLog(PartitionedLog):
         from confluent_kafka.admin import AdminClient
 
         try:
-            admin = AdminClient({"bootstrap.servers": self.bootstrap, **_admin_options(self.options)})  # kept alive until the answer
+            admin = AdminClient({"bootstrap.servers": self.bootstrap, **connection_options(self.options)})  # kept alive until the answer
             tid = admin.describe_topics(TopicCollection([self.topic]))[self.topic].result(timeout=10).topic_id
         except Exception:
             return None  # a broker without topic ids: offsets are checked against the ends only
@@ -387,7 +391,7 @@ class KafkaLog(PartitionedLog):
         from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
 
         total = self.num_partitions() + n
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, **_admin_options(self.options)})
+        admin = AdminClient({"bootstrap.servers": self.bootstrap, **connection_options(self.options)})
         futures = admin.create_partitions([NewPartitions(self.topic, total)])
         try:
             futures[self.topic].result(timeout=30)
@@ -397,11 +401,6 @@ class KafkaLog(PartitionedLog):
 
     def describe(self) -> str:
         return f"Kafka topic {self.topic!r} on {self.bootstrap}, {self.num_partitions()} partitions, columns ({_ddl(self.schema)})"
-
-
-def _admin_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The connection settings of a client's options (security, timeouts), for an admin client."""
-    return {k: v for k, v in options.items() if k.startswith(("security.", "sasl.", "ssl.", "socket.", "client."))}
 
 
 def kafka_source(
