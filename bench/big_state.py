@@ -33,21 +33,45 @@ from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
 from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions  # noqa: E402
 
 
-def rss_mb(pattern: str) -> float:
-    """Total resident memory of processes whose command line contains ``pattern``."""
-    total = 0
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it (this run's JVM, its Python daemon and workers:
+    not the Spark jobs of anyone else on the machine)."""
+    children: dict[int, list[int]] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def rss_list(pattern: str) -> list[float]:
+    """Resident memory (MB) of each process of this run whose command line contains ``pattern``."""
+    sizes = []
+    for pid in _descendants(os.getpid()):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             if pattern in cmd:
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
+                        sizes.append(int(line.split()[1]) / 1024)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-    return total / 1024
+    return sizes
+
+
+def rss_mb(pattern: str) -> float:
+    """Total resident memory (MB) of this run's processes whose command line contains ``pattern``."""
+    return sum(rss_list(pattern))
 
 
 def make_input(folder: Path, keys: int, files: int) -> None:
@@ -86,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         m = JobDir(job).latest_manifest()
         assert m is not None
         state_mb = sum(f.bytes for f in m.operators["count"].files) / 1e6
+        workers = rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
         row = {"batch": rec.batch, "seconds": round(rec.seconds, 2), "records": rec.records,
-               "python_workers_mb": round(rss_mb("pyspark.daemon") + rss_mb("pyspark/daemon"), 0),
+               "python_workers_mb": round(sum(workers), 0), "per_python_process_mb": [round(w) for w in sorted(workers)],
                "jvm_mb": round(rss_mb("org.apache.spark.deploy.SparkSubmit"), 0),
-               "driver_mb": round(rss_mb("bench/big_state.py"), 0), "checkpoint_mb": round(state_mb, 1)}
+               "driver_mb": round(rss_mb("big_state.py"), 0), "checkpoint_mb": round(state_mb, 1)}
         rows.append(row)
         print(f"  {row}", flush=True)
 
