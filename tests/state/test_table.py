@@ -275,8 +275,10 @@ def test_random_upserts_equal_a_dict_model(weak_hash: bool, ops: list[tuple[str,
 
 def _hashing(weak: bool) -> Any:
     """The table's own key hash, or one that collides on purpose (keys of one length share it)."""
-    fn = (lambda columns: np.array([len(k) for k in columns[0]], dtype=np.uint64)) if weak else table_module._hash
-    return mock.patch.object(table_module, "_hash", fn)
+    def by_length(columns: list[Any]) -> np.ndarray:
+        return np.array([len(k) for k in columns[0].to_pylist()], dtype=np.uint64)
+
+    return mock.patch.object(table_module, "_hash", by_length if weak else table_module._hash)
 
 
 def _check_model(ops: list[tuple[str, Any]]) -> None:
