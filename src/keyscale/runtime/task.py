@@ -133,6 +133,7 @@ class _Held:
         self.table = KeyedStateTable(names, [*spec.key_types, *(t for _, t in spec.extra_keys)], spec.states)
         self.version = np.full(spec.max_parallelism, -1, dtype=np.int64)
         self.last_used = np.full(spec.max_parallelism, -1, dtype=np.int64)
+        self.tasks: dict[int, int] = {}  # subtasks served per batch (this one and the one before)
 
 
 def _signature(spec: StageTask) -> tuple[Any, ...]:
@@ -156,8 +157,7 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
     snap = latest_snapshot_batches(files, spec.max_parallelism)[lo : hi + 1]
     full = (ver < 0) | (ver > spec.committed) | (snap > ver)
     start_at = np.where(full, snap, ver + 1)  # first batch each key group still needs
-    for a, b in mask_runs(full, lo):
-        held.table.drop_key_groups(a, b)
+    held.table.drop_groups(np.flatnonzero(full) + lo)
     stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": 0}
     reads: list[tuple[StateFile, KeyGroupRange]] = []
     for f in sorted(files, key=lambda f: f.batch):
@@ -165,15 +165,15 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
         runs = mask_runs(f.batch >= start_at[a - lo : b - lo + 1], a)
         stats["files_read"] += bool(runs)
         reads += [(f, KeyGroupRange(ra, rb)) for ra, rb in runs]
-    for part in _fetch_in_order(spec.store, reads):
-        held.table.apply(part)  # in batch order: a delta applies over what came before it
+    # In batch order, a delta over what came before it: applied as one, each key once.
+    held.table.apply_all(list(_fetch_in_order(spec.store, reads)))
     if stats["files_read"]:
         held.table.compact()  # deletes replayed from deltas leave all-null rows
     return held, stats
 
 
-# Slices fetched at once from an object store while earlier ones are applied (obstore
-# releases the GIL): a restore after a rescale waits for the slowest request, not for the sum.
+# Slices fetched at once from an object store (obstore releases the GIL): a restore after a
+# rescale waits for the slowest request, not for the sum.
 _PREFETCH = 8
 
 
@@ -192,13 +192,34 @@ def _fetch_in_order(store: Store, reads: list[tuple[StateFile, KeyGroupRange]]) 
             yield pending.popleft().result()
 
 
+# A worker's copies of key groups it did not serve in this batch are stale: another worker
+# advances them. Kept, such a copy saves a reload when its key groups come back (it catches
+# up from the deltas since); but Spark gives a task whichever Python worker is idle, so
+# without a bound every worker ends up with a copy of every subtask's state (measured: two
+# workers, two subtasks, 10M keys: each worker held all 10M; docs/benchmarks.md). So stale
+# copies are kept, newest first, only up to this size per worker and operator.
+STALE_COPY_BYTES = 64 << 20
+
+
 def _evict(held: _Held, rng: KeyGroupRange, batch: int, keep_batches: int = 3) -> None:
-    """Forget key groups this worker has not served lately (they moved or another worker has them)."""
+    """Forget key groups this worker has not served lately (they moved or another worker
+    has them), and stale copies beyond ``STALE_COPY_BYTES``: those of key groups not
+    served in this batch, once the worker has served as many subtasks in it as in the
+    batch before (a worker may run several subtasks of a batch, one after the other)."""
     held.last_used[rng.start : rng.end + 1] = batch
+    held.tasks = {b: n for b, n in held.tasks.items() if b >= batch - 1}
+    held.tasks[batch] = held.tasks.get(batch, 0) + 1
     stale = (held.version >= 0) & (held.last_used < batch - keep_batches)
-    for a, b in mask_runs(stale, 0):
-        held.table.drop_key_groups(a, b)
-        held.version[a : b + 1] = -1
+    others = np.flatnonzero((held.version >= 0) & (held.last_used < batch) & ~stale)
+    if len(others) and len(held.table) and held.tasks[batch] >= held.tasks.get(batch - 1, 0):
+        row_bytes = sum(held.table.memory().values()) / len(held.table)
+        rows = np.bincount(held.table.kg, minlength=len(held.version))
+        newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
+        kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), STALE_COPY_BYTES, side="right"))
+        stale[newest_first[kept:]] = True
+    if stale.any():
+        held.table.drop_groups(np.flatnonzero(stale))
+        held.version[stale] = -1
 
 
 def _null_check(spec: StageTask, table: pa.Table) -> pa.Table:

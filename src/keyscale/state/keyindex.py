@@ -133,7 +133,7 @@ def key_hash(columns: Sequence[np.ndarray | pa.Array[Any]]) -> np.ndarray:
 
 def slots_for(n: int) -> int:
     """The number of slots for ``n`` keys: a power of two at most ``MAX_LOAD`` full."""
-    need = max(MIN_SLOTS, int(np.ceil(n / MAX_LOAD)) + 1)
+    need = max(MIN_SLOTS, int(np.ceil(n / MAX_LOAD)))
     return 1 << (need - 1).bit_length()
 
 
@@ -150,27 +150,40 @@ class KeyIndex:
     def nbytes(self) -> int:
         return int(self.slots.nbytes)
 
-    def _start(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.uint64]:
-        mask = np.uint64(len(self.slots) - 1)
-        return h & mask, (h >> np.uint64(32)) | np.uint64(1), mask  # an odd step visits every slot
+    def _step(self, h: np.ndarray) -> np.ndarray:
+        """The probe step of each hash: odd, so that it visits every slot of a power-of-two
+        table. (int64, as slots are: numpy indexes with it as it is.)"""
+        step = (h >> np.uint64(32)).astype(np.int64)
+        step |= 1
+        step &= len(self.slots) - 1
+        return step
 
     def find(self, h: np.ndarray, same: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
         """Row of each hashed key (-1: none). ``same(rows, at)`` tells whether the table's
         key at each of ``rows`` equals the looked-up key at each of ``at``."""
-        out = np.full(len(h), -1, dtype=np.intp)
         if not self.used or not len(h):
-            return out
-        slot, step, mask = self._start(h)
-        at = np.arange(len(h))
+            return np.full(len(h), -1, dtype=np.intp)
+        mask = len(self.slots) - 1
+        slot = (h & np.uint64(mask)).astype(np.int64)
+        # The first probe, of every key (most end here): no indirection through ``at``.
+        rows = self.slots[slot].astype(np.intp)
+        first = np.flatnonzero(rows >= 0)
+        hit = np.zeros(len(h), dtype=bool)
+        hit[first] = same(rows[first], first)
+        out = np.where(hit, rows, -1)
+        at = np.flatnonzero((rows != EMPTY) & ~hit)  # past another key's row, or a tombstone
+        slot = slot[at]
+        step = self._step(h[at])
         while len(at):
+            slot += step
+            slot &= mask
             rows = self.slots[slot].astype(np.intp)
-            go_on = rows != EMPTY
-            taken = np.flatnonzero(rows >= 0)
-            if len(taken):
-                hit = taken[same(rows[taken], at[taken])]
-                out[at[hit]] = rows[hit]
-                go_on[hit] = False
-            at, slot, step = at[go_on], (slot[go_on] + step[go_on]) & mask, step[go_on]
+            taken = rows >= 0
+            hit = np.zeros(len(at), dtype=bool)
+            hit[taken] = same(rows[taken], at[taken])
+            out[at[hit]] = rows[hit]
+            go_on = (rows != EMPTY) & ~hit
+            at, slot, step = at[go_on], slot[go_on], step[go_on]
         return out
 
     def insert(self, rows: np.ndarray, h: np.ndarray, rehash: Callable[[], np.ndarray]) -> None:
@@ -194,19 +207,33 @@ class KeyIndex:
         self.used = self.gone = 0
 
     def _place(self, rows: np.ndarray, h: np.ndarray) -> None:
-        slot, step, mask = self._start(h)
+        mask = len(self.slots) - 1
+        slot = (h & np.uint64(mask)).astype(np.int64)
         rows = rows.astype(self.slots.dtype, copy=False)
+        step: np.ndarray | None = None
+        if self.used == 0 and self.gone == 0:  # every slot free: the first round needs no look
+            self.slots[slot] = rows  # several rows may claim one slot: one of them gets it
+            won = self.slots[slot] == rows
+            self.used += int(won.sum())
+            lost = np.flatnonzero(~won)
+            rows, slot, step = rows[lost], slot[lost], self._step(h[lost])
+            slot += step
+            slot &= mask
         while len(rows):
             was = self.slots[slot]
-            free = was < 0
-            claim = slot[free]
-            self.slots[claim] = rows[free]  # several rows may claim one slot: one of them gets it
-            won = np.zeros(len(rows), dtype=bool)
-            won[free] = self.slots[claim] == rows[free]
+            free = np.flatnonzero(was < 0)
+            claim, mine = slot[free], rows[free]
+            self.slots[claim] = mine
+            won = self.slots[claim] == mine
             self.used += int(won.sum())
-            self.gone -= int((won & (was == GONE)).sum())
-            go_on = ~won
-            rows, slot, step = rows[go_on], (slot[go_on] + step[go_on]) & mask, step[go_on]
+            self.gone -= int((was[free[won]] == GONE).sum())  # tombstones taken over
+            go_on = np.ones(len(rows), dtype=bool)
+            go_on[free[won]] = False
+            if step is None:
+                step = self._step(h)
+            rows, slot, step = rows[go_on], slot[go_on], step[go_on]
+            slot += step
+            slot &= mask
 
     def renumber(self, new_row: np.ndarray, kept: int, rehash: Callable[[], np.ndarray]) -> None:
         """After the table kept some rows: ``new_row[r]`` is row r's new number (-1:

@@ -111,6 +111,7 @@ Keys = Sequence[Any] | pd.Index
 KG_DTYPE = np.int16  # key groups are below the maximum parallelism, at most 32768
 _KG_MAX = int(np.iinfo(KG_DTYPE).max)
 _LARGE = {pa.string(): pa.large_string(), pa.binary(): pa.large_binary()}
+_OFFSETS_LIMIT = 2**31 - 1  # bytes a string or binary column with 32-bit offsets can hold
 
 
 def _hash(columns: Sequence[KeyColumn]) -> np.ndarray:
@@ -139,7 +140,7 @@ def _arrow_equal(a: Any, b: Any) -> np.ndarray:
 def _concat_arrow(old: Any, new: Any) -> Any:
     """``old`` then ``new`` in new buffers (never a view of a mapped file); string and
     binary keys move to 64-bit offsets before their bytes outgrow 32-bit ones."""
-    if old.type in _LARGE and old.nbytes + new.nbytes >= 2**31 - 1:
+    if old.type in _LARGE and old.nbytes + new.nbytes >= _OFFSETS_LIMIT:
         old = old.cast(_LARGE[old.type])
     if new.type != old.type:
         new = new.cast(old.type)
@@ -148,6 +149,31 @@ def _concat_arrow(old: Any, new: Any) -> Any:
 
 def _filter(col: KeyColumn, mask: np.ndarray) -> KeyColumn:
     return col[mask] if isinstance(col, np.ndarray) else col.filter(pa.array(mask))
+
+
+def _codes(col: Any) -> np.ndarray:
+    """Each value's code, codes in order of first appearance (hashing in C: pandas for
+    numbers, Arrow for the others)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if is_numeric(col.type):
+        return np.asarray(pd.factorize(col.to_numpy(zero_copy_only=False))[0], dtype=np.int64)
+    return np.asarray(pc.dictionary_encode(col).indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _last_rows(table: pa.Table, key_names: Sequence[str]) -> np.ndarray | None:
+    """The last row of each distinct key of ``table``, keys in order of first appearance
+    (None when the key columns' codes cannot be combined into one integer)."""
+    codes = _codes(table.column(key_names[0]))
+    for name in key_names[1:]:
+        more = _codes(table.column(name))
+        width = int(more.max()) + 1 if len(more) else 1
+        if (int(codes.max()) + 1) * width >= 2**62:
+            return None
+        codes = np.asarray(pd.factorize(codes * width + more)[0], dtype=np.int64)
+    last = np.full(int(codes.max()) + 1 if len(codes) else 0, -1, dtype=np.int64)
+    np.maximum.at(last, codes, np.arange(len(codes)))
+    return last
 
 
 class KeyedStateTable:
@@ -344,14 +370,50 @@ class KeyedStateTable:
         if table.num_rows == 0:
             return
         keys = [table.column(k) for k in self.key_names]  # Arrow as it is: no Python object per key
-        kgs = table.column(KG_COLUMN).to_numpy()
+        kgs = _kg_array(table.column(KG_COLUMN).to_numpy())
         # A state added since this file was written is left out: absent for its keys.
         cols = {s.name: _arrow_to_numpy(table.column(s.name), s.column_type) for s in self.states if s.name in table.column_names}
-        self.upsert(keys, kgs, cols)
+        pos = None
+        if len(self):  # a key of a key group the table holds nothing of is new: no lookup
+            held = np.bincount(self.kg, minlength=_KG_MAX + 1) > 0
+            maybe = held[kgs]
+            if not maybe.all():
+                pos = np.full(len(kgs), -1, dtype=np.intp)
+                if maybe.any():
+                    pos[maybe] = self.positions([_filter(k, maybe) for k in keys])
+        self.upsert(keys, kgs, cols, pos=pos)
+
+    def apply_all(self, parts: Sequence[pa.Table]) -> None:
+        """:meth:`apply` of several state files (or slices) in their order, as applying
+        each in turn would; but each key is looked up, converted and stored once, from its
+        last row (a restore reads a snapshot and the deltas after it: most keys are in
+        several of them)."""
+        parts = [p for p in parts if p.num_rows]
+        names = parts[0].column_names if parts else []
+        if len(parts) > 1 and all(sorted(p.column_names) == sorted(names) for p in parts):
+            try:
+                combined = pa.concat_tables([p.select(names) for p in parts])
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # not one schema: file by file
+                combined = None
+            last = _last_rows(combined, self.key_names) if combined is not None else None
+            if combined is not None and last is not None:
+                parts = [combined.take(pa.array(last))]
+        for p in parts:
+            self.apply(p)
 
     def drop_key_groups(self, start: int, end: int) -> None:
         """Forget every key of key groups ``start..end`` (before reloading them)."""
         keep = (self.kg < start) | (self.kg > end)
+        if not keep.all():
+            self._take(np.flatnonzero(keep))
+
+    def drop_groups(self, groups: np.ndarray) -> None:
+        """Forget every key of the key groups ``groups`` (one pass, however scattered)."""
+        if not len(groups) or not len(self.kg):
+            return
+        gone = np.zeros(max(int(np.max(groups)), int(self.kg.max())) + 1, dtype=bool)
+        gone[groups] = True
+        keep = ~gone[self.kg]
         if not keep.all():
             self._take(np.flatnonzero(keep))
 
