@@ -249,10 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         assert m is not None
         state_mb = sum(f.bytes for f in m.operators["count"].files) / 1e6
         workers = rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
+        # Key groups the subtasks loaded from files (not warm in the worker that ran them).
+        subtasks = (JobDir(job).read_status() or {}).get("operators", {}).get("count", {}).get("subtasks", [])
+        loaded = sum(t.get("loaded_key_groups", 0) for t in subtasks)
         row = {"batch": rec.batch, "seconds": round(rec.seconds, 2), "records": rec.records,
                "python_workers_mb": round(sum(workers), 0), "per_python_process_mb": [round(w) for w in sorted(workers)],
                "jvm_mb": round(rss_mb("org.apache.spark.deploy.SparkSubmit"), 0),
-               "driver_mb": round(rss_mb("big_state.py"), 0), "checkpoint_mb": round(state_mb, 1)}
+               "driver_mb": round(rss_mb("big_state.py"), 0), "checkpoint_mb": round(state_mb, 1),
+               "loaded_key_groups": loaded}
         rows.append(row)
         print(f"  {row}", flush=True)
 

@@ -461,10 +461,12 @@ def _held_key_groups(cache: dict[Any, Any]) -> set[int]:
 
 
 @pytest.mark.parametrize("kind", DRIVERS)
-def test_stale_copies_beyond_the_budget_are_dropped_and_reloaded(tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Subtasks bounce between two workers (as Spark hands tasks to idle workers): with
-    no room for stale copies each worker keeps only the key groups it served last."""
-    monkeypatch.setattr(task, "STALE_COPY_BYTES", 0)
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["no-stale-copies", "stale-copies-kept"])
+def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Subtasks alternate between two workers (as Spark hands tasks to idle workers). With
+    no room for stale copies (the default) each worker keeps only the key groups it served
+    last and reloads the other range; with room, it keeps both and catches up from deltas."""
+    monkeypatch.setattr(task, "STALE_COPY_BYTES", budget)
     make, reference = DRIVERS[kind]
     batches = make_batches(4, 90, 30, seed=12)
     want = reference(batches)
@@ -473,10 +475,13 @@ def test_stale_copies_beyond_the_budget_are_dropped_and_reloaded(tmp_path: Path,
     for b, rows in enumerate(batches):
         outs, reports = d.run(b, rows, 2, workers={i: pool[(i + b) % 2] for i in range(2)})
         assert rows_of(outs) == want[b]
-        assert [r["loaded_key_groups"] for r in reports] == [8, 8]  # each range comes to the other worker
-        for i in range(2):
-            rng = key_group_range(i, M, 2)
-            assert _held_key_groups(pool[(i + b) % 2]) <= set(range(rng.start, rng.end + 1))
+        if not budget:
+            assert [r["loaded_key_groups"] for r in reports] == [8, 8]  # each range comes to the other worker
+            for i in range(2):
+                rng = key_group_range(i, M, 2)
+                assert _held_key_groups(pool[(i + b) % 2]) <= set(range(rng.start, rng.end + 1))
+        elif b >= 2:  # both workers hold both ranges, a batch behind
+            assert [(r["loaded_key_groups"], r["files_read"]) for r in reports] == [(0, 1), (0, 1)]
 
 
 def test_a_worker_running_several_subtasks_of_a_batch_keeps_them_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ attempt never leaves a copy that claims a version it does not have.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import threading
@@ -133,7 +134,7 @@ class _Held:
         self.table = KeyedStateTable(names, [*spec.key_types, *(t for _, t in spec.extra_keys)], spec.states)
         self.version = np.full(spec.max_parallelism, -1, dtype=np.int64)
         self.last_used = np.full(spec.max_parallelism, -1, dtype=np.int64)
-        self.tasks: dict[int, int] = {}  # subtasks served per batch (this one and the one before)
+        self.tasks: dict[int, tuple[int, int]] = {}  # per batch (this one, the one before): subtasks served, of how many
 
 
 def _signature(spec: StageTask) -> tuple[Any, ...]:
@@ -150,6 +151,7 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
     held = _HELD.get(key)
     if held is None or held.run_id != spec.run_id or held.signature != _signature(spec):
         held = _HELD[key] = _Held(spec)
+    _evict(held, rng, spec.batch_id, spec.parallelism)  # before loading: one copy at a time, at the peak too
     lo, hi = rng.start, rng.end
     ver = held.version[lo : hi + 1].copy()
     held.version[lo : hi + 1] = -1  # invalid until this task finishes
@@ -193,25 +195,31 @@ def _fetch_in_order(store: Store, reads: list[tuple[StateFile, KeyGroupRange]]) 
 
 
 # A worker's copies of key groups it did not serve in this batch are stale: another worker
-# advances them. Kept, such a copy saves a reload when its key groups come back (it catches
-# up from the deltas since); but Spark gives a task whichever Python worker is idle, so
-# without a bound every worker ends up with a copy of every subtask's state (measured: two
-# workers, two subtasks, 10M keys: each worker held all 10M; docs/benchmarks.md). So stale
-# copies are kept, newest first, only up to this size per worker and operator.
-STALE_COPY_BYTES = 64 << 20
+# advances them. Kept, such a copy saves a reload when its key groups come back (it then
+# catches up from the deltas since); but Spark gives a task whichever Python worker is idle,
+# so every worker ends up with a copy of every subtask's state (measured: two workers, two
+# subtasks, 10M keys: each worker held all 10M; docs/benchmarks.md). So by default a worker
+# keeps none: one copy of the state per executor, and a task that lands on another worker
+# than last time reloads its range from the checkpoint. KEYSCALE_STALE_STATE_MB (in the
+# executors' environment) keeps stale copies, newest first, up to that size per worker and
+# operator: memory for fewer reloads (worth it when the state is small or on an object store).
+STALE_COPY_BYTES = int(float(os.environ.get("KEYSCALE_STALE_STATE_MB", "0")) * 2**20)
 
 
-def _evict(held: _Held, rng: KeyGroupRange, batch: int, keep_batches: int = 3) -> None:
+def _evict(held: _Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_batches: int = 3) -> None:
     """Forget key groups this worker has not served lately (they moved or another worker
     has them), and stale copies beyond ``STALE_COPY_BYTES``: those of key groups not
-    served in this batch, once the worker has served as many subtasks in it as in the
-    batch before (a worker may run several subtasks of a batch, one after the other)."""
+    served in this batch, once the worker has served its likely share of the batch's
+    subtasks (a worker may run several, one after the other): as many as in the batch
+    before, scaled by the change of parallelism."""
     held.last_used[rng.start : rng.end + 1] = batch
-    held.tasks = {b: n for b, n in held.tasks.items() if b >= batch - 1}
-    held.tasks[batch] = held.tasks.get(batch, 0) + 1
+    held.tasks = {b: t for b, t in held.tasks.items() if b >= batch - 1}
+    held.tasks[batch] = (held.tasks.get(batch, (0, parallelism))[0] + 1, parallelism)
+    before, of = held.tasks.get(batch - 1, (0, 1))
+    done = held.tasks[batch][0] >= before * parallelism / of
     stale = (held.version >= 0) & (held.last_used < batch - keep_batches)
     others = np.flatnonzero((held.version >= 0) & (held.last_used < batch) & ~stale)
-    if len(others) and len(held.table) and held.tasks[batch] >= held.tasks.get(batch - 1, 0):
+    if done and len(others) and len(held.table):
         row_bytes = sum(held.table.memory().values()) / len(held.table)
         rows = np.bincount(held.table.kg, minlength=len(held.version))
         newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
@@ -457,6 +465,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
 def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any], Upload | None]:
     """``run_subtask`` with the state file's upload still running (wait for it before the report goes)."""
     result = _process(spec, batches, subtask)
+    gc.collect()  # pandas objects of the batch in reference cycles
     release_free_memory()  # the batch's temporaries are gone now; what is left is the state
     return result
 
@@ -563,7 +572,6 @@ def _process(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -
     held.version[rng.start : rng.end + 1] = spec.batch_id
     if held.table.dead_share() > 0.5:  # purged windows, expired or deleted keys: drop them once written
         held.table.compact()
-    _evict(held, rng, spec.batch_id)
     in_range = held.table.rows_in_range(rng.start, rng.end, live_only=True)
     report = {
         "subtask": subtask,
@@ -659,5 +667,9 @@ class Upload:
 
     def wait(self) -> None:
         self._thread.join()
+        # The output has streamed on by now (its buffers and the file's bytes are free):
+        # from this thread, the one that freed them (Arrow's pool returns a thread's pages
+        # only when that thread asks).
+        release_free_memory()
         if self._error is not None:
             raise self._error

@@ -243,7 +243,7 @@ class KeyIndex:
             self.slots = np.empty(0, dtype=np.int32)
             self.used = self.gone = 0
             return
-        if len(self.slots) > 2 * slots_for(kept):  # far too big now: the memory is worth a rebuild
+        if len(self.slots) > slots_for(kept):  # bigger than its keys need (under 40% full): rebuilt smaller
             self.rebuild(rehash())
             return
         # Tombstones do not lengthen probes beyond what the load already allows (they count
