@@ -508,3 +508,10 @@ def test_drop_groups_forgets_scattered_key_groups_at_once() -> None:
     t.drop_groups(np.array([1, 5, 9]))
     assert sorted(_rows(t)) == [k for k in range(20) if k % 10 not in (1, 5, 9)]
     assert (t.positions([np.array([1, 2, 15])]) >= 0).tolist() == [False, True, False]
+
+
+def test_long_keys_given_as_python_objects_are_found() -> None:
+    t = KeyedStateTable(["id"], [pa.int64()], [N])
+    t.upsert([np.array([5, 7], dtype=np.int64)], np.array([0, 1], dtype=np.int32), {"n": _col(N, [1, 2])})
+    assert t.positions([_obj([7, 5, 9])]).tolist() == [1, 0, -1]
+    assert t.positions(make_index([_obj([7, 5])])).tolist() == [1, 0]

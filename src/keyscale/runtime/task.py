@@ -16,7 +16,6 @@ attempt never leaves a copy that claims a version it does not have.
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
 import signal
 import threading
@@ -465,7 +464,6 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
 def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any], Upload | None]:
     """``run_subtask`` with the state file's upload still running (wait for it before the report goes)."""
     result = _process(spec, batches, subtask)
-    gc.collect()  # pandas objects of the batch in reference cycles
     release_free_memory()  # the batch's temporaries are gone now; what is left is the state
     return result
 
