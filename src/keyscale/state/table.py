@@ -249,8 +249,8 @@ class KeyedStateTable:
             if isinstance(c, pa.ChunkedArray):
                 c = c.combine_chunks()
             if isinstance(k, np.ndarray):
-                a = np.asarray(c.to_numpy(zero_copy_only=False)) if isinstance(c, pa.Array) else np.asarray(c)
-                out.append(a.astype(k.dtype) if a.dtype == object else a)  # numbers as Python objects: hashed as numbers
+                num = np.asarray(c.to_numpy(zero_copy_only=False)) if isinstance(c, pa.Array) else np.asarray(c)
+                out.append(num.astype(k.dtype) if num.dtype == object else num)  # numbers as Python objects: hashed as numbers
                 continue
             if isinstance(c, pa.Array):
                 if pa.types.is_dictionary(c.type):
