@@ -10,7 +10,9 @@ state of the key groups it has served together with the version of each. A task 
 groups are held at the committed version reads nothing; one a few batches behind applies
 only the deltas since; otherwise (first batch, moved key groups, a newer snapshot) it loads
 from the checkpoint. A worker marks key groups invalid while it updates them, so a failed
-attempt never leaves a copy that claims a version it does not have.
+attempt never leaves a copy that claims a version it does not have. A worker keeps the
+state of the subtasks it runs only: copies of key groups another worker now advances are
+dropped (see ``STALE_COPY_BYTES``), so an executor holds one copy of each key.
 """
 
 from __future__ import annotations
