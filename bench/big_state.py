@@ -1,17 +1,26 @@
 """10M keys of state in one job on this machine.
 
     .venv/bin/python bench/big_state.py [--keys 10000000] [--files 5]
+    .venv/bin/python bench/big_state.py --in-process [--key-type long|string] [--keys N] [--files 5]
 
 Input: ``--files`` Parquet files, each with ``keys/files`` new distinct keys (so the state
 grows to ``--keys`` keys) plus the same number of updates to random earlier keys. The
 vectorized running count at P=2; reported per batch: time, state keys, and the resident
 memory of the Spark driver, its JVM and the Python workers; at the end the checkpoint size
 and a restart (new process) at P=4 until its first batch (restoring all keys from files).
+
+``--in-process``: no Spark. This process plays one Python worker that runs every subtask
+of every batch through the keyed task's own code (``run_subtask``: grouping, the
+vectorized count, the state table, delta files on local disk); ``--key-type string``
+makes the keys ``k<n>``. Reported: the process's RSS after each batch, and at the end the
+state table's bytes per key by part (key columns, Python objects behind them, key groups,
+values, validity, lookup index) and the RSS over the process's RSS before the first batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -33,21 +43,45 @@ from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
 from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions  # noqa: E402
 
 
-def rss_mb(pattern: str) -> float:
-    """Total resident memory of processes whose command line contains ``pattern``."""
-    total = 0
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it (this run's JVM, its Python daemon and workers:
+    not the Spark jobs of anyone else on the machine)."""
+    children: dict[int, list[int]] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(pid))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def rss_list(pattern: str) -> list[float]:
+    """Resident memory (MB) of each process of this run whose command line contains ``pattern``."""
+    sizes = []
+    for pid in _descendants(os.getpid()):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             if pattern in cmd:
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
+                        sizes.append(int(line.split()[1]) / 1024)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-    return total / 1024
+    return sizes
+
+
+def rss_mb(pattern: str) -> float:
+    """Total resident memory (MB) of this run's processes whose command line contains ``pattern``."""
+    return sum(rss_list(pattern))
 
 
 def make_input(folder: Path, keys: int, files: int) -> None:
@@ -68,16 +102,144 @@ def make_input(folder: Path, keys: int, files: int) -> None:
     marker.write_text(json.dumps({"keys": keys, "files": files}))
 
 
+def _self_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _release_free_memory() -> None:
+    """Hand memory freed by the allocators back to the system (glibc's heap, Arrow's pool),
+    so that what RSS shows after it is memory in use."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def table_breakdown(table: Any) -> dict[str, int]:
+    """Bytes of a KeyedStateTable by part; also for the table before issue 15 (numpy and
+    object key columns, a pandas index), so that one command measures both."""
+    from keyscale.state.table import make_index
+
+    if hasattr(table, "memory"):
+        parts: dict[str, int] = dict(table.memory())
+        keys = list(getattr(table, "_keys", []))
+    else:
+        keys = list(table.keys)
+        table.positions(make_index([k[:1] for k in keys]))  # its lookup index is built at the first lookup after a change
+        lookup = table._lookup
+        shared = lookup is not None and any(np.shares_memory(np.asarray(lookup), a) for a in [*keys, table._hashes])
+        index = (lookup.memory_usage() - (lookup.nbytes if shared else 0) if lookup is not None else 0) + table._hashes.nbytes
+        parts = {"keys": sum(k.nbytes for k in keys), "kg": table.kg.nbytes, "values": sum(v.nbytes for v in table.values.values()),
+                 "valid": sum(v.nbytes for v in table.valid.values()), "index": int(index)}
+    parts["python objects of keys"] = sum(sys.getsizeof(v) for k in keys if isinstance(k, np.ndarray) and k.dtype == object for v in k)
+    return parts
+
+
+def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Path) -> dict[str, Any]:
+    """Every subtask of every batch through ``run_subtask`` in this process (see module doc)."""
+    import pyarrow.compute as pc
+
+    import keyscale.runtime.task as task
+    from keyscale.checkpoint.manifest import StateFile, live_files
+    from keyscale.operators.vectorized import RunningAggregate
+    from keyscale.operators.vectorized import sum as ksum
+    from keyscale.runtime.task import KG, SEQ, StageTask, run_subtask
+    from keyscale.state.keygroups import key_group_range
+    from keyscale.storage import LocalStore
+
+    m = 128
+    ktype = pa.int64() if key_type == "long" else pa.string()
+    schema = pa.schema([("key", ktype), ("v", pa.int64())])
+    fn = RunningAggregate({"count": ksum("v")}, ["key"], {"key": ktype, "v": pa.int64()})
+    out_schema = pa.schema([schema.field("key"), *fn.output_fields()])
+    job = HERE / "out" / "big_state_in_process"
+    shutil.rmtree(job, ignore_errors=True)
+    live: list[StateFile] = []
+    seq = 0
+    rows = []
+    _release_free_memory()
+    base = _self_rss_mb()
+    print(f"in-process, {key_type} keys, P={parallelism}: RSS before the first batch {base:.0f} MB", flush=True)
+    for b in range(files):
+        t0 = time.perf_counter()
+        part = pq.read_table(data / f"part-{b:05d}.parquet")
+        k = part.column("key").to_numpy()
+        kg = ((k.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(57)).astype(np.int32)  # any fixed spread over 128 groups
+        col: Any = pa.array(k) if key_type == "long" else pc.binary_join_element_wise("k", pc.cast(pa.array(k), pa.string()), "")
+        full = pa.table({"key": col, "v": part.column("v"), SEQ: np.arange(seq, seq + len(k)), KG: kg})
+        seq += len(k)
+        spec = StageTask(store=LocalStore(job), run_id="bench", uid="count", function=fn, key_names=("key",), key_types=(ktype,),
+                         input_schema=schema, output_schema=out_schema, states=tuple(fn.state_descriptors()), null_keys="error",
+                         max_parallelism=m, parallelism=parallelism, batch_id=b, batch_time_ms=1_700_000_000_000 + b,
+                         committed=b - 1, files=tuple(live), compact=(False,) * parallelism)
+        new = []
+        for i in range(parallelism):
+            rng = key_group_range(i, m, parallelism)
+            mine = full.filter(pa.array((kg >= rng.start) & (kg <= rng.end)))
+            _, report = run_subtask(spec, iter(mine.to_batches(max_chunksize=500_000)), i)
+            if report["file"]:
+                new.append(StateFile.from_json(report["file"]))
+            del mine
+        live = live_files([*live, *new], m)
+        del part, k, kg, col, full
+        seconds = time.perf_counter() - t0
+        held = sum(len(h.table) for h in task._HELD.values())
+        row = {"batch": b, "seconds": round(seconds, 2), "held_keys": held, "rss_mb": round(_self_rss_mb()), "rss_over_start_mb": round(_self_rss_mb() - base)}
+        rows.append(row)
+        print(f"  {row}", flush=True)
+    (held_state,) = task._HELD.values()
+    parts = table_breakdown(held_state.table)
+    n = len(held_state.table)
+    rss_end = _self_rss_mb() - base
+    _release_free_memory()
+    rss_released = _self_rss_mb() - base
+    # What a worker that holds nothing pays for a range: its files read and applied.
+    spec = dataclasses.replace(spec, batch_id=files, committed=files - 1, files=tuple(live))
+    reload_s = []
+    for i in range(parallelism):
+        task._HELD.clear()
+        t0 = time.perf_counter()
+        task.obtain_state(spec, key_group_range(i, m, parallelism))
+        reload_s.append(round(time.perf_counter() - t0, 2))
+    print(f"a fresh worker loads each range in {reload_s} s ({len(live)} files)", flush=True)
+    summary = {
+        "keys": n, "key_type": key_type,
+        "bytes_per_key": {name: round(v / n, 1) for name, v in parts.items()},
+        "table_bytes_per_key": round(sum(parts.values()) / n, 1),
+        "rss_over_start_bytes_per_key": round(rss_end * 2**20 / n, 1),
+        "rss_over_start_after_release_bytes_per_key": round(rss_released * 2**20 / n, 1),
+        "seconds_per_batch": [r["seconds"] for r in rows],
+        "full_reload_seconds_per_range": reload_s,
+    }
+    print(json.dumps(summary, indent=1), flush=True)
+    shutil.rmtree(job, ignore_errors=True)
+    return {"batches": rows, **summary}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", type=int, default=10_000_000)
     ap.add_argument("--files", type=int, default=5)
     ap.add_argument("--out", default=str(HERE / "out" / "big_state.json"))
+    ap.add_argument("--in-process", action="store_true", help="no Spark: the keyed task's code in this process (see module doc)")
+    ap.add_argument("--key-type", choices=["long", "string"], default="long", help="with --in-process")
+    ap.add_argument("--parallelism", type=int, default=2, help="with --in-process")
     a = ap.parse_args(argv)
     logging.getLogger("keyscale").setLevel(logging.WARNING)
     data = HERE / "data" / f"big-{a.keys}"
     print(f"generating input: {a.keys:,} keys over {a.files} files ...", flush=True)
     make_input(data, a.keys, a.files)
+    if a.in_process:
+        result = in_process(a.keys, a.files, a.key_type, a.parallelism, data)
+        Path(a.out).write_text(json.dumps({"command": "bench/big_state.py " + " ".join(argv or sys.argv[1:]), **result}, indent=1))
+        return 0
     job = HERE / "out" / "big_state_job"
     shutil.rmtree(job, ignore_errors=True)
     rows = []
@@ -86,10 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         m = JobDir(job).latest_manifest()
         assert m is not None
         state_mb = sum(f.bytes for f in m.operators["count"].files) / 1e6
+        workers = rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
+        # Key groups the subtasks loaded from files (not warm in the worker that ran them).
+        subtasks = (JobDir(job).read_status() or {}).get("operators", {}).get("count", {}).get("subtasks", [])
+        loaded = sum(t.get("loaded_key_groups", 0) for t in subtasks)
         row = {"batch": rec.batch, "seconds": round(rec.seconds, 2), "records": rec.records,
-               "python_workers_mb": round(rss_mb("pyspark.daemon") + rss_mb("pyspark/daemon"), 0),
+               "python_workers_mb": round(sum(workers), 0), "per_python_process_mb": [round(w) for w in sorted(workers)],
                "jvm_mb": round(rss_mb("org.apache.spark.deploy.SparkSubmit"), 0),
-               "driver_mb": round(rss_mb("bench/big_state.py"), 0), "checkpoint_mb": round(state_mb, 1)}
+               "driver_mb": round(rss_mb("big_state.py"), 0), "checkpoint_mb": round(state_mb, 1),
+               "loaded_key_groups": loaded}
         rows.append(row)
         print(f"  {row}", flush=True)
 

@@ -456,6 +456,48 @@ def test_stale_worker_catches_up_from_deltas(tmp_path: Path) -> None:
     assert reports[0]["files_read"] == 2
 
 
+def _held_key_groups(cache: dict[Any, Any]) -> set[int]:
+    return {int(g) for h in cache.values() for g in np.unique(h.table.kg)}
+
+
+@pytest.mark.parametrize("kind", DRIVERS)
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["no-stale-copies", "stale-copies-kept"])
+def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Subtasks alternate between two workers (as Spark hands tasks to idle workers). With
+    no room for stale copies (the default) each worker keeps only the key groups it served
+    last and reloads the other range; with room, it keeps both and catches up from deltas."""
+    monkeypatch.setattr(task, "STALE_COPY_BYTES", budget)
+    make, reference = DRIVERS[kind]
+    batches = make_batches(4, 90, 30, seed=12)
+    want = reference(batches)
+    d = make(tmp_path)
+    pool: dict[int, dict[Any, Any]] = {0: {}, 1: {}}
+    for b, rows in enumerate(batches):
+        outs, reports = d.run(b, rows, 2, workers={i: pool[(i + b) % 2] for i in range(2)})
+        assert rows_of(outs) == want[b]
+        if not budget:
+            assert [r["loaded_key_groups"] for r in reports] == [8, 8]  # each range comes to the other worker
+            for i in range(2):
+                rng = key_group_range(i, M, 2)
+                assert _held_key_groups(pool[(i + b) % 2]) <= set(range(rng.start, rng.end + 1))
+        elif b >= 2:  # both workers hold both ranges, a batch behind
+            assert [(r["loaded_key_groups"], r["files_read"]) for r in reports] == [(0, 1), (0, 1)]
+
+
+def test_a_worker_running_several_subtasks_of_a_batch_keeps_them_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker, both subtasks of each batch: the second subtask's key groups are not
+    stale when the first subtask ends, however small the budget."""
+    monkeypatch.setattr(task, "STALE_COPY_BYTES", 0)
+    d = aggregate_driver(tmp_path)
+    batches = make_batches(3, 80, 20, seed=4)
+    want = aggregate_reference(batches)
+    for b, rows in enumerate(batches):
+        outs, reports = d.run(b, rows, 2)
+        assert rows_of(outs) == want[b]
+        if b:
+            assert [(r["loaded_key_groups"], r["files_read"]) for r in reports] == [(0, 0), (0, 0)]
+
+
 @pytest.mark.parametrize("kind", DRIVERS)
 def test_multi_column_keys(tmp_path: Path, kind: str) -> None:
     schema = arrow_schema("key string, n long, value long, id long")

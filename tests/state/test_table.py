@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+from decimal import Decimal
 from typing import Any
 from unittest import mock
 
@@ -275,8 +277,10 @@ def test_random_upserts_equal_a_dict_model(weak_hash: bool, ops: list[tuple[str,
 
 def _hashing(weak: bool) -> Any:
     """The table's own key hash, or one that collides on purpose (keys of one length share it)."""
-    fn = (lambda columns: np.array([len(k) for k in columns[0]], dtype=np.uint64)) if weak else table_module._hash
-    return mock.patch.object(table_module, "_hash", fn)
+    def by_length(columns: list[Any]) -> np.ndarray:
+        return np.array([len(k) for k in columns[0].to_pylist()], dtype=np.uint64)
+
+    return mock.patch.object(table_module, "_hash", by_length if weak else table_module._hash)
 
 
 def _check_model(ops: list[tuple[str, Any]]) -> None:
@@ -382,3 +386,132 @@ def test_factorize_keys_groups_rows_by_key_in_first_appearance_order(rows: list[
     assert list(zip(*columns, strict=True)) == order
     assert list(index) == order
     assert list(KeyedStateTable(["u", "i"], [pa.string(), pa.int64()], [N]).positions(index)) == [-1] * len(order)
+
+
+# -- what a key costs: no Python object per key, an index of row numbers ------------------------
+
+
+@pytest.mark.parametrize(("t", "values"), [
+    (pa.string(), ["", "a", "ü", "abcdefghij" * 3, "abcdefghij" * 3 + "!"]),
+    (pa.binary(), [b"", b"\x00", b"\x00\x00", b"abcdefgh", b"abcdefgh\x00"]),
+    (pa.date32(), [dt.date(2024, 1, d) for d in range(1, 6)]),
+    (pa.timestamp("us", tz="UTC"), [dt.datetime(2024, 1, 1, h, tzinfo=dt.UTC) for h in range(5)]),
+    (pa.decimal128(12, 3), [Decimal(f"{i}.125") for i in range(-2, 3)]),
+    (pa.float64(), [0.5, -1.0, 2.0, 1e300, -0.25]),
+])
+def test_keys_of_each_type_are_found_and_written_back_as_they_came(t: pa.DataType, values: list[Any]) -> None:
+    tbl = KeyedStateTable(["k"], [t], [N])
+    keys = _obj(values) if t != pa.float64() else np.array(values)
+    tbl.upsert([keys[:3]], np.array([0, 1, 2], dtype=np.int32), {"n": _col(N, [1, 2, 3])})
+    tbl.upsert([keys[2:]], np.array([2, 3, 4], dtype=np.int32), {"n": _col(N, [30, 4, 5])})
+    assert tbl.to_arrow().column("k").to_pylist() == values and tbl.to_arrow().schema == tbl.schema()
+    assert tbl.gather("n", tbl.positions([keys[::-1]]))[0].tolist() == [5, 4, 30, 2, 1]
+    assert tbl.positions([pa.array(values, type=t)]).tolist() == [0, 1, 2, 3, 4]  # Arrow keys find the same rows
+    assert tbl.key_values(np.array([4, 0]))[0].tolist() == [values[4], values[0]]
+    back = KeyedStateTable(["k"], [t], [N])
+    back.apply(tbl.to_arrow())
+    assert back.to_arrow().to_pylist() == tbl.to_arrow().to_pylist()
+
+
+def test_string_keys_outgrowing_32_bit_offsets_move_to_64_bit_ones() -> None:
+    t = KeyedStateTable(["k"], [pa.string()], [N])
+    with mock.patch.object(table_module, "_OFFSETS_LIMIT", 64):
+        for i in range(5):
+            t.upsert([_obj([f"key-{i}-{j}" for j in range(4)])], np.full(4, i, dtype=np.int32), {"n": _col(N, [i] * 4)})
+    assert t._keys[0].type == pa.large_string()
+    assert t.to_arrow().schema == t.schema() and len(t) == 20
+    assert t.gather("n", t.positions([_obj(["key-4-3", "key-0-0", "nope"])]))[0][:2].tolist() == [4, 0]
+
+
+def test_key_groups_beyond_the_maximum_parallelism_are_refused() -> None:
+    t = KeyedStateTable(["k"], [pa.int64()], [N])
+    with pytest.raises(ValueError, match="key group out of range"):
+        t.upsert([np.array([1])], np.array([32768], dtype=np.int32), {"n": _col(N, [1])})
+
+
+def test_bytes_per_key_of_a_running_count() -> None:
+    n = 100_000
+    ints = KeyedStateTable(["k"], [pa.int64()], [N])
+    strings = KeyedStateTable(["k"], [pa.string()], [N])
+    for part in np.array_split(np.arange(n, dtype=np.int64) * 7, 4):  # four batches of new keys
+        kgs = (part % 128).astype(np.int32)
+        ints.upsert([part], kgs, {"n": _col(N, [1] * len(part))})
+        strings.upsert([pa.array([f"k{k}" for k in part])], kgs, {"n": _col(N, [1] * len(part))})
+    # key 8 + key group 2 + count 8 + validity 1 + index 4 / load (0.76 here)
+    assert sum(ints.memory().values()) / n < 25
+    # the same with the key as Arrow bytes and offsets (~10 bytes here), no str objects
+    assert isinstance(strings._keys[0], pa.Array) and sum(strings.memory().values()) / n < 28
+
+
+@pytest.mark.parametrize("weak_hash", [False, True], ids=["mixed-hash", "colliding-hash"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.tuples(st.sampled_from(["upsert", "upsert", "compact", "drop"]),
+                              st.lists(st.integers(0, 200), unique=True, max_size=60), st.integers(0, 9)), max_size=10))
+def test_many_long_keys_through_growth_and_compaction_equal_a_dict_model(weak_hash: bool, ops: list[tuple[str, list[int], int]]) -> None:
+    weak = (lambda columns: (np.asarray(columns[0]) % 2).astype(np.uint64)) if weak_hash else table_module._hash
+    with mock.patch.object(table_module, "_hash", weak):
+        t = KeyedStateTable(["id"], [pa.int64()], [N])
+        model: dict[int, int | None] = {}
+        for kind, keys, salt in ops:
+            if kind == "upsert" and keys:
+                vals = [None if (k + salt) % 5 == 0 else k * salt for k in keys]
+                t.upsert([np.array(keys, dtype=np.int64)], np.array([k % 8 for k in keys], dtype=np.int32), {"n": _col(N, vals)})
+                model.update(zip(keys, vals, strict=True))
+            elif kind == "compact":
+                t.compact()
+                model = {k: v for k, v in model.items() if v is not None}
+            elif kind == "drop":
+                t.drop_key_groups(salt % 8, salt % 8 + 2)
+                model = {k: v for k, v in model.items() if not salt % 8 <= k % 8 <= salt % 8 + 2}
+            pool = np.arange(-1, 202, dtype=np.int64)
+            pos = t.positions([pool])
+            vals, ok = t.gather("n", pos)
+            got = {int(k): (int(v) if o else None) for k, v, o, p in zip(pool, vals, ok, pos, strict=True) if p >= 0}
+            assert got == model and len(t) == len(model)
+
+
+@st.composite
+def state_files(draw: st.DrawFn) -> list[pa.Table]:
+    """A few state files of the (u, i) key: each a set of distinct keys, states null or not
+    (all null: a delete); sometimes one written before the "xs" state existed."""
+    files = []
+    for _ in range(draw(st.integers(1, 5))):
+        keys = draw(st.lists(st.sampled_from(KEY_POOL), unique=True, max_size=8))
+        cols: dict[str, Any] = {
+            "u": pa.array([k[0] for k in keys], pa.string()), "i": pa.array([k[1] for k in keys], pa.int64()),
+            KG_COLUMN: pa.array([_kg(k) for k in keys], pa.int32()),
+            "n": pa.array([draw(values_for["n"]) for _ in keys], pa.int64()),
+            "name": pa.array([draw(values_for["name"]) for _ in keys], pa.string()),
+        }
+        if draw(st.integers(0, 4)):
+            cols["xs"] = pa.array([draw(values_for["xs"]) for _ in keys], XS.column_type)
+        files.append(pa.table(cols))
+    return files
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(held=state_files(), files=state_files())
+def test_applying_files_as_one_equals_applying_each_in_turn(held: list[pa.Table], files: list[pa.Table]) -> None:
+    one, each = (KeyedStateTable(["u", "i"], [pa.string(), pa.int64()], MODEL_STATES) for _ in range(2))
+    for t in (one, each):
+        for f in held:  # what the table holds already (keys of other key groups, or the same)
+            t.apply(f)
+    one.apply_all(files)
+    for f in files:
+        each.apply(f)
+    assert one.to_arrow().equals(each.to_arrow())
+
+
+def test_drop_groups_forgets_scattered_key_groups_at_once() -> None:
+    t = KeyedStateTable(["k"], [pa.int64()], [N])
+    t.upsert([np.arange(20)], (np.arange(20) % 10).astype(np.int32), {"n": _col(N, list(range(20)))})
+    t.drop_groups(np.array([1, 5, 9]))
+    assert sorted(_rows(t)) == [k for k in range(20) if k % 10 not in (1, 5, 9)]
+    assert (t.positions([np.array([1, 2, 15])]) >= 0).tolist() == [False, True, False]
+
+
+def test_long_keys_given_as_python_objects_are_found() -> None:
+    t = KeyedStateTable(["id"], [pa.int64()], [N])
+    t.upsert([np.array([5, 7], dtype=np.int64)], np.array([0, 1], dtype=np.int32), {"n": _col(N, [1, 2])})
+    assert t.positions([_obj([7, 5, 9])]).tolist() == [1, 0, -1]
+    assert t.positions(make_index([_obj([7, 5])])).tolist() == [1, 0]

@@ -351,8 +351,7 @@ def _merge_fixed(
 ) -> np.ndarray:
     gid, n, first = _group(key_arrays, key_groups, idx, starts)
     gkeys = [k[idx[first]] for k in key_arrays] + [starts[first]]
-    index = make_index(gkeys)
-    pos = table.positions(index)
+    pos = table.positions(gkeys)
     new_parts: dict[str, Column] = {}
     for state, how, agg in op._parts():
         new_parts[state] = _combine(how, parts[state], gid, n, agg.fn)
@@ -367,8 +366,7 @@ def _merge_fixed(
     updates[WINDOW_END] = (ends[first].astype(np.int64), np.ones(n, dtype=bool))
     fired_v, fired_ok = table.gather(FIRED, pos)
     updates[FIRED] = (fired_v & fired_ok, np.ones(n, dtype=bool))
-    table.upsert(gkeys, key_groups[idx[first]].astype(np.int32), updates, index=index)
-    return table.positions(index)
+    return table.upsert(gkeys, key_groups[idx[first]].astype(np.int32), updates, pos=pos)
 
 
 def _merge_sessions(
@@ -380,13 +378,14 @@ def _merge_sessions(
     rec_keys = [k[idx] for k in key_arrays]
     rows = table.rows_in_range(start, end)
     rows = rows[table.valid[WINDOW_END][rows]]
+    stored = table.key_values(rows)
     if len(rows):
-        stored_keys = make_index([k[rows] for k in table.keys[:nk]])
-        rows = rows[np.asarray(stored_keys.isin(make_index(rec_keys)), dtype=bool)]
+        mine = np.asarray(make_index(stored[:nk]).isin(make_index(rec_keys)), dtype=bool)
+        rows, stored = rows[mine], [c[mine] for c in stored]
     # One interval per record and per stored session: key, start, end, accumulators.
-    all_keys = [np.concatenate([r, t[rows].astype(r.dtype, copy=False)]) for r, t in zip(rec_keys, table.keys[:nk], strict=True)]
+    all_keys = [np.concatenate([r, t.astype(r.dtype, copy=False)]) for r, t in zip(rec_keys, stored[:nk], strict=True)]
     kcode = factorize_keys(all_keys)[0]  # by hashing: a MultiIndex's factorize builds a tuple per row
-    s = np.concatenate([starts, table.keys[nk][rows].astype(np.int64)])
+    s = np.concatenate([starts, stored[nk].astype(np.int64)])
     e = np.concatenate([ends, table.values[WINDOW_END][rows]])
     kg = np.concatenate([key_groups[idx], table.kg[rows]]).astype(np.int32)
     fired_in = np.concatenate([np.zeros(len(idx), dtype=bool), table.valid[FIRED][rows] & table.values[FIRED][rows]])
@@ -420,9 +419,7 @@ def _merge_sessions(
         if table.values[name].dtype == object:
             table.values[name][gone] = None
     gkeys = [k[first] for k in all_keys] + [m_start]
-    index = make_index(gkeys)
-    table.upsert(gkeys, kg[first], updates, index=index)
-    return table.rows_union(table.positions(index), gone)
+    return table.rows_union(table.upsert(gkeys, kg[first], updates), gone)
 
 
 def _emit(op: WindowAggregate, table: KeyedStateTable, rows: np.ndarray, schema: pa.Schema) -> pa.Table:
@@ -430,9 +427,9 @@ def _emit(op: WindowAggregate, table: KeyedStateTable, rows: np.ndarray, schema:
         return schema.empty_table()
     nk = len(op.key_names)
     cols: dict[str, Any] = {}
-    for name, t, k in zip(op.key_names, table.key_types[:nk], table.keys[:nk], strict=True):
-        cols[name] = pa.array(k[rows].tolist(), type=t) if k.dtype == object else pa.array(k[rows], type=t)
-    start = table.keys[nk][rows].astype(np.int64)
+    for i, name in enumerate(op.key_names):
+        cols[name] = table.key_arrow(i, rows)
+    start = np.asarray(table.key_arrow(nk, rows).to_numpy(), dtype=np.int64)
     end = table.values[WINDOW_END][rows]
     ts_type = schema.field(WINDOW_START).type
     for name, v in ((WINDOW_START, start), (WINDOW_END, end)):

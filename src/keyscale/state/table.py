@@ -4,9 +4,14 @@ One row per key: the key column(s), the key group, and one column per declared s
 (null where that state is absent). A key whose states are all null does not exist; such
 rows are dropped by :meth:`KeyedStateTable.compact`.
 
-Numeric states live in numpy arrays with a validity mask so the vectorized path can
-update them without touching Python objects; everything else (strings, lists, maps) is an
-object array. Lookups go through a :class:`pandas.Index` (hash lookup, vectorized).
+What a row costs (issue 15; figures in docs/benchmarks.md): numeric key columns are numpy
+arrays, other key columns (strings, binary, dates, decimals, ...) Arrow arrays, so no key
+is a Python object; the key group is an int16 (key groups are below the maximum
+parallelism, at most 32768); numeric states are numpy arrays with a validity mask so the
+vectorized path updates them without touching Python objects; other states (strings,
+lists, maps) are object arrays, the form the per-key path reads and writes. Lookups go
+through a :class:`~keyscale.state.keyindex.KeyIndex`: row numbers in hash slots, about
+4-10 bytes per key, no copy of the keys.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from keyscale.state.keyindex import KeyIndex, key_hash
 from keyscale.state.types import StateDescriptor, is_numeric
 
 KG_COLUMN = "__kg"
@@ -89,19 +96,84 @@ def factorize_keys(key_arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, pd.Ind
     return np.asarray(codes, dtype=np.int64), index, [np.asarray(lv)[gc] for lv, gc in zip(levels, group_codes, strict=True)]
 
 
-def _hash(columns: Sequence[np.ndarray]) -> np.ndarray:
-    """A 64-bit hash of each key, from its columns (pandas' vectorized SipHash per column)."""
-    h = np.asarray(pd.util.hash_array(columns[0], categorize=False), dtype=np.uint64)
-    for col in columns[1:]:
-        h = (h * np.uint64(1_000_003)) ^ np.asarray(pd.util.hash_array(col, categorize=False), dtype=np.uint64)
-    return h
-
-
 def _columns(index: pd.Index) -> list[np.ndarray]:
     """The key columns of a lookup index (one, or a MultiIndex's levels)."""
     if isinstance(index, pd.MultiIndex):
         return [np.asarray(index.get_level_values(i)) for i in range(index.nlevels)]
     return [np.asarray(index)]
+
+
+# A key column as the table holds it: numpy for numeric keys, Arrow for the others.
+KeyColumn = Any
+# Keys handed to the table: their columns (numpy, Arrow) or a pandas index of them.
+Keys = Sequence[Any] | pd.Index
+
+KG_DTYPE = np.int16  # key groups are below the maximum parallelism, at most 32768
+_KG_MAX = int(np.iinfo(KG_DTYPE).max)
+_LARGE = {pa.string(): pa.large_string(), pa.binary(): pa.large_binary()}
+_OFFSETS_LIMIT = 2**31 - 1  # bytes a string or binary column with 32-bit offsets can hold
+
+
+def _hash(columns: Sequence[KeyColumn]) -> np.ndarray:
+    """The 64-bit hash of each key that places it in the index (tests replace it by one
+    that collides on purpose: lookups must stay exact)."""
+    return key_hash(columns)
+
+
+def _kg_array(kgs: Any) -> np.ndarray:
+    k = np.asarray(kgs)
+    if k.dtype != KG_DTYPE:
+        if len(k) and (int(k.min()) < 0 or int(k.max()) > _KG_MAX):
+            raise ValueError(f"key group out of range 0..{_KG_MAX}: {int(k.min())}..{int(k.max())}")
+        k = k.astype(KG_DTYPE)
+    return k
+
+
+def _arrow_equal(a: Any, b: Any) -> np.ndarray:
+    try:
+        eq = pc.equal(a, b)
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid):  # nested types: by Python value
+        return np.array([x == y for x, y in zip(a.to_pylist(), b.to_pylist(), strict=True)], dtype=bool)
+    return np.asarray(eq.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _concat_arrow(old: Any, new: Any) -> Any:
+    """``old`` then ``new`` in new buffers (never a view of a mapped file); string and
+    binary keys move to 64-bit offsets before their bytes outgrow 32-bit ones."""
+    if old.type in _LARGE and old.nbytes + new.nbytes >= _OFFSETS_LIMIT:
+        old = old.cast(_LARGE[old.type])
+    if new.type != old.type:
+        new = new.cast(old.type)
+    return pa.concat_arrays([old, new])
+
+
+def _filter(col: KeyColumn, mask: np.ndarray) -> KeyColumn:
+    return col[mask] if isinstance(col, np.ndarray) else col.filter(pa.array(mask))
+
+
+def _codes(col: Any) -> np.ndarray:
+    """Each value's code, codes in order of first appearance (hashing in C: pandas for
+    numbers, Arrow for the others)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if is_numeric(col.type):
+        return np.asarray(pd.factorize(col.to_numpy(zero_copy_only=False))[0], dtype=np.int64)
+    return np.asarray(pc.dictionary_encode(col).indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _last_rows(table: pa.Table, key_names: Sequence[str]) -> np.ndarray | None:
+    """The last row of each distinct key of ``table``, keys in order of first appearance
+    (None when the key columns' codes cannot be combined into one integer)."""
+    codes = _codes(table.column(key_names[0]))
+    for name in key_names[1:]:
+        more = _codes(table.column(name))
+        width = int(more.max()) + 1 if len(more) else 1
+        if (int(codes.max()) + 1) * width >= 2**62:
+            return None
+        codes = np.asarray(pd.factorize(codes * width + more)[0], dtype=np.int64)
+    last = np.full(int(codes.max()) + 1 if len(codes) else 0, -1, dtype=np.int64)
+    np.maximum.at(last, codes, np.arange(len(codes)))
+    return last
 
 
 class KeyedStateTable:
@@ -111,32 +183,29 @@ class KeyedStateTable:
     >>> from keyscale.state.types import StateDescriptor
     >>> t = KeyedStateTable(["k"], [pa.string()], [StateDescriptor("n", "value", pa.int64())])
     >>> t.upsert([np.array(["a"], dtype=object)], np.array([3], dtype=np.int32),
-    ...          {"n": (np.array([5]), np.array([True]))})
+    ...          {"n": (np.array([5]), np.array([True]))}).tolist()
+    [0]
     >>> t.to_arrow().to_pylist()
     [{'k': 'a', '__kg': 3, 'n': 5}]
+    >>> t.positions([pa.array(["b", "a"])]).tolist()
+    [-1, 0]
     """
 
     def __init__(self, key_names: Sequence[str], key_types: Sequence[pa.DataType], states: Sequence[StateDescriptor]):
         self.key_names = list(key_names)
         self.key_types = list(key_types)
         self.states = list(states)
-        self.keys: list[np.ndarray] = [np.empty(0, dtype=self._key_dtype(t)) for t in self.key_types]
-        # Lookups: a key (string-like, or of several columns) is found by a 64-bit hash of
-        # it in an integer index (fast to build and probe), each hit checked against the key
-        # itself; after a collision, and for one numeric column, by a pandas index of the keys.
-        self._hashed = not (len(self.key_types) == 1 and is_numeric(self.key_types[0]))
-        self._hashes = np.empty(0, dtype=np.uint64)
-        self._lookup: pd.Index | None = None  # built at the first lookup after a change
-        self.kg = np.empty(0, dtype=np.int32)
+        self._numeric = [is_numeric(t) for t in self.key_types]
+        self._keys: list[KeyColumn] = [
+            np.empty(0, dtype=t.to_pandas_dtype()) if num else pa.array([], type=t) for t, num in zip(self.key_types, self._numeric, strict=True)
+        ]
+        self._index = KeyIndex()
+        self.kg = np.empty(0, dtype=KG_DTYPE)
         self.values: dict[str, np.ndarray] = {}
         self.valid: dict[str, np.ndarray] = {}
         for s in self.states:
             self.values[s.name] = np.empty(0, dtype=self._value_dtype(s.column_type))
             self.valid[s.name] = np.empty(0, dtype=bool)
-
-    @staticmethod
-    def _key_dtype(t: pa.DataType) -> Any:
-        return t.to_pandas_dtype() if is_numeric(t) else object
 
     @staticmethod
     def _value_dtype(t: pa.DataType) -> Any:
@@ -145,30 +214,81 @@ class KeyedStateTable:
     def __len__(self) -> int:
         return len(self.kg)
 
+    # -- keys ----------------------------------------------------------------------------
+
+    def key_values(self, rows: np.ndarray) -> list[np.ndarray]:
+        """The keys at ``rows``, one numpy array per key column (Python objects for
+        non-numeric columns, as :func:`factorize_keys` gives them)."""
+        out = []
+        for k in self._keys:
+            if isinstance(k, np.ndarray):
+                out.append(k[rows])
+                continue
+            part = k.take(pa.array(rows, type=pa.int64()))
+            if part.type in _LARGE or part.type in _LARGE.values():
+                out.append(np.asarray(part.to_numpy(zero_copy_only=False), dtype=object))
+            else:  # dates, timestamps, decimals: the Python objects, not numpy's datetime64
+                col = np.empty(len(part), dtype=object)
+                col[:] = part.to_pylist()
+                out.append(col)
+        return out
+
+    def key_arrow(self, i: int, rows: np.ndarray) -> Any:
+        """Key column ``i`` at ``rows`` as an Arrow array of its declared type."""
+        k, t = self._keys[i], self.key_types[i]
+        if isinstance(k, np.ndarray):
+            return pa.array(k[rows], type=t)
+        part = k.take(pa.array(rows, type=pa.int64()))
+        return part if part.type == t else part.cast(t)
+
+    def _probe(self, keys: Keys) -> list[KeyColumn]:
+        """Looked-up keys in the table's column forms."""
+        cols: list[Any] = _columns(keys) if isinstance(keys, pd.Index) else list(keys)
+        out: list[KeyColumn] = []
+        for c, k, t in zip(cols, self._keys, self.key_types, strict=True):
+            if isinstance(c, pa.ChunkedArray):
+                c = c.combine_chunks()
+            if isinstance(k, np.ndarray):
+                num = np.asarray(c.to_numpy(zero_copy_only=False)) if isinstance(c, pa.Array) else np.asarray(c)
+                out.append(num.astype(k.dtype) if num.dtype == object else num)  # numbers as Python objects: hashed as numbers
+                continue
+            if isinstance(c, pa.Array):
+                if pa.types.is_dictionary(c.type):
+                    c = c.dictionary_decode()  # type: ignore[attr-defined]
+                out.append(c if c.type == k.type else c.cast(k.type))
+            else:
+                a = pa.array(np.asarray(c, dtype=object), type=t)
+                out.append(a if a.type == k.type else a.cast(k.type))
+        return out
+
+    def _same(self, rows: np.ndarray, probe: list[KeyColumn], at: np.ndarray) -> np.ndarray:
+        """Whether the key of row ``rows[j]`` is the looked-up key ``at[j]``, for each j."""
+        eq: np.ndarray | None = None
+        for k, p in zip(self._keys, probe, strict=True):
+            if isinstance(k, np.ndarray):
+                e = np.asarray(k[rows] == p[at], dtype=bool)
+            else:
+                e = _arrow_equal(k.take(pa.array(rows, type=pa.int64())), p.take(pa.array(at, type=pa.int64())))
+            eq = e if eq is None else eq & e
+        assert eq is not None
+        return eq
+
+    def _find(self, probe: list[KeyColumn], h: np.ndarray) -> np.ndarray:
+        return self._index.find(h, lambda rows, at: self._same(rows, probe, at))
+
+    def _rehash(self) -> np.ndarray:
+        return _hash(self._keys)
+
     # -- lookups -------------------------------------------------------------------------
 
-    def positions(self, index: pd.Index) -> np.ndarray:
-        """Row of each key in ``index`` (-1 where the table has no row for it)."""
-        if len(self.kg) == 0:
-            return np.full(len(index), -1, dtype=np.intp)
-        if self._hashed:
-            probe = _columns(index)
-            pos = np.asarray(self._index().get_indexer(pd.Index(_hash(probe))), dtype=np.intp)
-            hit = pos >= 0
-            if all((k[pos[hit]] == p[hit]).all() for k, p in zip(self.keys, probe, strict=True)):
-                return pos
-            self._stop_hashing()  # two keys share a hash: exact lookups from now on
-        return np.asarray(self._index().get_indexer(index), dtype=np.intp)
-
-    def _index(self) -> pd.Index:
-        if self._lookup is None:
-            self._lookup = pd.Index(self._hashes) if self._hashed else make_index(self.keys)
-        return self._lookup
-
-    def _stop_hashing(self) -> None:
-        self._hashed = False
-        self._hashes = np.empty(0, dtype=np.uint64)
-        self._lookup = None
+    def positions(self, keys: Keys) -> np.ndarray:
+        """Row of each key (-1 where the table has no row for it); ``keys`` are key
+        columns (numpy or Arrow) or a pandas index of them."""
+        probe = self._probe(keys)
+        n = len(probe[0]) if probe else 0
+        if not len(self) or not n:
+            return np.full(n, -1, dtype=np.intp)
+        return self._find(probe, _hash(probe))
 
     def gather(self, name: str, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Values and validity of state ``name`` at rows ``pos`` (-1 gives invalid)."""
@@ -186,22 +306,30 @@ class KeyedStateTable:
 
     def upsert(
         self,
-        key_arrays: Sequence[np.ndarray],
+        key_arrays: Keys,
         kgs: np.ndarray,
         columns: dict[str, tuple[np.ndarray, np.ndarray]],
-        index: pd.Index | None = None,
-    ) -> None:
-        """Set the given states of the given keys (one row per key, keys unique).
+        pos: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Set the given states of the given keys (one row per key, keys unique); returns
+        each key's row. ``pos``: the keys' rows as :meth:`positions` gave them, when the
+        caller has them (nothing changed the table since).
 
         States not named in ``columns`` keep their values for existing keys and are
         absent for new keys.
         """
         n = len(kgs)
         if n == 0:
-            return
-        if index is None:
-            index = make_index(key_arrays)
-        pos = self.positions(index)
+            return np.empty(0, dtype=np.intp)
+        probe = self._probe(key_arrays)
+        h: np.ndarray | None = None
+        if pos is None:
+            if len(self):
+                h = _hash(probe)
+                pos = self._find(probe, h)
+            else:
+                pos = np.full(n, -1, dtype=np.intp)
+        pos = np.array(pos, dtype=np.intp)
         old = pos >= 0
         if old.any():
             rows = pos[old]
@@ -210,19 +338,22 @@ class KeyedStateTable:
                 self.valid[name][rows] = ok[old]
         new = ~old
         if new.any():
-            self._append([k[new] for k in key_arrays], kgs[new], {c: (v[new], ok[new]) for c, (v, ok) in columns.items()})
+            pos[new] = self._append(
+                [_filter(p, new) for p in probe], kgs[new], {c: (v[new], ok[new]) for c, (v, ok) in columns.items()},
+                h[new] if h is not None else None,
+            )
+        return pos
 
-    def _append(self, key_arrays: Sequence[np.ndarray], kgs: np.ndarray, columns: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        n = len(kgs)
-        if self._hashed:  # the new keys are not in the table; their hashes must not be either
-            new_hashes = _hash(list(key_arrays))
-            if len(np.unique(new_hashes)) < n or self._index().isin(new_hashes).any():
-                self._stop_hashing()
-            else:
-                self._hashes = np.concatenate([self._hashes, new_hashes])
-        self.keys = [np.concatenate([old, new.astype(old.dtype, copy=False)]) for old, new in zip(self.keys, key_arrays, strict=True)]
-        self._lookup = None
-        self.kg = np.concatenate([self.kg, kgs.astype(np.int32, copy=False)])
+    def _append(self, keys: list[KeyColumn], kgs: np.ndarray, columns: dict[str, tuple[np.ndarray, np.ndarray]], h: np.ndarray | None) -> np.ndarray:
+        """Add rows for new keys (not in the table, distinct); returns their rows."""
+        n0, n = len(self), len(kgs)
+        if h is None:
+            h = _hash(keys)
+        self._keys = [
+            np.concatenate([old, new.astype(old.dtype, copy=False)]) if isinstance(old, np.ndarray) else _concat_arrow(old, new)
+            for old, new in zip(self._keys, keys, strict=True)
+        ]
+        self.kg = np.concatenate([self.kg, _kg_array(kgs)])
         for s in self.states:
             if s.name in columns:
                 vals, ok = columns[s.name]
@@ -231,16 +362,45 @@ class KeyedStateTable:
                 ok = np.zeros(n, dtype=bool)
             self.values[s.name] = np.concatenate([self.values[s.name], vals.astype(self.values[s.name].dtype, copy=False)])
             self.valid[s.name] = np.concatenate([self.valid[s.name], ok])
+        rows = np.arange(n0, n0 + n, dtype=np.intp)
+        self._index.insert(rows, h, self._rehash)
+        return rows
 
     def apply(self, table: pa.Table) -> None:
         """Upsert the rows of a state file (or a slice of one); all-null rows delete."""
         if table.num_rows == 0:
             return
-        keys = [np.asarray(_arrow_to_numpy(table.column(k), t)[0]) for k, t in zip(self.key_names, self.key_types, strict=True)]
-        kgs = table.column(KG_COLUMN).to_numpy().astype(np.int32)
+        keys = [table.column(k) for k in self.key_names]  # Arrow as it is: no Python object per key
+        kgs = _kg_array(table.column(KG_COLUMN).to_numpy())
         # A state added since this file was written is left out: absent for its keys.
         cols = {s.name: _arrow_to_numpy(table.column(s.name), s.column_type) for s in self.states if s.name in table.column_names}
-        self.upsert(keys, kgs, cols)
+        pos = None
+        if len(self):  # a key of a key group the table holds nothing of is new: no lookup
+            held = np.bincount(self.kg, minlength=_KG_MAX + 1) > 0
+            maybe = held[kgs]
+            if not maybe.all():
+                pos = np.full(len(kgs), -1, dtype=np.intp)
+                if maybe.any():
+                    pos[maybe] = self.positions([_filter(k, maybe) for k in keys])
+        self.upsert(keys, kgs, cols, pos=pos)
+
+    def apply_all(self, parts: Sequence[pa.Table]) -> None:
+        """:meth:`apply` of several state files (or slices) in their order, as applying
+        each in turn would; but each key is looked up, converted and stored once, from its
+        last row (a restore reads a snapshot and the deltas after it: most keys are in
+        several of them)."""
+        parts = [p for p in parts if p.num_rows]
+        names = parts[0].column_names if parts else []
+        if len(parts) > 1 and all(sorted(p.column_names) == sorted(names) for p in parts):
+            try:
+                combined = pa.concat_tables([p.select(names) for p in parts])
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # not one schema: file by file
+                combined = None
+            last = _last_rows(combined, self.key_names) if combined is not None else None
+            if combined is not None and last is not None:
+                parts = [combined.take(pa.array(last))]
+        for p in parts:
+            self.apply(p)
 
     def drop_key_groups(self, start: int, end: int) -> None:
         """Forget every key of key groups ``start..end`` (before reloading them)."""
@@ -248,25 +408,40 @@ class KeyedStateTable:
         if not keep.all():
             self._take(np.flatnonzero(keep))
 
+    def drop_groups(self, groups: np.ndarray) -> None:
+        """Forget every key of the key groups ``groups`` (one pass, however scattered)."""
+        if not len(groups) or not len(self.kg):
+            return
+        gone = np.zeros(max(int(np.max(groups)), int(self.kg.max())) + 1, dtype=bool)
+        gone[groups] = True
+        keep = ~gone[self.kg]
+        if not keep.all():
+            self._take(np.flatnonzero(keep))
+
+    def _alive(self) -> np.ndarray:
+        alive = np.zeros(len(self.kg), dtype=bool)
+        for ok in self.valid.values():
+            alive |= ok
+        return alive
+
     def compact(self) -> None:
         """Drop rows whose states are all absent (deleted keys)."""
         if not len(self.kg):
             return
-        alive = np.zeros(len(self.kg), dtype=bool)
-        for ok in self.valid.values():
-            alive |= ok
+        alive = self._alive()
         if not alive.all():
             self._take(np.flatnonzero(alive))
 
     def _take(self, rows: np.ndarray) -> None:
-        self.keys = [k[rows] for k in self.keys]
-        if self._hashed:
-            self._hashes = self._hashes[rows]
-        self._lookup = None
+        """Keep ``rows`` (ascending), renumbered ``0..len(rows)-1``."""
+        new_row = np.full(len(self.kg), -1, dtype=np.int64)
+        new_row[rows] = np.arange(len(rows))
+        self._keys = [k[rows] if isinstance(k, np.ndarray) else k.take(pa.array(rows, type=pa.int64())) for k in self._keys]
         self.kg = self.kg[rows]
         for name in self.values:
             self.values[name] = self.values[name][rows]
             self.valid[name] = self.valid[name][rows]
+        self._index.renumber(new_row, len(rows), self._rehash)
 
     def expire(self, name: str, clock: str, ttl_ms: int, now_ms: int, start: int, end: int) -> np.ndarray:
         """Remove values of state ``name`` in key groups ``start..end`` whose clock (the
@@ -299,10 +474,7 @@ class KeyedStateTable:
         """The share of rows whose states are all absent (deleted, expired, purged)."""
         if not len(self.kg):
             return 0.0
-        alive = np.zeros(len(self.kg), dtype=bool)
-        for ok in self.valid.values():
-            alive |= ok
-        return 1.0 - float(alive.mean())
+        return 1.0 - float(self._alive().mean())
 
     def due(self, column: str, now_ms: int, start: int, end: int) -> np.ndarray:
         """Rows of key groups ``start..end`` whose int64 state ``column`` is set and at most ``now_ms``."""
@@ -315,10 +487,7 @@ class KeyedStateTable:
         """Rows of key groups ``start..end`` (with ``live_only``, not deleted ones)."""
         mask = (self.kg >= start) & (self.kg <= end)
         if live_only and self.valid:
-            alive = np.zeros(len(self.kg), dtype=bool)
-            for ok in self.valid.values():
-                alive |= ok
-            mask &= alive
+            mask &= self._alive()
         return np.flatnonzero(mask)
 
     def to_arrow(self, rows: np.ndarray | None = None) -> pa.Table:
@@ -326,11 +495,8 @@ class KeyedStateTable:
         if rows is None:
             rows = np.arange(len(self.kg))
         rows = rows[np.argsort(self.kg[rows], kind="stable")]
-        arrays: list[Any] = []
-        names: list[str] = []
-        for name, t, k in zip(self.key_names, self.key_types, self.keys, strict=True):
-            arrays.append(pa.array(k[rows], type=t) if is_numeric(t) else pa.array(k[rows].tolist(), type=t))
-            names.append(name)
+        arrays: list[Any] = [self.key_arrow(i, rows) for i in range(len(self.key_names))]
+        names: list[str] = list(self.key_names)
         arrays.append(pa.array(self.kg[rows], type=pa.int32()))
         names.append(KG_COLUMN)
         for s in self.states:
@@ -343,3 +509,14 @@ class KeyedStateTable:
         fields.append(pa.field(KG_COLUMN, pa.int32()))
         fields.extend(pa.field(s.name, s.column_type) for s in self.states)
         return pa.schema(fields)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held, by part: key columns, key groups, state values and validity, the
+        index. Object columns count their pointers only (the objects are not walked)."""
+        return {
+            "keys": sum(int(k.nbytes) for k in self._keys),
+            "kg": int(self.kg.nbytes),
+            "values": sum(int(v.nbytes) for v in self.values.values()),
+            "valid": sum(int(v.nbytes) for v in self.valid.values()),
+            "index": self._index.nbytes,
+        }
