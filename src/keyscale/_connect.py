@@ -1,45 +1,55 @@
 """Two streams into one keyed stage: ``connect`` (co-process functions) and joins.
 
-The two inputs become one Spark streaming DataFrame (a union of both queries' rows as
-``(key columns, __side, in1, in2)``), keyed by the key columns, and the stage runs
-:class:`keyscale.operators.coprocess.CoProcessAdapter`. Both inputs share one event-time
-clock: the combined stream's watermark trails the largest event time of either by the
-larger of their out-of-orderness bounds.
+The two inputs become one stream of rows ``(key columns, __side, in1, in2)``, keyed by the
+key columns, and the stage runs :class:`keyscale.operators.coprocess.CoProcessAdapter`. Two
+Spark streaming DataFrames are unioned in Spark; two log or Kafka sources become one log
+source (:class:`keyscale.sources.union.UnionLog`) that keyscale's readers read as any log.
+The stage has one event-time clock: with Spark inputs, the watermark trails the largest
+event time of either by the larger of their out-of-orderness bounds; with logs, each
+partition of either log has its own clock and the slowest holds the watermark back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError
-from keyscale.operators.coprocess import INPUTS, SIDE, IntervalJoin, KeyedCoProcessFunction, adapt
+from keyscale.operators.coprocess import (
+    EVENT_TIME,
+    INPUTS,
+    SIDE,
+    IntervalJoin,
+    KeyedCoProcessFunction,
+    adapt,
+)
 from keyscale.operators.eventtime import parse_duration_ms
+from keyscale.sources.log import LogError
+from keyscale.sources.reader import LogSource
+from keyscale.sources.union import UnionLog
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
     from keyscale._pipeline import OnError, Stream
 
-EVENT_TIME = "__event_time"
-
-
-def _spark_input(stream: Stream, which: str) -> DataFrame:
-    """The stream's rows as a streaming DataFrame: its source with its stateless steps."""
-    from pyspark.sql import DataFrame as SparkDataFrame
-
+def _transforms(stream: Stream, which: str) -> list[Callable[[DataFrame], DataFrame]]:
+    """The stream's stateless steps (a two-input stage is the first stateful one)."""
     from keyscale._pipeline import TransformStep
 
-    source = stream._source
-    if not isinstance(source, SparkDataFrame):
-        raise JobDefinitionError(f"connect: the {which} input reads a log or Kafka source; two-input stages take Spark streaming DataFrames for now")
-    df = source
+    fns = []
     for step in stream._steps:
         if not isinstance(step, TransformStep):
             raise JobDefinitionError(f"connect: the {which} input has a stateful stage ('{step.uid}') before it; connect the streams first")
-        df = step.fn(df)
+        fns.append(step.fn)
+    return fns
+
+
+def _apply(df: DataFrame, fns: list[Callable[[DataFrame], DataFrame]]) -> DataFrame:
+    for fn in fns:
+        df = fn(df)
     return df
 
 
@@ -76,30 +86,58 @@ class ConnectedKeyedStreams:
         self.keys1, self.keys2 = keys1, keys2
 
     def _combined(self) -> Stream:
+        from pyspark.sql import DataFrame as SparkDataFrame
         from pyspark.sql import functions as F
 
         from keyscale._pipeline import Stream
 
-        df1, df2 = _spark_input(self.first, "first"), _spark_input(self.second, "second")
-        s1, s2 = df1.schema, df2.schema
         wm1, wm2 = self.first.watermark, self.second.watermark
         if (wm1 is None) != (wm2 is None):
             raise JobDefinitionError("connect: give both inputs a watermark (with_watermark) or neither")
+        times = (wm1.column, wm2.column) if wm1 is not None and wm2 is not None else None
         keys = list(self.keys1)
+        key_cols = (self.keys1, self.keys2)
+        fns = (_transforms(self.first, "first"), _transforms(self.second, "second"))
 
-        def side(df: DataFrame, n: int, key_cols: tuple[str, ...], time_col: str | None) -> DataFrame:
-            other = s2 if n == 0 else s1
-            cols = [F.col(k).alias(name) for k, name in zip(key_cols, keys, strict=True)]
-            cols.append(F.lit(n).alias(SIDE))
-            mine = F.struct(*[F.col(c) for c in df.columns])
-            empty = F.lit(None).cast(other)
-            cols += [mine.alias(INPUTS[0]), empty.alias(INPUTS[1])] if n == 0 else [empty.alias(INPUTS[0]), mine.alias(INPUTS[1])]
-            if time_col is not None:
-                cols.append(F.col(time_col).cast("timestamp").alias(EVENT_TIME))
-            return df.select(*cols)
+        def combine(df1: DataFrame, df2: DataFrame) -> DataFrame:
+            """Both inputs (after their own steps) as rows of ``(key..., __side, in1, in2[, __event_time])``."""
+            dfs = (df1, df2)
 
-        both = side(df1, 0, self.keys1, wm1.column if wm1 else None).unionByName(side(df2, 1, self.keys2, wm2.column if wm2 else None))
-        combined = Stream(both)
+            def side(n: int) -> DataFrame:
+                df = dfs[n]
+                cols = [F.col(k).alias(name) for k, name in zip(key_cols[n], keys, strict=True)]
+                cols.append(F.lit(n).cast("byte").alias(SIDE))
+                structs = [F.lit(None).cast(d.schema) for d in dfs]
+                structs[n] = F.struct(*[F.col(c) for c in df.columns])
+                cols += [c.alias(name) for c, name in zip(structs, INPUTS, strict=True)]
+                if times is not None:  # a long event time is epoch milliseconds (with_watermark)
+                    t = F.col(times[n])
+                    is_long = df.schema[times[n]].dataType.typeName() in ("byte", "short", "integer", "long")
+                    cols.append((F.timestamp_millis(t) if is_long else t.cast("timestamp")).alias(EVENT_TIME))
+                return df.select(*cols)
+
+            return side(0).unionByName(side(1))
+
+        a, b = self.first._source, self.second._source
+        if isinstance(a, SparkDataFrame) and isinstance(b, SparkDataFrame):
+            combined = Stream(combine(_apply(a, fns[0]), _apply(b, fns[1])))
+        elif isinstance(a, LogSource) and isinstance(b, LogSource):
+            # One log source over both logs: keyscale's readers, offsets and rescaling as for one log.
+            try:
+                union = UnionLog(a.log, b.log, times)
+            except LogError as e:
+                raise JobDefinitionError(f"connect: {e}; with logs as inputs the watermark is on a column of each log") from None
+            caps = [c for c in (a.max_records_per_partition, b.max_records_per_partition) if c is not None]
+            pars = [p for p in (a.parallelism, b.parallelism) if p is not None]
+            src = LogSource(union, f"{a.uid}-{b.uid}", max(pars) if pars else None, min(caps) if caps else None)
+
+            def split(df: DataFrame) -> DataFrame:
+                return combine(*(_apply(df.where(F.col(SIDE) == n).select(f"{INPUTS[n]}.*"), fns[n]) for n in (0, 1)))
+
+            combined = Stream(src).transform(split)
+        else:
+            raise JobDefinitionError("connect: one input is a Spark streaming DataFrame and the other a log or Kafka source; "
+                                     "connect two Spark sources or two log/Kafka sources")
         if wm1 is not None and wm2 is not None:
             ahead = None if wm1.max_ahead_ms is None or wm2.max_ahead_ms is None else max(wm1.max_ahead_ms, wm2.max_ahead_ms)
             idle = None if wm1.idleness_ms is None or wm2.idleness_ms is None else max(wm1.idleness_ms, wm2.idleness_ms)

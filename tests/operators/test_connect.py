@@ -152,3 +152,80 @@ def test_interval_join_restored_from_a_savepoint_at_another_parallelism(spark: A
     pairs = lambda df: sorted(zip(df["id"], df["page"], strict=True))  # noqa: E731
     assert len(after) > 0
     assert pairs(whole) == sorted(pairs(whole[whole.batch <= 2]) + pairs(after))
+
+
+JOB_LOGS = '''
+import keyscale as ks
+
+NAME = "connected_logs"
+
+def build(ctx):
+    cap = int(ctx.arg("cap"))
+    users = ks.stream(ks.log_source(ctx.arg("users"), uid="users", max_records_per_batch=cap)).with_watermark("ts", "1 hour")
+    clicks = ks.stream(ks.log_source(ctx.arg("clicks"), uid="clicks", max_records_per_batch=cap)).with_watermark("ts", "1 hour")
+    clicks = clicks.filter("page != 'p0-0'")  # each input keeps its own steps
+    out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
+    return out.sink(ks.ParquetSink(ctx.arg("output")))
+'''
+
+
+@pytest.fixture(scope="module")
+def logs(inputs: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[tuple[str, str, str]]]:
+    """The same users and clicks in two logs (1 and 2 partitions), and the plain join of them."""
+    from keyscale.sources.log import create_log
+
+    _, _, users, clicks = inputs
+    root = tmp_path_factory.mktemp("connect-logs")
+    ulog, clog = create_log(root / "users", USERS, partitions=1), create_log(root / "clicks", CLICKS, partitions=2)
+    for ub, cb in zip(users, clicks, strict=True):
+        ulog.append(0, pa.Table.from_pylist(ub, schema=USERS))
+        for p in (0, 1):
+            clog.append(p, pa.Table.from_pylist(cb[p::2], schema=CLICKS))
+    want = sorted((u["id"], u["name"], c["page"]) for u in (u for b in users for u in b) for c in (c for b in clicks for c in b)
+                  if u["id"] == c["user"] and c["page"] != "p0-0"
+                  and u["ts"] - dt.timedelta(seconds=30) <= c["ts"] <= u["ts"] + dt.timedelta(minutes=1))
+    return root / "users", root / "clicks", want
+
+
+def _pairs(folder: Path) -> list[tuple[str, str, str]]:
+    got = read_output(folder)
+    return sorted(zip(got["id"], got["name"], got["page"], strict=True))
+
+
+def test_interval_join_of_two_logs_is_the_plain_join_across_a_live_rescale(spark: Any, logs: Any, tmp_path: Path) -> None:
+    users, clicks, want = logs
+    job = tmp_path / "logs.py"
+    job.write_text(JOB_LOGS)
+    jd = JobDir(tmp_path / "job")
+
+    def rescale(rec: Any) -> None:
+        if rec.batch == 1:
+            jd.request_rescale(3)
+
+    summary = run_job(job, tmp_path / "job", 2, {"users": str(users), "clicks": str(clicks), "cap": "20", "output": str(tmp_path / "out")},
+                      rescale, drain_at_end=True)
+    assert len(summary.batches) >= 4  # 20 records per partition and batch: the logs take several batches
+    assert any(r[1] == "join" and r[3] == 3 for r in summary.rescales)
+    assert _pairs(tmp_path / "out") == want
+    from keyscale.state_processor.read import read_keyed_state
+
+    for side in ("left", "right"):
+        assert read_keyed_state(spark, tmp_path / "job", "join", state=side).count() == 0
+
+
+def test_interval_join_of_two_logs_resumes_exactly_once_after_a_kill(logs: Any, tmp_path: Path) -> None:
+    import signal
+
+    from conftest import cli
+
+    users, clicks, want = logs
+    job = tmp_path / "logs.py"
+    job.write_text(JOB_LOGS)
+    base = ["run", str(job), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle", "--set", f"users={users}",
+            "--set", f"clicks={clicks}", "--set", "cap=20", "--set", f"output={tmp_path / 'out'}"]
+    crashed = cli(*base, "--fault", "after-sink:2")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    cli(*base, "--drain-at-end", check=True)
+    out = read_output(tmp_path / "out")
+    assert not out.duplicated(["id", "page"]).any()
+    assert _pairs(tmp_path / "out") == want

@@ -21,8 +21,10 @@ import pyarrow as pa
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.keyed import Context, KeyedProcessFunction, RuntimeContext
 
+# The combined row of a two-input stage: (key..., __side, in1, in2[, __event_time]).
 SIDE = "__side"
 INPUTS = ("in1", "in2")
+EVENT_TIME = "__event_time"
 
 
 class KeyedCoProcessFunction:
