@@ -202,3 +202,58 @@ def test_kafka_sessions_into_delta_example(kafka_broker: Any, tmp_path: Path) ->
             session.append((t, v))
         want.append((key, session[0][0], session[-1][0] + 30, len(session), sum(x for _, x in session)))
     assert got == sorted(want)
+
+
+CONNECT_JOB = '''
+import keyscale as ks
+
+NAME = "kafka_enrich"
+
+class Enrich(ks.KeyedCoProcessFunction):
+    """Events get their key's name; events before the name wait for it in state."""
+    def open(self, ctx):
+        self.name = ctx.value_state("name", "string")
+        self.waiting = ctx.list_state("waiting", "long")
+    def process_element1(self, row, ctx):
+        self.name.update(row["name"])
+        for v in self.waiting.get():
+            yield (ctx.key, row["name"], v)
+        self.waiting.update([])
+    def process_element2(self, row, ctx):
+        if self.name.value() is None:
+            self.waiting.add(row["value"])
+        else:
+            yield (ctx.key, self.name.value(), row["value"])
+
+def build(ctx):
+    names = ks.stream(ks.log_source(ctx.arg("names"), uid="names", max_records_per_batch=7))
+    events = ks.stream(ks.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="events", max_records_per_batch=30,
+                                       decoder=ks.json_values("key string, value long, ts timestamp")))
+    out = names.connect(events).key_by("key", "key").process(Enrich(), "key string, name string, value long", uid="enrich")
+    return out.sink(ks.ParquetSink(ctx.arg("output")))
+'''
+
+
+def test_a_log_and_a_kafka_topic_connected_enrich_every_event_once_across_a_live_rescale(kafka_broker: Any, tmp_path: Path) -> None:
+    from conftest import read_output
+    from keyscale.sources.log import create_log
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 3)
+    events = produce_events(b, topic, 240, keys=25)
+    names = create_log(tmp_path / "names", "key string, name string", partitions=2)
+    for p in (0, 1):  # every key named once, spread over two partitions and several batches
+        names.append(p, pa.table({"key": [f"k{i:04d}" for i in range(p, 25, 2)], "name": [f"name-{i}" for i in range(p, 25, 2)]}))
+    job = tmp_path / "enrich.py"
+    job.write_text(CONNECT_JOB)
+    jd = JobDir(tmp_path / "job")
+
+    def rescale(rec: Any) -> None:
+        if rec.batch == 1:
+            jd.request_rescale(3)
+
+    summary = run_job(job, tmp_path / "job", 2, {"names": str(tmp_path / "names"), "bootstrap": b, "topic": topic, "output": str(tmp_path / "out")}, rescale)
+    assert len(summary.batches) >= 3 and any(r[1] == "enrich" and r[3] == 3 for r in summary.rescales)
+    out = read_output(tmp_path / "out")
+    got = Counter(zip(out["key"], out["name"], out["value"], strict=True))
+    assert got == Counter((e["key"], f"name-{int(e['key'][1:])}", e["value"]) for e in events)
