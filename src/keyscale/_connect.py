@@ -23,9 +23,11 @@ from keyscale.operators.coprocess import (
     SIDE,
     IntervalJoin,
     KeyedCoProcessFunction,
+    WindowJoin,
     adapt,
 )
 from keyscale.operators.eventtime import parse_duration_ms
+from keyscale.operators.windows import SlidingWindows, TumblingWindows
 from keyscale.sources.log import LogError
 from keyscale.sources.reader import LogSource
 from keyscale.sources.union import UnionLog
@@ -164,14 +166,40 @@ class ConnectedKeyedStreams:
         lo, hi = _signed_ms(lower, "lower"), _signed_ms(upper, "upper")
         if lo > hi:
             raise JobDefinitionError(f"interval_join '{uid}': lower ({lo} ms) is after upper ({hi} ms)")
+        a1, a2, names1, names2, fields = self._pair_columns()
+        fn = IntervalJoin(wm1.column, wm2.column, lo, hi, pa.struct(list(a1)), pa.struct(list(a2)), names1, names2)
+        return self.process(fn, pa.schema(fields), uid, parallelism)
+
+    def window_join(self, assigner: TumblingWindows | SlidingWindows, uid: str, parallelism: int | None = None) -> Stream:
+        """Pairs of rows with equal keys in the same event-time window (``ks.TumblingWindows``
+        or ``ks.SlidingWindows``; each pair once per window both rows fall in), as one row of
+        both inputs' columns (a name both have gets ``_2`` on the second's) and the window's
+        ``window_start`` and ``window_end``. Needs a watermark on both inputs: a row leaves the
+        state once its last window has fired, and a row whose windows have all fired is late
+        and joins nothing.
+        """
+        wm1, wm2 = self.first.watermark, self.second.watermark
+        if wm1 is None or wm2 is None:
+            raise JobDefinitionError(f"window_join '{uid}': both inputs need a watermark (with_watermark) on their event time")
+        if not isinstance(assigner, TumblingWindows | SlidingWindows):
+            raise JobDefinitionError(f"window_join '{uid}': windows are TumblingWindows or SlidingWindows, not {type(assigner).__name__}")
+        a1, a2, names1, names2, fields = self._pair_columns()
+        for name in ("window_start", "window_end"):
+            if name in names1 or name in names2:
+                raise JobDefinitionError(f"window_join '{uid}': an input has a column '{name}', which the join's output adds; rename it")
+        fields += [pa.field("window_start", pa.timestamp("us", tz="UTC")), pa.field("window_end", pa.timestamp("us", tz="UTC"))]
+        fn = WindowJoin(assigner, wm1.column, wm2.column, pa.struct(list(a1)), pa.struct(list(a2)), names1, names2)
+        return self.process(fn, pa.schema(fields), uid, parallelism)
+
+    def _pair_columns(self) -> tuple[pa.Schema, pa.Schema, list[str], list[str], list[pa.Field[Any]]]:
+        """Both inputs' Arrow schemas, their output column names and the joined row's fields."""
         from keyscale._pipeline import _to_arrow_schema
 
         a1, a2 = _to_arrow_schema(self.first.schema), _to_arrow_schema(self.second.schema)
         names1 = list(a1.names)
         names2 = [n if n not in names1 else f"{n}_2" for n in a2.names]
         fields: list[pa.Field[Any]] = [*a1, *(f.with_name(n) for f, n in zip(a2, names2, strict=True))]
-        fn = IntervalJoin(wm1.column, wm2.column, lo, hi, pa.struct(list(a1)), pa.struct(list(a2)), names1, names2)
-        return self.process(fn, pa.schema(fields), uid, parallelism)
+        return a1, a2, names1, names2, fields
 
 
 def _signed_ms(value: Any, what: str) -> int:

@@ -44,6 +44,8 @@ def build(ctx):
     clicks = ks.stream(read("clicks", "user string, page string, ts timestamp")).with_watermark("ts", "1 hour")
     if ctx.arg("mode") == "enrich":
         out = users.connect(clicks).key_by("id", "user").process(Enrich(), "user string, name string, page string", uid="enrich")
+    elif ctx.arg("mode") == "window":
+        out = users.connect(clicks).key_by("id", "user").window_join(ks.TumblingWindows("1 minute"), uid="wjoin")
     else:
         out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
     return out.sink(ks.ParquetSink(ctx.arg("output")))
@@ -134,6 +136,29 @@ def test_interval_join_matches_a_plain_join_and_forgets_old_rows(spark: Any, inp
 
     for side in ("left", "right"):
         assert read_keyed_state(spark, tmp_path / "job", "join", state=side).count() == 0
+
+
+def test_window_join_pairs_rows_of_one_window_across_a_live_rescale(spark: Any, inputs: Any, tmp_path: Path) -> None:
+    users_dir, clicks_dir, users, clicks = inputs
+    jd = JobDir(tmp_path / "job")
+
+    def rescale(rec: Any) -> None:
+        if rec.batch == 1:
+            jd.request_rescale(3)
+
+    summary = run_job(_job(tmp_path), tmp_path / "job", 2, {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "window",
+                      "output": str(tmp_path / "out")}, rescale, drain_at_end=True)
+    assert any(r[1] == "wjoin" and r[3] == 3 for r in summary.rescales)
+    got = read_output(tmp_path / "out")
+    minute = lambda t: int(t.timestamp()) // 60  # noqa: E731
+    assert sorted(zip(got["id"], got["page"], (minute(t) for t in got["window_start"]), strict=True)) == sorted(
+        (u["id"], c["page"], minute(u["ts"])) for u in (u for b in users for u in b) for c in (c for b in clicks for c in b)
+        if u["id"] == c["user"] and minute(u["ts"]) == minute(c["ts"]))
+    assert ((got["window_end"] - got["window_start"]).dt.total_seconds() == 60).all()
+    from keyscale.state_processor.read import read_keyed_state
+
+    for side in ("left", "right"):
+        assert read_keyed_state(spark, tmp_path / "job", "wjoin", state=side).count() == 0
 
 
 def test_interval_join_restored_from_a_savepoint_at_another_parallelism(spark: Any, inputs: Any, tmp_path: Path) -> None:

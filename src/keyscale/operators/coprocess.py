@@ -7,15 +7,17 @@ keyed alike: records of ``a`` go to ``process_element1``, records of ``b`` to
 the two inputs become one stream of rows ``(key..., __side, in1, in2)`` where ``in1`` (or
 ``in2``) holds the record as it was, so the state is in the same key groups as any other
 stage's and rescales, checkpoints, savepoints and restores the same way. This module is
-the per-record dispatch and the interval join; :mod:`keyscale._connect` builds the
-combined stream.
+the per-record dispatch and the joins (interval, window); :mod:`keyscale._connect` builds
+the combined stream.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError
@@ -147,3 +149,70 @@ class IntervalJoin(KeyedCoProcessFunction):
         self.left.update(r for r in self.left.get() if _ms(r[self.time1]) + self.upper > timestamp)
         self.right.update(r for r in self.right.get() if _ms(r[self.time2]) - self.lower > timestamp)
         return None
+
+
+class WindowJoin(KeyedCoProcessFunction):
+    """Rows of both inputs with the same key in the same event-time window (tumbling or
+    sliding), joined: each pair once per window they share, with the window's start and end
+    (Flink's window join; SQL's join on ``window_start, window_end``). A pair is emitted as
+    soon as its second row arrives, not held until the window fires: the same pairs, sooner.
+    A row waits in list state until the watermark passes the end of its last window, then an
+    event-time timer removes it; a row whose windows have all fired is late and joins nothing.
+    """
+
+    def __init__(self, assigner: Any, time1: str, time2: str, type1: pa.DataType, type2: pa.DataType,
+                 names1: list[str], names2: list[str]):
+        self.assigner = assigner
+        self.time1, self.time2 = time1, time2
+        self.type1, self.type2 = type1, type2
+        self.names1, self.names2 = names1, names2
+
+    def open(self, ctx: RuntimeContext) -> None:
+        self.left = ctx.list_state("left", self.type1)
+        self.right = ctx.list_state("right", self.type2)
+
+    def _starts(self, t: int) -> list[int]:
+        return [int(s) for s in self.assigner.assign(np.array([t], dtype=np.int64))[1]]
+
+    def _end(self, start: int) -> int:
+        return int(self.assigner.end(np.array([start], dtype=np.int64))[0])
+
+    def _join(self, row: dict[str, Any], t: int, others: list[dict[str, Any]], other_time: str, first: bool, ctx: Context) -> list[dict[str, Any]] | None:
+        # A window [s, e) fires once the watermark reaches e - 1; after that it takes nothing.
+        mine = {s for s in self._starts(t) if self._end(s) - 1 > ctx.current_watermark}
+        if not mine:
+            return None
+        out = []
+        for other in others:
+            for s in sorted(mine.intersection(self._starts(_ms(other[other_time])))):
+                left, right = (row, other) if first else (other, row)
+                pair = {n: left[c] for c, n in zip(left, self.names1, strict=True)}
+                pair.update({n: right[c] for c, n in zip(right, self.names2, strict=True)})
+                pair["window_start"], pair["window_end"] = _utc(s), _utc(self._end(s))
+                out.append(pair)
+        ctx.timer_service.register_event_time_timer(max(self._end(s) for s in mine) - 1)
+        return out
+
+    def process_element1(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        out = self._join(row, _ms(row[self.time1]), self.right.get(), self.time2, True, ctx)
+        if out is not None:
+            self.left.add(row)
+        return out
+
+    def process_element2(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        out = self._join(row, _ms(row[self.time2]), self.left.get(), self.time1, False, ctx)
+        if out is not None:
+            self.right.add(row)
+        return out
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        def open_windows(r: dict[str, Any], time: str) -> bool:
+            return max(self._end(s) for s in self._starts(_ms(r[time]))) - 1 > timestamp
+
+        self.left.update(r for r in self.left.get() if open_windows(r, self.time1))
+        self.right.update(r for r in self.right.get() if open_windows(r, self.time2))
+        return None
+
+
+def _utc(ms: int) -> dt.datetime:
+    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
