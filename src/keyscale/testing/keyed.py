@@ -59,7 +59,8 @@ class Snapshot:
         """A new harness with this state, at ``parallelism`` (default: the snapshot's), as a
         job restarted from the checkpoint: every subtask loads its key groups from the files."""
         h = self.harness
-        fresh = KeyedHarness(h._step, parallelism or h.parallelism, h.max_parallelism, _folder=h._folder)
+        fresh = KeyedHarness(h._step, parallelism or h.parallelism, h.max_parallelism, _folder=h._folder, state_backend=h.state_backend)
+        fresh.snapshot_every = h.snapshot_every
         fresh._files, fresh._committed = list(self.files), self.committed
         fresh.watermark_ms, fresh.time_ms = self.watermark_ms, self.time_ms
         return fresh
@@ -82,8 +83,11 @@ class _Step:
 class KeyedHarness:
     """One keyed stage, its subtasks run in this process (no Spark)."""
 
-    def __init__(self, step: _Step, parallelism: int = 1, max_parallelism: int = 128, *, _folder: _Folder | None = None):
+    def __init__(self, step: _Step, parallelism: int = 1, max_parallelism: int = 128, *, _folder: _Folder | None = None,
+                 state_backend: str = "memory"):
         self._step = step
+        self.state_backend = state_backend  # "memory" | "rocksdb": where the subtasks keep their state
+        self.snapshot_every = 0  # n > 0: every n-th batch writes snapshots instead of deltas
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.watermark_ms = NO_WATERMARK
@@ -148,8 +152,9 @@ class KeyedHarness:
             key_names=s.key_names, key_types=tuple(s.input_schema.field(k).type for k in s.key_names),
             input_schema=s.input_schema, output_schema=s.output_schema, states=s.states, null_keys="error",
             max_parallelism=m, parallelism=p, batch_id=batch, batch_time_ms=self.time_ms, committed=self._committed,
-            files=tuple(self._files), compact=(False,) * p, watermark_ms=self.watermark_ms, event_time=s.event_time,
-            extra_keys=s.extra_keys, late_output=s.late_output,
+            files=tuple(self._files), compact=(bool(self.snapshot_every) and batch % self.snapshot_every == 0,) * p,
+            watermark_ms=self.watermark_ms, event_time=s.event_time, extra_keys=s.extra_keys, late_output=s.late_output,
+            state_backend=self.state_backend,
         )
         kgs = table.column(KG).to_numpy()
         rows: list[dict[str, Any]] = []
