@@ -16,6 +16,9 @@ import keyscale.testing
 import keyscale.testing.nonkeyed
 from keyscale.testing import KeyedHarness, OperatorHarness
 
+# Each test twice: the harnesses on the in-memory and on the RocksDB state backend (conftest.py).
+pytestmark = pytest.mark.usefixtures("state_backend")
+
 MINUTE = 60_000
 T0 = 1_767_225_600_000
 

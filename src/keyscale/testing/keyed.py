@@ -83,10 +83,13 @@ class _Step:
 class KeyedHarness:
     """One keyed stage, its subtasks run in this process (no Spark)."""
 
+    #: The state backend of harnesses not given one (a test suite may run all its harnesses on both).
+    default_state_backend = "memory"
+
     def __init__(self, step: _Step, parallelism: int = 1, max_parallelism: int = 128, *, _folder: _Folder | None = None,
-                 state_backend: str = "memory"):
+                 state_backend: str | None = None):
         self._step = step
-        self.state_backend = state_backend  # "memory" | "rocksdb": where the subtasks keep their state
+        self.state_backend = state_backend or KeyedHarness.default_state_backend  # "memory" | "rocksdb": where the subtasks keep their state
         self.snapshot_every = 0  # n > 0: every n-th batch writes snapshots instead of deltas
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
