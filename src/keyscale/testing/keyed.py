@@ -106,25 +106,28 @@ class KeyedHarness:
 
     @classmethod
     def of(cls, function: KeyedProcessFunction | VectorizedKeyedFunction, *, key_by: list[str], input_schema: str | pa.Schema,
-           output_schema: str | pa.Schema, parallelism: int = 1, max_parallelism: int = 128, event_time: str | None = None) -> KeyedHarness:
+           output_schema: str | pa.Schema, parallelism: int = 1, max_parallelism: int = 128, event_time: str | None = None,
+           state_backend: str | None = None) -> KeyedHarness:
         """A harness for ``key_by(...).process(function, output_schema)``; ``event_time``:
         the column the watermark is on, for event-time timers."""
         schema = arrow_schema(input_schema)
         states = function.state_descriptors() if isinstance(function, RunningAggregate) else describe_states(function, "harness")
-        return cls(_Step(function, tuple(key_by), schema, arrow_schema(output_schema), tuple(states), event_time), parallelism, max_parallelism)
+        return cls(_Step(function, tuple(key_by), schema, arrow_schema(output_schema), tuple(states), event_time), parallelism, max_parallelism,
+                   state_backend=state_backend)
 
     @classmethod
     def aggregate(cls, *, key_by: list[str], input_schema: str | pa.Schema, parallelism: int = 1, max_parallelism: int = 128,
-                  **aggs: Agg) -> KeyedHarness:
+                  state_backend: str | None = None, **aggs: Agg) -> KeyedHarness:
         """A harness for ``key_by(...).aggregate(**aggs)``."""
         schema = arrow_schema(input_schema)
         fn = RunningAggregate(dict(aggs), list(key_by), {f.name: f.type for f in schema})
         out = pa.schema([*(schema.field(k) for k in key_by), *fn.output_fields()])
-        return cls(_Step(fn, tuple(key_by), schema, out, tuple(fn.state_descriptors())), parallelism, max_parallelism)
+        return cls(_Step(fn, tuple(key_by), schema, out, tuple(fn.state_descriptors())), parallelism, max_parallelism, state_backend=state_backend)
 
     @classmethod
     def window(cls, assigner: Assigner, *, key_by: list[str], input_schema: str | pa.Schema, event_time: str,
-               allowed_lateness: Duration = 0, parallelism: int = 1, max_parallelism: int = 128, **aggs: Agg) -> KeyedHarness:
+               allowed_lateness: Duration = 0, parallelism: int = 1, max_parallelism: int = 128, state_backend: str | None = None,
+               **aggs: Agg) -> KeyedHarness:
         """A harness for ``key_by(...).window(assigner, allowed_lateness).aggregate(**aggs)``
         on the event-time column ``event_time``; late records collect in :attr:`late`."""
         schema = arrow_schema(input_schema)
@@ -132,7 +135,7 @@ class KeyedHarness:
                              parse_duration_ms(allowed_lateness, "allowed_lateness"))
         out = pa.schema([*(schema.field(k) for k in key_by), *fn.output_fields()])
         return cls(_Step(fn, tuple(key_by), schema, out, tuple(fn.state_descriptors()), event_time, ((WINDOW_START, pa.int64()),), True),
-                   parallelism, max_parallelism)
+                   parallelism, max_parallelism, state_backend=state_backend)
 
     # -- running ----------------------------------------------------------------------------
 
