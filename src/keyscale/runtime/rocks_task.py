@@ -182,7 +182,7 @@ class RocksSession:
                 kgs = p.column(KG).to_numpy()
                 keep = np.flatnonzero(warm[kgs])
                 if len(keep):
-                    idx = pa.array(keep)
+                    idx: Any = pa.array(keep)
                     self.db.fetch(w, kgs[keep], [p.column(k).take(idx) for k in self.db.key_names])
         w.freeze()
         w.table.apply_all(parts)

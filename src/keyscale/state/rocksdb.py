@@ -45,7 +45,17 @@ import numpy as np
 import pyarrow as pa
 
 from keyscale.state.keygroups import mask_runs
-from keyscale.state.rockskeys import DATA, INDEX, META, RowCodec, decode_keys, encode_keys, encode_time, kg_bytes, time_bytes
+from keyscale.state.rockskeys import (
+    DATA,
+    INDEX,
+    META,
+    RowCodec,
+    decode_keys,
+    encode_keys,
+    encode_time,
+    kg_bytes,
+    time_bytes,
+)
 from keyscale.state.table import KG_COLUMN, KeyedStateTable, numpy_to_arrow
 from keyscale.state.types import StateDescriptor
 from keyscale.storage.scratch import open_rocksdb

@@ -100,7 +100,7 @@ def _escape(b: bytes) -> bytes:
 
 
 def _var_values(col: Any, t: pa.DataType) -> list[bytes]:
-    items = col.to_pylist() if isinstance(col, pa.Array | pa.ChunkedArray) else list(col)
+    items: list[Any] = col.to_pylist() if isinstance(col, pa.Array | pa.ChunkedArray) else list(col)
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return [_escape(s.encode()) for s in items]
     return [_escape(bytes(b)) for b in items]
@@ -180,15 +180,15 @@ def decode_keys(keys: Sequence[bytes], types: Sequence[pa.DataType], skip: int =
                 values[i].append(k[at : at + w])
                 at += w
             else:
-                v, at = _unescape(k, at)
-                values[i].append(v.decode() if pa.types.is_string(t) or pa.types.is_large_string(t) else v)
+                raw, at = _unescape(k, at)
+                values[i].append(raw.decode() if pa.types.is_string(t) or pa.types.is_large_string(t) else raw)
     out: list[Any] = []
-    for v, t in zip(values, types, strict=True):
+    for vs, t in zip(values, types, strict=True):
         if _fixed(t):
             w = _width(t)
-            out.append(_unfix(np.frombuffer(b"".join(v), dtype=np.uint8).reshape(n, w), t))
+            out.append(_unfix(np.frombuffer(b"".join(vs), dtype=np.uint8).reshape(n, w), t))
         else:
-            out.append(pa.array(v, type=t))
+            out.append(pa.array(vs, type=t))
     return kgs, out
 
 
@@ -249,10 +249,7 @@ class RowCodec:
     def decode(self, values: Sequence[bytes]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Each state's values and validity for rows ``values`` (inverse of :meth:`encode`)."""
         n = len(values)
-        if self.other:
-            fixed = b"".join(v[: self.width] for v in values)
-        else:
-            fixed = b"".join(values)
+        fixed = b"".join(v[: self.width] for v in values) if self.other else b"".join(values)
         rec = np.frombuffer(fixed, dtype=self.dtype, count=n) if n else np.zeros(0, dtype=self.dtype)
         vals: dict[str, np.ndarray] = {}
         ok: dict[str, np.ndarray] = {}
