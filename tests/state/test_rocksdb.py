@@ -154,3 +154,13 @@ def test_a_database_remembers_its_versions_and_forgets_them_under_another_layout
     other = RocksState(scratch_dir("db"), ["k"], [pa.int64()], [StateDescriptor("m", "value", pa.int64())], 128)
     assert (other.versions == -1).all() and other.range_table(0, 127).num_rows == 0
     other.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.tuples(KGS, INT64), min_size=1, max_size=30), strings=st.lists(TEXT, min_size=30, max_size=30))
+def test_sorted_encoding_is_the_encodings_in_byte_order(rows: list[tuple[int, int]], strings: list[str]) -> None:
+    kgs = np.array([g for g, _ in rows])
+    fixed = [np.array([k for _, k in rows], dtype=np.int64)]
+    assert encode_keys(kgs, fixed, [pa.int64()], sort=True) == sorted(encode_keys(kgs, fixed, [pa.int64()]))
+    var = [_col(strings[: len(rows)], pa.string())]
+    assert encode_keys(kgs, var, [pa.string()], sort=True) == sorted(encode_keys(kgs, var, [pa.string()]))

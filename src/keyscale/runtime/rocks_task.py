@@ -221,6 +221,7 @@ class RocksSession:
     def finish(self, batch: int) -> None:
         """The range now reflects ``batch`` (written back already)."""
         self.db.set_versions(self.rng.start, self.rng.end, batch)
+        self.db.flush()
 
     def state_keys(self) -> int:
         return int(self.db.counts[self.rng.start : self.rng.end + 1].sum())

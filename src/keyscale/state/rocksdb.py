@@ -126,6 +126,15 @@ class RocksState:
         self.indexed = list(indexed)
         self.codec = RowCodec(self.states)
         self.db = open_rocksdb(path, _options())
+        # No write-ahead log: the database is a cache of the state files. A process that dies
+        # loses the writes not yet flushed, and RocksDB recovers to a prefix of the writes
+        # (memtables flush in order); every task marks its range unusable before its first
+        # change, so a prefix is either that mark or what was there before the task.
+        import rocksdict as rd
+
+        wo = rd.WriteOptions()
+        wo.disable_wal = True
+        self.db.set_write_options(wo)
         sig = hashlib.sha256(repr((self.key_names, [str(t) for t in key_types], states, max_parallelism, self.indexed)).encode()).digest()
         self.versions = np.full(max_parallelism, -1, dtype=np.int64)
         self.counts = np.zeros(max_parallelism, dtype=np.int64)
@@ -191,8 +200,7 @@ class RocksState:
         one multi-get, in key order (RocksDB reads sorted keys faster)."""
         if not len(kgs):
             return
-        keys = encode_keys(kgs, key_cols, self.key_types)
-        keys.sort()
+        keys = encode_keys(kgs, key_cols, self.key_types, sort=True)
         found = self.db.get(keys)
         hit = [i for i, v in enumerate(found) if v is not None]
         self._add(w, [keys[i] for i in hit], [found[i] for i in hit])
@@ -246,10 +254,12 @@ class RocksState:
         deleted ones removed, their time-index entries moved; one WriteBatch."""
         import rocksdict as rd
 
-        rows = np.unique(rows[rows >= 0])
+        t = w.table
+        mask = np.zeros(len(t), dtype=bool)  # distinct rows, in order (cheaper than np.unique's sort or hash)
+        mask[rows[rows >= 0]] = True
+        rows = np.flatnonzero(mask)
         if not len(rows):
             return
-        t = w.table
         kgs = t.kg[rows]
         keys = encode_keys(kgs, [t.key_arrow(i, rows) for i in range(len(self.key_names))], self.key_types)
         alive = np.zeros(len(rows), dtype=bool)
@@ -315,6 +325,10 @@ class RocksState:
             arrays.append(numpy_to_arrow(vals[s.name], ok[s.name], s.column_type))
             names.append(s.name)
         return pa.Table.from_arrays(arrays, names=names)
+
+    def flush(self) -> None:
+        """Make what was written durable (the write-ahead log is off)."""
+        self.db.flush()
 
     def close(self) -> None:
         if not self._closed:

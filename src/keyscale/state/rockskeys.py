@@ -106,8 +106,9 @@ def _var_values(col: Any, t: pa.DataType) -> list[bytes]:
     return [_escape(bytes(b)) for b in items]
 
 
-def encode_keys(kgs: Any, columns: Sequence[Any], types: Sequence[pa.DataType], prefix: bytes = DATA) -> list[bytes]:
-    """Each row's RocksDB key: ``prefix``, its key group (2 bytes, big-endian), its key columns."""
+def encode_keys(kgs: Any, columns: Sequence[Any], types: Sequence[pa.DataType], prefix: bytes = DATA, sort: bool = False) -> list[bytes]:
+    """Each row's RocksDB key: ``prefix``, its key group (2 bytes, big-endian), its key
+    columns; with ``sort``, in byte order instead of row order."""
     kg = np.asarray(kgs).astype(">u2").view(np.uint8).reshape(-1, 2)
     n = len(kg)
     fixed = [_fixed(t) for t in types]
@@ -121,13 +122,16 @@ def encode_keys(kgs: Any, columns: Sequence[Any], types: Sequence[pa.DataType], 
             w = _width(t)
             mat[:, at : at + w] = _fixed_bytes(c, t)
             at += w
+        if sort:  # equal widths: numpy's "S" order (trailing zeros ignored) is the byte order
+            mat = mat[np.argsort(mat.view(f"S{mat.shape[1]}").ravel(), kind="stable")]
         out: list[bytes] = np.ascontiguousarray(mat).view(f"V{mat.shape[1]}").ravel().tolist()
         return out
     parts: list[list[bytes]] = []
     for c, t, f in zip(columns, types, fixed, strict=True):
         parts.append(np.ascontiguousarray(_fixed_bytes(c, t)).view(f"V{_width(t)}").ravel().tolist() if f else _var_values(c, t))
     heads = np.ascontiguousarray(kg).view("V2").ravel().tolist()
-    return [b"".join((prefix, h, *p)) for h, *p in zip(heads, *parts, strict=True)]
+    keys = [b"".join((prefix, h, *p)) for h, *p in zip(heads, *parts, strict=True)]
+    return sorted(keys) if sort else keys
 
 
 def _unfix(raw: np.ndarray, t: pa.DataType) -> Any:
