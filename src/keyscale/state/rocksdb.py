@@ -133,7 +133,7 @@ class RocksState:
         import rocksdict as rd
 
         wo = rd.WriteOptions()
-        wo.disable_wal = True
+        setattr(wo, "disable_wal", True)  # a property at run time (the stubs call it a method)  # noqa: B010
         self.db.set_write_options(wo)
         sig = hashlib.sha256(repr((self.key_names, [str(t) for t in key_types], states, max_parallelism, self.indexed)).encode()).digest()
         self.versions = np.full(max_parallelism, -1, dtype=np.int64)
