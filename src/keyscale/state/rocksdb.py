@@ -198,6 +198,13 @@ class RocksState:
     def fetch(self, w: Working, kgs: np.ndarray, key_cols: Sequence[Any]) -> None:
         """Rows of the keys (distinct; key groups ``kgs``, columns ``key_cols``) that exist:
         one multi-get, in key order (RocksDB reads sorted keys faster)."""
+        # Key groups without a key (new, just dropped) are not asked: a first batch or a
+        # rescale's new keys cost no lookup (the counts are exact or, after a crash, high).
+        held = self.counts[np.asarray(kgs, dtype=np.int64)] > 0
+        if not held.all():
+            keep = np.flatnonzero(held)
+            kgs = np.asarray(kgs)[keep]
+            key_cols = [c[keep] if isinstance(c, np.ndarray) else c.take(pa.array(keep)) for c in key_cols]
         if not len(kgs):
             return
         keys = encode_keys(kgs, key_cols, self.key_types, sort=True)
