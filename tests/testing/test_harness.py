@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +17,14 @@ import keyscale.testing
 import keyscale.testing.nonkeyed
 from keyscale.testing import KeyedHarness, OperatorHarness
 
-# Each test twice: the harnesses on the in-memory and on the RocksDB state backend (conftest.py).
-pytestmark = pytest.mark.usefixtures("state_backend")
+
+@pytest.fixture(autouse=True, params=["memory", "rocksdb"])
+def state_backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: its harnesses on the in-memory and on the RocksDB state backend."""
+    monkeypatch.setenv("KEYSCALE_LOCAL_DIR", str(tmp_path / "local"))
+    monkeypatch.setattr(KeyedHarness, "default_state_backend", request.param)
+    return str(request.param)
+
 
 MINUTE = 60_000
 T0 = 1_767_225_600_000
