@@ -176,3 +176,22 @@ def test_a_task_killed_after_writing_its_rows_but_before_recording_its_batch_is_
     monkeypatch.setattr(rocks_task.RocksSession, "finish", finish)
     assert h.process([{"k": k} for k in range(6)]) == [{"k": k, "n": 2} for k in range(6)]
     assert h.process([{"k": 0}]) == [{"k": 0, "n": 3}]
+
+
+def test_a_subtask_whose_database_another_attempt_holds_uses_a_private_copy() -> None:
+    """Speculation or a zombie attempt holds the subtask's database (RocksDB's lock): this
+    attempt loads its range into a database of its own, which goes when it ends."""
+    from keyscale.state.rocksdb import RocksState
+    from keyscale.storage import LocalStore
+    from keyscale.storage.scratch import scratch_children, scratch_dir
+
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", n=ks.count(), state_backend="rocksdb")
+    h.process([{"k": 1}, {"k": 2}])
+    run = scratch_dir(rocks_task._plain(LocalStore(h._folder.path).uri), rocks_task._plain("harness"), "harness")
+    holder = RocksState(run / "s0", ["k"], [], [], 128)  # opened by "another attempt"
+    try:
+        assert h.process([{"k": 1}]) == [{"k": 1, "n": 2}]
+        assert [p.name for p in scratch_children(run)] == ["s0"]  # the private copy is gone
+    finally:
+        holder.close()
+    assert h.process([{"k": 1}, {"k": 2}]) == [{"k": 1, "n": 3}, {"k": 2, "n": 2}]  # reloaded: s0 is behind
