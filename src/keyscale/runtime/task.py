@@ -13,6 +13,10 @@ from the checkpoint. A worker marks key groups invalid while it updates them, so
 attempt never leaves a copy that claims a version it does not have. A worker keeps the
 state of the subtasks it runs only: copies of key groups another worker now advances are
 dropped (see ``STALE_COPY_BYTES``), so an executor holds one copy of each key.
+
+With ``state_backend="rocksdb"`` the state is instead in a RocksDB on the executor's disk
+(``keyscale.runtime.rocks_task``): the task fetches the batch's keys from it into a small
+table, runs the same code on that table, and writes the changed rows back.
 """
 
 from __future__ import annotations
