@@ -39,6 +39,7 @@ from keyscale.operators.windows import (
     WindowAggregate,
 )
 from keyscale.sources.reader import LogSource
+from keyscale.state.backends import check_rocksdb_keys, check_state_backend
 from keyscale.state.types import StateDescriptor, arrow_schema
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class KeyedStep:
     late_sink: Sink | None = None  # where records too late for a window go
     broadcast: BroadcastStream | None = None  # rules delivered to every subtask as broadcast state
     on_error: OnError | None = None  # poison records; None: the pipeline's default (sink(..., on_error=))
+    state_backend: str | None = None  # "memory" | "rocksdb"; None: the job's (start(state_backend=...), default "memory")
 
     @property
     def vectorized(self) -> bool:
@@ -288,10 +290,12 @@ class KeyedStream:
     def _step(
         self, uid: str, fn: Any, output: pa.Schema, states: list[StateDescriptor], parallelism: int | None,
         extra_keys: tuple[tuple[str, pa.DataType], ...] = (), late_sink: Sink | None = None, broadcast: BroadcastStream | None = None,
-        on_error: OnError | None = None,
+        on_error: OnError | None = None, state_backend: str | None = None,
     ) -> Stream:
         _check_uid(uid, self._stream._steps)
         check_on_error(on_error, f"operator '{uid}'")
+        if state_backend is not None:
+            check_state_backend(state_backend, f"operator '{uid}'")
         clash = [s.name for s in states if s.name in self._keys]
         if clash:
             raise JobDefinitionError(f"operator '{uid}': state '{clash[0]}' has the name of a key column")
@@ -299,13 +303,15 @@ class KeyedStream:
         event_time = wm.column if wm is not None and wm.column in self._input.names else None
         step = KeyedStep(
             uid, self._keys, self._key_types, self._input, fn, output, tuple(states), self._null_keys, parallelism, event_time,
-            extra_keys, late_sink, broadcast, on_error,
+            extra_keys, late_sink, broadcast, on_error, state_backend,
         )
+        if state_backend == "rocksdb":
+            check_rocksdb_keys(uid, step.state_key_columns)
         return self._stream._with(step)
 
     def process(
         self, function: KeyedProcessFunction | VectorizedKeyedFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
-        broadcast: BroadcastStream | None = None, on_error: OnError | None = None,
+        broadcast: BroadcastStream | None = None, on_error: OnError | None = None, state_backend: str | None = None,
     ) -> Stream:
         """Run a keyed process function (per key) or a vectorized one (per batch).
 
@@ -313,13 +319,16 @@ class KeyedStream:
         ``broadcast`` (:func:`keyscale.broadcast`), every subtask reads the rules stream's
         state as ``ctx.broadcast_state``; a batch's rules apply before its records.
         ``on_error`` ("fail", "skip", "dead_letter") overrides the pipeline's poison-record
-        policy for this stage.
+        policy for this stage. ``state_backend`` ("memory" or "rocksdb") overrides the job's
+        (``start(state_backend=...)``, default "memory") for this stage: README, "Choosing a
+        state backend".
         """
         if not isinstance(function, KeyedProcessFunction | VectorizedKeyedFunction):
             raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} is not a KeyedProcessFunction or VectorizedKeyedFunction")
         if uses_timers(function) and self._stream.watermark is None:
             log.info("operator '%s' has on_timer but the stream has no watermark: only processing-time timers will fire", uid)
-        return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism, broadcast=broadcast, on_error=on_error)
+        return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism, broadcast=broadcast, on_error=on_error,
+                          state_backend=state_backend)
 
     def window(self, assigner: Assigner, allowed_lateness: Duration = 0, late_output: Sink | None = None) -> WindowedStream:
         """Event-time windows per key: ``TumblingWindows``, ``SlidingWindows`` or ``SessionWindows``.
@@ -341,15 +350,17 @@ class KeyedStream:
             raise JobDefinitionError(f"window() takes TumblingWindows, SlidingWindows or SessionWindows, not {type(assigner).__name__}")
         return WindowedStream(self, assigner, parse_duration_ms(allowed_lateness, "allowed_lateness"), late_output)
 
-    def aggregate(self, uid: str, parallelism: int | None = None, on_error: OnError | None = None, **aggs: Agg) -> Stream:
+    def aggregate(self, uid: str, parallelism: int | None = None, on_error: OnError | None = None, state_backend: str | None = None,
+                  **aggs: Agg) -> Stream:
         """Vectorized running aggregates per key; emits (key..., aggregates) for every key updated in a batch.
 
-        ``aggregate(uid="totals", count=keyscale.count(), sum=keyscale.sum("value"))``
+        ``aggregate(uid="totals", count=keyscale.count(), sum=keyscale.sum("value"))``;
+        ``state_backend="rocksdb"`` keeps this stage's state on local disk (default: the job's).
         """
         types = {f.name: f.type for f in self._input}
         fn = RunningAggregate(dict(aggs), list(self._keys), types)
         out = pa.schema([*(self._input.field(k) for k in self._keys), *fn.output_fields()])
-        return self._step(uid, fn, out, fn.state_descriptors(), parallelism, on_error=on_error)
+        return self._step(uid, fn, out, fn.state_descriptors(), parallelism, on_error=on_error, state_backend=state_backend)
 
 
 class WindowedStream:
@@ -361,18 +372,21 @@ class WindowedStream:
         self._lateness_ms = lateness_ms
         self._late = late_output
 
-    def aggregate(self, uid: str, parallelism: int | None = None, on_error: OnError | None = None, **aggs: Agg) -> Stream:
+    def aggregate(self, uid: str, parallelism: int | None = None, on_error: OnError | None = None, state_backend: str | None = None,
+                  **aggs: Agg) -> Stream:
         """Incremental aggregates per key and window: ``count()``, ``sum``, ``min``, ``max``,
         ``mean`` (vectorized) and ``reduce(column, fn)``. Emits (key..., window_start, window_end, aggregates).
 
-        Records without an event time (null) follow ``on_error`` (or the pipeline's default)."""
+        Records without an event time (null) follow ``on_error`` (or the pipeline's default);
+        ``state_backend`` ("memory" or "rocksdb") overrides the job's for this stage."""
         k = self._keyed
         wm = k._stream.watermark
         assert wm is not None
         types = {f.name: f.type for f in k._input}
         fn = WindowAggregate(self._assigner, dict(aggs), list(k._keys), types, wm.column, self._lateness_ms)
         out = pa.schema([*(k._input.field(c) for c in k._keys), *fn.output_fields()])
-        return k._step(uid, fn, out, fn.state_descriptors(), parallelism, ((WINDOW_START, pa.int64()),), self._late, on_error=on_error)
+        return k._step(uid, fn, out, fn.state_descriptors(), parallelism, ((WINDOW_START, pa.int64()),), self._late, on_error=on_error,
+                       state_backend=state_backend)
 
 
 def source_schema(source: DataFrame | LogSource) -> StructType:
@@ -485,7 +499,9 @@ class Pipeline:
         checkpoint. ``options`` are :class:`~keyscale.runtime.jobstate.RunOptions` fields:
         ``until_idle=True`` (end when the input is read), ``trigger_interval="1 second"``,
         ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"``,
-        ``retain``, ``drain_at_end``... keyscale changes none of the session's settings.
+        ``retain``, ``drain_at_end``, ``state_backend="memory"|"rocksdb"`` (the keyed stages'
+        default; a stage's own ``state_backend=`` wins)... keyscale changes none of the
+        session's settings.
         """
         from keyscale.runtime.handle import start_job
 

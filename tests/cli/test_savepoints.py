@@ -66,6 +66,21 @@ def test_savepoint_moved_and_restored_at_any_parallelism(spark: Any, events: Pat
     assert moved.exists()
 
 
+@pytest.mark.parametrize(("before", "after"), [("memory", "rocksdb"), ("rocksdb", "memory")])
+def test_a_savepoint_taken_on_one_state_backend_restores_on_the_other(
+    spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path, before: str, after: str,
+) -> None:
+    inp = tmp_path / "in"
+    _stage(events, inp, slice(0, 3))
+    run_job(RUNNING_COUNT, tmp_path / "job", 2, {"input": str(inp), "output": str(tmp_path / "out")}, max_parallelism=16, state_backend=before)
+    assert keyscale_main(["savepoint", str(tmp_path / "job"), "--dest", str(tmp_path / "sp")]) == 0
+    _stage(events, inp, slice(3, 6))
+    summary = run_job(RUNNING_COUNT, tmp_path / "job2", 3, {"input": str(inp), "output": str(tmp_path / "out2")},
+                      from_savepoint=str(tmp_path / "sp"), state_backend=after)
+    assert summary.recovered_from == 2 and [b.batch for b in summary.batches] == [3, 4, 5]
+    pd.testing.assert_frame_equal(_union(tmp_path / "out", tmp_path / "out2"), reference)
+
+
 @pytest.mark.s3
 def test_savepoint_of_a_job_on_s3_restored_anywhere(spark: Any, events: Path, reference: pd.DataFrame, s3_bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A job directory on S3: savepoints to S3 and to local disk (the job stopped), each

@@ -221,3 +221,14 @@ def test_spark_conf_reaches_the_command_line_and_is_a_run_setting(folder: Path) 
     assert spec.changes(other) == ["spark_conf"] and "spark_conf" in RUN_FIELDS
     with pytest.raises(DeploymentError, match=r"spark_conf\.x: must be a string, number or boolean, not list"):
         _parse(folder, MINIMAL + "[spark_conf]\nx = [1]\n")
+
+
+def test_the_state_backend_is_a_run_setting_passed_to_keyscale_run(folder: Path) -> None:
+    default = _parse(folder, MINIMAL)
+    assert default.state_backend == "memory" and "--state-backend" not in default.command("/j")
+    rocks = _parse(folder, MINIMAL + 'state_backend = "rocksdb"\n')
+    assert rocks.command("/j")[-2:] == ["--state-backend", "rocksdb"]
+    assert default.changes(rocks) == ["state_backend"] and "state_backend" in RUN_FIELDS
+    assert DeploymentSpec.from_json(rocks.to_json()) == rocks
+    with pytest.raises(DeploymentError, match="state_backend"):
+        _parse(folder, MINIMAL + 'state_backend = "disk"\n')

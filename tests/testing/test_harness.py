@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import doctest
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,15 @@ import keyscale as ks
 import keyscale.testing
 import keyscale.testing.nonkeyed
 from keyscale.testing import KeyedHarness, OperatorHarness
+
+
+@pytest.fixture(params=["memory", "rocksdb"])
+def state_backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A test that uses it runs twice: its harnesses on the in-memory and on the RocksDB state backend."""
+    monkeypatch.setenv("KEYSCALE_LOCAL_DIR", str(tmp_path / "local"))
+    monkeypatch.setattr(KeyedHarness, "default_state_backend", request.param)
+    return str(request.param)
+
 
 MINUTE = 60_000
 T0 = 1_767_225_600_000
@@ -28,6 +38,7 @@ def test_the_module_examples_run(module: Any) -> None:
 batches = st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "dd", "ü"]), st.integers(-5, 5)), max_size=8), min_size=1, max_size=5)
 
 
+@pytest.mark.usefixtures("state_backend")
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=batches, p=st.integers(1, 4), restore_at=st.integers(0, 4), restore_p=st.integers(1, 5))
 def test_an_aggregate_gives_the_same_output_at_any_parallelism_and_across_a_restore(
@@ -65,6 +76,7 @@ class SessionTimeout(ks.KeyedProcessFunction):
         return [(key, n)]
 
 
+@pytest.mark.usefixtures("state_backend")
 def test_processing_time_timers_fire_when_the_clock_moves_also_after_a_restore_elsewhere() -> None:
     h = KeyedHarness.of(SessionTimeout(), key_by=["k"], input_schema="k string", output_schema="k string, n long", parallelism=2)
     assert h.process([{"k": "a"}, {"k": "b"}, {"k": "a"}]) == []
@@ -77,6 +89,7 @@ def test_processing_time_timers_fire_when_the_clock_moves_also_after_a_restore_e
     assert restored.state("a") is None
 
 
+@pytest.mark.usefixtures("state_backend")
 def test_a_tumbling_window_fires_at_the_watermark_and_sends_late_records_aside() -> None:
     def run(restore: bool) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
         h = KeyedHarness.window(ks.TumblingWindows("1 minute"), key_by=["user"], input_schema="user string, ts long, v long",
@@ -114,6 +127,7 @@ class Doubler(ks.VectorizedKeyedFunction):
         return {"s": s}, pd.DataFrame({"k": batch.keys["k"], "s": s})
 
 
+@pytest.mark.usefixtures("state_backend")
 def test_a_vectorized_function_keeps_its_state_across_parallelism_changes() -> None:
     rnd = random.Random(3)
     rows = [[{"k": f"k{rnd.randrange(20)}", "v": rnd.randrange(10)} for _ in range(50)] for _ in range(4)]

@@ -83,7 +83,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
-        spark_conf=parse_spark_conf(a.conf),
+        spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend,
     )
     log = logging.getLogger("keyscale")
     while True:
@@ -134,7 +134,7 @@ def _restart_rescale(a: argparse.Namespace) -> int:
     _wait_for_exit(a.job_dir, a.timeout)
     argv = [sys.executable, "-m", "keyscale.cli.main", "run", run["job_file"], "--job-dir", jd.uri, "-p", str(a.parallelism),
             "--master", run["master"], "--trigger-interval", run["trigger_interval"], "--retain", str(run["retain"]),
-            "--compaction-chain", str(run["compaction_chain"])]
+            "--compaction-chain", str(run["compaction_chain"]), "--state-backend", run.get("state_backend", "memory")]
     argv += ["--until-idle"] if run["until_idle"] else []
     for opt in a.storage_option or []:
         argv += ["--storage-option", opt]
@@ -418,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
+    r.add_argument("--state-backend", choices=["memory", "rocksdb"], default="memory",
+                   help="where keyed stages keep their state: memory (default) or rocksdb on the executors' local disk "
+                        "(a stage's own state_backend= wins; README: Choosing a state backend)")
     r.add_argument("--scaling", choices=["fixed", "reactive", "auto"], default="fixed",
                    help="reactive: parallelism follows the executor cores Spark has; auto: the autoscaler watches every batch (default fixed)")
     r.add_argument("--scaling-min", type=int, default=1, metavar="N", help="lowest parallelism reactive mode and the autoscaler choose (default 1)")

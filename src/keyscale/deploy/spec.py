@@ -124,7 +124,7 @@ class RestartStrategy:
 
 
 #: Fields whose change needs a new job process (the upgrade strategy applies).
-RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism", "spark_conf")
+RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism", "spark_conf", "state_backend")
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,7 @@ class DeploymentSpec:
     allow_non_restored_state: bool = False
     restart: RestartStrategy = field(default_factory=RestartStrategy)
     spark_conf: dict[str, str] = field(default_factory=dict)  # keyscale run --conf
+    state_backend: str = "memory"  # keyscale run --state-backend: the keyed stages' default
 
     @property
     def base_dir(self) -> Path:
@@ -188,6 +189,7 @@ class DeploymentSpec:
             "allow_non_restored_state": self.allow_non_restored_state,
             "restart": self.restart.to_json(),
             "spark_conf": dict(self.spark_conf),
+            "state_backend": self.state_backend,
         }
 
     @classmethod
@@ -201,6 +203,7 @@ class DeploymentSpec:
             upgrade_strategy=UpgradeStrategy(d["upgrade_strategy"]), restore_strategy=RestoreStrategy(d["restore_strategy"]),
             allow_non_restored_state=bool(d["allow_non_restored_state"]), restart=RestartStrategy.from_json(d["restart"]),
             spark_conf={str(k): str(v) for k, v in d.get("spark_conf", {}).items()},  # absent in specs stored before it
+            state_backend=str(d.get("state_backend", "memory")),  # likewise
         )
 
     def settings(self) -> dict[str, Any]:
@@ -236,6 +239,8 @@ class DeploymentSpec:
         ]
         if self.max_parallelism is not None:
             argv += ["--max-parallelism", str(self.max_parallelism)]
+        if self.state_backend != "memory":
+            argv += ["--state-backend", self.state_backend]
         for k, v in self.args.items():
             argv += ["--set", f"{k}={v}"]
         for k, v in self.spark_conf.items():
@@ -285,7 +290,7 @@ def file_sha256(path: Path) -> str:
 _TOP = (
     "name", "job", "args", "parallelism", "max_parallelism", "master", "trigger_interval", "retain",
     "compaction_chain", "state_dir", "savepoint_dir", "upgrade_strategy", "restore_strategy",
-    "allow_non_restored_state", "restart", "spark_conf",
+    "allow_non_restored_state", "restart", "spark_conf", "state_backend",
 )
 _RESTART = ("attempts", "backoff_seconds", "backoff_factor", "max_backoff_seconds")
 
@@ -405,6 +410,9 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
         top.fail("trigger_interval", f"{interval!r} must look like '500 milliseconds', '1 second' or '2 minutes'")
     retain = top.integer("retain", 3, 1)
     chain = top.integer("compaction_chain", 8, 2)
+    backend = top.string("state_backend", "memory")
+    if backend not in ("memory", "rocksdb"):
+        top.fail("state_backend", f"must be 'memory' or 'rocksdb', not {backend!r}")
     state_dir = _path(base, top.string("state_dir", f".keyscale/{name}"))
     savepoint_dir = _path(base, top.string("savepoint_dir")) if "savepoint_dir" in doc else state_dir / "savepoints"
     upgrade = UpgradeStrategy(top.choice("upgrade_strategy", UpgradeStrategy, "STATEFUL"))
@@ -427,7 +435,7 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
         parallelism=parallelism, max_parallelism=max_parallelism, master=master, trigger_interval=interval,
         retain=retain, compaction_chain=chain, state_dir=state_dir, savepoint_dir=savepoint_dir,
         upgrade_strategy=upgrade, restore_strategy=restore, allow_non_restored_state=allow, restart=restart,
-        spark_conf=spark_conf,
+        spark_conf=spark_conf, state_backend=backend,
     )
 
 

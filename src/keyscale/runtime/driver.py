@@ -44,6 +44,7 @@ from keyscale.runtime.session import missing_keyscale, spark_session, user_sessi
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
+from keyscale.state.backends import check_state_backend
 from keyscale.state.keygroups import (
     check_parallelism,
     default_max_parallelism,
@@ -157,6 +158,7 @@ class JobRunner:
             self._autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max))
         elif opts.scaling not in ("fixed", "auto", "reactive"):
             raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
+        check_state_backend(opts.state_backend, "the job's option")
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[str | None] = Future()
@@ -266,7 +268,7 @@ class JobRunner:
         self.jobdir.write_json("run.json", {
             "job_file": str(Path(o.job_file).absolute()) if o.job_file else None, "args": o.args, "master": o.master, "until_idle": o.until_idle,
             "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
-            "spark_conf": o.spark_conf,
+            "spark_conf": o.spark_conf, "state_backend": o.state_backend,
         }, durable=False)
 
     def _plan_parallelism(self, pipeline: Pipeline) -> None:

@@ -56,6 +56,7 @@ class RunOptions:
     drain_at_end: bool = False  # with until_idle: end with a drain (every event-time timer and window fires)
     scaling_min: int = 1  # bounds of reactive mode and the autoscaler
     scaling_max: int | None = None  # None: the number of key groups
+    state_backend: str = "memory"  # keyed stages' default: "memory" | "rocksdb" (a stage's own state_backend= wins)
     fault: str | None = None  # test-only: "<mid-batch|mid-upload|between-sinks|after-sink|in-compaction>:<batch>"
 
 

@@ -39,6 +39,7 @@ from keyscale.runtime.task import (
     StageTask,
     side_output_schema,
 )
+from keyscale.state.backends import check_rocksdb_keys
 from keyscale.state.keygroups import key_group_range
 from keyscale.state.spark_hash import routing_values
 
@@ -191,6 +192,9 @@ def keyed(
     if job.fault("mid-upload", batch_id):
         fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
     policy = job.pipeline.error_policy(step) if job.pipeline else FAIL
+    backend = step.state_backend or job.opts.state_backend
+    if backend == "rocksdb":
+        check_rocksdb_keys(step.uid, step.state_key_columns)
     spec = StageTask(
         store=job.jobdir.store, run_id=job.run_id, uid=step.uid, function=step.function,
         key_names=step.key_names, key_types=step.key_types, input_schema=task_input(step, policy.on_error == "dead_letter"),
@@ -200,7 +204,7 @@ def keyed(
         fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
         extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
-        on_error=policy, report_to=job.reports.sender,
+        on_error=policy, report_to=job.reports.sender, state_backend=backend,
     )
     keys = [F.col(k) for k in step.key_names]
     cols = [F.col(c) for c in spec.input_schema.names]

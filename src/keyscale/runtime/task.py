@@ -13,6 +13,10 @@ from the checkpoint. A worker marks key groups invalid while it updates them, so
 attempt never leaves a copy that claims a version it does not have. A worker keeps the
 state of the subtasks it runs only: copies of key groups another worker now advances are
 dropped (see ``STALE_COPY_BYTES``), so an executor holds one copy of each key.
+
+With ``state_backend="rocksdb"`` the state is instead in a RocksDB on the executor's disk
+(``keyscale.runtime.rocks_task``): the task fetches the batch's keys from it into a small
+table, runs the same code on that table, and writes the changed rows back.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -69,6 +73,9 @@ from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
 from keyscale.storage import Store
+
+if TYPE_CHECKING:
+    from keyscale.runtime.rocks_task import RocksSession
 
 SEQ = "__seq"
 KG = "__kg"
@@ -111,6 +118,7 @@ class StageTask:
     event_time_limit_ms: int | None = None  # later event times are not believed (with_watermark's max_ahead)
     on_error: ErrorPolicy = FAIL  # poison records: fail, skip or dead-letter (operators/poison.py)
     report_to: Any = None  # where the report goes (keyscale.runtime.reports): a Spark accumulator
+    state_backend: str = "memory"  # "memory" | "rocksdb" (runtime/rocks_task.py)
 
     @property
     def timers(self) -> bool:
@@ -492,18 +500,38 @@ def release_free_memory() -> None:
 
 
 def _process(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any], Upload | None]:
+    if spec.state_backend != "rocksdb":
+        return _process_with(spec, batches, subtask, None)
+    from keyscale.runtime.rocks_task import RocksSession
+
+    # The batch's records first: its working set is fetched by their keys.
+    parts = list(batches)
+    session = RocksSession(spec, key_group_range(subtask, spec.max_parallelism, spec.parallelism), subtask)
+    try:
+        return _process_with(spec, iter(parts), subtask, session)
+    finally:
+        session.close()
+
+
+def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int, rocks: RocksSession | None) -> tuple[pa.Table, dict[str, Any], Upload | None]:
     started = time.perf_counter()
     fn = spec.function
     opened = RuntimeContext(spec.uid, subtask, spec.parallelism, spec.max_parallelism)
     fn.open(opened)
     rng = key_group_range(subtask, spec.max_parallelism, spec.parallelism)
-    held, stats = obtain_state(spec, rng)
+    parts = list(batches) if rocks is not None else []
+    held: Any
+    if rocks is not None:
+        held, stats = rocks.obtain(pa.Table.from_batches(parts) if parts else _empty_input(spec))
+    else:
+        held, stats = obtain_state(spec, rng)
     load_seconds = time.perf_counter() - started
     if spec.fault == "kill-driver-mid-batch" and spec.driver_pid:
         os.kill(spec.driver_pid, signal.SIGKILL)
         time.sleep(30)
 
-    parts = list(batches)
+    if rocks is None:
+        parts = list(batches)
     table = pa.Table.from_batches(parts) if parts else _empty_input(spec)
     records = table.num_rows
     out = spec.output_schema.empty_table()
@@ -556,25 +584,33 @@ def _process(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -
     attempt = uuid.uuid4().hex[:12]
     written: StateFile | None = None
     upload: Upload | None = None
+    if rocks is not None:
+        rocks.write_back(changed_rows)  # the range's whole state is in RocksDB now (a snapshot reads it)
     if compact:
         if spec.fault == "kill-driver-in-compaction" and spec.driver_pid:
             os.kill(spec.driver_pid, signal.SIGKILL)
             time.sleep(30)
-        held.table.compact()
         kind: FileKind = "snapshot"
-        rows = held.table.rows_in_range(rng.start, rng.end)
+        if rocks is None:
+            held.table.compact()
+            rows = held.table.rows_in_range(rng.start, rng.end)
     else:
         kind, rows = "delta", changed_rows
     if compact or len(changed_rows):
         name = state_file_name(spec.uid, spec.batch_id, subtask, kind, attempt)
-        written, data = encode_state_file(name, held.table.to_arrow(rows), kind, spec.batch_id, rng)
+        content = rocks.range_table() if rocks is not None and compact else held.table.to_arrow(rows)
+        written, data = encode_state_file(name, content, kind, spec.batch_id, rng)
         upload = Upload(spec, name, data)
-    held.version[rng.start : rng.end + 1] = spec.batch_id
-    # Purged windows, expired or deleted keys: dropped once written, at 10% of the rows (a
-    # compaction of 5M rows takes ~0.2 s: at most ~0.4 us per dead row, at most ~3 B/key kept).
-    if held.table.dead_share() > 0.1:
-        held.table.compact()
-    in_range = held.table.rows_in_range(rng.start, rng.end, live_only=True)
+    if rocks is not None:
+        rocks.finish(spec.batch_id)
+        state_keys = rocks.state_keys()
+    else:
+        held.version[rng.start : rng.end + 1] = spec.batch_id
+        # Purged windows, expired or deleted keys: dropped once written, at 10% of the rows (a
+        # compaction of 5M rows takes ~0.2 s: at most ~0.4 us per dead row, at most ~3 B/key kept).
+        if held.table.dead_share() > 0.1:
+            held.table.compact()
+        state_keys = len(held.table.rows_in_range(rng.start, rng.end, live_only=True))
     report = {
         "subtask": subtask,
         "range": [rng.start, rng.end],
@@ -584,7 +620,7 @@ def _process(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -
         "keys": n_keys,
         "emitted": out.num_rows,
         "file": written.to_json() if written else None,
-        "state_keys": len(in_range),
+        "state_keys": state_keys,
         "busy_seconds": time.perf_counter() - started,
         "load_seconds": load_seconds,
         **stats,

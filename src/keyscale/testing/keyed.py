@@ -59,7 +59,8 @@ class Snapshot:
         """A new harness with this state, at ``parallelism`` (default: the snapshot's), as a
         job restarted from the checkpoint: every subtask loads its key groups from the files."""
         h = self.harness
-        fresh = KeyedHarness(h._step, parallelism or h.parallelism, h.max_parallelism, _folder=h._folder)
+        fresh = KeyedHarness(h._step, parallelism or h.parallelism, h.max_parallelism, _folder=h._folder, state_backend=h.state_backend)
+        fresh.snapshot_every = h.snapshot_every
         fresh._files, fresh._committed = list(self.files), self.committed
         fresh.watermark_ms, fresh.time_ms = self.watermark_ms, self.time_ms
         return fresh
@@ -82,8 +83,14 @@ class _Step:
 class KeyedHarness:
     """One keyed stage, its subtasks run in this process (no Spark)."""
 
-    def __init__(self, step: _Step, parallelism: int = 1, max_parallelism: int = 128, *, _folder: _Folder | None = None):
+    #: The state backend of harnesses not given one (a test suite may run all its harnesses on both).
+    default_state_backend = "memory"
+
+    def __init__(self, step: _Step, parallelism: int = 1, max_parallelism: int = 128, *, _folder: _Folder | None = None,
+                 state_backend: str | None = None):
         self._step = step
+        self.state_backend = state_backend or KeyedHarness.default_state_backend  # "memory" | "rocksdb": where the subtasks keep their state
+        self.snapshot_every = 0  # n > 0: every n-th batch writes snapshots instead of deltas
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.watermark_ms = NO_WATERMARK
@@ -99,25 +106,28 @@ class KeyedHarness:
 
     @classmethod
     def of(cls, function: KeyedProcessFunction | VectorizedKeyedFunction, *, key_by: list[str], input_schema: str | pa.Schema,
-           output_schema: str | pa.Schema, parallelism: int = 1, max_parallelism: int = 128, event_time: str | None = None) -> KeyedHarness:
+           output_schema: str | pa.Schema, parallelism: int = 1, max_parallelism: int = 128, event_time: str | None = None,
+           state_backend: str | None = None) -> KeyedHarness:
         """A harness for ``key_by(...).process(function, output_schema)``; ``event_time``:
         the column the watermark is on, for event-time timers."""
         schema = arrow_schema(input_schema)
         states = function.state_descriptors() if isinstance(function, RunningAggregate) else describe_states(function, "harness")
-        return cls(_Step(function, tuple(key_by), schema, arrow_schema(output_schema), tuple(states), event_time), parallelism, max_parallelism)
+        return cls(_Step(function, tuple(key_by), schema, arrow_schema(output_schema), tuple(states), event_time), parallelism, max_parallelism,
+                   state_backend=state_backend)
 
     @classmethod
     def aggregate(cls, *, key_by: list[str], input_schema: str | pa.Schema, parallelism: int = 1, max_parallelism: int = 128,
-                  **aggs: Agg) -> KeyedHarness:
+                  state_backend: str | None = None, **aggs: Agg) -> KeyedHarness:
         """A harness for ``key_by(...).aggregate(**aggs)``."""
         schema = arrow_schema(input_schema)
         fn = RunningAggregate(dict(aggs), list(key_by), {f.name: f.type for f in schema})
         out = pa.schema([*(schema.field(k) for k in key_by), *fn.output_fields()])
-        return cls(_Step(fn, tuple(key_by), schema, out, tuple(fn.state_descriptors())), parallelism, max_parallelism)
+        return cls(_Step(fn, tuple(key_by), schema, out, tuple(fn.state_descriptors())), parallelism, max_parallelism, state_backend=state_backend)
 
     @classmethod
     def window(cls, assigner: Assigner, *, key_by: list[str], input_schema: str | pa.Schema, event_time: str,
-               allowed_lateness: Duration = 0, parallelism: int = 1, max_parallelism: int = 128, **aggs: Agg) -> KeyedHarness:
+               allowed_lateness: Duration = 0, parallelism: int = 1, max_parallelism: int = 128, state_backend: str | None = None,
+               **aggs: Agg) -> KeyedHarness:
         """A harness for ``key_by(...).window(assigner, allowed_lateness).aggregate(**aggs)``
         on the event-time column ``event_time``; late records collect in :attr:`late`."""
         schema = arrow_schema(input_schema)
@@ -125,7 +135,7 @@ class KeyedHarness:
                              parse_duration_ms(allowed_lateness, "allowed_lateness"))
         out = pa.schema([*(schema.field(k) for k in key_by), *fn.output_fields()])
         return cls(_Step(fn, tuple(key_by), schema, out, tuple(fn.state_descriptors()), event_time, ((WINDOW_START, pa.int64()),), True),
-                   parallelism, max_parallelism)
+                   parallelism, max_parallelism, state_backend=state_backend)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -148,8 +158,9 @@ class KeyedHarness:
             key_names=s.key_names, key_types=tuple(s.input_schema.field(k).type for k in s.key_names),
             input_schema=s.input_schema, output_schema=s.output_schema, states=s.states, null_keys="error",
             max_parallelism=m, parallelism=p, batch_id=batch, batch_time_ms=self.time_ms, committed=self._committed,
-            files=tuple(self._files), compact=(False,) * p, watermark_ms=self.watermark_ms, event_time=s.event_time,
-            extra_keys=s.extra_keys, late_output=s.late_output,
+            files=tuple(self._files), compact=(bool(self.snapshot_every) and batch % self.snapshot_every == 0,) * p,
+            watermark_ms=self.watermark_ms, event_time=s.event_time, extra_keys=s.extra_keys, late_output=s.late_output,
+            state_backend=self.state_backend,
         )
         kgs = table.column(KG).to_numpy()
         rows: list[dict[str, Any]] = []

@@ -1,0 +1,227 @@
+"""The RocksDB state backend in a task: the subtask's RocksDB brought to the committed
+checkpoint, the batch's working set fetched from it, the changed rows written back.
+
+Where the database lives: one per (job directory, operator, run, subtask index) in the
+executor's scratch space (:mod:`keyscale.storage.scratch`). A task opens it, and closes it
+when it ends, so whichever Python worker of the executor runs the subtask next opens the
+same files: one copy per executor, never one per worker. When the parallelism changes,
+subtask ``i`` keeps the key groups of its new range that its database already holds at the
+committed batch, drops the others (DeleteRange) and loads the rest from the checkpoint's
+state files; databases of subtasks that no longer exist and of earlier runs are deleted.
+
+What a database reflects is recorded in it: per key group the checkpoint batch. A task
+marks its range unusable (-1) before it changes anything and records the batch it wrote
+at the end, so a task killed half-way leaves a database whose range the next attempt
+reloads from the files; one at a batch later than the committed one (an attempt whose
+batch did not commit) is reloaded too. The state files stay the source of truth: deltas
+and snapshots are written exactly as with the in-memory backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from keyscale.checkpoint.files import read_state_slice
+from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
+from keyscale.errors import KeyscaleError
+from keyscale.operators.eventtime import NO_WATERMARK
+from keyscale.operators.keyed import TIMER_STATES, ttl_column
+from keyscale.operators.windows import WINDOW_END, WindowAggregate
+from keyscale.state.keygroups import KeyGroupRange, mask_runs
+from keyscale.state.rocksdb import RocksState, Working
+from keyscale.storage.scratch import remove_scratch, scratch_children, scratch_dir
+
+if TYPE_CHECKING:
+    from keyscale.runtime.task import StageTask
+
+KG = "__kg"
+# Rows of state files loaded into RocksDB at once when a key-group range is restored: the
+# restore's memory is bounded by this, not by the state's size.
+LOAD_CHUNK_ROWS = 500_000
+
+
+def _plain(name: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40]
+    return f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def indexed_columns(spec: StageTask) -> list[tuple[str, int]]:
+    """The int64 states that make a key due without a record, each with this batch's bound:
+    timers (watermark, batch time), TTL clocks (batch time - TTL), window ends (watermark + 1)."""
+    cols: list[tuple[str, int]] = []
+    if spec.timers:
+        cols += [(TIMER_STATES["event_time"][1], spec.watermark_ms), (TIMER_STATES["processing_time"][1], spec.batch_time_ms)]
+    cols += [(ttl_column(s.name), spec.batch_time_ms - round(s.ttl_seconds * 1000)) for s in spec.states if s.ttl_seconds is not None]
+    if isinstance(spec.function, WindowAggregate):
+        cols.append((WINDOW_END, int(min(max(spec.watermark_ms + 1, NO_WATERMARK), 2**63 - 1))))
+    return cols
+
+
+class RocksHeld:
+    """What ``task._process`` works on: the batch's working table."""
+
+    def __init__(self, working: Working):
+        self.working = working
+        self.table = working.table
+
+
+class RocksSession:
+    """One task's use of its subtask's RocksDB (open, bring up to date, fetch, write back, close)."""
+
+    def __init__(self, spec: StageTask, rng: KeyGroupRange, subtask: int):
+        self.spec, self.rng = spec, rng
+        job = scratch_dir(_plain(spec.store.uri), _plain(spec.uid))
+        for old in scratch_children(job):  # earlier runs of this job: their state is in the files
+            if old.name != spec.run_id:
+                remove_scratch(old)
+        run = scratch_dir(_plain(spec.store.uri), _plain(spec.uid), spec.run_id)
+        for old in scratch_children(run):  # subtasks the parallelism no longer has
+            m = re.fullmatch(r"s(\d+)", old.name)
+            if m and int(m.group(1)) >= spec.parallelism:
+                remove_scratch(old)
+        self.columns = indexed_columns(spec)
+        names = [*spec.key_names, *(k for k, _ in spec.extra_keys)]
+        types = [*spec.key_types, *(t for _, t in spec.extra_keys)]
+        args = (names, types, spec.states, spec.max_parallelism, [c for c, _ in self.columns])
+        self.private: Path | None = None
+        try:
+            self.db = RocksState(run / f"s{subtask}", *args)
+        except Exception as e:  # held by another attempt of this subtask (speculation, a zombie): a private copy
+            if "lock" not in str(e).lower():
+                raise KeyscaleError(f"operator '{spec.uid}': cannot open its RocksDB state in {run / f's{subtask}'}: {e}") from e
+            self.private = run / f"s{subtask}-{uuid.uuid4().hex[:8]}"
+            self.db = RocksState(self.private, *args)
+
+    def close(self) -> None:
+        self.db.close()
+        if self.private is not None:
+            remove_scratch(self.private)
+
+    # -- bringing the range to the committed checkpoint --------------------------------------
+
+    def obtain(self, records: pa.Table) -> tuple[RocksHeld, dict[str, Any]]:
+        """Load what the range misses from the state files, then fetch the batch's working set."""
+        started = time.perf_counter()
+        spec, db, lo, hi = self.spec, self.db, self.rng.start, self.rng.end
+        outside = np.ones(spec.max_parallelism, dtype=bool)
+        outside[lo : hi + 1] = False
+        gone = np.flatnonzero(outside & ((db.counts != 0) | (db.versions >= 0)))
+        ver = db.versions[lo : hi + 1].copy()
+        db.set_versions(lo, hi, -1)  # unusable until this task finishes: first, before any change
+        if len(gone):
+            db.drop_groups(gone)
+        files = files_overlapping(spec.files, self.rng)
+        snap = latest_snapshot_batches(files, spec.max_parallelism)[lo : hi + 1]
+        full = (ver < 0) | (ver > spec.committed) | (snap > ver)
+        start_at = np.where(full, snap, ver + 1)
+        db.drop_groups(np.flatnonzero(full) + lo)
+        stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": 0}
+        reads: list[tuple[StateFile, KeyGroupRange]] = []
+        for f in sorted(files, key=lambda f: f.batch):
+            a, b = max(f.start, lo), min(f.end, hi)
+            runs = mask_runs(f.batch >= start_at[a - lo : b - lo + 1], a)
+            stats["files_read"] += bool(runs)
+            reads += [(f, KeyGroupRange(ra, rb)) for ra, rb in runs]
+        warm = np.zeros(spec.max_parallelism, dtype=bool)
+        warm[lo : hi + 1] = ~full
+        self._load(reads, warm)
+        w = db.working()
+        self._fetch(w, records)
+        for column, upto in self.columns:
+            db.fetch_due(w, column, upto, lo, hi)
+        w.freeze()
+        self.held = RocksHeld(w)
+        return self.held, {**stats, "load_seconds": time.perf_counter() - started, "fetched_keys": len(w.table)}
+
+    def _load(self, reads: list[tuple[StateFile, KeyGroupRange]], warm: np.ndarray) -> None:
+        """Apply the state files' slices, a chunk of key groups at a time (bounded memory)."""
+        if not reads:
+            return
+        lo, hi = self.rng.start, self.rng.end
+        est = np.zeros(hi - lo + 1, dtype=np.float64)  # rows per key group, from the files' sizes
+        for f, r in reads:
+            est[r.start - lo : r.end - lo + 1] += f.rows / max(1, f.end - f.start + 1)
+        needed = np.zeros(hi - lo + 1, dtype=bool)
+        for _, r in reads:
+            needed[r.start - lo : r.end - lo + 1] = True
+        for a, b in mask_runs(needed, lo):
+            kg = a
+            while kg <= b:
+                end = kg
+                total = est[kg - lo]
+                while end < b and total + est[end + 1 - lo] <= LOAD_CHUNK_ROWS:
+                    end += 1
+                    total += est[end - lo]
+                self._load_chunk(reads, KeyGroupRange(kg, end), warm)
+                kg = end + 1
+
+    def _load_chunk(self, reads: list[tuple[StateFile, KeyGroupRange]], chunk: KeyGroupRange, warm: np.ndarray) -> None:
+        """One chunk of key groups: warm ones (held at an earlier batch) get their stored
+        rows updated by the deltas since; the others were dropped and are written anew."""
+        parts = []
+        for f, r in reads:
+            part = r.intersection(chunk)
+            if part is not None:
+                t = read_state_slice(self.spec.store, f, part)
+                if t.num_rows:
+                    parts.append(t)
+        if not parts:
+            return
+        w = self.db.working()
+        if warm[chunk.start : chunk.end + 1].any():
+            for p in parts:
+                kgs = p.column(KG).to_numpy()
+                keep = np.flatnonzero(warm[kgs])
+                if len(keep):
+                    idx: Any = pa.array(keep)
+                    self.db.fetch(w, kgs[keep], [p.column(k).take(idx) for k in self.db.key_names])
+        w.freeze()
+        w.table.apply_all(parts)
+        self.db.write_back(w, np.arange(len(w.table)))
+
+    def _fetch(self, w: Working, records: pa.Table) -> None:
+        """The stored rows of the batch's keys: one multi-get (windows: every window of each
+        key, by prefix)."""
+        spec = self.spec
+        if not records.num_rows:
+            return
+        names = [*spec.key_names, KG]
+        keys = records.select(names)
+        ok = None
+        for k in spec.key_names:
+            v = pc.is_valid(keys.column(k))
+            ok = v if ok is None else pc.and_(ok, v)
+        if ok is not None:
+            keys = keys.filter(ok)
+        distinct = keys.group_by(names, use_threads=False).aggregate([])
+        kgs = distinct.column(KG).to_numpy()
+        cols = [distinct.column(k).combine_chunks() for k in spec.key_names]
+        if spec.extra_keys:
+            self.db.fetch_prefixes(w, kgs, cols, list(spec.key_types))
+        else:
+            self.db.fetch(w, kgs, cols)
+
+    # -- the end of the batch --------------------------------------------------------------------
+
+    def write_back(self, rows: np.ndarray) -> None:
+        self.db.write_back(self.held.working, rows)
+
+    def range_table(self) -> pa.Table:
+        return self.db.range_table(self.rng.start, self.rng.end)
+
+    def finish(self, batch: int) -> None:
+        """The range now reflects ``batch`` (written back already)."""
+        self.db.set_versions(self.rng.start, self.rng.end, batch)
+        self.db.flush()
+
+    def state_keys(self) -> int:
+        return int(self.db.counts[self.rng.start : self.rng.end + 1].sum())

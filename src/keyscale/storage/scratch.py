@@ -1,0 +1,67 @@
+"""Local scratch space on an executor: where the RocksDB state backend keeps its databases.
+
+Scratch is a cache, never the source of truth (the checkpoint's state files are): anything
+here may be deleted at any moment between batches and is rebuilt from the job directory.
+It lives under ``KEYSCALE_LOCAL_DIR`` if set, else Spark's first ``SPARK_LOCAL_DIRS``
+entry (the executor's local disk), else the system's temporary folder, in
+``keyscale-state/``. This module is the storage seam's part for it: it gives out the
+folders, opens a RocksDB in one and deletes them.
+
+>>> import os, tempfile
+>>> os.environ["KEYSCALE_LOCAL_DIR"] = tempfile.mkdtemp()
+>>> p = scratch_dir("job", "op", "s0")
+>>> p.is_dir(), p.parts[-4:]
+(True, ('keyscale-state', 'job', 'op', 's0'))
+>>> remove_scratch(p); p.exists()
+False
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def scratch_root() -> Path:
+    """The folder under which this executor's scratch lives."""
+    base = os.environ.get("KEYSCALE_LOCAL_DIR") or (os.environ.get("SPARK_LOCAL_DIRS") or "").split(",")[0] or tempfile.gettempdir()
+    return Path(base) / "keyscale-state"
+
+
+def scratch_dir(*parts: str) -> Path:
+    """The scratch folder ``parts`` (created if missing); parts are plain names, never paths."""
+    for p in parts:
+        if not p or "/" in p or p in (".", ".."):
+            raise ValueError(f"scratch folder name {p!r} is not a plain name")
+    path = scratch_root().joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def scratch_children(path: Path) -> list[Path]:
+    """The folders in scratch folder ``path`` (none if it is gone)."""
+    try:
+        return [c for c in path.iterdir() if c.is_dir()]
+    except FileNotFoundError:
+        return []
+
+
+def remove_scratch(path: Path) -> None:
+    """Delete a scratch folder and what is in it (gone already is fine)."""
+    if scratch_root() not in path.parents:
+        raise ValueError(f"{path} is not scratch space")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def open_rocksdb(path: Path, options: Any) -> Any:
+    """Open (or create) the RocksDB in scratch folder ``path``; RocksDB locks it for this
+    process (a second opener gets an error: the caller falls back to a folder of its own)."""
+    import rocksdict
+
+    if scratch_root() not in path.parents:
+        raise ValueError(f"{path} is not scratch space")
+    path.mkdir(parents=True, exist_ok=True)
+    return rocksdict.Rdict(str(path), options)
