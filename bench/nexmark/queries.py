@@ -33,8 +33,9 @@ Queries (keyscale / Spark):
   maximum would give one row where Flink and keyscale give all).
 * q8 new users: persons and the sellers of auctions in the same 10 s tumbling window.
   keyscale: a co-process function keyed by person id, state cleaned by timers at the window's
-  end; Spark: none exact (a stream-stream join emits one row per auction; deduplicating
-  after the join is a second stateful operator on a join's output, refused).
+  end; Spark: not built (one row per (person, window) needs a windowed aggregation of the
+  auctions before a stream-stream join on the window: two chained stateful operators; not
+  tried for time).
 * q11 user sessions: bids per bidder in session windows (gap 10 s). Both: session windows.
 * q17 auction statistics per day: counts per price range, min, max, avg, sum per (auction,
   day). Both: running aggregates (Spark update mode).
