@@ -17,9 +17,10 @@ generated for them, as Flink's Nexmark counts) / the sum of those batches' times
 ``--verify``: every query on keyscale (Parquet sink, drained at the end) against the pandas
 reference of ``queries.reference`` on the whole input, and Spark's (Parquet sink) against the
 same; windowed queries compare the windows that end before the last slice's watermark
-(both systems have closed those). ``--rescale``: each query twice at ``-p 2``, once with
+(both systems have closed those). ``--rescale``: each query at P=2, at P=4, and at P=2 with
 live rescales to 4 after batch ``N/3`` and back to 2 after ``2N/3``; the outputs must be
-identical (Parquet, drained), and the batch times are printed side by side.
+identical (Parquet, drained), and each batch of the rescaled run is compared with the same
+batch of the run at the parallelism it ran with.
 """
 
 from __future__ import annotations
@@ -229,30 +230,36 @@ def bench(spark: Any, data: Path, queries: list[str], repeats: int, parallelism:
 
 
 def rescale_runs(data: Path, queries: list[str]) -> list[dict[str, Any]]:
+    """Per query: a run at P=2, one at P=4 and one at P=2 rescaled live to 4 after batch N/3
+    and back to 2 after 2N/3 (Parquet, drained). The rescaled run's output must equal the
+    P=2 run's; each of its batches is compared with the same batch of the run already at
+    that parallelism (P=4 for the batches at 4, P=2 for the others), as bench/rescale.py does."""
     n = len(slices(data))
     up, down = n // 3, 2 * n // 3
     rows = []
     for query in queries:
         res: dict[str, Any] = {}
-        for name, plan in (("steady", {}), ("rescaled", {up: 4, down: 2})):
+        for name, p, plan in (("p2", 2, {}), ("p4", 4, {}), ("rescaled", 2, {up: 4, down: 2})):
             tmp = _tmp()
             try:
-                r = run_keyscale(query, data, tmp, 2, output=tmp / "out", plan=plan, drain=True)
+                r = run_keyscale(query, data, tmp, p, output=tmp / "out", plan=plan, drain=True)
                 r["result"] = Q.canonical(result_of(query, tmp / "out"))
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             res[name] = r
-        same = res["steady"]["result"].equals(res["rescaled"]["result"])
-        a, b = res["steady"]["batch_seconds"], res["rescaled"]["batch_seconds"]
-        steady = statistics.median(a[1:n])
-        after = b[up + 1:n]
-        worst = max(after) / steady if after else float("nan")
-        print(f"{query}: output identical with rescale 2->4 after batch {up}, 4->2 after batch {down}: {same}; "
-              f"rescales {res['rescaled']['rescales']}\n  steady run  {[round(x, 2) for x in a[:n]]}\n"
-              f"  rescaled    {[round(x, 2) for x in b[:n]]}\n  worst batch after the first rescale / steady median: {worst:.2f}x",
+        same = res["p2"]["result"].equals(res["rescaled"]["result"]) and res["p2"]["result"].equals(res["p4"]["result"])
+        a, b, c = (res[k]["batch_seconds"][:n] for k in ("p2", "rescaled", "p4"))
+        # The batch at P (batch > up and <= down: 4) against the run at that P, batch by batch.
+        ratios = [b[i] / (c[i] if up < i <= down else a[i]) for i in range(1, n)]
+        after = ratios[up:]  # batches up+1 .. n-1: from the first at 4
+        print(f"{query}: outputs identical (P=2, P=4, rescaled 2->4 after batch {up}, 4->2 after batch {down}): {same}; "
+              f"rescales {res['rescaled']['rescales']}\n  P=2       {[round(x, 2) for x in a]}\n"
+              f"  P=4       {[round(x, 2) for x in c]}\n  rescaled  {[round(x, 2) for x in b]}\n"
+              f"  rescaled / same batch at its P: {[round(x, 2) for x in ratios]}; worst after the rescale {max(after):.2f}x",
               flush=True)
-        rows.append({"query": query, "identical": bool(same), "rows": len(res["steady"]["result"]), "rescale_after": [up, down],
-                     "steady_batches": a, "rescaled_batches": b, "rescales": res["rescaled"]["rescales"], "worst_over_steady": worst})
+        rows.append({"query": query, "identical": bool(same), "rows": len(res["p2"]["result"]), "rescale_after": [up, down],
+                     "p2_batches": a, "p4_batches": c, "rescaled_batches": b, "rescales": res["rescaled"]["rescales"],
+                     "ratio_to_same_parallelism": ratios, "worst_after_rescale": max(after)})
     return rows
 
 
