@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,6 +19,7 @@ from keyscale.operators.eventtime import (
     WatermarkState,
     advance,
     describe,
+    event_time_ms,
     parse_duration_ms,
 )
 
@@ -128,3 +131,19 @@ def test_with_watermark_takes_max_ahead(tmp_path: Path) -> None:
     assert ks.stream(df).with_watermark("ts", "1 s", max_ahead=None).watermark.max_ahead_ms is None  # type: ignore[union-attr]
     with pytest.raises(JobDefinitionError, match="max_ahead"):
         ks.stream(df).with_watermark("ts", max_ahead="soon")
+
+
+@pytest.mark.parametrize(("unit", "per_ms"), [("ms", 1), ("us", 1_000), ("ns", 1_000_000)])
+def test_event_times_finer_than_a_millisecond_are_floored_to_it(unit: str, per_ms: int) -> None:
+    # Spark's timestamps are microseconds: a time like 00:00:00.000800 must not fail the batch.
+    ms = [1_436_918_400_000, 1_436_918_400_001, -1, -1_000, 0]
+    within = [0, per_ms * 4 // 5, per_ms // 2, 0, per_ms - 1]  # offsets inside the millisecond
+    raw = [m * per_ms + e for m, e in zip(ms, within, strict=True)]
+    assert event_time_ms(pa.table({"ts": pa.array(raw, pa.timestamp(unit, tz="UTC"))}), "ts").tolist() == ms
+    got = event_time_ms(pa.table({"ts": pa.array([*raw, None], pa.timestamp(unit))}), "ts")
+    assert got[:-1].tolist() == ms and np.isnan(got[-1])
+
+
+def test_event_times_in_seconds() -> None:
+    got = event_time_ms(pa.table({"ts": pa.array([1, -2, 0], pa.timestamp("s"))}), "ts")
+    assert got.tolist() == [1000, -2000, 0]

@@ -205,10 +205,29 @@ def max_event_within(ts: np.ndarray, limit_ms: int | None) -> tuple[int | None, 
 
 
 def event_time_ms(table: pa.Table, column: str) -> np.ndarray:
-    """Event times of a column as epoch milliseconds (timestamps, or integers taken as ms)."""
+    """Event times of a column as epoch milliseconds (timestamps, or integers taken as ms).
+
+    Timestamps finer than milliseconds are floored to the millisecond they fall in.
+
+    >>> t = pa.table({"ts": pa.array([1_500, -1_500, None], pa.timestamp("us"))})
+    >>> event_time_ms(t, "ts").tolist()
+    [1.0, -2.0, nan]
+    """
     col = table.column(column)
     if pa.types.is_timestamp(col.type):
-        col = col.cast(pa.timestamp("ms", tz=col.type.tz)).cast(pa.int64())
+        raw = col.cast(pa.int64())
+        unit = col.type.unit
+        if unit == "ms":
+            col = raw
+        else:
+            # Floored, not truncated: a time before 1970 stays in the millisecond it falls in.
+            values = raw.fill_null(pa.scalar(0, pa.int64())).to_numpy()
+            values = values * 1000 if unit == "s" else values // (1_000 if unit == "us" else 1_000_000)
+            if raw.null_count:
+                out = values.astype(np.float64)
+                out[np.asarray(raw.is_null().to_numpy(zero_copy_only=False))] = np.nan
+                return out
+            return values
     elif not pa.types.is_integer(col.type):
         raise InputDataError(f"event-time column '{column}' has type {col.type}; it must be a timestamp or epoch milliseconds")
     return np.asarray(col.to_numpy(zero_copy_only=False))

@@ -1,0 +1,615 @@
+"""The Nexmark queries on keyscale and on Spark Structured Streaming (issue 16, item 2).
+
+Definitions: the Flink Nexmark benchmark (``nexmark-flink/src/main/resources/queries/*.sql``),
+with its watermark (``dateTime - INTERVAL '4' SECOND``). The input is what
+``bench/nexmark/generator.py`` writes: ``DATA/person``, ``DATA/auction``, ``DATA/bid``, file
+``k`` of each stream one slice of the event stream, read one file per micro-batch.
+
+This file is also the keyscale job file (``build(ctx)``, ``--set query=q5 --set data=DATA
+--set output=DIR|noop``); ``spark_query(spark, name, data)`` builds the Spark side;
+``reference(name, tables)`` computes a query's result with pandas on the whole input; and
+``final(name, df)`` reduces an output (updates, appends) to the result it stands for, so that
+the three can be compared (``bench/nexmark/run.py --verify``, ``tests/bench``).
+
+Queries (keyscale / Spark):
+
+* q0 passthrough, q1 currency conversion (``0.908 * price``), q2 selection
+  (``auction % 123 == 0``): stateless on both.
+* q3 local item suggestion: persons in OR/ID/CA joined with their category-10 auctions (a
+  regular join: unbounded state). keyscale: a ``KeyedCoProcessFunction`` keyed by person id;
+  Spark: a stream-stream inner join without watermark.
+* q4 average closing price per category: auctions joined with their bids inside
+  ``[dateTime, expires]``, max price per auction, average per category. keyscale: a
+  co-process function per auction that emits the auction's final price when the watermark
+  passes its expiry (event-time timer), then a running mean per category. Spark: none (an
+  aggregation after a stream-stream join needs update mode, which joins refuse).
+* q5 hot items: bids per auction in sliding windows (10 s, every 2 s), the auctions with the
+  most per window. keyscale: sliding window count, then a keyed stage per window keeping the
+  maximum; Spark: windowed count in append mode, the per-window maximum in ``foreachBatch``
+  (a window's rows all come out in one batch).
+* q7 highest bid per 10 s tumbling window. keyscale: a process function keyed by window,
+  emitting at the window's end (event-time timer) every bid at the maximum price; Spark:
+  ``max(struct(price, ...))`` per window, append mode (one bid per window: a tie at the
+  maximum would give one row where Flink and keyscale give all).
+* q8 new users: persons and the sellers of auctions in the same 10 s tumbling window.
+  keyscale: a co-process function keyed by person id, state cleaned by timers at the window's
+  end; Spark: not built (one row per (person, window) needs a windowed aggregation of the
+  auctions before a stream-stream join on the window: two chained stateful operators; not
+  tried for time).
+* q11 user sessions: bids per bidder in session windows (gap 10 s). Both: session windows.
+* q17 auction statistics per day: counts per price range, min, max, avg, sum per (auction,
+  day). Both: running aggregates (Spark update mode).
+* q18 last bid per (bidder, auction): keyscale a vectorized function keeping the newest bid;
+  Spark ``max(struct(dateTime, ...))`` per key in update mode.
+* q19 top 10 bids per auction: keyscale a process function keeping the ten highest; Spark
+  none (no top-N in streaming).
+* q20 bids of category-10 auctions with the auction's columns (a regular join). keyscale: a
+  co-process function keyed by auction id; Spark: a stream-stream inner join without
+  watermark.
+
+Left out: q6 (average of a seller's last 10 closing prices: an OVER window of rows on a join's
+retracting output), q9 (winning bids: a sort per auction on a join, left for time), q10 (a
+filesystem sink partitioned by processing time: not a query of the engine), q12
+(processing-time windows: its output depends on the wall clock, so it cannot be compared
+with another run), q13 (a side input: a bounded table joined by processing time), q14 (a
+user-defined function on q1: nothing new), q15/q16 (``count(distinct ...)`` per day/channel:
+see README).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import heapq
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+import keyscale as ks
+
+NAME = "nexmark"
+
+WATERMARK = "4 seconds"  # Flink Nexmark's: dateTime - INTERVAL '4' SECOND
+WATERMARK_MS = 4_000
+TS = pa.timestamp("us", tz="UTC")
+
+SCHEMAS = {
+    "person": "id long, name string, email_address string, credit_card string, city string, state string, "
+              "date_time timestamp, extra string",
+    "auction": "id long, item_name string, description string, initial_bid long, reserve long, date_time timestamp, "
+               "expires timestamp, seller long, category long, extra string",
+    "bid": "auction long, bidder long, price long, channel string, url string, date_time timestamp, extra string",
+}
+AUCTION_STRUCT = pa.struct([("id", pa.int64()), ("item_name", pa.string()), ("description", pa.string()),
+                            ("initial_bid", pa.int64()), ("reserve", pa.int64()), ("date_time", TS), ("expires", TS),
+                            ("seller", pa.int64()), ("category", pa.int64()), ("extra", pa.string())])
+BID_STRUCT = pa.struct([("auction", pa.int64()), ("bidder", pa.int64()), ("price", pa.int64()), ("channel", pa.string()),
+                        ("url", pa.string()), ("date_time", TS), ("extra", pa.string())])
+
+#: Streams each query reads.
+STREAMS: dict[str, tuple[str, ...]] = {
+    "q0": ("bid",), "q1": ("bid",), "q2": ("bid",), "q3": ("person", "auction"), "q4": ("auction", "bid"),
+    "q5": ("bid",), "q7": ("bid",), "q8": ("person", "auction"), "q11": ("bid",), "q17": ("bid",), "q18": ("bid",),
+    "q19": ("bid",), "q20": ("auction", "bid"),
+}
+QUERIES = list(STREAMS)
+#: Queries with a Spark Structured Streaming equivalent.
+SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20"]
+#: Queries whose output is per event-time window (compared on windows both systems closed).
+WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
+#: Queries with keyed state (for the live-rescale runs).
+STATEFUL = ["q3", "q4", "q5", "q7", "q8", "q11", "q17", "q18", "q19", "q20"]
+
+Q3_STATES = ("OR", "ID", "CA")
+WINDOW_MS = 10_000
+SLIDE_MS = 2_000
+
+
+def _ms(value: Any) -> int:
+    """An event time (a datetime) as epoch milliseconds."""
+    return int(value.timestamp() * 1000) if hasattr(value, "timestamp") else int(value)
+
+
+def _time(ms: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC)
+
+
+# ---------------------------------------------------------------------------- keyscale functions
+
+
+class LocalItemSuggestion(ks.KeyedCoProcessFunction):
+    """q3: persons (first input, filtered) and their auctions (second, filtered), keyed by
+    person id: an auction before its seller waits in state; the seller stays forever."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.person = ctx.list_state("person", "string")  # name, city, state
+        self.waiting = ctx.list_state("auctions", "long")
+
+    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+        self.person.update([row["name"], row["city"], row["state"]])
+        waiting = self.waiting.get()
+        if waiting:
+            self.waiting.clear()
+        return [(row["name"], row["city"], row["state"], a) for a in waiting]
+
+    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any] | None:
+        person = self.person.get()
+        if not person:
+            self.waiting.add(row["id"])
+            return None
+        return [(*person, row["id"])]
+
+
+class ClosingPrice(ks.KeyedCoProcessFunction):
+    """q4, first stage: an auction (first input) and its bids (second), keyed by auction id.
+    The highest bid with ``dateTime`` in ``[auction.dateTime, expires]``; emitted as the
+    auction's final price when the watermark passes ``expires``. Bids before their auction
+    wait; bids after the auction closed are dropped (they cannot be inside its window)."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.auction = ctx.list_state("auction", "long")  # category, start ms, expires ms
+        self.best = ctx.value_state("best", "long")
+        self.closed = ctx.value_state("closed", "boolean")
+        self.pending_t = ctx.list_state("pending_t", "long")
+        self.pending_p = ctx.list_state("pending_p", "long")
+
+    def _bid(self, t: int, price: int, start: int, expires: int) -> None:
+        if start <= t <= expires:
+            best = self.best.value()
+            if best is None or price > best:
+                self.best.update(price)
+
+    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> None:
+        start, expires = _ms(row["date_time"]), _ms(row["expires"])
+        self.auction.update([row["category"], start, expires])
+        for t, p in zip(self.pending_t.get(), self.pending_p.get(), strict=True):
+            self._bid(t, p, start, expires)
+        self.pending_t.clear()
+        self.pending_p.clear()
+        ctx.timer_service.register_event_time_timer(expires)
+
+    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> None:
+        if self.closed.value():
+            return
+        a = self.auction.get()
+        if not a:
+            self.pending_t.add(_ms(row["date_time"]))
+            self.pending_p.add(row["price"])
+            return
+        self._bid(_ms(row["date_time"]), row["price"], a[1], a[2])
+
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+        a, best = self.auction.get(), self.best.value()
+        self.auction.clear()
+        self.best.clear()
+        self.closed.update(True)
+        return [(key, a[0], best)] if a and best is not None else []
+
+
+class HotItems(ks.KeyedProcessFunction):
+    """q5, second stage: keyed by window start, the (auction, count) rows of a window (all
+    in the batch where the window fired); emits those at the window's maximum count."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.max = ctx.value_state("max", "long")
+
+    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+        best = max(r.num for r in rows)
+        prev = self.max.value()
+        if prev is not None and prev > best:
+            return []
+        self.max.update(best)
+        return [(r.auction, r.num, r.window_start, r.window_end) for r in rows if r.num == best]
+
+
+class HighestBid(ks.KeyedProcessFunction):
+    """q7: keyed by 10 s window (start, epoch ms), the bids at the window's highest price so
+    far; emitted when the watermark passes the window's end (every bid at the maximum)."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.price = ctx.value_state("price", "long")
+        self.bids = ctx.list_state("bids", BID_STRUCT)
+
+    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+        best = max(r.price for r in rows)
+        prev = self.price.value()
+        if prev is None:
+            ctx.timer_service.register_event_time_timer(key + WINDOW_MS - 1)
+        if prev is not None and prev > best:
+            return []
+        top = [{k: getattr(r, k) for k in BID_STRUCT.names} for r in rows if r.price == best]
+        if prev == best:
+            self.bids.add_all(top)
+        else:
+            self.price.update(best)
+            self.bids.update(top)
+        return []
+
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+        out = [(b["auction"], b["price"], b["bidder"], b["date_time"], b["extra"], _time(key + WINDOW_MS))
+               for b in self.bids.get()]
+        self.price.clear()
+        self.bids.clear()
+        return out
+
+
+class NewUsers(ks.KeyedCoProcessFunction):
+    """q8: persons (first) and auctions (second) keyed by person id / seller: a person and
+    an auction of theirs in the same 10 s tumbling window give one row per (person, window).
+    A person's state goes when the watermark passes the end of their window; the windows of
+    auctions seen before their seller, at the end of each such window."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.name = ctx.value_state("name", "string")
+        self.window = ctx.value_state("window", "long")
+        self.emitted = ctx.value_state("emitted", "boolean")
+        self.auction_windows = ctx.list_state("auction_windows", "long")
+
+    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+        w = _ms(row["date_time"]) // WINDOW_MS * WINDOW_MS
+        self.name.update(row["name"])
+        self.window.update(w)
+        ctx.timer_service.register_event_time_timer(w + WINDOW_MS - 1)
+        if w in self.auction_windows.get():
+            self.emitted.update(True)
+            return [(row["id"], row["name"], _time(w))]
+        return []
+
+    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+        w = _ms(row["date_time"]) // WINDOW_MS * WINDOW_MS
+        mine = self.window.value()
+        if mine is None:
+            if w not in self.auction_windows.get():
+                self.auction_windows.add(w)
+                ctx.timer_service.register_event_time_timer(w + WINDOW_MS - 1)
+            return []
+        if mine == w and not self.emitted.value():
+            self.emitted.update(True)
+            return [(row["seller"], self.name.value(), _time(w))]
+        return []
+
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> None:
+        ws = self.auction_windows.get()
+        if ws:
+            self.auction_windows.update([w for w in ws if w + WINDOW_MS - 1 > timestamp])
+        mine = self.window.value()
+        if mine is not None and mine + WINDOW_MS - 1 <= timestamp:
+            self.name.clear()
+            self.window.clear()
+            self.emitted.clear()
+
+
+class LastBid(ks.VectorizedKeyedFunction):
+    """q18: keyed by (bidder, auction), the newest bid (by dateTime; the later record on a
+    tie); emits a key's bid when it is newer than the one in state."""
+
+    def __init__(self) -> None:
+        self.input_columns = ["price", "channel", "url", "date_time", "extra"]
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        ctx.value_state("last_us", "long")
+
+    def process_batch(self, batch: Any) -> tuple[dict[str, Any], pd.DataFrame]:
+        recs = batch.records
+        t = _epoch(recs["date_time"], "us")
+        order = np.lexsort((np.arange(len(t)), t, batch.codes))
+        last = order[batch.starts[1:] - 1]  # sorted by key code, then time, then arrival: each key's newest
+        prev = batch.state["last_us"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).min)
+        newer = t[last] > prev
+        out = batch.keys.loc[newer].reset_index(drop=True)
+        picked = recs.iloc[last[newer]].reset_index(drop=True)
+        for c in self.input_columns or []:
+            out[c] = picked[c]
+        return {"last_us": np.where(newer, t[last], prev)}, out
+
+
+class TopBids(ks.KeyedProcessFunction):
+    """q19: keyed by auction, its ten highest bids; emits the new top ten (with ranks)
+    whenever a batch changes it."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.top = ctx.list_state("top", BID_STRUCT)
+
+    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+        old = self.top.get()
+        floor = old[-1]["price"] if len(old) >= 10 else -1
+        fresh = [r for r in rows if r.price > floor]
+        if not fresh:
+            return []
+        cands = old + [{k: getattr(r, k) for k in BID_STRUCT.names} for r in fresh]
+        top = heapq.nlargest(10, cands, key=lambda b: b["price"])
+        self.top.update(top)
+        return [(b["auction"], b["bidder"], b["price"], b["channel"], b["url"], b["date_time"], b["extra"], i + 1)
+                for i, b in enumerate(top)]
+
+
+class AuctionBids(ks.KeyedCoProcessFunction):
+    """q20: auctions (first) and bids (second) keyed by auction id: each bid of a
+    category-10 auction, with the auction's columns. A bid before its auction waits; the
+    auction stays (a regular join); a bid of another category's auction is dropped."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.auction = ctx.list_state("auction", AUCTION_STRUCT)
+        self.other = ctx.value_state("other", "boolean")
+        self.waiting = ctx.list_state("waiting", BID_STRUCT)
+
+    @staticmethod
+    def _join(b: dict[str, Any], a: dict[str, Any]) -> tuple[Any, ...]:
+        return (b["auction"], b["bidder"], b["price"], b["channel"], b["url"], b["date_time"], b["extra"],
+                a["item_name"], a["description"], a["initial_bid"], a["reserve"], a["date_time"], a["expires"],
+                a["seller"], a["category"], a["extra"])
+
+    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+        waiting = self.waiting.get()
+        self.waiting.clear()
+        if row["category"] != 10:
+            self.other.update(True)
+            return []
+        self.auction.update([row])
+        return [self._join(b, row) for b in waiting]
+
+    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+        if self.other.value():
+            return []
+        a = self.auction.get()
+        if not a:
+            self.waiting.add(row)
+            return []
+        return [self._join(row, a[0])]
+
+
+Q20_SCHEMA = ("auction long, bidder long, price long, channel string, url string, date_time timestamp, extra string, "
+              "item_name string, description string, initial_bid long, reserve long, a_date_time timestamp, "
+              "expires timestamp, seller long, category long, a_extra string")
+BID_OUT = "auction long, bidder long, price long, channel string, url string, date_time timestamp, extra string"
+
+
+def _read(spark: Any, data: str | Path, stream: str) -> DataFrame:
+    return spark.readStream.schema(SCHEMAS[stream]).option("maxFilesPerTrigger", 1).parquet(str(Path(data) / stream))
+
+
+def _day(df: DataFrame) -> DataFrame:
+    return df.withColumn("day", F.date_format("date_time", "yyyy-MM-dd"))
+
+
+def _q17_columns(df: DataFrame) -> DataFrame:
+    return (_day(df).withColumn("r1", (F.col("price") < 10_000).cast("long"))
+            .withColumn("r2", ((F.col("price") >= 10_000) & (F.col("price") < 1_000_000)).cast("long"))
+            .withColumn("r3", (F.col("price") >= 1_000_000).cast("long")))
+
+
+def _window_ms(col: str) -> Any:
+    return (F.unix_millis(F.col(col)) - F.pmod(F.unix_millis(F.col(col)), F.lit(WINDOW_MS))).alias("w")
+
+
+def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
+    """Query ``name`` as a keyscale stream (before its sink)."""
+    def stream(s: str) -> ks.Stream:
+        return ks.stream(_read(spark, data, s)).with_watermark("date_time", WATERMARK)
+
+    if name == "q0":
+        return stream("bid").select("auction", "bidder", "price", "date_time", "extra")
+    if name == "q1":
+        return stream("bid").select("auction", "bidder", (F.lit(0.908) * F.col("price")).alias("price"), "date_time", "extra")
+    if name == "q2":
+        return stream("bid").filter(F.col("auction") % 123 == 0).select("auction", "price")
+    if name == "q3":
+        persons = stream("person").filter(F.col("state").isin(*Q3_STATES))
+        auctions = stream("auction").filter(F.col("category") == 10)
+        return persons.connect(auctions).key_by("id", "seller").process(
+            LocalItemSuggestion(), "name string, city string, state string, id long", uid="q3")
+    if name == "q4":
+        closing = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
+            ClosingPrice(), "auction long, category long, final long", uid="q4_closing")
+        return closing.key_by("category").aggregate(uid="q4_avg", avg_final=ks.mean("final"))
+    if name == "q5":
+        counts = stream("bid").key_by("auction").window(ks.SlidingWindows(f"{WINDOW_MS} ms", f"{SLIDE_MS} ms")).aggregate(
+            uid="q5_counts", num=ks.count())
+        return counts.key_by("window_start").process(
+            HotItems(), "auction long, num long, window_start timestamp, window_end timestamp", uid="q5_hot")
+    if name == "q7":
+        bids = stream("bid").transform(lambda df: df.select("*", _window_ms("date_time")))
+        return bids.key_by("w").process(
+            HighestBid(), "auction long, price long, bidder long, date_time timestamp, extra string, window_end timestamp",
+            uid="q7")
+    if name == "q8":
+        return stream("person").connect(stream("auction")).key_by("id", "seller").process(
+            NewUsers(), "id long, name string, starttime timestamp", uid="q8")
+    if name == "q11":
+        return stream("bid").key_by("bidder").window(ks.SessionWindows(f"{WINDOW_MS} ms")).aggregate(
+            uid="q11", bid_count=ks.count())
+    if name == "q17":
+        return stream("bid").transform(_q17_columns).key_by("auction", "day").aggregate(
+            uid="q17", total_bids=ks.count(), rank1_bids=ks.sum("r1"), rank2_bids=ks.sum("r2"), rank3_bids=ks.sum("r3"),
+            min_price=ks.min("price"), max_price=ks.max("price"), avg_price=ks.mean("price"), sum_price=ks.sum("price"))
+    if name == "q18":
+        return stream("bid").key_by("bidder", "auction").process(
+            LastBid(), "bidder long, auction long, price long, channel string, url string, date_time timestamp, extra string",
+            uid="q18")
+    if name == "q19":
+        return stream("bid").key_by("auction").process(TopBids(), f"{BID_OUT}, rank_number long", uid="q19")
+    if name == "q20":
+        return stream("auction").connect(stream("bid")).key_by("id", "auction").process(AuctionBids(), Q20_SCHEMA, uid="q20")
+    raise ks.KeyscaleError(f"nexmark: unknown query {name!r} (known: {', '.join(QUERIES)})")
+
+
+def build(ctx: ks.JobContext) -> ks.Pipeline:
+    out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"))
+    where = ctx.arg("output", "noop")
+    return out.sink(ks.NoopSink() if where == "noop" else ks.ParquetSink(where))
+
+
+# ---------------------------------------------------------------------------- Spark
+
+
+def spark_query(spark: Any, name: str, data: str | Path) -> tuple[DataFrame, str, Any]:
+    """Query ``name`` in Spark Structured Streaming: (DataFrame, output mode, a function
+    applied to each micro-batch's output in ``foreachBatch`` before it is written, or None)."""
+    def stream(s: str) -> DataFrame:
+        return _read(spark, data, s).withWatermark("date_time", WATERMARK)
+
+    if name == "q0":
+        return stream("bid").select("auction", "bidder", "price", "date_time", "extra"), "append", None
+    if name == "q1":
+        return stream("bid").select("auction", "bidder", (F.lit(0.908) * F.col("price")).alias("price"), "date_time",
+                                    "extra"), "append", None
+    if name == "q2":
+        return stream("bid").filter(F.col("auction") % 123 == 0).select("auction", "price"), "append", None
+    if name == "q3":
+        p = _read(spark, data, "person").filter(F.col("state").isin(*Q3_STATES)).select("id", "name", "city", "state")
+        a = _read(spark, data, "auction").filter(F.col("category") == 10).select(F.col("id").alias("aid"), "seller")
+        return p.join(a, F.col("id") == F.col("seller")).select("name", "city", "state", F.col("aid").alias("id")), "append", None
+    if name == "q5":
+        counts = stream("bid").groupBy(F.window("date_time", f"{WINDOW_MS // 1000} seconds", f"{SLIDE_MS // 1000} seconds"),
+                                       "auction").agg(F.count("*").alias("num"))
+
+        def hot(df: DataFrame) -> DataFrame:
+            m = df.groupBy("window").agg(F.max("num").alias("maxn"))
+            return df.join(m, "window").where(F.col("num") >= F.col("maxn")).select(
+                "auction", "num", F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"))
+        return counts, "append", hot
+    if name == "q7":
+        top = stream("bid").groupBy(F.window("date_time", f"{WINDOW_MS // 1000} seconds")).agg(
+            F.max(F.struct("price", "auction", "bidder", "date_time", "extra")).alias("m"))
+        return top.select("m.auction", "m.price", "m.bidder", "m.date_time", "m.extra",
+                          F.col("window.end").alias("window_end")), "append", None
+    if name == "q11":
+        s = stream("bid").groupBy(F.session_window("date_time", f"{WINDOW_MS // 1000} seconds"), "bidder").agg(
+            F.count("*").alias("bid_count"))
+        return s.select("bidder", F.col("session_window.start").alias("window_start"),
+                        F.col("session_window.end").alias("window_end"), "bid_count"), "append", None
+    if name == "q17":
+        agg = _q17_columns(_read(spark, data, "bid")).groupBy("auction", "day").agg(
+            F.count("*").alias("total_bids"), F.sum("r1").alias("rank1_bids"), F.sum("r2").alias("rank2_bids"),
+            F.sum("r3").alias("rank3_bids"), F.min("price").alias("min_price"), F.max("price").alias("max_price"),
+            F.avg("price").alias("avg_price"), F.sum("price").alias("sum_price"))
+        return agg, "update", None
+    if name == "q18":
+        last = _read(spark, data, "bid").groupBy("bidder", "auction").agg(
+            F.max(F.struct("date_time", "price", "channel", "url", "extra")).alias("m"))
+        return last.select("bidder", "auction", "m.price", "m.channel", "m.url", "m.date_time", "m.extra"), "update", None
+    if name == "q20":
+        a = _read(spark, data, "auction").filter(F.col("category") == 10).select(
+            F.col("id").alias("aid"), "item_name", "description", "initial_bid", "reserve",
+            F.col("date_time").alias("a_date_time"), "expires", "seller", "category", F.col("extra").alias("a_extra"))
+        b = _read(spark, data, "bid")
+        cols = [c.split()[0] for c in Q20_SCHEMA.split(", ")]
+        return b.join(a, F.col("auction") == F.col("aid")).select(*cols), "append", None
+    raise ValueError(f"no Spark version of {name}")
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def reference(name: str, t: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The query's result on the whole input, with pandas (the Flink SQL's meaning)."""
+    b = t.get("bid")
+    if name == "q0":
+        return b[["auction", "bidder", "price", "date_time", "extra"]]
+    if name == "q1":
+        return b.assign(price=0.908 * b.price)[["auction", "bidder", "price", "date_time", "extra"]]
+    if name == "q2":
+        return b.loc[b.auction % 123 == 0, ["auction", "price"]]
+    if name == "q3":
+        p, a = t["person"], t["auction"]
+        p = p[p.state.isin(Q3_STATES)][["id", "name", "city", "state"]]
+        a = a[a.category == 10][["id", "seller"]].rename(columns={"id": "aid"})
+        return p.merge(a, left_on="id", right_on="seller")[["name", "city", "state", "aid"]].rename(columns={"aid": "id"})
+    if name == "q4":
+        j = t["auction"][["id", "category", "date_time", "expires"]].merge(
+            b[["auction", "price", "date_time"]], left_on="id", right_on="auction", suffixes=("", "_b"))
+        j = j[(j.date_time_b >= j.date_time) & (j.date_time_b <= j.expires)]
+        final = j.groupby(["id", "category"]).price.max().reset_index()
+        return final.groupby("category").price.mean().rename("avg_final").reset_index()
+    if name == "q5":
+        ms = _ms_col(b.date_time)
+        rows = []
+        for k in range(WINDOW_MS // SLIDE_MS):
+            start = ms - ms % SLIDE_MS - k * SLIDE_MS
+            rows.append(pd.DataFrame({"auction": b.auction.to_numpy(), "window_start": start}))
+        c = pd.concat(rows).groupby(["window_start", "auction"]).size().rename("num").reset_index()
+        c = c[c.num >= c.groupby("window_start").num.transform("max")]
+        return c.assign(window_end=c.window_start + WINDOW_MS)[["auction", "num", "window_start", "window_end"]]
+    if name == "q7":
+        w = _ms_col(b.date_time) // WINDOW_MS * WINDOW_MS
+        top = b[b.price == b.price.groupby(w).transform("max")]
+        return top.assign(window_end=w[top.index] + WINDOW_MS)[["auction", "price", "bidder", "date_time", "extra", "window_end"]]
+    if name == "q8":
+        p, a = t["person"], t["auction"]
+        pw = p.assign(w=_ms_col(p.date_time) // WINDOW_MS * WINDOW_MS)[["id", "name", "w"]]
+        aw = a.assign(w=_ms_col(a.date_time) // WINDOW_MS * WINDOW_MS)[["seller", "w"]].drop_duplicates()
+        j = pw.merge(aw, left_on=["id", "w"], right_on=["seller", "w"])
+        return j.rename(columns={"w": "starttime"})[["id", "name", "starttime"]]
+    if name == "q11":
+        out = []
+        ms = _ms_col(b.date_time)
+        for bidder, times in pd.Series(ms).groupby(b.bidder.to_numpy()):
+            ts = np.sort(times.to_numpy())
+            brk = np.flatnonzero(np.diff(ts) > WINDOW_MS) + 1  # sessions that touch merge (Flink, Spark)
+            for seg in np.split(ts, brk):
+                out.append((bidder, seg[0], seg[-1] + WINDOW_MS, len(seg)))
+        return pd.DataFrame(out, columns=["bidder", "window_start", "window_end", "bid_count"])
+    if name == "q17":
+        d = b.assign(day=b.date_time.dt.strftime("%Y-%m-%d"))
+        g = d.groupby(["auction", "day"]).price
+        return pd.DataFrame({
+            "total_bids": g.size(), "rank1_bids": g.agg(lambda s: int((s < 10_000).sum())),
+            "rank2_bids": g.agg(lambda s: int(((s >= 10_000) & (s < 1_000_000)).sum())),
+            "rank3_bids": g.agg(lambda s: int((s >= 1_000_000).sum())),
+            "min_price": g.min(), "max_price": g.max(), "avg_price": g.mean(), "sum_price": g.sum()}).reset_index()
+    if name == "q18":
+        last = b.sort_values("date_time", kind="stable").groupby(["bidder", "auction"]).tail(1)
+        return last[["bidder", "auction", "price", "channel", "url", "date_time", "extra"]]
+    if name == "q19":
+        top = b.sort_values(["auction", "price"], ascending=[True, False], kind="stable").groupby("auction").head(10)
+        return top.assign(rank_number=top.groupby("auction").cumcount() + 1)[["auction", "rank_number", "price"]]
+    if name == "q20":
+        a = t["auction"][t["auction"].category == 10].rename(columns={"id": "aid", "date_time": "a_date_time", "extra": "a_extra"})
+        j = b.merge(a, left_on="auction", right_on="aid")
+        return j[[c.split()[0] for c in Q20_SCHEMA.split(", ")]]
+    raise ValueError(name)
+
+
+def _epoch(s: pd.Series, unit: str) -> np.ndarray:
+    """A timestamp column as integers since the epoch (UTC) in ``unit``."""
+    if getattr(s.dt, "tz", None) is not None:
+        s = s.dt.tz_convert(None)
+    return np.asarray(s.to_numpy().astype(f"datetime64[{unit}]").astype(np.int64))
+
+
+def _ms_col(s: pd.Series) -> np.ndarray:
+    return _epoch(s, "ms")
+
+
+def final(name: str, out: pd.DataFrame) -> pd.DataFrame:
+    """An output (rows with a ``batch`` column where updates matter) as the result it stands for."""
+    df = out.copy()
+    for c in df.columns:
+        if pd.api.types.is_datetime64_any_dtype(df[c]) and c in ("window_start", "window_end", "starttime"):
+            df[c] = _ms_col(df[c])
+    if name in ("q4", "q17", "q18"):
+        keys = {"q4": ["category"], "q17": ["auction", "day"], "q18": ["bidder", "auction"]}[name]
+        df = df.sort_values("batch", kind="stable").groupby(keys).tail(1)
+    if name == "q19":  # the last top ten emitted for each auction
+        last = df.groupby("auction").batch.transform("max")
+        df = df[df.batch == last][["auction", "rank_number", "price"]]
+    return df.drop(columns=[c for c in ("batch",) if c in df.columns])
+
+
+def canonical(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows in a canonical order, timestamps as UTC microseconds, floats rounded."""
+    df = df.copy()
+    for c in df.columns:
+        if pd.api.types.is_datetime64_any_dtype(df[c]):
+            df[c] = _epoch(df[c], "us")
+        elif pd.api.types.is_float_dtype(df[c]):
+            df[c] = df[c].round(6)
+        elif pd.api.types.is_integer_dtype(df[c]):
+            df[c] = df[c].astype(np.int64)
+    df = df[sorted(df.columns)]
+    return df.sort_values(list(df.columns)).reset_index(drop=True)
