@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from keyscale.errors import StateError
-from keyscale.state.keygroups import KeyGroupRange, key_group_ranges
+from keyscale.state.keygroups import KeyGroupRange, key_group_ranges, mask_runs
 
 FORMAT_VERSION = 1
 FileKind = Literal["delta", "snapshot"]
@@ -260,3 +260,30 @@ def oldest_chain_file(files: Sequence[StateFile], rng: KeyGroupRange, max_parall
 
 def files_overlapping(files: Sequence[StateFile], rng: KeyGroupRange) -> list[StateFile]:
     return [f for f in files if f.start <= rng.end and f.end >= rng.start]
+
+
+def catch_up(files: Sequence[StateFile], rng: KeyGroupRange, held: np.ndarray, committed: int, max_parallelism: int,
+             ) -> tuple[np.ndarray, list[tuple[StateFile, KeyGroupRange]], dict[str, int]]:
+    """What a subtask must read to bring its key groups ``rng`` to checkpoint ``committed``.
+
+    ``held``: per key group of ``rng``, the batch its warm copy reflects (-1: none). A key
+    group is loaded in full (its latest snapshot and the deltas after it) when nothing
+    usable is held: no copy, a copy ahead of the checkpoint (a failed attempt's), or one
+    older than a snapshot since; otherwise only the deltas after its copy. Returns the
+    per-group ``full`` mask (those to drop first), the (file, key-group run) slices to
+    read in batch order, and counts for the task's report.
+    """
+    lo, hi = rng.start, rng.end
+    mine = files_overlapping(files, rng)
+    snap = latest_snapshot_batches(mine, max_parallelism)[lo : hi + 1]
+    full = (held < 0) | (held > committed) | (snap > held)
+    start_at = np.where(full, snap, held + 1)  # first batch each key group still needs
+    reads: list[tuple[StateFile, KeyGroupRange]] = []
+    read_files = 0
+    for f in sorted(mine, key=lambda f: f.batch):
+        a, b = max(f.start, lo), min(f.end, hi)
+        runs = mask_runs(f.batch >= start_at[a - lo : b - lo + 1], a)
+        read_files += bool(runs)
+        reads += [(f, KeyGroupRange(ra, rb)) for ra, rb in runs]
+    stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": read_files}
+    return full, reads, stats

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.checkpoint.files import read_state_slice
-from keyscale.checkpoint.manifest import StateFile, files_overlapping, latest_snapshot_batches
+from keyscale.checkpoint.manifest import StateFile, catch_up
 from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.keyed import TIMER_STATES, ttl_column
@@ -119,18 +119,8 @@ class RocksSession:
         db.set_versions(lo, hi, -1)  # unusable until this task finishes: first, before any change
         if len(gone):
             db.drop_groups(gone)
-        files = files_overlapping(spec.files, self.rng)
-        snap = latest_snapshot_batches(files, spec.max_parallelism)[lo : hi + 1]
-        full = (ver < 0) | (ver > spec.committed) | (snap > ver)
-        start_at = np.where(full, snap, ver + 1)
+        full, reads, stats = catch_up(spec.files, self.rng, ver, spec.committed, spec.max_parallelism)
         db.drop_groups(np.flatnonzero(full) + lo)
-        stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": 0}
-        reads: list[tuple[StateFile, KeyGroupRange]] = []
-        for f in sorted(files, key=lambda f: f.batch):
-            a, b = max(f.start, lo), min(f.end, hi)
-            runs = mask_runs(f.batch >= start_at[a - lo : b - lo + 1], a)
-            stats["files_read"] += bool(runs)
-            reads += [(f, KeyGroupRange(ra, rb)) for ra, rb in runs]
         warm = np.zeros(spec.max_parallelism, dtype=bool)
         warm[lo : hi + 1] = ~full
         self._load(reads, warm)

@@ -40,12 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.checkpoint.files import encode_state_file, put_state_file, read_state_slice
-from keyscale.checkpoint.manifest import (
-    FileKind,
-    StateFile,
-    files_overlapping,
-    latest_snapshot_batches,
-)
+from keyscale.checkpoint.manifest import FileKind, StateFile, catch_up
 from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms, max_event_within
 from keyscale.operators.keyed import (
@@ -69,7 +64,7 @@ from keyscale.operators.poison import (
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.runtime.counters import window_counters
-from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
+from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
 from keyscale.storage import Store
@@ -164,18 +159,8 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, 
     lo, hi = rng.start, rng.end
     ver = held.version[lo : hi + 1].copy()
     held.version[lo : hi + 1] = -1  # invalid until this task finishes
-    files = files_overlapping(spec.files, rng)
-    snap = latest_snapshot_batches(files, spec.max_parallelism)[lo : hi + 1]
-    full = (ver < 0) | (ver > spec.committed) | (snap > ver)
-    start_at = np.where(full, snap, ver + 1)  # first batch each key group still needs
+    full, reads, stats = catch_up(spec.files, rng, ver, spec.committed, spec.max_parallelism)
     held.table.drop_groups(np.flatnonzero(full) + lo)
-    stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": 0}
-    reads: list[tuple[StateFile, KeyGroupRange]] = []
-    for f in sorted(files, key=lambda f: f.batch):
-        a, b = max(f.start, lo), min(f.end, hi)
-        runs = mask_runs(f.batch >= start_at[a - lo : b - lo + 1], a)
-        stats["files_read"] += bool(runs)
-        reads += [(f, KeyGroupRange(ra, rb)) for ra, rb in runs]
     # In batch order, a delta over what came before it: applied as one, each key once.
     held.table.apply_all(list(_fetch_in_order(spec.store, reads)))
     if stats["files_read"]:
