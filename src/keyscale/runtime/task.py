@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 from keyscale.checkpoint.files import encode_state_file, put_state_file, read_state_slice
 from keyscale.checkpoint.manifest import FileKind, StateFile, catch_up
 from keyscale.errors import InputDataError, KeyscaleError
-from keyscale.operators.eventtime import NO_WATERMARK, event_time_ms, max_event_within
+from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.operators.keyed import (
     TIMER_STATES,
     Context,
@@ -52,9 +52,7 @@ from keyscale.operators.keyed import (
     ttl_column,
 )
 from keyscale.operators.poison import (
-    FAIL,
     ErrorCollector,
-    ErrorPolicy,
     bisect_failures,
     null_event_time_mask,
     null_key_mask,
@@ -64,6 +62,17 @@ from keyscale.operators.poison import (
 from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.runtime.counters import window_counters
+from keyscale.runtime.stagetask import (
+    DEAD,
+    KG,
+    LATE,
+    MAIN,
+    SEQ,
+    StageTask,
+    side_output_schema,
+    state_file_name,
+    with_side_output,
+)
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
@@ -72,60 +81,13 @@ from keyscale.storage import Store
 if TYPE_CHECKING:
     from keyscale.runtime.rocks_task import RocksSession
 
-SEQ = "__seq"
-KG = "__kg"
+__all__ = ["DEAD", "KG", "LATE", "MAIN", "SEQ", "StageTask", "run_subtask", "side_output_schema", "state_file_name", "with_side_output"]
 
 # Integers with nulls stay integers (pandas would make them floats and lose precision).
 _NULLABLE = {
     pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(), pa.int64(): pd.Int64Dtype(),
     pa.bool_(): pd.BooleanDtype(), pa.float32(): pd.Float32Dtype(), pa.float64(): pd.Float64Dtype(),
 }
-
-
-@dataclass(frozen=True)
-class StageTask:
-    """Everything a task of a keyed stage needs, shipped from the driver (pickled)."""
-
-    store: Store  # the job directory's: state files are read and written through it
-    run_id: str
-    uid: str
-    function: Any
-    key_names: tuple[str, ...]
-    key_types: tuple[pa.DataType, ...]
-    input_schema: pa.Schema
-    output_schema: pa.Schema
-    states: tuple[StateDescriptor, ...]
-    null_keys: str
-    max_parallelism: int
-    parallelism: int
-    batch_id: int
-    batch_time_ms: int
-    committed: int  # batch whose manifest the state comes from (-1: none yet)
-    files: tuple[StateFile, ...]  # the operator's live files at ``committed``
-    compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
-    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction" | "kill-driver-mid-upload"
-    driver_pid: int = 0
-    watermark_ms: int = NO_WATERMARK  # the watermark this batch runs with
-    event_time: str | None = None  # the event-time column whose maximum the task reports
-    extra_keys: tuple[tuple[str, pa.DataType], ...] = ()  # state key columns after the routing key
-    late_output: bool = False  # the stage also returns records too late for its windows
-    broadcast_state: dict[str, Any] | None = None  # the rules stream's state as of this batch
-    event_time_limit_ms: int | None = None  # later event times are not believed (with_watermark's max_ahead)
-    on_error: ErrorPolicy = FAIL  # poison records: fail, skip or dead-letter (operators/poison.py)
-    report_to: Any = None  # where the report goes (keyscale.runtime.reports): a Spark accumulator
-    state_backend: str = "memory"  # "memory" | "rocksdb" (runtime/rocks_task.py)
-
-    @property
-    def timers(self) -> bool:
-        return any(s.name == TIMER_STATES["event_time"][1] for s in self.states)
-
-
-def state_file_name(uid: str, batch: int, subtask: int, kind: str, attempt: str) -> str:
-    """A name unique to one attempt: two attempts of a subtask (speculation, a zombie task
-    set) never overwrite each other's file, so the report that survives names the file its
-    attempt wrote, with that file's size and crc (the report is written last, by rename).
-    Retention removes the files no manifest took."""
-    return f"state/{uid}/{batch:012d}-s{subtask:05d}-{kind}-{attempt}.arrow"
 
 
 class _Held:
@@ -639,35 +601,6 @@ def _without_event_time(spec: StageTask, column: str, table: pa.Table, errors: E
 def _key_of(row: dict[str, Any]) -> Any:
     vals = list(row.values())
     return vals[0] if len(vals) == 1 else vals
-
-
-MAIN, LATE, DEAD = "__main", "__late", "__dead"
-
-
-def side_output_schema(main: pa.Schema, late: pa.Schema | None = None, dead: pa.Schema | None = None) -> pa.Schema:
-    """A stage's output when it has side outputs (late records, dead letters): one struct
-    column for each, one set per row."""
-    fields = [pa.field(MAIN, pa.struct(list(main)))]
-    if late is not None:
-        fields.append(pa.field(LATE, pa.struct(list(late))))
-    if dead is not None:
-        fields.append(pa.field(DEAD, pa.struct(list(dead))))
-    return pa.schema(fields)
-
-
-def with_side_output(main: pa.Table, late: pa.Table | None = None, dead: pa.Table | None = None) -> pa.Table:
-    def packed(t: pa.Table) -> pa.Array[Any]:
-        return t.to_struct_array().combine_chunks()
-
-    parts = {MAIN: main, **({LATE: late} if late is not None else {}), **({DEAD: dead} if dead is not None else {})}
-    packs = {name: packed(t) for name, t in parts.items()}
-    total = sum(t.num_rows for t in parts.values())
-    cols, at = {}, 0
-    for name, t in parts.items():
-        arr = packs[name]
-        cols[name] = pa.concat_arrays([pa.nulls(at, arr.type), arr, pa.nulls(total - at - t.num_rows, arr.type)])
-        at += t.num_rows
-    return pa.table(cols)
 
 
 class Upload:
