@@ -148,12 +148,14 @@ class ConnectedKeyedStreams:
         return combined
 
     def process(self, function: KeyedCoProcessFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
-                on_error: OnError | None = None) -> Stream:
+                on_error: OnError | None = None, state_backend: str | None = None) -> Stream:
         """Run ``function`` over both inputs: one keyed stage, one state and one set of
-        timers per key for both (see :class:`KeyedCoProcessFunction`)."""
-        return self._combined().key_by(*self.keys1).process(adapt(function, len(self.keys1)), schema, uid, parallelism, on_error=on_error)
+        timers per key for both (see :class:`KeyedCoProcessFunction`); ``state_backend`` as
+        for a one-input stage."""
+        return self._combined().key_by(*self.keys1).process(adapt(function, len(self.keys1)), schema, uid, parallelism, on_error=on_error,
+                                                             state_backend=state_backend)
 
-    def interval_join(self, lower: Any, upper: Any, uid: str, parallelism: int | None = None) -> Stream:
+    def interval_join(self, lower: Any, upper: Any, uid: str, parallelism: int | None = None, state_backend: str | None = None) -> Stream:
         """Pairs of rows with equal keys whose event times satisfy
         ``t1 + lower <= t2 <= t1 + upper`` (durations such as ``"-5 seconds"``, ``"10 seconds"``,
         or seconds), each pair once, as one row of the first input's columns and the
@@ -168,9 +170,10 @@ class ConnectedKeyedStreams:
             raise JobDefinitionError(f"interval_join '{uid}': lower ({lo} ms) is after upper ({hi} ms)")
         a1, a2, names1, names2, fields = self._pair_columns()
         fn = IntervalJoin(wm1.column, wm2.column, lo, hi, pa.struct(list(a1)), pa.struct(list(a2)), names1, names2)
-        return self.process(fn, pa.schema(fields), uid, parallelism)
+        return self.process(fn, pa.schema(fields), uid, parallelism, state_backend=state_backend)
 
-    def window_join(self, assigner: TumblingWindows | SlidingWindows, uid: str, parallelism: int | None = None) -> Stream:
+    def window_join(self, assigner: TumblingWindows | SlidingWindows, uid: str, parallelism: int | None = None,
+                    state_backend: str | None = None) -> Stream:
         """Pairs of rows with equal keys in the same event-time window (``ks.TumblingWindows``
         or ``ks.SlidingWindows``; each pair once per window both rows fall in), as one row of
         both inputs' columns (a name both have gets ``_2`` on the second's) and the window's
@@ -189,7 +192,7 @@ class ConnectedKeyedStreams:
                 raise JobDefinitionError(f"window_join '{uid}': an input has a column '{name}', which the join's output adds; rename it")
         fields += [pa.field("window_start", pa.timestamp("us", tz="UTC")), pa.field("window_end", pa.timestamp("us", tz="UTC"))]
         fn = WindowJoin(assigner, wm1.column, wm2.column, pa.struct(list(a1)), pa.struct(list(a2)), names1, names2)
-        return self.process(fn, pa.schema(fields), uid, parallelism)
+        return self.process(fn, pa.schema(fields), uid, parallelism, state_backend=state_backend)
 
     def _pair_columns(self) -> tuple[pa.Schema, pa.Schema, list[str], list[str], list[pa.Field[Any]]]:
         """Both inputs' Arrow schemas, their output column names and the joined row's fields."""

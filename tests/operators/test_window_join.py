@@ -8,6 +8,7 @@ import itertools
 from typing import Any
 
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,9 +22,10 @@ INPUT = pa.schema([("key", pa.string()), ("__side", pa.int8()), ("in1", A), ("in
 OUTPUT = "ts long, v string, ts_2 long, v_2 string, window_start timestamp, window_end timestamp"
 
 
-def _harness(assigner: Any, parallelism: int) -> KeyedHarness:
+def _harness(assigner: Any, parallelism: int, state_backend: str = "memory") -> KeyedHarness:
     fn = WindowJoin(assigner, "ts", "ts", A, B, ["ts", "v"], ["ts_2", "v_2"])
-    return KeyedHarness.of(adapt(fn, 1), key_by=["key"], input_schema=INPUT, output_schema=OUTPUT, parallelism=parallelism)
+    return KeyedHarness.of(adapt(fn, 1), key_by=["key"], input_schema=INPUT, output_schema=OUTPUT, parallelism=parallelism,
+                           state_backend=state_backend)
 
 
 def _row(key: str, side: int, ts: int, v: str) -> dict[str, Any]:
@@ -66,8 +68,9 @@ def test_pairs_are_the_brute_force_join_and_state_ends_empty(rows: list[tuple[st
         assert h.state(key) is None  # every row left when its last window fired
 
 
-def test_a_row_whose_windows_have_fired_joins_nothing_and_is_not_kept() -> None:
-    h = _harness(TumblingWindows("1 second"), 1)
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_a_row_whose_windows_have_fired_joins_nothing_and_is_not_kept(backend: str) -> None:
+    h = _harness(TumblingWindows("1 second"), 1, backend)
     assert h.process([_row("k", 0, 500, "a")]) == []
     h.advance_watermark(1500)  # window [0, 1000) has fired
     assert h.process([_row("k", 1, 700, "late"), _row("k", 1, 1200, "b"), _row("k", 0, 1900, "c")]) == [
