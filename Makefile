@@ -19,7 +19,7 @@ run: setup
 	$(BIN)/python examples/demo.py
 
 test: setup redis browser
-	$(BIN)/python -m pytest -q --durations=25 -n 3 --dist loadfile
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
 
 # The log tests start their own redis-server; install the Debian package if it is missing (as root).
 redis:
