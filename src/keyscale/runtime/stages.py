@@ -2,7 +2,7 @@
 
 Per keyed stage: key group and arrival sequence columns, a shuffle to one partition per
 subtask (partition ``i`` is subtask ``i``), and ``mapInArrow`` running the subtask
-(:class:`~keyscale.runtime.task.StageTask`); per non-keyed stage a round robin over its
+(:class:`~keyscale.runtime.stagetask.StageTask`); per non-keyed stage a round robin over its
 subtasks (:class:`~keyscale.runtime.nonkeyed_task.NonKeyedTask`); rules streams (broadcasts) are
 applied on the driver. Nothing here runs a Spark action, writes the job directory or
 changes ``JobState``: the sink write runs the plan (commit protocol step 4, ``commit.py``).
@@ -30,7 +30,7 @@ from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
 from keyscale.runtime.jobstate import JobState
 from keyscale.runtime.nonkeyed_task import NonKeyedTask, make_nonkeyed_function
 from keyscale.runtime.spark_task import make_stage_function
-from keyscale.runtime.task import (
+from keyscale.runtime.stagetask import (
     DEAD,
     KG,
     LATE,
