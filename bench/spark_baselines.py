@@ -159,30 +159,37 @@ def _noop_sink(batch_df: DataFrame, batch_id: int) -> None:
     batch_df.write.format("noop").mode("overwrite").save()
 
 
-def _run_available(result_df: DataFrame, checkpoint: Path, output_mode: str = "update") -> Result:
-    """Run ``result_df`` with the noop foreachBatch sink until all input is processed."""
-    writer = (
+def run_available_now(
+    result_df: DataFrame, checkpoint: Path, output_mode: str = "update", sink: Callable[[DataFrame, int], None] = _noop_sink,
+) -> tuple[list[Any], float]:
+    """Run ``result_df`` into ``foreachBatch(sink)`` until all input is processed: the
+    progress of every batch, in order, and the wall seconds from start to termination. Every Spark-native baseline of ``bench/`` times itself with this."""
+    query = (
         result_df.writeStream.outputMode(output_mode)
-        .foreachBatch(_noop_sink)
+        .foreachBatch(sink)
         .option("checkpointLocation", str(checkpoint))
         .trigger(availableNow=True)
     )
     t0 = time.perf_counter()
-    query = writer.start()
+    q = query.start()
     try:
-        query.awaitTermination()
+        q.awaitTermination()
         wall = time.perf_counter() - t0
-        if query.exception() is not None:
-            raise RuntimeError(f"streaming query failed: {query.exception()}")
-        progress = list(query.recentProgress)
+        if q.exception() is not None:
+            raise RuntimeError(f"streaming query failed: {q.exception()}")
+        progress = sorted(q.recentProgress, key=lambda p: p.batchId)
     finally:
-        query.stop()
-    return _summarise(progress, wall)
+        q.stop()
+    return progress, wall
+
+
+def _run_available(result_df: DataFrame, checkpoint: Path, output_mode: str = "update") -> Result:
+    """Run ``result_df`` with the noop foreachBatch sink until all input is processed."""
+    return _summarise(*run_available_now(result_df, checkpoint, output_mode))
 
 
 def _summarise(progress: list[Any], wall: float) -> Result:
     batches = [p for p in progress if p.numInputRows > 0]
-    batches.sort(key=lambda p: p.batchId)
     out: Result = {
         "batch_seconds": [p.durationMs.get("triggerExecution", 0) / 1000.0 for p in batches],
         "add_batch_seconds": [p.durationMs.get("addBatch", 0) / 1000.0 for p in batches],

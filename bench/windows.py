@@ -54,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _workload import DEFAULT_DATA_ROOT, W_FILES, W_KEYS, W_ROWS_PER_FILE, workload_files  # noqa: E402
-from spark_baselines import ROCKSDB_PROVIDER, _noop_sink, _stage_input, _tempdir  # noqa: E402
+from spark_baselines import ROCKSDB_PROVIDER, _noop_sink, _stage_input, _tempdir, run_available_now  # noqa: E402
 
 TS_SCHEMA = "key long, v long, ts timestamp"
 #: Event time of the first record: 2024-01-01T00:00:00Z (minute-aligned).
@@ -201,19 +201,7 @@ def _ts_source(spark: Any, input_dir: Path) -> Any:
 
 def _run_spark(df: Any, checkpoint: Path, output_mode: str, sink: Any = _noop_sink) -> dict[str, Any]:
     """Run until all input is processed; per batch with input: triggerExecution and state metrics."""
-    q = (
-        df.writeStream.outputMode(output_mode).foreachBatch(sink)
-        .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start()
-    )
-    t0 = time.perf_counter()
-    try:
-        q.awaitTermination()
-        wall = time.perf_counter() - t0
-        if q.exception() is not None:
-            raise RuntimeError(f"streaming query failed: {q.exception()}")
-        progress = sorted(q.recentProgress, key=lambda p: p.batchId)
-    finally:
-        q.stop()
+    progress, wall = run_available_now(df, checkpoint, output_mode, sink)
     batches = [p for p in progress if p.numInputRows > 0]
     ops = [p.stateOperators[0] if p.stateOperators else None for p in batches]
     return {

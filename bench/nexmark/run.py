@@ -45,10 +45,11 @@ BENCH = HERE.parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
+from spark_baselines import ROCKSDB_PROVIDER, run_available_now  # noqa: E402
+
 import nexmark.generator as gen  # noqa: E402
 import nexmark.queries as Q  # noqa: E402
 
-ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 RATE = 10_000
 VERIFY_RATE = 200  # 50,000 events span 250 s of event time: many 10 s windows close in it
 FLINK_PER_CORE = {"q5": 22_000, "q17": 117_000}  # Flink 1.13, Nexmark repository README (events/s per core)
@@ -116,19 +117,8 @@ def run_spark(spark: Any, query: str, data: Path, tmp: Path, output: Path | None
         else:
             b.withColumn("batch", F.lit(bid)).write.mode("append").parquet(str(output))
 
-    t0 = time.perf_counter()
-    q = (df.writeStream.outputMode(mode).foreachBatch(sink).option("checkpointLocation", str(tmp / "ckpt"))
-         .trigger(availableNow=True).start())
-    try:
-        q.awaitTermination()
-        wall = time.perf_counter() - t0
-        if q.exception() is not None:
-            raise RuntimeError(str(q.exception()))
-        prog = sorted(q.recentProgress, key=lambda p: p.batchId)
-    finally:
-        q.stop()
-    return {"batch_seconds": [p.durationMs.get("triggerExecution", 0) / 1000 for p in prog if p.numInputRows > 0],
-            "wall_seconds": wall}
+    batches, wall = run_available_now(df, tmp / "ckpt", mode, sink)
+    return {"batch_seconds": [p.durationMs.get("triggerExecution", 0) / 1000 for p in batches if p.numInputRows > 0], "wall_seconds": wall}
 
 
 def throughput(r: dict[str, Any], per_slice: list[int]) -> float:
