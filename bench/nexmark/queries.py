@@ -27,7 +27,9 @@ Queries (keyscale / Spark):
   most per window. keyscale: sliding window count, then a keyed stage per window keeping the
   maximum; Spark: windowed count in append mode, the per-window maximum in ``foreachBatch``
   (a window's rows all come out in one batch).
-* q7 highest bid per 10 s tumbling window. keyscale: a process function keyed by window,
+* q7 highest bid per 10 s tumbling window. keyscale: each batch's bids cut to those at
+  their window's highest price in the batch (a window function in a per-batch transform),
+  then a process function keyed by window,
   emitting at the window's end (event-time timer) every bid at the maximum price; Spark:
   ``max(struct(price, ...))`` per window, append mode (one bid per window: a tie at the
   maximum would give one row where Flink and keyscale give all).
@@ -413,7 +415,15 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
         return counts.key_by("window_start").process(
             HotItems(), "auction long, num long, window_start timestamp, window_end timestamp", uid="q5_hot")
     if name == "q7":
-        bids = stream("bid").transform(lambda df: df.select("*", _window_ms("date_time")))
+        # A batch's transform runs on that batch alone: only its bids at their window's
+        # highest price in the batch can be a window's highest, so only those reach Python.
+        from pyspark.sql import Window
+
+        def batch_top(df: DataFrame) -> DataFrame:
+            df = df.select("*", _window_ms("date_time"), F.max("price").over(Window.partitionBy(_window_ms("date_time"))).alias("top"))
+            return df.where(F.col("price") == F.col("top")).drop("top")
+
+        bids = stream("bid").transform(batch_top)
         return bids.key_by("w").process(
             HighestBid(), "auction long, price long, bidder long, date_time timestamp, extra string, window_end timestamp",
             uid="q7")

@@ -1,11 +1,8 @@
 """A keyed stage runs every subtask in every batch, also when Spark proves the batch empty:
 a transform with an aggregate before the stage plans an empty batch (a drain, an idle
 batch that only moves the clock) to no partitions at all, and the subtasks would never
-report (the batch fails with "subtask 0 ... did not report").
-
-Known bug, not fixed yet: a fix (one marker row per subtask through the shuffle) was tried
-and withdrawn the same day, as a full suite run with it hung a log-source idleness test.
-``strict``: the test reports when the bug is gone."""
+report (the batch failed with "subtask 0 ... did not report"). Each subtask now gets one
+marker row through the shuffle (runtime/stages.py), dropped by the task."""
 
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ def build(ctx):
 '''
 
 
-@pytest.mark.xfail(reason="known bug: an empty batch after a per-batch aggregate runs no subtask", strict=True)
 def test_a_stage_after_a_per_batch_aggregate_runs_the_empty_drain_batch(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=300, keys=20, seed=5)
     job = tmp_path / "job.py"

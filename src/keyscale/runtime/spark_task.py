@@ -9,12 +9,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from keyscale.errors import KeyscaleError, encode_error
 from keyscale.operators.poison import FAIL, ErrorCollector
 from keyscale.runtime import reports
 from keyscale.runtime.profiling import profiled
-from keyscale.runtime.task import StageTask, Upload, run_subtask_deferred
+from keyscale.runtime.task import SEQ, StageTask, Upload, run_subtask_deferred
 
 
 def as_spark_task(
@@ -61,4 +62,15 @@ def _named_errors(spec: Any, subtask: int) -> Iterator[None]:
 
 def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The function given to ``DataFrame.mapInArrow`` for this keyed stage and batch."""
-    return as_spark_task(run_subtask_deferred, spec)
+
+    def run(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, Any, Upload | None]:
+        return run_subtask_deferred(spec, _without_markers(batches), subtask)
+
+    return as_spark_task(run, spec)
+
+
+def _without_markers(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The stage's input rows without the marker row each subtask gets (runtime/stages.py)."""
+    for b in batches:
+        keep = pc.greater_equal(b.column(SEQ), pa.scalar(0, pa.int64()))
+        yield b if pc.all(keep).as_py() else b.filter(keep)

@@ -209,12 +209,16 @@ def keyed(
     keys = [F.col(k) for k in step.key_names]
     cols = [F.col(c) for c in spec.input_schema.names]
     route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
-    staged = (
-        df.select(*cols, F.monotonically_increasing_id().alias(SEQ))
-        .withColumn(KG, F.pmod(F.hash(*keys), F.lit(m)).cast("int"))
-        # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
-        .repartition(p, F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
-    )
+    rows = df.select(*cols, F.monotonically_increasing_id().alias(SEQ)).withColumn(KG, F.pmod(F.hash(*keys), F.lit(m)).cast("int"))
+    # One marker row per subtask (sequence -1, dropped by the task): every subtask runs, and
+    # reports, even when Spark proves the batch empty (a transform with an aggregate or a
+    # window over an empty batch plans to no partitions at all).
+    starts = F.array(*[F.lit(key_group_range(s, m, p).start) for s in range(p)])
+    markers = df.sparkSession.range(p).select(
+        *[F.lit(None).cast(df.schema[c].dataType).alias(c) for c in spec.input_schema.names],
+        F.lit(-1).cast("long").alias(SEQ), F.element_at(starts, F.col("id").cast("int") + 1).cast("int").alias(KG))
+    # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
+    staged = rows.unionByName(markers).repartition(p, F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
     dead = spec.on_error.on_error == "dead_letter"
     schema = (
         side_output_schema(step.output_schema, step.input_schema if spec.late_output else None, DEAD_LETTER_SCHEMA if dead else None)
