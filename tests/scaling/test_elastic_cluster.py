@@ -134,7 +134,7 @@ def test_active_autoscaler_scales_up_under_a_load_step_and_back_down(cluster: An
               "--autoscaler-option", "metrics_window_seconds=6", "--autoscaler-option", "warmup_batches=1",
               "--autoscaler-option", "catch_up_seconds=10", "--autoscaler-option", "min_busy_seconds=0",
               "--set", f"log={tmp_path / 'log'}", "--set", f"output={tmp_path / 'out'}", "--set", "cost_ms=1")
-    gen = start_generator(log, "150/s for 10s, 1200/s for 25s, 100/s for 40s", keys=50)
+    gen = start_generator(log, "150/s for 8s, 1200/s for 20s, 100/s for 25s", keys=50)
     try:
         job.wait("a first batch", lambda st: st.get("last_checkpoint") is not None, timeout=240)
         job.wait("a scale-up under the load step", lambda st: par(st) >= 2, timeout=120)
