@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/big_state.py [--keys 10000000] [--files 5] [--backend memory|rocksdb]
     .venv/bin/python bench/big_state.py --in-process [--key-type long|string] [--keys N] [--files 5]
+    .venv/bin/python bench/big_state.py --bootstrap --keys 100000000 [--files 4] [--backend rocksdb]
 
 Input: ``--files`` Parquet files, each with ``keys/files`` new distinct keys (so the state
 grows to ``--keys`` keys) plus the same number of updates to random earlier keys. The
@@ -16,6 +17,14 @@ makes the keys ``k<n>``. ``--backend rocksdb``: the keyed stage keeps its state 
 on local disk (issue 15) instead of the workers' memory. Reported: the process's RSS after each batch, and at the end the
 state table's bytes per key by part (key columns, Python objects behind them, key groups,
 values, validity, lookup index) and the RSS over the process's RSS before the first batch.
+
+``--bootstrap``: the state of ``--keys`` keys (count 1 each) is written by Spark as a
+savepoint (``write_savepoint_from_dataframes`` over ``spark.range``), not built batch by
+batch, which at 100M keys would take hours here. The job starts from it at P=2 and reads
+``--files`` files of 4M records (2M new keys, 2M updates of existing ones); after the
+second file it is rescaled live to P=4. Reported per batch as above; then a savepoint of
+the last checkpoint and a new process at P=4 restored from it, with one more file, until
+its first batch.
 """
 
 from __future__ import annotations
@@ -246,6 +255,102 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
     return {"batches": rows, **summary}
 
 
+def make_update_input(folder: Path, existing: int, files: int, per_file: int) -> None:
+    """``files`` files of ``per_file`` records: half new keys (from ``existing`` on), half
+    updates of random keys below ``existing``."""
+    marker = folder / "_COMPLETE"
+    want = {"existing": existing, "files": files, "per_file": per_file}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(2)
+    half = per_file // 2
+    for i in range(files):
+        new = np.arange(existing + i * half, existing + (i + 1) * half, dtype=np.int64)
+        k = rng.permutation(np.concatenate([new, rng.integers(0, existing, half).astype(np.int64)]))
+        path = folder / f"part-{i:05d}.parquet"
+        pq.write_table(pa.table({"key": k, "v": np.ones(len(k), dtype=np.int64)}), path)
+        os.utime(path, (1_700_000_000 + i, 1_700_000_000 + i))
+    marker.write_text(json.dumps(want))
+
+
+def bootstrapped(keys: int, files: int, backend: str, per_file: int = 4_000_000) -> dict[str, Any]:
+    """``--bootstrap`` (module doc): start from a savepoint of ``keys`` keys, rescale live, restore."""
+    from pyspark.sql import functions as F
+
+    from keyscale.checkpoint.savepoint import write_savepoint
+    from keyscale.runtime.session import spark_session
+    from keyscale.state_processor.bootstrap import write_savepoint_from_dataframes
+
+    root = HERE / "out" / "big_bootstrap"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    data = HERE / "data" / f"big-updates-{keys}-{files}x{per_file}"
+    make_update_input(data, keys, files + 1, per_file)  # the last one for the restored job
+    inp = root / "in"
+    inp.mkdir()
+    parts = sorted(data.glob("part-*.parquet"))
+    for f in parts[:files]:
+        os.link(f, inp / f.name)
+    conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": "500000"}
+    spark = spark_session("local[2]", conf=conf)
+    t = time.perf_counter()
+    state = spark.range(keys).select(F.col("id").alias("key"), F.lit(1).cast("long").alias("count"))
+    sp = write_savepoint_from_dataframes(str(root / "sp"), "w_count", {"count": (state, ["key"], {"count": "long"})}, 128)
+    bootstrap_s = time.perf_counter() - t
+    print(f"savepoint of {keys:,} keys written by Spark in {bootstrap_s:.1f} s", flush=True)
+
+    job = JobDir(root / "job")
+    rows: list[dict[str, Any]] = []
+
+    def on_batch(rec: BatchRecord) -> None:
+        workers = rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
+        row = {"batch": rec.batch, "seconds": round(rec.seconds, 2), "records": rec.records, "parallelism": rec.parallelism.get("count"),
+               "python_workers_mb": round(sum(workers)), "per_python_process_mb": [round(w) for w in sorted(workers)],
+               "jvm_mb": round(rss_mb("org.apache.spark.deploy.SparkSubmit"))}
+        rows.append(row)
+        print(f"  {row}", flush=True)
+        if rec.batch == 1:
+            job.request_rescale(4)
+
+    opts = RunOptions(job_file=str(HERE / "jobs" / "w_count.py"), job_dir=str(job.path), parallelism=2, until_idle=True,
+                      args={"input": str(inp), "mode": "vectorized", "sink": "noop"}, spark_conf=conf, state_backend=backend,
+                      from_savepoint=sp)
+    t = time.perf_counter()
+    summary = JobRunner(opts, on_batch).run()
+    wall = time.perf_counter() - t
+    manifest = job.latest_manifest()
+    assert manifest is not None
+    t = time.perf_counter()
+    sp2 = write_savepoint(job, manifest, str(root / "sp2"))
+    savepoint_s = time.perf_counter() - t
+    print(f"savepoint of the last checkpoint: {savepoint_s:.1f} s", flush=True)
+
+    os.link(parts[files], inp / parts[files].name)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", "run", str(HERE / "jobs" / "w_count.py"), "--job-dir", str(root / "job2"),
+                             "-p", "4", "--until-idle", "--from-savepoint", sp2, "--set", f"input={inp}", "--set", "mode=vectorized",
+                             "--set", "sink=noop", "--state-backend", backend],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT)
+    first = None
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if first is None and " committed in " in line:
+            first = time.perf_counter() - t0
+            proc.terminate()  # the first batch is what is measured
+    if proc.wait() not in (0, -15) or first is None:
+        raise RuntimeError("the restore failed:\n" + "".join(said[-30:]))
+    print(f"restore at P=4 from the savepoint: first batch {first} s after launch (JVM start included)", flush=True)
+    out = {"keys": keys, "backend": backend, "bootstrap_seconds": bootstrap_s, "batches": rows, "wall_seconds": wall,
+           "trigger_seconds": summary.trigger_seconds, "rescales": [list(r) for r in summary.rescales],
+           "savepoint_seconds": savepoint_s, "restore_first_batch_s": first}
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", type=int, default=10_000_000)
@@ -255,8 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key-type", choices=["long", "string"], default="long", help="with --in-process")
     ap.add_argument("--parallelism", type=int, default=2, help="with --in-process")
     ap.add_argument("--backend", choices=["memory", "rocksdb"], default="memory", help="the keyed stage's state backend")
+    ap.add_argument("--bootstrap", action="store_true", help="state of --keys keys from a savepoint Spark writes (see module doc)")
+    ap.add_argument("--records-per-file", type=int, default=4_000_000, help="with --bootstrap")
     a = ap.parse_args(argv)
     logging.getLogger("keyscale").setLevel(logging.WARNING)
+    if a.bootstrap:
+        result = bootstrapped(a.keys, a.files, a.backend, a.records_per_file)
+        Path(a.out).write_text(json.dumps({"command": "bench/big_state.py " + " ".join(argv or sys.argv[1:]), **result}, indent=1))
+        return 0
     data = HERE / "data" / f"big-{a.keys}"
     print(f"generating input: {a.keys:,} keys over {a.files} files ...", flush=True)
     make_input(data, a.keys, a.files)
