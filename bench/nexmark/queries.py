@@ -420,7 +420,8 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
         from pyspark.sql import Window
 
         def batch_top(df: DataFrame) -> DataFrame:
-            df = df.select("*", _window_ms("date_time"), F.max("price").over(Window.partitionBy(_window_ms("date_time"))).alias("top"))
+            # (Spark refuses a window function in a filter: the maximum is a column first.)
+            df = df.select("*", _window_ms("date_time")).withColumn("top", F.max("price").over(Window.partitionBy("w")))
             return df.where(F.col("price") == F.col("top")).drop("top")
 
         bids = stream("bid").transform(batch_top)
