@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -304,11 +305,23 @@ def bootstrapped(keys: int, files: int, backend: str, per_file: int = 4_000_000)
     job = JobDir(root / "job")
     rows: list[dict[str, Any]] = []
 
+    # The Python workers' peak RSS within each batch (sampled every 0.5 s): a batch's
+    # working set, a restore or a snapshot may take more than what is left after it.
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.5):
+            peak[0] = max(peak[0], sum(rss_list("pyspark.daemon") + rss_list("pyspark/daemon")))
+
+    threading.Thread(target=sample, daemon=True).start()
+
     def on_batch(rec: BatchRecord) -> None:
         workers = rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
         row = {"batch": rec.batch, "seconds": round(rec.seconds, 2), "records": rec.records, "parallelism": rec.parallelism.get("count"),
-               "python_workers_mb": round(sum(workers)), "per_python_process_mb": [round(w) for w in sorted(workers)],
+               "python_workers_mb": round(sum(workers)), "python_workers_peak_mb": round(max(peak[0], sum(workers))), "per_python_process_mb": [round(w) for w in sorted(workers)],
                "jvm_mb": round(rss_mb("org.apache.spark.deploy.SparkSubmit"))}
+        peak[0] = 0.0
         rows.append(row)
         print(f"  {row}", flush=True)
         if rec.batch == 1:
@@ -320,6 +333,7 @@ def bootstrapped(keys: int, files: int, backend: str, per_file: int = 4_000_000)
     t = time.perf_counter()
     summary = JobRunner(opts, on_batch).run()
     wall = time.perf_counter() - t
+    done.set()
     manifest = job.latest_manifest()
     assert manifest is not None
     t = time.perf_counter()
