@@ -90,6 +90,11 @@ def rss_list(pattern: str) -> list[float]:
     return sizes
 
 
+def workers_rss_list() -> list[float]:
+    """Resident memory (MB) of this run's Python daemon and workers."""
+    return rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
+
+
 def rss_mb(pattern: str) -> float:
     """Total resident memory (MB) of this run's processes whose command line contains ``pattern``."""
     return sum(rss_list(pattern))
@@ -312,12 +317,12 @@ def bootstrapped(keys: int, files: int, backend: str, per_file: int = 4_000_000)
 
     def sample() -> None:
         while not done.wait(0.5):
-            peak[0] = max(peak[0], sum(rss_list("pyspark.daemon") + rss_list("pyspark/daemon")))
+            peak[0] = max(peak[0], sum(workers_rss_list()))
 
     threading.Thread(target=sample, daemon=True).start()
 
     def on_batch(rec: BatchRecord) -> None:
-        workers = rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
+        workers = workers_rss_list()
         row = {"batch": rec.batch, "seconds": round(rec.seconds, 2), "records": rec.records, "parallelism": rec.parallelism.get("count"),
                "python_workers_mb": round(sum(workers)), "python_workers_peak_mb": round(max(peak[0], sum(workers))), "per_python_process_mb": [round(w) for w in sorted(workers)],
                "jvm_mb": round(rss_mb("org.apache.spark.deploy.SparkSubmit"))}
@@ -397,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         m = JobDir(job).latest_manifest()
         assert m is not None
         state_mb = sum(f.bytes for f in m.operators["count"].files) / 1e6
-        workers = rss_list("pyspark.daemon") + rss_list("pyspark/daemon")
+        workers = workers_rss_list()
         # Key groups the subtasks loaded from files (not warm in the worker that ran them).
         subtasks = (JobDir(job).read_status() or {}).get("operators", {}).get("count", {}).get("subtasks", [])
         loaded = sum(t.get("loaded_key_groups", 0) for t in subtasks)

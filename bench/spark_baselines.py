@@ -163,7 +163,8 @@ def run_available_now(
     result_df: DataFrame, checkpoint: Path, output_mode: str = "update", sink: Callable[[DataFrame, int], None] = _noop_sink,
 ) -> tuple[list[Any], float]:
     """Run ``result_df`` into ``foreachBatch(sink)`` until all input is processed: the
-    progress of every batch, in order, and the wall seconds from start to termination. Every Spark-native baseline of ``bench/`` times itself with this."""
+    progress of every batch, in order, and the wall seconds from start to termination.
+    Every Spark-native baseline of ``bench/`` times itself with this."""
     query = (
         result_df.writeStream.outputMode(output_mode)
         .foreachBatch(sink)
@@ -183,6 +184,11 @@ def run_available_now(
     return progress, wall
 
 
+def batch_seconds(progress: list[Any]) -> list[float]:
+    """Spark's own time (``triggerExecution``) of each batch that had input, in seconds."""
+    return [p.durationMs.get("triggerExecution", 0) / 1000.0 for p in progress if p.numInputRows > 0]
+
+
 def _run_available(result_df: DataFrame, checkpoint: Path, output_mode: str = "update") -> Result:
     """Run ``result_df`` with the noop foreachBatch sink until all input is processed."""
     return _summarise(*run_available_now(result_df, checkpoint, output_mode))
@@ -191,7 +197,7 @@ def _run_available(result_df: DataFrame, checkpoint: Path, output_mode: str = "u
 def _summarise(progress: list[Any], wall: float) -> Result:
     batches = [p for p in progress if p.numInputRows > 0]
     out: Result = {
-        "batch_seconds": [p.durationMs.get("triggerExecution", 0) / 1000.0 for p in batches],
+        "batch_seconds": batch_seconds(batches),
         "add_batch_seconds": [p.durationMs.get("addBatch", 0) / 1000.0 for p in batches],
         "batch_ids": [p.batchId for p in batches],
         "batch_rows": [p.numInputRows for p in batches],

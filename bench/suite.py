@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from spark_baselines import ROCKSDB_PROVIDER, run_available_now  # noqa: E402
+from spark_baselines import ROCKSDB_PROVIDER, batch_seconds, run_available_now  # noqa: E402
 
 SCHEMA = "key string, value long, ts timestamp"
 JOBS = ["running_count", "multi_agg", "tumbling", "session", "process", "two_stage"]
@@ -133,8 +133,8 @@ def spark_native(spark: Any, job: str, data: Path, tmp: Path) -> dict[str, Any]:
     def sink(b: Any, bid: int) -> None:
         b.write.mode("append").parquet(out)
 
-    batches, wall = run_available_now(df, tmp / "ckpt", mode, sink)
-    return {"batch_seconds": [p.durationMs.get("triggerExecution", 0) / 1000 for p in batches if p.numInputRows > 0], "wall_seconds": wall}
+    progress, wall = run_available_now(df, tmp / "ckpt", mode, sink)
+    return {"batch_seconds": batch_seconds(progress), "wall_seconds": wall}
 
 
 def spark_floor(spark: Any, job: str, data: Path, tmp: Path) -> dict[str, Any]:

@@ -54,7 +54,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _workload import DEFAULT_DATA_ROOT, W_FILES, W_KEYS, W_ROWS_PER_FILE, workload_files  # noqa: E402
-from spark_baselines import ROCKSDB_PROVIDER, _noop_sink, _stage_input, _tempdir, run_available_now  # noqa: E402
+from spark_baselines import (  # noqa: E402
+    ROCKSDB_PROVIDER,
+    _noop_sink,
+    _stage_input,
+    _tempdir,
+    batch_seconds,
+    run_available_now,
+)
 
 TS_SCHEMA = "key long, v long, ts timestamp"
 #: Event time of the first record: 2024-01-01T00:00:00Z (minute-aligned).
@@ -205,7 +212,7 @@ def _run_spark(df: Any, checkpoint: Path, output_mode: str, sink: Any = _noop_si
     batches = [p for p in progress if p.numInputRows > 0]
     ops = [p.stateOperators[0] if p.stateOperators else None for p in batches]
     return {
-        "batch_seconds": [p.durationMs.get("triggerExecution", 0) / 1000.0 for p in batches],
+        "batch_seconds": batch_seconds(batches),
         "add_batch_seconds": [p.durationMs.get("addBatch", 0) / 1000.0 for p in batches],
         "batch_rows": [p.numInputRows for p in batches],
         "state_rows": [int(o.numRowsTotal) if o else None for o in ops],

@@ -45,7 +45,7 @@ BENCH = HERE.parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from spark_baselines import ROCKSDB_PROVIDER, run_available_now  # noqa: E402
+from spark_baselines import ROCKSDB_PROVIDER, batch_seconds, run_available_now  # noqa: E402
 
 import nexmark.generator as gen  # noqa: E402
 import nexmark.queries as Q  # noqa: E402
@@ -117,8 +117,8 @@ def run_spark(spark: Any, query: str, data: Path, tmp: Path, output: Path | None
         else:
             b.withColumn("batch", F.lit(bid)).write.mode("append").parquet(str(output))
 
-    batches, wall = run_available_now(df, tmp / "ckpt", mode, sink)
-    return {"batch_seconds": [p.durationMs.get("triggerExecution", 0) / 1000 for p in batches if p.numInputRows > 0], "wall_seconds": wall}
+    progress, wall = run_available_now(df, tmp / "ckpt", mode, sink)
+    return {"batch_seconds": batch_seconds(progress), "wall_seconds": wall}
 
 
 def throughput(r: dict[str, Any], per_slice: list[int]) -> float:
