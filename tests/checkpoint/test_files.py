@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keyscale.checkpoint.files import (
+    CHUNK_ROWS,
+    encode_state_file,
     kg_index,
+    put_state_file,
     read_state_slice,
+    spill_state_file,
     verify_state_file,
     write_state_file,
 )
@@ -20,6 +27,8 @@ from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
+from keyscale.storage import LocalStore
+from keyscale.storage.scratch import remove_scratch, scratch_children, scratch_dir
 
 REL = "state/op/000000000003-s00001-delta.arrow"
 
@@ -206,3 +215,48 @@ def test_a_state_file_that_cannot_be_written_is_a_storage_error(tmp_path: Path, 
     monkeypatch.setattr(LocalStore, "put", denied)
     with pytest.raises(StorageError, match=rf"state file: cannot write {tmp_path / REL} as user '.+' on host '.+': Permission denied \(.*use an object store: s3://"):
         write_state_file(tmp_path, REL, _state_table(), "delta", 3, KeyGroupRange(10, 19))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kgs=st.lists(st.integers(0, 63), max_size=3 * CHUNK_ROWS // 1000).map(sorted),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+    repeat=st.integers(1, 1000),
+)
+def test_a_spilled_state_file_is_byte_for_byte_the_encoded_one(kgs: list[int], cuts: list[int], repeat: int) -> None:
+    """A snapshot written in parts to scratch (never whole in memory) is the file the whole
+    table would have made: same bytes, same manifest entry, whatever the parts."""
+    kg = np.repeat(np.array(kgs, dtype=np.int32), repeat)  # rows past CHUNK_ROWS: several record batches
+    table = pa.table({"key": pa.array([f"k{i}" for i in range(len(kg))]), KG_COLUMN: kg,
+                      "n": pa.array([None if i % 5 == 0 else i for i in range(len(kg))], pa.int64())})
+    bounds = sorted({0, len(kg), *(min(len(kg), c * repeat) for c in cuts)})
+    parts = [table.slice(a, b - a) for a, b in itertools.pairwise(bounds)]
+    rng = KeyGroupRange(0, 63)
+    entry, data = encode_state_file(REL, table, "snapshot", 7, rng)
+    spilled_entry, path = spill_state_file(REL, parts, table.schema, "snapshot", 7, rng)
+    try:
+        assert spilled_entry == entry
+        assert path.read_bytes() == data
+    finally:
+        remove_scratch(path.parent)
+
+
+def test_a_spilled_state_file_refuses_rows_out_of_key_group_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEYSCALE_LOCAL_DIR", str(tmp_path))
+    t = pa.table({"key": ["a", "b"], KG_COLUMN: pa.array([5, 4], pa.int32())})
+    with pytest.raises(StateError, match="not in key-group order"):
+        spill_state_file(REL, [t], t.schema, "snapshot", 1, KeyGroupRange(0, 63))
+    assert not scratch_children(scratch_dir("spill"))  # nothing left behind
+
+
+def test_a_spilled_state_file_is_uploaded_from_disk_to_either_store(tmp_path: Path) -> None:
+    t = _state_table()
+    rng = KeyGroupRange(10, 19)
+    entry, path = spill_state_file(REL, [t], t.schema, "snapshot", 3, rng)
+    try:
+        put_state_file(LocalStore(tmp_path), REL, path)
+    finally:
+        remove_scratch(path.parent)
+    assert verify_state_file(tmp_path, entry) is None
+    assert read_state_slice(tmp_path, entry, KeyGroupRange(14, 15)).to_pylist() == t.filter(
+        pa.compute.is_in(t[KG_COLUMN], pa.array([14, 15], pa.int32()))).to_pylist()

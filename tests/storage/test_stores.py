@@ -6,6 +6,7 @@ The local store runs always; the S3 store runs against a real S3-compatible serv
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 from collections.abc import Iterator
@@ -41,6 +42,16 @@ def test_put_get_replace(store: Store) -> None:
     with pytest.raises(FileNotFoundError):
         store.get("a/missing.json")
     assert store.get_or_none("a/missing.json") is None and store.size("a/missing.json") is None
+
+
+def test_put_file_writes_a_local_file_whole_and_replaces(store: Store, tmp_path: Path) -> None:
+    """A large state file is uploaded from disk (a multipart upload on an object store)."""
+    src = tmp_path / "big"
+    data = os.urandom(70 << 20)  # over the 64 MB multipart threshold
+    src.write_bytes(data)
+    store.put("state/big.arrow", b"old")
+    store.put_file("state/big.arrow", src)
+    assert store.size("state/big.arrow") == len(data) and store.get("state/big.arrow") == data
 
 
 def test_create_only_if_absent(store: Store) -> None:

@@ -11,6 +11,8 @@ import io
 import json
 import os
 import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN
 from keyscale.storage import LocalStore, Store, open_store
 from keyscale.storage.local import local_write_failure
+from keyscale.storage.scratch import open_scratch_file, remove_scratch, spill_dir
 
 Location = Store | str | os.PathLike[str]  # a job directory: its store, or where it is
 
@@ -49,25 +52,32 @@ def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: Fi
     return entry
 
 
-def put_state_file(store: Store, rel_path: str, data: bytes) -> None:
-    """Store an encoded state file (the upload; its manifest entry is already known)."""
+def put_state_file(store: Store, rel_path: str, data: bytes | Path) -> None:
+    """Store an encoded state file, its bytes or a spilled file (the upload; its manifest
+    entry is already known)."""
     try:
-        store.put(rel_path, data)
+        if isinstance(data, Path):
+            store.put_file(rel_path, data)
+        else:
+            store.put(rel_path, data)
     except OSError as e:  # a local job directory this process cannot write (a task: the driver's disk)
         raise StorageError(f"state file: {local_write_failure(store.url(rel_path), e)}") from None
 
 
-def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> tuple[StateFile, bytes]:
-    """A key-group-sorted state table as the bytes of one state file, and its manifest entry."""
-    kgs = table.column(KG_COLUMN).to_numpy()
-    index = kg_index(kgs, rng.start, rng.end)
-    meta = {
+def _metadata(index: list[list[int]], kind: FileKind, batch: int, rng: KeyGroupRange) -> dict[bytes, bytes]:
+    return {
         _INDEX_KEY: json.dumps(index).encode(),
         b"keyscale.kind": kind.encode(),
         b"keyscale.batch": str(batch).encode(),
         b"keyscale.range": f"{rng.start}-{rng.end}".encode(),
         _CHUNK_KEY: str(CHUNK_ROWS).encode(),
     }
+
+
+def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> tuple[StateFile, bytes]:
+    """A key-group-sorted state table as the bytes of one state file, and its manifest entry."""
+    kgs = table.column(KG_COLUMN).to_numpy()
+    meta = _metadata(kg_index(kgs, rng.start, rng.end), kind, batch, rng)
     table = table.replace_schema_metadata(meta).combine_chunks()  # batches of exactly CHUNK_ROWS rows
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
@@ -78,6 +88,68 @@ def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int
         rows=table.num_rows, bytes=len(data), crc32=zlib.crc32(data),
     )
     return entry, data
+
+
+def spill_state_file(
+    rel_path: str, parts: Iterable[pa.Table], schema: pa.Schema, kind: FileKind, batch: int, rng: KeyGroupRange,
+) -> tuple[StateFile, Path]:
+    """``encode_state_file`` of the concatenation of ``parts`` (key-group-sorted, in order),
+    written to a spill folder in scratch instead of memory, byte for byte the same: a
+    snapshot of a range of any size holds one part in memory at a time. Returns the manifest
+    entry and the file; upload it with ``put_state_file``, then ``remove_scratch`` its folder.
+
+    The key-group index goes in the file's schema, which comes first, so the rows pass twice:
+    into an Arrow stream in the folder while the index is counted, then into the state file.
+    """
+    folder = spill_dir()
+    try:
+        counts = np.zeros(rng.end - rng.start + 1, dtype=np.int64)
+        last = rng.start
+        stream = folder / "rows.arrows"
+        with open_scratch_file(stream, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for part in parts:
+                if not part.num_rows:
+                    continue
+                kgs = part.column(KG_COLUMN).to_numpy()
+                if kgs[0] < last or kgs[-1] > rng.end or (len(kgs) > 1 and (np.diff(kgs) < 0).any()):
+                    raise StateError(f"state file {rel_path}: its rows are not in key-group order within {rng.start}-{rng.end}")
+                last = int(kgs[-1])
+                counts += np.bincount(kgs - rng.start, minlength=len(counts))
+                writer.write_table(part)
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        index = [[rng.start + int(i), int(first[i]), int(counts[i])] for i in np.flatnonzero(counts)]
+        path = folder / "state.arrow"
+        meta = _metadata(index, kind, batch, rng)
+        with open_scratch_file(stream, "rb") as source, open_scratch_file(path, "wb") as sink, pa.ipc.new_file(sink, schema.with_metadata(meta)) as writer:
+            for b in _exact_batches(pa.ipc.open_stream(source)):
+                writer.write_batch(b)
+        stream.unlink()
+        size, crc = 0, 0
+        with open_scratch_file(path, "rb") as f:
+            while block := f.read(8 << 20):
+                size, crc = size + len(block), zlib.crc32(block, crc)
+    except BaseException:
+        remove_scratch(folder)
+        raise
+    entry = StateFile(path=rel_path, batch=batch, kind=kind, start=rng.start, end=rng.end, rows=int(counts.sum()), bytes=size, crc32=crc)
+    return entry, path
+
+
+def _exact_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """The rows of ``batches`` again, in record batches of exactly ``CHUNK_ROWS`` (the last
+    one shorter), as ``encode_state_file`` writes them."""
+    pending: list[pa.RecordBatch] = []
+    held = 0
+    for b in batches:
+        pending.append(b)
+        held += b.num_rows
+        while held >= CHUNK_ROWS:
+            joined = pa.Table.from_batches(pending).combine_chunks()
+            yield joined.slice(0, CHUNK_ROWS).to_batches()[0]
+            rest = joined.slice(CHUNK_ROWS)
+            pending, held = rest.to_batches(), rest.num_rows
+    if held:
+        yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
 
 
 def _open_state_file(store: Store, f: StateFile, verify: bool) -> pa.Table:

@@ -23,6 +23,7 @@ import hashlib
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,8 +206,8 @@ class RocksSession:
     def write_back(self, rows: np.ndarray) -> None:
         self.db.write_back(self.held.working, rows)
 
-    def range_table(self) -> pa.Table:
-        return self.db.range_table(self.rng.start, self.rng.end)
+    def range_parts(self) -> Iterator[pa.Table]:
+        return self.db.range_parts(self.rng.start, self.rng.end)
 
     def finish(self, batch: int) -> None:
         """The range now reflects ``batch`` (written back already)."""

@@ -31,6 +31,7 @@ from collections import deque, namedtuple
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyscale.checkpoint.files import encode_state_file, put_state_file, read_state_slice
+from keyscale.checkpoint.files import (
+    encode_state_file,
+    put_state_file,
+    read_state_slice,
+    spill_state_file,
+)
 from keyscale.checkpoint.manifest import FileKind, StateFile, catch_up
 from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.operators.eventtime import event_time_ms, max_event_within
@@ -77,6 +83,7 @@ from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
 from keyscale.state.types import StateDescriptor, is_numeric
 from keyscale.storage import Store
+from keyscale.storage.scratch import remove_scratch
 
 if TYPE_CHECKING:
     from keyscale.runtime.rocks_task import RocksSession
@@ -545,9 +552,13 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
         kind, rows = "delta", changed_rows
     if compact or len(changed_rows):
         name = state_file_name(spec.uid, spec.batch_id, subtask, kind, attempt)
-        content = rocks.range_table() if rocks is not None and compact else held.table.to_arrow(rows)
-        written, data = encode_state_file(name, content, kind, spec.batch_id, rng)
-        upload = Upload(spec, name, data)
+        if compact:  # the whole range: written in parts to a spill file, never whole in memory
+            snapshot = rocks.range_parts() if rocks is not None else held.table.arrow_parts(rows)
+            written, spilled = spill_state_file(name, snapshot, held.table.schema(), kind, spec.batch_id, rng)
+            upload = Upload(spec, name, spilled)
+        else:
+            written, data = encode_state_file(name, held.table.to_arrow(rows), kind, spec.batch_id, rng)
+            upload = Upload(spec, name, data)
     if rocks is not None:
         rocks.finish(spec.batch_id)
         state_keys = rocks.state_keys()
@@ -606,7 +617,7 @@ def _key_of(row: dict[str, Any]) -> Any:
 class Upload:
     """A state file's upload in a thread of the task (obstore and file writes release the GIL)."""
 
-    def __init__(self, spec: StageTask, rel_path: str, data: bytes):
+    def __init__(self, spec: StageTask, rel_path: str, data: bytes | Path):
         self._error: BaseException | None = None
 
         def put() -> None:
@@ -617,6 +628,9 @@ class Upload:
                 put_state_file(spec.store, rel_path, data)
             except BaseException as e:  # handed to wait(), in the task's own thread
                 self._error = e
+            finally:
+                if isinstance(data, Path):  # a spilled file: its folder goes with it
+                    remove_scratch(data.parent)
 
         self._thread = threading.Thread(target=put, name="keyscale-upload", daemon=True)
         self._thread.start()

@@ -16,7 +16,7 @@ through a :class:`~keyscale.state.keyindex.KeyIndex`: row numbers in hash slots,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -503,6 +503,13 @@ class KeyedStateTable:
             arrays.append(numpy_to_arrow(self.values[s.name][rows], self.valid[s.name][rows], s.column_type))
             names.append(s.name)
         return pa.Table.from_arrays(arrays, names=names)
+
+    def arrow_parts(self, rows: np.ndarray, chunk: int = 1 << 20) -> Iterator[pa.Table]:
+        """``to_arrow(rows)`` in tables of ``chunk`` rows, in order: a snapshot of a range
+        holds one part in memory at a time."""
+        rows = rows[np.argsort(self.kg[rows], kind="stable")]
+        for i in range(0, len(rows), chunk):
+            yield self.to_arrow(rows[i : i + chunk])
 
     def schema(self) -> pa.Schema:
         fields = [pa.field(n, t) for n, t in zip(self.key_names, self.key_types, strict=True)]

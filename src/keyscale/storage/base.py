@@ -111,6 +111,11 @@ class Store(ABC):
         ``durable=False`` for objects that may be lost in a crash (status, addresses);
         ``private``: readable by the writing user only, where the store has file modes."""
 
+    def put_file(self, key: str, source: Path) -> None:
+        """``put`` (durable) of the bytes of local file ``source``, without holding them in
+        memory where the store can stream them (a state file of a large range)."""
+        self.put(key, source.read_bytes())
+
     @abstractmethod
     def create(self, key: str, data: bytes) -> bool:
         """Write the object only if none of that name exists: True if this call created it,

@@ -99,7 +99,7 @@ class LocalStore(Store):
         except IsADirectoryError:
             raise FileNotFoundError(self.url(key)) from None
 
-    def _write_temp(self, target: Path, data: bytes, durable: bool, private: bool = False) -> Path:
+    def _write_temp(self, target: Path, data: bytes | Path, durable: bool, private: bool = False) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
         # O_EXCL | O_NOFOLLOW: never another user's file or a symlink planted under that name.
@@ -108,7 +108,11 @@ class LocalStore(Store):
             with open(fd, "wb") as f:
                 if private:
                     os.fchmod(fd, 0o600)  # the umask can only narrow 0o600; this is belt and braces
-                f.write(data)
+                if isinstance(data, Path):
+                    with open(data, "rb") as src:
+                        shutil.copyfileobj(src, f, 8 << 20)
+                else:
+                    f.write(data)
                 if durable:
                     f.flush()
                     os.fsync(f.fileno())
@@ -117,7 +121,13 @@ class LocalStore(Store):
             raise
         return tmp
 
+    def put_file(self, key: str, source: Path) -> None:
+        self._put(key, source, True, False)  # copied in chunks by _write_temp
+
     def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
+        self._put(key, data, durable, private)
+
+    def _put(self, key: str, data: bytes | Path, durable: bool, private: bool) -> None:
         self.requests["put"] += 1
         target = self.path(key)
         tmp = self._write_temp(target, data, durable, private)

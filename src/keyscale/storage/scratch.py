@@ -2,6 +2,8 @@
 
 Scratch is a cache, never the source of truth (the checkpoint's state files are): anything
 here may be deleted at any moment between batches and is rebuilt from the job directory.
+A *spill* folder holds one large file between its writing and its upload (a snapshot of
+a subtask's range, written in parts rather than built in memory).
 It lives under ``KEYSCALE_LOCAL_DIR`` if set, else Spark's first ``SPARK_LOCAL_DIRS``
 entry (the executor's local disk), else the system's temporary folder, in
 ``keyscale-state/``. This module is the storage seam's part for it: it gives out the
@@ -21,8 +23,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+# A spill folder lives for one upload; one older than this was left by a process that died.
+SPILL_MAX_AGE_SECONDS = 6 * 3600
 
 
 def scratch_root() -> Path:
@@ -65,3 +72,27 @@ def open_rocksdb(path: Path, options: Any) -> Any:
         raise ValueError(f"{path} is not scratch space")
     path.mkdir(parents=True, exist_ok=True)
     return rocksdict.Rdict(str(path), options)
+
+
+def spill_dir() -> Path:
+    """A new scratch folder for a file written before its upload; the caller removes it
+    (``remove_scratch``) once the upload is done. Spill folders older than
+    ``SPILL_MAX_AGE_SECONDS`` (left by a process that died) are removed here."""
+    root = scratch_dir("spill")
+    for old in scratch_children(root):
+        try:
+            if time.time() - old.stat().st_mtime > SPILL_MAX_AGE_SECONDS:
+                remove_scratch(old)
+        except FileNotFoundError:
+            continue
+    return scratch_dir("spill", uuid.uuid4().hex)
+
+
+def open_scratch_file(path: Path, mode: Literal["rb", "wb"]) -> Any:
+    """A file in scratch space as an Arrow file: ``"wb"`` a new one to write, ``"rb"`` one
+    to read."""
+    import pyarrow as pa
+
+    if scratch_root() not in path.parents:
+        raise ValueError(f"{path} is not scratch space")
+    return pa.OSFile(str(path), mode)
