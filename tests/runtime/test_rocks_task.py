@@ -188,10 +188,48 @@ def test_a_subtask_whose_database_another_attempt_holds_uses_a_private_copy() ->
     h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", n=ks.count(), state_backend="rocksdb")
     h.process([{"k": 1}, {"k": 2}])
     run = scratch_dir(rocks_task._plain(LocalStore(h._folder.path).uri), rocks_task._plain("harness"), "harness")
-    holder = RocksState(run / "s0", ["k"], [], [], 128)  # opened by "another attempt"
+    holder = RocksState(run / "s0-of-1", ["k"], [], [], 128)  # opened by "another attempt"
     try:
         assert h.process([{"k": 1}]) == [{"k": 1, "n": 2}]
-        assert [p.name for p in scratch_children(run)] == ["s0"]  # the private copy is gone
+        assert [p.name for p in scratch_children(run)] == ["s0-of-1"]  # the private copy is gone
     finally:
         holder.close()
     assert h.process([{"k": 1}, {"k": 2}]) == [{"k": 1, "n": 3}, {"k": 2, "n": 2}]  # reloaded: s0 is behind
+
+
+def _by_k(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(rows, key=lambda r: r["k"])
+
+
+def test_a_rescale_copies_the_old_databases_instead_of_loading_the_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 -> 4 on one executor: each new subtask's database is a copy (hard links) of the old
+    one holding its range, which drops the rest; nothing is read from the state files. Once a
+    batch has committed at 4, the old databases are gone."""
+    from keyscale.storage import LocalStore
+    from keyscale.storage.scratch import scratch_children, scratch_dir
+
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", parallelism=2, n=ks.count(), state_backend="rocksdb")
+    h.process([{"k": k} for k in range(200)])
+    loads: list[Any] = []
+    copies: list[str | None] = []
+    load_chunk, obtain = rocks_task.RocksSession._load_chunk, rocks_task.RocksSession.obtain
+
+    def counting_load(self: rocks_task.RocksSession, *a: Any) -> None:
+        loads.append(a)
+        load_chunk(self, *a)
+
+    def noting_copy(self: rocks_task.RocksSession, records: Any) -> Any:
+        copies.append(self.copied_from)
+        return obtain(self, records)
+
+    monkeypatch.setattr(rocks_task.RocksSession, "_load_chunk", counting_load)
+    monkeypatch.setattr(rocks_task.RocksSession, "obtain", noting_copy)
+    h = h.snapshot().restore(parallelism=4)
+    assert _by_k(h.process([{"k": k} for k in range(0, 200, 2)])) == [{"k": k, "n": 2} for k in range(0, 200, 2)]
+    assert copies == ["s0-of-2", "s0-of-2", "s1-of-2", "s1-of-2"] and not loads
+    run = scratch_dir(rocks_task._plain(LocalStore(h._folder.path).uri), rocks_task._plain("harness"), "harness")
+    assert h.process([{"k": 1}]) == [{"k": 1, "n": 2}]
+    assert sorted(p.name for p in scratch_children(run)) == [f"s{i}-of-4" for i in range(4)]
+    h = h.snapshot().restore(parallelism=2)  # back to 2: each copies the one of its two halves it can
+    assert _by_k(h.process([{"k": k} for k in range(200)])) == [{"k": k, "n": 3 if k % 2 == 0 or k == 1 else 2} for k in range(200)]
+    assert copies[-2:] == ["s0-of-4", "s2-of-4"] and loads  # the other half of each range: from the files

@@ -37,7 +37,7 @@ from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.keyed import TIMER_STATES, ttl_column
 from keyscale.operators.windows import WINDOW_END, WindowAggregate
-from keyscale.state.keygroups import KeyGroupRange, mask_runs
+from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.rocksdb import RocksState, Working
 from keyscale.storage.scratch import remove_scratch, scratch_children, scratch_dir
 
@@ -48,6 +48,27 @@ KG = "__kg"
 # Rows of state files loaded into RocksDB at once when a key-group range is restored: the
 # restore's memory is bounded by this, not by the state's size.
 LOAD_CHUNK_ROWS = 500_000
+# How long a new subtask waits for another one copying the same database (a copy is hard links:
+# well under a second) before it loads its range from the state files instead.
+DONOR_WAIT_SECONDS = 30.0
+
+
+def _db_name(subtask: int, parallelism: int) -> str:
+    """The folder of subtask ``subtask``'s database at ``parallelism``: per parallelism, so that
+    after a rescale the databases of the old one are there to copy until every new subtask has
+    its own."""
+    return f"s{subtask}-of-{parallelism}"
+
+
+def _db_range(name: str, max_parallelism: int) -> KeyGroupRange | None:
+    m = re.fullmatch(r"s(\d+)-of-(\d+)", name)
+    if m is None or not 0 <= int(m.group(1)) < int(m.group(2)) <= max_parallelism:
+        return None
+    return key_group_range(int(m.group(1)), max_parallelism, int(m.group(2)))
+
+
+def _overlap(a: KeyGroupRange, b: KeyGroupRange) -> int:
+    return max(0, min(a.end, b.end) - max(a.start, b.start) + 1)
 
 
 def _plain(name: str) -> str:
@@ -85,22 +106,56 @@ class RocksSession:
             if old.name != spec.run_id:
                 remove_scratch(old)
         run = scratch_dir(_plain(spec.store.uri), _plain(spec.uid), spec.run_id)
-        for old in scratch_children(run):  # subtasks the parallelism no longer has
-            m = re.fullmatch(r"s(\d+)", old.name)
-            if m and int(m.group(1)) >= spec.parallelism:
-                remove_scratch(old)
         self.columns = indexed_columns(spec)
         names = [*spec.key_names, *(k for k, _ in spec.extra_keys)]
         types = [*spec.key_types, *(t for _, t in spec.extra_keys)]
-        args = (names, types, spec.states, spec.max_parallelism, [c for c, _ in self.columns])
+        self.args = (names, types, spec.states, spec.max_parallelism, [c for c, _ in self.columns])
+        own = run / _db_name(subtask, spec.parallelism)
+        others = {p: r for p in scratch_children(run) if (r := _db_range(p.name, spec.max_parallelism)) is not None and p != own}
+        self.copied_from: str | None = None
+        if not own.exists():  # a new subtask (rescale, other executor): copy the database that holds most of its range
+            donors = sorted((p for p, r in others.items() if _overlap(r, rng)), key=lambda p: (-_overlap(others[p], rng), others[p].start))
+            self.copied_from = self._copy_nearest(own, donors)
         self.private: Path | None = None
         try:
-            self.db = RocksState(run / f"s{subtask}", *args)
+            self.db = RocksState(own, *self.args)
         except Exception as e:  # held by another attempt of this subtask (speculation, a zombie): a private copy
             if "lock" not in str(e).lower():
-                raise KeyscaleError(f"operator '{spec.uid}': cannot open its RocksDB state in {run / f's{subtask}'}: {e}") from e
+                raise KeyscaleError(f"operator '{spec.uid}': cannot open its RocksDB state in {own}: {e}") from e
             self.private = run / f"s{subtask}-{uuid.uuid4().hex[:8]}"
-            self.db = RocksState(self.private, *args)
+            self.db = RocksState(self.private, *self.args)
+        if self.copied_from is None and spec.committed >= 0 and (self.db.versions[rng.start : rng.end + 1] == spec.committed).all():
+            # The last committed batch ran at this parallelism: every subtask has its own
+            # database, so those of other parallelisms (copied from at a rescale) are stale.
+            for p in others:
+                if not p.name.endswith(f"-of-{spec.parallelism}"):
+                    remove_scratch(p)
+
+    def _copy_nearest(self, own: Path, donors: list[Path]) -> str | None:
+        """Make ``own`` a copy (hard links) of the first of ``donors`` that can be opened: the
+        database of another parallelism holding the most of this range. It is opened only to
+        be copied, by whichever new subtask gets its lock first; the others wait their turn."""
+        for donor in donors:
+            deadline = time.monotonic() + DONOR_WAIT_SECONDS
+            while True:
+                try:
+                    src = RocksState(donor, *self.args)
+                    break
+                except Exception as e:  # locked by another subtask copying it: wait; gone or damaged: the next one
+                    if "lock" not in str(e).lower() or time.monotonic() > deadline:
+                        src = None
+                        break
+                    time.sleep(0.05)
+            if src is None:
+                continue
+            try:
+                src.copy_to(own)
+                return donor.name
+            except Exception:  # a half-made copy is no database: start empty (the files have the state)
+                remove_scratch(own)
+            finally:
+                src.close()
+        return None
 
     def close(self) -> None:
         self.db.close()
@@ -131,7 +186,7 @@ class RocksSession:
             db.fetch_due(w, column, upto, lo, hi)
         w.freeze()
         self.held = RocksHeld(w)
-        return self.held, {**stats, "load_seconds": time.perf_counter() - started, "fetched_keys": len(w.table)}
+        return self.held, {**stats, "load_seconds": time.perf_counter() - started, "fetched_keys": len(w.table), "copied_from": self.copied_from}
 
     def _load(self, reads: list[tuple[StateFile, KeyGroupRange]], warm: np.ndarray) -> None:
         """Apply the state files' slices, a chunk of key groups at a time (bounded memory)."""

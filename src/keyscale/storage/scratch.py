@@ -7,7 +7,7 @@ a subtask's range, written in parts rather than built in memory).
 It lives under ``KEYSCALE_LOCAL_DIR`` if set, else Spark's first ``SPARK_LOCAL_DIRS``
 entry (the executor's local disk), else the system's temporary folder, in
 ``keyscale-state/``. This module is the storage seam's part for it: it gives out the
-folders, opens a RocksDB in one and deletes them.
+folders, opens a RocksDB in one, copies one (hard links) and deletes them.
 
 >>> import os, tempfile
 >>> os.environ["KEYSCALE_LOCAL_DIR"] = tempfile.mkdtemp()
@@ -72,6 +72,16 @@ def open_rocksdb(path: Path, options: Any) -> Any:
         raise ValueError(f"{path} is not scratch space")
     path.mkdir(parents=True, exist_ok=True)
     return rocksdict.Rdict(str(path), options)
+
+
+def copy_rocksdb(db: Any, path: Path) -> None:
+    """A copy of open RocksDB ``db`` in new scratch folder ``path``: RocksDB's checkpoint, its
+    files hard links (instant, whatever the size; later compactions part the two)."""
+    import rocksdict
+
+    if scratch_root() not in path.parents:
+        raise ValueError(f"{path} is not scratch space")
+    rocksdict.Checkpoint(db).create_checkpoint(str(path))
 
 
 def spill_dir() -> Path:
