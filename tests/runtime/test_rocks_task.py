@@ -233,3 +233,22 @@ def test_a_rescale_copies_the_old_databases_instead_of_loading_the_files(monkeyp
     h = h.snapshot().restore(parallelism=2)  # back to 2: each copies the one of its two halves it can
     assert _by_k(h.process([{"k": k} for k in range(200)])) == [{"k": k, "n": 3 if k % 2 == 0 or k == 1 else 2} for k in range(200)]
     assert copies[-2:] == ["s0-of-4", "s2-of-4"] and loads  # the other half of each range: from the files
+
+
+@pytest.mark.parametrize("snapshot_every", [1, 2, 3])
+def test_the_snapshots_rocksdb_writes_restore_on_the_memory_backend(snapshot_every: int) -> None:
+    """A RocksDB subtask builds its snapshot from the checkpoint's files and the batch's
+    changes, not from its database: what it wrote, read back by the in-memory backend (which
+    reads nothing but the files), continues exactly as a job that never left memory."""
+    data = _records(7, 10, 30)
+    want = _drive(_everything, "memory", data, {}, snapshot_every, _clocks)
+    h = _everything(2, "rocksdb")
+    h.snapshot_every = snapshot_every
+    got = []
+    for i, records in enumerate(data):
+        if i == 6:
+            h.state_backend = "memory"
+            h = h.snapshot().restore(parallelism=3)
+        _clocks(h, i)
+        got.append(h.process(records))
+    assert got == want

@@ -188,16 +188,14 @@ class RocksSession:
         self.held = RocksHeld(w)
         return self.held, {**stats, "load_seconds": time.perf_counter() - started, "fetched_keys": len(w.table), "copied_from": self.copied_from}
 
-    def _load(self, reads: list[tuple[StateFile, KeyGroupRange]], warm: np.ndarray) -> None:
-        """Apply the state files' slices, a chunk of key groups at a time (bounded memory)."""
-        if not reads:
-            return
+    def _chunks(self, reads: list[tuple[StateFile, KeyGroupRange]], every_group: bool = False) -> Iterator[KeyGroupRange]:
+        """The key groups the slices ``reads`` touch (``every_group``: the whole range), in
+        runs of about ``LOAD_CHUNK_ROWS`` rows by the files' sizes, in order."""
         lo, hi = self.rng.start, self.rng.end
         est = np.zeros(hi - lo + 1, dtype=np.float64)  # rows per key group, from the files' sizes
+        needed = np.full(hi - lo + 1, every_group)
         for f, r in reads:
             est[r.start - lo : r.end - lo + 1] += f.rows / max(1, f.end - f.start + 1)
-        needed = np.zeros(hi - lo + 1, dtype=bool)
-        for _, r in reads:
             needed[r.start - lo : r.end - lo + 1] = True
         for a, b in mask_runs(needed, lo):
             kg = a
@@ -207,12 +205,11 @@ class RocksSession:
                 while end < b and total + est[end + 1 - lo] <= LOAD_CHUNK_ROWS:
                     end += 1
                     total += est[end - lo]
-                self._load_chunk(reads, KeyGroupRange(kg, end), warm)
+                yield KeyGroupRange(kg, end)
                 kg = end + 1
 
-    def _load_chunk(self, reads: list[tuple[StateFile, KeyGroupRange]], chunk: KeyGroupRange, warm: np.ndarray) -> None:
-        """One chunk of key groups: warm ones (held at an earlier batch) get their stored
-        rows updated by the deltas since; the others were dropped and are written anew."""
+    def _slices(self, reads: list[tuple[StateFile, KeyGroupRange]], chunk: KeyGroupRange) -> list[pa.Table]:
+        """The rows of key groups ``chunk`` in the slices ``reads``, in their order."""
         parts = []
         for f, r in reads:
             part = r.intersection(chunk)
@@ -220,6 +217,16 @@ class RocksSession:
                 t = read_state_slice(self.spec.store, f, part)
                 if t.num_rows:
                     parts.append(t)
+        return parts
+
+    def _load(self, reads: list[tuple[StateFile, KeyGroupRange]], warm: np.ndarray) -> None:
+        """Apply the state files' slices, a chunk of key groups at a time (bounded memory)."""
+        for chunk in self._chunks(reads):
+            self._load_chunk(self._slices(reads, chunk), chunk, warm)
+
+    def _load_chunk(self, parts: list[pa.Table], chunk: KeyGroupRange, warm: np.ndarray) -> None:
+        """One chunk of key groups: warm ones (held at an earlier batch) get their stored
+        rows updated by the deltas since; the others were dropped and are written anew."""
         if not parts:
             return
         w = self.db.working()
@@ -261,8 +268,20 @@ class RocksSession:
     def write_back(self, rows: np.ndarray) -> None:
         self.db.write_back(self.held.working, rows)
 
-    def range_parts(self) -> Iterator[pa.Table]:
-        return self.db.range_parts(self.rng.start, self.rng.end)
+    def snapshot_parts(self, changes: pa.Table) -> Iterator[pa.Table]:
+        """The range's whole state for a snapshot, a chunk of key groups at a time: its
+        checkpoint's files (the latest snapshot and the deltas since) with ``changes``, the
+        batch's changed rows (by key group), applied after them. Arrow and numpy over the
+        files: walking every row of the database through ``rocksdict`` took 35 s for 50M
+        keys (docs/benchmarks.md, "100M keys"). The database holds the same state."""
+        spec, lo, hi = self.spec, self.rng.start, self.rng.end
+        _, reads, _ = catch_up(spec.files, self.rng, np.full(hi - lo + 1, -1), spec.committed, spec.max_parallelism)
+        kgs = changes.column(KG).to_numpy()
+        for chunk in self._chunks(reads, every_group=True):
+            a, b = np.searchsorted(kgs, [chunk.start, chunk.end + 1])
+            table = self.db.working().table
+            table.apply_all([*self._slices(reads, chunk), changes.slice(a, b - a)])
+            yield table.to_arrow(table.rows_in_range(chunk.start, chunk.end, live_only=True))
 
     def finish(self, batch: int) -> None:
         """The range now reflects ``batch`` (written back already)."""

@@ -553,7 +553,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     if compact or len(changed_rows):
         name = state_file_name(spec.uid, spec.batch_id, subtask, kind, attempt)
         if compact:  # the whole range: written in parts to a spill file, never whole in memory
-            snapshot = rocks.range_parts() if rocks is not None else held.table.arrow_parts(rows)
+            snapshot = rocks.snapshot_parts(held.table.to_arrow(changed_rows)) if rocks is not None else held.table.arrow_parts(rows)
             written, spilled = spill_state_file(name, snapshot, held.table.schema(), kind, spec.batch_id, rng)
             upload = Upload(spec, name, spilled)
         else:
