@@ -1,13 +1,15 @@
 """The RocksDB state backend in a task: the subtask's RocksDB brought to the committed
 checkpoint, the batch's working set fetched from it, the changed rows written back.
 
-Where the database lives: one per (job directory, operator, run, subtask index) in the
-executor's scratch space (:mod:`keyscale.storage.scratch`). A task opens it, and closes it
-when it ends, so whichever Python worker of the executor runs the subtask next opens the
-same files: one copy per executor, never one per worker. When the parallelism changes,
-subtask ``i`` keeps the key groups of its new range that its database already holds at the
+Where the database lives: one per (job directory, operator, run, parallelism, subtask
+index) in the executor's scratch space (:mod:`keyscale.storage.scratch`). A task opens it,
+and closes it when it ends, so whichever Python worker of the executor runs the subtask
+next opens the same files: one copy per executor, never one per worker. When the
+parallelism changes, a new subtask starts from a copy (hard links) of the old database
+holding most of its range, keeps the key groups of its range that copy holds at the
 committed batch, drops the others (DeleteRange) and loads the rest from the checkpoint's
-state files; databases of subtasks that no longer exist and of earlier runs are deleted.
+state files; once a batch has committed at the new parallelism the old databases are
+deleted, and so are those of earlier runs.
 
 What a database reflects is recorded in it: per key group the checkpoint batch. A task
 marks its range unusable (-1) before it changes anything and records the batch it wrote

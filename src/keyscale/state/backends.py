@@ -4,10 +4,9 @@
 columnar table (:mod:`keyscale.state.table`): fastest, bounded by the executors' memory.
 ``rocksdb`` keeps them in a RocksDB on the executor's local disk (:mod:`keyscale.state.rocksdb`,
 :mod:`keyscale.runtime.rocks_task`): a batch reads and writes only its own keys, and the
-memory it keeps between batches is bounded by configuration, whatever the state's size
-(within a batch it also holds the batch's working set and, today, a part that grows with
-the subtask's share of the state: docs/benchmarks.md, "100M keys"). Both write the same
-checkpoint files and savepoints, so a job can switch between them at a restart.
+memory it keeps is bounded by configuration and by the batch's working set, whatever the
+state's size (100M keys: docs/benchmarks.md, "100M keys"). Both write the same checkpoint
+files and savepoints, so a job can switch between them at a restart.
 
 >>> check_state_backend("rocksdb", "operator 'counts'")
 'rocksdb'
