@@ -244,7 +244,7 @@ class RocksSession:
         self.db.write_back(w, np.arange(len(w.table)))
 
     def _fetch(self, w: Working, records: pa.Table) -> None:
-        """The stored rows of the batch's keys: one multi-get (windows: every window of each
+        """The stored rows of the batch's keys: multi-gets in key order (windows: every window of each
         key, by prefix)."""
         spec = self.spec
         if not records.num_rows:

@@ -13,7 +13,7 @@ A :class:`RocksState` is one RocksDB (through ``rocksdict``) in an executor's sc
   changed) and its number of keys.
 
 It is a cache of the checkpoint's state files, which stay the source of truth. A batch
-works on a :class:`Working` set: the rows of the batch's keys (one multi-get), of its due
+works on a :class:`Working` set: the rows of the batch's keys (multi-gets in key order), of its due
 keys (index ranges) and, for windows, every window of the batch's keys (prefix scans),
 copied into a small :class:`~keyscale.state.table.KeyedStateTable`; the operator code runs
 on that table unchanged, and the rows it changed go back in one WriteBatch
@@ -221,7 +221,7 @@ class RocksState:
 
     def fetch(self, w: Working, kgs: np.ndarray, key_cols: Sequence[Any]) -> None:
         """Rows of the keys (distinct; key groups ``kgs``, columns ``key_cols``) that exist:
-        one multi-get, in key order (RocksDB reads sorted keys faster)."""
+        multi-gets in key order (RocksDB reads sorted keys faster)."""
         # Key groups without a key (new, just dropped) are not asked: a first batch or a
         # rescale's new keys cost no lookup (the counts are exact or, after a crash, high).
         held = self.counts[np.asarray(kgs, dtype=np.int64)] > 0
