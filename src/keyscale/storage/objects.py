@@ -159,22 +159,17 @@ class ObjectStore(Store):
             raise self._fail("ranged read", key, e) from None
 
     def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
-        import obstore
-
-        self.requests["put"] += 1
-        try:
-            obstore.put(self.client, self._key(key), data, use_multipart=len(data) > (64 << 20))
-        except StorageError:
-            raise
-        except Exception as e:
-            raise self._fail("write", key, e) from None
+        self._put(key, data, len(data))
 
     def put_file(self, key: str, source: Path) -> None:
+        self._put(key, source, source.stat().st_size)  # obstore reads the file in parts
+
+    def _put(self, key: str, data: bytes | Path, size: int) -> None:
         import obstore
 
         self.requests["put"] += 1
-        try:  # obstore reads the file in parts: a multipart upload above 64 MB
-            obstore.put(self.client, self._key(key), source, use_multipart=source.stat().st_size > (64 << 20))
+        try:  # a multipart upload above 64 MB
+            obstore.put(self.client, self._key(key), data, use_multipart=size > (64 << 20))
         except StorageError:
             raise
         except Exception as e:

@@ -38,6 +38,12 @@ def scratch_root() -> Path:
     return Path(base) / "keyscale-state"
 
 
+def _check_scratch(path: Path) -> None:
+    """Refuse a path outside scratch space: this module deletes and overwrites what it is given."""
+    if scratch_root() not in path.parents:
+        raise ValueError(f"{path} is not scratch space")
+
+
 def scratch_dir(*parts: str) -> Path:
     """The scratch folder ``parts`` (created if missing); parts are plain names, never paths."""
     for p in parts:
@@ -58,8 +64,7 @@ def scratch_children(path: Path) -> list[Path]:
 
 def remove_scratch(path: Path) -> None:
     """Delete a scratch folder and what is in it (gone already is fine)."""
-    if scratch_root() not in path.parents:
-        raise ValueError(f"{path} is not scratch space")
+    _check_scratch(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -68,8 +73,7 @@ def open_rocksdb(path: Path, options: Any) -> Any:
     process (a second opener gets an error: the caller falls back to a folder of its own)."""
     import rocksdict
 
-    if scratch_root() not in path.parents:
-        raise ValueError(f"{path} is not scratch space")
+    _check_scratch(path)
     path.mkdir(parents=True, exist_ok=True)
     return rocksdict.Rdict(str(path), options)
 
@@ -79,8 +83,7 @@ def copy_rocksdb(db: Any, path: Path) -> None:
     files hard links (instant, whatever the size; later compactions part the two)."""
     import rocksdict
 
-    if scratch_root() not in path.parents:
-        raise ValueError(f"{path} is not scratch space")
+    _check_scratch(path)
     rocksdict.Checkpoint(db).create_checkpoint(str(path))
 
 
@@ -103,6 +106,5 @@ def open_scratch_file(path: Path, mode: Literal["rb", "wb"]) -> Any:
     to read."""
     import pyarrow as pa
 
-    if scratch_root() not in path.parents:
-        raise ValueError(f"{path} is not scratch space")
+    _check_scratch(path)
     return pa.OSFile(str(path), mode)
