@@ -27,6 +27,11 @@ Queries (keyscale / Spark):
   most per window. keyscale: sliding window count, then a keyed stage per window keeping the
   maximum; Spark: windowed count in append mode, the per-window maximum in ``foreachBatch``
   (a window's rows all come out in one batch).
+* q6 average selling price per seller: on q9's winning bids, per seller the average of the
+  winning prices of their last 10 closed auctions, emitted at each close (Beam's Query6;
+  Flink's SQL for it is an OVER window on a join's updating output).
+  keyscale: q9, then a process function keyed by seller taking closings in order of expiry
+  when the watermark passes it. Spark: none (as q9).
 * q7 highest bid per 10 s tumbling window. keyscale: each batch's bids cut to those at
   their window's highest price in the batch (a window function in a per-batch transform),
   then a process function keyed by window,
@@ -38,6 +43,10 @@ Queries (keyscale / Spark):
   end; Spark: not built (one row per (person, window) needs a windowed aggregation of the
   auctions before a stream-stream join on the window: two chained stateful operators; not
   tried for time).
+* q9 winning bids: each auction with its highest bid inside ``[dateTime, expires]`` (the
+  earliest of equal prices, then the lowest bidder). keyscale: a co-process function per
+  auction, emitting at expiry (as q4's first stage). Spark: none (a top-1 per auction after a
+  stream-stream join needs update mode, which joins refuse).
 * q11 user sessions: bids per bidder in session windows (gap 10 s). Both: session windows.
 * q17 auction statistics per day: counts per price range, min, max, avg, sum per (auction,
   day). Both: running aggregates (Spark update mode).
@@ -49,9 +58,7 @@ Queries (keyscale / Spark):
   co-process function keyed by auction id; Spark: a stream-stream inner join without
   watermark.
 
-Left out: q6 (average of a seller's last 10 closing prices: an OVER window of rows on a join's
-retracting output), q9 (winning bids: a sort per auction on a join, left for time), q10 (a
-filesystem sink partitioned by processing time: not a query of the engine), q12
+Left out: q10 (a filesystem sink partitioned by processing time: not a query of the engine), q12
 (processing-time windows: its output depends on the wall clock, so it cannot be compared
 with another run), q13 (a side input: a bounded table joined by processing time), q14 (a
 user-defined function on q1: nothing new), q15/q16 (``count(distinct ...)`` per day/channel:
@@ -96,7 +103,7 @@ BID_STRUCT = pa.struct([("auction", pa.int64()), ("bidder", pa.int64()), ("price
 #: Streams each query reads.
 STREAMS: dict[str, tuple[str, ...]] = {
     "q0": ("bid",), "q1": ("bid",), "q2": ("bid",), "q3": ("person", "auction"), "q4": ("auction", "bid"),
-    "q5": ("bid",), "q7": ("bid",), "q8": ("person", "auction"), "q11": ("bid",), "q17": ("bid",), "q18": ("bid",),
+    "q5": ("bid",), "q6": ("auction", "bid"), "q7": ("bid",), "q8": ("person", "auction"), "q9": ("auction", "bid"), "q11": ("bid",), "q17": ("bid",), "q18": ("bid",),
     "q19": ("bid",), "q20": ("auction", "bid"),
 }
 QUERIES = list(STREAMS)
@@ -105,7 +112,7 @@ SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20"]
 #: Queries whose output is per event-time window (compared on windows both systems closed).
 WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
 #: Queries with keyed state (for the live-rescale runs).
-STATEFUL = ["q3", "q4", "q5", "q7", "q8", "q11", "q17", "q18", "q19", "q20"]
+STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q17", "q18", "q19", "q20"]
 
 Q3_STATES = ("OR", "ID", "CA")
 WINDOW_MS = 10_000
@@ -191,6 +198,107 @@ class ClosingPrice(ks.KeyedCoProcessFunction):
         self.best.clear()
         self.closed.update(True)
         return [(key, a[0], best)] if a and best is not None else []
+
+
+def _us(value: Any) -> int:
+    """An event time (a datetime or pandas Timestamp, UTC) as exact epoch microseconds."""
+    if isinstance(value, pd.Timestamp):
+        return int(value.value // 1000)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=dt.UTC)
+    return (value - EPOCH) // dt.timedelta(microseconds=1)
+
+
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _bid_rank(bid: dict[str, Any]) -> tuple[int, int, int]:
+    """q9's order of an auction's bids: the highest price, then the earliest, then the lowest bidder."""
+    return -bid["price"], _us(bid["date_time"]), bid["bidder"]
+
+
+class WinningBid(ks.KeyedCoProcessFunction):
+    """q9 (and q6's first stage): an auction (first input) and its bids (second), keyed by
+    auction id. The winning bid, the first in ``_bid_rank`` order among those with
+    ``dateTime`` in ``[auction.dateTime, expires]``, is emitted with the auction's columns
+    when the watermark passes ``expires``. Bids before their auction wait; bids after it
+    closed are dropped (they cannot be inside its window)."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.auction = ctx.value_state("auction", AUCTION_STRUCT)
+        self.best = ctx.value_state("best", BID_STRUCT)
+        self.closed = ctx.value_state("closed", "boolean")
+        self.pending = ctx.list_state("pending", BID_STRUCT)
+
+    def _bid(self, bid: dict[str, Any], a: dict[str, Any]) -> None:
+        if _us(a["date_time"]) <= _us(bid["date_time"]) <= _us(a["expires"]):
+            best = self.best.value()
+            if best is None or _bid_rank(bid) < _bid_rank(best):
+                self.best.update(bid)
+
+    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> None:
+        self.auction.update(row)
+        for bid in self.pending.get():
+            self._bid(bid, row)
+        self.pending.clear()
+        ctx.timer_service.register_event_time_timer(_ms(row["expires"]))
+
+    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> None:
+        if self.closed.value():
+            return
+        a = self.auction.value()
+        if a is None:
+            self.pending.add(row)
+        else:
+            self._bid(row, a)
+
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+        a, best = self.auction.value(), self.best.value()
+        self.auction.clear()
+        self.best.clear()
+        self.closed.update(True)
+        if a is None or best is None:
+            return []
+        return [(*(a[c] for c in AUCTION_STRUCT.names), *(best[c] for c in ("auction", "bidder", "price", "date_time", "extra")))]
+
+
+Q9_SCHEMA = ("id long, item_name string, description string, initial_bid long, reserve long, date_time timestamp, "
+             "expires timestamp, seller long, category long, extra string, auction long, bidder long, price long, "
+             "bid_date_time timestamp, bid_extra string")
+CLOSING = pa.struct([("expires_us", pa.int64()), ("auction", pa.int64()), ("price", pa.int64())])
+
+
+class AverageSellingPrice(ks.KeyedProcessFunction):
+    """q6, second stage: keyed by seller, the winning prices of their last 10 closed
+    auctions; each auction that closes emits the seller's average over them (Beam's Query6).
+    Closings are taken in order of expiry (microseconds), then auction id, when the
+    watermark passes it: every closing up to the watermark has come by then, so how batches
+    cut the stream changes nothing (but for an auction that came after the watermark had
+    passed its expiry: it closes a batch late, after the others)."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.prices = ctx.list_state("prices", "long")  # the last ten, oldest first
+        self.pending = ctx.list_state("pending", CLOSING)
+
+    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+        for r in rows:
+            expires = _us(r.expires)
+            self.pending.add({"expires_us": expires, "auction": r.id, "price": r.price})
+            ctx.timer_service.register_event_time_timer(expires // 1000)
+        return []
+
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+        pending = sorted(self.pending.get(), key=lambda c: (c["expires_us"], c["auction"]))
+        due = [c for c in pending if c["expires_us"] // 1000 <= timestamp]
+        if not due:
+            return []
+        self.pending.update(pending[len(due):])
+        prices, out = self.prices.get(), []
+        for c in due:
+            prices = [*prices, c["price"]][-10:]
+            out.append((key, c["auction"], sum(prices) / len(prices)))
+        self.prices.update(prices)
+        return out
 
 
 class HotItems(ks.KeyedProcessFunction):
@@ -409,6 +517,11 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
         closing = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
             ClosingPrice(), "auction long, category long, final long", uid="q4_closing")
         return closing.key_by("category").aggregate(uid="q4_avg", avg_final=ks.mean("final"))
+    if name in ("q6", "q9"):
+        winners = stream("auction").connect(stream("bid")).key_by("id", "auction").process(WinningBid(), Q9_SCHEMA, uid="q9")
+        if name == "q9":
+            return winners
+        return winners.key_by("seller").process(AverageSellingPrice(), "seller long, auction long, avg_price double", uid="q6")
     if name == "q5":
         counts = stream("bid").key_by("auction").window(ks.SlidingWindows(f"{WINDOW_MS} ms", f"{SLIDE_MS} ms")).aggregate(
             uid="q5_counts", num=ks.count())
@@ -537,6 +650,17 @@ def reference(name: str, t: dict[str, pd.DataFrame]) -> pd.DataFrame:
         j = j[(j.date_time_b >= j.date_time) & (j.date_time_b <= j.expires)]
         final = j.groupby(["id", "category"]).price.max().reset_index()
         return final.groupby("category").price.mean().rename("avg_final").reset_index()
+    if name in ("q6", "q9"):
+        a = t["auction"]
+        j = a.merge(b[["auction", "bidder", "price", "date_time", "extra"]].rename(columns={"date_time": "bid_date_time", "extra": "bid_extra"}),
+                    left_on="id", right_on="auction")
+        j = j[(j.bid_date_time >= j.date_time) & (j.bid_date_time <= j.expires)]
+        j = j.sort_values(["price", "bid_date_time", "bidder"], ascending=[False, True, True], kind="stable").groupby("id").head(1)
+        if name == "q9":
+            return j[[c.split()[0] for c in Q9_SCHEMA.split(", ")]]
+        j = j.sort_values(["expires", "id"], kind="stable")
+        avg = j.groupby("seller").price.transform(lambda s: s.rolling(10, min_periods=1).mean())
+        return pd.DataFrame({"seller": j.seller, "auction": j.id, "avg_price": avg})
     if name == "q5":
         ms = _ms_col(b.date_time)
         rows = []

@@ -3,10 +3,12 @@
 The two inputs become one stream of rows ``(key columns, __side, in1, in2)``, keyed by the
 key columns, and the stage runs :class:`keyscale.operators.coprocess.CoProcessAdapter`. Two
 Spark streaming DataFrames are unioned in Spark; two log or Kafka sources become one log
-source (:class:`keyscale.sources.union.UnionLog`) that keyscale's readers read as any log.
-The stage has one event-time clock: with Spark inputs, the watermark trails the largest
-event time of either by the larger of their out-of-orderness bounds; with logs, each
-partition of either log has its own clock and the slowest holds the watermark back.
+source (:class:`keyscale.sources.union.UnionLog`) that keyscale's readers read as any log;
+a Spark source and a log are read side by side, Spark's query driving the batches and
+each batch reading the log too (:func:`_spark_with_log`).
+The stage has one event-time clock: with a Spark input, the watermark trails the largest
+event time of either input by the larger of their out-of-orderness bounds; with two logs,
+each partition of either log has its own clock and the slowest holds the watermark back.
 """
 
 from __future__ import annotations
@@ -53,6 +55,43 @@ def _apply(df: DataFrame, fns: list[Callable[[DataFrame], DataFrame]]) -> DataFr
     for fn in fns:
         df = fn(df)
     return df
+
+
+TICK = "__tick"
+
+
+def _spark_with_log(a: DataFrame | LogSource, b: DataFrame | LogSource, fns: tuple[list[Callable[[DataFrame], DataFrame]], ...],
+                    combine: Callable[[DataFrame, DataFrame], DataFrame]) -> Stream:
+    """A Spark source and a log as one stream: Spark's query drives the batches, and each
+    batch also reads the log (its offsets in keyscale's checkpoints, as a log source's).
+
+    Spark runs a batch only when a source of its query has new rows, so the query also
+    reads Spark's ``rate-micro-batch`` source, one row per batch (dropped before the stage):
+    the log's records and the watermark move at every trigger even while the Spark
+    source has nothing new."""
+    from pyspark.sql import DataFrame as SparkDataFrame
+    from pyspark.sql import functions as F
+
+    from keyscale._pipeline import LogInputStep, Stream, source_schema
+
+    spark_first = isinstance(a, SparkDataFrame)
+    spark_df, log = (a, b) if spark_first else (b, a)
+    assert isinstance(spark_df, SparkDataFrame) and isinstance(log, LogSource)
+    session = spark_df.sparkSession
+    ticks = session.readStream.format("rate-micro-batch").option("rowsPerBatch", 1).option("numPartitions", 1).load()
+    driving = spark_df.withColumn(TICK, F.lit(None).cast("boolean")).unionByName(
+        ticks.select(F.lit(True).alias(TICK)), allowMissingColumns=True)
+
+    def merge(spark_rows: DataFrame, log_rows: DataFrame) -> DataFrame:
+        rows = spark_rows.where(F.col(TICK).isNull()).drop(TICK)
+        first, second = (rows, log_rows) if spark_first else (log_rows, rows)
+        return combine(_apply(first, fns[0]), _apply(second, fns[1]))
+
+    def never(df: DataFrame) -> DataFrame:
+        raise RuntimeError("the input of a stage connecting a Spark source with a log is built by the runtime")
+
+    probe = merge(session.createDataFrame([], driving.schema), session.createDataFrame([], source_schema(log)))
+    return Stream(driving, (LogInputStep(never, log, merge),), probe.schema)
 
 
 class ConnectedStreams:
@@ -138,8 +177,7 @@ class ConnectedKeyedStreams:
 
             combined = Stream(src).transform(split)
         else:
-            raise JobDefinitionError("connect: one input is a Spark streaming DataFrame and the other a log or Kafka source; "
-                                     "connect two Spark sources or two log/Kafka sources")
+            combined = _spark_with_log(a, b, fns, combine)
         if wm1 is not None and wm2 is not None:
             ahead = None if wm1.max_ahead_ms is None or wm2.max_ahead_ms is None else max(wm1.max_ahead_ms, wm2.max_ahead_ms)
             idle = None if wm1.idleness_ms is None or wm2.idleness_ms is None else max(wm1.idleness_ms, wm2.idleness_ms)

@@ -79,6 +79,17 @@ class TransformStep:
 
 
 @dataclass(frozen=True)
+class LogInputStep(TransformStep):
+    """The input of a stage connecting a Spark source with a log (``a.connect(b)``): each
+    batch, Spark's rows and the log's records read for the batch (by reader tasks, offsets
+    kept by keyscale as for a log source) become one stream, ``merge(spark_rows, log_rows)``.
+    ``fn`` is never called: the batch's log records are read by the runtime."""
+
+    log: LogSource
+    merge: Callable[[DataFrame, DataFrame], DataFrame]
+
+
+@dataclass(frozen=True)
 class KeyedStep:
     """One keyed stateful stage."""
 
@@ -220,7 +231,8 @@ class Stream:
     def connect(self, other: Stream) -> ConnectedStreams:
         """This stream and ``other`` into one keyed stage: ``.key_by(keys, other_keys)``
         then ``.process(KeyedCoProcessFunction, schema, uid)`` or ``.interval_join(lower,
-        upper, uid)`` (see :mod:`keyscale._connect`). Both must read Spark streaming sources.
+        upper, uid)`` (see :mod:`keyscale._connect`). Either input may be a Spark streaming
+        DataFrame or a log/Kafka source.
 
         ``users.connect(clicks).key_by("id", "user").process(Enrich(), "user string, name string, page string", uid="enrich")``
         """
@@ -478,7 +490,18 @@ class Pipeline:
 
     @property
     def log_source(self) -> LogSource | None:
+        """The log whose records drive the batches (the job's source is a log)."""
         return self.source if isinstance(self.source, LogSource) else None
+
+    @property
+    def side_log(self) -> LogSource | None:
+        """The log read beside a Spark source, each batch (a stage connects the two)."""
+        return next((s.log for s in self.steps if isinstance(s, LogInputStep)), None)
+
+    @property
+    def logs(self) -> tuple[LogSource, ...]:
+        """Every log the job reads, whose offsets its checkpoints keep."""
+        return tuple(src for src in (self.log_source, self.side_log) if src is not None)
 
     @property
     def sinks(self) -> list[Sink]:

@@ -290,3 +290,30 @@ def test_rows_to_arrow_wrong_width_names_the_operator(bad: tuple[Any, ...]) -> N
 def test_rows_to_arrow_wrong_types_name_the_operator(bad: list[Any]) -> None:
     with pytest.raises(JobDefinitionError, match="operator 'alerts' emitted a row"):
         rows_to_arrow(bad, OUT, "alerts")
+
+
+class RemindAt(KeyedProcessFunction):
+    """An event-time timer at each record's ``at``; the firing emits the key and the time."""
+
+    def process_element(self, row: Any, ctx: Context) -> Any:
+        ctx.timer_service.register_event_time_timer(row.at)
+        return []
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Any:
+        yield (key, timestamp)
+
+
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_timers_registered_in_a_drain_fire_in_it(backend: str) -> None:
+    """A drain is the last batch: a stage that gets rows in it (from a stage before, whose
+    timers fired there) must fire the timers those rows register, there and then."""
+    from keyscale.operators.eventtime import END_OF_TIME
+    from keyscale.testing import KeyedHarness
+
+    h = KeyedHarness.of(RemindAt(), key_by=["k"], input_schema="k string, at long", output_schema="k string, at long",
+                        parallelism=2, state_backend=backend)
+    h.advance_watermark(100)
+    assert h.process([{"k": "a", "at": 50}, {"k": "b", "at": 500}]) == []  # an ordinary batch: next batch fires a's
+    h.advance_watermark(END_OF_TIME)
+    assert h.process([{"k": "c", "at": 7}, {"k": "b", "at": 900}]) == [
+        {"k": "a", "at": 50}, {"k": "b", "at": 500}, {"k": "b", "at": 900}, {"k": "c", "at": 7}]

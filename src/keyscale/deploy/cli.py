@@ -140,9 +140,10 @@ def cmd_apply(a: argparse.Namespace) -> int:
         store.install_artifact(spec)
         prev = store.read_desired()
         generation = (prev.generation if prev else 0) + 1
+        changes = prev.spec.describe_changes(spec) if prev is not None else "first apply"
+        # Before the spec: the supervisor acts on it at once, and its event must follow this one.
+        store.event("apply", f"generation {generation} from {spec.source}: {changes}", generation=generation)
         store.write_desired(Desired(generation, DesiredState.RUNNING, spec))
-    changes = prev.spec.describe_changes(spec) if prev is not None else "first apply"
-    store.event("apply", f"generation {generation} from {spec.source}: {changes}", generation=generation)
     if not store.supervisor_running():
         pid = start_supervisor(store)
         print(f"keyscale: started the supervisor of deployment '{spec.name}' (pid {pid}; log {store.supervisor_log})", file=sys.stderr)

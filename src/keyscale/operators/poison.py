@@ -45,6 +45,7 @@ from keyscale.errors import (
     KeyscaleError,
     RecordError,
 )
+from keyscale.operators.eventtime import END_OF_TIME
 from keyscale.operators.keyed import (
     TIMER_STATES,
     Context,
@@ -289,30 +290,36 @@ def run_guarded(
     ctx.timer_service = TimerService(cursor, ctx)
     isolate = errors.policy.isolates
     per_element = type(fn).process is KeyedProcessFunction.process
+    # At the end of time (a drain) no batch follows: timers that the records register fire
+    # after them, in this batch (a stage after another gets its rows only now).
+    drain = ctx.current_watermark >= END_OF_TIME and TIMER_STATES["event_time"][1] in columns
+
+    def fire(j: int, key: Any) -> list[Any]:
+        """The key's due timers, each failing one rolled back and dropped (when isolating)."""
+        while True:
+            snap = _snapshot(cursor, j) if isolate else None
+            try:
+                return _listed(_fire_timers(fn, cursor, ctx, key))
+            except KeyscaleError:
+                raise
+            except Exception as e:
+                domain, ts = ctx.time_domain, ctx.timestamp
+                ctx.timestamp = ctx.time_domain = None
+                where = f"in on_timer for the {domain} timer at {ts}"
+                if snap is None or domain is None or ts is None:
+                    errors.add(one_line(e), key, None, e, where)
+                    raise
+                _restore(cursor, j, snap)
+                _drop_timer(cursor, j, domain, ts)
+                errors.add(one_line(e), key, None, e, where)
+
     try:
         for j, key in enumerate(keys):
             cursor.i = j
             ctx.key = key
             ctx.key_group = int(key_groups[j])
             if due is not None and due[j]:
-                while True:
-                    snap = _snapshot(cursor, j) if isolate else None
-                    try:
-                        fired = _listed(_fire_timers(fn, cursor, ctx, key))
-                        break
-                    except KeyscaleError:
-                        raise
-                    except Exception as e:
-                        domain, ts = ctx.time_domain, ctx.timestamp
-                        ctx.timestamp = ctx.time_domain = None
-                        where = f"in on_timer for the {domain} timer at {ts}"
-                        if snap is None or domain is None or ts is None:
-                            errors.add(one_line(e), key, None, e, where)
-                            raise
-                        _restore(cursor, j, snap)
-                        _drop_timer(cursor, j, domain, ts)
-                        errors.add(one_line(e), key, None, e, where)
-                yield from fired
+                yield from fire(j, key)
             if bounds[j + 1] <= bounds[j]:
                 continue
             positions = order[bounds[j] : bounds[j + 1]]
@@ -332,6 +339,8 @@ def run_guarded(
                     errors.add(one_line(e), key, [record_at(p) for p in unit], e)
                     continue
                 yield from out
+            if drain:
+                yield from fire(j, key)
     finally:
         cursor.i = -1
         ctx.timestamp = ctx.time_domain = None

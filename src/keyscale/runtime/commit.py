@@ -82,10 +82,13 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
     watermark_ms = int(intent.get("watermark_ms", job.watermark.watermark_ms))
     batch_time_ms = int(intent["batch_time_ms"])
+    src, side = job.pipeline.log_source, job.pipeline.side_log
     if df is None:
-        df = read_source(job, batch_id, intent["source_plan"], batch_time_ms, intent.get("log_ids", {}))
+        assert src is not None
+        df = read_source(job, src, batch_id, intent["source_plan"], batch_time_ms, intent.get("log_ids", {}))
+    side_df = read_source(job, side, batch_id, intent["side_plan"], batch_time_ms, intent.get("log_ids", {})) if side else None
     rules = stages.apply_broadcasts(job, intent.get("broadcast_plans", {}))
-    plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules)
+    plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df)
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
     if job.fault("after-sink", batch_id):
@@ -113,9 +116,9 @@ def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) 
         "batch_time_ms": int(time.time() * 1000), "parallelism": dict(job.parallelism),
         "watermark_ms": END_OF_TIME if drain else job.watermark.watermark_ms, **({"drain": True} if drain else {}),
     }
-    src = job.pipeline.log_source
-    if src is not None:
-        intent["source_plan"] = plan_source(job, src, batch_id, job.parallelism[src.uid], read=not drain)
+    for src, key in ((job.pipeline.log_source, "source_plan"), (job.pipeline.side_log, "side_plan")):
+        if src is not None:
+            intent[key] = plan_source(job, src, batch_id, job.parallelism[src.uid], read=not drain)
     # Rules streams: what this batch applies is fixed here, so a replay applies the same.
     intent["broadcast_plans"] = {uid: plan_source(job, b.source, batch_id, 1) for uid, b in job.pipeline.broadcasts.items()}
     intent["log_ids"] = dict(job.log_ids)  # the logs the plans are for: their ids go into the manifest
@@ -162,12 +165,12 @@ def post_commit(job: JobState, batch_id: int) -> None:
         hook = getattr(sink, "post_commit", None)
         if callable(hook):
             hook(batch_id)
-    src = job.pipeline.log_source
-    if src is not None and job.committed is not None and src.uid in job.committed.operators:
-        # For monitoring tools only (a Kafka consumer group's offsets): the job's own
-        # positions are the manifest's.
-        positions = reader.from_state(job.committed.operators[src.uid].operator_state) or []
-        src.log.positions_committed({p: o for entries in positions for p, o in entries})
+    for src in job.pipeline.logs:
+        if job.committed is not None and src.uid in job.committed.operators:
+            # For monitoring tools only (a Kafka consumer group's offsets): the job's own
+            # positions are the manifest's.
+            positions = reader.from_state(job.committed.operators[src.uid].operator_state) or []
+            src.log.positions_committed({p: o for entries in positions for p, o in entries})
 
 
 def commit_manifest(
@@ -178,7 +181,8 @@ def commit_manifest(
     assert job.pipeline is not None
     batch_time_ms = int(intent["batch_time_ms"])
     manifest, records, emitted, reports = build_manifest(
-        job, batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules, intent.get("log_ids", {}))
+        job, batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules, intent.get("log_ids", {}),
+        intent.get("side_plan"))
     wm = next_watermark(job, reports, batch_time_ms, watermark_ms)
     counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
     totals = counters.add(counters.from_extra(job.committed.extra if job.committed else None), counts)
@@ -238,7 +242,7 @@ def record(
 def build_manifest(
     job: JobState, batch_id: int, batch_time_ms: int, par: dict[str, int], source_plan: list[list[list[int]]] | None = None,
     broadcast_plans: dict[str, list[list[list[int]]]] | None = None, rules: dict[str, dict[str, Any]] | None = None,
-    log_ids: dict[str, str | None] | None = None,
+    log_ids: dict[str, str | None] | None = None, side_plan: list[list[list[int]]] | None = None,
 ) -> tuple[Manifest, int, int, TaskReports]:
     """The batch's manifest from its tasks' reports: per operator its state files (keyed),
     lists (non-keyed), offsets (the source: in the same manifest as the state they
@@ -248,16 +252,18 @@ def build_manifest(
     records = 0
     all_reports: TaskReports = {}
     src = job.pipeline.log_source
-    if src is not None and source_plan is not None:
-        p = par[src.uid]
-        all_reports[src.uid] = job.reports.take(src.uid, batch_id, p)
+    for log_src, plan_json in ((src, source_plan), (job.pipeline.side_log, side_plan)):
+        if log_src is None or plan_json is None:
+            continue
+        p = par[log_src.uid]
+        all_reports[log_src.uid] = job.reports.take(log_src.uid, batch_id, p)
         # The offsets advance in the same manifest as the state they produced.
-        after = reader.advance(reader.plan_from_json(source_plan))
-        prev_src = job.committed.operators.get(src.uid) if job.committed else None
-        last = reader.last_records_after(prev_src.operator_state if prev_src else None, all_reports[src.uid])
-        ops[src.uid] = OperatorCheckpoint(
-            uid=src.uid, max_parallelism=job.max_parallelism, parallelism=p, key_columns=(), states=(),
-            operator_state=reader.to_state(after, (log_ids or {}).get(src.uid), last),
+        after = reader.advance(reader.plan_from_json(plan_json))
+        prev_src = job.committed.operators.get(log_src.uid) if job.committed else None
+        last = reader.last_records_after(prev_src.operator_state if prev_src else None, all_reports[log_src.uid])
+        ops[log_src.uid] = OperatorCheckpoint(
+            uid=log_src.uid, max_parallelism=job.max_parallelism, parallelism=p, key_columns=(), states=(),
+            operator_state=reader.to_state(after, (log_ids or {}).get(log_src.uid), last),
         )
     for i, step in enumerate(job.pipeline.keyed_steps):
         p = par[step.uid]

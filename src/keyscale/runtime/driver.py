@@ -252,7 +252,7 @@ class JobRunner:
             )
         specs = {s.uid: OperatorSpec(s.state_key_columns, s.states) for s in pipeline.keyed_steps}
         # Operators with operator state only: the source's offsets, lists, broadcast state.
-        for uid in [*(s.uid for s in pipeline.nonkeyed_steps), *pipeline.broadcasts, *([pipeline.log_source.uid] if pipeline.log_source else [])]:
+        for uid in [*(s.uid for s in pipeline.nonkeyed_steps), *pipeline.broadcasts, *(src.uid for src in pipeline.logs)]:
             specs[uid] = OperatorSpec((), ())
         log.info("restoring from savepoint %s", savepoint)
         self.committed = restore_savepoint(
@@ -373,7 +373,11 @@ class JobRunner:
         )
         if once:
             return writer.trigger(once=True)
-        return writer.trigger(availableNow=True) if self.opts.until_idle else writer.trigger(processingTime=self.opts.trigger_interval)
+        if self.opts.until_idle and self.pipeline.side_log is None:
+            return writer.trigger(availableNow=True)
+        # With a log beside the Spark source, "available now" would end before the log is
+        # read: batches run every trigger interval, and the job ends on its first idle one.
+        return writer.trigger(processingTime=self.opts.trigger_interval)
 
     def _run_log_loop(self) -> None:
         """Micro-batches driven by keyscale: one every trigger interval, also without new
@@ -534,7 +538,14 @@ class JobRunner:
             if self._stop.is_set():
                 log.info("batch %d not started: the job is stopping (it runs at the next start)", batch_id)
                 raise _StopRequested(batch_id)
-            self._run_batch_locked(df, batch_id)
+            before = self.watermark.watermark_ms
+            records = self._run_batch_locked(df, batch_id)
+            if self.opts.until_idle and self.pipeline is not None and self.pipeline.side_log is not None:
+                last = self.summary.batches[-1] if self.summary.batches else None
+                ran = last is not None and last.batch == batch_id and not last.replayed  # not a skipped or replayed batch
+                if ran and records == 0 and self.watermark.watermark_ms == before:
+                    log.info("batch %d read nothing from either input and the watermark stayed: the input is read", batch_id)
+                    self._stop.set()
 
     def _run_batch_locked(self, df: DataFrame | None, batch_id: int, drain: bool = False) -> int:
         """Run and commit one batch (``commit.run_batch``; the caller holds the batch lock);

@@ -34,8 +34,7 @@ def plan_parallelism(job: JobState, pipeline: Pipeline) -> None:
     """Every operator's parallelism at start; refuses a checkpoint the job no longer fits."""
     old = job.committed.operators if job.committed else {}
     uids = {s.uid for s in pipeline.keyed_steps}
-    src = pipeline.log_source
-    if src is not None:
+    for src in pipeline.logs:
         if src.uid in uids:
             raise JobDefinitionError(f"the source and a stage both have the uid '{src.uid}'")
         uids.add(src.uid)

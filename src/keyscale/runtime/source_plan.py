@@ -59,17 +59,22 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
     return reader.plan_to_json(plan)
 
 
-def read_source(job: JobState, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int, log_ids: dict[str, str | None]) -> DataFrame:
-    """The batch's input: one reader task per reader of the plan (``mapInArrow``)."""
+def read_source(job: JobState, src: LogSource, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int,
+                log_ids: dict[str, str | None]) -> DataFrame:
+    """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``)."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
-    assert job.pipeline is not None and job.pipeline.log_source is not None
-    src = job.pipeline.log_source
+    from keyscale._pipeline import source_schema
+
+    assert job.pipeline is not None
     plan = reader.plan_from_json(plan_json)
     spark = job.spark
-    schema = job.pipeline.source_schema
+    schema = source_schema(src)
     target = to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
-    event_time = job.pipeline.watermark.column if job.pipeline.watermark else None
+    # The job's clock is per partition when the log drives the batches; beside a Spark
+    # source the stage's own event times move it (commit.next_watermark).
+    driving = src is job.pipeline.log_source
+    event_time = job.pipeline.watermark.column if job.pipeline.watermark and driving else None
     fn = reader.make_reader_function(
         src.log, src.uid, batch_id, plan, target, event_time, job.event_time_limit(batch_time_ms), log_ids.get(src.uid), job.reports.sender)
     readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")

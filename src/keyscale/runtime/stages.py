@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from keyscale._pipeline import Branch, KeyedStep, NonKeyedStep, TransformStep
+from keyscale._pipeline import Branch, KeyedStep, LogInputStep, NonKeyedStep, TransformStep
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError
@@ -61,8 +61,10 @@ class BatchPlan:
 
 def plan_stages(
     job: JobState, df: DataFrame, batch_id: int, batch_time_ms: int, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]],
+    side_df: DataFrame | None = None,
 ) -> BatchPlan:
-    """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``.
+    """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``
+    (``side_df``: the records read from the log beside a Spark source).
 
     Each stage is planned once, however many branches read it; where several writes read
     one stage's output (branches, side outputs), it is cached, so its tasks run (and its
@@ -92,6 +94,10 @@ def plan_stages(
             path = (*path, id(step))
             if path in frames:
                 out = frames[path]
+                continue
+            if isinstance(step, LogInputStep):
+                assert side_df is not None
+                out = shared(path, step.merge(out, side_df))
                 continue
             if isinstance(step, TransformStep):
                 out = shared(path, step.fn(out))

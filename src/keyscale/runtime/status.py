@@ -26,11 +26,12 @@ log = logging.getLogger("keyscale")
 def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
     """The status file's content; ``source``: the log source's status, if already read."""
     ops: dict[str, Any] = {}
-    src = job.pipeline.log_source if job.pipeline else None
+    logs = {s.uid: s for s in job.pipeline.logs} if job.pipeline else {}
     operator_state_only = {s.uid for s in job.pipeline.nonkeyed_steps} | set(job.pipeline.broadcasts) if job.pipeline else set()
     for uid, p in job.parallelism.items():
-        if src is not None and uid == src.uid:
-            ops[uid] = source or source_status(job, src)
+        if uid in logs:
+            driving = job.pipeline is not None and logs[uid] is job.pipeline.log_source
+            ops[uid] = source if source is not None and driving else source_status(job, logs[uid])
             continue
         if uid in operator_state_only:
             continue
@@ -97,10 +98,10 @@ def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> No
     if not counts or job.pipeline is None:
         return
     job.jobdir.append_event(counters.event(batch_id, counts))
-    src, spec = job.pipeline.log_source, job.pipeline.watermark
+    sources, spec = {s.uid for s in job.pipeline.logs}, job.pipeline.watermark
     windows = {s.uid for s in job.pipeline.keyed_steps if isinstance(s.function, WindowAggregate)}
     for uid, c in counts.items():
-        kind = "source" if src is not None and uid == src.uid else "window" if uid in windows else "operator"
+        kind = "source" if uid in sources else "window" if uid in windows else "operator"
         log.warning("%s", counters.describe(batch_id, kind, uid, c, spec.max_ahead_ms if spec else None))
 
 
