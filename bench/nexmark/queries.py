@@ -530,12 +530,12 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
     if name == "q7":
         # A batch's transform runs on that batch alone: only its bids at their window's
         # highest price in the batch can be a window's highest, so only those reach Python.
-        from pyspark.sql import Window
-
+        # The maxima are a partial aggregation (a few rows per window through the shuffle),
+        # broadcast back to the bids: the batch's bids themselves are never shuffled.
         def batch_top(df: DataFrame) -> DataFrame:
-            # (Spark refuses a window function in a filter: the maximum is a column first.)
-            df = df.select("*", _window_ms("date_time")).withColumn("top", F.max("price").over(Window.partitionBy("w")))
-            return df.where(F.col("price") == F.col("top")).drop("top")
+            df = df.select("*", _window_ms("date_time"))
+            top = df.groupBy("w").agg(F.max("price").alias("top"))
+            return df.join(F.broadcast(top), "w").where(F.col("price") == F.col("top")).drop("top")
 
         bids = stream("bid").transform(batch_top)
         return bids.key_by("w").process(

@@ -305,6 +305,8 @@ def test_a_spark_source_joined_with_a_log_across_a_live_rescale_and_a_savepoint(
     assert any(r[1] == "join" and r[3] == 3 for r in summary.rescales)
     assert _pairs(tmp_path / "out") == want
     assert _offsets(tmp_path / "job", "clicks") == dict(enumerate(open_log(clicks_log).end_offsets()))
+    shown = jd.read_status()["operators"]["clicks"]  # the log's readers and lag, as a log source's
+    assert shown["kind"] == "log" and shown["lag"] == 0 and len(shown["readers"]) == 3
 
     sp = write_savepoint(jd, jd.read_manifest(2), tmp_path / "sp")
     run_job(job, tmp_path / "restored", 3, {**args, "output": str(tmp_path / "out-restored")}, from_savepoint=str(sp), drain_at_end=True)
