@@ -228,9 +228,13 @@ def record(
     job.committed_status = status(job, reports, source)
     if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
         job.jobdir.write_status({**job.committed_status, "running": True})
+    # Records are counted by the log's readers or the first keyed stage; a job with neither
+    # (stateless on a Spark source) would print zeros for rows it did move.
+    counted = job.pipeline.log_source is not None or bool(job.pipeline.keyed_steps)
     log.info(
-        "batch %d committed in %.2f s (Spark job %.2f s): %s records in, %s rows out; %s%s",
-        batch_id, seconds, spark_seconds, f"{records:,}", f"{emitted:,}",
+        "batch %d committed in %.2f s (Spark job %.2f s): %s; %s%s",
+        batch_id, seconds, spark_seconds,
+        f"{records:,} records in, {emitted:,} rows out" if counted else "no stateful stage, so no record counts (Spark's progress has them)",
         ", ".join(f"'{u}' p={p}" for u, p in par.items()),
         f"; {removed} old state files removed" if removed else "",
     )
