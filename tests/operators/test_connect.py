@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,14 @@ def _expected_enrich(users: list[list[dict[str, Any]]], clicks: list[list[dict[s
     return sorted(out)
 
 
+def _rescale_after_batch_1(jd: JobDir) -> Callable[[Any], None]:
+    """An ``on_batch`` asking the job for parallelism 3 once batch 1 has committed."""
+    def rescale(rec: Any) -> None:
+        if rec.batch == 1:
+            jd.request_rescale(3)
+    return rescale
+
+
 def _job(tmp_path: Path) -> Path:
     path = tmp_path / "connected.py"
     path.write_text(JOB)
@@ -109,10 +118,7 @@ def test_co_process_enrichment_is_the_same_across_a_live_rescale(spark: Any, inp
     args = {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "enrich"}
     run_job(job, tmp_path / "a", 2, {**args, "output": str(tmp_path / "out-a")})
     jd = JobDir(tmp_path / "b")
-
-    def rescale(rec: Any) -> None:
-        if rec.batch == 1:
-            jd.request_rescale(3)
+    rescale = _rescale_after_batch_1(jd)
 
     summary = run_job(job, tmp_path / "b", 2, {**args, "output": str(tmp_path / "out-b")}, rescale)
     assert any(r[1] == "enrich" and r[3] == 3 for r in summary.rescales)
@@ -141,10 +147,7 @@ def test_interval_join_matches_a_plain_join_and_forgets_old_rows(spark: Any, inp
 def test_window_join_pairs_rows_of_one_window_across_a_live_rescale(spark: Any, inputs: Any, tmp_path: Path) -> None:
     users_dir, clicks_dir, users, clicks = inputs
     jd = JobDir(tmp_path / "job")
-
-    def rescale(rec: Any) -> None:
-        if rec.batch == 1:
-            jd.request_rescale(3)
+    rescale = _rescale_after_batch_1(jd)
 
     summary = run_job(_job(tmp_path), tmp_path / "job", 2, {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "window",
                       "output": str(tmp_path / "out")}, rescale, drain_at_end=True)
@@ -222,10 +225,7 @@ def test_interval_join_of_two_logs_is_the_plain_join_across_a_live_rescale(spark
     job = tmp_path / "logs.py"
     job.write_text(JOB_LOGS)
     jd = JobDir(tmp_path / "job")
-
-    def rescale(rec: Any) -> None:
-        if rec.batch == 1:
-            jd.request_rescale(3)
+    rescale = _rescale_after_batch_1(jd)
 
     summary = run_job(job, tmp_path / "job", 2, {"users": str(users), "clicks": str(clicks), "cap": "20", "output": str(tmp_path / "out")},
                       rescale, drain_at_end=True)
@@ -254,86 +254,4 @@ def test_interval_join_of_two_logs_resumes_exactly_once_after_a_kill(logs: Any, 
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["id", "page"]).any()
     assert _pairs(tmp_path / "out") == want
-
-
-JOB_MIXED = '''
-import keyscale as ks
-
-NAME = "connected_mixed"
-
-def build(ctx):
-    files = lambda name, schema: ks.stream(ctx.spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(ctx.arg(name)))
-    log = lambda name: ks.stream(ks.log_source(ctx.arg(name), uid=name, max_records_per_batch=int(ctx.arg("cap"))))
-    if ctx.arg("users_from") == "spark":
-        users, clicks = files("users", "id string, name string, ts timestamp"), log("clicks")
-    else:
-        users, clicks = log("users"), files("clicks", "user string, page string, ts timestamp")
-    users, clicks = users.with_watermark("ts", "1 hour"), clicks.with_watermark("ts", "1 hour")
-    clicks = clicks.filter("page != 'p0-0'")
-    out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
-    return out.sink(ks.ParquetSink(ctx.arg("output")))
-'''
-
-
-def _offsets(job_dir: Path, uid: str) -> dict[int, int]:
-    from keyscale.sources import reader
-
-    manifest = JobDir(job_dir).latest_manifest()
-    assert manifest is not None
-    return {p: o for entries in reader.from_state(manifest.operators[uid].operator_state) or [] for p, o in entries}
-
-
-def test_a_spark_source_joined_with_a_log_across_a_live_rescale_and_a_savepoint(spark: Any, inputs: Any, logs: Any, tmp_path: Path) -> None:
-    """Users from Spark's file source, clicks from a log: the join is the plain one, the
-    log read to its end with its offsets in the checkpoint, across a live 2 -> 3; a
-    savepoint of batch 2 restored at P=3 carries both inputs' positions."""
-    from keyscale.checkpoint.savepoint import write_savepoint
-    from keyscale.sources.log import open_log
-
-    users_dir, _, _, _ = inputs
-    _, clicks_log, want = logs
-    job = tmp_path / "mixed.py"
-    job.write_text(JOB_MIXED)
-    jd = JobDir(tmp_path / "job")
-
-    def rescale(rec: Any) -> None:
-        if rec.batch == 1:
-            jd.request_rescale(3)
-
-    args = {"users_from": "spark", "users": str(users_dir), "clicks": str(clicks_log), "cap": "20"}
-    summary = run_job(job, tmp_path / "job", 2, {**args, "output": str(tmp_path / "out")}, rescale, drain_at_end=True, retain=20)
-    assert any(r[1] == "join" and r[3] == 3 for r in summary.rescales)
-    assert _pairs(tmp_path / "out") == want
-    assert _offsets(tmp_path / "job", "clicks") == dict(enumerate(open_log(clicks_log).end_offsets()))
-    shown = jd.read_status()["operators"]["clicks"]  # the log's readers and lag, as a log source's
-    assert shown["kind"] == "log" and shown["lag"] == 0 and len(shown["readers"]) == 3
-
-    sp = write_savepoint(jd, jd.read_manifest(2), tmp_path / "sp")
-    run_job(job, tmp_path / "restored", 3, {**args, "output": str(tmp_path / "out-restored")}, from_savepoint=str(sp), drain_at_end=True)
-    whole, after = read_output(tmp_path / "out"), read_output(tmp_path / "out-restored")
-    pairs = lambda df: sorted(zip(df["id"], df["page"], strict=True))  # noqa: E731
-    assert len(after) > 0
-    assert pairs(whole) == sorted(pairs(whole[whole.batch <= 2]) + pairs(after))
-
-
-def test_a_log_joined_with_a_spark_source_resumes_exactly_once_after_a_kill(inputs: Any, logs: Any, tmp_path: Path) -> None:
-    """Users from a log, clicks from Spark's file source: killed after a batch's output
-    and before its commit, then resumed at another parallelism: each pair once."""
-    import signal
-
-    from conftest import cli
-
-    _, clicks_dir, _, _ = inputs
-    users_log, _, want = logs
-    job = tmp_path / "mixed.py"
-    job.write_text(JOB_MIXED)
-    base = ["run", str(job), "--job-dir", str(tmp_path / "job"), "--until-idle", "--set", "users_from=log", "--set", f"users={users_log}",
-            "--set", f"clicks={clicks_dir}", "--set", "cap=5", "--set", f"output={tmp_path / 'out'}"]
-    crashed = cli(*base, "-p", "2", "--fault", "after-sink:2")
-    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
-    cli(*base, "-p", "3", "--drain-at-end", check=True)
-    out = read_output(tmp_path / "out")
-    assert not out.duplicated(["id", "page"]).any()
-    assert _pairs(tmp_path / "out") == want
-    assert sum(_offsets(tmp_path / "job", "users").values()) == sum(len(b) for b in inputs[2])
 
