@@ -254,4 +254,3 @@ def test_interval_join_of_two_logs_resumes_exactly_once_after_a_kill(logs: Any, 
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["id", "page"]).any()
     assert _pairs(tmp_path / "out") == want
-

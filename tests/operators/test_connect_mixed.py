@@ -86,13 +86,12 @@ def test_a_log_joined_with_a_spark_source_resumes_exactly_once_after_a_kill(inpu
     users_log, _, want = logs
     job = tmp_path / "mixed.py"
     job.write_text(JOB_MIXED)
-    base = ["run", str(job), "--job-dir", str(tmp_path / "job"), "--until-idle", "--set", "users_from=log", "--set", f"users={users_log}",
+    argv = ["run", str(job), "--job-dir", str(tmp_path / "job"), "--until-idle", "--set", "users_from=log", "--set", f"users={users_log}",
             "--set", f"clicks={clicks_dir}", "--set", "files_per_batch=2", "--set", "cap=10", "--set", f"output={tmp_path / 'out'}"]
-    crashed = cli(*base, "-p", "2", "--fault", "after-sink:2")
+    crashed = cli(*argv, "-p", "2", "--fault", "after-sink:2")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
-    cli(*base, "-p", "3", "--drain-at-end", check=True)
+    cli(*argv, "-p", "3", "--drain-at-end", check=True)
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["id", "page"]).any()
     assert _pairs(tmp_path / "out") == want
     assert sum(_offsets(tmp_path / "job", "users").values()) == sum(len(b) for b in inputs[2])
-
