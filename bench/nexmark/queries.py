@@ -19,8 +19,9 @@ Queries (keyscale / Spark):
   regular join: unbounded state). keyscale: a ``KeyedCoProcessFunction`` keyed by person id;
   Spark: a stream-stream inner join without watermark.
 * q4 average closing price per category: auctions joined with their bids inside
-  ``[dateTime, expires]``, max price per auction, average per category. keyscale: q9's
-  winning bids (the winner's price is the maximum), then a running mean per category. Spark: none (an
+  ``[dateTime, expires]``, max price per auction, average per category. keyscale: a
+  co-process function per auction that emits the auction's final price when the watermark
+  passes its expiry (event-time timer), then a running mean per category. Spark: none (an
   aggregation after a stream-stream join needs update mode, which joins refuse).
 * q5 hot items: bids per auction in sliding windows (10 s, every 2 s), the auctions with the
   most per window. keyscale: sliding window count, then a keyed stage per window keeping the
@@ -45,7 +46,7 @@ Queries (keyscale / Spark):
   tried for time).
 * q9 winning bids: each auction with its highest bid inside ``[dateTime, expires]`` (the
   earliest of equal prices, then the lowest bidder). keyscale: a co-process function per
-  auction, emitting when the watermark passes its expiry (event-time timer). Spark: none (a top-1 per auction after a
+  auction, emitting at expiry (as q4's first stage). Spark: none (a top-1 per auction after a
   stream-stream join needs update mode, which joins refuse).
 * q11 user sessions: bids per bidder in session windows (gap 10 s). Both: session windows.
 * q17 auction statistics per day: counts per price range, min, max, avg, sum per (auction,
@@ -154,6 +155,52 @@ class LocalItemSuggestion(ks.KeyedCoProcessFunction):
         return [(*person, row["id"])]
 
 
+class ClosingPrice(ks.KeyedCoProcessFunction):
+    """q4, first stage: an auction (first input) and its bids (second), keyed by auction id.
+    The highest bid with ``dateTime`` in ``[auction.dateTime, expires]``; emitted as the
+    auction's final price when the watermark passes ``expires``. Bids before their auction
+    wait; bids after the auction closed are dropped (they cannot be inside its window)."""
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.auction = ctx.list_state("auction", "long")  # category, start ms, expires ms
+        self.best = ctx.value_state("best", "long")
+        self.closed = ctx.value_state("closed", "boolean")
+        self.pending_t = ctx.list_state("pending_t", "long")
+        self.pending_p = ctx.list_state("pending_p", "long")
+
+    def _bid(self, t: int, price: int, start: int, expires: int) -> None:
+        if start <= t <= expires:
+            best = self.best.value()
+            if best is None or price > best:
+                self.best.update(price)
+
+    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> None:
+        start, expires = _ms(row["date_time"]), _ms(row["expires"])
+        self.auction.update([row["category"], start, expires])
+        for t, p in zip(self.pending_t.get(), self.pending_p.get(), strict=True):
+            self._bid(t, p, start, expires)
+        self.pending_t.clear()
+        self.pending_p.clear()
+        ctx.timer_service.register_event_time_timer(expires)
+
+    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> None:
+        if self.closed.value():
+            return
+        a = self.auction.get()
+        if not a:
+            self.pending_t.add(_ms(row["date_time"]))
+            self.pending_p.add(row["price"])
+            return
+        self._bid(_ms(row["date_time"]), row["price"], a[1], a[2])
+
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+        a, best = self.auction.get(), self.best.value()
+        self.auction.clear()
+        self.best.clear()
+        self.closed.update(True)
+        return [(key, a[0], best)] if a and best is not None else []
+
+
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
@@ -172,7 +219,7 @@ def _bid_rank(bid: dict[str, Any]) -> tuple[int, int, int]:
 
 
 class WinningBid(ks.KeyedCoProcessFunction):
-    """q9 (and the first stage of q4 and q6): an auction (first input) and its bids (second), keyed by
+    """q9 (and q6's first stage): an auction (first input) and its bids (second), keyed by
     auction id. The winning bid, the first in ``_bid_rank`` order among those with
     ``dateTime`` in ``[auction.dateTime, expires]``, is emitted with the auction's columns
     when the watermark passes ``expires``. Bids before their auction wait; bids after it
@@ -456,9 +503,6 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
     def stream(s: str) -> ks.Stream:
         return ks.stream(_read(spark, data, s)).with_watermark("date_time", WATERMARK)
 
-    def winning_bids() -> ks.Stream:  # q9, and the first stage of q4 and q6
-        return stream("auction").connect(stream("bid")).key_by("id", "auction").process(WinningBid(), Q9_SCHEMA, uid="q9")
-
     if name == "q0":
         return stream("bid").select("auction", "bidder", "price", "date_time", "extra")
     if name == "q1":
@@ -471,11 +515,14 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
         return persons.connect(auctions).key_by("id", "seller").process(
             LocalItemSuggestion(), "name string, city string, state string, id long", uid="q3")
     if name == "q4":
-        return winning_bids().key_by("category").aggregate(uid="q4_avg", avg_final=ks.mean("price"))
-    if name == "q6":
-        return winning_bids().key_by("seller").process(AverageSellingPrice(), "seller long, auction long, avg_price double", uid="q6")
-    if name == "q9":
-        return winning_bids()
+        closing = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
+            ClosingPrice(), "auction long, category long, final long", uid="q4_closing")
+        return closing.key_by("category").aggregate(uid="q4_avg", avg_final=ks.mean("final"))
+    if name in ("q6", "q9"):
+        winners = stream("auction").connect(stream("bid")).key_by("id", "auction").process(WinningBid(), Q9_SCHEMA, uid="q9")
+        if name == "q9":
+            return winners
+        return winners.key_by("seller").process(AverageSellingPrice(), "seller long, auction long, avg_price double", uid="q6")
     if name == "q5":
         counts = stream("bid").key_by("auction").window(ks.SlidingWindows(f"{WINDOW_MS} ms", f"{SLIDE_MS} ms")).aggregate(
             uid="q5_counts", num=ks.count())
