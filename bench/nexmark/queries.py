@@ -49,6 +49,15 @@ Queries (keyscale / Spark):
   auction, emitting at expiry (as q4's first stage). Spark: none (a top-1 per auction after a
   stream-stream join needs update mode, which joins refuse).
 * q11 user sessions: bids per bidder in session windows (gap 10 s). Both: session windows.
+* q15 bidding statistics per day, q16 per (channel, day): bids, and distinct bidders and
+  auctions, each also per price range (``count(distinct ...) filter (...)``); q16 also the
+  day's latest minute. keyscale: Flink's split-distinct rewrite. Every bid becomes a
+  bidder row and an auction row (one scan); a first stage keyed by (day, kind, id) keeps
+  the price ranges the id was seen in (a bit mask) and emits what is new; the batch's rows
+  are summed per day (a partial aggregation in Spark), then a running sum per day. No hot
+  key: a day's distinct values are spread over the first stage's key groups, and the
+  second stage gets a row per day and batch. Spark: none (it refuses distinct
+  aggregations on streams).
 * q17 auction statistics per day: counts per price range, min, max, avg, sum per (auction,
   day). Both: running aggregates (Spark update mode).
 * q18 last bid per (bidder, auction): keyscale a vectorized function keeping the newest bid;
@@ -62,8 +71,7 @@ Queries (keyscale / Spark):
 Left out: q10 (a filesystem sink partitioned by processing time: not a query of the engine), q12
 (processing-time windows: its output depends on the wall clock, so it cannot be compared
 with another run), q13 (a side input: a bounded table joined by processing time), q14 (a
-user-defined function on q1: nothing new), q15/q16 (``count(distinct ...)`` per day/channel:
-see README).
+user-defined function on q1: nothing new).
 """
 
 from __future__ import annotations
@@ -105,7 +113,7 @@ BID_STRUCT = pa.struct([("auction", pa.int64()), ("bidder", pa.int64()), ("price
 STREAMS: dict[str, tuple[str, ...]] = {
     "q0": ("bid",), "q1": ("bid",), "q2": ("bid",), "q3": ("person", "auction"), "q4": ("auction", "bid"),
     "q5": ("bid",), "q6": ("auction", "bid"), "q7": ("bid",), "q8": ("person", "auction"), "q9": ("auction", "bid"), "q11": ("bid",), "q17": ("bid",), "q18": ("bid",),
-    "q19": ("bid",), "q20": ("auction", "bid"),
+    "q15": ("bid",), "q16": ("bid",), "q19": ("bid",), "q20": ("auction", "bid"),
 }
 QUERIES = list(STREAMS)
 #: Queries with a Spark Structured Streaming equivalent.
@@ -113,7 +121,7 @@ SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20"]
 #: Queries whose output is per event-time window (compared on windows both systems closed).
 WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
 #: Queries with keyed state (for the live-rescale runs).
-STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q17", "q18", "q19", "q20"]
+STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20"]
 
 Q3_STATES = ("OR", "ID", "CA")
 WINDOW_MS = 10_000
@@ -419,6 +427,46 @@ class LastBid(ks.VectorizedKeyedFunction):
         return {"last_us": np.where(newer, t[last], prev)}, out
 
 
+#: q15/q16's counts, per price range: (bids, bidders, auctions) x (all, rank 1, 2, 3).
+Q15_COUNTS = [f"{prefix}{what}" for what in ("bids", "bidders", "auctions") for prefix in ("total_", "rank1_", "rank2_", "rank3_")]
+BIDDER, AUCTION = 0, 1  # the kinds of q15's distinct rows
+
+
+class NewDistinct(ks.VectorizedKeyedFunction):
+    """q15/q16, the split distinct's first level: keyed by (day..., kind, id), where a bid
+    is a ``kind`` 0 row (its bidder) and a ``kind`` 1 row (its auction), ``rank`` its price
+    range's bit (1, 2, 4). State: the ranges this id was seen in. Emits per key of the
+    batch what it adds to the day's counts: its bids (kind 0 only) and, where the id is
+    new to the day or to a range, one distinct bidder or auction there."""
+
+    def __init__(self, group: list[str]) -> None:
+        self.group = group
+        self.input_columns = ["rank", "minute"]
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        ctx.value_state("seen", "long")
+
+    def process_batch(self, batch: Any) -> tuple[dict[str, Any], pd.DataFrame]:
+        rank = batch.records["rank"].to_numpy(dtype=np.int64)[batch.order]
+        firsts = batch.starts[:-1]
+        seen_now = np.bitwise_or.reduceat(rank, firsts)
+        prev = batch.state["seen"].to_numpy(dtype=np.int64, na_value=0)
+        new = seen_now & ~prev
+        kind = batch.keys["kind"].to_numpy()
+        out = batch.keys[self.group].reset_index(drop=True)
+        bids = np.where(kind == BIDDER, np.diff(batch.starts), 0)
+        out["total_bids"] = bids
+        for r, bit in ((1, 1), (2, 2), (3, 4)):
+            out[f"rank{r}_bids"] = np.where(kind == BIDDER, np.add.reduceat((rank == bit).astype(np.int64), firsts), 0)
+        for k, what in ((BIDDER, "bidders"), (AUCTION, "auctions")):
+            mine = kind == k
+            out[f"total_{what}"] = (mine & (prev == 0)).astype(np.int64)
+            for r, bit in ((1, 1), (2, 2), (3, 4)):
+                out[f"rank{r}_{what}"] = (mine & (new & bit != 0)).astype(np.int64)
+        out["minute"] = np.maximum.reduceat(batch.records["minute"].to_numpy(dtype=np.int64)[batch.order], firsts)
+        return {"seen": prev | seen_now}, out[[*self.group, *Q15_COUNTS, "minute"]]
+
+
 class TopBids(ks.KeyedProcessFunction):
     """q19: keyed by auction, its ten highest bids; emits the new top ten (with ranks)
     whenever a batch changes it."""
@@ -494,6 +542,30 @@ def _q17_columns(df: DataFrame) -> DataFrame:
             .withColumn("r3", (F.col("price") >= 1_000_000).cast("long")))
 
 
+def _q15_rows(group: list[str]) -> Any:
+    """q15/q16's input to the distinct stage: each bid as a bidder row and an auction row,
+    with its price range's bit and its minute of the day (one scan of the batch)."""
+    def rows(df: DataFrame) -> DataFrame:
+        rank = F.when(F.col("price") < 10_000, 1).when(F.col("price") < 1_000_000, 2).otherwise(4)
+        minute = F.hour("date_time") * 60 + F.minute("date_time")
+        shared = [F.col(c).alias(c) for c in group] + [rank.cast("long").alias("rank"), minute.cast("long").alias("minute")]
+        both = F.array(F.struct(F.lit(BIDDER).alias("kind"), F.col("bidder").alias("id"), *shared),
+                       F.struct(F.lit(AUCTION).alias("kind"), F.col("auction").alias("id"), *shared))
+        return _day(df).select(F.inline(both))
+    return rows
+
+
+def _q15_partial(group: list[str]) -> Any:
+    """The distinct stage's rows of a batch summed per day: one row per day and batch on to the running sum."""
+    def partial(df: DataFrame) -> DataFrame:
+        return df.groupBy(*group).agg(*[F.sum(c).alias(c) for c in Q15_COUNTS], F.max("minute").alias("minute"))
+    return partial
+
+
+def _hh_mm(df: DataFrame) -> DataFrame:
+    return df.withColumn("minute", F.format_string("%02d:%02d", (F.col("minute") / 60).cast("int"), F.col("minute") % 60))
+
+
 def _window_ms(col: str) -> Any:
     return (F.unix_millis(F.col(col)) - F.pmod(F.unix_millis(F.col(col)), F.lit(WINDOW_MS))).alias("w")
 
@@ -548,6 +620,16 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
     if name == "q11":
         return stream("bid").key_by("bidder").window(ks.SessionWindows(f"{WINDOW_MS} ms")).aggregate(
             uid="q11", bid_count=ks.count())
+    if name in ("q15", "q16"):
+        group = ["day"] if name == "q15" else ["channel", "day"]
+        schema = ", ".join([*(f"{c} string" for c in group), *(f"{c} long" for c in Q15_COUNTS), "minute long"])
+        new = stream("bid").transform(_q15_rows(group)).key_by(*group, "kind", "id").process(
+            NewDistinct(group), schema, uid=f"{name}_distinct")
+        sums = {c: ks.sum(c) for c in Q15_COUNTS}
+        if name == "q16":
+            sums["minute"] = ks.max("minute")
+        daily = new.transform(_q15_partial(group)).key_by(*group).aggregate(uid=name, **sums)
+        return daily.transform(_hh_mm) if name == "q16" else daily
     if name == "q17":
         return stream("bid").transform(_q17_columns).key_by("auction", "day").aggregate(
             uid="q17", total_bids=ks.count(), rank1_bids=ks.sum("r1"), rank2_bids=ks.sum("r2"), rank3_bids=ks.sum("r3"),
@@ -690,6 +772,19 @@ def reference(name: str, t: dict[str, pd.DataFrame]) -> pd.DataFrame:
             for seg in np.split(ts, brk):
                 out.append((bidder, seg[0], seg[-1] + WINDOW_MS, len(seg)))
         return pd.DataFrame(out, columns=["bidder", "window_start", "window_end", "bid_count"])
+    if name in ("q15", "q16"):
+        group = ["day"] if name == "q15" else ["channel", "day"]
+        d = b.assign(day=b.date_time.dt.strftime("%Y-%m-%d"), minute=b.date_time.dt.strftime("%H:%M"),
+                     rank=np.select([b.price < 10_000, b.price < 1_000_000], [1, 2], 3))
+        g = d.groupby(group)
+        cols = {"total_bids": g.size(), "total_bidders": g.bidder.nunique(), "total_auctions": g.auction.nunique()}
+        for r in (1, 2, 3):
+            gr = d[d["rank"] == r].groupby(group)
+            cols |= {f"rank{r}_bids": gr.size(), f"rank{r}_bidders": gr.bidder.nunique(), f"rank{r}_auctions": gr.auction.nunique()}
+        out = pd.DataFrame(cols).fillna(0).astype(np.int64)
+        if name == "q16":
+            out["minute"] = g.minute.max()
+        return out.reset_index()
     if name == "q17":
         d = b.assign(day=b.date_time.dt.strftime("%Y-%m-%d"))
         g = d.groupby(["auction", "day"]).price
@@ -728,8 +823,8 @@ def final(name: str, out: pd.DataFrame) -> pd.DataFrame:
     for c in df.columns:
         if pd.api.types.is_datetime64_any_dtype(df[c]) and c in ("window_start", "window_end", "starttime"):
             df[c] = _ms_col(df[c])
-    if name in ("q4", "q17", "q18"):
-        keys = {"q4": ["category"], "q17": ["auction", "day"], "q18": ["bidder", "auction"]}[name]
+    if name in ("q4", "q15", "q16", "q17", "q18"):
+        keys = {"q4": ["category"], "q15": ["day"], "q16": ["channel", "day"], "q17": ["auction", "day"], "q18": ["bidder", "auction"]}[name]
         df = df.sort_values("batch", kind="stable").groupby(keys).tail(1)
     if name == "q19":  # the last top ten emitted for each auction
         last = df.groupby("auction").batch.transform("max")
