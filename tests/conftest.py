@@ -27,7 +27,18 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 # over tiny data: the C1 compiler alone costs it ~30% less CPU than tiered C2 (30 -> 22 CPU
 # seconds for a CLI run of the running count, /proc/stat, 2026-11-26), on a 2-core machine
 # where the suite is CPU-bound. spark-submit reads this variable; keyscale never sets it.
-os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
+# With it, a class-data-sharing archive of Spark's classes (tests/jvm_archive.py), made in
+# pytest_configure: the first process makes it, the others (xdist's workers) find it.
+_JIT = "-XX:TieredStopAtLevel=1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "SPARK_SUBMIT_OPTS" in os.environ:  # the developer's own: kept as they set it
+        return
+    from jvm_archive import ensure
+
+    archive = ensure(_JIT)
+    os.environ["SPARK_SUBMIT_OPTS"] = f"{_JIT} {archive}" if archive else _JIT
 
 
 @pytest.fixture(autouse=True)
