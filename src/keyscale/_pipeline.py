@@ -109,6 +109,7 @@ class KeyedStep:
     broadcast: BroadcastStream | None = None  # rules delivered to every subtask as broadcast state
     on_error: OnError | None = None  # poison records; None: the pipeline's default (sink(..., on_error=))
     state_backend: str | None = None  # "memory" | "rocksdb"; None: the job's (start(state_backend=...), default "memory")
+    combine: bool = False  # aggregate(combine=True): Spark pre-aggregates each batch per key before the shuffle
 
     @property
     def vectorized(self) -> bool:
@@ -302,7 +303,7 @@ class KeyedStream:
     def _step(
         self, uid: str, fn: Any, output: pa.Schema, states: list[StateDescriptor], parallelism: int | None,
         extra_keys: tuple[tuple[str, pa.DataType], ...] = (), late_sink: Sink | None = None, broadcast: BroadcastStream | None = None,
-        on_error: OnError | None = None, state_backend: str | None = None,
+        on_error: OnError | None = None, state_backend: str | None = None, combine: bool = False,
     ) -> Stream:
         _check_uid(uid, self._stream._steps)
         check_on_error(on_error, f"operator '{uid}'")
@@ -315,7 +316,7 @@ class KeyedStream:
         event_time = wm.column if wm is not None and wm.column in self._input.names else None
         step = KeyedStep(
             uid, self._keys, self._key_types, self._input, fn, output, tuple(states), self._null_keys, parallelism, event_time,
-            extra_keys, late_sink, broadcast, on_error, state_backend,
+            extra_keys, late_sink, broadcast, on_error, state_backend, combine,
         )
         if state_backend == "rocksdb":
             check_rocksdb_keys(uid, step.state_key_columns)
@@ -363,16 +364,26 @@ class KeyedStream:
         return WindowedStream(self, assigner, parse_duration_ms(allowed_lateness, "allowed_lateness"), late_output)
 
     def aggregate(self, uid: str, parallelism: int | None = None, on_error: OnError | None = None, state_backend: str | None = None,
-                  **aggs: Agg) -> Stream:
+                  combine: bool = False, **aggs: Agg) -> Stream:
         """Vectorized running aggregates per key; emits (key..., aggregates) for every key updated in a batch.
 
         ``aggregate(uid="totals", count=keyscale.count(), sum=keyscale.sum("value"))``;
         ``state_backend="rocksdb"`` keeps this stage's state on local disk (default: the job's).
+
+        ``combine=True``: Spark aggregates each batch per key before the shuffle (its partial
+        aggregation, as its own ``groupBy`` does), so one row per key, not every record,
+        crosses to Python. Worth it when keys repeat within a batch (many records per key);
+        with about as many keys as records it only adds a shuffle. State, output,
+        checkpoints and rescaling are the same either way (a job can turn it on or off
+        between runs). Sums and means of floating-point columns are refused: their partial
+        sums are added in an order Spark does not fix, so a replay could differ.
         """
         types = {f.name: f.type for f in self._input}
         fn = RunningAggregate(dict(aggs), list(self._keys), types)
+        if combine:
+            fn.check_combinable(uid)
         out = pa.schema([*(self._input.field(k) for k in self._keys), *fn.output_fields()])
-        return self._step(uid, fn, out, fn.state_descriptors(), parallelism, on_error=on_error, state_backend=state_backend)
+        return self._step(uid, fn, out, fn.state_descriptors(), parallelism, on_error=on_error, state_backend=state_backend, combine=combine)
 
 
 class WindowedStream:

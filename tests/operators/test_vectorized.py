@@ -8,6 +8,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.keyed import RuntimeContext
@@ -18,6 +20,7 @@ from keyscale.operators.vectorized import (
     count,
     masked,
     mean,
+    partial_column,
     unmasked,
 )
 from keyscale.operators.vectorized import max as kmax
@@ -200,3 +203,62 @@ def test_running_aggregate_skips_null_values() -> None:
     kb = keyed_batch(recs, "k", _state(fn, [{}, {"n": 1, "tot": 4, "lo": 4}]))
     _, out = fn.process_batch(kb)
     assert out.to_dict("records") == [{"k": "a", "n": 2, "tot": 5, "lo": 5}, {"k": "b", "n": 2, "tot": 4, "lo": 4}]
+
+
+# -- combine=True: Spark's partials per key, merged ---------------------------------------------
+
+COMBINABLE = {"n": count(), "nv": count("v"), "tot": ksum("v"), "lo": kmin("v"), "hi": kmax("x"), "avg": mean("v")}
+
+
+def _partials(records: pa.Table, splits: list[int]) -> pa.Table:
+    """What Spark's partial aggregation sends on: per map partition (records cut at
+    ``splits``) and key, each aggregate's partial (null where all of its values are)."""
+    parts = []
+    for lo, hi in zip([0, *splits], [*splits, records.num_rows], strict=True):
+        g = records.slice(lo, hi - lo).group_by("k", use_threads=False).aggregate(
+            [([], "count_all"), ("v", "count"), ("v", "sum"), ("v", "min"), ("x", "max")])
+        parts.append(pa.table({
+            "k": g["k"], partial_column("n"): g["count_all"], partial_column("nv"): g["v_count"], partial_column("tot"): g["v_sum"],
+            partial_column("lo"): g["v_min"], partial_column("hi"): g["x_max"], partial_column("avg", "sum"): g["v_sum"],
+            partial_column("avg", "count"): g["v_count"]}))
+    return pa.concat_tables(parts)
+
+
+def _run_batches(fn: RunningAggregate, batches: list[pa.Table]) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Batches through ``fn`` with the state carried by key; (each batch's output rows sorted by key, final state)."""
+    fn.open(RuntimeContext("agg"))
+    state: dict[str, dict[str, Any]] = {}
+    outs = []
+    for b in batches:
+        recs = b.to_pandas()
+        kb = keyed_batch(recs, "k")
+        kb = keyed_batch(recs, "k", _state(fn, [state.get(k, {}) for k in kb.keys["k"]]))
+        new, out = fn.process_batch(kb)
+        for j, k in enumerate(kb.keys["k"]):
+            state[k] = {n: (None if pd.isna(v[j]) else v[j].item() if hasattr(v[j], "item") else v[j]) for n, v in
+                        ((n, pd.Series(col)) for n, col in new.items())}
+        outs.extend(sorted(pd.DataFrame(out).astype(object).where(pd.DataFrame(out).notna(), None).to_dict("records"), key=lambda r: r["k"]))
+    return outs, state
+
+
+@given(
+    st.lists(st.lists(st.tuples(st.sampled_from("abcde"), st.one_of(st.none(), st.integers(-10**12, 10**12)),
+                                st.one_of(st.none(), st.floats(-1e6, 1e6))), min_size=1, max_size=30), min_size=1, max_size=3),
+    st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_merging_spark_partials_gives_the_state_and_output_of_the_records(batches: list[list[Any]], data: st.DataObject) -> None:
+    types = {"k": pa.string(), "v": pa.int64(), "x": pa.float64()}
+    tables = [pa.table({"k": pa.array([r[0] for r in b], pa.string()), "v": pa.array([r[1] for r in b], pa.int64()),
+                        "x": pa.array([r[2] for r in b], pa.float64())}) for b in batches]
+    plain = _run_batches(RunningAggregate(COMBINABLE, ["k"], types), tables)
+    partials = [_partials(t, sorted(data.draw(st.lists(st.integers(0, t.num_rows), max_size=3)))) for t in tables]
+    merged = _run_batches(RunningAggregate(COMBINABLE, ["k"], types, merging=True), partials)
+    assert merged == plain
+
+
+def test_combine_refuses_float_sums_and_means() -> None:
+    fn = RunningAggregate({"fx": ksum("x"), "hi": kmax("x")}, ["k"], TYPES)
+    with pytest.raises(JobDefinitionError, match=r"operator 'op': combine=True cannot combine sum\('x'\) \(aggregate 'fx'\)"):
+        fn.check_combinable("op")
+    RunningAggregate({"hi": kmax("x"), "lo": kmin("x"), "n": count("x"), "avg": mean("v")}, ["k"], TYPES).check_combinable("op")

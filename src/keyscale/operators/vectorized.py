@@ -172,20 +172,45 @@ def result_type(what: str, agg: Agg, input_types: dict[str, pa.DataType]) -> pa.
     return pa.float64() if agg.kind == "mean" else t
 
 
-class RunningAggregate(VectorizedKeyedFunction):
-    """Built-in vectorized running aggregates; emits (key..., aggregates) per updated key."""
+def partial_column(name: str, part: str = "") -> str:
+    """The column of aggregate ``name``'s partial (``part``: "sum" or "count" of a mean) in a
+    combined batch (see :meth:`RunningAggregate.merging`)."""
+    return f"__partial_{name}{'_' + part if part else ''}"
 
-    def __init__(self, aggs: dict[str, Agg], key_names: list[str], input_types: dict[str, pa.DataType]):
+
+class RunningAggregate(VectorizedKeyedFunction):
+    """Built-in vectorized running aggregates; emits (key..., aggregates) per updated key.
+
+    With ``merging`` (``aggregate(..., combine=True)``) its records are not the stream's but
+    Spark's partial aggregates of them per key (:func:`partial_column`): counts and sums are
+    added, minima and maxima taken, the state and output are the same."""
+
+    def __init__(self, aggs: dict[str, Agg], key_names: list[str], input_types: dict[str, pa.DataType], merging: bool = False):
         if not aggs:
             raise JobDefinitionError("aggregate() needs at least one aggregate, e.g. aggregate(uid='counts', n=keyscale.count())")
         self.aggs = aggs
         self.key_names = key_names
+        self.input_types = input_types
+        self.merging = merging
         self.input_columns = sorted({a.column for a in aggs.values() if a.column is not None})
         self.types: dict[str, pa.DataType] = {}
         for name, agg in aggs.items():
             if agg.kind == "reduce":
                 raise JobDefinitionError(f"aggregate '{name}': reduce() is for windows; for a running reduce write a KeyedProcessFunction")
             self.types[name] = result_type(f"aggregate '{name}'", agg, input_types)
+        if merging:
+            self.input_columns = [partial_column(n, part) for n, a in aggs.items() for part in (("sum", "count") if a.kind == "mean" else ("",))]
+
+    def check_combinable(self, uid: str) -> None:
+        """Refuse ``combine=True`` where the partials would not give a bit-identical result:
+        a sum or mean of floating-point values depends on the order of its additions, which
+        Spark's partial aggregation does not fix (a replayed batch could differ in its last bits)."""
+        for name, agg in self.aggs.items():
+            if agg.kind in ("sum", "mean") and pa.types.is_floating(self.input_types[str(agg.column)]):
+                raise JobDefinitionError(
+                    f"operator '{uid}': combine=True cannot combine {agg.kind}('{agg.column}') (aggregate '{name}'): a sum of "
+                    "floating-point values depends on the order of its additions, which Spark's partial aggregation does not fix, "
+                    "so a replayed batch could give another result; cast the column to an integer type or leave combine off")
 
     def state_descriptors(self) -> list[StateDescriptor]:
         out = []
@@ -211,12 +236,17 @@ class RunningAggregate(VectorizedKeyedFunction):
         for name, agg in self.aggs.items():
             if agg.kind == "count":
                 old = batch.state[name].to_numpy(dtype=np.int64, na_value=0)
-                new[name] = out[name] = old + batch.count(agg.column)
+                add = batch.reduce(partial_column(name), "sum") if self.merging else batch.count(agg.column)
+                new[name] = out[name] = old + add
                 continue
             assert agg.column is not None
-            seen = batch.count(agg.column)
+            column = partial_column(name) if self.merging else agg.column
             if agg.kind == "mean":
-                s = batch.reduce(agg.column, "sum").astype(np.float64) + batch.state[f"{name}_sum"].to_numpy(dtype=np.float64, na_value=0.0)
+                if self.merging:
+                    total, seen = batch.reduce(partial_column(name, "sum"), "sum"), batch.reduce(partial_column(name, "count"), "sum")
+                else:
+                    total, seen = batch.reduce(column, "sum"), batch.count(column)
+                s = total.astype(np.float64) + batch.state[f"{name}_sum"].to_numpy(dtype=np.float64, na_value=0.0)
                 c = seen + batch.state[f"{name}_count"].to_numpy(dtype=np.int64, na_value=0)
                 new[f"{name}_sum"], new[f"{name}_count"] = s, c
                 with np.errstate(invalid="ignore", divide="ignore"):
@@ -227,7 +257,8 @@ class RunningAggregate(VectorizedKeyedFunction):
             t = self.types[name]
             dtype = t.to_pandas_dtype()
             old = prev.to_numpy(dtype=dtype, na_value=0)
-            cur = batch.reduce(agg.column, agg.kind)  # type: ignore[arg-type]  # reduce refused in __init__.astype(dtype, copy=False)
+            seen = batch.count(column)  # a partial is null where all of its records' values were
+            cur = batch.reduce(column, agg.kind)  # type: ignore[arg-type]  # reduce refused in __init__.astype(dtype, copy=False)
             fresh = seen > 0
             if agg.kind == "sum":
                 val = old + np.where(fresh, cur, 0)

@@ -14,7 +14,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import reduce
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -27,10 +27,14 @@ from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
+from keyscale.operators.vectorized import RunningAggregate, partial_column
 from keyscale.runtime.jobstate import JobState
 from keyscale.runtime.nonkeyed_task import NonKeyedTask, make_nonkeyed_function
 from keyscale.runtime.spark_task import make_stage_function
 from keyscale.runtime.stagetask import (
+    COMBINED_AHEAD,
+    COMBINED_EVENT_MS,
+    COMBINED_RECORDS,
     DEAD,
     KG,
     LATE,
@@ -212,6 +216,8 @@ def keyed(
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
         on_error=policy, report_to=job.reports.sender, state_backend=backend,
     )
+    if step.combine:
+        df, spec = combined(df, step, spec)
     keys = [F.col(k) for k in step.key_names]
     cols = [F.col(c) for c in spec.input_schema.names]
     route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
@@ -231,6 +237,42 @@ def keyed(
         if spec.late_output or dead else step.output_schema
     )
     return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
+
+
+def combined(df: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame, StageTask]:
+    """``aggregate(combine=True)``: the batch aggregated per key by Spark (partial
+    aggregation before its own exchange), and the stage's task merging those partials.
+    Each row carries the records it stands for and their event-time maximum within the
+    batch's bound (and how many were beyond it), so the task reports what it would have."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import IntegralType, TimestampType
+
+    fn = step.function
+    assert isinstance(fn, RunningAggregate)
+    parts = [F.count(F.lit(1)).alias(COMBINED_RECORDS)]
+    for name, agg in fn.aggs.items():
+        col = F.col(agg.column) if agg.column is not None else F.lit(1)
+        if agg.kind == "mean":
+            parts += [F.sum(col).alias(partial_column(name, "sum")), F.count(col).alias(partial_column(name, "count"))]
+        else:
+            parts.append({"count": F.count, "sum": F.sum, "min": F.min, "max": F.max}[agg.kind](col).alias(partial_column(name)))
+    if step.event_time is not None:
+        t = df.schema[step.event_time].dataType
+        if isinstance(t, TimestampType):
+            us = F.unix_micros(F.col(step.event_time))
+            ms = ((us - F.pmod(us, F.lit(1000))) / 1000).cast("long")  # floored, as the task's event_time_ms
+        elif isinstance(t, IntegralType):
+            ms = F.col(step.event_time).cast("long")
+        else:
+            raise JobDefinitionError(f"operator '{step.uid}': combine=True needs the event-time column '{step.event_time}' to be "
+                                     f"a timestamp or an integer (milliseconds), not {t.simpleString()}")
+        limit = spec.event_time_limit_ms
+        beyond = ms > F.lit(limit) if limit is not None else F.lit(False)
+        parts += [F.max(F.when(~beyond, ms)).alias(COMBINED_EVENT_MS), F.sum(beyond.cast("long")).alias(COMBINED_AHEAD)]
+    out = df.groupBy(*step.key_names).agg(*parts)
+    return out, replace(spec, function=RunningAggregate(fn.aggs, fn.key_names, fn.input_types, merging=True),
+                        input_schema=to_arrow_schema(out.schema), combined=True)
 
 
 def task_input(step: KeyedStep, dead_letters: bool) -> pa.Schema:

@@ -53,6 +53,7 @@ class StageTask:
     on_error: ErrorPolicy = FAIL  # poison records: fail, skip or dead-letter (operators/poison.py)
     report_to: Any = None  # where the report goes (keyscale.runtime.reports): a Spark accumulator
     state_backend: str = "memory"  # "memory" | "rocksdb" (runtime/rocks_task.py)
+    combined: bool = False  # the records are Spark's partial aggregates per key (aggregate(combine=True)): see COMBINED_*
 
     @property
     def timers(self) -> bool:
@@ -68,6 +69,9 @@ def state_file_name(uid: str, batch: int, subtask: int, kind: str, attempt: str)
 
 
 MAIN, LATE, DEAD = "__main", "__late", "__dead"
+# A combined batch's columns beside the aggregates' partials: the records each row stands
+# for, their largest event time within the batch's bound (ms), and how many were beyond it.
+COMBINED_RECORDS, COMBINED_EVENT_MS, COMBINED_AHEAD = "__partial_records", "__partial_event_ms", "__partial_ahead"
 
 
 def side_output_schema(main: pa.Schema, late: pa.Schema | None = None, dead: pa.Schema | None = None) -> pa.Schema:

@@ -69,6 +69,9 @@ from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, m
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.runtime.counters import window_counters
 from keyscale.runtime.stagetask import (
+    COMBINED_AHEAD,
+    COMBINED_EVENT_MS,
+    COMBINED_RECORDS,
     DEAD,
     KG,
     LATE,
@@ -193,15 +196,32 @@ def _evict(held: _Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_b
         held.version[stale] = -1
 
 
+def _records(spec: StageTask, table: pa.Table) -> int:
+    """The stream's records a batch's rows stand for (a combined row stands for several)."""
+    if not spec.combined:
+        return table.num_rows
+    return int(pc.sum(table.column(COMBINED_RECORDS)).as_py() or 0)
+
+
+def _max_event(spec: StageTask, table: pa.Table) -> tuple[int | None, int]:
+    """The largest event time within the batch's bound, and how many were beyond it."""
+    assert spec.event_time is not None
+    if not spec.combined:
+        return max_event_within(event_time_ms(table, spec.event_time), spec.event_time_limit_ms)
+    top = pc.max(table.column(COMBINED_EVENT_MS)).as_py()
+    return (int(top) if top is not None else None), int(pc.sum(table.column(COMBINED_AHEAD)).as_py() or 0)
+
+
 def _null_check(spec: StageTask, table: pa.Table) -> pa.Table:
     """Apply the null-key rule (a NaN key is a null key): stop, naming the column, or drop them."""
     drop = np.zeros(table.num_rows, dtype=bool)
+    weight = table.column(COMBINED_RECORDS).to_numpy() if spec.combined else None
     for k in spec.key_names:
         col = table.column(k)
         bad = null_key_mask(col)
-        n = int(bad.sum())
+        n = int(bad.sum() if weight is None else weight[bad].sum())  # records
         if n and spec.null_keys == "error":
-            nan = " (NaN counts as a null key)" if n > col.null_count else ""
+            nan = " (NaN counts as a null key)" if int(bad.sum()) > col.null_count else ""
             raise InputDataError(
                 f"null key in column '{k}' of operator '{spec.uid}' (batch {spec.batch_id}, {n} records){nan}; "
                 "filter them out before key_by() or use key_by(..., null_keys='drop')"
@@ -487,7 +507,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     if rocks is None:
         parts = list(batches)
     table = pa.Table.from_batches(parts) if parts else _empty_input(spec)
-    records = table.num_rows
+    records = _records(spec, table)
     out = spec.output_schema.empty_table()
     changed_rows = _expire(spec, held, rng)
     due_rows = _due_timers(spec, held, rng)
@@ -500,14 +520,13 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     # Windows run every batch: without records, some may still be due.
     if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
-        before = table.num_rows
         table = _null_check(spec, table)  # dropped here, not in Spark, so that they are counted
-        if table.num_rows < before:
-            counters["dropped_null_keys"] = before - table.num_rows
+        if (kept := _records(spec, table)) < records:
+            counters["dropped_null_keys"] = records - kept
         if isinstance(fn, WindowAggregate):
             table = _without_event_time(spec, fn.event_time, table, errors)
         if spec.event_time and table.num_rows:
-            max_event, ahead = max_event_within(event_time_ms(table, spec.event_time), spec.event_time_limit_ms)
+            max_event, ahead = _max_event(spec, table)
             if ahead:
                 counters["too_far_ahead"] = ahead
         grouped = _group_keys(spec, table)
