@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, Any] = {
         "spark native agg (RocksDB)": lambda: native_agg(spark, data),
         "keyscale vectorized": lambda: keyscale_run(data, "vectorized"),
+        "keyscale vectorized, combine=True": lambda: keyscale_run(data, "combined"),
         "keyscale per-record": lambda: keyscale_run(data, "per-record"),
     }
     if not a.skip_apply:

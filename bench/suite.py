@@ -19,7 +19,9 @@ parallelism 2 / 2 shuffle partitions, a Parquet sink on every side):
 Per job and cardinality, per repeat, interleaved: keyscale, Spark native, and the **floor**
 (Spark batch, no state: each file's own groupBy/agg written to Parquet). Steady batch =
 median of batches 1.. (batch 0 warms up); e2e = wall time of the whole run. Medians over
-repeats. ``--quick``: 3 files x 100,000 rows, 10k keys, 1 repeat. 10M keys (``--with-10m``)
+repeats. ``--combine``: also keyscale with ``aggregate(combine=True)`` (Spark's partial
+aggregation before the shuffle) for the jobs of running aggregates (COMBINABLE), interleaved
+with the rest. ``--quick``: 3 files x 100,000 rows, 10k keys, 1 repeat. 10M keys (``--with-10m``)
 needs ~3x the 1M time per batch and several GB of state: left out by default.
 """
 
@@ -50,6 +52,7 @@ from spark_baselines import ROCKSDB_PROVIDER, batch_seconds, run_available_now  
 
 SCHEMA = "key string, value long, ts timestamp"
 JOBS = ["running_count", "multi_agg", "tumbling", "session", "process", "two_stage"]
+COMBINABLE = ["running_count", "multi_agg", "two_stage"]
 T0_MS = 1_700_000_000_000
 SPAN_MS = 300_000
 
@@ -149,11 +152,12 @@ def spark_floor(spark: Any, job: str, data: Path, tmp: Path) -> dict[str, Any]:
     return {"batch_seconds": secs, "wall_seconds": time.perf_counter() - t0}
 
 
-def keyscale(job: str, data: Path, tmp: Path) -> dict[str, Any]:
+def keyscale(job: str, data: Path, tmp: Path, combine: bool = False) -> dict[str, Any]:
     from keyscale.runtime.driver import JobRunner, RunOptions
 
     opts = RunOptions(job_file=str(HERE / "jobs" / "suite_job.py"), job_dir=str(tmp / "job"), parallelism=2, until_idle=True,
-                      drain_at_end=False, args={"input": str(_stage(data, tmp / "in")), "output": str(tmp / "out"), "job": job})
+                      drain_at_end=False, args={"input": str(_stage(data, tmp / "in")), "output": str(tmp / "out"), "job": job,
+                                                "combine": "yes" if combine else "no"})
     t0 = time.perf_counter()
     s = JobRunner(opts).run()
     return {"batch_seconds": list(s.trigger_seconds), "wall_seconds": time.perf_counter() - t0}
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=400_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--combine", action="store_true", help="also keyscale with aggregate(combine=True) (COMBINABLE jobs)")
     ap.add_argument("--data-root", type=Path, default=HERE / "data" / "suite")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "suite.json")
     a = ap.parse_args(argv)
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 "keyscale": lambda t, job=job, data=data: keyscale(job, data, t),
                 "spark": lambda t, job=job, data=data: spark_native(spark, job, data, t),
             }
+            if a.combine and job in COMBINABLE:
+                systems["combined"] = lambda t, job=job, data=data: keyscale(job, data, t, combine=True)
             if not a.no_floor:
                 systems["floor"] = lambda t, job=job, data=data: spark_floor(spark, job, data, t)
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in systems}
@@ -213,13 +220,16 @@ def main(argv: list[str] | None = None) -> int:
             row = {"job": job, "keys": keys, "median": med, "runs": runs,
                    "ratio": med["spark"]["steady"] / med["keyscale"]["steady"],
                    "e2e_ratio": med["spark"]["e2e"] / med["keyscale"]["e2e"],
-                   "floor_ratio": med["keyscale"]["steady"] / med["floor"]["steady"] if "floor" in med else None}
+                   "floor_ratio": med["keyscale"]["steady"] / med["floor"]["steady"] if "floor" in med else None,
+                   "combined_ratio": med["spark"]["steady"] / med["combined"]["steady"] if "combined" in med else None}
             rows.append(row)
-    print("\n| job | keys | keyscale steady (s) | Spark steady (s) | ratio | e2e ratio | vs floor |\n|---|---|---|---|---|---|---|")
+    print("\n| job | keys | keyscale steady (s) | Spark steady (s) | ratio | e2e ratio | vs floor | combine=True steady (s) | its ratio |"
+          "\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fr = f"{r['floor_ratio']:.2f}x" if r["floor_ratio"] else "-"
+        comb = (f"{r['median']['combined']['steady']:.2f} | {r['combined_ratio']:.2f}x" if r["combined_ratio"] else "- | -")
         print(f"| {r['job']} | {r['keys']:,} | {r['median']['keyscale']['steady']:.2f} | {r['median']['spark']['steady']:.2f} | "
-              f"{r['ratio']:.2f}x | {r['e2e_ratio']:.2f}x | {fr} |")
+              f"{r['ratio']:.2f}x | {r['e2e_ratio']:.2f}x | {fr} | {comb} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"command": " ".join(["bench/suite.py", *(argv if argv is not None else sys.argv[1:])]),
                                  "files": a.files, "rows": a.rows, "results": rows}, indent=1))

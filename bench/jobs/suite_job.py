@@ -4,7 +4,8 @@ Input columns: key string, value long, ts timestamp (as the examples). Jobs:
 ``running_count`` (count, sum), ``multi_agg`` (count, sum, min, max, mean on (key, bucket)),
 ``tumbling`` (1-minute count and sum), ``session`` (30 s gap), ``process`` (per-record
 KeyedProcessFunction: running count and sum), ``two_stage`` (running sum, then a count per tier).
-All write to a ParquetSink at ``--set output=DIR``.
+All write to a ParquetSink at ``--set output=DIR``. ``--set combine=yes``: the running
+aggregates (running_count, multi_agg, two_stage's first stage) with ``combine=True``.
 """
 
 from typing import Any
@@ -36,12 +37,13 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
     src = ctx.spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     sink = ks.ParquetSink(ctx.arg("output"))
     s = ks.stream(src)
+    combine = ctx.arg("combine", "no") == "yes"
     if job == "running_count":
-        return s.key_by("key").aggregate(uid="totals", count=ks.count(), sum=ks.sum("value")).sink(sink)
+        return s.key_by("key").aggregate(uid="totals", combine=combine, count=ks.count(), sum=ks.sum("value")).sink(sink)
     if job == "multi_agg":
         s2 = ks.stream(src.withColumn("bucket", (F.col("value") % 4).cast("int")))
         return (s2.key_by("key", "bucket")
-                .aggregate(uid="stats", n=ks.count(), total=ks.sum("value"), lo=ks.min("value"), hi=ks.max("value"), avg=ks.mean("value"))
+                .aggregate(uid="stats", combine=combine, n=ks.count(), total=ks.sum("value"), lo=ks.min("value"), hi=ks.max("value"), avg=ks.mean("value"))
                 .sink(sink))
     if job in ("tumbling", "session"):
         w = ks.TumblingWindows("1 minute") if job == "tumbling" else ks.SessionWindows("30 seconds")
@@ -50,7 +52,7 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
     if job == "process":
         return s.key_by("key").process(CountSum(), "key string, count long, sum long", uid="cs").sink(sink)
     if job == "two_stage":
-        return (s.key_by("key").aggregate(uid="totals", total=ks.sum("value"))
+        return (s.key_by("key").aggregate(uid="totals", combine=combine, total=ks.sum("value"))
                 .transform(lambda df: df.withColumn("tier", F.least(F.floor(F.col("total") / 500), F.lit(9)).cast("int")))
                 .key_by("tier").aggregate(uid="tiers", updates=ks.count())
                 .sink(sink))

@@ -1,6 +1,6 @@
 """Workload W's task in keyscale: per-key running count (sum of v), emitted for every key
-updated in a batch. ``--set mode=vectorized|per-record``; ``--set sink=noop|parquet``;
-``--set key_type=long|string``."""
+updated in a batch. ``--set mode=vectorized|combined|per-record`` (combined: vectorized with
+``combine=True``); ``--set sink=noop|parquet``; ``--set key_type=long|string``."""
 
 from typing import Any
 
@@ -22,8 +22,9 @@ class RunningCount(ks.KeyedProcessFunction):
 def build(ctx: ks.JobContext) -> ks.Pipeline:
     df = ctx.spark.readStream.schema(f"key {ctx.arg('key_type', 'long')}, v long").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     keyed = ks.stream(df).key_by("key")
-    if ctx.arg("mode", "vectorized") == "vectorized":
-        counts = keyed.aggregate(uid="count", count=ks.sum("v"))
+    mode = ctx.arg("mode", "vectorized")
+    if mode in ("vectorized", "combined"):
+        counts = keyed.aggregate(uid="count", combine=mode == "combined", count=ks.sum("v"))
     else:
         counts = keyed.process(RunningCount(), f"key {ctx.arg('key_type', 'long')}, count long", uid="count")
     sink = ks.NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.ParquetSink(ctx.arg("output"))

@@ -53,13 +53,13 @@ Queries (keyscale / Spark):
   auctions, each also per price range (``count(distinct ...) filter (...)``); q16 also the
   day's latest minute. keyscale: Flink's split-distinct rewrite. Every bid becomes a
   bidder row and an auction row (one scan); a first stage keyed by (day, kind, id) keeps
-  the price ranges the id was seen in (a bit mask) and emits what is new; the batch's rows
-  are summed per day (a partial aggregation in Spark), then a running sum per day. No hot
+  the price ranges the id was seen in (a bit mask) and emits what is new; then a running
+  sum per day with ``combine=True`` (Spark sums the batch's rows per day first). No hot
   key: a day's distinct values are spread over the first stage's key groups, and the
   second stage gets a row per day and batch. Spark: none (it refuses distinct
   aggregations on streams).
 * q17 auction statistics per day: counts per price range, min, max, avg, sum per (auction,
-  day). Both: running aggregates (Spark update mode).
+  day). Both: running aggregates (Spark update mode); keyscale's with ``combine=True``.
 * q18 last bid per (bidder, auction): keyscale a vectorized function keeping the newest bid;
   Spark ``max(struct(dateTime, ...))`` per key in update mode.
 * q19 top 10 bids per auction: keyscale a process function keeping the ten highest; Spark
@@ -120,6 +120,8 @@ QUERIES = list(STREAMS)
 SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20"]
 #: Queries whose output is per event-time window (compared on windows both systems closed).
 WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
+#: Queries whose running aggregates combine each batch per key before the shuffle (``aggregate(combine=True)``).
+COMBINED = ["q15", "q16", "q17"]
 #: Queries with keyed state (for the live-rescale runs).
 STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20"]
 
@@ -555,13 +557,6 @@ def _q15_rows(group: list[str]) -> Any:
     return rows
 
 
-def _q15_partial(group: list[str]) -> Any:
-    """The distinct stage's rows of a batch summed per day: one row per day and batch on to the running sum."""
-    def partial(df: DataFrame) -> DataFrame:
-        return df.groupBy(*group).agg(*[F.sum(c).alias(c) for c in Q15_COUNTS], F.max("minute").alias("minute"))
-    return partial
-
-
 def _hh_mm(df: DataFrame) -> DataFrame:
     return df.withColumn("minute", F.format_string("%02d:%02d", (F.col("minute") / 60).cast("int"), F.col("minute") % 60))
 
@@ -570,8 +565,10 @@ def _window_ms(col: str) -> Any:
     return (F.unix_millis(F.col(col)) - F.pmod(F.unix_millis(F.col(col)), F.lit(WINDOW_MS))).alias("w")
 
 
-def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
-    """Query ``name`` as a keyscale stream (before its sink)."""
+def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = True) -> ks.Stream:
+    """Query ``name`` as a keyscale stream (before its sink); ``combine``: the running
+    aggregates of COMBINED's queries with ``combine=True`` (Spark aggregates each batch per
+    key before the shuffle)."""
     def stream(s: str) -> ks.Stream:
         return ks.stream(_read(spark, data, s)).with_watermark("date_time", WATERMARK)
 
@@ -628,11 +625,13 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
         sums = {c: ks.sum(c) for c in Q15_COUNTS}
         if name == "q16":
             sums["minute"] = ks.max("minute")
-        daily = new.transform(_q15_partial(group)).key_by(*group).aggregate(uid=name, **sums)
+        # combine: the batch's rows summed per day by Spark first, one row per day and batch
+        # on to the running sums (the split distinct's second level).
+        daily = new.key_by(*group).aggregate(uid=name, combine=combine, **sums)
         return daily.transform(_hh_mm) if name == "q16" else daily
     if name == "q17":
         return stream("bid").transform(_q17_columns).key_by("auction", "day").aggregate(
-            uid="q17", total_bids=ks.count(), rank1_bids=ks.sum("r1"), rank2_bids=ks.sum("r2"), rank3_bids=ks.sum("r3"),
+            uid="q17", combine=combine, total_bids=ks.count(), rank1_bids=ks.sum("r1"), rank2_bids=ks.sum("r2"), rank3_bids=ks.sum("r3"),
             min_price=ks.min("price"), max_price=ks.max("price"), avg_price=ks.mean("price"), sum_price=ks.sum("price"))
     if name == "q18":
         return stream("bid").key_by("bidder", "auction").process(
@@ -646,7 +645,7 @@ def keyscale_query(spark: Any, name: str, data: str | Path) -> ks.Stream:
 
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
-    out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"))
+    out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"), ctx.arg("combine", "yes") == "yes")
     where = ctx.arg("output", "noop")
     return out.sink(ks.NoopSink() if where == "noop" else ks.ParquetSink(where))
 

@@ -70,9 +70,12 @@ def _committed(tmp: Path, job: str = "job") -> tuple[int, dict[str, Any]]:
     return m.watermark_ms, m.extra["counters"]
 
 
-def test_combined_batches_give_the_same_output_counts_and_watermark_across_a_rescale(spark: Any, events: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["memory", "rocksdb"])
+def test_combined_batches_give_the_same_output_counts_and_watermark_across_a_rescale(
+    spark: Any, events: Path, tmp_path: Path, backend: str,
+) -> None:
     plain = _run(tmp_path / "plain", events, "no")
-    combined = _run(tmp_path / "combined", events, "yes", rescale={1: 3, 2: 1})
+    combined = _run(tmp_path / "combined", events, "yes", rescale={1: 3, 2: 1}, state_backend=backend)
     assert [b.parallelism["totals"] for b in combined.batches] == [2, 2, 3, 1]
     a, b = read_output(tmp_path / "plain" / "out"), read_output(tmp_path / "combined" / "out")
     assert len(a) > 0 and a["batch"].nunique() == 4
