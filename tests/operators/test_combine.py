@@ -21,6 +21,8 @@ from keyscale.checkpoint.jobdir import JobDir
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 JOB = '''
+from pyspark.sql import functions as F
+
 import keyscale as ks
 
 NAME = "combined"
@@ -28,11 +30,13 @@ NAME = "combined"
 
 def build(ctx):
     events = ctx.spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
+    # x: a double, NaN (a missing value to keyscale's aggregates) for every 7th value.
+    x = F.when(F.col("value") % 7 == 0, F.lit(float("nan"))).otherwise(F.col("value") * 0.5)
     return (
-        ks.stream(events).with_watermark("ts", "10 seconds", max_ahead="1 hour")
+        ks.stream(events.withColumn("x", x)).with_watermark("ts", "10 seconds", max_ahead="1 hour")
         .key_by("key", null_keys="drop")
         .aggregate(uid="totals", combine=ctx.arg("combine") == "yes", n=ks.count(), total=ks.sum("value"), lo=ks.min("value"),
-                   hi=ks.max("value"), avg=ks.mean("value"))
+                   hi=ks.max("value"), avg=ks.mean("value"), nx=ks.count("x"), lx=ks.min("x"), hx=ks.max("x"))
         .sink(ks.ParquetSink(ctx.arg("output")))
     )
 '''

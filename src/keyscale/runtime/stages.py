@@ -246,7 +246,7 @@ def combined(df: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame
     batch's bound (and how many were beyond it), so the task reports what it would have."""
     from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import to_arrow_schema
-    from pyspark.sql.types import IntegralType, TimestampType
+    from pyspark.sql.types import FractionalType, IntegralType, TimestampType
 
     fn = step.function
     assert isinstance(fn, RunningAggregate)
@@ -255,6 +255,9 @@ def combined(df: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame
         col = F.col(agg.column) if agg.column is not None else F.lit(1)
         if agg.kind == "mean":
             parts += [F.sum(col).alias(partial_column(name, "sum")), F.count(col).alias(partial_column(name, "count"))]
+        elif agg.kind == "min" and isinstance(df.schema[str(agg.column)].dataType, FractionalType):
+            # A NaN is a value that a minimum keeps (numpy's, the task's); Spark's sorts it above all.
+            parts.append(F.when(F.max(F.isnan(col)), F.lit(float("nan"))).otherwise(F.min(col)).alias(partial_column(name)))
         else:
             parts.append({"count": F.count, "sum": F.sum, "min": F.min, "max": F.max}[agg.kind](col).alias(partial_column(name)))
     if step.event_time is not None:
