@@ -39,6 +39,8 @@ from keyscale.runtime.stagetask import (
     KG,
     LATE,
     MAIN,
+    MARKER,
+    ROUTE,
     SEQ,
     StageTask,
     side_output_schema,
@@ -216,8 +218,6 @@ def keyed(
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
         on_error=policy, report_to=job.reports.sender, state_backend=backend,
     )
-    if step.combine:
-        df, spec = combined(df, step, spec)
     keys = [F.col(k) for k in step.key_names]
     cols = [F.col(c) for c in spec.input_schema.names]
     route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
@@ -230,7 +230,11 @@ def keyed(
         *[F.lit(None).cast(df.schema[c].dataType).alias(c) for c in spec.input_schema.names],
         F.lit(-1).cast("long").alias(SEQ), F.element_at(starts, F.col("id").cast("int") + 1).cast("int").alias(KG))
     # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
-    staged = rows.unionByName(markers).repartition(p, F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1")))
+    to = F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1"))
+    if step.combine:
+        staged, spec = combined(rows.unionByName(markers).withColumn(ROUTE, to).repartition(p, ROUTE), step, spec)
+    else:
+        staged = rows.unionByName(markers).repartition(p, to)
     dead = spec.on_error.on_error == "dead_letter"
     schema = (
         side_output_schema(step.output_schema, step.input_schema if spec.late_output else None, DEAD_LETTER_SCHEMA if dead else None)
@@ -239,11 +243,13 @@ def keyed(
     return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
 
 
-def combined(df: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame, StageTask]:
-    """``aggregate(combine=True)``: the batch aggregated per key by Spark (partial
-    aggregation before its own exchange), and the stage's task merging those partials.
-    Each row carries the records it stands for and their event-time maximum within the
-    batch's bound (and how many were beyond it), so the task reports what it would have."""
+def combined(staged: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame, StageTask]:
+    """``aggregate(combine=True)``: the stage's shuffled records aggregated per key by Spark
+    in each subtask's partition (grouped by the routing column too, so Spark needs no other
+    exchange: the partition stays the subtask's), and the stage's task merging those
+    partials. Each row carries the records it stands for and their event-time maximum
+    within the batch's bound (and how many were beyond it), so the task reports what it
+    would have; the marker rows stay rows of their own (sequence -1)."""
     from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import FractionalType, IntegralType, TimestampType
@@ -255,13 +261,13 @@ def combined(df: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame
         col = F.col(agg.column) if agg.column is not None else F.lit(1)
         if agg.kind == "mean":
             parts += [F.sum(col).alias(partial_column(name, "sum")), F.count(col).alias(partial_column(name, "count"))]
-        elif agg.kind == "min" and isinstance(df.schema[str(agg.column)].dataType, FractionalType):
+        elif agg.kind == "min" and isinstance(staged.schema[str(agg.column)].dataType, FractionalType):
             # A NaN is a value that a minimum keeps (numpy's, the task's); Spark's sorts it above all.
             parts.append(F.when(F.max(F.isnan(col)), F.lit(float("nan"))).otherwise(F.min(col)).alias(partial_column(name)))
         else:
             parts.append({"count": F.count, "sum": F.sum, "min": F.min, "max": F.max}[agg.kind](col).alias(partial_column(name)))
     if step.event_time is not None:
-        t = df.schema[step.event_time].dataType
+        t = staged.schema[step.event_time].dataType
         if isinstance(t, TimestampType):
             us = F.unix_micros(F.col(step.event_time))
             ms = ((us - F.pmod(us, F.lit(1000))) / 1000).cast("long")  # floored, as the task's event_time_ms
@@ -273,9 +279,12 @@ def combined(df: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame
         limit = spec.event_time_limit_ms
         beyond = ms > F.lit(limit) if limit is not None else F.lit(False)
         parts += [F.max(F.when(~beyond, ms)).alias(COMBINED_EVENT_MS), F.sum(beyond.cast("long")).alias(COMBINED_AHEAD)]
-    out = df.groupBy(*step.key_names).agg(*parts)
+    marker = (F.col(SEQ) < 0).alias(MARKER)
+    out = staged.groupBy(ROUTE, marker, KG, *step.key_names).agg(*parts, F.min(SEQ).alias(SEQ))
+    out = out.select(*step.key_names, *[c for c in out.columns if c.startswith("__partial_")], SEQ, KG)
+    task_schema = to_arrow_schema(out.drop(SEQ, KG).schema)
     return out, replace(spec, function=RunningAggregate(fn.aggs, fn.key_names, fn.input_types, merging=True),
-                        input_schema=to_arrow_schema(out.schema), combined=True)
+                        input_schema=task_schema, combined=True)
 
 
 def task_input(step: KeyedStep, dead_letters: bool) -> pa.Schema:

@@ -72,6 +72,7 @@ MAIN, LATE, DEAD = "__main", "__late", "__dead"
 # A combined batch's columns beside the aggregates' partials: the records each row stands
 # for, their largest event time within the batch's bound (ms), and how many were beyond it.
 COMBINED_RECORDS, COMBINED_EVENT_MS, COMBINED_AHEAD = "__partial_records", "__partial_event_ms", "__partial_ahead"
+ROUTE, MARKER = "__route", "__marker"  # a combined stage's grouping columns beside its keys (runtime/stages.py)
 
 
 def side_output_schema(main: pa.Schema, late: pa.Schema | None = None, dead: pa.Schema | None = None) -> pa.Schema:
