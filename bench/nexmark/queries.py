@@ -54,12 +54,12 @@ Queries (keyscale / Spark):
   day's latest minute. keyscale: Flink's split-distinct rewrite. Every bid becomes a
   bidder row and an auction row (one scan); a first stage keyed by (day, kind, id) keeps
   the price ranges the id was seen in (a bit mask) and emits what is new; then a running
-  sum per day with ``combine=True`` (Spark sums the batch's rows per day first). No hot
+  sum per day. No hot
   key: a day's distinct values are spread over the first stage's key groups, and the
   second stage gets a row per day and batch. Spark: none (it refuses distinct
   aggregations on streams).
 * q17 auction statistics per day: counts per price range, min, max, avg, sum per (auction,
-  day). Both: running aggregates (Spark update mode); keyscale's with ``combine=True``.
+  day). Both: running aggregates (Spark update mode).
 * q18 last bid per (bidder, auction): keyscale a vectorized function keeping the newest bid;
   Spark ``max(struct(dateTime, ...))`` per key in update mode.
 * q19 top 10 bids per auction: keyscale a process function keeping the ten highest; Spark
@@ -120,8 +120,8 @@ QUERIES = list(STREAMS)
 SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20"]
 #: Queries whose output is per event-time window (compared on windows both systems closed).
 WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
-#: Queries whose running aggregates combine each batch per key before the shuffle (``aggregate(combine=True)``).
-COMBINED = ["q15", "q16", "q17"]
+#: Queries with running aggregates that ``aggregate(combine=True)`` can take (run.py measures them with it too).
+COMBINABLE = ["q15", "q16", "q17"]
 #: Queries with keyed state (for the live-rescale runs).
 STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20"]
 
@@ -565,10 +565,10 @@ def _window_ms(col: str) -> Any:
     return (F.unix_millis(F.col(col)) - F.pmod(F.unix_millis(F.col(col)), F.lit(WINDOW_MS))).alias("w")
 
 
-def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = True) -> ks.Stream:
+def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = False) -> ks.Stream:
     """Query ``name`` as a keyscale stream (before its sink); ``combine``: the running
-    aggregates of COMBINED's queries with ``combine=True`` (Spark aggregates each batch per
-    key before the shuffle)."""
+    aggregates of COMBINABLE's queries with ``combine=True`` (measured slower or level on
+    them: docs/benchmarks.md)."""
     def stream(s: str) -> ks.Stream:
         return ks.stream(_read(spark, data, s)).with_watermark("date_time", WATERMARK)
 
@@ -625,8 +625,6 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = True
         sums = {c: ks.sum(c) for c in Q15_COUNTS}
         if name == "q16":
             sums["minute"] = ks.max("minute")
-        # combine: the batch's rows summed per day by Spark first, one row per day and batch
-        # on to the running sums (the split distinct's second level).
         daily = new.key_by(*group).aggregate(uid=name, combine=combine, **sums)
         return daily.transform(_hh_mm) if name == "q16" else daily
     if name == "q17":
@@ -645,7 +643,7 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = True
 
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
-    out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"), ctx.arg("combine", "yes") == "yes")
+    out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"), ctx.arg("combine", "no") == "yes")
     where = ctx.arg("output", "noop")
     return out.sink(ks.NoopSink() if where == "noop" else ks.ParquetSink(where))
 
