@@ -19,8 +19,8 @@ parallelism 2 / 2 shuffle partitions, a Parquet sink on every side):
 Per job and cardinality, per repeat, interleaved: keyscale, Spark native, and the **floor**
 (Spark batch, no state: each file's own groupBy/agg written to Parquet). Steady batch =
 median of batches 1.. (batch 0 warms up); e2e = wall time of the whole run. Medians over
-repeats. ``--combine``: also keyscale with ``aggregate(combine=True)`` (Spark's partial
-aggregation before the shuffle) for the jobs of running aggregates (COMBINABLE), interleaved
+repeats. ``--combine``: also keyscale with ``aggregate(combine=True)`` (Spark aggregates
+each subtask's records per key before they cross to Python) for the jobs of running aggregates (COMBINABLE), interleaved
 with the rest. ``--quick``: 3 files x 100,000 rows, 10k keys, 1 repeat. 10M keys (``--with-10m``)
 needs ~3x the 1M time per batch and several GB of state: left out by default.
 """

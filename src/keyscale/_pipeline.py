@@ -109,7 +109,7 @@ class KeyedStep:
     broadcast: BroadcastStream | None = None  # rules delivered to every subtask as broadcast state
     on_error: OnError | None = None  # poison records; None: the pipeline's default (sink(..., on_error=))
     state_backend: str | None = None  # "memory" | "rocksdb"; None: the job's (start(state_backend=...), default "memory")
-    combine: bool = False  # aggregate(combine=True): Spark pre-aggregates each batch per key before the shuffle
+    combine: bool = False  # aggregate(combine=True): Spark aggregates each subtask's records per key after the shuffle
 
     @property
     def vectorized(self) -> bool:
@@ -370,13 +370,12 @@ class KeyedStream:
         ``aggregate(uid="totals", count=keyscale.count(), sum=keyscale.sum("value"))``;
         ``state_backend="rocksdb"`` keeps this stage's state on local disk (default: the job's).
 
-        ``combine=True``: Spark aggregates each batch per key before the shuffle (its partial
-        aggregation, as its own ``groupBy`` does), so one row per key, not every record,
-        crosses to Python. Worth it when keys repeat within a batch (many records per key);
-        with about as many keys as records it only adds a shuffle. State, output,
-        checkpoints and rescaling are the same either way (a job can turn it on or off
-        between runs). Sums and means of floating-point columns are refused: their partial
-        sums are added in an order Spark does not fix, so a replay could differ.
+        ``combine=True``: Spark aggregates each subtask's records per key in the JVM (after
+        the shuffle, with no other exchange), so one row per key, not every record, crosses
+        to Python. It pays only with many records per key in a batch (measured: README).
+        State, output, checkpoints and rescaling are the same either way (a job can turn it
+        on or off between runs). Sums and means of floating-point columns are refused: the
+        order of Spark's partial additions is not fixed, so a replay could differ.
         """
         types = {f.name: f.type for f in self._input}
         fn = RunningAggregate(dict(aggs), list(self._keys), types)

@@ -1,4 +1,4 @@
-"""``aggregate(combine=True)``: Spark aggregates each batch per key before the shuffle; the
+"""``aggregate(combine=True)``: Spark aggregates each subtask's records per key in the JVM; the
 job's output, state, counts and watermark are what they are without it, across a live
 rescale, and a job can turn it on or off between runs of the same job directory."""
 
