@@ -50,7 +50,8 @@ from keyscale.state.keygroups import key_group_range
 from keyscale.state.spark_hash import routing_values
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame
+    from pyspark.sql import Column, DataFrame
+    from pyspark.sql.types import DataType
 
     from keyscale.sinks.base import Sink
 
@@ -218,19 +219,21 @@ def keyed(
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
         on_error=policy, report_to=job.reports.sender, state_backend=backend,
     )
-    keys = [F.col(k) for k in step.key_names]
-    cols = [F.col(c) for c in spec.input_schema.names]
-    route = F.array(*[F.lit(int(x)).cast("int") for x in routing_values(p)])
-    rows = df.select(*cols, F.monotonically_increasing_id().alias(SEQ)).withColumn(KG, F.pmod(F.hash(*keys), F.lit(m)).cast("int"))
+    # The plan is rebuilt every batch, and every Column made in Python is several calls to
+    # the JVM (~1 ms each): fixed parts are SQL expressions, the schema is read once.
+    spark_schema = df.schema
+    keys = ", ".join(_quoted(k) for k in step.key_names)
+    rows = df.select(*spec.input_schema.names, F.monotonically_increasing_id().alias(SEQ),
+                     F.expr(f"cast(pmod(hash({keys}), {m}) as int)").alias(KG))
     # One marker row per subtask (sequence -1, dropped by the task): every subtask runs, and
     # reports, even when Spark proves the batch empty (a transform with an aggregate or a
     # window over an empty batch plans to no partitions at all).
-    starts = F.array(*[F.lit(key_group_range(s, m, p).start) for s in range(p)])
+    starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
     markers = df.sparkSession.range(p).select(
-        *[F.lit(None).cast(df.schema[c].dataType).alias(c) for c in spec.input_schema.names],
-        F.lit(-1).cast("long").alias(SEQ), F.element_at(starts, F.col("id").cast("int") + 1).cast("int").alias(KG))
+        *[_null_of(c, spark_schema[c].dataType) for c in spec.input_schema.names],
+        F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"))
     # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
-    to = F.element_at(route, F.expr(f"int(({KG} * {p}) div {m}) + 1"))
+    to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int(({KG} * {p}) div {m}) + 1)")
     if step.combine:
         staged, spec = combined(rows.unionByName(markers).withColumn(ROUTE, to).repartition(p, ROUTE), step, spec)
     else:
@@ -285,6 +288,22 @@ def combined(staged: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataF
     task_schema = to_arrow_schema(out.drop(SEQ, KG).schema)
     return out, replace(spec, function=RunningAggregate(fn.aggs, fn.key_names, fn.input_types, merging=True),
                         input_schema=task_schema, combined=True)
+
+
+def _quoted(column: str) -> str:
+    """A column name as a SQL identifier."""
+    return "`" + column.replace("`", "``") + "`"
+
+
+def _null_of(column: str, t: DataType) -> Column:
+    """A null of type ``t`` named ``column``: one SQL expression where the type has a SQL
+    name (one call to the JVM instead of three), else built from Columns."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import AtomicType
+
+    if isinstance(t, AtomicType):
+        return F.expr(f"cast(null as {t.simpleString()}) as {_quoted(column)}")
+    return F.lit(None).cast(t).alias(column)
 
 
 def task_input(step: KeyedStep, dead_letters: bool) -> pa.Schema:
