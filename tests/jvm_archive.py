@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+_QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"  # CDS warns of every class it skips
 # What the archive's run does: the classes the tests' drivers load.
 _TRAINING = r"""
 import sys, tempfile
@@ -68,7 +69,7 @@ def ensure(base_opts: str) -> str | None:
         return None
     archive = Path(sys.prefix) / f"keyscale-tests-{_digest(java)}.jsa"
     failed = archive.with_suffix(".failed")  # tried once: the other test processes do not try again
-    use = f"-XX:SharedArchiveFile={archive} -Xlog:cds=off -Xlog:cds+dynamic=off"
+    use = f"-XX:SharedArchiveFile={archive} {_QUIET}"
     with open(Path(sys.prefix) / ".keyscale-tests-jsa.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if failed.exists():
@@ -76,7 +77,7 @@ def ensure(base_opts: str) -> str | None:
         if not archive.exists():
             with tempfile.TemporaryDirectory() as tmp:
                 made = Path(tmp) / "spark.jsa"
-                env = {**os.environ, "SPARK_SUBMIT_OPTS": f"{base_opts} -XX:ArchiveClassesAtExit={made} -Xlog:cds=off -Xlog:cds+dynamic=off"}
+                env = {**os.environ, "SPARK_SUBMIT_OPTS": f"{base_opts} -XX:ArchiveClassesAtExit={made} {_QUIET}"}
                 proc = subprocess.run([sys.executable, "-c", _TRAINING], env=env, capture_output=True, text=True, timeout=600)
                 if proc.returncode != 0 or not made.exists():
                     failed.write_text(proc.stderr[-5000:])

@@ -51,7 +51,7 @@ from keyscale.state.spark_hash import routing_values
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
-    from pyspark.sql.types import DataType
+    from pyspark.sql.types import DataType, StructType
 
     from keyscale.sinks.base import Sink
 
@@ -235,7 +235,7 @@ def keyed(
     # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
     to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int(({KG} * {p}) div {m}) + 1)")
     if step.combine:
-        staged, spec = combined(rows.unionByName(markers).withColumn(ROUTE, to).repartition(p, ROUTE), step, spec)
+        staged, spec = combined(rows.unionByName(markers).withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
     else:
         staged = rows.unionByName(markers).repartition(p, to)
     dead = spec.on_error.on_error == "dead_letter"
@@ -246,13 +246,14 @@ def keyed(
     return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
 
 
-def combined(staged: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataFrame, StageTask]:
+def combined(staged: DataFrame, input_schema: StructType, step: KeyedStep, spec: StageTask) -> tuple[DataFrame, StageTask]:
     """``aggregate(combine=True)``: the stage's shuffled records aggregated per key by Spark
     in each subtask's partition (grouped by the routing column too, so Spark needs no other
     exchange: the partition stays the subtask's), and the stage's task merging those
     partials. Each row carries the records it stands for and their event-time maximum
     within the batch's bound (and how many were beyond it), so the task reports what it
-    would have; the marker rows stay rows of their own (sequence -1)."""
+    would have; the marker rows stay rows of their own (sequence -1). ``input_schema``: the
+    batch's, already read by ``keyed`` (each read of a plan's schema is a call to the JVM)."""
     from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import FractionalType, IntegralType, TimestampType
@@ -260,17 +261,21 @@ def combined(staged: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataF
     fn = step.function
     assert isinstance(fn, RunningAggregate)
     parts = [F.count(F.lit(1)).alias(COMBINED_RECORDS)]
+    partials = [COMBINED_RECORDS]
     for name, agg in fn.aggs.items():
         col = F.col(agg.column) if agg.column is not None else F.lit(1)
         if agg.kind == "mean":
-            parts += [F.sum(col).alias(partial_column(name, "sum")), F.count(col).alias(partial_column(name, "count"))]
-        elif agg.kind == "min" and isinstance(staged.schema[str(agg.column)].dataType, FractionalType):
+            partials += [partial_column(name, "sum"), partial_column(name, "count")]
+            parts += [F.sum(col).alias(partials[-2]), F.count(col).alias(partials[-1])]
+            continue
+        partials.append(partial_column(name))
+        if agg.kind == "min" and isinstance(input_schema[str(agg.column)].dataType, FractionalType):
             # A NaN is a value that a minimum keeps (numpy's, the task's); Spark's sorts it above all.
-            parts.append(F.when(F.max(F.isnan(col)), F.lit(float("nan"))).otherwise(F.min(col)).alias(partial_column(name)))
+            parts.append(F.when(F.max(F.isnan(col)), F.lit(float("nan"))).otherwise(F.min(col)).alias(partials[-1]))
         else:
-            parts.append({"count": F.count, "sum": F.sum, "min": F.min, "max": F.max}[agg.kind](col).alias(partial_column(name)))
+            parts.append({"count": F.count, "sum": F.sum, "min": F.min, "max": F.max}[agg.kind](col).alias(partials[-1]))
     if step.event_time is not None:
-        t = staged.schema[step.event_time].dataType
+        t = input_schema[step.event_time].dataType
         if isinstance(t, TimestampType):
             us = F.unix_micros(F.col(step.event_time))
             ms = ((us - F.pmod(us, F.lit(1000))) / 1000).cast("long")  # floored, as the task's event_time_ms
@@ -281,11 +286,12 @@ def combined(staged: DataFrame, step: KeyedStep, spec: StageTask) -> tuple[DataF
                                      f"a timestamp or an integer (milliseconds), not {t.simpleString()}")
         limit = spec.event_time_limit_ms
         beyond = ms > F.lit(limit) if limit is not None else F.lit(False)
+        partials += [COMBINED_EVENT_MS, COMBINED_AHEAD]
         parts += [F.max(F.when(~beyond, ms)).alias(COMBINED_EVENT_MS), F.sum(beyond.cast("long")).alias(COMBINED_AHEAD)]
     marker = (F.col(SEQ) < 0).alias(MARKER)
-    out = staged.groupBy(ROUTE, marker, KG, *step.key_names).agg(*parts, F.min(SEQ).alias(SEQ))
-    out = out.select(*step.key_names, *[c for c in out.columns if c.startswith("__partial_")], SEQ, KG)
-    task_schema = to_arrow_schema(out.drop(SEQ, KG).schema)
+    grouped = staged.groupBy(ROUTE, marker, KG, *step.key_names).agg(*parts, F.min(SEQ).alias(SEQ))
+    task_schema = to_arrow_schema(grouped.select(*step.key_names, *partials).schema)
+    out = grouped.select(*task_schema.names, SEQ, KG)
     return out, replace(spec, function=RunningAggregate(fn.aggs, fn.key_names, fn.input_types, merging=True),
                         input_schema=task_schema, combined=True)
 
