@@ -4,8 +4,9 @@ The suite starts well over a hundred short-lived Spark drivers (each CLI run, ea
 session) on a 2-core machine where it is CPU-bound; each spends most of its start loading
 and verifying the same ~20,000 classes. A dynamic CDS archive (JDK 13+) made once from a
 run that touches what the tests touch (a batch job, Python UDFs through Arrow, a streaming
-query with ``foreachBatch``) lets every later JVM map them instead: a session's start and
-first queries took 15 s instead of 26 s under the suite's load (2026-11-26, three pairs).
+query with ``foreachBatch``) lets every later JVM map them instead: the suite on a clean
+clone took 24-27 minutes with it against 31 without (README; an ad-hoc timing of one
+session start under the suite's load, not a benchmark: 15 s against 26 s).
 
 The archive belongs to one JDK and one set of Spark jars; its name carries a digest of
 both, so a change makes a new one. A JVM that cannot use it (another JDK) runs without it:
