@@ -21,7 +21,11 @@ from keyscale._pipeline import (
 from keyscale.errors import KeyscaleError
 from keyscale.kafka.sink import KafkaSink
 from keyscale.kafka.source import json_values, kafka_decoder, kafka_source
-from keyscale.operators.coprocess import KeyedCoProcessFunction
+from keyscale.operators.coprocess import (
+    KeyedCoBatch,
+    KeyedCoProcessFunction,
+    VectorizedKeyedCoProcessFunction,
+)
 from keyscale.operators.keyed import (
     Context,
     KeyedProcessFunction,
@@ -69,6 +73,7 @@ __all__ = [
     "JobHandle",
     "KafkaSink",
     "KeyedBatch",
+    "KeyedCoBatch",
     "KeyedCoProcessFunction",
     "KeyedProcessFunction",
     "KeyedStream",
@@ -89,6 +94,7 @@ __all__ = [
     "TimerService",
     "TumblingWindows",
     "ValueState",
+    "VectorizedKeyedCoProcessFunction",
     "VectorizedKeyedFunction",
     "WindowedStream",
     "broadcast",

@@ -25,6 +25,7 @@ from keyscale.operators.coprocess import (
     SIDE,
     IntervalJoin,
     KeyedCoProcessFunction,
+    VectorizedKeyedCoProcessFunction,
     WindowJoin,
     adapt,
 )
@@ -185,11 +186,18 @@ class ConnectedKeyedStreams:
                                                None if idle is None else f"{idle} ms", None if ahead is None else f"{ahead} ms")
         return combined
 
-    def process(self, function: KeyedCoProcessFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
-                on_error: OnError | None = None, state_backend: str | None = None) -> Stream:
+    def process(self, function: KeyedCoProcessFunction | VectorizedKeyedCoProcessFunction, schema: str | pa.Schema, uid: str,
+                parallelism: int | None = None, on_error: OnError | None = None, state_backend: str | None = None) -> Stream:
         """Run ``function`` over both inputs: one keyed stage, one state and one set of
-        timers per key for both (see :class:`KeyedCoProcessFunction`); ``state_backend`` as
-        for a one-input stage."""
+        timers per key for both (see :class:`KeyedCoProcessFunction`), or a batch of both
+        at a time (:class:`VectorizedKeyedCoProcessFunction`); ``state_backend`` as for a
+        one-input stage."""
+        if isinstance(function, VectorizedKeyedCoProcessFunction):
+            for which, stream, columns in (("1", self.first, function.input_columns1), ("2", self.second, function.input_columns2)):
+                missing = [c for c in columns or () if c not in stream.columns]
+                if missing:
+                    raise JobDefinitionError(f"operator '{uid}': input_columns{which} names '{missing[0]}', which is not a column of "
+                                             f"the {'first' if which == '1' else 'second'} input (columns: {', '.join(stream.columns)})")
         return self._combined().key_by(*self.keys1).process(adapt(function, len(self.keys1)), schema, uid, parallelism, on_error=on_error,
                                                              state_backend=state_backend)
 

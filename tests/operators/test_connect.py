@@ -39,12 +39,40 @@ class Enrich(ks.KeyedCoProcessFunction):
         else:
             yield (ctx.key, self.name.value(), row["page"])
 
+class VEnrich(ks.VectorizedKeyedCoProcessFunction):
+    """Enrich, a batch at a time: a batch's names apply before its clicks (as the combined
+    order has them); unnamed users' clicks wait in an array state."""
+    input_columns1 = ["name"]
+    input_columns2 = ["page"]
+    def open(self, ctx):
+        self.name = ctx.value_state("name", "string")
+        self.waiting = ctx.value_state("waiting", "array<string>")
+    def process_batch(self, b):
+        import numpy as np, pandas as pd
+        users = b.keys["id"].to_numpy(dtype=object)
+        name = b.state["name"].to_numpy(dtype=object, na_value=None).copy()
+        waiting = [list(w) if isinstance(w, (list, np.ndarray)) else [] for w in b.state["waiting"]]
+        order = np.argsort(b.positions1, kind="stable")
+        name[b.codes1[order]] = b.records1["name"].to_numpy(dtype=object)[order]
+        out = [(users[j], name[j], p) for j in np.unique(b.codes1) for p in waiting[j]]
+        for j in np.unique(b.codes1):
+            waiting[j] = []
+        pages = b.records2["page"].to_numpy(dtype=object)
+        for j, p in zip(b.codes2, pages):
+            if name[j] is None:
+                waiting[j].append(p)
+            else:
+                out.append((users[j], name[j], p))
+        state = {"name": pd.Series(name, dtype=object), "waiting": pd.Series([w or None for w in waiting], dtype=object)}
+        return state, pd.DataFrame(out, columns=["user", "name", "page"])
+
 def build(ctx):
     read = lambda name, schema: ctx.spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(ctx.arg(name))
     users = ks.stream(read("users", "id string, name string, ts timestamp")).with_watermark("ts", "1 hour")
     clicks = ks.stream(read("clicks", "user string, page string, ts timestamp")).with_watermark("ts", "1 hour")
-    if ctx.arg("mode") == "enrich":
-        out = users.connect(clicks).key_by("id", "user").process(Enrich(), "user string, name string, page string", uid="enrich")
+    if ctx.arg("mode") in ("enrich", "venrich"):
+        fn = Enrich() if ctx.arg("mode") == "enrich" else VEnrich()
+        out = users.connect(clicks).key_by("id", "user").process(fn, "user string, name string, page string", uid="enrich")
     elif ctx.arg("mode") == "window":
         out = users.connect(clicks).key_by("id", "user").window_join(ks.TumblingWindows("1 minute"), uid="wjoin")
     else:
@@ -112,10 +140,12 @@ def _job(tmp_path: Path) -> Path:
     return path
 
 
-def test_co_process_enrichment_is_the_same_across_a_live_rescale(spark: Any, inputs: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["enrich", "venrich"])
+def test_co_process_enrichment_is_the_same_across_a_live_rescale(spark: Any, inputs: Any, tmp_path: Path, mode: str) -> None:
+    """Per record (KeyedCoProcessFunction) and a batch at a time (VectorizedKeyedCoProcessFunction)."""
     users_dir, clicks_dir, users, clicks = inputs
     job = _job(tmp_path)
-    args = {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "enrich"}
+    args = {"users": str(users_dir), "clicks": str(clicks_dir), "mode": mode}
     run_job(job, tmp_path / "a", 2, {**args, "output": str(tmp_path / "out-a")})
     jd = JobDir(tmp_path / "b")
     rescale = _rescale_after_batch_1(jd)
@@ -125,6 +155,30 @@ def test_co_process_enrichment_is_the_same_across_a_live_rescale(spark: Any, inp
     a, b = read_output(tmp_path / "out-a"), read_output(tmp_path / "out-b")
     assert sorted(zip(a["user"], a["name"], a["page"], strict=True)) == _expected_enrich(users, clicks)
     assert a.drop(columns="batch").equals(b.drop(columns="batch"))
+
+
+def test_vectorized_co_process_restored_from_a_savepoint_at_another_parallelism(spark: Any, inputs: Any, tmp_path: Path) -> None:
+    """The names and waiting clicks of a batch-at-a-time co-process function move with a
+    savepoint restored at P=3: what it emits after equals the rest of an uninterrupted run."""
+    from keyscale.checkpoint.savepoint import write_savepoint
+
+    users_dir, clicks_dir, users, clicks = inputs
+    job = _job(tmp_path)
+    args = {"users": str(users_dir), "clicks": str(clicks_dir), "mode": "venrich"}
+    run_job(job, tmp_path / "a", 2, {**args, "output": str(tmp_path / "out-a")}, retain=20)
+    a = JobDir(tmp_path / "a")
+    sp = write_savepoint(a, a.read_manifest(2), tmp_path / "sp")
+    run_job(job, tmp_path / "b", 3, {**args, "output": str(tmp_path / "out-b")}, from_savepoint=str(sp))
+    whole, after = read_output(tmp_path / "out-a"), read_output(tmp_path / "out-b")
+    rows = lambda df: sorted(zip(df["user"], df["name"], df["page"], strict=True))  # noqa: E731
+    assert rows(whole) == _expected_enrich(users, clicks)
+    # The restored query may take the remaining files in fewer batches (a batch's names
+    # apply to all of its clicks), so the model follows the batches it ran.
+    later = len(set(after.batch))
+    assert later in (1, 3)
+    merged = lambda batches: batches if later == 3 else [*batches[:3], [r for b in batches[3:] for r in b]]  # noqa: E731
+    users_b, clicks_b = merged(users), merged(clicks)
+    assert len(after) > 0 and sorted(rows(whole[whole.batch <= 2]) + rows(after)) == _expected_enrich(users_b, clicks_b)
 
 
 def test_interval_join_matches_a_plain_join_and_forgets_old_rows(spark: Any, inputs: Any, tmp_path: Path) -> None:
@@ -254,3 +308,18 @@ def test_interval_join_of_two_logs_resumes_exactly_once_after_a_kill(logs: Any, 
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["id", "page"]).any()
     assert _pairs(tmp_path / "out") == want
+
+
+def test_a_vectorized_co_process_reading_a_column_its_input_lacks_is_refused(spark: Any, inputs: Any) -> None:
+    import keyscale as ks
+    from keyscale.errors import JobDefinitionError
+
+    users_dir, clicks_dir, _, _ = inputs
+
+    class Reads(ks.VectorizedKeyedCoProcessFunction):
+        input_columns2 = ("page", "referrer")
+
+    users = ks.stream(spark.readStream.schema("id string, name string, ts timestamp").parquet(str(users_dir)))
+    clicks = ks.stream(spark.readStream.schema("user string, page string, ts timestamp").parquet(str(clicks_dir)))
+    with pytest.raises(JobDefinitionError, match="operator 'v': input_columns2 names 'referrer', which is not a column of the second input"):
+        users.connect(clicks).key_by("id", "user").process(Reads(), "user string", uid="v")

@@ -40,6 +40,8 @@ class KeyedBatch:
     processing_time: int
     #: The stage's broadcast state (read-only), when it has a broadcast input.
     broadcast_state: Mapping[str, Any] = field(default_factory=dict)
+    #: The same records as Arrow (the columns of ``input_columns``; set by keyscale).
+    arrow: pa.Table | None = None
 
     def count(self, column: str | None = None) -> np.ndarray:
         """Records per key (with ``column``: records whose ``column`` is not null)."""
@@ -71,9 +73,12 @@ class VectorizedKeyedFunction:
 
     ``input_columns``: the columns of ``batch.records`` the function reads (None: all of
     them). Declaring them saves converting the others to pandas every batch.
+    ``pandas_records = False``: the function reads ``batch.arrow`` only, and ``batch.records``
+    is left empty (no conversion to pandas at all).
     """
 
     input_columns: list[str] | None = None
+    pandas_records: bool = True
 
     def open(self, ctx: RuntimeContext) -> None:
         """Declare value states here (``ctx.value_state(name, type)``)."""
@@ -81,6 +86,18 @@ class VectorizedKeyedFunction:
     def process_batch(self, batch: KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame | pa.Table]:
         """Return (new state per declared name, aligned with ``batch.keys``; output rows)."""
         raise NotImplementedError
+
+
+# Integers with nulls stay integers (pandas would make them floats and lose precision).
+_NULLABLE = {
+    pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(), pa.int64(): pd.Int64Dtype(),
+    pa.bool_(): pd.BooleanDtype(), pa.float32(): pd.Float32Dtype(), pa.float64(): pd.Float64Dtype(),
+}
+
+
+def to_frame(table: pa.Table) -> pd.DataFrame:
+    """Records as pandas, as vectorized functions get them: integers with nulls stay integers."""
+    return table.to_pandas(types_mapper=_NULLABLE.get)
 
 
 def masked(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> pd.api.extensions.ExtensionArray | np.ndarray:

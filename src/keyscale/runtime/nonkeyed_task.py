@@ -15,8 +15,8 @@ import pyarrow as pa
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.keyed import rows_to_arrow
 from keyscale.operators.nonkeyed import OperatorContext, ProcessFunction
+from keyscale.operators.vectorized import to_frame
 from keyscale.runtime.spark_task import as_spark_task
-from keyscale.runtime.task import _NULLABLE
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,9 @@ def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], 
             ctx.lists[name].update(entries)
     parts = list(batches)
     if parts:
-        records = pa.Table.from_batches(parts).to_pandas(types_mapper=_NULLABLE.get)
+        records = to_frame(pa.Table.from_batches(parts))
     else:  # no records this batch: the same columns, no rows
-        records = spec.input_schema.empty_table().to_pandas(types_mapper=_NULLABLE.get) if spec.input_schema is not None else pd.DataFrame()
+        records = to_frame(spec.input_schema.empty_table()) if spec.input_schema is not None else pd.DataFrame()
     result = fn.process(records, ctx)
     if isinstance(result, pd.DataFrame):
         out = pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)

@@ -65,7 +65,13 @@ from keyscale.operators.poison import (
     one_line,
     run_guarded,
 )
-from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, masked, unmasked
+from keyscale.operators.vectorized import (
+    KeyedBatch,
+    VectorizedKeyedFunction,
+    masked,
+    to_frame,
+    unmasked,
+)
 from keyscale.operators.windows import WindowAggregate, run_windows
 from keyscale.runtime.counters import window_counters
 from keyscale.runtime.stagetask import (
@@ -93,11 +99,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEAD", "KG", "LATE", "MAIN", "SEQ", "StageTask", "run_subtask", "side_output_schema", "state_file_name", "with_side_output"]
 
-# Integers with nulls stay integers (pandas would make them floats and lose precision).
-_NULLABLE = {
-    pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(), pa.int64(): pd.Int64Dtype(),
-    pa.bool_(): pd.BooleanDtype(), pa.float32(): pd.Float32Dtype(), pa.float64(): pd.Float64Dtype(),
-}
 
 
 class _Held:
@@ -283,9 +284,10 @@ def _finish_grouping(spec: StageTask, table: pa.Table, codes: Any, index: pd.Ind
 def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table) -> tuple[pa.Table, np.ndarray]:
     """One call for the whole batch; every key of the batch is written back (their rows are returned)."""
     pos = held.table.positions(g.probe)
+    # Only the columns the function says it reads become pandas (a string key column is costly).
+    reads = user if fn.input_columns is None else user.select(fn.input_columns)
     batch = KeyedBatch(
-        # Only the columns the function says it reads become pandas (a string key column is costly).
-        records=(user if fn.input_columns is None else user.select(fn.input_columns)).to_pandas(types_mapper=_NULLABLE.get),
+        records=to_frame(reads) if fn.pandas_records else pd.DataFrame(index=range(reads.num_rows)),
         codes=g.codes,
         keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, g.keys, strict=True)}),
         state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states}),
@@ -294,6 +296,7 @@ def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g
         batch_id=spec.batch_id,
         processing_time=spec.batch_time_ms,
         broadcast_state=MappingProxyType(spec.broadcast_state or {}),
+        arrow=reads,
     )
     new_state, result = fn.process_batch(batch)
     updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state}
