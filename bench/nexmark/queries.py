@@ -65,8 +65,9 @@ Queries (keyscale / Spark):
 * q19 top 10 bids per auction: keyscale a process function keeping the ten highest; Spark
   none (no top-N in streaming).
 * q20 bids of category-10 auctions with the auction's columns (a regular join). keyscale: a
-  co-process function keyed by auction id; Spark: a stream-stream inner join without
-  watermark.
+  batch-at-a-time co-process function keyed by auction id (``AuctionBidsBatch``; the
+  per-record ``AuctionBids`` with ``per_record=yes``); Spark: a stream-stream inner join
+  without watermark.
 
 Left out: q10 (a filesystem sink partitioned by processing time: not a query of the engine), q12
 (processing-time windows: its output depends on the wall clock, so it cannot be compared
@@ -122,6 +123,8 @@ SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20"]
 WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
 #: Queries with running aggregates that ``aggregate(combine=True)`` can take (run.py measures them with it too).
 COMBINABLE = ["q15", "q16", "q17"]
+#: Queries with a batch-at-a-time co-process function and a per-record one (run.py measures both).
+PER_RECORD = ["q20"]
 #: Queries with keyed state (for the live-rescale runs).
 STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20"]
 
@@ -524,9 +527,69 @@ class AuctionBids(ks.KeyedCoProcessFunction):
         return [self._join(row, a[0])]
 
 
+class AuctionBidsBatch(ks.VectorizedKeyedCoProcessFunction):
+    """q20 a batch at a time (what ``run.py`` measures; :class:`AuctionBids` per record, as
+    ``variant=per-record``): the same state and output, on Arrow columns. A key's auction
+    (this batch's or the state's) joins every bid of the batch; bids of a key whose auction
+    is still unknown wait in an array state and join when it comes; a key whose auction is
+    of another category drops its bids."""
+
+    pandas_records = False  # every column goes to the output: Arrow take, no pandas
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.auction = ctx.value_state("auction", AUCTION_STRUCT)  # the category-10 auction's row
+        self.other = ctx.value_state("other", "boolean")
+        self.waiting = ctx.value_state("waiting", pa.list_(BID_STRUCT))
+
+    def process_batch(self, b: ks.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+        auctions, bids = b.arrow1, b.arrow2
+        assert auctions is not None and bids is not None
+        n = len(b.keys)
+        state_auction = b.state["auction"].to_numpy(dtype=object)
+        held = np.array([isinstance(a, dict) for a in state_auction], dtype=bool)
+        ten = auctions.column("category").to_numpy() == 10
+        other = b.state["other"].to_numpy(dtype=bool, na_value=False).copy()
+        other[b.codes1[~ten]] = True
+        new_row = np.full(n, -1, dtype=np.int64)  # this batch's auction row per key
+        new_row[b.codes1[ten]] = np.flatnonzero(ten)
+        # One table of every known auction of the batch's keys: this batch's, then the state's.
+        fresh, old = np.flatnonzero(new_row >= 0), np.flatnonzero(held & (new_row < 0))
+        known = pa.concat_tables([auctions.take(new_row[fresh]).select(AUCTION_STRUCT.names),
+                                  pa.Table.from_pylist(list(state_auction[old]), schema=pa.schema(list(AUCTION_STRUCT)))])
+        row_of = np.full(n, -1, dtype=np.int64)
+        row_of[fresh], row_of[old] = np.arange(len(fresh)), len(fresh) + np.arange(len(old))
+        # Bids that wait from earlier batches and whose auction came now.
+        waiting = b.state["waiting"].to_numpy(dtype=object)
+        come = [j for j in fresh if isinstance(waiting[j], list | np.ndarray) and len(waiting[j])]
+        earlier = pa.Table.from_pylist([w for j in come for w in waiting[j]], schema=pa.schema(list(BID_STRUCT)))
+        earlier_keys = np.array([j for j in come for _ in waiting[j]], dtype=np.int64)
+        joins = row_of[b.codes2] >= 0
+        out_bids = pa.concat_tables([earlier, bids.take(np.flatnonzero(joins)).select(BID_STRUCT.names)])
+        out_rows = np.concatenate([row_of[earlier_keys], row_of[b.codes2[joins]]])
+        side = known.take(out_rows)
+        out = pa.Table.from_arrays([*out_bids.columns, *(side.column(c) for c in Q20_AUCTION_COLUMNS)], schema=Q20_ARROW)
+        # What waits now: bids of keys with no auction yet (and not of another category).
+        new_waiting = np.full(n, None, dtype=object)
+        still = (row_of < 0) & ~other
+        for j in np.flatnonzero(still & np.array([isinstance(w, list | np.ndarray) for w in waiting], dtype=bool)):
+            new_waiting[j] = list(waiting[j])
+        late = np.flatnonzero(still[b.codes2])
+        for j, bid in zip(b.codes2[late], bids.take(late).select(BID_STRUCT.names).to_pylist(), strict=True):
+            if new_waiting[j] is None:
+                new_waiting[j] = []
+            new_waiting[j].append(bid)
+        auction_state = state_auction.copy()
+        auction_state[fresh] = known.slice(0, len(fresh)).to_pylist()
+        return {"auction": pd.Series(auction_state, dtype=object), "other": np.where(other, True, None),
+                "waiting": pd.Series(new_waiting, dtype=object)}, out
+
+
 Q20_SCHEMA = ("auction long, bidder long, price long, channel string, url string, date_time timestamp, extra string, "
               "item_name string, description string, initial_bid long, reserve long, a_date_time timestamp, "
               "expires timestamp, seller long, category long, a_extra string")
+Q20_AUCTION_COLUMNS = ["item_name", "description", "initial_bid", "reserve", "date_time", "expires", "seller", "category", "extra"]
+Q20_ARROW = pa.schema([*BID_STRUCT, *(AUCTION_STRUCT.field(c).with_name({"date_time": "a_date_time", "extra": "a_extra"}.get(c, c))
+                                       for c in Q20_AUCTION_COLUMNS)])
 BID_OUT = "auction long, bidder long, price long, channel string, url string, date_time timestamp, extra string"
 
 
@@ -565,10 +628,11 @@ def _window_ms(col: str) -> Any:
     return (F.unix_millis(F.col(col)) - F.pmod(F.unix_millis(F.col(col)), F.lit(WINDOW_MS))).alias("w")
 
 
-def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = False) -> ks.Stream:
+def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = False, per_record: bool = False) -> ks.Stream:
     """Query ``name`` as a keyscale stream (before its sink); ``combine``: the running
     aggregates of COMBINABLE's queries with ``combine=True`` (measured slower or level on
-    them: docs/benchmarks.md)."""
+    them: docs/benchmarks.md); ``per_record``: PER_RECORD's queries with their per-record
+    co-process function instead of the batch-at-a-time one."""
     def stream(s: str) -> ks.Stream:
         return ks.stream(_read(spark, data, s)).with_watermark("date_time", WATERMARK)
 
@@ -638,12 +702,13 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
     if name == "q19":
         return stream("bid").key_by("auction").process(TopBids(), f"{BID_OUT}, rank_number long", uid="q19")
     if name == "q20":
-        return stream("auction").connect(stream("bid")).key_by("id", "auction").process(AuctionBids(), Q20_SCHEMA, uid="q20")
+        fn = AuctionBids() if per_record else AuctionBidsBatch()
+        return stream("auction").connect(stream("bid")).key_by("id", "auction").process(fn, Q20_SCHEMA, uid="q20")
     raise ks.KeyscaleError(f"nexmark: unknown query {name!r} (known: {', '.join(QUERIES)})")
 
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
-    out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"), ctx.arg("combine", "no") == "yes")
+    out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"), ctx.arg("combine", "no") == "yes", ctx.arg("per_record", "no") == "yes")
     where = ctx.arg("output", "noop")
     return out.sink(ks.NoopSink() if where == "noop" else ks.ParquetSink(where))
 

@@ -82,9 +82,10 @@ def read_tables(data: Path, streams: tuple[str, ...]) -> dict[str, pd.DataFrame]
 
 
 def run_keyscale(query: str, data: Path, tmp: Path, parallelism: int = 2, output: Path | None = None,
-                 plan: dict[int, int] | None = None, drain: bool = False, combine: bool = False) -> dict[str, Any]:
+                 plan: dict[int, int] | None = None, drain: bool = False, combine: bool = False, per_record: bool = False) -> dict[str, Any]:
     """One keyscale run of ``query`` (noop sink, or Parquet into ``output``); ``plan`` maps a
-    batch to the parallelism to rescale to, live, after it; ``combine``: see Q.COMBINABLE."""
+    batch to the parallelism to rescale to, live, after it; ``combine``: see Q.COMBINABLE;
+    ``per_record``: see Q.PER_RECORD."""
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions
 
@@ -97,7 +98,7 @@ def run_keyscale(query: str, data: Path, tmp: Path, parallelism: int = 2, output
 
     opts = RunOptions(job_file=str(HERE / "queries.py"), job_dir=str(jd.path), parallelism=parallelism, until_idle=True,
                       drain_at_end=drain, args={"query": query, "data": str(data), "output": str(output or "noop"),
-                                                "combine": "yes" if combine else "no"})
+                                                "combine": "yes" if combine else "no", "per_record": "yes" if per_record else "no"})
     t0 = time.perf_counter()
     s = JobRunner(opts, on_batch).run()
     return {"batch_seconds": list(s.trigger_seconds), "wall_seconds": time.perf_counter() - t0,
@@ -161,17 +162,18 @@ def result_of(query: str, out: Path) -> pd.DataFrame:
 
 def verify(spark: Any, query: str, data: Path, tmp: Path, systems: tuple[str, ...] = ("keyscale", "spark")) -> dict[str, Any]:
     """Run ``query`` on each system into Parquet and compare each with the pandas reference:
-    ``{system: (equal, rows, reference rows)}``."""
+    ``{system: (equal, rows, reference rows)}``; systems are "keyscale", "spark" and, for
+    Q.PER_RECORD's queries, "keyscale, per record"."""
     ref = Q.final(query, Q.reference(query, read_tables(data, Q.STREAMS[query])).assign(batch=0))
     cut = cutoff_ms(data)
     ref = Q.canonical(_windows_closed(query, ref, cut))
     out: dict[str, Any] = {}
     for system in systems:
-        if system == "spark" and query not in Q.SPARK_QUERIES:
+        if (system == "spark" and query not in Q.SPARK_QUERIES) or (system == "keyscale, per record" and query not in Q.PER_RECORD):
             continue
-        where = tmp / f"{system}-{query}"
-        if system == "keyscale":
-            run_keyscale(query, data, where, output=where / "out", drain=True)
+        where = tmp / f"{system.replace(', ', '-').replace(' ', '-')}-{query}"
+        if system.startswith("keyscale"):
+            run_keyscale(query, data, where, output=where / "out", drain=True, per_record=system != "keyscale")
         else:
             run_spark(spark, query, data, where, output=where / "out")
         got = result_of(query, where / "out")
@@ -203,6 +205,8 @@ def bench(spark: Any, data: Path, queries: list[str], repeats: int, parallelism:
             "keyscale": lambda t, q=query: run_keyscale(q, data, t, parallelism)}
         if query in Q.COMBINABLE:  # the same with aggregate(combine=True), beside it
             systems["keyscale, combine=True"] = lambda t, q=query: run_keyscale(q, data, t, parallelism, combine=True)
+        if query in Q.PER_RECORD:  # the per-record co-process function, beside the batch-at-a-time one
+            systems["keyscale, per record"] = lambda t, q=query: run_keyscale(q, data, t, parallelism, per_record=True)
         if query in Q.SPARK_QUERIES:
             systems["spark"] = lambda t, q=query: run_spark(spark, q, data, t)
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in systems}
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         for query in a.queries:
             tmp = _tmp()
             try:
-                res = verify(spark, query, data, tmp)
+                res = verify(spark, query, data, tmp, ("keyscale", "keyscale, per record", "spark"))
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             for system, r in res.items():
@@ -303,9 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             sp = f"{s:,.0f} | {s / 2:,.0f} | {k / s:.2f}x" if s else "- | - | -"
             flink = f" (Flink 1.13: {FLINK_PER_CORE[r['query']]:,}/core)" if r["query"] in FLINK_PER_CORE else ""
             print(f"| {r['query']}{flink} | {k:,.0f} | {k / 2:,.0f} | {sp} |")
-            if (comb := r["events_per_s"].get("keyscale, combine=True")) is not None:
-                print(f"| {r['query']} with combine=True | {comb:,.0f} | {comb / 2:,.0f} | "
-                      + (f"{s:,.0f} | {s / 2:,.0f} | {comb / s:.2f}x |" if s else "- | - | - |"))
+            for variant, e in r["events_per_s"].items():
+                if variant.startswith("keyscale, "):
+                    print(f"| {r['query']} ({variant[10:]}) | {e:,.0f} | {e / 2:,.0f} | "
+                          + (f"{s:,.0f} | {s / 2:,.0f} | {e / s:.2f}x |" if s else "- | - | - |"))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {a.out}")
