@@ -1,6 +1,6 @@
 """Where a Nexmark query's driver time goes per batch (the plan, the Spark job, the commit).
 
-    PYTHONPATH=src .venv/bin/python bench/nexmark/profile.py --query q17 [--combine] [--top 20]
+    PYTHONPATH=src .venv/bin/python bench/nexmark/profile_query.py --query q17 [--combine] [--top 20]
 
 One keyscale run of the query on the benchmark's input (2M events, 10 batches, -p 2) with
 ``KEYSCALE_PROFILE_DIR`` set (keyscale.runtime.profiling: a cProfile file per batch on the

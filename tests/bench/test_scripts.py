@@ -1,0 +1,23 @@
+"""The benchmark scripts start as docs/benchmarks.md runs them (``python bench/X.py``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_no_script_folder_shadows_a_standard_module() -> None:
+    # ``python bench/nexmark/run.py`` puts bench/nexmark/ first on sys.path: a file there named
+    # like a standard module (profile.py did) replaces it for every import, pyspark's too.
+    for folder in (ROOT / "bench", ROOT / "bench" / "nexmark"):
+        clash = sorted(p.name for p in folder.glob("*.py") if p.stem in sys.stdlib_module_names)
+        assert not clash, f"{folder.relative_to(ROOT)}: {clash} shadow standard modules"
+
+
+def test_the_nexmark_runner_starts() -> None:
+    proc = subprocess.run([sys.executable, "bench/nexmark/run.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--queries" in proc.stdout
