@@ -43,6 +43,7 @@ from keyscale.operators.nonkeyed import (
     broadcast,
 )
 from keyscale.operators.vectorized import (
+    TIMER,
     KeyedBatch,
     VectorizedKeyedFunction,
     count,
@@ -64,6 +65,7 @@ from keyscale.sources.reader import LogSource, log_source
 __version__ = "0.1.0"
 
 __all__ = [
+    "TIMER",
     "BroadcastStream",
     "ConsoleSink",
     "Context",

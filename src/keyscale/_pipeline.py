@@ -338,6 +338,9 @@ class KeyedStream:
         """
         if not isinstance(function, KeyedProcessFunction | VectorizedKeyedFunction):
             raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} is not a KeyedProcessFunction or VectorizedKeyedFunction")
+        if isinstance(function, VectorizedKeyedFunction) and function.event_timers and self._stream.watermark is None:
+            raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} has event_timers, which fire as the watermark passes "
+                                     "them: call with_watermark(column, ...) on the stream first")
         if uses_timers(function) and self._stream.watermark is None:
             log.info("operator '%s' has on_timer but the stream has no watermark: only processing-time timers will fire", uid)
         return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism, broadcast=broadcast, on_error=on_error,

@@ -96,7 +96,8 @@ class KeyedCoBatch:
     ``input_columns1``), ``codes1[i]`` the index in ``keys`` of record i's key, and
     ``positions1[i]`` its position in the batch's arrival order across both inputs (to
     tell which of two records came first); the same for the second input. ``arrow1`` and
-    ``arrow2`` are the same records as Arrow.
+    ``arrow2`` are the same records as Arrow. ``watermark``, ``timer`` and ``due`` as in
+    :class:`keyscale.KeyedBatch`.
     """
 
     keys: pd.DataFrame
@@ -111,6 +112,11 @@ class KeyedCoBatch:
     processing_time: int
     arrow1: pa.Table | None = None
     arrow2: pa.Table | None = None
+    #: The watermark, and with ``event_timers`` each key's timer and whether it is due, as in
+    #: :class:`keyscale.KeyedBatch`.
+    watermark: int | None = None
+    timer: pd.Series | None = None
+    due: np.ndarray | None = None
 
 
 class VectorizedKeyedCoProcessFunction:
@@ -119,9 +125,11 @@ class VectorizedKeyedCoProcessFunction:
 
     Declare value states in ``open(ctx)``; ``process_batch(batch)`` gets a
     :class:`KeyedCoBatch` and returns (the new value of each state it changes, aligned with
-    ``batch.keys``; the output rows). No timers. ``input_columns1``/``input_columns2``: the
-    columns of each input it reads (None: all); ``pandas_records = False``: it reads
-    ``arrow1``/``arrow2`` only (no conversion to pandas).
+    ``batch.keys``; the output rows). ``input_columns1``/``input_columns2``: the columns of
+    each input it reads (None: all); ``pandas_records = False``: it reads ``arrow1``/``arrow2``
+    only (no conversion to pandas); ``event_timers = True``: one event-time timer per key,
+    as for :class:`keyscale.VectorizedKeyedFunction` (``batch.timer``, ``batch.due``, and
+    the returned state's :data:`keyscale.TIMER`).
 
     >>> import numpy as np, pandas as pd
     >>> class Enrich(VectorizedKeyedCoProcessFunction):   # users (first) name their clicks (second)
@@ -144,6 +152,7 @@ class VectorizedKeyedCoProcessFunction:
     input_columns1: Sequence[str] | None = None
     input_columns2: Sequence[str] | None = None
     pandas_records: bool = True
+    event_timers: bool = False
 
     def open(self, ctx: RuntimeContext) -> None:
         """Declare value states here (``ctx.value_state(name, type)``)."""
@@ -163,6 +172,7 @@ class CoBatchAdapter(VectorizedKeyedFunction):
     def __init__(self, function: VectorizedKeyedCoProcessFunction):
         self.function = function
         self.input_columns = [SIDE, *INPUTS]
+        self.event_timers = function.event_timers
 
     def open(self, ctx: RuntimeContext) -> None:
         self.function.open(ctx)
@@ -180,7 +190,8 @@ class CoBatchAdapter(VectorizedKeyedFunction):
             frame = to_frame(rows) if fn.pandas_records else pd.DataFrame(index=range(rows.num_rows))
             parts.append((frame, batch.codes[positions], positions, rows))
         (r1, c1, p1, a1), (r2, c2, p2, a2) = parts
-        return fn.process_batch(KeyedCoBatch(batch.keys, batch.state, r1, c1, p1, r2, c2, p2, batch.batch_id, batch.processing_time, a1, a2))
+        return fn.process_batch(KeyedCoBatch(batch.keys, batch.state, r1, c1, p1, r2, c2, p2, batch.batch_id, batch.processing_time,
+                                             a1, a2, batch.watermark, batch.timer, batch.due))
 
 
 def adapt(function: KeyedCoProcessFunction | VectorizedKeyedCoProcessFunction, keys: int) -> KeyedProcessFunction | VectorizedKeyedFunction:

@@ -323,7 +323,10 @@ class KeyedProcessFunction:
 
 
 def uses_timers(fn: Any) -> bool:
-    return isinstance(fn, KeyedProcessFunction) and type(fn).on_timer is not KeyedProcessFunction.on_timer
+    """A per-key function with ``on_timer``, or a vectorized one with ``event_timers``."""
+    if isinstance(fn, KeyedProcessFunction):
+        return type(fn).on_timer is not KeyedProcessFunction.on_timer
+    return getattr(fn, "event_timers", False) is True
 
 
 def describe_states(fn: Any, uid: str) -> list[StateDescriptor]:

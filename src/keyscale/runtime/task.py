@@ -66,6 +66,7 @@ from keyscale.operators.poison import (
     run_guarded,
 )
 from keyscale.operators.vectorized import (
+    TIMER,
     KeyedBatch,
     VectorizedKeyedFunction,
     masked,
@@ -281,41 +282,59 @@ def _finish_grouping(spec: StageTask, table: pa.Table, codes: Any, index: pd.Ind
     return _Grouped(codes, index, ukeys, kgs, order, starts, probe if probe is not None else ukeys)
 
 
-def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table) -> tuple[pa.Table, np.ndarray]:
-    """One call for the whole batch; every key of the batch is written back (their rows are returned)."""
+_TIMER_COLUMNS = frozenset(c for pair in TIMER_STATES.values() for c in pair)  # kept by keyscale, not the function's
+
+
+def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table,
+                    due: np.ndarray | None) -> tuple[pa.Table, np.ndarray]:
+    """One call for the whole batch; every key of the batch is written back (their rows are
+    returned). ``due``: with event timers, which keys' timers are due (keys after the
+    records' own may have no records)."""
     pos = held.table.positions(g.probe)
     # Only the columns the function says it reads become pandas (a string key column is costly).
     reads = user if fn.input_columns is None else user.select(fn.input_columns)
+    timer = None if due is None else masked(*held.table.gather(TIMER, pos), pa.int64())
     batch = KeyedBatch(
         records=to_frame(reads) if fn.pandas_records else pd.DataFrame(index=range(reads.num_rows)),
         codes=g.codes,
         keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, g.keys, strict=True)}),
-        state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states}),
+        state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states if s.name not in _TIMER_COLUMNS}),
         order=g.order,
         starts=g.starts,
         batch_id=spec.batch_id,
         processing_time=spec.batch_time_ms,
         broadcast_state=MappingProxyType(spec.broadcast_state or {}),
         arrow=reads,
+        watermark=spec.watermark_ms,
+        timer=None if timer is None else pd.Series(timer),
+        due=due,
     )
     new_state, result = fn.process_batch(batch)
-    updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state}
+    updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state and s.name not in _TIMER_COLUMNS}
     for s in spec.states:  # what was written restarts its TTL clock
         if s.ttl_seconds is not None and s.name in updates:
             ok = updates[s.name][1]
             updates[ttl_column(s.name)] = (np.full(len(ok), spec.batch_time_ms, dtype=np.int64), ok.copy())
+    if due is not None:  # a due timer is spent unless the function gives the key a new one
+        assert timer is not None
+        updates[TIMER] = unmasked(new_state[TIMER], pa.int64()) if TIMER in new_state else unmasked(timer, pa.int64())
+        if TIMER not in new_state:
+            updates[TIMER][1][due] = False
     rows = held.table.upsert(g.probe, g.kgs, updates, pos=pos)
     out = result if isinstance(result, pa.Table) else pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
     return out, rows
 
 
 def _run_vectorized_guarded(
-    fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, errors: ErrorCollector,
+    fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, errors: ErrorCollector, due_rows: np.ndarray,
 ) -> tuple[pa.Table, np.ndarray]:
     """``_run_vectorized``; when it raises under skip/dead_letter, the keys it fails on are
     found by bisection and set aside (all their records of the batch), the others processed."""
+    due: np.ndarray | None = None
+    if fn.event_timers:  # keys whose timers are due join the batch's, once
+        g, due = _with_due_keys(g, held, due_rows)
     try:
-        return _run_vectorized(fn, spec, held, g, user)
+        return _run_vectorized(fn, spec, held, g, user, due)
     except KeyscaleError:
         raise
     except Exception as e:
@@ -325,7 +344,7 @@ def _run_vectorized_guarded(
 
     def attempt(idx: np.ndarray) -> tuple[pa.Table, np.ndarray]:
         sub, sub_user = _subset(g, user, idx)
-        return _run_vectorized(fn, spec, held, sub, sub_user)
+        return _run_vectorized(fn, spec, held, sub, sub_user, None if due is None else due[np.sort(idx)])
 
     results, failed = bisect_failures(np.arange(len(g.index)), attempt)
     for j, exc in sorted(failed, key=lambda f: f[0]):
@@ -549,7 +568,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
             changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
         else:
             if isinstance(fn, VectorizedKeyedFunction):
-                out, changed = _run_vectorized_guarded(fn, spec, held, grouped, user, errors)
+                out, changed = _run_vectorized_guarded(fn, spec, held, grouped, user, errors, due_rows)
             else:
                 ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
                 ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
