@@ -48,7 +48,7 @@ from keyscale.checkpoint.files import (
 )
 from keyscale.checkpoint.manifest import FileKind, StateFile, catch_up
 from keyscale.errors import InputDataError, KeyscaleError
-from keyscale.operators.eventtime import event_time_ms, max_event_within
+from keyscale.operators.eventtime import END_OF_TIME, event_time_ms, max_event_within
 from keyscale.operators.keyed import (
     TIMER_STATES,
     Context,
@@ -334,7 +334,8 @@ def _run_vectorized_guarded(
     if fn.event_timers:  # keys whose timers are due join the batch's, once
         g, due = _with_due_keys(g, held, due_rows)
     try:
-        return _run_vectorized(fn, spec, held, g, user, due)
+        out, changed = _run_vectorized(fn, spec, held, g, user, due)
+        return _drain_timers(fn, spec, held, g, user, out, changed) if due is not None and spec.watermark_ms >= END_OF_TIME else (out, changed)
     except KeyscaleError:
         raise
     except Exception as e:
@@ -353,6 +354,23 @@ def _run_vectorized_guarded(
     out = pa.concat_tables([o for o, _ in results]) if results else spec.output_schema.empty_table()
     changed = np.concatenate([c for _, c in results]) if results else np.empty(0, dtype=np.intp)
     return out, changed
+
+
+def _drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, out: pa.Table,
+                  changed: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+    """At the end of time (a drain) no batch follows: timers the function has just set fire
+    now, in further calls with those keys due and no records, until none is left."""
+    outs = [out]
+    while True:
+        vals, ok = held.table.gather(TIMER, held.table.positions(g.probe))
+        idx = np.flatnonzero(ok & (vals <= spec.watermark_ms))
+        if not len(idx):
+            return pa.concat_tables(outs), changed
+        g = _Grouped(np.empty(0, dtype=np.int64), g.index[idx], [k[idx] for k in g.keys], g.kgs[idx], np.empty(0, dtype=np.int64),
+                     np.zeros(len(idx) + 1, dtype=np.int64), g.take(idx))
+        more, rows = _run_vectorized(fn, spec, held, g, user.slice(0, 0), np.ones(len(idx), dtype=bool))
+        outs.append(more)
+        changed = held.table.rows_union(changed, rows)
 
 
 def _subset(g: _Grouped, user: pa.Table, idx: np.ndarray) -> tuple[_Grouped, pa.Table]:
