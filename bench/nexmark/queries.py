@@ -124,7 +124,7 @@ WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": 
 #: Queries with running aggregates that ``aggregate(combine=True)`` can take (run.py measures them with it too).
 COMBINABLE = ["q15", "q16", "q17"]
 #: Queries with a batch-at-a-time co-process function and a per-record one (run.py measures both).
-PER_RECORD = ["q20"]
+PER_RECORD = ["q4", "q9", "q20"]
 #: Queries with keyed state (for the live-rescale runs).
 STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20"]
 
@@ -276,9 +276,98 @@ class WinningBid(ks.KeyedCoProcessFunction):
         return [(*(a[c] for c in AUCTION_STRUCT.names), *(best[c] for c in ("auction", "bidder", "price", "date_time", "extra")))]
 
 
+class WinningBidBatch(ks.VectorizedKeyedCoProcessFunction):
+    """q9 (and q6's first stage) a batch at a time (what ``run.py`` measures; the per-record
+    :class:`WinningBid` with ``per_record=yes``): the same state and output on Arrow
+    columns. Auctions whose ``expires`` the watermark has passed fire first, with the state
+    before the batch (as per-record timers do); then each key's best bid is the first in
+    ``_bid_rank`` order (then arrival) among its state's best, the bids that waited for its
+    auction and the batch's bids within the auction's ``[dateTime, expires]``."""
+
+    pandas_records = False
+    event_timers = True
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.auction = ctx.value_state("auction", AUCTION_STRUCT)
+        self.best = ctx.value_state("best", BID_STRUCT)
+        self.closed = ctx.value_state("closed", "boolean")
+        self.pending = ctx.value_state("pending", pa.list_(BID_STRUCT))
+
+    def process_batch(self, b: ks.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+        auctions, bids = b.arrow1, b.arrow2
+        assert auctions is not None and bids is not None and b.due is not None
+        n, due = len(b.keys), b.due
+        old_auction, old_best = b.state["auction"].to_numpy(dtype=object), b.state["best"].to_numpy(dtype=object)
+        some = np.vectorize(lambda v: isinstance(v, dict), otypes=[bool])
+        has_auction, has_best = (some(old_auction), some(old_best)) if n else (np.zeros(0, bool), np.zeros(0, bool))
+        fire = np.flatnonzero(due & has_auction & has_best)
+        fired = _q9_rows(list(old_auction[fire]), list(old_best[fire]))
+        # After the firing: a due key's auction and best are gone, and the key is closed.
+        has_auction &= ~due
+        has_best &= ~due
+        closed = b.state["closed"].to_numpy(dtype=bool, na_value=False) | due
+        # Each key's auction window (microseconds): this batch's auction, else the state's.
+        new_row = np.full(n, -1, dtype=np.int64)
+        new_row[b.codes1] = np.arange(len(b.codes1))
+        arrived = new_row >= 0
+        start, end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        for j in np.flatnonzero(has_auction & ~arrived):
+            start[j], end[j] = _us(old_auction[j]["date_time"]), _us(old_auction[j]["expires"])
+        start[arrived] = _us_column(auctions, "date_time")[new_row[arrived]]
+        end[arrived] = _us_column(auctions, "expires")[new_row[arrived]]
+        known = has_auction | arrived
+        # Candidates, in arrival order: the state's best, bids that waited for an auction that
+        # came now, the batch's bids of keys not closed and with an auction.
+        pending = b.state["pending"].to_numpy(dtype=object)
+        waited = [j for j in np.flatnonzero(arrived) if isinstance(pending[j], list | np.ndarray) and len(pending[j])]
+        kept = ~closed[b.codes2]
+        take = np.flatnonzero(kept & known[b.codes2])
+        held_best = np.flatnonzero(has_best)
+        bid_schema = pa.schema(list(BID_STRUCT))
+        cand = pa.concat_tables([
+            pa.Table.from_pylist(list(old_best[held_best]), schema=bid_schema),
+            pa.Table.from_pylist([w for j in waited for w in pending[j]], schema=bid_schema),
+            bids.take(take).select(BID_STRUCT.names)])
+        codes = np.concatenate([held_best, np.array([j for j in waited for _ in pending[j]], dtype=np.int64), b.codes2[take]]).astype(np.int64)
+        t = _us_column(cand, "date_time")
+        ok = (start[codes] <= t) & (t <= end[codes])
+        rows = np.flatnonzero(ok)
+        price, bidder = cand.column("price").to_numpy()[rows], cand.column("bidder").to_numpy()[rows]
+        order = rows[np.lexsort((rows, bidder, t[rows], -price, codes[rows]))]
+        first = order[np.r_[True, codes[order][1:] != codes[order][:-1]]] if len(order) else order
+        best = np.where(has_best, old_best, None)
+        best[codes[first]] = cand.take(first).to_pylist()
+        # Bids of keys with no auction yet wait for it.
+        new_pending = np.full(n, None, dtype=object)
+        for j in np.flatnonzero(~known & np.array([isinstance(p, list | np.ndarray) and len(p) > 0 for p in pending], dtype=bool)):
+            new_pending[j] = list(pending[j])
+        wait = np.flatnonzero(kept & ~known[b.codes2])
+        for j, bid in zip(b.codes2[wait], bids.take(wait).select(BID_STRUCT.names).to_pylist(), strict=True):
+            new_pending[j] = [*(new_pending[j] or []), bid]
+        auction = np.where(has_auction, old_auction, None)
+        auction[arrived] = auctions.take(new_row[arrived]).select(AUCTION_STRUCT.names).to_pylist()
+        timer = pd.Series(end // 1000, dtype="Int64").where(known)  # the window's end, in ms, as WinningBid's timer
+        return {"auction": pd.Series(auction, dtype=object), "best": pd.Series(best, dtype=object),
+                "closed": pd.Series(np.where(closed, True, None), dtype=object), "pending": pd.Series(new_pending, dtype=object),
+                ks.TIMER: timer}, fired
+
+
+def _us_column(table: pa.Table, column: str) -> np.ndarray:
+    """A timestamp column as epoch microseconds."""
+    return table.column(column).cast(pa.timestamp("us", tz="UTC")).cast(pa.int64()).to_numpy()
+
+
+def _q9_rows(auctions: list[dict[str, Any]], best: list[dict[str, Any]]) -> pa.Table:
+    rows = [(*(a[c] for c in AUCTION_STRUCT.names), *(w[c] for c in ("auction", "bidder", "price", "date_time", "extra")))
+            for a, w in zip(auctions, best, strict=True)]
+    return pa.Table.from_pylist([dict(zip(Q9_ARROW.names, r, strict=True)) for r in rows], schema=Q9_ARROW)
+
+
 Q9_SCHEMA = ("id long, item_name string, description string, initial_bid long, reserve long, date_time timestamp, "
              "expires timestamp, seller long, category long, extra string, auction long, bidder long, price long, "
              "bid_date_time timestamp, bid_extra string")
+Q9_ARROW = pa.schema([*AUCTION_STRUCT, *(BID_STRUCT.field(c).with_name({"date_time": "bid_date_time", "extra": "bid_extra"}.get(c, c))
+                                      for c in ("auction", "bidder", "price", "date_time", "extra"))])
 CLOSING = pa.struct([("expires_us", pa.int64()), ("auction", pa.int64()), ("price", pa.int64())])
 
 
@@ -648,11 +737,16 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
         return persons.connect(auctions).key_by("id", "seller").process(
             LocalItemSuggestion(), "name string, city string, state string, id long", uid="q3")
     if name == "q4":
-        closing = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
-            ClosingPrice(), "auction long, category long, final long", uid="q4_closing")
+        if per_record:
+            closing = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
+                ClosingPrice(), "auction long, category long, final long", uid="q4_closing")
+        else:  # q9's winning bid has the highest price in the auction's window: its final price
+            closing = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
+                WinningBidBatch(), Q9_SCHEMA, uid="q4_closing").select(F.col("id").alias("auction"), "category", F.col("price").alias("final"))
         return closing.key_by("category").aggregate(uid="q4_avg", avg_final=ks.mean("final"))
     if name in ("q6", "q9"):
-        winners = stream("auction").connect(stream("bid")).key_by("id", "auction").process(WinningBid(), Q9_SCHEMA, uid="q9")
+        winners = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
+            WinningBid() if per_record else WinningBidBatch(), Q9_SCHEMA, uid="q9")
         if name == "q9":
             return winners
         return winners.key_by("seller").process(AverageSellingPrice(), "seller long, auction long, avg_price double", uid="q6")

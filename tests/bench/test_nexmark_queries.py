@@ -53,7 +53,7 @@ def test_the_reference_sees_the_windows_and_joins_it_should(data: Path) -> None:
     assert len(Q.reference("q3", tables)) > 100 and len(Q.reference("q20", tables)) > 1000
 
 
-@pytest.mark.parametrize("query", ["q5", "q8", "q18", "q19", "q20"])
+@pytest.mark.parametrize("query", ["q5", "q8", "q9", "q18", "q19", "q20"])
 def test_a_live_rescale_2_4_2_changes_no_output(data: Path, tmp_path: Path, query: str) -> None:
     steady = R.run_keyscale(query, data, tmp_path / "a", 2, output=tmp_path / "a-out", drain=True)
     rescaled = R.run_keyscale(query, data, tmp_path / "b", 2, output=tmp_path / "b-out", plan={1: 4, 3: 2}, drain=True)
