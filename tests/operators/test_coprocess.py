@@ -5,12 +5,13 @@ records, with their keys' codes and their places in the batch."""
 from __future__ import annotations
 
 import doctest
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import keyscale.operators.coprocess as coprocess
@@ -18,10 +19,13 @@ from keyscale.errors import JobDefinitionError
 from keyscale.operators.coprocess import (
     INPUTS,
     SIDE,
+    IntervalJoin,
     KeyedCoBatch,
+    KeyedCoProcessFunction,
     VectorizedKeyedCoProcessFunction,
     adapt,
 )
+from keyscale.operators.keyed import Context, RuntimeContext
 from keyscale.operators.vectorized import KeyedBatch
 
 IN1 = pa.struct([("id", pa.string()), ("name", pa.string()), ("age", pa.int64())])
@@ -96,3 +100,105 @@ def test_a_function_of_another_kind_is_refused_by_name() -> None:
 def test_docstring_examples_run() -> None:
     result = doctest.testmod(coprocess)
     assert result.failed == 0 and result.attempted > 0
+
+
+# -- the interval join, a batch at a time, against the same join one record at a time ------------
+
+class PerRecordIntervalJoin(KeyedCoProcessFunction):
+    """The interval join one record at a time (keyscale's before it became a batch at a
+    time): the oracle the batch-at-a-time join must agree with, batch by batch."""
+
+    def __init__(self, time1: str, time2: str, lower_ms: int, upper_ms: int, type1: pa.DataType, type2: pa.DataType,
+                 names1: list[str], names2: list[str]):
+        self.time1, self.time2 = time1, time2
+        self.lower, self.upper = lower_ms, upper_ms
+        self.type1, self.type2 = type1, type2
+        self.names1, self.names2 = names1, names2  # output column names per input column
+
+    def open(self, ctx: RuntimeContext) -> None:
+        self.left = ctx.list_state("left", self.type1)
+        self.right = ctx.list_state("right", self.type2)
+
+    def _emit(self, left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
+        out = {n: left[c] for c, n in zip(left, self.names1, strict=True)}
+        out.update({n: right[c] for c, n in zip(right, self.names2, strict=True)})
+        return out
+
+    def process_element1(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        t = _ms(row[self.time1])
+        if t + self.upper < ctx.current_watermark:
+            return None  # no right row that could join it can arrive any more (they would be late)
+        out = [self._emit(row, r) for r in self.right.get() if t + self.lower <= _ms(r[self.time2]) <= t + self.upper]
+        self.left.add(row)
+        ctx.timer_service.register_event_time_timer(t + self.upper)
+        return out
+
+    def process_element2(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        t = _ms(row[self.time2])
+        if t - self.lower < ctx.current_watermark:
+            return None
+        out = [self._emit(r, row) for r in self.left.get() if _ms(r[self.time1]) + self.lower <= t <= _ms(r[self.time1]) + self.upper]
+        self.right.add(row)
+        ctx.timer_service.register_event_time_timer(t - self.lower)
+        return out
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        # A left row at t joins right rows up to t + upper, a right row at t left rows from
+        # t - upper: once the watermark passes those times, no partner can come any more.
+        self.left.update(r for r in self.left.get() if _ms(r[self.time1]) + self.upper > timestamp)
+        self.right.update(r for r in self.right.get() if _ms(r[self.time2]) - self.lower > timestamp)
+        return None
+
+
+def _ms(value: Any) -> int:
+    return int(value)
+
+
+LEFT = pa.struct([("id", pa.string()), ("t", pa.int64()), ("v", pa.int64())])
+RIGHT = pa.struct([("user", pa.string()), ("t", pa.int64()), ("w", pa.string())])
+PAIRS = pa.schema([("id", pa.string()), ("t", pa.int64()), ("v", pa.int64()), ("user", pa.string()), ("t_2", pa.int64()), ("w", pa.string())])
+COMBINED = pa.schema([("id", pa.string()), (SIDE, pa.int8()), (INPUTS[0], LEFT), (INPUTS[1], RIGHT)])
+
+rows_of_a_batch = st.lists(st.tuples(st.integers(0, 1), st.sampled_from("abc"), st.integers(0, 80)), max_size=10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(rows_of_a_batch, st.integers(0, 25), st.sampled_from([None, 1, 3])), min_size=1, max_size=6),
+       st.integers(-20, 5), st.integers(0, 20), st.sampled_from(["memory", "rocksdb"]))
+# Rows exactly at both bounds and one past them: t = 10 on the left, lower -5, upper 5.
+@example([([(0, "a", 10), (1, "a", 4), (1, "a", 5), (1, "a", 15), (1, "a", 16)], 0, None)], -5, 10, "memory")
+@example([([(1, "a", 4), (1, "a", 5), (1, "a", 15), (1, "a", 16)], 0, None), ([(0, "a", 10)], 0, None)], -5, 10, "memory")
+def test_the_interval_join_a_batch_at_a_time_equals_it_record_by_record(
+        plan: list[tuple[list[tuple[int, str, int]], int, int | None]], lower: int, width: int, backend: str) -> None:
+    """Random rows of both sides, watermark steps and restores at other parallelisms, then
+    a drain: the same pairs in the same batches, and the same rows left waiting."""
+    from keyscale.operators.eventtime import END_OF_TIME
+    from keyscale.testing import KeyedHarness
+
+    upper = lower + width
+    names = (["id", "t", "v"], ["user", "t_2", "w"])
+    fns = [PerRecordIntervalJoin("t", "t", lower, upper, LEFT, RIGHT, *names), IntervalJoin("t", "t", lower, upper, LEFT, RIGHT, *names)]
+    runs = [KeyedHarness.of(adapt(f, 1), key_by=["id"], input_schema=COMBINED, output_schema=PAIRS, parallelism=2, state_backend=backend)  # type: ignore[arg-type]
+            for f in fns]
+    watermark, seq = 0, 0
+    for rows, step, restore_at in plan:
+        watermark += step
+        if restore_at is not None:
+            runs = [h.snapshot().restore(restore_at) for h in runs]
+        batch = []
+        for side, key, t in rows:
+            seq += 1
+            one = {"id": key, "t": t, "v": seq} if side == 0 else {"user": key, "t": t, "w": f"w{seq}"}
+            batch.append({"id": key, SIDE: side, INPUTS[0]: one if side == 0 else None, INPUTS[1]: one if side == 1 else None})
+        outs = []
+        for h in runs:
+            h.advance_watermark(watermark)
+            outs.append(h.process(batch))
+        assert outs[0] == outs[1]
+        for key in "abc":
+            a, b = (h.state(key) for h in runs)
+            assert a == b, (key, a, b)
+    for h in runs:
+        h.advance_watermark(END_OF_TIME)
+        assert h.process() == []
+    assert all(h.state(k) is None for h in runs for k in "abc")

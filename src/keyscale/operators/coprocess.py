@@ -16,15 +16,16 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.keyed import Context, KeyedProcessFunction, RuntimeContext
-from keyscale.operators.vectorized import KeyedBatch, VectorizedKeyedFunction, to_frame
+from keyscale.operators.vectorized import TIMER, KeyedBatch, VectorizedKeyedFunction, to_frame
 
 # The combined row of a two-input stage: (key..., __side, in1, in2[, __event_time]).
 SIDE = "__side"
@@ -215,12 +216,17 @@ def _ms(value: Any) -> int:
     return int(value)
 
 
-class IntervalJoin(KeyedCoProcessFunction):
+class IntervalJoin(VectorizedKeyedCoProcessFunction):
     """Rows of both inputs with the same key and ``t1 + lower <= t2 <= t1 + upper`` (event
-    times, ms), joined: each pair once, when its second row arrives. Each side's rows wait in
-    list state until the watermark passes the last time a row of the other side could still
-    join them, then an event-time timer removes them (Flink's interval join).
+    times, ms), joined: each pair once, in the batch its second row arrives. Each side's rows
+    wait in list state until the watermark passes the last time a row of the other side
+    could still join them, then the key's event timer (the earliest such time) removes them
+    (Flink's interval join). A batch at a time: the batch's new rows of each side are joined
+    with the other side's waiting rows and with each other, by key, on Arrow columns.
     """
+
+    pandas_records = False
+    event_timers = True
 
     def __init__(self, time1: str, time2: str, lower_ms: int, upper_ms: int, type1: pa.DataType, type2: pa.DataType,
                  names1: list[str], names2: list[str]):
@@ -228,40 +234,85 @@ class IntervalJoin(KeyedCoProcessFunction):
         self.lower, self.upper = lower_ms, upper_ms
         self.type1, self.type2 = type1, type2
         self.names1, self.names2 = names1, names2  # output column names per input column
+        fields = [[t.field(i) for i in range(t.num_fields)] for t in (type1, type2)]
+        self.output = pa.schema([*(f.with_name(n) for f, n in zip(fields[0], names1, strict=True)),
+                                 *(f.with_name(n) for f, n in zip(fields[1], names2, strict=True))])
 
     def open(self, ctx: RuntimeContext) -> None:
         self.left = ctx.list_state("left", self.type1)
         self.right = ctx.list_state("right", self.type2)
 
-    def _emit(self, left: dict[str, Any], right: dict[str, Any]) -> dict[str, Any]:
-        out = {n: left[c] for c, n in zip(left, self.names1, strict=True)}
-        out.update({n: right[c] for c, n in zip(right, self.names2, strict=True)})
-        return out
+    def process_batch(self, b: KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+        assert b.arrow1 is not None and b.arrow2 is not None and b.watermark is not None
+        n, w = len(b.keys), b.watermark
+        # A row's expiry: the watermark past which no row of the other side can join it.
+        # What waits from earlier batches, less the rows past their expiry (what per-record
+        # timers remove before a batch's records); then the batch's rows that are not late.
+        sides = []
+        for side, arrow, codes, time, shift in (("left", b.arrow1, b.codes1, self.time1, self.upper),
+                                                ("right", b.arrow2, b.codes2, self.time2, -self.lower)):
+            old, old_codes = _unlisted(b.state[side], self.type1 if side == "left" else self.type2)
+            old_expiry, new_expiry = _ms_column(old, time) + shift, _ms_column(arrow, time) + shift
+            keep_old, keep_new = np.flatnonzero(old_expiry > w), np.flatnonzero(new_expiry >= w)
+            sides.append((old.take(keep_old), old_codes[keep_old], arrow.take(keep_new), codes[keep_new]))
+        (l_old, l_old_codes, l_new, l_new_codes), (r_old, r_old_codes, r_new, r_new_codes) = sides
+        # Pairs with at least one new row: new left x (waiting + new right), waiting left x new right.
+        lefts = pa.concat_tables([l_new, l_old.cast(l_new.schema)])
+        rights = pa.concat_tables([r_old.cast(r_new.schema), r_new])
+        left_codes = np.concatenate([l_new_codes, l_old_codes])
+        right_codes = np.concatenate([r_old_codes, r_new_codes])
+        li, ri = _pairs_by_key(left_codes, right_codes)
+        new_right_from = len(r_old_codes)
+        li, ri = li[(li < len(l_new_codes)) | (ri >= new_right_from)], ri[(li < len(l_new_codes)) | (ri >= new_right_from)]
+        t1, t2 = _ms_column(lefts, self.time1)[li], _ms_column(rights, self.time2)[ri]
+        hit = (t1 + self.lower <= t2) & (t2 <= t1 + self.upper)
+        li, ri = li[hit], ri[hit]
+        out = pa.Table.from_arrays([*lefts.take(li).columns, *rights.take(ri).columns], schema=self.output)
+        # What waits now, per key: the old rows first, then the batch's in arrival order.
+        state: dict[str, Any] = {}
+        expiry = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        for name, old, old_codes, new, new_codes, time, shift in (
+                ("left", l_old, l_old_codes, l_new, l_new_codes, self.time1, self.upper),
+                ("right", r_old, r_old_codes, r_new, r_new_codes, self.time2, -self.lower)):
+            rows = pa.concat_tables([old.cast(new.schema), new])
+            codes = np.concatenate([old_codes, new_codes])
+            order = np.argsort(codes, kind="stable")
+            state[name] = pd.Series(_listed(rows.take(order), codes[order], n), dtype=object)
+            np.minimum.at(expiry, codes, _ms_column(rows, time) + shift)
+        waiting = expiry < np.iinfo(np.int64).max
+        state[TIMER] = pd.Series(np.where(waiting, expiry, 0), dtype="Int64").where(waiting)
+        return state, out
 
-    def process_element1(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
-        t = _ms(row[self.time1])
-        if t + self.upper < ctx.current_watermark:
-            return None  # no right row that could join it can arrive any more (they would be late)
-        out = [self._emit(row, r) for r in self.right.get() if t + self.lower <= _ms(r[self.time2]) <= t + self.upper]
-        self.left.add(row)
-        ctx.timer_service.register_event_time_timer(t + self.upper)
-        return out
 
-    def process_element2(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
-        t = _ms(row[self.time2])
-        if t - self.lower < ctx.current_watermark:
-            return None
-        out = [self._emit(r, row) for r in self.left.get() if _ms(r[self.time1]) + self.lower <= t <= _ms(r[self.time1]) + self.upper]
-        self.right.add(row)
-        ctx.timer_service.register_event_time_timer(t - self.lower)
-        return out
+def _ms_column(table: pa.Table, column: str) -> np.ndarray:
+    """An event-time column as epoch milliseconds (a timestamp, or a number of ms as with_watermark takes)."""
+    col = table.column(column)
+    if pa.types.is_timestamp(col.type):
+        return np.asarray(col.cast(pa.timestamp("us", tz=col.type.tz)).cast(pa.int64()).to_numpy(zero_copy_only=False)) // 1000
+    return np.asarray(col.cast(pa.int64()).to_numpy(zero_copy_only=False))
 
-    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
-        # A left row at t joins right rows up to t + upper, a right row at t left rows from
-        # t - upper: once the watermark passes those times, no partner can come any more.
-        self.left.update(r for r in self.left.get() if _ms(r[self.time1]) + self.upper > timestamp)
-        self.right.update(r for r in self.right.get() if _ms(r[self.time2]) - self.lower > timestamp)
-        return None
+
+def _unlisted(column: pd.Series, row_type: pa.DataType) -> tuple[pa.Table, np.ndarray]:
+    """A list state's column (a list of rows per key, or none) as one table of the rows, with each row's key."""
+    lists = pa.array([v if isinstance(v, list) else (list(v) if isinstance(v, np.ndarray) else None) for v in column], type=pa.list_(row_type))
+    codes = np.asarray(pc.list_parent_indices(lists), dtype=np.int64) if len(lists) else np.empty(0, dtype=np.int64)
+    return pa.Table.from_struct_array(cast(pa.StructArray, cast("pa.ListArray[Any]", lists).flatten())), codes
+
+
+def _listed(rows: pa.Table, codes: np.ndarray, n: int) -> list[list[dict[str, Any]] | None]:
+    """Rows sorted by key as each key's list (None for a key without rows)."""
+    counts = np.bincount(codes, minlength=n)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]), type=pa.int32())
+    lists: list[Any] = pa.ListArray.from_arrays(offsets, rows.to_struct_array().combine_chunks()).to_pylist()  # type: ignore[misc]
+    return [lst if lst else None for lst in lists]
+
+
+def _pairs_by_key(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every (i, j) with ``left[i] == right[j]``."""
+    if not len(left) or not len(right):
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    pairs = pd.DataFrame({"k": left, "i": np.arange(len(left))}).merge(pd.DataFrame({"k": right, "j": np.arange(len(right))}), on="k")
+    return pairs["i"].to_numpy(dtype=np.int64), pairs["j"].to_numpy(dtype=np.int64)
 
 
 class WindowJoin(KeyedCoProcessFunction):
