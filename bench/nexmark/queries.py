@@ -68,6 +68,10 @@ Queries (keyscale / Spark):
   batch-at-a-time co-process function keyed by auction id (``AuctionBidsBatch``; the
   per-record ``AuctionBids`` with ``per_record=yes``); Spark: a stream-stream inner join
   without watermark.
+* ij (not a Nexmark query: the interval join, measured on Nexmark's streams): each
+  auction with the bids that came within 10 s after it. keyscale ``interval_join("0
+  seconds", "10 seconds")`` keyed by auction id; Spark a stream-stream inner join with
+  watermarks and the time range in its condition.
 
 Left out: q10 (a filesystem sink partitioned by processing time: not a query of the engine), q12
 (processing-time windows: its output depends on the wall clock, so it cannot be compared
@@ -115,10 +119,11 @@ STREAMS: dict[str, tuple[str, ...]] = {
     "q0": ("bid",), "q1": ("bid",), "q2": ("bid",), "q3": ("person", "auction"), "q4": ("auction", "bid"),
     "q5": ("bid",), "q6": ("auction", "bid"), "q7": ("bid",), "q8": ("person", "auction"), "q9": ("auction", "bid"), "q11": ("bid",), "q17": ("bid",), "q18": ("bid",),
     "q15": ("bid",), "q16": ("bid",), "q19": ("bid",), "q20": ("auction", "bid"),
+    "ij": ("auction", "bid"),
 }
 QUERIES = list(STREAMS)
 #: Queries with a Spark Structured Streaming equivalent.
-SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20"]
+SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20", "ij"]
 #: Queries whose output is per event-time window (compared on windows both systems closed).
 WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
 #: Queries with running aggregates that ``aggregate(combine=True)`` can take (run.py measures them with it too).
@@ -126,9 +131,10 @@ COMBINABLE = ["q15", "q16", "q17"]
 #: Queries with a batch-at-a-time co-process function and a per-record one (run.py measures both).
 PER_RECORD = ["q4", "q9", "q20"]
 #: Queries with keyed state (for the live-rescale runs).
-STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20"]
+STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20", "ij"]
 
 Q3_STATES = ("OR", "ID", "CA")
+IJ_SECONDS = 10  # "ij": bids within this long after their auction was created
 WINDOW_MS = 10_000
 SLIDE_MS = 2_000
 
@@ -798,6 +804,10 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
     if name == "q20":
         fn = AuctionBids() if per_record else AuctionBidsBatch()
         return stream("auction").connect(stream("bid")).key_by("id", "auction").process(fn, Q20_SCHEMA, uid="q20")
+    if name == "ij":
+        auctions = stream("auction").select("id", "seller", "category", "date_time")
+        bids = stream("bid").select("auction", "bidder", "price", "date_time")
+        return auctions.connect(bids).key_by("id", "auction").interval_join("0 seconds", f"{IJ_SECONDS} seconds", uid="ij")
     raise ks.KeyscaleError(f"nexmark: unknown query {name!r} (known: {', '.join(QUERIES)})")
 
 
@@ -863,6 +873,12 @@ def spark_query(spark: Any, name: str, data: str | Path) -> tuple[DataFrame, str
         b = _read(spark, data, "bid")
         cols = [c.split()[0] for c in Q20_SCHEMA.split(", ")]
         return b.join(a, F.col("auction") == F.col("aid")).select(*cols), "append", None
+    if name == "ij":
+        a = stream("auction").select("id", "seller", "category", "date_time")
+        b = stream("bid").select("auction", "bidder", "price", F.col("date_time").alias("date_time_2"))
+        cond = (F.col("id") == F.col("auction")) & F.col("date_time_2").between(
+            F.col("date_time"), F.col("date_time") + F.expr(f"INTERVAL {IJ_SECONDS} SECONDS"))
+        return a.join(b, cond), "append", None
     raise ValueError(f"no Spark version of {name}")
 
 
@@ -959,6 +975,10 @@ def reference(name: str, t: dict[str, pd.DataFrame]) -> pd.DataFrame:
         a = t["auction"][t["auction"].category == 10].rename(columns={"id": "aid", "date_time": "a_date_time", "extra": "a_extra"})
         j = b.merge(a, left_on="auction", right_on="aid")
         return j[[c.split()[0] for c in Q20_SCHEMA.split(", ")]]
+    if name == "ij":
+        a = t["auction"][["id", "seller", "category", "date_time"]]
+        j = a.merge(b[["auction", "bidder", "price", "date_time"]].rename(columns={"date_time": "date_time_2"}), left_on="id", right_on="auction")
+        return j[(j.date_time_2 >= j.date_time) & (j.date_time_2 <= j.date_time + pd.Timedelta(seconds=IJ_SECONDS))]
     raise ValueError(name)
 
 
