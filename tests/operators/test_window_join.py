@@ -5,14 +5,17 @@ join nothing, and once the watermark passes every window its state is empty."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from keyscale.operators.coprocess import WindowJoin, adapt
+from keyscale.operators.coprocess import KeyedCoProcessFunction, WindowJoin, adapt
+from keyscale.operators.keyed import Context, RuntimeContext
 from keyscale.operators.windows import SlidingWindows, TumblingWindows
 from keyscale.testing import KeyedHarness
 
@@ -83,3 +86,109 @@ def _dt(ms: int) -> Any:
     import datetime as dt
 
     return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
+
+
+
+# -- a batch at a time against the same join one record at a time ------------------------------
+
+class PerRecordWindowJoin(KeyedCoProcessFunction):
+    """The window join one record at a time (keyscale's before it became a batch at a
+    time): the oracle the batch-at-a-time join must agree with, batch by batch."""
+
+    def __init__(self, assigner: Any, time1: str, time2: str, type1: pa.DataType, type2: pa.DataType,
+                 names1: list[str], names2: list[str]):
+        self.assigner = assigner
+        self.time1, self.time2 = time1, time2
+        self.type1, self.type2 = type1, type2
+        self.names1, self.names2 = names1, names2
+
+    def open(self, ctx: RuntimeContext) -> None:
+        self.left = ctx.list_state("left", self.type1)
+        self.right = ctx.list_state("right", self.type2)
+
+    def _starts(self, t: int) -> list[int]:
+        return [int(s) for s in self.assigner.assign(np.array([t], dtype=np.int64))[1]]
+
+    def _end(self, start: int) -> int:
+        return int(self.assigner.end(np.array([start], dtype=np.int64))[0])
+
+    def _join(self, row: dict[str, Any], t: int, others: list[dict[str, Any]], other_time: str, first: bool, ctx: Context) -> list[dict[str, Any]] | None:
+        # A window [s, e) fires once the watermark reaches e - 1; after that it takes nothing.
+        mine = {s for s in self._starts(t) if self._end(s) - 1 > ctx.current_watermark}
+        if not mine:
+            return None
+        out = []
+        for other in others:
+            for s in sorted(mine.intersection(self._starts(_ms(other[other_time])))):
+                left, right = (row, other) if first else (other, row)
+                pair = {n: left[c] for c, n in zip(left, self.names1, strict=True)}
+                pair.update({n: right[c] for c, n in zip(right, self.names2, strict=True)})
+                pair["window_start"], pair["window_end"] = _utc(s), _utc(self._end(s))
+                out.append(pair)
+        ctx.timer_service.register_event_time_timer(max(self._end(s) for s in mine) - 1)
+        return out
+
+    def process_element1(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        out = self._join(row, _ms(row[self.time1]), self.right.get(), self.time2, True, ctx)
+        if out is not None:
+            self.left.add(row)
+        return out
+
+    def process_element2(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
+        out = self._join(row, _ms(row[self.time2]), self.left.get(), self.time1, False, ctx)
+        if out is not None:
+            self.right.add(row)
+        return out
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
+        def open_windows(r: dict[str, Any], time: str) -> bool:
+            return max(self._end(s) for s in self._starts(_ms(r[time]))) - 1 > timestamp
+
+        self.left.update(r for r in self.left.get() if open_windows(r, self.time1))
+        self.right.update(r for r in self.right.get() if open_windows(r, self.time2))
+        return None
+
+
+def _ms(value: Any) -> int:
+    return int(value)
+
+
+def _utc(ms: int) -> Any:
+    return _dt(ms)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.tuples(st.sampled_from(["k1", "k2"]), st.integers(0, 1), st.integers(0, 6_000)), max_size=10),
+                          st.integers(0, 2_500), st.sampled_from([None, 1, 3])), min_size=1, max_size=5),
+       st.booleans(), st.sampled_from(["memory", "rocksdb"]))
+# The watermark lands exactly where a row's only window fires (2000 - 1): the row must go.
+@example([([("k1", 0, 100)], 0, None), ([], 1999, None), ([("k1", 1, 1500)], 0, None)], False, "memory")
+def test_the_window_join_a_batch_at_a_time_equals_it_record_by_record(
+        plan: list[tuple[list[tuple[str, int, int]], int, int | None]], sliding: bool, backend: str) -> None:
+    """Random rows, watermark steps (late rows, windows firing) and restores at other
+    parallelisms, then the end of time: the same pairs in the same batches, the same rows waiting."""
+    assigner = SlidingWindows("3 seconds", "1 second") if sliding else TumblingWindows("2 seconds")
+    names = (["ts", "v"], ["ts_2", "v_2"])
+    fns = [PerRecordWindowJoin(assigner, "ts", "ts", A, B, *names), WindowJoin(assigner, "ts", "ts", A, B, *names)]
+    runs = [KeyedHarness.of(adapt(f, 1), key_by=["key"], input_schema=INPUT, output_schema=OUTPUT, parallelism=2,  # type: ignore[arg-type]
+                            state_backend=backend) for f in fns]
+    watermark, seq = 0, 0
+    for rows, step, restore_at in plan:
+        watermark += step
+        if restore_at is not None:
+            runs = [h.snapshot().restore(restore_at) for h in runs]
+        batch = []
+        for key, side, ts in rows:
+            seq += 1
+            batch.append(_row(key, side, ts, f"r{seq}"))
+        outs = []
+        for h in runs:
+            h.advance_watermark(watermark)
+            outs.append(h.process(batch))
+        assert outs[0] == outs[1]
+        for key in ("k1", "k2"):
+            assert runs[0].state(key) == runs[1].state(key)
+    for h in runs:
+        h.advance_watermark(10**9)
+        assert h.process() == []
+        assert h.state("k1") is None and h.state("k2") is None

@@ -13,7 +13,6 @@ and the joins (interval, window); :mod:`keyscale._connect` builds the combined s
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -209,13 +208,6 @@ def _as_dict(record: Any) -> dict[str, Any]:
     return record if isinstance(record, dict) else dict(record.asDict() if hasattr(record, "asDict") else record)
 
 
-def _ms(value: Any) -> int:
-    """An event time as epoch milliseconds (a datetime or an int)."""
-    if hasattr(value, "timestamp"):
-        return int(value.timestamp() * 1000)
-    return int(value)
-
-
 class IntervalJoin(VectorizedKeyedCoProcessFunction):
     """Rows of both inputs with the same key and ``t1 + lower <= t2 <= t1 + upper`` (event
     times, ms), joined: each pair once, in the batch its second row arrives. Each side's rows
@@ -315,14 +307,19 @@ def _pairs_by_key(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.n
     return pairs["i"].to_numpy(dtype=np.int64), pairs["j"].to_numpy(dtype=np.int64)
 
 
-class WindowJoin(KeyedCoProcessFunction):
+class WindowJoin(VectorizedKeyedCoProcessFunction):
     """Rows of both inputs with the same key in the same event-time window (tumbling or
     sliding), joined: each pair once per window they share, with the window's start and end
-    (Flink's window join; SQL's join on ``window_start, window_end``). A pair is emitted as
-    soon as its second row arrives, not held until the window fires: the same pairs, sooner.
-    A row waits in list state until the watermark passes the end of its last window, then an
-    event-time timer removes it; a row whose windows have all fired is late and joins nothing.
+    (Flink's window join; SQL's join on ``window_start, window_end``). A pair is emitted in
+    the batch its second row arrives, not held until the window fires: the same pairs,
+    sooner. A row waits in list state until the watermark passes the end of its last window
+    (the key's event timer, at the earliest such end, empties a key that gets no more rows);
+    a row whose windows have all fired is late and joins nothing. A batch at a time: each
+    side's rows as (key, window) rows, the batch's new ones merged with the other side's.
     """
+
+    pandas_records = False
+    event_timers = True
 
     def __init__(self, assigner: Any, time1: str, time2: str, type1: pa.DataType, type2: pa.DataType,
                  names1: list[str], names2: list[str]):
@@ -330,53 +327,59 @@ class WindowJoin(KeyedCoProcessFunction):
         self.time1, self.time2 = time1, time2
         self.type1, self.type2 = type1, type2
         self.names1, self.names2 = names1, names2
+        fields = [[t.field(i) for i in range(t.num_fields)] for t in (type1, type2)]
+        window = pa.timestamp("us", tz="UTC")
+        self.output = pa.schema([*(f.with_name(n) for f, n in zip(fields[0], names1, strict=True)),
+                                 *(f.with_name(n) for f, n in zip(fields[1], names2, strict=True)),
+                                 pa.field("window_start", window), pa.field("window_end", window)])
 
     def open(self, ctx: RuntimeContext) -> None:
         self.left = ctx.list_state("left", self.type1)
         self.right = ctx.list_state("right", self.type2)
 
-    def _starts(self, t: int) -> list[int]:
-        return [int(s) for s in self.assigner.assign(np.array([t], dtype=np.int64))[1]]
+    def _last_end(self, t: np.ndarray) -> np.ndarray:
+        """Each time's last window's end (its latest window starts last)."""
+        idx, starts = self.assigner.assign(t)
+        last = np.full(len(t), np.iinfo(np.int64).min, dtype=np.int64)
+        np.maximum.at(last, idx, self.assigner.end(starts))
+        return last
 
-    def _end(self, start: int) -> int:
-        return int(self.assigner.end(np.array([start], dtype=np.int64))[0])
-
-    def _join(self, row: dict[str, Any], t: int, others: list[dict[str, Any]], other_time: str, first: bool, ctx: Context) -> list[dict[str, Any]] | None:
-        # A window [s, e) fires once the watermark reaches e - 1; after that it takes nothing.
-        mine = {s for s in self._starts(t) if self._end(s) - 1 > ctx.current_watermark}
-        if not mine:
-            return None
-        out = []
-        for other in others:
-            for s in sorted(mine.intersection(self._starts(_ms(other[other_time])))):
-                left, right = (row, other) if first else (other, row)
-                pair = {n: left[c] for c, n in zip(left, self.names1, strict=True)}
-                pair.update({n: right[c] for c, n in zip(right, self.names2, strict=True)})
-                pair["window_start"], pair["window_end"] = _utc(s), _utc(self._end(s))
-                out.append(pair)
-        ctx.timer_service.register_event_time_timer(max(self._end(s) for s in mine) - 1)
-        return out
-
-    def process_element1(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
-        out = self._join(row, _ms(row[self.time1]), self.right.get(), self.time2, True, ctx)
-        if out is not None:
-            self.left.add(row)
-        return out
-
-    def process_element2(self, row: dict[str, Any], ctx: Context) -> Iterable[Any] | None:
-        out = self._join(row, _ms(row[self.time2]), self.left.get(), self.time1, False, ctx)
-        if out is not None:
-            self.right.add(row)
-        return out
-
-    def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
-        def open_windows(r: dict[str, Any], time: str) -> bool:
-            return max(self._end(s) for s in self._starts(_ms(r[time]))) - 1 > timestamp
-
-        self.left.update(r for r in self.left.get() if open_windows(r, self.time1))
-        self.right.update(r for r in self.right.get() if open_windows(r, self.time2))
-        return None
-
-
-def _utc(ms: int) -> dt.datetime:
-    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
+    def process_batch(self, b: KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+        assert b.arrow1 is not None and b.arrow2 is not None and b.watermark is not None
+        n, w = len(b.keys), b.watermark
+        # A window [s, e) fires once the watermark reaches e - 1: rows whose last window has
+        # fired leave the state (what per-record timers removed before a batch's records),
+        # and the batch's rows with no open window are late.
+        sides = []
+        for side, arrow, codes, time, row_type in (("left", b.arrow1, b.codes1, self.time1, self.type1),
+                                                   ("right", b.arrow2, b.codes2, self.time2, self.type2)):
+            old, old_codes = _unlisted(b.state[side], row_type)
+            keep_old = np.flatnonzero(self._last_end(_ms_column(old, time)) - 1 > w)
+            keep_new = np.flatnonzero(self._last_end(_ms_column(arrow, time)) - 1 > w)
+            rows = pa.concat_tables([old.take(keep_old).cast(arrow.schema), arrow.take(keep_new)])
+            sides.append((rows, np.concatenate([old_codes[keep_old], codes[keep_new]]), len(keep_old), time))
+        # Every (row, window) of each side, joined on (key, window): pairs with a new row, in open windows.
+        exploded = []
+        for rows, codes, n_old, time in sides:
+            idx, starts = self.assigner.assign(_ms_column(rows, time))
+            exploded.append(pd.DataFrame({"k": codes[idx], "s": starts, "i": idx, "new": idx >= n_old}))
+        pairs = exploded[0].merge(exploded[1], on=["k", "s"], suffixes=("1", "2"))
+        ends = self.assigner.end(pairs["s"].to_numpy(dtype=np.int64))
+        pairs = pairs[(pairs["new1"] | pairs["new2"]).to_numpy() & (ends - 1 > w)]
+        li, ri = pairs["i1"].to_numpy(dtype=np.int64), pairs["i2"].to_numpy(dtype=np.int64)
+        starts = pairs["s"].to_numpy(dtype=np.int64)
+        window = pa.timestamp("us", tz="UTC")
+        out = pa.Table.from_arrays([*sides[0][0].take(li).columns, *sides[1][0].take(ri).columns,
+                                    pa.array(starts * 1000, pa.int64()).cast(window),
+                                    pa.array(self.assigner.end(starts) * 1000, pa.int64()).cast(window)], schema=self.output)
+        # What waits now, per key (old rows first, then the batch's in arrival order), and the
+        # key's timer: the earliest time one of its rows' last window fires.
+        state: dict[str, Any] = {}
+        expiry = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        for name, (rows, codes, _, time) in zip(("left", "right"), sides, strict=True):
+            order = np.argsort(codes, kind="stable")
+            state[name] = pd.Series(_listed(rows.take(order), codes[order], n), dtype=object)
+            np.minimum.at(expiry, codes, self._last_end(_ms_column(rows, time)) - 1)
+        waiting = expiry < np.iinfo(np.int64).max
+        state[TIMER] = pd.Series(np.where(waiting, expiry, 0), dtype="Int64").where(waiting)
+        return state, out
