@@ -101,7 +101,6 @@ if TYPE_CHECKING:
 __all__ = ["DEAD", "KG", "LATE", "MAIN", "SEQ", "StageTask", "run_subtask", "side_output_schema", "state_file_name", "with_side_output"]
 
 
-
 class _Held:
     """A worker's warm copy of one operator's state: some key groups, each at a version."""
 
