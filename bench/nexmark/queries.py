@@ -72,6 +72,9 @@ Queries (keyscale / Spark):
   auction with the bids that came within 10 s after it. keyscale ``interval_join("0
   seconds", "10 seconds")`` keyed by auction id; Spark a stream-stream inner join with
   watermarks and the time range in its condition.
+* wj (not a Nexmark query: the window join): each person with the auctions they created in
+  the same 10 s tumbling window. keyscale ``window_join(TumblingWindows("10 s"))`` keyed by
+  person id / seller; Spark a stream-stream inner join on the id and the window.
 
 Left out: q10 (a filesystem sink partitioned by processing time: not a query of the engine), q12
 (processing-time windows: its output depends on the wall clock, so it cannot be compared
@@ -119,19 +122,19 @@ STREAMS: dict[str, tuple[str, ...]] = {
     "q0": ("bid",), "q1": ("bid",), "q2": ("bid",), "q3": ("person", "auction"), "q4": ("auction", "bid"),
     "q5": ("bid",), "q6": ("auction", "bid"), "q7": ("bid",), "q8": ("person", "auction"), "q9": ("auction", "bid"), "q11": ("bid",), "q17": ("bid",), "q18": ("bid",),
     "q15": ("bid",), "q16": ("bid",), "q19": ("bid",), "q20": ("auction", "bid"),
-    "ij": ("auction", "bid"),
+    "ij": ("auction", "bid"), "wj": ("person", "auction"),
 }
 QUERIES = list(STREAMS)
 #: Queries with a Spark Structured Streaming equivalent.
-SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20", "ij"]
+SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20", "ij", "wj"]
 #: Queries whose output is per event-time window (compared on windows both systems closed).
-WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end"}
+WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": "window_end", "wj": "window_start"}
 #: Queries with running aggregates that ``aggregate(combine=True)`` can take (run.py measures them with it too).
 COMBINABLE = ["q15", "q16", "q17"]
 #: Queries with a batch-at-a-time co-process function and a per-record one (run.py measures both).
 PER_RECORD = ["q4", "q9", "q20"]
 #: Queries with keyed state (for the live-rescale runs).
-STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20", "ij"]
+STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20", "ij", "wj"]
 
 Q3_STATES = ("OR", "ID", "CA")
 IJ_SECONDS = 10  # "ij": bids within this long after their auction was created
@@ -808,6 +811,10 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
         auctions = stream("auction").select("id", "seller", "category", "date_time")
         bids = stream("bid").select("auction", "bidder", "price", "date_time")
         return auctions.connect(bids).key_by("id", "auction").interval_join("0 seconds", f"{IJ_SECONDS} seconds", uid="ij")
+    if name == "wj":
+        persons = stream("person").select("id", "name", "date_time")
+        auctions = stream("auction").select("id", "seller", "date_time")
+        return persons.connect(auctions).key_by("id", "seller").window_join(ks.TumblingWindows(f"{WINDOW_MS} ms"), uid="wj")
     raise ks.KeyscaleError(f"nexmark: unknown query {name!r} (known: {', '.join(QUERIES)})")
 
 
@@ -879,6 +886,16 @@ def spark_query(spark: Any, name: str, data: str | Path) -> tuple[DataFrame, str
         cond = (F.col("id") == F.col("auction")) & F.col("date_time_2").between(
             F.col("date_time"), F.col("date_time") + F.expr(f"INTERVAL {IJ_SECONDS} SECONDS"))
         return a.join(b, cond), "append", None
+    if name == "wj":
+        w = f"{WINDOW_MS // 1000} seconds"
+        # The window is each side's event-time column (Spark allows one): the times themselves
+        # pass through as plain copies.
+        copy = F.timestamp_micros(F.unix_micros("date_time"))
+        p = stream("person").select("id", "name", copy.alias("date_time"), F.window("date_time", w).alias("w"))
+        a = stream("auction").select(F.col("id").alias("id_2"), "seller", copy.alias("date_time_2"), F.window("date_time", w).alias("w2"))
+        joined = p.join(a, (F.col("id") == F.col("seller")) & (F.col("w") == F.col("w2")))
+        return joined.select("id", "name", "date_time", "id_2", "seller", "date_time_2", F.col("w.start").alias("window_start"),
+                             F.col("w.end").alias("window_end")), "append", None
     raise ValueError(f"no Spark version of {name}")
 
 
@@ -979,6 +996,12 @@ def reference(name: str, t: dict[str, pd.DataFrame]) -> pd.DataFrame:
         a = t["auction"][["id", "seller", "category", "date_time"]]
         j = a.merge(b[["auction", "bidder", "price", "date_time"]].rename(columns={"date_time": "date_time_2"}), left_on="id", right_on="auction")
         return j[(j.date_time_2 >= j.date_time) & (j.date_time_2 <= j.date_time + pd.Timedelta(seconds=IJ_SECONDS))]
+    if name == "wj":
+        p = t["person"][["id", "name", "date_time"]].assign(window_start=_ms_col(t["person"].date_time) // WINDOW_MS * WINDOW_MS)
+        a = t["auction"][["id", "seller", "date_time"]].rename(columns={"id": "id_2", "date_time": "date_time_2"})
+        a = a.assign(window_start=_ms_col(a.date_time_2) // WINDOW_MS * WINDOW_MS)
+        j = p.merge(a, left_on=["id", "window_start"], right_on=["seller", "window_start"])
+        return j[["id", "name", "date_time", "id_2", "seller", "date_time_2", "window_start"]]
     raise ValueError(name)
 
 
