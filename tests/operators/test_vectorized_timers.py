@@ -61,10 +61,10 @@ class SessionEnd(ks.VectorizedKeyedFunction):
         due = b.due
         fired = pd.DataFrame({"k": b.keys["k"][due], "n": b.state["n"][due], "fired": b.timer[due]})
         n = np.where(due, 0, b.state["n"].to_numpy(dtype=np.int64, na_value=0)) + b.count()
-        last = np.where(due, np.iinfo(np.int64).min, b.state["last"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).min))
-        if len(b.records):
-            last = np.maximum(last, b.reduce("t", "max"))
+        none = np.iinfo(np.int64).min
+        last = np.maximum(np.where(due, none, b.state["last"].to_numpy(dtype=np.int64, na_value=none)), b.reduce("t", "max"))
         live = n > 0
+
         def where_live(values: np.ndarray) -> pd.Series:
             return pd.Series(np.where(live, values, 0), dtype="Int64").where(live)
 
