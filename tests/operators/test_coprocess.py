@@ -13,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.operators.lockstep import run_in_lockstep
 
 import keyscale.operators.coprocess as coprocess
 from keyscale.errors import JobDefinitionError
@@ -180,24 +181,16 @@ def test_the_interval_join_a_batch_at_a_time_equals_it_record_by_record(
     fns = [PerRecordIntervalJoin("t", "t", lower, upper, LEFT, RIGHT, *names), IntervalJoin("t", "t", lower, upper, LEFT, RIGHT, *names)]
     runs = [KeyedHarness.of(adapt(f, 1), key_by=["id"], input_schema=COMBINED, output_schema=PAIRS, parallelism=2, state_backend=backend)  # type: ignore[arg-type]
             for f in fns]
-    watermark, seq = 0, 0
+    batches, watermark, seq = [], 0, 0
     for rows, step, restore_at in plan:
         watermark += step
-        if restore_at is not None:
-            runs = [h.snapshot().restore(restore_at) for h in runs]
         batch = []
         for side, key, t in rows:
             seq += 1
             one = {"id": key, "t": t, "v": seq} if side == 0 else {"user": key, "t": t, "w": f"w{seq}"}
             batch.append({"id": key, SIDE: side, INPUTS[0]: one if side == 0 else None, INPUTS[1]: one if side == 1 else None})
-        outs = []
-        for h in runs:
-            h.advance_watermark(watermark)
-            outs.append(h.process(batch))
-        assert outs[0] == outs[1]
-        for key in "abc":
-            a, b = (h.state(key) for h in runs)
-            assert a == b, (key, a, b)
+        batches.append((batch, watermark, restore_at))
+    runs = run_in_lockstep(runs, batches, "abc")
     for h in runs:
         h.advance_watermark(END_OF_TIME)
         assert h.process() == []

@@ -4,6 +4,7 @@ logic, on both state backends, across restores at other parallelisms and a drain
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.operators.lockstep import run_in_lockstep
 
 import keyscale as ks
 from keyscale.errors import JobDefinitionError
@@ -86,21 +88,10 @@ def test_vectorized_timers_fire_as_per_record_ones(plan: list[tuple[list[tuple[s
     follows). Both functions emit the same rows in the same batches."""
     runs = [KeyedHarness.of(f, key_by=["k"], input_schema=IN, output_schema=OUT, parallelism=2, event_time="t", state_backend=backend)
             for f in (SessionEndPerRecord(), SessionEnd())]
-    watermark = 0
-    for records, step, restore_at in plan:
-        watermark += step
-        if restore_at is not None:
-            runs = [h.snapshot().restore(restore_at) for h in runs]
-        outs = []
-        for h in runs:
-            h.advance_watermark(watermark)
-            outs.append(h.process([{"k": k, "t": t} for k, t in records]))
-        assert outs[0] == outs[1]
-    drained = []
-    for h in runs:
-        h.advance_watermark(END_OF_TIME)
-        drained.append(h.process([{"k": k, "t": t} for k, t in last]))
-    assert drained[0] == drained[1]
+    steps = itertools.accumulate(step for _, step, _ in plan)
+    runs = run_in_lockstep(runs, [([{"k": k, "t": t} for k, t in records], w, restore_at)
+                                  for (records, _, restore_at), w in zip(plan, steps, strict=True)], "abcdefgh")
+    run_in_lockstep(runs, [([{"k": k, "t": t} for k, t in last], END_OF_TIME, None)])
     assert all(h.state(k) is None for h in runs for k in "abcdefgh")  # every session ended, nothing left
 
 

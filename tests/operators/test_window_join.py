@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.operators.lockstep import run_in_lockstep
 
 from keyscale.operators.coprocess import KeyedCoProcessFunction, WindowJoin, adapt
 from keyscale.operators.keyed import Context, RuntimeContext
@@ -172,22 +173,15 @@ def test_the_window_join_a_batch_at_a_time_equals_it_record_by_record(
     fns = [PerRecordWindowJoin(assigner, "ts", "ts", A, B, *names), WindowJoin(assigner, "ts", "ts", A, B, *names)]
     runs = [KeyedHarness.of(adapt(f, 1), key_by=["key"], input_schema=INPUT, output_schema=OUTPUT, parallelism=2,  # type: ignore[arg-type]
                             state_backend=backend) for f in fns]
-    watermark, seq = 0, 0
+    batches, watermark, seq = [], 0, 0
     for rows, step, restore_at in plan:
         watermark += step
-        if restore_at is not None:
-            runs = [h.snapshot().restore(restore_at) for h in runs]
         batch = []
         for key, side, ts in rows:
             seq += 1
             batch.append(_row(key, side, ts, f"r{seq}"))
-        outs = []
-        for h in runs:
-            h.advance_watermark(watermark)
-            outs.append(h.process(batch))
-        assert outs[0] == outs[1]
-        for key in ("k1", "k2"):
-            assert runs[0].state(key) == runs[1].state(key)
+        batches.append((batch, watermark, restore_at))
+    runs = run_in_lockstep(runs, batches, ("k1", "k2"))
     for h in runs:
         h.advance_watermark(10**9)
         assert h.process() == []
