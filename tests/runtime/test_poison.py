@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 from test_task import (  # noqa: F401
@@ -25,11 +26,12 @@ from test_task import (  # noqa: F401
 
 import keyscale.runtime.task as task
 from keyscale.checkpoint.manifest import StateFile, live_files
-from keyscale.errors import InputDataError, RecordError
-from keyscale.operators.eventtime import NO_WATERMARK
+from keyscale.errors import InputDataError, JobDefinitionError, RecordError
+from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK
 from keyscale.operators.keyed import KeyedProcessFunction
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL, ErrorPolicy
 from keyscale.operators.vectorized import (
+    TIMER,
     KeyedBatch,
     RunningAggregate,
     VectorizedKeyedFunction,
@@ -62,9 +64,10 @@ class PolicyDriver(Driver):
     policy: ErrorPolicy = FAIL
     event_time: str | None = None
     dead: list[dict[str, Any]] | None = None
+    watermark_ms: int = NO_WATERMARK
 
     def run(self, batch: int, rows: Sequence[dict[str, Any]], p: int, **kw: Any) -> tuple[list[pa.Table], list[dict[str, Any]]]:  # type: ignore[override]
-        spec = replace(self.spec(batch, p), on_error=self.policy, event_time=self.event_time)
+        spec = replace(self.spec(batch, p), on_error=self.policy, event_time=self.event_time, watermark_ms=self.watermark_ms)
         outs, self.dead, reports = [], [], []
         for i in range(p):
             rng = key_group_range(i, M, p)
@@ -352,6 +355,50 @@ def test_vectorized_failure_is_bisected_to_its_keys_under_dead_letter(tmp_path: 
     assert d.dead is not None and sorted(json.loads(r["record"])["id"] for r in d.dead) == ([9, 19] if bad_keys else [])
     outs, _ = d.run(1, [_row("k0", 1, 20), _row("bad", 1, 21)], 1)
     assert rows_of(outs) == [("k0", 3)]  # k0's state kept; bad's never written
+
+
+class PickyReminder(VectorizedKeyedFunction):
+    """Sets a timer at 5 for every key with records; cannot stand the key 'bad'; a firing
+    emits the key with its count."""
+
+    event_timers = True
+
+    def open(self, ctx: Any) -> None:
+        ctx.value_state("n", "long")
+
+    def process_batch(self, batch: KeyedBatch) -> Any:
+        if (batch.keys["key"] == "bad").any():
+            raise KeyError("bad")
+        assert batch.due is not None
+        n = batch.state["n"].to_numpy(dtype=np.int64, na_value=0) + batch.count()
+        some = batch.count() > 0
+        fired = batch.due
+        return ({"n": n, TIMER: pd.Series(np.where(some, 5, 0), dtype="Int64").where(some)},
+                pa.table({"key": batch.keys["key"].to_numpy(dtype=object)[fired], "n": n[fired]}))
+
+
+def test_in_a_drain_the_keys_that_went_through_fire_their_timers_when_others_are_set_aside(tmp_path: Path) -> None:
+    """A drain (the watermark at the end of time): the first call fails on 'bad', bisection
+    sets it aside, and the timers the others set in the drain still fire in it."""
+    out = arrow_schema("key string, n long")
+    d = PolicyDriver(tmp_path / "job", PickyReminder(), out, uid="vec", policy=ErrorPolicy("dead_letter"), watermark_ms=END_OF_TIME)
+    outs, reports = d.run(0, [_row(k, 1, i) for i, k in enumerate(["k0", "k1", "bad", "k2"])], 1)
+    assert rows_of(outs) == [("k0", 1), ("k1", 1), ("k2", 1)]
+    assert _poisoned(reports[0]) == 1
+
+
+class Misnamed(VectorizedKeyedFunction):
+    def process_batch(self, batch: KeyedBatch) -> Any:
+        return {}, pa.table({"key": batch.keys["key"].to_numpy(dtype=object), "count": batch.count()})
+
+
+def test_an_arrow_output_is_cast_to_the_schema_or_refused_by_name(tmp_path: Path) -> None:
+    d = PolicyDriver(tmp_path / "job", PickyReminder(), arrow_schema("key string, n long"), uid="vec", watermark_ms=END_OF_TIME)
+    outs, _ = d.run(0, [_row("k0", 1, 0)], 1)  # its output of the first call has no rows: a null-typed key column
+    assert outs[0].schema == arrow_schema("key string, n long") and rows_of(outs) == [("k0", 1)]
+    bad = PolicyDriver(tmp_path / "bad", Misnamed(), arrow_schema("key string, n long"), uid="vec")
+    with pytest.raises(JobDefinitionError, match=r"operator 'vec' returned rows \(key string, count int64\) that do not fit its output schema \(key string, n int64\)"):
+        bad.run(0, [_row("k0", 1, 0)], 1)
 
 
 def test_an_unexpected_error_in_a_spark_task_names_operator_and_batch(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ from keyscale.checkpoint.files import (
     spill_state_file,
 )
 from keyscale.checkpoint.manifest import FileKind, StateFile, catch_up
-from keyscale.errors import InputDataError, KeyscaleError
+from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError
 from keyscale.operators.eventtime import END_OF_TIME, event_time_ms, max_event_within
 from keyscale.operators.keyed import (
     TIMER_STATES,
@@ -320,27 +320,44 @@ def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g
         if TIMER not in new_state:
             updates[TIMER][1][due] = False
     rows = held.table.upsert(g.probe, g.kgs, updates, pos=pos)
-    out = result if isinstance(result, pa.Table) else pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
-    return out, rows
+    return _as_output(spec, result), rows
+
+
+def _as_output(spec: StageTask, result: pd.DataFrame | pa.Table) -> pa.Table:
+    """A vectorized function's output rows as the stage's output schema (an Arrow table is
+    cast: a column of nothing but nulls comes back typed null)."""
+    if not isinstance(result, pa.Table):
+        return pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
+    if result.schema == spec.output_schema:
+        return result
+    try:
+        return result.select(spec.output_schema.names).cast(spec.output_schema)
+    except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        want = ", ".join(f"{f.name} {f.type}" for f in spec.output_schema)
+        got = ", ".join(f"{f.name} {f.type}" for f in result.schema)
+        raise JobDefinitionError(f"operator '{spec.uid}' returned rows ({got}) that do not fit its output schema ({want})") from None
 
 
 def _run_vectorized_guarded(
     fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, errors: ErrorCollector, due_rows: np.ndarray,
 ) -> tuple[pa.Table, np.ndarray]:
     """``_run_vectorized``; when it raises under skip/dead_letter, the keys it fails on are
-    found by bisection and set aside (all their records of the batch), the others processed."""
+    found by bisection and set aside (all their records of the batch), the others processed.
+    In a drain, the timers the calls set fire after them (``_drain_timers``)."""
     due: np.ndarray | None = None
     if fn.event_timers:  # keys whose timers are due join the batch's, once
         g, due = _with_due_keys(g, held, due_rows)
+    draining = due is not None and spec.watermark_ms >= END_OF_TIME
     try:
         out, changed = _run_vectorized(fn, spec, held, g, user, due)
-        return _drain_timers(fn, spec, held, g, user, out, changed) if due is not None and spec.watermark_ms >= END_OF_TIME else (out, changed)
     except KeyscaleError:
         raise
     except Exception as e:
         if not errors.policy.isolates or not len(g.index):
             errors.fail_batch(e, "in a vectorized function (it sees the subtask's whole batch)")
             raise
+    else:  # the state is written: a failure from here on fails the batch (bisecting would apply it twice)
+        return _drain_timers(fn, spec, held, g, user, out, changed, errors) if draining else (out, changed)
 
     def attempt(idx: np.ndarray) -> tuple[pa.Table, np.ndarray]:
         sub, sub_user = _subset(g, user, idx)
@@ -352,13 +369,27 @@ def _run_vectorized_guarded(
         errors.add(one_line(exc), g.index[j], user.take(rows).to_pylist(), exc)
     out = pa.concat_tables([o for o, _ in results]) if results else spec.output_schema.empty_table()
     changed = np.concatenate([c for _, c in results]) if results else np.empty(0, dtype=np.intp)
+    if draining:  # the keys that went through: their timers set in the drain fire in it
+        ok = np.setdiff1d(np.arange(len(g.index)), np.array([j for j, _ in failed], dtype=np.int64))
+        return _drain_timers(fn, spec, held, _subset(g, user, ok)[0], user, out, changed, errors)
     return out, changed
 
 
 def _drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, out: pa.Table,
-                  changed: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+                  changed: np.ndarray, errors: ErrorCollector) -> tuple[pa.Table, np.ndarray]:
     """At the end of time (a drain) no batch follows: timers the function has just set fire
     now, in further calls with those keys due and no records, until none is left."""
+    try:
+        return _fire_until_none(fn, spec, held, g, user, out, changed)
+    except KeyscaleError:
+        raise
+    except Exception as e:
+        errors.fail_batch(e, "in a vectorized function firing the timers it set at the end of time (a drain)")
+        raise
+
+
+def _fire_until_none(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, out: pa.Table,
+                     changed: np.ndarray) -> tuple[pa.Table, np.ndarray]:
     outs = [out]
     while True:
         vals, ok = held.table.gather(TIMER, held.table.positions(g.probe))
