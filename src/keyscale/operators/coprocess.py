@@ -208,7 +208,77 @@ def _as_dict(record: Any) -> dict[str, Any]:
     return record if isinstance(record, dict) else dict(record.asDict() if hasattr(record, "asDict") else record)
 
 
-class IntervalJoin(VectorizedKeyedCoProcessFunction):
+@dataclass(frozen=True)
+class _Side:
+    """One input of a join in a batch: the rows that wait from earlier batches and are still
+    live, then the batch's that are not late, in arrival order."""
+
+    rows: pa.Table
+    codes: np.ndarray  # each row's key (an index into the batch's keys)
+    times: np.ndarray  # each row's event time, ms
+    expiry: np.ndarray  # the watermark at which the row leaves: no partner can come after it
+    old: int  # how many of ``rows`` waited from earlier batches
+
+
+class _Join(VectorizedKeyedCoProcessFunction):
+    """What the interval and window joins share: each side's rows in list state, read and
+    written a batch at a time, and the key's one event timer at its rows' earliest expiry."""
+
+    pandas_records = False
+    event_timers = True
+
+    def __init__(self, time1: str, time2: str, type1: pa.DataType, type2: pa.DataType, names1: list[str], names2: list[str],
+                 extra: tuple[pa.Field[Any], ...] = ()):
+        self.time1, self.time2 = time1, time2
+        self.type1, self.type2 = type1, type2
+        self.names1, self.names2 = names1, names2  # output column names per input column
+        fields = [[t.field(i) for i in range(t.num_fields)] for t in (type1, type2)]
+        self.output = pa.schema([*(f.with_name(n) for f, n in zip(fields[0], names1, strict=True)),
+                                 *(f.with_name(n) for f, n in zip(fields[1], names2, strict=True)), *extra])
+
+    def open(self, ctx: RuntimeContext) -> None:
+        self.left = ctx.list_state("left", self.type1)
+        self.right = ctx.list_state("right", self.type2)
+
+    def _expiry(self, times: np.ndarray, side: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _sides(self, b: KeyedCoBatch, late_at_watermark: bool) -> tuple[_Side, _Side]:
+        """Both inputs' live rows: waiting rows whose expiry the watermark has reached leave
+        (what per-record timers removed before a batch's records); the batch's rows whose
+        expiry is before it (or at it, with ``late_at_watermark``) are late and dropped."""
+        assert b.arrow1 is not None and b.arrow2 is not None and b.watermark is not None
+        w = b.watermark
+        sides = []
+        for n, (state, arrow, codes, time, row_type) in enumerate((("left", b.arrow1, b.codes1, self.time1, self.type1),
+                                                                   ("right", b.arrow2, b.codes2, self.time2, self.type2))):
+            old, old_codes = _unlisted(b.state[state], row_type)
+            old_times, new_times = _ms_column(old, time), _ms_column(arrow, time)
+            old_expiry, new_expiry = self._expiry(old_times, n), self._expiry(new_times, n)
+            keep_old = np.flatnonzero(old_expiry > w)
+            keep_new = np.flatnonzero(new_expiry > w if late_at_watermark else new_expiry >= w)
+            sides.append(_Side(pa.concat_tables([old.take(keep_old).cast(arrow.schema), arrow.take(keep_new)]),
+                               np.concatenate([old_codes[keep_old], codes[keep_new]]),
+                               np.concatenate([old_times[keep_old], new_times[keep_new]]),
+                               np.concatenate([old_expiry[keep_old], new_expiry[keep_new]]), len(keep_old)))
+        return sides[0], sides[1]
+
+    @staticmethod
+    def _waiting(n: int, left: _Side, right: _Side) -> dict[str, Any]:
+        """The state after the batch: each key's rows per side (the waiting ones first, then
+        the batch's in arrival order), and its timer at the earliest expiry among them."""
+        state: dict[str, Any] = {}
+        expiry = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        for name, side in (("left", left), ("right", right)):
+            order = np.argsort(side.codes, kind="stable")
+            state[name] = pd.Series(_listed(side.rows.take(order), side.codes[order], n), dtype=object)
+            np.minimum.at(expiry, side.codes, side.expiry)
+        waiting = expiry < np.iinfo(np.int64).max
+        state[TIMER] = pd.Series(np.where(waiting, expiry, 0), dtype="Int64").where(waiting)
+        return state
+
+
+class IntervalJoin(_Join):
     """Rows of both inputs with the same key and ``t1 + lower <= t2 <= t1 + upper`` (event
     times, ms), joined: each pair once, in the batch its second row arrives. Each side's rows
     wait in list state until the watermark passes the last time a row of the other side
@@ -217,63 +287,24 @@ class IntervalJoin(VectorizedKeyedCoProcessFunction):
     with the other side's waiting rows and with each other, by key, on Arrow columns.
     """
 
-    pandas_records = False
-    event_timers = True
-
     def __init__(self, time1: str, time2: str, lower_ms: int, upper_ms: int, type1: pa.DataType, type2: pa.DataType,
                  names1: list[str], names2: list[str]):
-        self.time1, self.time2 = time1, time2
+        super().__init__(time1, time2, type1, type2, names1, names2)
         self.lower, self.upper = lower_ms, upper_ms
-        self.type1, self.type2 = type1, type2
-        self.names1, self.names2 = names1, names2  # output column names per input column
-        fields = [[t.field(i) for i in range(t.num_fields)] for t in (type1, type2)]
-        self.output = pa.schema([*(f.with_name(n) for f, n in zip(fields[0], names1, strict=True)),
-                                 *(f.with_name(n) for f, n in zip(fields[1], names2, strict=True))])
 
-    def open(self, ctx: RuntimeContext) -> None:
-        self.left = ctx.list_state("left", self.type1)
-        self.right = ctx.list_state("right", self.type2)
+    def _expiry(self, times: np.ndarray, side: int) -> np.ndarray:
+        # A left row at t joins right rows up to t + upper, a right row left rows from t - upper.
+        return times + self.upper if side == 0 else times - self.lower
 
     def process_batch(self, b: KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
-        assert b.arrow1 is not None and b.arrow2 is not None and b.watermark is not None
-        n, w = len(b.keys), b.watermark
-        # A row's expiry: the watermark past which no row of the other side can join it.
-        # What waits from earlier batches, less the rows past their expiry (what per-record
-        # timers remove before a batch's records); then the batch's rows that are not late.
-        sides = []
-        for side, arrow, codes, time, shift in (("left", b.arrow1, b.codes1, self.time1, self.upper),
-                                                ("right", b.arrow2, b.codes2, self.time2, -self.lower)):
-            old, old_codes = _unlisted(b.state[side], self.type1 if side == "left" else self.type2)
-            old_expiry, new_expiry = _ms_column(old, time) + shift, _ms_column(arrow, time) + shift
-            keep_old, keep_new = np.flatnonzero(old_expiry > w), np.flatnonzero(new_expiry >= w)
-            sides.append((old.take(keep_old), old_codes[keep_old], arrow.take(keep_new), codes[keep_new]))
-        (l_old, l_old_codes, l_new, l_new_codes), (r_old, r_old_codes, r_new, r_new_codes) = sides
-        # Pairs with at least one new row: new left x (waiting + new right), waiting left x new right.
-        lefts = pa.concat_tables([l_new, l_old.cast(l_new.schema)])
-        rights = pa.concat_tables([r_old.cast(r_new.schema), r_new])
-        left_codes = np.concatenate([l_new_codes, l_old_codes])
-        right_codes = np.concatenate([r_old_codes, r_new_codes])
-        li, ri = _pairs_by_key(left_codes, right_codes)
-        new_right_from = len(r_old_codes)
-        li, ri = li[(li < len(l_new_codes)) | (ri >= new_right_from)], ri[(li < len(l_new_codes)) | (ri >= new_right_from)]
-        t1, t2 = _ms_column(lefts, self.time1)[li], _ms_column(rights, self.time2)[ri]
-        hit = (t1 + self.lower <= t2) & (t2 <= t1 + self.upper)
+        left, right = self._sides(b, late_at_watermark=False)
+        li, ri = _pairs_by_key(left.codes, right.codes)
+        t1, t2 = left.times[li], right.times[ri]
+        # Pairs with at least one of the batch's rows (the others were emitted before), in range.
+        hit = ((li >= left.old) | (ri >= right.old)) & (t1 + self.lower <= t2) & (t2 <= t1 + self.upper)
         li, ri = li[hit], ri[hit]
-        out = pa.Table.from_arrays([*lefts.take(li).columns, *rights.take(ri).columns], schema=self.output)
-        # What waits now, per key: the old rows first, then the batch's in arrival order.
-        state: dict[str, Any] = {}
-        expiry = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
-        for name, old, old_codes, new, new_codes, time, shift in (
-                ("left", l_old, l_old_codes, l_new, l_new_codes, self.time1, self.upper),
-                ("right", r_old, r_old_codes, r_new, r_new_codes, self.time2, -self.lower)):
-            rows = pa.concat_tables([old.cast(new.schema), new])
-            codes = np.concatenate([old_codes, new_codes])
-            order = np.argsort(codes, kind="stable")
-            state[name] = pd.Series(_listed(rows.take(order), codes[order], n), dtype=object)
-            np.minimum.at(expiry, codes, _ms_column(rows, time) + shift)
-        waiting = expiry < np.iinfo(np.int64).max
-        state[TIMER] = pd.Series(np.where(waiting, expiry, 0), dtype="Int64").where(waiting)
-        return state, out
+        out = pa.Table.from_arrays([*left.rows.take(li).columns, *right.rows.take(ri).columns], schema=self.output)
+        return self._waiting(len(b.keys), left, right), out
 
 
 def _ms_column(table: pa.Table, column: str) -> np.ndarray:
@@ -307,7 +338,10 @@ def _pairs_by_key(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.n
     return pairs["i"].to_numpy(dtype=np.int64), pairs["j"].to_numpy(dtype=np.int64)
 
 
-class WindowJoin(VectorizedKeyedCoProcessFunction):
+_WINDOW = pa.timestamp("us", tz="UTC")
+
+
+class WindowJoin(_Join):
     """Rows of both inputs with the same key in the same event-time window (tumbling or
     sliding), joined: each pair once per window they share, with the window's start and end
     (Flink's window join; SQL's join on ``window_start, window_end``). A pair is emitted in
@@ -318,68 +352,32 @@ class WindowJoin(VectorizedKeyedCoProcessFunction):
     side's rows as (key, window) rows, the batch's new ones merged with the other side's.
     """
 
-    pandas_records = False
-    event_timers = True
-
     def __init__(self, assigner: Any, time1: str, time2: str, type1: pa.DataType, type2: pa.DataType,
                  names1: list[str], names2: list[str]):
+        super().__init__(time1, time2, type1, type2, names1, names2, (pa.field("window_start", _WINDOW), pa.field("window_end", _WINDOW)))
         self.assigner = assigner
-        self.time1, self.time2 = time1, time2
-        self.type1, self.type2 = type1, type2
-        self.names1, self.names2 = names1, names2
-        fields = [[t.field(i) for i in range(t.num_fields)] for t in (type1, type2)]
-        window = pa.timestamp("us", tz="UTC")
-        self.output = pa.schema([*(f.with_name(n) for f, n in zip(fields[0], names1, strict=True)),
-                                 *(f.with_name(n) for f, n in zip(fields[1], names2, strict=True)),
-                                 pa.field("window_start", window), pa.field("window_end", window)])
 
-    def open(self, ctx: RuntimeContext) -> None:
-        self.left = ctx.list_state("left", self.type1)
-        self.right = ctx.list_state("right", self.type2)
-
-    def _last_end(self, t: np.ndarray) -> np.ndarray:
-        """Each time's last window's end (its latest window starts last)."""
-        idx, starts = self.assigner.assign(t)
-        last = np.full(len(t), np.iinfo(np.int64).min, dtype=np.int64)
+    def _expiry(self, times: np.ndarray, side: int) -> np.ndarray:
+        # A window [s, e) fires once the watermark reaches e - 1; a row's last window starts last.
+        idx, starts = self.assigner.assign(times)
+        last = np.full(len(times), np.iinfo(np.int64).min, dtype=np.int64)
         np.maximum.at(last, idx, self.assigner.end(starts))
-        return last
+        return last - 1
 
     def process_batch(self, b: KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
-        assert b.arrow1 is not None and b.arrow2 is not None and b.watermark is not None
-        n, w = len(b.keys), b.watermark
-        # A window [s, e) fires once the watermark reaches e - 1: rows whose last window has
-        # fired leave the state (what per-record timers removed before a batch's records),
-        # and the batch's rows with no open window are late.
-        sides = []
-        for side, arrow, codes, time, row_type in (("left", b.arrow1, b.codes1, self.time1, self.type1),
-                                                   ("right", b.arrow2, b.codes2, self.time2, self.type2)):
-            old, old_codes = _unlisted(b.state[side], row_type)
-            keep_old = np.flatnonzero(self._last_end(_ms_column(old, time)) - 1 > w)
-            keep_new = np.flatnonzero(self._last_end(_ms_column(arrow, time)) - 1 > w)
-            rows = pa.concat_tables([old.take(keep_old).cast(arrow.schema), arrow.take(keep_new)])
-            sides.append((rows, np.concatenate([old_codes[keep_old], codes[keep_new]]), len(keep_old), time))
+        left, right = self._sides(b, late_at_watermark=True)
+        w = b.watermark
         # Every (row, window) of each side, joined on (key, window): pairs with a new row, in open windows.
         exploded = []
-        for rows, codes, n_old, time in sides:
-            idx, starts = self.assigner.assign(_ms_column(rows, time))
-            exploded.append(pd.DataFrame({"k": codes[idx], "s": starts, "i": idx, "new": idx >= n_old}))
+        for side in (left, right):
+            idx, starts = self.assigner.assign(side.times)
+            exploded.append(pd.DataFrame({"k": side.codes[idx], "s": starts, "i": idx, "new": idx >= side.old}))
         pairs = exploded[0].merge(exploded[1], on=["k", "s"], suffixes=("1", "2"))
         ends = self.assigner.end(pairs["s"].to_numpy(dtype=np.int64))
         pairs = pairs[(pairs["new1"] | pairs["new2"]).to_numpy() & (ends - 1 > w)]
         li, ri = pairs["i1"].to_numpy(dtype=np.int64), pairs["i2"].to_numpy(dtype=np.int64)
         starts = pairs["s"].to_numpy(dtype=np.int64)
-        window = pa.timestamp("us", tz="UTC")
-        out = pa.Table.from_arrays([*sides[0][0].take(li).columns, *sides[1][0].take(ri).columns,
-                                    pa.array(starts * 1000, pa.int64()).cast(window),
-                                    pa.array(self.assigner.end(starts) * 1000, pa.int64()).cast(window)], schema=self.output)
-        # What waits now, per key (old rows first, then the batch's in arrival order), and the
-        # key's timer: the earliest time one of its rows' last window fires.
-        state: dict[str, Any] = {}
-        expiry = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
-        for name, (rows, codes, _, time) in zip(("left", "right"), sides, strict=True):
-            order = np.argsort(codes, kind="stable")
-            state[name] = pd.Series(_listed(rows.take(order), codes[order], n), dtype=object)
-            np.minimum.at(expiry, codes, self._last_end(_ms_column(rows, time)) - 1)
-        waiting = expiry < np.iinfo(np.int64).max
-        state[TIMER] = pd.Series(np.where(waiting, expiry, 0), dtype="Int64").where(waiting)
-        return state, out
+        out = pa.Table.from_arrays([*left.rows.take(li).columns, *right.rows.take(ri).columns,
+                                    pa.array(starts * 1000, pa.int64()).cast(_WINDOW),
+                                    pa.array(self.assigner.end(starts) * 1000, pa.int64()).cast(_WINDOW)], schema=self.output)
+        return self._waiting(len(b.keys), left, right), out
