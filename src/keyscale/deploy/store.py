@@ -42,7 +42,7 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.deploy.plan import Current, Desired, DesiredState
 from keyscale.deploy.spec import DeploymentError, DeploymentSpec
 from keyscale.errors import KeyscaleError
-from keyscale.storage.local import atomic_write_json, is_locked
+from keyscale.storage.local import LocalStore, atomic_write_json, is_locked
 
 __all__ = ["DeploymentState", "DeploymentStatus", "DeploymentStore"]
 
@@ -235,12 +235,8 @@ class DeploymentStore:
     # -- the supervisor ----------------------------------------------------------------
     def lock_supervisor(self) -> bool:
         """Take the supervisor lock; False if another supervisor holds it."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = LocalStore(self.path).try_lock("supervisor.lock")
+        if fd is None:
             return False
         self._lock_fd = fd
         self.pid_path.write_text(str(os.getpid()))
@@ -249,8 +245,7 @@ class DeploymentStore:
     def unlock_supervisor(self) -> None:
         if self._lock_fd is not None:
             self.pid_path.unlink(missing_ok=True)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            LocalStore.unlock(self._lock_fd)
             self._lock_fd = None
 
     def supervisor_running(self) -> bool:

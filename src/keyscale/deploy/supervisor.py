@@ -612,8 +612,11 @@ def start_supervisor(store: DeploymentStore, timeout: float = 60) -> int:
         pid = store.supervisor_pid()
         if store.supervisor_running() and pid:
             return pid
-        if pid and _ended_since(store, log_start):
-            return pid  # it had little to do and has finished already (e.g. a stop with nothing running)
+        if _ended_since(store, log_start):
+            # It had little to do and has finished already (a stop with nothing running, a
+            # job that fails at once): its pid file is gone, its start event says who it was.
+            started = [e for e in store.events(20) if e.get("event") == "supervisor" and "pid" in e]
+            return pid or (int(started[-1]["pid"]) if started else 0)
         time.sleep(0.1)
     tail = store.supervisor_log.read_text(errors="replace").strip().splitlines()[-1:] if store.supervisor_log.exists() else []
     raise DeploymentError(f"the supervisor of {store.path} did not start within {timeout:.0f} s{': ' + tail[0] if tail else ''} (see {store.supervisor_log})")

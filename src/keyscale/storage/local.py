@@ -14,10 +14,14 @@ import json
 import os
 import shutil
 import stat
+import time
 import uuid
 from pathlib import Path
 
 from keyscale.storage.base import ObjectInfo, Store, check_key
+
+# How long a lock found held is tried again before it counts as held by another process.
+LOCK_GRACE_SECONDS = 0.5
 
 
 def fsync_path(path: Path) -> None:
@@ -217,16 +221,24 @@ class LocalStore(Store):
 
     def try_lock(self, key: str) -> int | None:
         """An exclusive ``flock`` on ``key`` (created if absent): its fd, or None if held.
-        Local only: it tells a second process on this machine that the job is running."""
+        Local only: it tells a second process on this machine that the job is running.
+
+        ``is_locked`` probes by taking a shared lock for an instant, so a lock found held is
+        tried again for up to ``LOCK_GRACE_SECONDS``: a status probe that happens to run at
+        the moment a job or supervisor starts must not make it think another one runs."""
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+        deadline = time.monotonic() + LOCK_GRACE_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return None
+                time.sleep(0.01)
 
     @staticmethod
     def unlock(fd: int) -> None:
