@@ -105,11 +105,12 @@ def run_keyscale(query: str, data: Path, tmp: Path, parallelism: int = 2, output
             "rescales": [list(r) for r in s.rescales]}
 
 
-def run_spark(spark: Any, query: str, data: Path, tmp: Path, output: Path | None = None) -> dict[str, Any]:
-    """Spark's native version of ``query`` (noop sink, or Parquet into ``output`` with the batch id)."""
+def run_spark(spark: Any, query: str, data: Path, tmp: Path, output: Path | None = None, read_only: bool = False) -> dict[str, Any]:
+    """Spark's native version of ``query`` (noop sink, or Parquet into ``output`` with the
+    batch id); ``read_only``: its floor instead, the query's input read and nothing done."""
     from pyspark.sql import functions as F
 
-    df, mode, post = Q.spark_query(spark, query, data)
+    df, mode, post = (Q.spark_read_only(spark, query, data), "append", None) if read_only else Q.spark_query(spark, query, data)
 
     def sink(b: Any, bid: int) -> None:
         if post is not None:
@@ -197,7 +198,7 @@ def _tmp() -> Path:
     return Path(tempfile.mkdtemp(prefix="ks-nexmark-"))
 
 
-def bench(spark: Any, data: Path, queries: list[str], repeats: int, parallelism: int) -> list[dict[str, Any]]:
+def bench(spark: Any, data: Path, queries: list[str], repeats: int, parallelism: int, floor: bool = False) -> list[dict[str, Any]]:
     per_slice = slices(data)
     rows = []
     for query in queries:
@@ -209,6 +210,8 @@ def bench(spark: Any, data: Path, queries: list[str], repeats: int, parallelism:
             systems["keyscale, per record"] = lambda t, q=query: run_keyscale(q, data, t, parallelism, per_record=True)
         if query in Q.SPARK_QUERIES:
             systems["spark"] = lambda t, q=query: run_spark(spark, q, data, t)
+        if floor and query in Q.READS:
+            systems["spark, read only"] = lambda t, q=query: run_spark(spark, q, data, t, read_only=True)
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in systems}
         for rep in range(repeats):
             for name, fn in systems.items():
@@ -269,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-p", "--parallelism", type=int, default=2)
     ap.add_argument("--verify", action="store_true", help="compare results on a small input (default 50,000 events, 5 files)")
     ap.add_argument("--rescale", nargs="*", metavar="QUERY", help="live rescale 2 -> 4 -> 2 runs of these queries (default q5 q17)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run each query's floor: Spark reading the columns the query reads and doing nothing else "
+                         "(the most any engine on Spark can reach, and that ceiling over Spark's own query)")
     ap.add_argument("--data-root", type=Path, default=BENCH / "data")
     ap.add_argument("--out", type=Path, default=BENCH / "out" / "nexmark.json")
     a = ap.parse_args(argv)
@@ -298,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.rescale is not None:
         report["rescale"] = rescale_runs(data, a.rescale or ["q5", "q17"])
     else:
-        rows = bench(spark, data, a.queries, a.repeats, a.parallelism)
+        rows = bench(spark, data, a.queries, a.repeats, a.parallelism, a.floor)
         report["results"] = rows
         print(f"\n{a.events:,} events, {a.files} batches, -p {a.parallelism}, local[2], medians of {a.repeats}\n"
               "| query | keyscale events/s | per core | Spark events/s | per core | keyscale / Spark |\n|---|---|---|---|---|---|")
@@ -311,6 +317,15 @@ def main(argv: list[str] | None = None) -> int:
                 if variant.startswith("keyscale, "):
                     print(f"| {r['query']} ({variant[10:]}) | {e:,.0f} | {e / 2:,.0f} | "
                           + (f"{s:,.0f} | {s / 2:,.0f} | {e / s:.2f}x |" if s else "- | - | - |"))
+        floors = [r for r in rows if "spark, read only" in r["events_per_s"]]
+        if floors:
+            print("\nThe floor: Spark reading the query's columns and doing nothing else; its events/s is the most any\n"
+                  "engine on Spark reaches, and floor / Spark the most any can be ahead of Spark's own query.\n"
+                  "| query | keyscale events/s | Spark events/s | floor events/s | keyscale / floor | floor / Spark |\n|---|---|---|---|---|---|")
+            for r in floors:
+                e = r["events_per_s"]
+                k, s, f = e["keyscale"], e.get("spark"), e["spark, read only"]
+                print(f"| {r['query']} | {k:,.0f} | {f'{s:,.0f}' if s else '-'} | {f:,.0f} | {k / f:.2f} | {f'{f / s:.2f}x' if s else '-'} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {a.out}")

@@ -64,3 +64,27 @@ def test_a_live_rescale_2_4_2_changes_no_output(data: Path, tmp_path: Path, quer
     b = Q.canonical(R.result_of(query, tmp_path / "b-out"))
     assert len(a) > 0
     assert a.equals(b)
+
+
+def test_the_floor_reads_what_sparks_own_query_scans(spark: Any, data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``READS`` (the columns run.py's floor reads) is what Spark's optimised plan of each
+    native query scans: a floor reading more would look slower than it is, one reading less
+    faster. Checked on the same queries read as batch DataFrames (same plans, no stream)."""
+    import re
+
+    def read_batch(spark: Any, data: Any, stream: str) -> Any:
+        return spark.read.schema(Q.SCHEMAS[stream]).parquet(str(Path(data) / stream))
+
+    monkeypatch.setattr(Q, "_read", read_batch)
+    assert set(Q.READS) == set(Q.SPARK_QUERIES)
+    spark.conf.set("spark.sql.maxMetadataStringLength", 10_000)  # the scans' folders in full
+    try:
+        for query in Q.SPARK_QUERIES:
+            df, _, post = Q.spark_query(spark, query, data)
+            plan = (post(df) if post else df)._jdf.queryExecution().executedPlan().toString()
+            scans: dict[str, set[str]] = {}
+            for stream, schema in re.findall(r"Location: InMemoryFileIndex[^\n]*?/(person|auction|bid)\][^\n]*?ReadSchema: struct<([^>]*)>", plan):
+                scans.setdefault(stream, set()).update(f.split(":")[0] for f in schema.split(","))
+            assert scans == {s: set(c) for s, c in Q.READS[query].items()}, (query, plan)
+    finally:
+        spark.conf.unset("spark.sql.maxMetadataStringLength")
