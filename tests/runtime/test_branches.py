@@ -139,3 +139,9 @@ def test_a_stage_gets_only_the_columns_its_function_reads(spark: Any, tmp_path: 
     assert task_input(timed.sink(ks.ParquetSink(str(tmp_path / "b"))).keyed_steps[0], False).names == ["key", "ts", "note"]
     undeclared = events.key_by("key").process(ks.VectorizedKeyedFunction(), "key string", uid="all")
     assert task_input(undeclared.sink(ks.ParquetSink(str(tmp_path / "c"))).keyed_steps[0], False).names == ["key", "value", "ts", "note"]
+    # A window aggregate reads its aggregates' columns, its keys and its event time.
+    windowed = events.with_watermark("ts", "1 second").key_by("key").window(ks.SessionWindows("10 seconds"))
+    counted = windowed.aggregate(uid="sessions", n=ks.count()).sink(ks.ParquetSink(str(tmp_path / "d"))).keyed_steps[0]
+    assert task_input(counted, False).names == ["key", "ts"]
+    summed = windowed.aggregate(uid="sums", total=ks.sum("value")).sink(ks.ParquetSink(str(tmp_path / "e")))
+    assert task_input(summed.keyed_steps[0], False).names == ["key", "value", "ts"]

@@ -202,6 +202,12 @@ class WindowAggregate:
         """Nothing to declare: the operator's state is fixed by its aggregates."""
 
     @property
+    def input_columns(self) -> list[str]:
+        """The columns its aggregates read: only these, the keys and the event time cross the
+        shuffle and Arrow to the tasks (``runtime.stages.task_input``)."""
+        return sorted({a.column for a in self.aggs.values() if a.column is not None})
+
+    @property
     def event_time_type(self) -> pa.DataType:
         return self.input_types[self.event_time]
 
