@@ -3,6 +3,7 @@
     PYTHONPATH=src .venv/bin/python bench/nexmark/run.py                       # the table (2M events, 10 files, 2 repeats)
     PYTHONPATH=src .venv/bin/python bench/nexmark/run.py --verify              # results equal? (50k events)
     PYTHONPATH=src .venv/bin/python bench/nexmark/run.py --rescale q5 q17      # live rescale 2 -> 4 -> 2 mid-run
+    PYTHONPATH=src .venv/bin/python bench/nexmark/run.py --floor --queries q17 # and Spark only reading the input
 
 The input comes from ``bench/nexmark/generator.py`` (rate 10,000 events/s of event time,
 seed 0, in order), written once under ``bench/data/nexmark-<events>-<files>`` (gitignored):
