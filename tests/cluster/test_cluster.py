@@ -32,7 +32,7 @@ from keyscale.cluster import (
     stop_cluster,
     stop_worker,
 )
-from keyscale.cluster.local import _group_members
+from keyscale.cluster.processes import group_members
 from keyscale.errors import ClusterError
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -57,15 +57,15 @@ class Cluster:
         return w
 
     def leftovers(self) -> list[int]:
-        return [p for pid, started in self.daemons for p in _group_members(pid, started)]
+        return [p for pid, started in self.daemons for p in group_members(pid, started)]
 
 
 def _stop_and_check(folder: Path, daemons: list[tuple[int, int]]) -> None:
     """Stop the cluster; SIGKILL (by PID) and report anything still running."""
     stop_cluster(folder, grace=5.0)
-    left = [p for pid, started in daemons for p in _group_members(pid, started)]
+    left = [p for pid, started in daemons for p in group_members(pid, started)]
     for pid, started in daemons:
-        if _group_members(pid, started):
+        if group_members(pid, started):
             os.killpg(pid, signal.SIGKILL)
     assert not left, f"processes left after stop_cluster: {left}"
     assert read_cluster(folder) is None
@@ -182,7 +182,7 @@ def test_worker_joins_then_is_killed_and_the_app_follows(cluster: Cluster, app: 
     stop_worker(cluster.folder, w.id, kill=True)
     gone = app.wait_cores(1, LEAVE_TIMEOUT) + (time.monotonic() - t0)
     print(f"killed worker gone from the app {gone:.1f} s after the kill")
-    assert not _group_members(w.pid, w.started)  # the worker and its executor
+    assert not group_members(w.pid, w.started)  # the worker and its executor
     st = cluster_status(cluster.folder)
     assert [x.id for x in st.alive_workers] == ["worker-1"] and st.total_cores == 1
     job = app.ask("job")
@@ -213,7 +213,7 @@ def test_request_executors_shrinks_grows_and_caps(cluster: Cluster, app: App) ->
             stop_worker(cluster.folder, w.id)
     app.wait_cores(1, LEAVE_TIMEOUT)
     assert app.ask("job")["ok"]
-    assert all(not _group_members(w.pid, w.started) for w in extra)
+    assert all(not group_members(w.pid, w.started) for w in extra)
 
 
 def test_stop_worker_names_the_known_workers(cluster: Cluster) -> None:
@@ -274,7 +274,7 @@ def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
         assert main(["cluster", "stop", "--dir", d]) == 0
         assert "stopped" in capsys.readouterr().err
-        assert not [p for pid, started in daemons for p in _group_members(pid, started)]
+        assert not [p for pid, started in daemons for p in group_members(pid, started)]
         assert _processes_mentioning(Path(d).resolve()) == []
         assert main(["cluster", "stop", "--dir", d]) == 0  # a no-op, said so
         assert "nothing to stop" in capsys.readouterr().err

@@ -27,7 +27,8 @@ from keyscale.cluster import (
     stop_cluster,
     stop_worker,
 )
-from keyscale.cluster.local import _alive, _free_ports, _group_members, _proc_stat, _write_state
+from keyscale.cluster.local import _write_state
+from keyscale.cluster.processes import alive, free_ports, group_members, proc_stat
 from keyscale.errors import ClusterError
 
 
@@ -72,7 +73,7 @@ def test_a_damaged_state_file_is_named(tmp_path: Path) -> None:
 
 def _dead_pid() -> int:
     pid = 4_194_304 + 4242  # above PID_MAX_LIMIT (2**22): never a process
-    assert _proc_stat(pid) is None
+    assert proc_stat(pid) is None
     return pid
 
 
@@ -96,27 +97,27 @@ def test_state_round_trip_and_a_dead_cluster(tmp_path: Path, capsys: pytest.Capt
 
 def test_process_identity_guards_against_pid_reuse() -> None:
     me = os.getpid()
-    stat = _proc_stat(me)
+    stat = proc_stat(me)
     assert stat is not None
     _state, pgrp, started = stat
-    assert _alive(me, started) and _alive(me, 0)
-    assert not _alive(me, started + 1)  # same PID, another process: not ours
-    assert not _alive(_dead_pid(), 0)
-    assert _group_members(pgrp, 0)  # our own group has members ...
+    assert alive(me, started) and alive(me, 0)
+    assert not alive(me, started + 1)  # same PID, another process: not ours
+    assert not alive(_dead_pid(), 0)
+    assert group_members(pgrp, 0)  # our own group has members ...
     # ... but a group is not ours if its leader is foreign (a group of its own: ours may have lost its leader)
     child = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        leader = _proc_stat(child.pid)
+        leader = proc_stat(child.pid)
         assert leader is not None
-        assert _group_members(child.pid, leader[2]) == [child.pid]
-        assert _group_members(child.pid, leader[2] + 1) == []
+        assert group_members(child.pid, leader[2]) == [child.pid]
+        assert group_members(child.pid, leader[2] + 1) == []
     finally:
         child.kill()
         child.wait()
 
 
 def test_free_ports_are_distinct_and_bindable() -> None:
-    ports = _free_ports(4)
+    ports = free_ports(4)
     assert len(set(ports)) == 4 and all(1024 < p < 65536 for p in ports)
 
 
@@ -149,3 +150,11 @@ def test_a_daemon_that_cannot_start_is_a_clear_error_and_leaves_nothing(
         start_cluster(tmp_path / "c")
     assert read_cluster(tmp_path / "c") is None
     assert (tmp_path / "c" / "logs" / "master.log").exists()
+
+
+def test_the_process_helpers_example_runs() -> None:
+    import doctest
+
+    from keyscale.cluster import processes
+
+    assert doctest.testmod(processes).failed == 0

@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -56,6 +54,14 @@ from pathlib import Path
 from typing import Any
 
 from keyscale.cluster import isolation
+from keyscale.cluster.processes import (
+    HOST,
+    alive,
+    free_ports,
+    spark_home,
+    start_time,
+    terminate,
+)
 from keyscale.errors import ClusterError
 
 __all__ = [
@@ -76,7 +82,6 @@ __all__ = [
     "stop_worker",
 ]
 
-HOST = "127.0.0.1"
 STATE_FILE = "cluster.json"
 DEFAULT_TIMEOUT = 90.0
 """Seconds to wait for a daemon to come up (a JVM start is 2-5 s; a shared CI box is slower)."""
@@ -280,129 +285,6 @@ class ClusterStatus:
         }  # fmt: skip
 
 
-# --- processes --------------------------------------------------------------------------
-
-
-def spark_home() -> Path:
-    """The PySpark package folder: a Spark distribution with ``bin/spark-class`` and ``jars/``.
-
-    It is used even when ``SPARK_HOME`` points elsewhere: the daemons must run the same
-    Spark version as the driver.
-    """
-    spec = importlib.util.find_spec("pyspark")
-    if spec is None or spec.origin is None:
-        raise ClusterError("pyspark is not installed in this Python environment")
-    home = Path(spec.origin).parent
-    if not (home / "bin" / "spark-class").is_file():
-        raise ClusterError(f"the PySpark install at {home} has no bin/spark-class")
-    return home
-
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """``(state, process group, start time)`` of ``pid`` from /proc, or None if it does not exist."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    except OSError:
-        return None
-    rest = data[data.rindex(")") + 2 :].split()
-    return rest[0], int(rest[2]), int(rest[19])
-
-
-def _has_proc() -> bool:
-    return Path("/proc/self/stat").exists()
-
-
-def _reap(pid: int) -> None:
-    """Collect ``pid``'s exit status if it is our child (no zombie left behind)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def _alive(pid: int, started: int) -> bool:
-    """Whether the process started as ``pid`` at ``started`` is still running."""
-    if pid <= 0:
-        return False
-    if not _has_proc():  # pragma: no cover - keyscale targets Linux
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    st = _proc_stat(pid)
-    if st is None:
-        return False
-    state, _pgrp, start = st
-    if state in ("Z", "X"):
-        _reap(pid)
-        return False
-    return not (started and start != started)
-
-
-def _group_members(pgid: int, started: int) -> list[int]:
-    """Running processes of the process group ``pgid`` (led by the process we started).
-
-    If a process with PID ``pgid`` exists but is not the one we started, the group is
-    someone else's: the kernel does not reuse a PID while it still names a process group,
-    so our group is empty by then.
-    """
-    if not _has_proc():  # pragma: no cover
-        return [pgid] if _alive(pgid, started) else []
-    lead = _proc_stat(pgid)
-    if lead is not None and started and lead[2] != started:
-        return []
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        st = _proc_stat(int(entry.name))
-        if st is not None and st[1] == pgid and st[0] not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
-
-
-def _wait_gone(pid: int, started: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while _alive(pid, started):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _terminate(pid: int, started: int, *, grace: float, kill: bool) -> None:
-    """Stop the daemon ``pid`` and everything in its process group (its executors)."""
-    if not kill and _alive(pid, started):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        _wait_gone(pid, started, grace)
-    deadline = time.monotonic() + max(grace, 5.0)
-    while _group_members(pid, started):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    _reap(pid)
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _env(folder: Path, home: Path) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("SPARK_MASTER_OPTS", "SPARK_WORKER_OPTS", "SPARK_DAEMON_JAVA_OPTS", "SPARK_MASTER_HOST",
@@ -475,11 +357,6 @@ class _Isolation:
 
 def _isolation(info: ClusterInfo) -> _Isolation | None:
     return None if info.worker_user is None else _Isolation.prepare(info.folder, info.worker_user)
-
-
-def _start_time(pid: int) -> int:
-    st = _proc_stat(pid)
-    return st[2] if st else 0
 
 
 def _bind_failed(log: Path, offset: int) -> bool:
@@ -570,7 +447,7 @@ def _require(folder: Path) -> ClusterInfo:
 
 def _require_running(folder: Path) -> ClusterInfo:
     info = _require(folder)
-    if not _alive(info.master_pid, info.master_started):
+    if not alive(info.master_pid, info.master_started):
         raise ClusterError(
             f"the Spark master of the cluster in {folder} is not running (see {info.master_log}); "
             f"stop the cluster and start it again"
@@ -591,13 +468,13 @@ def _check_args(cores: int, memory: str) -> None:
 def _start_master(folder: Path, timeout: float) -> ClusterInfo:
     log = folder / "logs" / "master.log"
     for attempt in range(_START_ATTEMPTS):
-        port, webui = _free_ports(2)
+        port, webui = free_ports(2)
         offset = _log_size(log)
         proc = _spawn(folder, MASTER_CLASS, ["--host", HOST, "--port", str(port), "--webui-port", str(webui)], log)
         info = ClusterInfo(
             folder=folder, master_url=f"spark://{HOST}:{port}", webui_url=f"http://{HOST}:{webui}",
             master_pid=proc.pid, master_port=port, webui_port=webui, master_log=log,
-            master_started=_start_time(proc.pid),
+            master_started=start_time(proc.pid),
         )  # fmt: skip
         _write_state(info)  # recorded at once: a crash of this process leaves it stoppable
         deadline = time.monotonic() + timeout
@@ -611,7 +488,7 @@ def _start_master(folder: Path, timeout: float) -> ClusterInfo:
             if data is not None and data.get("status") == "ALIVE":
                 return info
             if time.monotonic() > deadline:
-                _terminate(proc.pid, info.master_started, grace=2.0, kill=False)
+                terminate(proc.pid, info.master_started, grace=2.0, kill=False)
                 raise ClusterError(f"the Spark master did not come up within {timeout:.0f} s; see {log}")
             time.sleep(0.2)
     raise ClusterError(f"the Spark master could not bind free ports in {_START_ATTEMPTS} attempts; see {log}")  # pragma: no cover
@@ -627,12 +504,12 @@ def _launch_worker(
         work.mkdir(parents=True, exist_ok=True)
     else:
         work = iso.dirs(worker_id) / "work"  # the worker user's: the cluster folder may be closed to it
-    port, webui = _free_ports(2)
+    port, webui = free_ports(2)
     offset = _log_size(log)
     args = [info.master_url, "--host", HOST, "--port", str(port), "--webui-port", str(webui),
             "--cores", str(cores), "--memory", memory, "--work-dir", str(work)]  # fmt: skip
     proc = _spawn(folder, WORKER_CLASS, args, log, iso, worker_id)
-    w = WorkerInfo(worker_id, proc.pid, cores, memory, port, webui, log, work, _start_time(proc.pid))
+    w = WorkerInfo(worker_id, proc.pid, cores, memory, port, webui, log, work, start_time(proc.pid))
     return proc, w, offset
 
 
@@ -654,9 +531,9 @@ def _start_workers(
     deadline = time.monotonic() + timeout
     while pending:
         data = _master_json(info.webui_port)
-        alive = _alive_worker_ports(data) if data is not None else set()
+        registered = _alive_worker_ports(data) if data is not None else set()
         for wid, (proc, w, offset, attempts) in list(pending.items()):
-            if w.port in alive:
+            if w.port in registered:
                 del pending[wid]
                 continue
             code = proc.poll()
@@ -683,13 +560,13 @@ def _start_workers(
 def _stop_all(info: ClusterInfo, grace: float) -> None:
     """SIGTERM every recorded daemon at once, then wait and SIGKILL leftovers (workers first)."""
     for w in info.workers:
-        if _alive(w.pid, w.started):
+        if alive(w.pid, w.started):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.pid, signal.SIGTERM)
     for w in info.workers:
-        _terminate(w.pid, w.started, grace=grace, kill=False)
+        terminate(w.pid, w.started, grace=grace, kill=False)
         _remove_scratch(info, w)
-    _terminate(info.master_pid, info.master_started, grace=grace, kill=False)
+    terminate(info.master_pid, info.master_started, grace=grace, kill=False)
 
 
 def _remove_scratch(info: ClusterInfo, w: WorkerInfo) -> None:
@@ -734,7 +611,7 @@ def start_cluster(
     with _locked(path):
         old = read_cluster(path)
         if old is not None:
-            if _alive(old.master_pid, old.master_started):
+            if alive(old.master_pid, old.master_started):
                 raise ClusterError(
                     f"a cluster is already running in {path} (master {old.master_url}, pid {old.master_pid}); "
                     f"stop it first: keyscale cluster stop --dir {path}"
@@ -778,7 +655,7 @@ def add_worker(
             now = read_cluster(path) or info
             for w in now.workers:
                 if w.id not in before:
-                    _terminate(w.pid, w.started, grace=2.0, kill=False)
+                    terminate(w.pid, w.started, grace=2.0, kill=False)
             _write_state(replace(now, workers=tuple(w for w in now.workers if w.id in before)))
             raise
         (new,) = (w for w in info.workers if w.id not in before)
@@ -804,10 +681,10 @@ def stop_worker(
     with _locked(path):
         info = _require(path)
         w = info.worker(worker_id)
-        _terminate(w.pid, w.started, grace=grace, kill=kill)
+        terminate(w.pid, w.started, grace=grace, kill=kill)
         _remove_scratch(info, w)
         _write_state(replace(info, workers=tuple(x for x in info.workers if x.id != worker_id)))
-    if _alive(info.master_pid, info.master_started):
+    if alive(info.master_pid, info.master_started):
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             data = _master_json(info.webui_port)
@@ -841,8 +718,8 @@ def cluster_status(folder: str | os.PathLike[str], *, timeout: float = 5.0) -> C
     """
     path = _folder(folder)
     info = _require(path)
-    dead = [] if _alive(info.master_pid, info.master_started) else ["master"]
-    dead += [w.id for w in info.workers if not _alive(w.pid, w.started)]
+    dead = [] if alive(info.master_pid, info.master_started) else ["master"]
+    dead += [w.id for w in info.workers if not alive(w.pid, w.started)]
     data = _master_json(info.webui_port, timeout=timeout) if "master" not in dead else None
     if data is None:
         return ClusterStatus(path, info.master_url, info.webui_url, False, dead_processes=tuple(dead))
