@@ -17,6 +17,9 @@ dropped (see ``STALE_COPY_BYTES``), so an executor holds one copy of each key.
 With ``state_backend="rocksdb"`` the state is instead in a RocksDB on the executor's disk
 (``keyscale.runtime.rocks_task``): the task fetches the batch's keys from it into a small
 table, runs the same code on that table, and writes the changed rows back.
+
+The batch's grouping by key is :mod:`keyscale.runtime.grouping`; a vectorized function's
+call on it (timers drained, poison keys bisected), :mod:`keyscale.runtime.vectorized_task`.
 """
 
 from __future__ import annotations
@@ -30,15 +33,12 @@ import uuid
 from collections import deque, namedtuple
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from keyscale.checkpoint.files import (
     encode_state_file,
@@ -47,8 +47,6 @@ from keyscale.checkpoint.files import (
     spill_state_file,
 )
 from keyscale.checkpoint.manifest import FileKind, StateFile, catch_up
-from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError
-from keyscale.operators.eventtime import END_OF_TIME, event_time_ms, max_event_within
 from keyscale.operators.keyed import (
     TIMER_STATES,
     Context,
@@ -57,28 +55,13 @@ from keyscale.operators.keyed import (
     rows_to_arrow,
     ttl_column,
 )
-from keyscale.operators.poison import (
-    ErrorCollector,
-    bisect_failures,
-    null_event_time_mask,
-    null_key_mask,
-    one_line,
-    run_guarded,
-)
-from keyscale.operators.vectorized import (
-    TIMER,
-    KeyedBatch,
-    VectorizedKeyedFunction,
-    masked,
-    to_frame,
-    unmasked,
-)
+from keyscale.operators.poison import ErrorCollector, null_event_time_mask, run_guarded
+from keyscale.operators.vectorized import VectorizedKeyedFunction
 from keyscale.operators.windows import WindowAggregate, run_windows
+from keyscale.runtime import grouping, vectorized_task
 from keyscale.runtime.counters import window_counters
+from keyscale.runtime.grouping import Grouped
 from keyscale.runtime.stagetask import (
-    COMBINED_AHEAD,
-    COMBINED_EVENT_MS,
-    COMBINED_RECORDS,
     DEAD,
     KG,
     LATE,
@@ -90,7 +73,7 @@ from keyscale.runtime.stagetask import (
     with_side_output,
 )
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
-from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
+from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor, is_numeric
 from keyscale.storage import Store
 from keyscale.storage.scratch import remove_scratch
@@ -101,7 +84,7 @@ if TYPE_CHECKING:
 __all__ = ["DEAD", "KG", "LATE", "MAIN", "SEQ", "StageTask", "run_subtask", "side_output_schema", "state_file_name", "with_side_output"]
 
 
-class _Held:
+class Held:
     """A worker's warm copy of one operator's state: some key groups, each at a version."""
 
     def __init__(self, spec: StageTask):
@@ -119,15 +102,15 @@ def _signature(spec: StageTask) -> tuple[Any, ...]:
 
 
 # Lives as long as the Python worker process: that is what keeps state warm.
-_HELD: dict[tuple[str, str], _Held] = {}
+_HELD: dict[tuple[str, str], Held] = {}
 
 
-def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[_Held, dict[str, int]]:
+def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[Held, dict[str, int]]:
     """The worker's state for ``rng`` brought to version ``spec.committed``."""
     key = (spec.store.uri, spec.uid)
     held = _HELD.get(key)
     if held is None or held.run_id != spec.run_id or held.signature != _signature(spec):
-        held = _HELD[key] = _Held(spec)
+        held = _HELD[key] = Held(spec)
     _evict(held, rng, spec.batch_id, spec.parallelism)  # before loading: one copy at a time, at the peak too
     lo, hi = rng.start, rng.end
     ver = held.version[lo : hi + 1].copy()
@@ -173,7 +156,7 @@ def _fetch_in_order(store: Store, reads: list[tuple[StateFile, KeyGroupRange]]) 
 STALE_COPY_BYTES = int(float(os.environ.get("KEYSCALE_STALE_STATE_MB", "0")) * 2**20)
 
 
-def _evict(held: _Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_batches: int = 3) -> None:
+def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_batches: int = 3) -> None:
     """Forget key groups this worker has not served lately (they moved or another worker
     has them), and stale copies beyond ``STALE_COPY_BYTES``: those of key groups not
     served in this batch, once the worker has served its likely share of the batch's
@@ -197,246 +180,15 @@ def _evict(held: _Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_b
         held.version[stale] = -1
 
 
-def _records(spec: StageTask, table: pa.Table) -> int:
-    """The stream's records a batch's rows stand for (a combined row stands for several)."""
-    if not spec.combined:
-        return table.num_rows
-    return int(pc.sum(table.column(COMBINED_RECORDS)).as_py() or 0)
-
-
-def _max_event(spec: StageTask, table: pa.Table) -> tuple[int | None, int]:
-    """The largest event time within the batch's bound, and how many were beyond it."""
-    assert spec.event_time is not None
-    if not spec.combined:
-        return max_event_within(event_time_ms(table, spec.event_time), spec.event_time_limit_ms)
-    top = pc.max(table.column(COMBINED_EVENT_MS)).as_py()
-    return (int(top) if top is not None else None), int(pc.sum(table.column(COMBINED_AHEAD)).as_py() or 0)
-
-
-def _null_check(spec: StageTask, table: pa.Table) -> pa.Table:
-    """Apply the null-key rule (a NaN key is a null key): stop, naming the column, or drop them."""
-    drop = np.zeros(table.num_rows, dtype=bool)
-    weight = table.column(COMBINED_RECORDS).to_numpy() if spec.combined else None
-    for k in spec.key_names:
-        col = table.column(k)
-        bad = null_key_mask(col)
-        n = int(bad.sum() if weight is None else weight[bad].sum())  # records
-        if n and spec.null_keys == "error":
-            nan = " (NaN counts as a null key)" if int(bad.sum()) > col.null_count else ""
-            raise InputDataError(
-                f"null key in column '{k}' of operator '{spec.uid}' (batch {spec.batch_id}, {n} records){nan}; "
-                "filter them out before key_by() or use key_by(..., null_keys='drop')"
-            )
-        drop |= bad
-    return table.filter(pa.array(~drop)) if drop.any() else table
-
-
-
-@dataclass(frozen=True)
-class _Grouped:
-    """A batch's records grouped by key: ``order[starts[j]:starts[j+1]]`` are key j's records."""
-
-    codes: np.ndarray  # per record, the index of its key
-    index: pd.Index  # the distinct keys, in order of first record
-    keys: list[np.ndarray]  # the same, one array per key column
-    kgs: np.ndarray  # key group per distinct key
-    order: np.ndarray
-    starts: np.ndarray
-    probe: list[Any]  # the same keys as the state table looks them up (Arrow for a string key: no objects to convert)
-
-    def take(self, idx: np.ndarray) -> list[Any]:
-        """The probe columns of keys ``idx``."""
-        return [p[idx] if isinstance(p, np.ndarray) else p.take(pa.array(idx, type=pa.int64())) for p in self.probe]
-
-
-def _group_keys(spec: StageTask, table: pa.Table) -> _Grouped:
-    """Factorize the key columns: codes per record, unique keys (first-appearance order), etc."""
-    if len(spec.key_names) == 1 and not is_numeric(spec.key_types[0]):
-        # One string-like key: Arrow's hash encoding (first-appearance order, as pd.factorize)
-        # makes Python objects of the distinct keys only, not of every record's.
-        enc: Any = pc.dictionary_encode(table.column(spec.key_names[0]).combine_chunks())
-        codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False)
-        uniques = np.empty(len(enc.dictionary), dtype=object)
-        uniques[:] = enc.dictionary.to_pylist()
-        index = pd.Index(uniques)
-        ukeys = [uniques]
-        return _finish_grouping(spec, table, codes, index, ukeys, [enc.dictionary])
-    key_arrays = []
-    for k, t in zip(spec.key_names, spec.key_types, strict=True):
-        col = table.column(k)
-        key_arrays.append(np.asarray(col.to_numpy()) if is_numeric(t) else np.asarray(col.to_pylist(), dtype=object))
-    codes, index, ukeys = factorize_keys(key_arrays)
-    return _finish_grouping(spec, table, codes, index, ukeys)
-
-
-def _finish_grouping(spec: StageTask, table: pa.Table, codes: Any, index: pd.Index, ukeys: list[np.ndarray], probe: list[Any] | None = None) -> _Grouped:
-    codes = np.asarray(codes, dtype=np.int64)
-    if len(codes) and codes.min() < 0:  # never after _null_check; never a raw numpy error either
-        raise InputDataError(f"operator '{spec.uid}' (batch {spec.batch_id}): a key that cannot be grouped (null or NaN) in {', '.join(spec.key_names)}")
-    n = len(index)
-    _, first = np.unique(codes, return_index=True)
-    kgs = table.column(KG).to_numpy().astype(np.int32)[first] if n else np.empty(0, dtype=np.int32)
-    order = np.argsort(codes, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=n))]).astype(np.int64)
-    return _Grouped(codes, index, ukeys, kgs, order, starts, probe if probe is not None else ukeys)
-
-
-_TIMER_COLUMNS = frozenset(c for pair in TIMER_STATES.values() for c in pair)  # kept by keyscale, not the function's
-
-
-def _run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table,
-                    due: np.ndarray | None) -> tuple[pa.Table, np.ndarray]:
-    """One call for the whole batch; every key of the batch is written back (their rows are
-    returned). ``due``: with event timers, which keys' timers are due (keys after the
-    records' own may have no records)."""
-    pos = held.table.positions(g.probe)
-    # Only the columns the function says it reads become pandas (a string key column is costly).
-    reads = user if fn.input_columns is None else user.select(fn.input_columns)
-    timer = None if due is None else masked(*held.table.gather(TIMER, pos), pa.int64())
-    batch = KeyedBatch(
-        records=to_frame(reads) if fn.pandas_records else pd.DataFrame(index=range(reads.num_rows)),
-        codes=g.codes,
-        keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, g.keys, strict=True)}),
-        state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states if s.name not in _TIMER_COLUMNS}),
-        order=g.order,
-        starts=g.starts,
-        batch_id=spec.batch_id,
-        processing_time=spec.batch_time_ms,
-        broadcast_state=MappingProxyType(spec.broadcast_state or {}),
-        arrow=reads,
-        watermark=spec.watermark_ms,
-        timer=None if timer is None else pd.Series(timer),
-        due=due,
-    )
-    new_state, result = fn.process_batch(batch)
-    updates = {s.name: unmasked(new_state[s.name], s.column_type) for s in spec.states if s.name in new_state and s.name not in _TIMER_COLUMNS}
-    for s in spec.states:  # what was written restarts its TTL clock
-        if s.ttl_seconds is not None and s.name in updates:
-            ok = updates[s.name][1]
-            updates[ttl_column(s.name)] = (np.full(len(ok), spec.batch_time_ms, dtype=np.int64), ok.copy())
-    if due is not None:  # a due timer is spent unless the function gives the key a new one
-        assert timer is not None
-        updates[TIMER] = unmasked(new_state[TIMER], pa.int64()) if TIMER in new_state else unmasked(timer, pa.int64())
-        if TIMER not in new_state:
-            updates[TIMER][1][due] = False
-    rows = held.table.upsert(g.probe, g.kgs, updates, pos=pos)
-    return _as_output(spec, result), rows
-
-
-def _as_output(spec: StageTask, result: pd.DataFrame | pa.Table) -> pa.Table:
-    """A vectorized function's output rows as the stage's output schema (an Arrow table is
-    cast: a column of nothing but nulls comes back typed null)."""
-    if not isinstance(result, pa.Table):
-        return pa.Table.from_pandas(result, schema=spec.output_schema, preserve_index=False)
-    if result.schema == spec.output_schema:
-        return result
-    try:
-        return result.select(spec.output_schema.names).cast(spec.output_schema)
-    except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        want = ", ".join(f"{f.name} {f.type}" for f in spec.output_schema)
-        got = ", ".join(f"{f.name} {f.type}" for f in result.schema)
-        raise JobDefinitionError(f"operator '{spec.uid}' returned rows ({got}) that do not fit its output schema ({want})") from None
-
-
-def _run_vectorized_guarded(
-    fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, errors: ErrorCollector, due_rows: np.ndarray,
-) -> tuple[pa.Table, np.ndarray]:
-    """``_run_vectorized``; when it raises under skip/dead_letter, the keys it fails on are
-    found by bisection and set aside (all their records of the batch), the others processed.
-    In a drain, the timers the calls set fire after them (``_drain_timers``)."""
-    due: np.ndarray | None = None
-    if fn.event_timers:  # keys whose timers are due join the batch's, once
-        g, due = _with_due_keys(g, held, due_rows)
-    draining = due is not None and spec.watermark_ms >= END_OF_TIME
-    try:
-        out, changed = _run_vectorized(fn, spec, held, g, user, due)
-    except KeyscaleError:
-        raise
-    except Exception as e:
-        if not errors.policy.isolates or not len(g.index):
-            errors.fail_batch(e, "in a vectorized function (it sees the subtask's whole batch)")
-            raise
-    else:  # the state is written: a failure from here on fails the batch (bisecting would apply it twice)
-        return _drain_timers(fn, spec, held, g, user, out, changed, errors) if draining else (out, changed)
-
-    def attempt(idx: np.ndarray) -> tuple[pa.Table, np.ndarray]:
-        sub, sub_user = _subset(g, user, idx)
-        return _run_vectorized(fn, spec, held, sub, sub_user, None if due is None else due[np.sort(idx)])
-
-    results, failed = bisect_failures(np.arange(len(g.index)), attempt)
-    for j, exc in sorted(failed, key=lambda f: f[0]):
-        rows = np.sort(g.order[g.starts[j] : g.starts[j + 1]])
-        errors.add(one_line(exc), g.index[j], user.take(rows).to_pylist(), exc)
-    out = pa.concat_tables([o for o, _ in results]) if results else spec.output_schema.empty_table()
-    changed = np.concatenate([c for _, c in results]) if results else np.empty(0, dtype=np.intp)
-    if draining:  # the keys that went through: their timers set in the drain fire in it
-        ok = np.setdiff1d(np.arange(len(g.index)), np.array([j for j, _ in failed], dtype=np.int64))
-        return _drain_timers(fn, spec, held, _subset(g, user, ok)[0], user, out, changed, errors)
-    return out, changed
-
-
-def _drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, out: pa.Table,
-                  changed: np.ndarray, errors: ErrorCollector) -> tuple[pa.Table, np.ndarray]:
-    """At the end of time (a drain) no batch follows: timers the function has just set fire
-    now, in further calls with those keys due and no records, until none is left."""
-    try:
-        return _fire_until_none(fn, spec, held, g, user, out, changed)
-    except KeyscaleError:
-        raise
-    except Exception as e:
-        errors.fail_batch(e, "in a vectorized function firing the timers it set at the end of time (a drain)")
-        raise
-
-
-def _fire_until_none(fn: VectorizedKeyedFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, out: pa.Table,
-                     changed: np.ndarray) -> tuple[pa.Table, np.ndarray]:
-    outs = [out]
-    while True:
-        vals, ok = held.table.gather(TIMER, held.table.positions(g.probe))
-        idx = np.flatnonzero(ok & (vals <= spec.watermark_ms))
-        if not len(idx):
-            return pa.concat_tables(outs), changed
-        g = _Grouped(np.empty(0, dtype=np.int64), g.index[idx], [k[idx] for k in g.keys], g.kgs[idx], np.empty(0, dtype=np.int64),
-                     np.zeros(len(idx) + 1, dtype=np.int64), g.take(idx))
-        more, rows = _run_vectorized(fn, spec, held, g, user.slice(0, 0), np.ones(len(idx), dtype=bool))
-        outs.append(more)
-        changed = held.table.rows_union(changed, rows)
-
-
-def _subset(g: _Grouped, user: pa.Table, idx: np.ndarray) -> tuple[_Grouped, pa.Table]:
-    """The keys ``idx`` (positions in ``g.index``) of a grouped batch, with their records in arrival order."""
-    idx = np.sort(idx)
-    rows = np.sort(np.concatenate([g.order[g.starts[j] : g.starts[j + 1]] for j in idx]))
-    remap = np.full(len(g.index), -1, dtype=np.int64)
-    remap[idx] = np.arange(len(idx))
-    codes = remap[g.codes[rows]]
-    starts = np.concatenate([[0], np.cumsum(np.bincount(codes, minlength=len(idx)))]).astype(np.int64)
-    sub = _Grouped(codes, g.index[idx], [k[idx] for k in g.keys], g.kgs[idx], np.argsort(codes, kind="stable"), starts, g.take(idx))
-    return sub, user.take(rows)
-
-
-def _with_due_keys(g: _Grouped, held: _Held, due_rows: np.ndarray) -> tuple[_Grouped, np.ndarray]:
-    """The batch's keys followed by keys that have only due timers; and which keys are due."""
-    if not len(due_rows):
-        return g, np.zeros(len(g.index), dtype=bool)
-    due_keys = held.table.key_values(due_rows)
-    due_index = make_index(due_keys)
-    extra = ~np.asarray(due_index.isin(g.index), dtype=bool)
-    index = g.index.append(due_index[extra])
-    keys = [np.concatenate([a, b[extra].astype(a.dtype, copy=False)]) for a, b in zip(g.keys, due_keys, strict=True)]
-    kgs = np.concatenate([g.kgs, held.table.kg[due_rows][extra]]).astype(np.int32)
-    starts = np.concatenate([g.starts, np.full(int(extra.sum()), g.starts[-1], dtype=np.int64)])
-    due = np.asarray(index.isin(due_index), dtype=bool)
-    return _Grouped(g.codes, index, keys, kgs, g.order, starts, keys), due
 
 
 def _run_per_key(
-    fn: KeyedProcessFunction, spec: StageTask, held: _Held, g: _Grouped, user: pa.Table, opened: RuntimeContext, ctx: Context,
+    fn: KeyedProcessFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table, opened: RuntimeContext, ctx: Context,
     due_rows: np.ndarray, errors: ErrorCollector,
 ) -> tuple[pa.Table, np.ndarray]:
     """Due timers, then ``fn.process``, per key with Python state values; only keys whose
     state changed are written back (their rows are returned)."""
-    g, due = _with_due_keys(g, held, due_rows)
+    g, due = vectorized_task.with_due_keys(g, held, due_rows)
     pos = held.table.positions(g.probe)
     columns = _python_columns(held, spec, pos)
     row_type = namedtuple("Row", spec.input_schema.names, rename=True)  # type: ignore[misc]
@@ -463,7 +215,7 @@ def _run_per_key(
     return rows_to_arrow(emitted, spec.output_schema, spec.uid), written
 
 
-def _expire(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
+def _expire(spec: StageTask, held: Held, rng: KeyGroupRange) -> np.ndarray:
     """Expire TTL'd values of the subtask's key groups at the batch time; the rows changed."""
     changed = np.empty(0, dtype=np.intp)
     for s in spec.states:
@@ -473,7 +225,7 @@ def _expire(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
     return changed
 
 
-def _due_timers(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
+def _due_timers(spec: StageTask, held: Held, rng: KeyGroupRange) -> np.ndarray:
     if not spec.timers:
         return np.empty(0, dtype=np.intp)
     event = held.table.due(TIMER_STATES["event_time"][1], spec.watermark_ms, rng.start, rng.end)
@@ -481,7 +233,7 @@ def _due_timers(spec: StageTask, held: _Held, rng: KeyGroupRange) -> np.ndarray:
     return held.table.rows_union(event, proc)
 
 
-def _python_columns(held: _Held, spec: StageTask, pos: np.ndarray) -> dict[str, list[Any]]:
+def _python_columns(held: Held, spec: StageTask, pos: np.ndarray) -> dict[str, list[Any]]:
     out = {}
     for s in spec.states:
         vals, ok = held.table.gather(s.name, pos)
@@ -577,7 +329,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     if rocks is None:
         parts = list(batches)
     table = pa.Table.from_batches(parts) if parts else _empty_input(spec)
-    records = _records(spec, table)
+    records = grouping.records(spec, table)
     out = spec.output_schema.empty_table()
     changed_rows = _expire(spec, held, rng)
     due_rows = _due_timers(spec, held, rng)
@@ -590,16 +342,16 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     # Windows run every batch: without records, some may still be due.
     if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
         table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
-        table = _null_check(spec, table)  # dropped here, not in Spark, so that they are counted
-        if (kept := _records(spec, table)) < records:
+        table = grouping.null_check(spec, table)  # dropped here, not in Spark, so that they are counted
+        if (kept := grouping.records(spec, table)) < records:
             counters["dropped_null_keys"] = records - kept
         if isinstance(fn, WindowAggregate):
             table = _without_event_time(spec, fn.event_time, table, errors)
         if spec.event_time and table.num_rows:
-            max_event, ahead = _max_event(spec, table)
+            max_event, ahead = grouping.max_event(spec, table)
             if ahead:
                 counters["too_far_ahead"] = ahead
-        grouped = _group_keys(spec, table)
+        grouped = grouping.group_keys(spec, table)
         n_keys = len(grouped.index)
         user = table.select(list(spec.input_schema.names))
         if isinstance(fn, WindowAggregate):
@@ -616,7 +368,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
             changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
         else:
             if isinstance(fn, VectorizedKeyedFunction):
-                out, changed = _run_vectorized_guarded(fn, spec, held, grouped, user, errors, due_rows)
+                out, changed = vectorized_task.run_vectorized_guarded(fn, spec, held, grouped, user, errors, due_rows)
             else:
                 ctx = Context(spec.batch_id, spec.batch_time_ms, subtask, spec.watermark_ms)
                 ctx.broadcast_state = MappingProxyType(spec.broadcast_state or {})
