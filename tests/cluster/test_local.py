@@ -152,9 +152,9 @@ def test_a_daemon_that_cannot_start_is_a_clear_error_and_leaves_nothing(
     assert (tmp_path / "c" / "logs" / "master.log").exists()
 
 
-def test_the_process_helpers_example_runs() -> None:
+@pytest.mark.parametrize("module", ["processes", "records"])
+def test_the_module_examples_run(module: str) -> None:
     import doctest
+    import importlib
 
-    from keyscale.cluster import processes
-
-    assert doctest.testmod(processes).failed == 0
+    assert doctest.testmod(importlib.import_module(f"keyscale.cluster.{module}")).failed == 0
