@@ -25,8 +25,8 @@ from keyscale.sources.generator import (
     generated_records,
     start_generator,
 )
+from keyscale.sources.local_log import LocalLog
 from keyscale.sources.log import (
-    LocalLog,
     LogError,
     LogWriter,
     PartitionedLog,
