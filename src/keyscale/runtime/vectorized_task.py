@@ -35,7 +35,7 @@ TIMER_COLUMNS = frozenset(c for pair in TIMER_STATES.values() for c in pair)  # 
 
 
 def run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table,
-                    due: np.ndarray | None) -> tuple[pa.Table, np.ndarray]:
+                   due: np.ndarray | None) -> tuple[pa.Table, np.ndarray]:
     """One call for the whole batch; every key of the batch is written back (their rows are
     returned). ``due``: with event timers, which keys' timers are due (keys after the
     records' own may have no records)."""
@@ -126,7 +126,7 @@ def run_vectorized_guarded(
 
 
 def drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table, out: pa.Table,
-                  changed: np.ndarray, errors: ErrorCollector) -> tuple[pa.Table, np.ndarray]:
+                 changed: np.ndarray, errors: ErrorCollector) -> tuple[pa.Table, np.ndarray]:
     """At the end of time (a drain) no batch follows: timers the function has just set fire
     now, in further calls with those keys due and no records, until none is left."""
     try:
@@ -139,7 +139,7 @@ def drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Gr
 
 
 def fire_until_none(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table, out: pa.Table,
-                     changed: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+                    changed: np.ndarray) -> tuple[pa.Table, np.ndarray]:
     outs = [out]
     while True:
         vals, ok = held.table.gather(TIMER, held.table.positions(g.probe))
