@@ -527,23 +527,24 @@ class LastBid(ks.VectorizedKeyedFunction):
     """q18: keyed by (bidder, auction), the newest bid (by dateTime; the later record on a
     tie); emits a key's bid when it is newer than the one in state."""
 
+    pandas_records = False  # the bids' string columns go to the output: Arrow take, no pandas
+
     def __init__(self) -> None:
         self.input_columns = ["price", "channel", "url", "date_time", "extra"]
 
     def open(self, ctx: ks.RuntimeContext) -> None:
         ctx.value_state("last_us", "long")
 
-    def process_batch(self, batch: Any) -> tuple[dict[str, Any], pd.DataFrame]:
-        recs = batch.records
-        t = _epoch(recs["date_time"], "us")
+    def process_batch(self, batch: Any) -> tuple[dict[str, Any], pa.Table]:
+        recs = batch.arrow
+        t = recs.column("date_time").cast(pa.int64()).to_numpy()  # microseconds since the epoch
         order = np.lexsort((np.arange(len(t)), t, batch.codes))
         last = order[batch.starts[1:] - 1]  # sorted by key code, then time, then arrival: each key's newest
         prev = batch.state["last_us"].to_numpy(dtype=np.int64, na_value=np.iinfo(np.int64).min)
         newer = t[last] > prev
-        out = batch.keys.loc[newer].reset_index(drop=True)
-        picked = recs.iloc[last[newer]].reset_index(drop=True)
-        for c in self.input_columns or []:
-            out[c] = picked[c]
+        keys = pa.Table.from_pandas(batch.keys.loc[newer], preserve_index=False)
+        picked = recs.take(last[newer]).select(self.input_columns)
+        out = pa.Table.from_arrays([*keys.columns, *picked.columns], names=[*keys.column_names, *picked.column_names])
         return {"last_us": np.where(newer, t[last], prev)}, out
 
 
