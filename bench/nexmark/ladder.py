@@ -11,8 +11,8 @@ plan without streaming or a state store): medians over the repeats of batches 1-
   + columns      the query's own per-record columns (q17's day and price ranges)
   + shuffle      the exact shuffle of every record by the keyed stage's key
   + to Python    ... and every record through Arrow to a Python function that only counts
-  + keyscale     keyscale's shuffle as planned (``runtime.stages.keyed``: arrival sequence,
-                 key group, routing, one marker row per subtask), through Arrow to the same
+  + keyscale     keyscale's own shuffle (``runtime.stages.routed``: arrival sequence, key
+                 group, routing, one marker row per subtask), through Arrow to the same
                  counting function
   Spark query    Spark's native query, the same file read as a batch DataFrame
 
@@ -52,10 +52,7 @@ def _count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 def rungs(spark: Any, query: str, file: str) -> dict[str, Callable[[], Any]]:
     """The rungs of ``query`` on one input file, each a function that runs it once."""
-    from pyspark.sql import functions as F
-
-    from keyscale.state.keygroups import key_group_range
-    from keyscale.state.spark_hash import routing_values
+    from keyscale.runtime.stages import routed
 
     key, transform = KEYED[query]
     cols = Q.READS[query]["bid"]
@@ -68,14 +65,8 @@ def rungs(spark: Any, query: str, file: str) -> dict[str, Callable[[], Any]]:
 
     def keyscale_shuffle(p: int = 2, m: int = 128) -> Any:
         df = columns()
-        rows = df.select("*", F.monotonically_increasing_id().alias("seq"),
-                         F.expr(f"cast(pmod(hash({', '.join(key)}), {m}) as int)").alias("kg"))
-        starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
-        nulls = [F.lit(None).cast(t).alias(c) for c, t in df.dtypes]
-        markers = spark.range(p).select(*nulls, F.expr("cast(-1 as bigint) as seq"),
-                                        F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as kg"))
-        to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int((kg * {p}) div {m}) + 1)")
-        return rows.unionByName(markers).repartition(p, to)
+        rows, to = routed(df, df.schema, df.columns, key, m, p)  # what runtime.stages.keyed plans
+        return rows.repartition(p, to)
 
     def noop(df: Any) -> None:
         df.write.format("noop").mode("overwrite").save()

@@ -186,7 +186,6 @@ def keyed(
 ) -> DataFrame:
     """A keyed stage at parallelism ``p``: its state files from the committed manifest, which
     subtasks snapshot (compact) this batch, and the exact shuffle to its subtasks."""
-    from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import from_arrow_schema
 
     m = job.max_parallelism
@@ -219,31 +218,42 @@ def keyed(
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
         on_error=policy, report_to=job.reports.sender, state_backend=backend,
     )
-    # The plan is rebuilt every batch, and every Column made in Python is several calls to
-    # the JVM (~1 ms each): fixed parts are SQL expressions, the schema is read once.
+    # The schema is read once (each read is a call to the JVM).
     spark_schema = df.schema
-    keys = ", ".join(_quoted(k) for k in step.key_names)
-    rows = df.select(*spec.input_schema.names, F.monotonically_increasing_id().alias(SEQ),
-                     F.expr(f"cast(pmod(hash({keys}), {m}) as int)").alias(KG))
-    # One marker row per subtask (sequence -1, dropped by the task): every subtask runs, and
-    # reports, even when Spark proves the batch empty (a transform with an aggregate or a
-    # window over an empty batch plans to no partitions at all).
-    starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
-    markers = df.sparkSession.range(p).select(
-        *[_null_of(c, spark_schema[c].dataType) for c in spec.input_schema.names],
-        F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"))
-    # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
-    to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int(({KG} * {p}) div {m}) + 1)")
+    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p)
     if step.combine:
-        staged, spec = combined(rows.unionByName(markers).withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
+        staged, spec = combined(rows.withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
     else:
-        staged = rows.unionByName(markers).repartition(p, to)
+        staged = rows.repartition(p, to)
     dead = spec.on_error.on_error == "dead_letter"
     schema = (
         side_output_schema(step.output_schema, step.input_schema if spec.late_output else None, DEAD_LETTER_SCHEMA if dead else None)
         if spec.late_output or dead else step.output_schema
     )
     return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
+
+
+def routed(df: DataFrame, schema: StructType, columns: Sequence[str], key_names: Sequence[str], m: int, p: int) -> tuple[DataFrame, Column]:
+    """The rows a keyed stage at parallelism ``p`` (``m`` key groups) ships: ``columns`` of
+    ``df`` (whose ``schema`` the caller read) with each row's arrival sequence and key group,
+    one marker row per subtask, and the expression that routes a row to its subtask's
+    partition (``repartition(p, expr)``)."""
+    from pyspark.sql import functions as F
+
+    # The plan is rebuilt every batch, and every Column made in Python is several calls to
+    # the JVM (~1 ms each): fixed parts are SQL expressions.
+    keys = ", ".join(_quoted(k) for k in key_names)
+    rows = df.select(*columns, F.monotonically_increasing_id().alias(SEQ), F.expr(f"cast(pmod(hash({keys}), {m}) as int)").alias(KG))
+    # One marker row per subtask (sequence -1, dropped by the task): every subtask runs, and
+    # reports, even when Spark proves the batch empty (a transform with an aggregate or a
+    # window over an empty batch plans to no partitions at all).
+    starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
+    markers = df.sparkSession.range(p).select(
+        *[_null_of(c, schema[c].dataType) for c in columns],
+        F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"))
+    # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
+    to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int(({KG} * {p}) div {m}) + 1)")
+    return rows.unionByName(markers), to
 
 
 def combined(staged: DataFrame, input_schema: StructType, step: KeyedStep, spec: StageTask) -> tuple[DataFrame, StageTask]:
