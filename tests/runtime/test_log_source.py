@@ -193,6 +193,35 @@ def test_an_idle_partition_holds_the_watermark_only_without_idleness(spark: Any,
         assert set(out.key) == {"busy", "quiet"}  # windows fired
 
 
+def test_a_job_run_until_idle_ends_after_all_its_inputs_went_idle(spark: Any, tmp_path: Path) -> None:
+    """Once every input is idle the watermark follows the clock and so moved on each batch:
+    a job run until idle never ended (CI hung 15 minutes on a slow machine, where the last
+    busy partition fell idle before the run had seen an empty batch). It ends now, its
+    windows fired, after at most one batch moved only by the clock."""
+    import datetime as dt
+    import textwrap
+    import time
+
+    job = tmp_path / "idle.py"
+    job.write_text(textwrap.dedent(IDLE_JOB))
+    log = create_log(tmp_path / "log", "key string, value long, ts timestamp", 2)
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    for partition, key in enumerate(["a", "b"]):
+        log.append(partition, pa.table({"key": [key], "value": [1], "ts": pa.array([t0], pa.timestamp("us", tz="UTC"))}))
+    seen: list[int] = []
+
+    def slow_then_count(rec: Any) -> None:
+        seen.append(rec.batch)
+        if rec.batch == 0:
+            time.sleep(0.5)  # longer than the idleness: both inputs are idle from the next batch
+        assert rec.batch < 10, "a job run until idle went on batch after batch"
+
+    args = {"log": str(tmp_path / "log"), "output": str(tmp_path / "out"), "idleness": "200 milliseconds"}
+    run_job(job, tmp_path / "job", 1, args, on_batch=slow_then_count, trigger_interval="100 milliseconds")
+    assert len(seen) <= 3
+    assert set(read_output(tmp_path / "out").key) == {"a", "b"}  # the clock fired their windows
+
+
 def _shrink(log: PartitionedLog, partition: int, records: int) -> None:
     """Remove the last ``records`` of a partition, as a Redis failover to a replica that was behind does."""
     end = log.end_offsets()[partition]

@@ -383,6 +383,7 @@ class JobRunner:
         """Micro-batches driven by keyscale: one every trigger interval, also without new
         records (timers, idleness and windows move with time); until idle with ``until_idle``."""
         interval = _seconds(self.opts.trigger_interval) or 1.0
+        empty_before = False  # the previous batch read no records
         while not self._stop.is_set():
             started = time.monotonic()
             before = self.watermark.watermark_ms
@@ -396,8 +397,13 @@ class JobRunner:
                     poison_batch.keep_trace(self.jobdir, e)
                     raise _translate(e) from None
             replayed = bool(self.summary.batches) and self.summary.batches[-1].replayed  # its intent fixed its input
-            if self.opts.until_idle and records == 0 and self.watermark.watermark_ms == before and not replayed:
+            # Run until idle: end on a batch without records that moved nothing, or on the
+            # second batch in a row without records. Once every input is idle the watermark
+            # follows the clock and moves on every batch; one such batch fired what the
+            # clock could fire, waiting for more would never end.
+            if self.opts.until_idle and records == 0 and not replayed and (self.watermark.watermark_ms == before or empty_before):
                 break
+            empty_before = records == 0 and not replayed
             if not self.opts.until_idle:
                 self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
