@@ -199,8 +199,9 @@ def test_a_local_output_folder_fails_on_isolated_workers(cluster: Any, redis_url
 
 def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, redis_url: str, s3_bucket: str, tmp_path: Path) -> None:
     """The active autoscaler under a load step on the cluster (a third worker joins first):
-    it scales up, asks Spark for executors to match, and the output on S3 is exactly once.
-    The last test of the module: the worker it adds stays until the cluster stops."""
+    it scales up, asks Spark for executors to match, scales back down after its delay once
+    the load dropped, without oscillating, and the output on S3 is exactly once. The last
+    test of the module: the worker it adds stays until the cluster stops."""
     add_worker(cluster.folder, cores=1)
     log = create_log(f"{redis_url}?name=c-{uuid.uuid4().hex[:12]}", "key string, value long, ts timestamp, seq long", 4)
     job_dir, out = f"{s3_bucket}/jobs/slow", f"{s3_bucket}/out"
@@ -215,6 +216,7 @@ def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, red
         job.wait("a first batch", lambda st: batch(st) >= 0, timeout=240)
         gen = start_generator(log, "1200/s for 15s, 100/s for 10s", keys=50)
         job.wait("a scale-up under the load step", lambda st: par(st) >= 2, timeout=120)
+        job.wait("a scale-down after the load dropped", lambda st: par(st) == 1, timeout=180)
         gen.join(120)
         job.wait("the backlog read", lambda st: lag(st) == 0)
         job.stop()
@@ -225,7 +227,7 @@ def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, red
     assert gen.error is None
     events = job.jd.read_events()
     actions = [e["action"] for e in events if e["type"] == "autoscaler" and e["uid"] == "totals" and e["action"] != "none"]
-    assert actions[0] == "scale_up"
+    assert actions[0] == "scale_up" and actions[-1] == "scale_down"
     assert sum(1 for a, b in pairwise(actions) if a != b) <= 2  # no oscillation
     asked = [e for e in events if e["type"] == "executors"]
     assert any(e["requested"] >= 2 and e["requested"] > e["had"] for e in asked), asked  # more executors for the scale-up

@@ -1,6 +1,7 @@
 """Elastic jobs on a real Spark standalone cluster on localhost (``keyscale cluster``):
-reactive mode follows workers joining and leaving, and the active autoscaler scales up
-under a load step and back down after its delay; output exactly-once throughout."""
+reactive mode follows workers joining and leaving; output exactly-once throughout. (The
+active autoscaler on a cluster, scaling up under a load step and back down, is tested with
+its state on S3 in tests/cluster/test_s3_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import pytest
 from conftest import EXAMPLES, ROOT, cli, read_output
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cluster import add_worker, read_cluster, start_cluster, stop_cluster, stop_worker
-from keyscale.sources import LogWriter, create_log, start_generator
+from keyscale.sources import LogWriter, create_log
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -117,42 +117,3 @@ def test_reactive_mode_follows_a_worker_joining_and_leaving(cluster: Any, tmp_pa
     events = [e for e in JobDir(tmp_path / "job").read_events() if e["type"] == "reactive"]
     assert [e["to"] for e in events][:2] == [2, 1], events
     check_exactly_once(tmp_path / "out", *frames)
-
-
-# A running count that costs cost_ms per record (sleep: I/O-like work), shared with bench/elastic.py.
-SLOW_JOB = ROOT / "bench" / "jobs" / "slow_count.py"
-
-
-def test_active_autoscaler_scales_up_under_a_load_step_and_back_down(cluster: Any, tmp_path: Path) -> None:
-    add_worker(tmp_path / "cluster", cores=1)
-    add_worker(tmp_path / "cluster", cores=1)  # three 1-core workers
-    job_file = SLOW_JOB
-    log = create_log(tmp_path / "log", "key string, value long, ts timestamp, seq long", 4)
-    job = Job(tmp_path, str(job_file), "--master", cluster.master_url, "-p", "1", "--scaling", "auto", "--autoscaler", "active",
-              "--scaling-max", "4", "--trigger-interval", "1 second",
-              "--autoscaler-option", "stabilization_seconds=4", "--autoscaler-option", "scale_down_delay_seconds=8",
-              "--autoscaler-option", "metrics_window_seconds=6", "--autoscaler-option", "warmup_batches=1",
-              "--autoscaler-option", "catch_up_seconds=10", "--autoscaler-option", "min_busy_seconds=0",
-              "--set", f"log={tmp_path / 'log'}", "--set", f"output={tmp_path / 'out'}", "--set", "cost_ms=1")
-    gen = start_generator(log, "150/s for 8s, 1200/s for 20s, 100/s for 25s", keys=50)
-    try:
-        job.wait("a first batch", lambda st: st.get("last_checkpoint") is not None, timeout=240)
-        job.wait("a scale-up under the load step", lambda st: par(st) >= 2, timeout=120)
-        job.wait("a scale-down after the load dropped", lambda st: par(st) == 1, timeout=180)
-        gen.join(120)
-        job.wait("the backlog read", lambda st: lag(st) == 0)
-        job.stop()
-    finally:
-        gen.stop()
-        job.kill()
-    assert gen.error is None
-    decisions = [e for e in JobDir(tmp_path / "job").read_events() if e["type"] == "autoscaler" and e["uid"] == "totals" and e["action"] != "none"]
-    actions = [e["action"] for e in decisions]
-    assert actions[0] == "scale_up" and actions[-1] == "scale_down"
-    assert sum(1 for a, b in pairwise(actions) if a != b) <= 2  # no oscillation: at most one reversal per load change
-    assert any(e["type"] == "executors" for e in JobDir(tmp_path / "job").read_events())
-    # Exactly-once: each key's final count is its number of records in the log.
-    out = read_output(tmp_path / "out")
-    got = out.groupby("key")["count"].max().sort_index()
-    records = pd.concat([log.read(p, 0, e).to_pandas() for p, e in enumerate(log.end_offsets())])
-    pd.testing.assert_series_equal(got, records.groupby("key").size().sort_index(), check_names=False, check_dtype=False)
