@@ -162,10 +162,12 @@ def result_of(query: str, out: Path) -> pd.DataFrame:
     return Q.final(query, df) if not df.empty else df
 
 
-def verify(spark: Any, query: str, data: Path, tmp: Path, systems: tuple[str, ...] = ("keyscale", "spark")) -> dict[str, Any]:
+def verify(spark: Any, query: str, data: Path, tmp: Path, systems: tuple[str, ...] = ("keyscale", "spark"),
+           outputs: dict[str, Path] | None = None) -> dict[str, Any]:
     """Run ``query`` on each system into Parquet and compare each with the pandas reference:
     ``{system: (equal, rows, reference rows)}``; systems are "keyscale", "spark" and, for
-    Q.PER_RECORD's queries, "keyscale, per record"."""
+    Q.PER_RECORD's queries, "keyscale, per record". ``outputs``: systems already run, the
+    folder of their output (a "keyscale" one: :func:`run_keyscale` with ``drain=True``)."""
     ref = Q.final(query, Q.reference(query, read_tables(data, Q.STREAMS[query])).assign(batch=0))
     cut = cutoff_ms(data)
     ref = Q.canonical(_windows_closed(query, ref, cut))
@@ -174,11 +176,14 @@ def verify(spark: Any, query: str, data: Path, tmp: Path, systems: tuple[str, ..
         if (system == "spark" and query not in Q.SPARK_QUERIES) or (system == "keyscale, per record" and query not in Q.PER_RECORD):
             continue
         where = tmp / f"{system.replace(', ', '-').replace(' ', '-')}-{query}"
-        if system.startswith("keyscale"):
-            run_keyscale(query, data, where, output=where / "out", drain=True, per_record=system != "keyscale")
-        else:
-            run_spark(spark, query, data, where, output=where / "out")
-        got = result_of(query, where / "out")
+        folder = (outputs or {}).get(system)
+        if folder is None:
+            folder = where / "out"
+            if system.startswith("keyscale"):
+                run_keyscale(query, data, where, output=folder, drain=True, per_record=system != "keyscale")
+            else:
+                run_spark(spark, query, data, where, output=folder)
+        got = result_of(query, folder)
         got = Q.canonical(_windows_closed(query, got[[c for c in ref.columns if c in got.columns]], cut)) if len(got) else got
         equal = len(got) == len(ref) and list(got.columns) == list(ref.columns) and got.equals(ref)
         out[system] = {"equal": bool(equal), "rows": len(got), "reference_rows": len(ref), "result": got, "reference": ref}
