@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import keyscale.scaling.jobmodel as jobmodel_module
 import keyscale.scaling.simulate as simulate_module
 import keyscale.scaling.traces as traces_module
 from keyscale.errors import KeyscaleError
@@ -462,7 +463,7 @@ def test_format_decisions_table() -> None:
     assert "stabilising" in format_decisions(simulate(step_down()), all_decisions=True)
 
 
-@pytest.mark.parametrize("module", [simulate_module, traces_module])
+@pytest.mark.parametrize("module", [simulate_module, traces_module, jobmodel_module])
 def test_docstring_examples_run(module: object) -> None:
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)  # type: ignore[arg-type]
     assert result.failed == 0 and result.attempted > 3
