@@ -30,10 +30,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.deploy.launch import start_supervisor
 from keyscale.deploy.plan import Desired, DesiredState, plan_action
 from keyscale.deploy.spec import DeploymentError, DeploymentSpec, load_deployment, state_dir_of
 from keyscale.deploy.store import DeploymentState, DeploymentStatus, DeploymentStore
-from keyscale.deploy.supervisor import Outcome, start_supervisor
+from keyscale.deploy.supervisor import Outcome
 from keyscale.errors import KeyscaleError
 
 __all__ = [
