@@ -30,7 +30,8 @@ def build(ctx):
         users, clicks = files("users", "id string, name string, ts timestamp"), log("clicks")
     else:
         users, clicks = log("users"), files("clicks", "user string, page string, ts timestamp")
-    users, clicks = users.with_watermark("ts", "1 hour"), clicks.with_watermark("ts", "1 hour")
+    idle = ctx.args.get("idleness")
+    users, clicks = users.with_watermark("ts", "1 hour", idleness=idle), clicks.with_watermark("ts", "1 hour", idleness=idle)
     clicks = clicks.filter("page != 'p0-0'")
     out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
     return out.sink(ks.ParquetSink(ctx.arg("output")))
@@ -95,3 +96,28 @@ def test_a_log_joined_with_a_spark_source_resumes_exactly_once_after_a_kill(inpu
     assert not out.duplicated(["id", "page"]).any()
     assert _pairs(tmp_path / "out") == want
     assert sum(_offsets(tmp_path / "job", "users").values()) == sum(len(b) for b in inputs[2])
+
+
+def test_a_job_run_until_idle_ends_after_its_spark_source_and_log_went_idle(inputs: Any, logs: Any, tmp_path: Path) -> None:
+    """With idleness, once both inputs are idle the watermark follows the clock and moved on
+    every batch (the rate source keeps Spark's batches coming): a run until idle never
+    ended. It ends now, after at most one batch moved only by the clock."""
+    import time
+
+    users_dir, _, _, _ = inputs
+    _, clicks_log, want = logs
+    job = tmp_path / "mixed.py"
+    job.write_text(JOB_MIXED)
+    seen: list[int] = []
+
+    def slow_at_the_end(rec: Any) -> None:
+        seen.append(rec.batch)
+        if rec.batch == 5:  # the last file: the inputs fall idle while it runs
+            time.sleep(0.5)
+        assert rec.batch < 20, "a job run until idle went on batch after batch"
+
+    args = {"users_from": "spark", "users": str(users_dir), "clicks": str(clicks_log), "cap": "1000", "idleness": "200 milliseconds",
+            "output": str(tmp_path / "out")}
+    run_job(job, tmp_path / "job", 2, args, slow_at_the_end, trigger_interval="100 milliseconds")
+    assert max(seen) <= 8
+    assert _pairs(tmp_path / "out") == want

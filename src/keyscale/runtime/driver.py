@@ -152,6 +152,7 @@ class JobRunner:
         self._batch_lock = threading.Lock()
         self._query: StreamingQuery | None = None
         self._locked = False
+        self._empty_batch = False  # the last batch run read no records (see _input_read)
         if opts.scaling == "auto" and opts.autoscaler_mode != "off":
             if opts.autoscaler_mode not in ("recommend", "active"):
                 raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
@@ -383,7 +384,6 @@ class JobRunner:
         """Micro-batches driven by keyscale: one every trigger interval, also without new
         records (timers, idleness and windows move with time); until idle with ``until_idle``."""
         interval = _seconds(self.opts.trigger_interval) or 1.0
-        empty_before = False  # the previous batch read no records
         while not self._stop.is_set():
             started = time.monotonic()
             before = self.watermark.watermark_ms
@@ -397,13 +397,8 @@ class JobRunner:
                     poison_batch.keep_trace(self.jobdir, e)
                     raise _translate(e) from None
             replayed = bool(self.summary.batches) and self.summary.batches[-1].replayed  # its intent fixed its input
-            # Run until idle: end on a batch without records that moved nothing, or on the
-            # second batch in a row without records. Once every input is idle the watermark
-            # follows the clock and moves on every batch; one such batch fired what the
-            # clock could fire, waiting for more would never end.
-            if self.opts.until_idle and records == 0 and not replayed and (self.watermark.watermark_ms == before or empty_before):
+            if self.opts.until_idle and not replayed and self._input_read(records, before):
                 break
-            empty_before = records == 0 and not replayed
             if not self.opts.until_idle:
                 self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
@@ -549,9 +544,18 @@ class JobRunner:
             if self.opts.until_idle and self.pipeline is not None and self.pipeline.side_log is not None:
                 last = self.summary.batches[-1] if self.summary.batches else None
                 ran = last is not None and last.batch == batch_id and not last.replayed  # not a skipped or replayed batch
-                if ran and records == 0 and self.watermark.watermark_ms == before:
-                    log.info("batch %d read nothing from either input and the watermark stayed: the input is read", batch_id)
+                if ran and self._input_read(records, before):
+                    log.info("batch %d read nothing new from either input: the input is read", batch_id)
                     self._stop.set()
+
+    def _input_read(self, records: int, watermark_before: int) -> bool:
+        """Whether a run until idle ends after the batch just run (``records`` read, the
+        watermark at ``watermark_before`` when it began): on a batch without records that
+        moved nothing, or on the second batch in a row without records. Once every input is
+        idle the watermark follows the clock and moves on every batch; one such batch fired
+        what the clock could fire, and waiting for more would never end."""
+        empty_before, self._empty_batch = self._empty_batch, records == 0
+        return records == 0 and (self.watermark.watermark_ms == watermark_before or empty_before)
 
     def _run_batch_locked(self, df: DataFrame | None, batch_id: int, drain: bool = False) -> int:
         """Run and commit one batch (``commit.run_batch``; the caller holds the batch lock);
