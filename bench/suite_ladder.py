@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ import pyarrow as pa
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from rungs import time_rungs, warm_median  # noqa: E402
 from suite import SCHEMA, make_input  # noqa: E402
 
 OUT_SCHEMA = "key string, count long, sum long"
@@ -102,21 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     spark = spark_session("local[2]", "keyscale-suite-ladder", {"spark.sql.shuffle.partitions": "2"})
     out = Path(tempfile.mkdtemp(prefix="ks-ladder-"))
     try:
-        per_file = [rungs(spark, f, out / "out") for f in files]
-        times: dict[str, list[float]] = {name: [] for name in per_file[0]}
-        for _ in range(a.repeats):
-            for runs in per_file:
-                for name, run in runs.items():
-                    t0 = time.perf_counter()
-                    run()
-                    times[name].append(time.perf_counter() - t0)
+        times = time_rungs([rungs(spark, f, out / "out") for f in files], a.repeats)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    floor = statistics.median(times["floor"][len(files):] or times["floor"])
+    floor = warm_median(times["floor"], len(files))
     print(f"\nrunning_count, {a.keys:,} keys: one batch's file ({a.rows:,} rows; {len(files)} files x {a.repeats} repeats, "
           "medians without the first repeat; local[2])\n| rung | seconds | / floor |\n|---|---|---|")
     for name, ts in times.items():
-        s = statistics.median(ts[len(files):] or ts)
+        s = warm_median(ts, len(files))
         print(f"| {name} | {s:.3f} | {s / floor:.2f} |", flush=True)
     return 0
 

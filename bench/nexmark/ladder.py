@@ -23,9 +23,7 @@ before its state, its commit and streaming's own bookkeeping.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,8 @@ import pyarrow as pa
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+from rungs import time_rungs, warm_median  # noqa: E402
 
 from nexmark import queries as Q  # noqa: E402
 from nexmark import run as R  # noqa: E402
@@ -103,18 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(str(f) for f in (data / "bid").glob("*.parquet"))[1:6]
     spark = R.spark_session()
     for query in a.queries:
-        per_file = [rungs(spark, query, f) for f in files]
-        times: dict[str, list[float]] = {name: [] for name in per_file[0]}
-        for _ in range(a.repeats):
-            for runs in per_file:
-                for name, run in runs.items():
-                    t0 = time.perf_counter()
-                    run()
-                    times[name].append(time.perf_counter() - t0)
+        times = time_rungs([rungs(spark, query, f) for f in files], a.repeats)
         print(f"\n{query}: one batch's bid file ({len(files)} files x {a.repeats} repeats, medians; local[2])\n"
               "| rung | seconds |\n|---|---|")
         for name, ts in times.items():
-            print(f"| {name} | {statistics.median(ts[len(files):] or ts):.3f} |", flush=True)  # the first repeat warms up
+            print(f"| {name} | {warm_median(ts, len(files)):.3f} |", flush=True)
     return 0
 
 
