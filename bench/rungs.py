@@ -1,5 +1,9 @@
 """Timing a ladder's rungs (bench/suite_ladder.py, bench/nexmark/ladder.py): each rung a
-function that runs one batch job once, per input file, repeated, interleaved."""
+function that runs one batch job once, per input file, repeated, interleaved.
+
+The functions the rungs hand Spark's Python workers (``mapInArrow``) stay in the scripts:
+run as ``__main__`` they are pickled by value, where the workers could not import this
+module (bench/ is not on their path)."""
 
 from __future__ import annotations
 

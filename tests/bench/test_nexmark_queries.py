@@ -41,7 +41,8 @@ def keyscale_output(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Cal
     def output(query: str) -> Path:
         if query not in done:
             tmp = tmp_path_factory.mktemp(f"keyscale-{query}")
-            R.run_keyscale(query, data, tmp, 2, output=tmp / "out", drain=True)
+            run = R.run_keyscale(query, data, tmp, 2, output=tmp / "out", drain=True)
+            assert not run["rescales"], f"{query}: the plain run rescaled"
             done[query] = tmp / "out"
         return done[query]
 

@@ -550,8 +550,9 @@ class JobRunner:
 
     def _input_read(self, records: int, watermark_before: int) -> bool:
         """Whether a run until idle ends after the batch just run (``records`` read, the
-        watermark at ``watermark_before`` when it began): on a batch without records that
-        moved nothing, or on the second batch in a row without records. Once every input is
+        watermark at ``watermark_before`` when it began), noting whether it read any: on a
+        batch without records that moved nothing, or on the second batch in a row without
+        records. Called once per batch that ran (not a replayed one). Once every input is
         idle the watermark follows the clock and moves on every batch; one such batch fired
         what the clock could fire, and waiting for more would never end."""
         empty_before, self._empty_batch = self._empty_batch, records == 0
