@@ -45,6 +45,15 @@ def _check_exactly_once(updates: list[dict[str, Any]], events: list[dict[str, An
     assert {k: (u["count"], u["sum"]) for k, u in last.items()} == {k: (n, want_sum[k]) for k, n in want_count.items()}
 
 
+def _check_read_to_end(job: JobDir, bootstrap: str, topic: str, log: str) -> None:
+    """The job's committed positions are the topic's ends: it read every event (so a
+    wrong output is the sink's or the reader's fault, not an early end)."""
+    manifest = job.latest_manifest()
+    assert manifest is not None
+    positions = {p: o for r in manifest.operators["events"].operator_state["offsets"]["subtasks"] for p, o in r}
+    assert positions == dict(enumerate(KafkaLog(bootstrap, topic).end_offsets())), log[-3000:]
+
+
 def test_kafka_log_reads_planned_ranges_past_transaction_markers(kafka_broker: Any) -> None:
     from confluent_kafka import Producer
 
@@ -100,6 +109,7 @@ def test_flip8_live_rescale_on_kafka_partitions_exactly_once(kafka_broker: Any, 
 
     summary = run_job(JOB, tmp_path / "job", 2, {"bootstrap": b, "input": src, "output": out, "max_records": "100"}, on_batch)
     assert [(r[2], r[3]) for r in summary.rescales if r[1] == "events"] == [(2, 1), (1, 4)]
+    _check_read_to_end(JobDir(tmp_path / "job"), b, src, "")
     _check_exactly_once(_updates(b, out), events)
     manifest = JobDir(tmp_path / "job").latest_manifest()
     assert manifest is not None
@@ -122,6 +132,7 @@ def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, kafka_
     resumed = cli(*base, check=True)
     if fault != "mid-batch:2":
         assert "already committed" in resumed.stderr
+    _check_read_to_end(JobDir(tmp_path / "job"), b, src, resumed.stderr)
     _check_exactly_once(_updates(b, out), events)
 
 
