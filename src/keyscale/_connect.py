@@ -38,11 +38,12 @@ from keyscale.sources.union import UnionLog
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from keyscale._pipeline import OnError, Stream
+    from keyscale._pipeline import Stream
+    from keyscale._steps import OnError
 
 def _transforms(stream: Stream, which: str) -> list[Callable[[DataFrame], DataFrame]]:
     """The stream's stateless steps (a two-input stage is the first stateful one)."""
-    from keyscale._pipeline import TransformStep
+    from keyscale._steps import TransformStep
 
     fns = []
     for step in stream._steps:
@@ -73,7 +74,8 @@ def _spark_with_log(a: DataFrame | LogSource, b: DataFrame | LogSource, fns: tup
     from pyspark.sql import DataFrame as SparkDataFrame
     from pyspark.sql import functions as F
 
-    from keyscale._pipeline import LogInputStep, Stream, source_schema
+    from keyscale._pipeline import Stream, source_schema
+    from keyscale._steps import LogInputStep
 
     spark_first = isinstance(a, SparkDataFrame)
     spark_df, log = (a, b) if spark_first else (b, a)
