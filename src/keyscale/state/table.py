@@ -386,12 +386,15 @@ class KeyedStateTable:
 
     def apply_all(self, parts: Sequence[pa.Table]) -> None:
         """:meth:`apply` of several state files (or slices) in their order, as applying
-        each in turn would; but each key is looked up, converted and stored once, from its
-        last row (a restore reads a snapshot and the deltas after it: most keys are in
-        several of them)."""
+        each in turn would. A restore reads a snapshot and the deltas after it, and most
+        keys are in several of them: with a state held as Python objects each key is
+        converted and stored once, from its last row; numeric states go file by file, as a
+        lookup per file costs less than finding the last rows, which encodes every key of
+        every file (``bench/state_reload.py``)."""
         parts = [p for p in parts if p.num_rows]
         names = parts[0].column_names if parts else []
-        if len(parts) > 1 and all(sorted(p.column_names) == sorted(names) for p in parts):
+        numeric = all(is_numeric(s.column_type) for s in self.states)
+        if len(parts) > 1 and not numeric and all(sorted(p.column_names) == sorted(names) for p in parts):
             try:
                 combined = pa.concat_tables([p.select(names) for p in parts])
             except (pa.ArrowInvalid, pa.ArrowTypeError):  # not one schema: file by file
