@@ -29,7 +29,19 @@ def _updates(bootstrap: str, topic: str) -> list[dict[str, Any]]:
     return [json.loads(v) for _, _, _, v in read_committed(bootstrap, topic) if v is not None]
 
 
-def _check_exactly_once(updates: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+def _output_view(bootstrap: str, topic: str) -> str:
+    """Per output partition, what a read_committed consumer saw (records, last offset)
+    against the partition's end: tells a transaction left open (the stable offset held
+    short of the end) from output never written."""
+    seen: dict[int, list[int]] = defaultdict(list)
+    for part, offset, _, _ in read_committed(bootstrap, topic):
+        seen[part].append(offset)
+    ends = KafkaLog(bootstrap, topic).end_offsets()
+    return "; ".join(f"partition {p}: {len(seen[p])} records read committed, last offset {max(seen[p], default=-1)}, end {e}"
+                     for p, e in enumerate(ends))
+
+
+def _check_exactly_once(updates: list[dict[str, Any]], events: list[dict[str, Any]], context: str = "") -> None:
     """A running count's output read back: every update once (counts strictly grow per
     key), and each key's last update holds its totals."""
     seen = Counter((u["key"], u["count"]) for u in updates)
@@ -42,7 +54,10 @@ def _check_exactly_once(updates: list[dict[str, Any]], events: list[dict[str, An
     for u in updates:
         if u["key"] not in last or u["count"] > last[u["key"]]["count"]:
             last[u["key"]] = u
-    assert {k: (u["count"], u["sum"]) for k, u in last.items()} == {k: (n, want_sum[k]) for k, n in want_count.items()}
+    got = {k: (u["count"], u["sum"]) for k, u in last.items()}
+    want = {k: (n, want_sum[k]) for k, n in want_count.items()}
+    wrong = {k: (got.get(k), w) for k, w in want.items() if got.get(k) != w}
+    assert got == want, f"{len(wrong)} of {len(want)} keys' last update (count, sum) != their totals: {dict(list(wrong.items())[:8])}; {context}"
 
 
 def _check_read_to_end(job: JobDir, bootstrap: str, topic: str, log: str) -> None:
@@ -133,7 +148,7 @@ def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, kafka_
     if fault != "mid-batch:2":
         assert "already committed" in resumed.stderr
     _check_read_to_end(JobDir(tmp_path / "job"), b, src, resumed.stderr)
-    _check_exactly_once(_updates(b, out), events)
+    _check_exactly_once(_updates(b, out), events, _output_view(b, out))
 
 
 def test_savepoint_restore_at_another_parallelism(kafka_broker: Any, tmp_path: Path) -> None:
