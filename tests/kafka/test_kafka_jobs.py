@@ -26,15 +26,19 @@ JOB = EXAMPLES / "kafka_running_count.py"
 
 
 def _updates(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    return [json.loads(v) for _, _, _, v in read_committed(bootstrap, topic) if v is not None]
+    return _decoded(read_committed(bootstrap, topic))
 
 
-def _output_view(bootstrap: str, topic: str) -> str:
-    """Per output partition, what a read_committed consumer saw (records, last offset)
-    against the partition's end: tells a transaction left open (the stable offset held
-    short of the end) from output never written."""
+def _decoded(records: list[tuple[int, int, bytes | None, bytes | None]]) -> list[dict[str, Any]]:
+    return [json.loads(v) for _, _, _, v in records if v is not None]
+
+
+def _output_view(records: list[tuple[int, int, bytes | None, bytes | None]], bootstrap: str, topic: str) -> str:
+    """Per output partition, what a read_committed consumer saw (``records``: records,
+    last offset) against the partition's end: tells a transaction left open (the stable
+    offset held short of the end) from output never written."""
     seen: dict[int, list[int]] = defaultdict(list)
-    for part, offset, _, _ in read_committed(bootstrap, topic):
+    for part, offset, _, _ in records:
         seen[part].append(offset)
     ends = KafkaLog(bootstrap, topic).end_offsets()
     return "; ".join(f"partition {p}: {len(seen[p])} records read committed, last offset {max(seen[p], default=-1)}, end {e}"
@@ -60,13 +64,16 @@ def _check_exactly_once(updates: list[dict[str, Any]], events: list[dict[str, An
     assert got == want, f"{len(wrong)} of {len(want)} keys' last update (count, sum) != their totals: {dict(list(wrong.items())[:8])}; {context}"
 
 
-def _check_read_to_end(job: JobDir, bootstrap: str, topic: str, log: str) -> None:
+def _check_read_to_end(job: JobDir, bootstrap: str, topic: str, log: str) -> list[list[list[int]]]:
     """The job's committed positions are the topic's ends: it read every event (so a
-    wrong output is the sink's or the reader's fault, not an early end)."""
+    wrong output is the sink's or the reader's fault, not an early end). Returns the
+    readers' committed (partition, offset) lists."""
     manifest = job.latest_manifest()
     assert manifest is not None
-    positions = {p: o for r in manifest.operators["events"].operator_state["offsets"]["subtasks"] for p, o in r}
+    readers: list[list[list[int]]] = manifest.operators["events"].operator_state["offsets"]["subtasks"]
+    positions = {p: o for r in readers for p, o in r}
     assert positions == dict(enumerate(KafkaLog(bootstrap, topic).end_offsets())), log[-3000:]
+    return readers
 
 
 def test_kafka_log_reads_planned_ranges_past_transaction_markers(kafka_broker: Any) -> None:
@@ -124,11 +131,8 @@ def test_flip8_live_rescale_on_kafka_partitions_exactly_once(kafka_broker: Any, 
 
     summary = run_job(JOB, tmp_path / "job", 2, {"bootstrap": b, "input": src, "output": out, "max_records": "100"}, on_batch)
     assert [(r[2], r[3]) for r in summary.rescales if r[1] == "events"] == [(2, 1), (1, 4)]
-    _check_read_to_end(JobDir(tmp_path / "job"), b, src, "")
+    readers = _check_read_to_end(JobDir(tmp_path / "job"), b, src, "")
     _check_exactly_once(_updates(b, out), events)
-    manifest = JobDir(tmp_path / "job").latest_manifest()
-    assert manifest is not None
-    readers = manifest.operators["events"].operator_state["offsets"]["subtasks"]
     assert sorted(len(r) for r in readers) == [1, 1, 1, 1]  # after the rescale to 4: one partition each
 
 
@@ -148,7 +152,8 @@ def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, kafka_
     if fault != "mid-batch:2":
         assert "already committed" in resumed.stderr
     _check_read_to_end(JobDir(tmp_path / "job"), b, src, resumed.stderr)
-    _check_exactly_once(_updates(b, out), events, _output_view(b, out))
+    records = read_committed(b, out)  # read once: the view describes the output checked
+    _check_exactly_once(_decoded(records), events, _output_view(records, b, out))
 
 
 def test_savepoint_restore_at_another_parallelism(kafka_broker: Any, tmp_path: Path) -> None:
