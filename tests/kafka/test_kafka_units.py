@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -50,3 +51,42 @@ def test_definition_errors_name_the_thing_at_fault() -> None:
     with pytest.raises(JobDefinitionError, match=r"'transactional\.id' is keyscale's to set"):
         KafkaSink("b:9092", "out", options={"transactional.id": "mine"})
     assert kafka_source("b:9092", "clicks").schema == RAW_SCHEMA
+
+
+def test_serial_commits_come_from_the_job_or_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KEYSCALE_KAFKA_SERIAL_COMMITS", raising=False)
+    assert KafkaSink("b:9092", "out").serial_commits is False
+    monkeypatch.setenv("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")
+    assert KafkaSink("b:9092", "out").serial_commits is True
+    assert KafkaSink("b:9092", "out", serial_commits=False).serial_commits is False  # the job's own choice
+    monkeypatch.setenv("KEYSCALE_KAFKA_SERIAL_COMMITS", "yes")
+    with pytest.raises(JobDefinitionError, match="KEYSCALE_KAFKA_SERIAL_COMMITS='yes'"):
+        KafkaSink("b:9092", "out")
+
+
+def test_a_task_commits_inside_its_turn() -> None:
+    """With serial commits, a task's commit (the step a broker may mishandle when two
+    transactions on a partition end at once) runs while it holds the host's turn."""
+    from contextlib import contextmanager
+
+    from keyscale.kafka.sink import _transaction
+
+    held = [False]
+    calls: list[tuple[str, bool]] = []
+
+    @contextmanager
+    def turn() -> Any:
+        held[0] = True
+        try:
+            yield
+        finally:
+            held[0] = False
+
+    class Producer:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: calls.append((name, held[0]))
+
+    batch = pa.RecordBatch.from_pydict({"k": ["a", "b"], "n": [1, 2]})
+    rows = _transaction(Producer(), "out", "out.keyscale-commits", "k", None, iter([batch]), "L", 3, 0, 1000, turn, kill_driver=0)
+    assert rows == 2
+    assert [c for c in calls if c[0] != "produce"] == [("begin_transaction", False), ("flush", False), ("commit_transaction", True)]

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import threading
+import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from keyscale.storage.local import LOCK_GRACE_SECONDS, LocalStore
 
@@ -42,3 +47,29 @@ def test_a_lock_held_by_another_holder_is_refused(tmp_path: Path) -> None:
     again = store.try_lock("lock")
     assert again is not None
     LocalStore.unlock(again)
+
+
+def test_processes_of_a_host_take_turns(tmp_path: Path, monkeypatch: Any) -> None:
+    """``host_turn``: the Kafka sink's tasks commit one at a time on a host (each holder
+    here is a thread with its own descriptor, as each Python worker has)."""
+    from keyscale.storage.scratch import host_turn
+
+    monkeypatch.setenv("KEYSCALE_LOCAL_DIR", str(tmp_path))
+    spans: list[tuple[float, float]] = []
+
+    def hold() -> None:
+        with host_turn("commit"):
+            start = time.monotonic()
+            time.sleep(0.1)
+            spans.append((start, time.monotonic()))
+
+    threads = [threading.Thread(target=hold) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans.sort()
+    assert len(spans) == 4
+    assert all(end <= later for (_, end), (later, _) in itertools.pairwise(spans)), spans
+    with pytest.raises(ValueError, match="not a plain name"), host_turn("../x"):
+        pass

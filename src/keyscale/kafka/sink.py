@@ -34,7 +34,12 @@ of that batch.
 
 Tansu 0.6 (the broker keyscale's tests run) serves records of aborted transactions to
 ``read_committed`` consumers; on it a crash inside a transaction after its records were sent
-leaves them visible. See docs/design.md for what the tests check on it.
+leaves them visible. It also mishandles transactions on one partition that end at the
+same moment: now and then one is left uncompleted and ``read_committed`` consumers stop
+behind it for good (docs/design.md, "Concurrent commits on Tansu"). With
+``serial_commits`` (or ``KEYSCALE_KAFKA_SERIAL_COMMITS=1``) the tasks of one host take
+turns to end their transactions (``storage.scratch.host_turn``), which covers all of
+local mode; keyscale's tests set it. See docs/design.md for what the tests check on Tansu.
 
 Replays rely on keyscale's deterministic replay: task ``i`` of a replayed batch computes
 the same rows as task ``i`` of the first attempt.
@@ -42,17 +47,20 @@ the same rows as task ``i`` of the first attempt.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from keyscale.errors import JobDefinitionError, OutputError, encode_error
 from keyscale.kafka.client import KafkaConnectorError, connection_options, partition_count
+from keyscale.storage.scratch import host_turn
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -65,6 +73,7 @@ log = logging.getLogger(__name__)
 COMMIT_LOG_SUFFIX = ".keyscale-commits"
 _RESULT_SCHEMA = "task int, rows long, written boolean"
 _FAULT = "kafka-precommit"  # test-only: a task kills the driver between flush and commit_transaction
+SERIAL_COMMITS_ENV = "KEYSCALE_KAFKA_SERIAL_COMMITS"
 
 
 def _producer_settings(bootstrap: str, options: Mapping[str, Any], txn_id: str | None, timeout_ms: int) -> dict[str, Any]:
@@ -145,7 +154,7 @@ def _read_commit_log(consumer: Any, topic: str, start: int, timeout: float = 30.
 
 def _write_task(
     bootstrap: str, topic: str, options: dict[str, Any], key: str | None, value: str | None, txn_prefix: str, lineage: str,
-    batch_id: int, done: frozenset[int], commit_log_start: int, timeout_ms: int, fault: str, driver_pid: int,
+    batch_id: int, done: frozenset[int], commit_log_start: int, timeout_ms: int, serial: bool, fault: str, driver_pid: int,
     batches: Iterator[pa.RecordBatch],
 ) -> Iterator[pa.RecordBatch]:
     """One Spark task: its rows in one transaction with its commit record (see the module doc)."""
@@ -171,13 +180,15 @@ def _write_task(
         yield from result(0, False)
         return
     producer = Producer(_producer_settings(bootstrap, options, f"{txn_prefix}-{task}", timeout_ms))
+    turn = functools.partial(host_turn, f"kafka-commit-{topic}") if serial else contextlib.nullcontext
     try:
-        producer.init_transactions(timeout_ms / 1000)  # fences an earlier attempt of this task
+        with turn():  # may end (abort) an earlier attempt's transaction
+            producer.init_transactions(timeout_ms / 1000)  # fences an earlier attempt of this task
         if attempt > 0 and _committed_before(bootstrap, options, commit_log, commit_log_start, lineage, batch_id, task):
             drain()
             rows, written = 0, False
         else:
-            rows, written = _transaction(producer, topic, commit_log, key, value, batches, lineage, batch_id, task, timeout_ms,
+            rows, written = _transaction(producer, topic, commit_log, key, value, batches, lineage, batch_id, task, timeout_ms, turn,
                                          kill_driver=driver_pid if fault == f"{_FAULT}:{batch_id}" and task == 0 else 0), True
     except KafkaException as e:
         raise RuntimeError(encode_error(OutputError(f"Kafka sink (topic {topic!r}), batch {batch_id}, task {task}: {e.args[0].str() if e.args else e}"))) from None
@@ -197,7 +208,8 @@ def _committed_before(bootstrap: str, options: dict[str, Any], commit_log: str, 
 
 
 def _transaction(producer: Any, topic: str, commit_log: str, key: str | None, value: str | None, batches: Iterator[pa.RecordBatch],
-                 lineage: str, batch_id: int, task: int, timeout_ms: int, kill_driver: int) -> int:
+                 lineage: str, batch_id: int, task: int, timeout_ms: int, turn: Callable[[], AbstractContextManager[Any]],
+                 kill_driver: int) -> int:
     """The task's rows and its commit record in one transaction; returns the rows."""
     import pyarrow as pa
 
@@ -221,8 +233,16 @@ def _transaction(producer: Any, topic: str, commit_log: str, key: str | None, va
     if kill_driver:  # test-only fault: between pre-commit and commit
         os.kill(kill_driver, signal.SIGKILL)
         time.sleep(30)
-    producer.commit_transaction(timeout_ms / 1000)
+    with turn():
+        producer.commit_transaction(timeout_ms / 1000)
     return rows
+
+
+def _serial_commits_from_env() -> bool:
+    value = os.environ.get(SERIAL_COMMITS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise JobDefinitionError(f"{SERIAL_COMMITS_ENV}={value!r}: use 1 (tasks of a host take turns to commit) or 0")
+    return value == "1"
 
 
 class KafkaSink:
@@ -233,7 +253,10 @@ class KafkaSink:
     record's text or bytes, or None for the row as a JSON object of all its columns.
     ``options``: confluent-kafka producer settings (security, ``linger.ms``...); the
     transactional settings are keyscale's. The topic must exist; its commit log
-    ``<topic>.keyscale-commits`` is created (one partition) if missing.
+    ``<topic>.keyscale-commits`` is created (one partition) if missing. ``serial_commits``:
+    the tasks on one host take turns to commit their transactions, for brokers that
+    mishandle concurrent commits on a partition (Tansu 0.6, see the module doc); None reads
+    ``KEYSCALE_KAFKA_SERIAL_COMMITS`` (``1`` for on) where the job is defined.
 
     Consumers must read with ``isolation.level=read_committed`` to see each row once.
 
@@ -244,7 +267,8 @@ class KafkaSink:
     exactly_once = True
 
     def __init__(self, bootstrap: str, topic: str, key: str | None = None, value: str | None = None,
-                 options: Mapping[str, Any] | None = None, transaction_timeout_s: float = 60.0) -> None:
+                 options: Mapping[str, Any] | None = None, transaction_timeout_s: float = 60.0,
+                 serial_commits: bool | None = None) -> None:
         if not bootstrap or not topic:
             raise JobDefinitionError("KafkaSink needs a bootstrap address and a topic")
         reserved = sorted(k for k in (options or {}) if k in ("transactional.id", "transaction.timeout.ms", "enable.idempotence", "bootstrap.servers"))
@@ -256,6 +280,7 @@ class KafkaSink:
         self.value = value
         self.options = dict(options or {})
         self.timeout_ms = int(transaction_timeout_s * 1000)
+        self.serial_commits = _serial_commits_from_env() if serial_commits is None else serial_commits
         self._ctx: SinkContext | None = None
         self._done: dict[int, set[int]] = {}
 
@@ -342,7 +367,7 @@ class KafkaSink:
                 raise OutputError(f"Kafka sink (topic {self.topic!r}): {what} column {col!r} is not in the output's columns {columns}")
         task = functools.partial(
             _write_task, self.bootstrap, self.topic, self.options, self.key, self.value, self._txn_prefix(lineage), lineage,
-            batch_id, frozenset(self._done.get(batch_id, set())), self._commit_log_end(), self.timeout_ms,
+            batch_id, frozenset(self._done.get(batch_id, set())), self._commit_log_end(), self.timeout_ms, self.serial_commits,
             ctx.fault if ctx else "", os.getpid(),
         )
         results = df.mapInArrow(task, _RESULT_SCHEMA).collect()

@@ -3,7 +3,8 @@
 Scratch is a cache, never the source of truth (the checkpoint's state files are): anything
 here may be deleted at any moment between batches and is rebuilt from the job directory.
 A *spill* folder holds one large file between its writing and its upload (a snapshot of
-a subtask's range, written in parts rather than built in memory).
+a subtask's range, written in parts rather than built in memory). A *turn* is a file lock
+that makes the processes of one host take turns at a step (``host_turn``).
 It lives under ``KEYSCALE_LOCAL_DIR`` if set, else Spark's first ``SPARK_LOCAL_DIRS``
 entry (the executor's local disk), else the system's temporary folder, in
 ``keyscale-state/``. This module is the storage seam's part for it: it gives out the
@@ -20,11 +21,14 @@ False
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,11 +48,15 @@ def _check_scratch(path: Path) -> None:
         raise ValueError(f"{path} is not scratch space")
 
 
-def scratch_dir(*parts: str) -> Path:
-    """The scratch folder ``parts`` (created if missing); parts are plain names, never paths."""
+def _check_names(*parts: str) -> None:
     for p in parts:
         if not p or "/" in p or p in (".", ".."):
-            raise ValueError(f"scratch folder name {p!r} is not a plain name")
+            raise ValueError(f"scratch name {p!r} is not a plain name")
+
+
+def scratch_dir(*parts: str) -> Path:
+    """The scratch folder ``parts`` (created if missing); parts are plain names, never paths."""
+    _check_names(*parts)
     path = scratch_root().joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -108,3 +116,22 @@ def open_scratch_file(path: Path, mode: Literal["rb", "wb"]) -> Any:
 
     _check_scratch(path)
     return pa.OSFile(str(path), mode)
+
+
+@contextmanager
+def host_turn(name: str) -> Iterator[None]:
+    """Hold the turn ``name`` (a plain name): processes of this host that share its scratch
+    space run the block one at a time (an exclusive ``flock``, released by the kernel if
+    the holder dies). Hosts do not wait for each other.
+
+    >>> with host_turn("doc"):
+    ...     pass
+    """
+    _check_names(name)
+    path = scratch_dir("turns") / f"{name}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
