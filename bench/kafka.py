@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -174,22 +175,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--rate", type=int, default=5_000)
     ap.add_argument("--seconds", type=float, default=40.0)
+    ap.add_argument("--compare-serial", action="store_true",
+                    help="each repeat also runs the throughput job with KEYSCALE_KAFKA_SERIAL_COMMITS=1 (a host's tasks take turns to commit)")
+    ap.add_argument("--no-latency", action="store_true", help="skip the latency run")
     a = ap.parse_args(argv)
     from keyscale.kafka.broker import start_tansu
 
     broker = start_tansu()
     tmp = Path(tempfile.mkdtemp(prefix="ks-kafka-bench-"))
     try:
-        tps, lats = [], []
+        tps, lats, serial = [], [], []
         for r in range(a.repeats):
             tps.append(throughput(broker.bootstrap, tmp, r, a.records, a.keys))
             print(f"run {r} throughput: {tps[-1]}", flush=True)
-            lats.append(latency(broker.bootstrap, tmp, r, a.rate, a.seconds, a.keys))
-            print(f"run {r} latency: {lats[-1]}", flush=True)
+            if a.compare_serial:
+                os.environ["KEYSCALE_KAFKA_SERIAL_COMMITS"] = "1"
+                try:
+                    serial.append(throughput(broker.bootstrap, tmp, r + a.repeats, a.records, a.keys))
+                finally:
+                    del os.environ["KEYSCALE_KAFKA_SERIAL_COMMITS"]
+                print(f"run {r} throughput, serial commits: {serial[-1]}", flush=True)
+            if not a.no_latency:
+                lats.append(latency(broker.bootstrap, tmp, r, a.rate, a.seconds, a.keys))
+                print(f"run {r} latency: {lats[-1]}", flush=True)
         med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
         print(f"\nKafka -> running count -> Kafka, P=2, {a.records:,} records, {a.keys:,} string keys, medians of {a.repeats}:")
         print(f"  throughput: {med(tps, 'records_per_s'):,.0f} records/s end to end ({med(tps, 'wall_s'):.1f} s, {med(tps, 'batches'):.0f} batches); "
               f"steady batches {med(tps, 'steady_records_per_s'):,.0f} records/s")
+        if serial:
+            print(f"  serial commits: {med(serial, 'records_per_s'):,.0f} records/s end to end ({med(serial, 'wall_s'):.1f} s); "
+                  f"steady batches {med(serial, 'steady_records_per_s'):,.0f} records/s "
+                  f"({med(serial, 'steady_records_per_s') / med(tps, 'steady_records_per_s'):.2f}x of parallel commits)")
+        if not lats:
+            return 0
         print(f"  at {a.rate:,} records/s: latency p50 {med(lats, 'p50_s'):.2f} s, p99 {med(lats, 'p99_s'):.2f} s; "
               f"p99 in the 10 s after a live rescale 2->3: {med(lats, 'p99_after_rescale_s'):.2f} s")
         print(f"  largest gap between output arrivals {med(lats, 'max_gap_s'):.2f} s; median batch {med(lats, 'median_batch_s'):.2f} s")
