@@ -13,6 +13,9 @@ connectors cope with the first; docs/design.md says what the others mean):
 - Records of an aborted transaction are served to ``read_committed`` consumers (no aborted
   transaction index); records of an open transaction are not (the last stable offset holds).
 - CreatePartitions (adding partitions to a topic) is not supported.
+- Transactions on one partition that end at the same moment can leave one uncompleted for
+  good, and ``read_committed`` consumers stop behind it: jobs writing to it with
+  ``KafkaSink`` set ``serial_commits=True`` or ``KEYSCALE_KAFKA_SERIAL_COMMITS=1``.
 
 >>> broker = start_tansu()          # doctest: +SKIP
 >>> broker.bootstrap                # doctest: +SKIP
@@ -123,6 +126,7 @@ def _answers(bootstrap: str) -> bool:
 def main() -> int:
     broker = start_tansu()
     print(f"Tansu broker on {broker.bootstrap} (pid {broker.pid}); Ctrl-C stops it", flush=True)
+    print("Jobs writing to it with KafkaSink: set KEYSCALE_KAFKA_SERIAL_COMMITS=1 (its transactions can stall when several end at once)", flush=True)
     try:
         while broker.running():
             time.sleep(1)
