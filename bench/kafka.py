@@ -34,6 +34,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -182,25 +183,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-latency", action="store_true", help="skip the latency run")
     a = ap.parse_args(argv)
     from keyscale.kafka.broker import start_tansu
+    from keyscale.kafka.sink import SERIAL_COMMITS_ENV
 
     # Tansu can stall read_committed readers when transactions end at once (its module
     # doc): serial commits unless the caller chose; --compare-serial runs both.
-    os.environ.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")
-    chosen = os.environ["KEYSCALE_KAFKA_SERIAL_COMMITS"]
+    os.environ.setdefault(SERIAL_COMMITS_ENV, "1")
     broker = start_tansu()
     tmp = Path(tempfile.mkdtemp(prefix="ks-kafka-bench-"))
     try:
         tps, lats, serial = [], [], []
         for r in range(a.repeats):
-            if a.compare_serial:
-                os.environ["KEYSCALE_KAFKA_SERIAL_COMMITS"] = "0"
-            tps.append(throughput(broker.bootstrap, tmp, r, a.records, a.keys))
+            with mock.patch.dict(os.environ, {SERIAL_COMMITS_ENV: "0"} if a.compare_serial else {}):
+                tps.append(throughput(broker.bootstrap, tmp, r, a.records, a.keys))
             print(f"run {r} throughput{', parallel commits' if a.compare_serial else ''}: {tps[-1]}", flush=True)
             if a.compare_serial:
-                os.environ["KEYSCALE_KAFKA_SERIAL_COMMITS"] = "1"
-                serial.append(throughput(broker.bootstrap, tmp, r + a.repeats, a.records, a.keys))
+                with mock.patch.dict(os.environ, {SERIAL_COMMITS_ENV: "1"}):
+                    serial.append(throughput(broker.bootstrap, tmp, r + a.repeats, a.records, a.keys))
                 print(f"run {r} throughput, serial commits: {serial[-1]}", flush=True)
-                os.environ["KEYSCALE_KAFKA_SERIAL_COMMITS"] = chosen
             if not a.no_latency:
                 lats.append(latency(broker.bootstrap, tmp, r, a.rate, a.seconds, a.keys))
                 print(f"run {r} latency: {lats[-1]}", flush=True)
