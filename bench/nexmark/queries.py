@@ -40,10 +40,11 @@ Queries (keyscale / Spark):
   ``max(struct(price, ...))`` per window, append mode (one bid per window: a tie at the
   maximum would give one row where Flink and keyscale give all).
 * q8 new users: persons and the sellers of auctions in the same 10 s tumbling window.
-  keyscale: a co-process function keyed by person id, state cleaned by timers at the window's
-  end; Spark: not built (one row per (person, window) needs a windowed aggregation of the
-  auctions before a stream-stream join on the window: two chained stateful operators; not
-  tried for time).
+  keyscale: a batch-at-a-time co-process function keyed by person id / seller
+  (``NewUsersBatch``; the per-record ``NewUsers`` with ``per_record=yes``), state dropped
+  once the watermark passes the windows' end; Spark: the auctions' windowed count per
+  seller (append mode: a (seller, window) comes out once, when the watermark closes it)
+  chained into a stream-stream join with the persons on the id and the window.
 * q9 winning bids: each auction with its highest bid inside ``[dateTime, expires]`` (the
   earliest of equal prices, then the lowest bidder). keyscale: a co-process function per
   auction, emitting at expiry (as q4's first stage). Spark: none (a top-1 per auction after a
@@ -126,7 +127,7 @@ STREAMS: dict[str, tuple[str, ...]] = {
 }
 QUERIES = list(STREAMS)
 #: Queries with a Spark Structured Streaming equivalent.
-SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q11", "q17", "q18", "q20", "ij", "wj"]
+SPARK_QUERIES = ["q0", "q1", "q2", "q3", "q5", "q7", "q8", "q11", "q17", "q18", "q20", "ij", "wj"]
 #: The columns of each stream that each Spark-runnable query reads: what any engine running
 #: the query on Spark must scan (run.py's "Spark, read only" floor reads just these).
 READS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -136,6 +137,7 @@ READS: dict[str, dict[str, tuple[str, ...]]] = {
     "q3": {"person": ("id", "name", "city", "state"), "auction": ("id", "seller", "category")},
     "q5": {"bid": ("auction", "date_time")},
     "q7": {"bid": ("auction", "bidder", "price", "date_time", "extra")},
+    "q8": {"person": ("id", "name", "date_time"), "auction": ("seller", "date_time")},
     "q11": {"bid": ("bidder", "date_time")},
     "q17": {"bid": ("auction", "price", "date_time")},
     "q18": {"bid": ("auction", "bidder", "price", "channel", "url", "date_time", "extra")},
@@ -149,7 +151,7 @@ WINDOWED = {"q5": "window_start", "q7": "window_end", "q8": "starttime", "q11": 
 #: Queries with running aggregates that ``aggregate(combine=True)`` can take (run.py measures them with it too).
 COMBINABLE = ["q15", "q16", "q17"]
 #: Queries with a batch-at-a-time co-process function and a per-record one (run.py measures both).
-PER_RECORD = ["q4", "q9", "q20"]
+PER_RECORD = ["q4", "q8", "q9", "q20"]
 #: Queries with keyed state (for the live-rescale runs).
 STATEFUL = ["q3", "q4", "q5", "q6", "q7", "q8", "q9", "q11", "q15", "q16", "q17", "q18", "q19", "q20", "ij", "wj"]
 
@@ -523,6 +525,72 @@ class NewUsers(ks.KeyedCoProcessFunction):
             self.emitted.clear()
 
 
+class NewUsersBatch(ks.VectorizedKeyedCoProcessFunction):
+    """q8 a batch at a time (what ``run.py`` measures; :class:`NewUsers` per record, with
+    ``per_record=yes``): the same state and output on Arrow columns. A key's windows that
+    the watermark has closed go first (the per-record function's timers); then a person
+    known (from the state or this batch) is emitted once if an auction of theirs falls in
+    their window (this batch's auctions, or those that came before the person); auctions of
+    a person not seen yet keep their windows. One event-time timer per key: the end of the
+    earliest window it holds. Like Nexmark's generator, it takes a person's id to come once
+    (a second person record of an id in one batch: the last wins)."""
+
+    pandas_records = False
+    event_timers = True
+    input_columns1 = ("id", "name", "date_time")
+    input_columns2 = ("seller", "date_time")
+
+    def open(self, ctx: ks.RuntimeContext) -> None:
+        self.name = ctx.value_state("name", "string")
+        self.window = ctx.value_state("window", "long")
+        self.emitted = ctx.value_state("emitted", "boolean")
+        self.auction_windows = ctx.value_state("auction_windows", pa.list_(pa.int64()))
+
+    def process_batch(self, b: ks.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+        persons, auctions = b.arrow1, b.arrow2
+        assert persons is not None and auctions is not None
+        n = len(b.keys)
+        closed = -1 if b.watermark is None else b.watermark - WINDOW_MS + 1  # windows starting at or before it have ended
+        # The state, with the windows the watermark closed dropped.
+        name = b.state["name"].to_numpy(dtype=object, na_value=None).copy()
+        window = b.state["window"].to_numpy(dtype=np.int64, na_value=-1).copy()
+        emitted = b.state["emitted"].to_numpy(dtype=bool, na_value=False).copy()
+        gone = (window >= 0) & (window <= closed)
+        name[gone], window[gone], emitted[gone] = None, -1, False
+        held = b.state["auction_windows"].to_numpy(dtype=object)
+        seen = [set() if not isinstance(ws, list | np.ndarray) else {int(w) for w in ws if w > closed} for ws in held]
+        # This batch's persons (the last of a key wins) and auctions, each with its window.
+        p_window = _us_column(persons, "date_time") // 1000 // WINDOW_MS * WINDOW_MS
+        new = np.full(n, -1, dtype=np.int64)
+        new[b.codes1] = np.arange(len(b.codes1))
+        came = np.flatnonzero(new >= 0)
+        known_before = window >= 0
+        window[came] = p_window[new[came]]
+        name[came] = np.asarray(persons.column("name").to_pylist(), dtype=object)[new[came]]
+        # The windows of auctions whose seller was not known before this batch are kept (one
+        # whose seller came now is decided below; its windows go with the watermark).
+        a_window = _us_column(auctions, "date_time") // 1000 // WINDOW_MS * WINDOW_MS
+        for j, w in zip(b.codes2.tolist(), a_window.tolist(), strict=True):
+            if not known_before[j]:
+                seen[j].add(w)
+        # A person is emitted once, when an auction of theirs is in their window.
+        match = np.zeros(n, dtype=bool)
+        match[b.codes2[a_window == window[b.codes2]]] = True
+        match |= np.array([window[j] >= 0 and window[j] in seen[j] for j in range(n)], dtype=bool)
+        out = np.flatnonzero(match & (window >= 0) & ~emitted)
+        emitted[out] = True
+        ids = b.keys.iloc[:, 0].to_numpy()[out]
+        rows = pa.table({"id": pa.array(ids, pa.int64()), "name": pa.array(name[out].tolist(), pa.string()),
+                         "starttime": pa.array(window[out] * 1000, pa.int64()).cast(TS)})
+        # Each key's timer: the end of the earliest window it holds.
+        ends = [min([*seen[j], *([window[j]] if window[j] >= 0 else [])], default=None) for j in range(n)]
+        timer = pd.Series([None if e is None else e + WINDOW_MS - 1 for e in ends], dtype="Int64")
+        has = window >= 0
+        return {"name": pd.Series(np.where(has, name, None), dtype=object), "window": pd.Series(window, dtype="Int64").where(has),
+                "emitted": pd.Series(np.where(has & emitted, True, None), dtype=object),
+                "auction_windows": pd.Series([sorted(ws) if ws else None for ws in seen], dtype=object), ks.TIMER: timer}, rows
+
+
 class LastBid(ks.VectorizedKeyedFunction):
     """q18: keyed by (bidder, auction), the newest bid (by dateTime; the later record on a
     tie); emits a key's bid when it is newer than the one in state."""
@@ -800,7 +868,7 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
             uid="q7")
     if name == "q8":
         return stream("person").connect(stream("auction")).key_by("id", "seller").process(
-            NewUsers(), "id long, name string, starttime timestamp", uid="q8")
+            NewUsers() if per_record else NewUsersBatch(), "id long, name string, starttime timestamp", uid="q8")
     if name == "q11":
         return stream("bid").key_by("bidder").window(ks.SessionWindows(f"{WINDOW_MS} ms")).aggregate(
             uid="q11", bid_count=ks.count())
@@ -906,6 +974,14 @@ def spark_query(spark: Any, name: str, data: str | Path) -> tuple[DataFrame, str
         cond = (F.col("id") == F.col("auction")) & F.col("date_time_2").between(
             F.col("date_time"), F.col("date_time") + F.expr(f"INTERVAL {IJ_SECONDS} SECONDS"))
         return a.join(b, cond), "append", None
+    if name == "q8":
+        # Flink's q8 groups persons by (id, name, window) too; a person's id comes once, so
+        # the persons need no aggregation before the join.
+        w = f"{WINDOW_MS // 1000} seconds"
+        p = stream("person").select("id", "name", F.window("date_time", w).alias("pw"))
+        a = stream("auction").groupBy("seller", F.window("date_time", w).alias("aw")).agg(F.count("*").alias("n"))
+        joined = p.join(a, (F.col("id") == F.col("seller")) & (F.col("pw") == F.col("aw")))
+        return joined.select("id", "name", F.col("pw.start").alias("starttime")), "append", None
     if name == "wj":
         w = f"{WINDOW_MS // 1000} seconds"
         # The window is each side's event-time column (Spark allows one): the times themselves
