@@ -40,3 +40,27 @@ def test_a_stage_after_a_per_batch_aggregate_runs_the_empty_drain_batch(spark: A
     events = pd.read_parquet(tmp_path / "in")
     last = out.sort_values("batch").groupby("key").last()["total"].to_dict()
     assert last == events.groupby("key")["value"].sum().to_dict()
+
+
+def test_marker_rows_are_planned_once_per_session_and_parallelism(spark: Any) -> None:
+    # Each batch's plan is new, but its marker rows are the same: building and analysing them
+    # cost ~30 ms a batch on a two-input stage, so they are kept between batches.
+    from keyscale.runtime.stages import routed
+    from keyscale.runtime.stagetask import KG, SEQ
+
+    cache: dict[Any, Any] = {}
+
+    def markers(df: Any, p: int) -> list[int]:
+        rows, _ = routed(df, df.schema, ["key", "value"], ["key"], 128, p, cache)
+        return sorted(r[KG] for r in rows.where(f"{SEQ} = -1").collect())
+
+    batch = [spark.createDataFrame([("a", i), ("b", i)], "key string, value long") for i in range(2)]
+    assert markers(batch[0], 2) == [0, 64]
+    planned = dict(cache)
+    assert markers(batch[1], 2) == [0, 64]
+    assert cache == planned  # the second batch reused the first one's
+    assert markers(batch[1], 4) == [0, 32, 64, 96]  # a rescale plans its own
+    assert len(cache) == len(planned) + 1
+    other = spark.newSession()  # another query's session: nothing of the first is reused
+    assert markers(other.createDataFrame([("c", 3)], "key string, value long"), 2) == [0, 64]
+    assert cache["session"] is other and len(cache) == 2

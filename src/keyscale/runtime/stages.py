@@ -51,7 +51,7 @@ from keyscale.state.keygroups import key_group_range
 from keyscale.state.spark_hash import routing_values
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame
+    from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import DataType, StructType
 
     from keyscale.sinks.base import Sink
@@ -221,7 +221,7 @@ def keyed(
     )
     # The schema is read once (each read is a call to the JVM).
     spark_schema = df.schema
-    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p)
+    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p, job.markers)
     if step.combine:
         staged, spec = combined(rows.withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
     else:
@@ -234,27 +234,43 @@ def keyed(
     return staged.mapInArrow(make_stage_function(spec), from_arrow_schema(schema))
 
 
-def routed(df: DataFrame, schema: StructType, columns: Sequence[str], key_names: Sequence[str], m: int, p: int) -> tuple[DataFrame, Column]:
+def routed(
+    df: DataFrame, schema: StructType, columns: Sequence[str], key_names: Sequence[str], m: int, p: int, cache: dict[Any, Any] | None = None,
+) -> tuple[DataFrame, Column]:
     """The rows a keyed stage at parallelism ``p`` (``m`` key groups) ships: ``columns`` of
     ``df`` (whose ``schema`` the caller read) with each row's arrival sequence and key group,
     one marker row per subtask, and the expression that routes a row to its subtask's
-    partition (``repartition(p, expr)``)."""
+    partition (``repartition(p, expr)``). ``cache``: the marker rows built in earlier batches."""
     from pyspark.sql import functions as F
 
     # The plan is rebuilt every batch, and every Column made in Python is several calls to
     # the JVM (~1 ms each): fixed parts are SQL expressions.
     keys = ", ".join(_quoted(k) for k in key_names)
     rows = df.select(*columns, F.monotonically_increasing_id().alias(SEQ), F.expr(f"cast(pmod(hash({keys}), {m}) as int)").alias(KG))
-    # One marker row per subtask (sequence -1, dropped by the task): every subtask runs, and
-    # reports, even when Spark proves the batch empty (a transform with an aggregate or a
-    # window over an empty batch plans to no partitions at all).
-    starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
-    markers = df.sparkSession.range(p).select(
-        *[_null_of(c, schema[c].dataType) for c in columns],
-        F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"))
     # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
     to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int(({KG} * {p}) div {m}) + 1)")
-    return rows.unionByName(markers), to
+    return rows.unionByName(_markers(df.sparkSession, schema, columns, m, p, {} if cache is None else cache)), to
+
+
+def _markers(spark: SparkSession, schema: StructType, columns: Sequence[str], m: int, p: int, cache: dict[Any, Any]) -> DataFrame:
+    """One marker row per subtask (sequence -1, dropped by the task): every subtask runs, and
+    reports, even when Spark proves the batch empty (a transform with an aggregate or a
+    window over an empty batch plans to no partitions at all). They depend on the columns
+    and the parallelism only, so they are built (and analysed by Spark: ~30 ms on a
+    two-input stage) once per session and reused by every batch."""
+    from pyspark.sql import functions as F
+
+    if cache.get("session") is not spark:  # a new query's session: Spark plans are tied to one
+        cache.clear()
+        cache["session"] = spark
+    key = (tuple(columns), tuple(schema[c].dataType for c in columns), m, p)
+    markers: DataFrame | None = cache.get(key)
+    if markers is None:
+        starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
+        markers = cache[key] = spark.range(p).select(
+            *[_null_of(c, schema[c].dataType) for c in columns],
+            F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"))
+    return markers
 
 
 def combined(staged: DataFrame, input_schema: StructType, step: KeyedStep, spec: StageTask) -> tuple[DataFrame, StageTask]:
