@@ -54,7 +54,11 @@ def test_marker_rows_are_planned_once_per_session_and_parallelism(spark: Any) ->
         rows, _ = routed(df, df.schema, ["key", "value"], ["key"], 128, p, cache)
         return sorted(r[KG] for r in rows.where(f"{SEQ} = -1").collect())
 
-    batch = [spark.createDataFrame([("a", i), ("b", i)], "key string, value long") for i in range(2)]
+    # Two batches of one query: two session objects (PySpark wraps each batch anew), one session.
+    from pyspark.sql import SparkSession
+
+    batch = [SparkSession(spark.sparkContext, spark._jsparkSession).createDataFrame([("a", i), ("b", i)], "key string, value long")
+             for i in range(2)]
     assert markers(batch[0], 2) == [0, 64]
     planned = dict(cache)
     assert markers(batch[1], 2) == [0, 64]
@@ -63,4 +67,4 @@ def test_marker_rows_are_planned_once_per_session_and_parallelism(spark: Any) ->
     assert len(cache) == len(planned) + 1
     other = spark.newSession()  # another query's session: nothing of the first is reused
     assert markers(other.createDataFrame([("c", 3)], "key string, value long"), 2) == [0, 64]
-    assert cache["session"] is other and len(cache) == 2
+    assert cache["session"].equals(other._jsparkSession) and len(cache) == 2

@@ -257,12 +257,15 @@ def _markers(spark: SparkSession, schema: StructType, columns: Sequence[str], m:
     reports, even when Spark proves the batch empty (a transform with an aggregate or a
     window over an empty batch plans to no partitions at all). They depend on the columns
     and the parallelism only, so they are built (and analysed by Spark: ~30 ms on a
-    two-input stage) once per session and reused by every batch."""
+    two-input stage) once per query session and reused by every batch."""
     from pyspark.sql import functions as F
 
-    if cache.get("session") is not spark:  # a new query's session: Spark plans are tied to one
+    # PySpark wraps each micro-batch in a new SparkSession object around the query's own
+    # (Java) session: the cache is that session's (a restarted query has a new one).
+    session = spark._jsparkSession
+    if "session" not in cache or not cache["session"].equals(session):
         cache.clear()
-        cache["session"] = spark
+        cache["session"] = session
     key = (tuple(columns), tuple(schema[c].dataType for c in columns), m, p)
     markers: DataFrame | None = cache.get(key)
     if markers is None:
