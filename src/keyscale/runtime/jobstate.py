@@ -125,8 +125,8 @@ class JobState:
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     savepoints: list[dict[str, Any]] = field(default_factory=list)
-    # The keyed stages' marker rows, per Spark session (stages.routed): the same every batch.
-    markers: dict[Any, Any] = field(default_factory=dict)
+    # Per keyed stage, its marker rows in the query's Spark session (stages.routed): the same every batch.
+    markers: dict[str, dict[Any, Any]] = field(default_factory=dict)
 
     def note(self, batch: int, kind: str, reason: str, **details: Any) -> None:
         """An event the dashboard marks on its timelines (a rescale, an autoscaler decision)."""

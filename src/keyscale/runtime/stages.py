@@ -221,7 +221,8 @@ def keyed(
     )
     # The schema is read once (each read is a call to the JVM).
     spark_schema = df.schema
-    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p, job.markers)
+    # Each stage its own marker rows: two stages never share a piece of plan (nor its columns' ids).
+    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p, job.markers.setdefault(step.uid, {}))
     if step.combine:
         staged, spec = combined(rows.withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
     else:
