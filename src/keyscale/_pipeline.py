@@ -495,6 +495,9 @@ def stream(df: DataFrame | LogSource) -> Stream:
         return Stream(df)
     if not isinstance(df, SparkDataFrame):
         raise JobDefinitionError(f"keyscale.stream() takes a Spark DataFrame or a log_source(), not {type(df).__name__}")
+    from keyscale.runtime.session import check_classic
+
+    check_classic(df)
     if not df.isStreaming:
         raise JobDefinitionError("keyscale.stream() needs a streaming DataFrame (spark.readStream...), not a batch one")
     return Stream(df)

@@ -126,3 +126,33 @@ def test_a_resumed_job_keeps_its_stored_settings(tmp_path: Path, caplog: pytest.
         assert _stored_sets(str(job_dir), {"output": "/elsewhere"}) == {"input": "/data/in", "output": "/elsewhere"}
     assert "input=/data/in" in caplog.text and "output=/data/out" not in caplog.text
     assert _stored_sets(str(tmp_path / "new"), {"a": "1"}) == {"a": "1"}
+
+
+CONNECT_SCRIPT = '''
+import sys
+from pyspark.sql import SparkSession
+import keyscale as ks
+
+spark = SparkSession.builder.remote("local[1]").getOrCreate()
+df = spark.readStream.schema("key string, value long").parquet(sys.argv[1])
+try:
+    ks.stream(df)
+except ks.KeyscaleError as e:
+    print("REFUSED", e)
+spark.stop()
+'''
+
+
+@pytest.mark.spark
+def test_a_spark_connect_session_is_refused_by_name(tmp_path: Path) -> None:
+    # keyscale drives Spark from the driver's JVM (tasks' reports, the executors, the
+    # plan): a Spark Connect client has none in its process. Said where the job is built,
+    # not as Spark's "attribute not supported" from deep inside a started job.
+    (tmp_path / "in").mkdir()
+    script = tmp_path / "connect_user.py"
+    script.write_text(CONNECT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "in")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED ")]
+    assert refused, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Spark Connect" in refused[0] and "SparkSession.builder.getOrCreate()" in refused[0]

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keyscale")
 
-__all__ = ["SESSION_DEFAULTS", "missing_keyscale", "parse_spark_conf", "session_conf", "spark_session", "user_session"]
+__all__ = ["SESSION_DEFAULTS", "check_classic", "missing_keyscale", "parse_spark_conf", "session_conf", "spark_session", "user_session"]
 
 SESSION_DEFAULTS: dict[str, str] = {
     "spark.ui.showConsoleProgress": "false",
@@ -106,6 +106,26 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
     return spark
 
 
+def check_classic(obj: object) -> None:
+    """Refuse a Spark Connect session or DataFrame: keyscale drives Spark from the driver's
+    JVM in this process (the tasks' reports, the executors, the plan), which a Connect
+    client does not have.
+
+    >>> class DataFrame: ...
+    >>> DataFrame.__module__ = "pyspark.sql.connect.dataframe"
+    >>> check_classic(DataFrame())
+    Traceback (most recent call last):
+    ...
+    keyscale.errors.KeyscaleError: keyscale needs a classic SparkSession, with Spark's driver in this Python process; this DataFrame is of a Spark Connect session (SparkSession.builder.remote(...) or SPARK_REMOTE): create the session with SparkSession.builder.getOrCreate(), or run the job with `keyscale run`
+    """
+    if type(obj).__module__.startswith("pyspark.sql.connect."):
+        what = "session" if type(obj).__name__ == "SparkSession" else type(obj).__name__
+        raise KeyscaleError(
+            f"keyscale needs a classic SparkSession, with Spark's driver in this Python process; this {what} is of a Spark Connect "
+            "session (SparkSession.builder.remote(...) or SPARK_REMOTE): create the session with SparkSession.builder.getOrCreate(), "
+            "or run the job with `keyscale run`")
+
+
 def user_session(pipeline: Pipeline) -> SparkSession:
     """The caller's own session, for a pipeline built on it (the Python API).
 
@@ -122,6 +142,7 @@ def user_session(pipeline: Pipeline) -> SparkSession:
     spark = src.sparkSession if isinstance(src, DataFrame) else SparkSession.getActiveSession()
     if spark is None:
         raise KeyscaleError("no active SparkSession: create one (SparkSession.builder.getOrCreate()) before starting the job")
+    check_classic(spark)
     sc = spark.sparkContext
     chosen = os.environ.get("PYSPARK_PYTHON") or sc.getConf().get("spark.pyspark.python")
     if not chosen and str(sc.master).startswith("local"):
