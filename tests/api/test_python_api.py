@@ -118,6 +118,27 @@ def test_a_bad_start_option_is_named(spark: Any, tmp_path: Path) -> None:
         pipeline.start(str(tmp_path / "job"), paralelism=2)
 
 
+def test_a_set_up_failure_is_raised_by_start_not_left_in_a_failed_handle(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The run marks itself failed before its error reaches the handle's thread; start() saw
+    # "failed", stopped waiting and returned a failed handle (parallelism=0, now and then).
+    # The pause between the two makes that order certain.
+    import time
+
+    from keyscale.runtime.driver import JobRunner
+
+    record = JobRunner._record_failure
+
+    def slow_record(self: JobRunner, exc: BaseException) -> None:
+        record(self, exc)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(JobRunner, "_record_failure", slow_record)
+    events = spark.readStream.schema("key string, value long").parquet(str(tmp_path))
+    pipeline = ks.stream(events).key_by("key").aggregate(uid="n", n=ks.count()).sink(ks.NoopSink())
+    with pytest.raises(KeyscaleError, match="parallelism 0 must be at least 1"):
+        pipeline.start(str(tmp_path / "job"), parallelism=0)
+
+
 def test_a_resumed_job_keeps_its_stored_settings(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     job_dir = tmp_path / "job"
     job_dir.mkdir()

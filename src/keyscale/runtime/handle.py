@@ -90,6 +90,9 @@ class JobHandle:
             if time.monotonic() > deadline:
                 raise KeyscaleError(f"the job in {self.job_dir} did not start within {timeout:.0f} s")
             time.sleep(0.05)
+        if self._runner.job.state == "failed":
+            # The run says "failed" before its error has unwound to this handle's thread.
+            self._thread.join(max(1.0, deadline - time.monotonic()))
         if self._error is not None:
             raise self._error
 
