@@ -460,7 +460,8 @@ def test_non_restored_state(savepoint: tuple[Path, SimJob], tmp_path: Path) -> N
     sp, _ = savepoint
     other = OperatorSpec((("k", pa.int64()),), (StateDescriptor("n", "value", pa.int64()),))
     jd = new_job_dir(tmp_path / "new")
-    with pytest.raises(StateError, match=f"operator '{UID}'.*--allow-non-restored-state"):
+    # Both ways to say it: the CLI's flag and Pipeline.start's option.
+    with pytest.raises(StateError, match=f"operator '{UID}'.*--allow-non-restored-state.*allow_non_restored_state=True"):
         restore_savepoint(sp, jd, "job", {"other": other})
     assert not jd.manifest_batches() and not jd.spark_checkpoint.exists()
     m = restore_savepoint(sp, jd, "job", {"other": other}, allow_non_restored_state=True)

@@ -50,7 +50,7 @@ def plan_parallelism(job: JobState, pipeline: Pipeline) -> None:
     if orphaned and not job.opts.allow_non_restored_state:
         raise StateError(
             f"checkpoint {job.committed.batch if job.committed else '?'} has state of operator '{orphaned[0]}', which the job no longer has; "
-            "pass --allow-non-restored-state to drop it"
+            "pass --allow-non-restored-state (Pipeline.start: allow_non_restored_state=True) to drop it"
         )
     for step in pipeline.keyed_steps:
         prev = old.get(step.uid)

@@ -147,7 +147,8 @@ def _plan(info: SavepointInfo, job_dir: JobDir, operators: dict[str, OperatorSpe
         more = f" (and {', '.join(repr(u) for u in dropped[1:])})" if len(dropped) > 1 else ""
         raise StateError(
             f"savepoint {info.path} has state of operator '{dropped[0]}'{more}, which the job does not have; "
-            "give the operator its old uid, or pass --allow-non-restored-state to start without that state"
+            "give the operator its old uid, or pass --allow-non-restored-state (Pipeline.start: allow_non_restored_state=True) "
+            "to start without that state"
         )
     plans = []
     for uid, spec in sorted(operators.items()):
