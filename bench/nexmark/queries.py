@@ -576,7 +576,7 @@ class NewUsersBatch(ks.VectorizedKeyedCoProcessFunction):
         # A person is emitted once, when an auction of theirs is in their window.
         match = np.zeros(n, dtype=bool)
         match[b.codes2[a_window == window[b.codes2]]] = True
-        match |= np.array([window[j] >= 0 and window[j] in seen[j] for j in range(n)], dtype=bool)
+        match |= np.array([window[j] in seen[j] for j in range(n)], dtype=bool)
         out = np.flatnonzero(match & (window >= 0) & ~emitted)
         emitted[out] = True
         ids = b.keys.iloc[:, 0].to_numpy()[out]
