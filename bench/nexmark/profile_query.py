@@ -2,11 +2,15 @@
 
     PYTHONPATH=src .venv/bin/python bench/nexmark/profile_query.py --query q17 [--combine] [--top 20]
     PYTHONPATH=src .venv/bin/python bench/nexmark/profile_query.py --query q8 --timing
+    PYTHONPATH=src .venv/bin/python bench/nexmark/profile_query.py --query q18 --tasks
 
 One keyscale run of the query on the benchmark's input (2M events, 10 batches, -p 2) with
 ``KEYSCALE_PROFILE_DIR`` set (keyscale.runtime.profiling: a cProfile file per batch on the
 driver); prints keyscale's own functions by cumulative time over batches 3.., with the
 batches counted, so per-batch figures are the cumulative time / that count.
+
+``--tasks``: the keyed subtasks' profiles instead (one per subtask run, in the Python
+workers), over the runs after the first three batches' (warm-up).
 
 ``--timing``: no profiler (it inflates the many short calls to the JVM that planning
 makes); the steps of a batch timed with a clock instead, medians of batches 3..
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--combine", action="store_true")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--timing", action="store_true", help="time the batch's steps with a clock, no profiler")
+    ap.add_argument("--tasks", action="store_true", help="the subtasks' profiles instead of the driver's")
     a = ap.parse_args(argv)
     data = R.ensure_data(HERE.parent / "data", 2_000_000, 10)
     if a.timing:
@@ -46,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KEYSCALE_PROFILE_DIR"] = str(profiles)
     r = R.run_keyscale(a.query, data, Path(tempfile.mkdtemp(prefix="ks-nexmark-")), 2, combine=a.combine)
     print(f"{a.query}{' combine=True' if a.combine else ''}: batches {[round(x, 2) for x in r['batch_seconds']]}")
-    driver = sorted(profiles.rglob("driver*"))[3:]
+    files = sorted(f for f in profiles.rglob("*") if f.is_file())
+    driver = [f for f in files if f.name.startswith("driver")]
+    chosen = [f for f in files if f not in driver][6:] if a.tasks else driver[3:]  # two subtasks a batch
     out = io.StringIO()
-    pstats.Stats(*map(str, driver), stream=out).sort_stats("cumulative").print_stats("keyscale|queries.py", a.top)
-    print(f"{len(driver)} batches profiled\n" + out.getvalue())
+    restrict = (a.top,) if a.tasks else ("keyscale|queries.py", a.top)
+    pstats.Stats(*map(str, chosen), stream=out).sort_stats("cumulative").print_stats(*restrict)
+    print(f"{len(chosen)} {'subtask runs' if a.tasks else 'batches'} profiled\n" + out.getvalue())
     return 0
 
 
