@@ -1,6 +1,6 @@
 """Workload W with state and sink on local disk against the same on an S3 server, same run.
 
-    .venv/bin/python bench/object_store.py --repeats 3 [--keys string]
+    .venv/bin/python bench/object_store.py --repeats 3 [--keys string] [--async-checkpoints]
 
 Starts a private SeaweedFS (keyscale.storage.seaweed) on 127.0.0.1. Per repeat, interleaved
 so that machine noise hits both alike: the W running count (``bench/jobs/w_count.py``,
@@ -11,6 +11,8 @@ disk, then with both on S3. Steady batch = median of batches 1-4 of Spark's own
 its marker), and the end-to-end wall time.
 
 ``--keys string`` runs the same with string keys (``k<n>``), the case users have.
+``--async-checkpoints`` adds, in each repeat, both again with asynchronous checkpoints
+(a batch's state files upload while the next batch runs).
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ def string_keyed(data: Path) -> Path:
     return out
 
 
-def run(data: Path, job_dir: str, output: str, key_type: str) -> dict[str, Any]:
+def run(data: Path, job_dir: str, output: str, key_type: str, async_checkpoints: bool = False) -> dict[str, Any]:
     opts = RunOptions(
         job_file=str(HERE / "jobs" / "w_count.py"), job_dir=job_dir, parallelism=2, until_idle=True,
         args={"input": str(data), "mode": "vectorized", "sink": "parquet", "output": output, "key_type": key_type},
+        async_checkpoints=async_checkpoints,
     )
     t = time.perf_counter()
     runner = JobRunner(opts)
@@ -86,21 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keys", choices=["long", "string"], default="long")
+    ap.add_argument("--async-checkpoints", action="store_true", help="also run both with asynchronous checkpoints")
     a = ap.parse_args(argv)
+    wheres = ["local", "s3", *(["local async", "s3 async"] if a.async_checkpoints else [])]
     data = ensure_workload(DEFAULT_DATA_ROOT, "W")
     if a.keys == "string":
         data = string_keyed(data)
     tmp = Path(tempfile.mkdtemp(prefix="ks-objstore-"))
     server = start_seaweedfs(tmp / "weed", "bench", "bench-secret-0123")
     os.environ.update(server.env())
-    results: dict[str, list[dict[str, Any]]] = {"local": [], "s3": []}
+    results: dict[str, list[dict[str, Any]]] = {w: [] for w in wheres}
     try:
         for r in range(a.repeats):
             bucket = f"bench-{r}"
             create_bucket(server, bucket)
-            for where in ("local", "s3"):
-                root = str(tmp / f"r{r}") if where == "local" else f"s3://{bucket}"
-                res = run(data, f"{root}/job", f"{root}/out", a.keys)
+            for i, where in enumerate(wheres):
+                root = str(tmp / f"r{r}" / str(i)) if where.startswith("local") else f"s3://{bucket}/{i}"
+                res = run(data, f"{root}/job", f"{root}/out", a.keys, where.endswith("async"))
                 results[where].append(res)
                 print(f"repeat {r} {where}: steady {res['steady']:.2f} s, wall {res['wall']:.1f} s, "
                       f"writes/batch {res['writes_per_batch']}, requests/batch {res['requests_per_batch']}, "
@@ -109,16 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    loc = statistics.median(x["steady"] for x in results["local"])
-    s3 = statistics.median(x["steady"] for x in results["s3"])
-    wl = statistics.median(x["wall"] for x in results["local"])
-    ws = statistics.median(x["wall"] for x in results["s3"])
+    steady = {w: statistics.median(x["steady"] for x in results[w]) for w in wheres}
+    wall = {w: statistics.median(x["wall"] for x in results[w]) for w in wheres}
     print("\n| where | steady batch | end to end | writes per batch (job dir) | requests per batch (job dir) | sink objects per batch |")
     print("|---|---|---|---|---|---|")
-    for where, st, w in (("local disk", loc, wl), ("S3 (SeaweedFS)", s3, ws)):
-        x = results["local" if where == "local disk" else "s3"][-1]
-        print(f"| {where} | {st:.2f} s | {w:.1f} s | {x['writes_per_batch']} | {x['requests_per_batch']} | {x['sink_objects_per_batch']} |")
-    print(f"\nS3 / local: steady {s3 / loc:.2f}x, end to end {ws / wl:.2f}x (target steady <= 1.3x)")
+    for w in wheres:
+        x = results[w][-1]
+        print(f"| {w} | {steady[w]:.2f} s | {wall[w]:.1f} s | {x['writes_per_batch']} | {x['requests_per_batch']} | {x['sink_objects_per_batch']} |")
+    print(f"\nS3 / local: steady {steady['s3'] / steady['local']:.2f}x, end to end {wall['s3'] / wall['local']:.2f}x (target steady <= 1.3x)")
+    if a.async_checkpoints:
+        print(f"S3 async / local: steady {steady['s3 async'] / steady['local']:.2f}x, end to end {wall['s3 async'] / wall['local']:.2f}x "
+              f"(target steady <= 1.1x); S3 async / S3: steady {steady['s3 async'] / steady['s3']:.2f}x")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -62,6 +63,43 @@ def put_state_file(store: Store, rel_path: str, data: bytes | Path) -> None:
             store.put(rel_path, data)
     except OSError as e:  # a local job directory this process cannot write (a task: the driver's disk)
         raise StorageError(f"state file: {local_write_failure(store.url(rel_path), e)}") from None
+
+
+def upload_timeout() -> float:
+    """Seconds a state file of a batch whose task has ended may take to appear in the store
+    (asynchronous checkpoints): ``KEYSCALE_UPLOAD_TIMEOUT``, 600 by default."""
+    raw = os.environ.get("KEYSCALE_UPLOAD_TIMEOUT", "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise StateError(f"KEYSCALE_UPLOAD_TIMEOUT must be a number of seconds above 0, not {raw!r}")
+    return value
+
+
+def wait_stored(store: Store, files: Iterable[StateFile], timeout: float, what: str) -> None:
+    """Return once every file of ``files`` is in ``store``; raise :class:`StateError` naming
+    the first one still missing after ``timeout`` seconds.
+
+    Used when a state file's upload outlives its task (asynchronous checkpoints): a store's
+    put is atomic (a local file is renamed into place, an object appears whole), so a file
+    that exists is complete. ``what`` says who waits, for the error."""
+    missing = list(files)
+    deadline = time.monotonic() + timeout
+    pause = 0.01
+    while missing:
+        missing = [f for f in missing if not store.exists(f.path)]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            f = missing[0]
+            raise StateError(
+                f"state file {store.url(f.path)} of batch {f.batch} was not stored within {timeout:g} s of its task's end "
+                f"({what}); the worker uploading it may have died. The batch is replayed from its intent at the next start "
+                "(KEYSCALE_UPLOAD_TIMEOUT sets the wait)")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
 
 
 def _metadata(index: list[list[int]], kind: FileKind, batch: int, rng: KeyGroupRange) -> dict[bytes, bytes]:

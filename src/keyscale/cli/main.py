@@ -83,7 +83,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
-        spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend,
+        spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend, async_checkpoints=a.async_checkpoints,
     )
     log = logging.getLogger("keyscale")
     while True:
@@ -418,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
+    r.add_argument("--async-checkpoints", action="store_true",
+                   help="a batch's state files upload while the next batch runs; its checkpoint commits once they are stored "
+                        "(README: Asynchronous checkpoints)")
     r.add_argument("--state-backend", choices=["memory", "rocksdb"], default="memory",
                    help="where keyed stages keep their state: memory (default) or rocksdb on the executors' local disk "
                         "(a stage's own state_backend= wins; README: Choosing a state backend)")

@@ -32,19 +32,23 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from keyscale.checkpoint.drain import drain_extra
+from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, live_files
 from keyscale.operators.eventtime import END_OF_TIME, WatermarkState
 from keyscale.operators.eventtime import advance as advance_watermark
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.nonkeyed import broadcast_to_json, lists_state
 from keyscale.runtime import counters, parallelism, poison_batch, stages
-from keyscale.runtime.jobstate import BatchRecord, JobState
+from keyscale.runtime.jobstate import BatchRecord, JobState, PendingCommit
 from keyscale.runtime.source_plan import plan_source, read_source, source_status
 from keyscale.runtime.status import report_counts, status
 from keyscale.sources import reader
@@ -93,12 +97,31 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     spark_seconds = write_sinks(job, plan, batch_id)
     if job.fault("after-sink", batch_id):
         os.kill(os.getpid(), signal.SIGKILL)
-    # 5. Manifest: the commit point.
-    records, emitted, reports = commit_manifest(job, batch_id, intent, par, watermark_ms, rules, drain)
-    # 6. Two-phase sinks make the batch's output visible.
-    post_commit(job, batch_id)
-    removed = job.jobdir.retain(job.opts.retain)
+    # At most one checkpoint in flight: the batch before this one commits first.
+    removed = settle(job)
+    # 5. Manifest: the commit point (with asynchronous checkpoints, in the background once
+    # the state files it names are stored; a drain's commits at once, its savepoint follows).
+    background = job.opts.async_checkpoints and not drain
+    records, emitted, reports = commit_manifest(job, batch_id, intent, par, watermark_ms, rules, drain, background)
+    if not background:
+        # 6. Two-phase sinks make the batch's output visible.
+        post_commit(job, batch_id)
+        removed += job.jobdir.retain(job.opts.retain)
     return record(job, batch_id, clock, records, emitted, par, replayed, reports, spark_seconds, removed)
+
+
+def settle(job: JobState) -> int:
+    """Asynchronous checkpoints: wait until the pending batch is committed (its state files
+    stored, its manifest created), then run its post-commit steps (6, retention). Raises the
+    commit's error (a file never stored, a newer run's fence). Returns the old state files
+    retention removed. Called before the next batch's commit, a savepoint and the run's end."""
+    pending = job.pending
+    if pending is None:
+        return 0
+    job.pending = None
+    pending.future.result()
+    post_commit(job, pending.batch)
+    return job.jobdir.retain(job.opts.retain)
 
 
 def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) -> tuple[dict[str, Any], bool]:
@@ -175,9 +198,14 @@ def post_commit(job: JobState, batch_id: int) -> None:
 
 def commit_manifest(
     job: JobState, batch_id: int, intent: dict[str, Any], par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]], drain: bool,
+    background: bool = False,
 ) -> tuple[int, int, TaskReports]:
     """Step 5: build the manifest, commit it (epoch check, created only if absent), and move
-    the job's state on to it. Returns the batch's records in, rows out and task reports."""
+    the job's state on to it. Returns the batch's records in, rows out and task reports.
+
+    With ``background`` the commit runs in a thread once the state files are stored
+    (``job.pending``), and the job's state moves on now: the next batch runs on it."""
+    drain = bool(intent.get("drain"))
     assert job.pipeline is not None
     batch_time_ms = int(intent["batch_time_ms"])
     manifest, records, emitted, reports = build_manifest(
@@ -189,7 +217,10 @@ def commit_manifest(
     manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
         **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(), "epoch": job.jobdir.epoch,
         **(drain_extra(job.watermark.to_json(), batch_id) if drain else {})})
-    job.jobdir.commit(manifest)
+    if background:
+        job.pending = PendingCommit(batch_id, manifest, _in_background(_commit_stored, job, manifest))
+    else:
+        _commit_stored(job, manifest)
     job.reports.forget(batch_id)
     job.committed = manifest
     if wm.watermark_ms != job.watermark.watermark_ms and job.pipeline.watermark is not None:
@@ -197,6 +228,31 @@ def commit_manifest(
     job.watermark = wm
     report_counts(job, batch_id, counts)
     return records, emitted, reports
+
+
+def _commit_stored(job: JobState, manifest: Manifest) -> None:
+    """The commit point of ``manifest``; with asynchronous checkpoints the tasks did not wait
+    for their uploads, so first every file it takes from this batch must be in the store."""
+    if job.opts.async_checkpoints:
+        new = [f for op in manifest.operators.values() for f in op.files if f.batch == manifest.batch]
+        wait_stored(job.jobdir.store, new, job.upload_timeout, f"the commit of batch {manifest.batch} waits for it")
+    job.jobdir.commit(manifest)
+
+
+def _in_background(fn: Callable[..., None], *args: Any) -> Future[None]:
+    """``fn(*args)`` in a thread of its own; its outcome in the future."""
+    done: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:
+            done.set_exception(e)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=run, name="keyscale-commit", daemon=True).start()
+    return done
 
 
 def record(
@@ -232,8 +288,8 @@ def record(
     # (stateless on a Spark source) would print zeros for rows it did move.
     counted = job.pipeline.log_source is not None or bool(job.pipeline.keyed_steps)
     log.info(
-        "batch %d committed in %.2f s (Spark job %.2f s): %s; %s%s",
-        batch_id, seconds, spark_seconds,
+        "batch %d %s in %.2f s (Spark job %.2f s%s): %s; %s%s",
+        batch_id, "run" if job.pending else "committed", seconds, spark_seconds, "; its checkpoint commits in the background" if job.pending else "",
         f"{records:,} records in, {emitted:,} rows out" if counted else "no stateful stage, so no record counts (Spark's progress has them)",
         ", ".join(f"'{u}' p={p}" for u, p in par.items()),
         f"; {removed} old state files removed" if removed else "",

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 from keyscale._pipeline import JobContext, Pipeline
+from keyscale.checkpoint.files import upload_timeout
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
 from keyscale.checkpoint.manifest import Manifest
@@ -178,6 +179,8 @@ class JobRunner:
         self.summary.job = self.name
         if opts.parallelism is not None and opts.parallelism < 1:
             raise KeyscaleError(f"parallelism {opts.parallelism} must be at least 1")
+        if opts.async_checkpoints:
+            self.job.upload_timeout = upload_timeout()  # a bad KEYSCALE_UPLOAD_TIMEOUT is refused before anything runs
         default_m = default_max_parallelism(opts.parallelism or 1)
         if opts.from_savepoint and opts.max_parallelism is None:
             # A job restored from a savepoint keeps the savepoint's key groups.
@@ -313,7 +316,9 @@ class JobRunner:
                 if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
                     self.job.state = "draining"
                     self._run_drain(spark)
+                commit.settle(self.job)  # the last batch's checkpoint, committing in the background
             except BaseException as e:
+                self._settle_after_failure()
                 self._record_failure(e)
                 if not self._drained.done():
                     self._drained.set_exception(e)
@@ -343,6 +348,16 @@ class JobRunner:
                 self.jobdir.unlock()
                 self._locked = False
         return self.summary
+
+    def _settle_after_failure(self) -> None:
+        """A batch failed while the one before it commits in the background: let that commit
+        finish, so the next start need not replay it."""
+        pending = self.job.pending
+        try:
+            commit.settle(self.job)
+        except Exception:  # the job's own error is what to report
+            assert pending is not None
+            log.warning("the checkpoint of batch %d did not commit either; the next start replays that batch", pending.batch)
 
     def _record_failure(self, exc: BaseException) -> None:
         """The job failed: its status says so, with the error, until the next start."""
@@ -485,6 +500,7 @@ class JobRunner:
         from keyscale.checkpoint.savepoint import text_progress, write_savepoint
 
         with self._batch_lock:
+            commit.settle(self.job)  # a savepoint of a committed batch only
             m = self.committed
             if m is None:
                 raise StateError("the job has not committed a batch yet; nothing to save")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,11 @@ class RunOptions:
     scaling_min: int = 1  # bounds of reactive mode and the autoscaler
     scaling_max: int | None = None  # None: the number of key groups
     state_backend: str = "memory"  # keyed stages' default: "memory" | "rocksdb" (a stage's own state_backend= wins)
-    fault: str | None = None  # test-only: "<mid-batch|mid-upload|between-sinks|after-sink|in-compaction>:<batch>"
+    # A batch's state files upload while the next batch runs; its manifest commits once they are stored.
+    async_checkpoints: bool = False
+    # test-only: "<point>:<batch>", point mid-batch, mid-upload, between-sinks, after-sink, in-compaction,
+    # and with asynchronous checkpoints slow-upload, worker-dies-mid-upload
+    fault: str | None = None
 
 
 @dataclass
@@ -92,6 +97,16 @@ class RunSummary:
 HISTORY = 720  # batches (and events) the dashboard's timelines show
 
 
+@dataclass(frozen=True)
+class PendingCommit:
+    """A batch run and not yet committed: its manifest, built, commits in ``future`` once
+    the state files it names are stored (runtime/commit.py, ``settle``)."""
+
+    batch: int
+    manifest: Manifest
+    future: Future[None]
+
+
 @dataclass(eq=False)
 class JobState:
     """One running job's state between batches (see the module docstring for who writes what)."""
@@ -104,7 +119,7 @@ class JobState:
     name: str = ""
     max_parallelism: int = 0
     pipeline: Pipeline | None = None
-    committed: Manifest | None = None  # the last committed batch's manifest
+    committed: Manifest | None = None  # the last committed batch's manifest (or the pending one's: see ``pending``)
     parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
     watermark: WatermarkState = field(default_factory=WatermarkState)
     lineage: Lineage = field(default_factory=lambda: Lineage(""))  # the job's lineage (sinks' output belongs to it)
@@ -127,6 +142,10 @@ class JobState:
     savepoints: list[dict[str, Any]] = field(default_factory=list)
     # Per keyed stage, its marker rows in the query's Spark session (stages.routed): the same every batch.
     markers: dict[str, dict[Any, Any]] = field(default_factory=dict)
+    # Asynchronous checkpoints: the batch whose manifest commits in the background (at most one),
+    # and how long its files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
+    pending: PendingCommit | None = None
+    upload_timeout: float = 600.0
 
     def note(self, batch: int, kind: str, reason: str, **details: Any) -> None:
         """An event the dashboard marks on its timelines (a rescale, an autoscaler decision)."""

@@ -178,6 +178,7 @@ class RocksSession:
         if len(gone):
             db.drop_groups(gone)
         full, reads, stats = catch_up(spec.files, self.rng, ver, spec.committed, spec.max_parallelism)
+        spec.await_pending(reads)
         db.drop_groups(np.flatnonzero(full) + lo)
         warm = np.zeros(spec.max_parallelism, dtype=bool)
         warm[lo : hi + 1] = ~full
@@ -278,6 +279,7 @@ class RocksSession:
         keys (docs/benchmarks.md, "100M keys"). The database holds the same state."""
         spec, lo, hi = self.spec, self.rng.start, self.rng.end
         _, reads, _ = catch_up(spec.files, self.rng, np.full(hi - lo + 1, -1), spec.committed, spec.max_parallelism)
+        spec.await_pending(reads)
         kgs = changes.column(KG).to_numpy()
         for chunk in self._chunks(reads, every_group=True):
             a, b = np.searchsorted(kgs, [chunk.start, chunk.end + 1])

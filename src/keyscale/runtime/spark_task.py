@@ -1,6 +1,7 @@
 """A stage's subtask as a Spark task (``mapInArrow``): partition ``i`` is subtask ``i``;
 errors leave it named (operator, batch, subtask) in one line; the state file's upload
-overlaps the output's streaming, and the task reports only once the file is stored."""
+overlaps the output's streaming, and the task reports only once the file is stored (with
+asynchronous checkpoints, it reports at once and the upload goes on after the task)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def as_spark_task(
         yield from out.to_batches()
         if upload is not None:
             with _named_errors(spec, subtask):
-                upload.wait()
-            report["store_requests"] = dict(spec.store.requests)  # with the upload's
+                if spec.detach_upload:
+                    upload.detach()  # asynchronous checkpoints: the driver commits once the file exists
+                else:
+                    upload.wait()
+                    report["store_requests"] = dict(spec.store.requests)  # with the upload's
         reports.send(spec.report_to, spec.uid, spec.batch_id, subtask, report)
 
     return stage

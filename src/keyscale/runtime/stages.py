@@ -204,6 +204,10 @@ def keyed(
         fault = "kill-driver-mid-batch"
     if job.fault("mid-upload", batch_id):
         fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
+    if job.fault("worker-dies-mid-upload", batch_id):
+        fault = "kill-worker-mid-upload"  # the Python worker dies with its file unstored (asynchronous checkpoints)
+    if job.fault("slow-upload", batch_id):
+        fault = "slow-upload"  # the state files appear 2 s after their tasks end (asynchronous checkpoints)
     policy = job.pipeline.error_policy(step) if job.pipeline else FAIL
     backend = step.state_backend or job.opts.state_backend
     if backend == "rocksdb":
@@ -218,6 +222,7 @@ def keyed(
         extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
         on_error=policy, report_to=job.reports.sender, state_backend=backend,
+        detach_upload=job.opts.async_checkpoints, pending=job.pending.batch if job.pending else -1, upload_timeout=job.upload_timeout,
     )
     # The schema is read once (each read is a call to the JVM).
     spark_schema = df.schema

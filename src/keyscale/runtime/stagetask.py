@@ -5,11 +5,13 @@ The task itself is :mod:`keyscale.runtime.task`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
+from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.manifest import StateFile
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.keyed import TIMER_STATES
@@ -42,7 +44,7 @@ class StageTask:
     committed: int  # batch whose manifest the state comes from (-1: none yet)
     files: tuple[StateFile, ...]  # the operator's live files at ``committed``
     compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
-    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction" | "kill-driver-mid-upload"
+    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction" | "kill-driver-mid-upload" | ...
     driver_pid: int = 0
     watermark_ms: int = NO_WATERMARK  # the watermark this batch runs with
     event_time: str | None = None  # the event-time column whose maximum the task reports
@@ -54,6 +56,17 @@ class StageTask:
     report_to: Any = None  # where the report goes (keyscale.runtime.reports): a Spark accumulator
     state_backend: str = "memory"  # "memory" | "rocksdb" (runtime/rocks_task.py)
     combined: bool = False  # the records are Spark's partial aggregates per key (aggregate(combine=True)): see COMBINED_*
+    # Asynchronous checkpoints: the task ends without waiting for its state file's upload,
+    # and the files of batch ``pending`` (its manifest not yet committed) may still be uploading.
+    detach_upload: bool = False
+    pending: int = -1
+    upload_timeout: float = 600.0
+
+    def await_pending(self, reads: Iterable[tuple[StateFile, Any]]) -> None:
+        """Wait for the files of ``reads`` that the pending batch's tasks may still be uploading."""
+        pending = [f for f, _ in reads if f.batch == self.pending]
+        if pending:
+            wait_stored(self.store, pending, self.upload_timeout, f"read by a subtask of '{self.uid}' in batch {self.batch_id}")
 
     @property
     def timers(self) -> bool:

@@ -64,7 +64,8 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
         "spark": _spark_of(job),
         "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
                     "last_decisions": job.decisions},
-        "last_checkpoint": job.committed.batch if job.committed else None,
+        "last_checkpoint": last_checkpoint(job),
+        "checkpoint_committing": job.pending.batch if job.pending and not job.pending.future.done() else None,
         "watermark": describe_watermark(job.watermark.watermark_ms) if job.pipeline and job.pipeline.watermark else None,
         "watermark_ms": job.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
         "updated_ms": int(time.time() * 1000),
@@ -72,6 +73,16 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
         "outputs": outputs(job.pipeline) if job.pipeline else [],
         "counters": {"last_batch": job.counts, "total": counters.from_extra(job.committed.extra if job.committed else None)},
     }
+
+
+def last_checkpoint(job: JobState) -> int | None:
+    """The newest committed batch. With asynchronous checkpoints the batch just run may
+    still be committing: then the one committed before it."""
+    p = job.pending
+    if p is not None and not (p.future.done() and p.future.exception() is None):
+        older = [b for b in job.jobdir.manifest_batches() if b < p.batch]
+        return older[-1] if older else None
+    return job.committed.batch if job.committed else None
 
 
 def outputs(pipeline: Pipeline) -> list[dict[str, Any]]:

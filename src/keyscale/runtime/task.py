@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -116,6 +117,7 @@ def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[Held, dict[str, i
     ver = held.version[lo : hi + 1].copy()
     held.version[lo : hi + 1] = -1  # invalid until this task finishes
     full, reads, stats = catch_up(spec.files, rng, ver, spec.committed, spec.max_parallelism)
+    spec.await_pending(reads)
     held.table.drop_groups(np.flatnonzero(full) + lo)
     # In batch order, a delta over what came before it: applied as one, each key once.
     held.table.apply_all(list(_fetch_in_order(spec.store, reads)))
@@ -456,22 +458,37 @@ def _key_of(row: dict[str, Any]) -> Any:
 
 
 class Upload:
-    """A state file's upload in a thread of the task (obstore and file writes release the GIL)."""
+    """A state file's upload in a thread of the task (obstore and file writes release the GIL).
+
+    The task either waits for it (:meth:`wait`: the task reports once the file is stored) or,
+    with asynchronous checkpoints, leaves it running (:meth:`detach`): the worker process
+    outlives the task, and the driver commits the batch's manifest once the file exists."""
 
     def __init__(self, spec: StageTask, rel_path: str, data: bytes | Path):
         self._error: BaseException | None = None
+        self._detached = False
 
         def put() -> None:
             try:
                 if spec.fault == "kill-driver-mid-upload" and spec.driver_pid:
+                    if spec.detach_upload:  # the task has ended: the driver is on to the next batch
+                        time.sleep(3)
                     os.kill(spec.driver_pid, signal.SIGKILL)
                     time.sleep(30)
+                if spec.fault in ("kill-worker-mid-upload", "slow-upload"):
+                    while not self._detached:  # until the task has ended: its report on its way to the driver
+                        time.sleep(0.05)
+                    time.sleep(2)
+                    if spec.fault == "kill-worker-mid-upload":
+                        os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
                 put_state_file(spec.store, rel_path, data)
             except BaseException as e:  # handed to wait(), in the task's own thread
                 self._error = e
             finally:
                 if isinstance(data, Path):  # a spilled file: its folder goes with it
                     remove_scratch(data.parent)
+                if self._detached:
+                    self._finish_detached(rel_path)
 
         self._thread = threading.Thread(target=put, name="keyscale-upload", daemon=True)
         self._thread.start()
@@ -484,3 +501,16 @@ class Upload:
         release_free_memory()
         if self._error is not None:
             raise self._error
+
+    def detach(self) -> None:
+        """Let the upload finish after the task ends (asynchronous checkpoints)."""
+        self._detached = True
+        if not self._thread.is_alive():
+            self.wait()
+
+    def _finish_detached(self, rel_path: str) -> None:
+        release_free_memory()
+        if self._error is not None:
+            # No task is left to fail: the driver waits for the file, times out naming it,
+            # and the batch is replayed from its intent at the next start.
+            print(f"keyscale: uploading state file {rel_path} failed: {self._error}", file=sys.stderr, flush=True)

@@ -1,0 +1,95 @@
+"""Asynchronous checkpoints (``--async-checkpoints``): a batch's state files upload while the
+next batch runs, and its manifest commits once they are stored. Exactly-once must hold as
+without them: the same output as an uninterrupted run, with the driver killed while an
+upload is in flight during the next batch, and with the worker uploading a file killed."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from conftest import RUNNING_COUNT, cli, read_output, reference_output, run_job, write_events
+from keyscale.checkpoint.jobdir import JobDir
+
+pytestmark = [pytest.mark.spark]
+
+
+@pytest.fixture(scope="module")
+def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("events")
+    write_events(folder, files=5, rows=2000, keys=300, seed=11)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
+    return reference_output(tmp_path_factory, events, 2, max_chain=2)
+
+
+def test_live_rescales_with_checkpoints_in_flight_give_the_same_output(spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
+    """Each rescale moves key groups to subtasks whose state comes from the files of the
+    batch before, still uploading when the rescaled batch starts: its tasks wait for them."""
+    jd = JobDir(tmp_path / "job")
+    plan = {0: 3, 1: 1, 2: 2}
+    # Batch 1's files appear 2 s after its tasks end: batch 2, at parallelism 1, needs them.
+    summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, {"input": str(events), "output": str(tmp_path / "out")}, max_chain=2,
+                      async_checkpoints=True, fault="slow-upload:1",
+                      on_batch=lambda rec: jd.request_rescale(plan[rec.batch]) if rec.batch in plan else None)
+    assert [b.parallelism["totals"] for b in summary.batches] == [2, 3, 1, 2, 2]
+    out = read_output(tmp_path / "out")
+    assert not out.duplicated(["batch", "key"]).any()
+    pd.testing.assert_frame_equal(out, reference)
+    # The run ends with every batch committed: the last checkpoint is not left in flight.
+    assert JobDir(tmp_path / "job").manifest_batches()[-1] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["mid-upload:2", "after-sink:2", "mid-batch:2"])
+def test_killed_driver_restarts_exactly_once(fault: str, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
+    base = ["run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle", "--async-checkpoints",
+            "--compaction-chain", "2", "--set", f"input={events}", "--set", f"output={tmp_path / 'out'}"]
+    crashed = cli(*base, "--fault", fault)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    jd = JobDir(tmp_path / "job")
+    assert jd.manifest_batches()[-1] <= 1  # batch 2 never committed
+    if fault.startswith("mid-upload"):
+        # Killed while batch 2's state file uploads, its task over: the driver had moved on to batch 3.
+        assert jd.read_intent(3) is not None
+    resumed = cli(*base, check=True)
+    assert "resuming job 'running_count' from checkpoint" in resumed.stderr
+    out = read_output(tmp_path / "out")
+    assert not out.duplicated(["batch", "key"]).any()
+    pd.testing.assert_frame_equal(out, reference)
+    assert jd.manifest_batches()[-1] == 4
+
+
+@pytest.mark.slow
+def test_a_state_file_never_stored_fails_the_run_and_the_restart_replays(
+    events: Path, reference: pd.DataFrame, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Python worker uploading batch 2's file dies after its task reported: the commit
+    waits for the file, gives up naming it, and the next start replays the batch."""
+    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "8")
+    base = ["run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle", "--async-checkpoints",
+            "--compaction-chain", "2", "--set", f"input={events}", "--set", f"output={tmp_path / 'out'}"]
+    failed = cli(*base, "--fault", "worker-dies-mid-upload:2")
+    assert failed.returncode not in (0, -signal.SIGKILL), failed.stderr[-2000:]
+    assert "000000000002-s0" in failed.stderr and "was not stored within 8 s" in failed.stderr, failed.stderr[-2000:]
+    assert JobDir(tmp_path / "job").manifest_batches()[-1] <= 1
+    cli(*base, check=True)
+    out = read_output(tmp_path / "out")
+    assert not out.duplicated(["batch", "key"]).any()
+    pd.testing.assert_frame_equal(out, reference)
+
+
+def test_a_bad_upload_timeout_is_refused_by_name(events: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "soon")
+    r = cli("run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "--until-idle", "--async-checkpoints",
+            "--set", f"input={events}", "--set", f"output={tmp_path / 'out'}")
+    assert r.returncode != 0
+    assert "KEYSCALE_UPLOAD_TIMEOUT must be a number of seconds above 0, not 'soon'" in r.stderr
+    assert not (tmp_path / "out").exists()
