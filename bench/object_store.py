@@ -1,18 +1,21 @@
 """Workload W with state and sink on local disk against the same on an S3 server, same run.
 
     .venv/bin/python bench/object_store.py --repeats 3 [--keys string] [--async-checkpoints]
+    .venv/bin/python bench/object_store.py --async-checkpoints --keys string --state-keys 2000000 --files 8 --compaction-chain 2
 
 Starts a private SeaweedFS (keyscale.storage.seaweed) on 127.0.0.1. Per repeat, interleaved
 so that machine noise hits both alike: the W running count (``bench/jobs/w_count.py``,
 vectorized, Parquet sink, parallelism 2, local[2]) with job directory and output on local
-disk, then with both on S3. Steady batch = median of batches 1-4 of Spark's own
+disk, then with both on S3. Steady batch = median of the batches after the first (W: 1-4) of Spark's own
 ``triggerExecution``; medians over repeats. Also the storage requests of each steady batch
 (driver and tasks: job directory only; the sink's are reported apart: its part objects and
 its marker), and the end-to-end wall time.
 
 ``--keys string`` runs the same with string keys (``k<n>``), the case users have.
 ``--async-checkpoints`` adds, in each repeat, both again with asynchronous checkpoints
-(a batch's state files upload while the next batch runs).
+(a batch's state files upload while the next batch runs). ``--state-keys N --files F``
+runs W's shape (400,000 rows a file) over N distinct keys and F files instead (large
+state: large deltas, and with ``--compaction-chain 2`` a snapshot every other batch).
 """
 
 from __future__ import annotations
@@ -58,17 +61,17 @@ def string_keyed(data: Path) -> Path:
     return out
 
 
-def run(data: Path, job_dir: str, output: str, key_type: str, async_checkpoints: bool = False) -> dict[str, Any]:
+def run(data: Path, job_dir: str, output: str, key_type: str, async_checkpoints: bool = False, max_chain: int = 8) -> dict[str, Any]:
     opts = RunOptions(
         job_file=str(HERE / "jobs" / "w_count.py"), job_dir=job_dir, parallelism=2, until_idle=True,
         args={"input": str(data), "mode": "vectorized", "sink": "parquet", "output": output, "key_type": key_type},
-        async_checkpoints=async_checkpoints,
+        async_checkpoints=async_checkpoints, max_chain=max_chain,
     )
     t = time.perf_counter()
     runner = JobRunner(opts)
     s = runner.run()
     wall = time.perf_counter() - t
-    steady = s.batches[1:5]
+    steady = s.batches[1:]
     requests: Counter[str] = Counter()
     for b in steady:
         requests.update(b.requests)
@@ -78,7 +81,7 @@ def run(data: Path, job_dir: str, output: str, key_type: str, async_checkpoints:
         m = read_marker(out, f"batch={b.batch:012d}")
         sink_objects.append(1 + (len(m.files) if m is not None and m.files is not None else 0))
     return {
-        "steady": statistics.median(s.trigger_seconds[1:5]), "wall": wall, "rows": s.records,
+        "steady": statistics.median(s.trigger_seconds[1:]), "wall": wall, "rows": s.records,
         "writes_per_batch": max(b.requests.get("put", 0) + b.requests.get("create", 0) for b in steady),
         "requests_per_batch": {k: v / len(steady) for k, v in sorted(requests.items())},
         "sink_objects_per_batch": statistics.median(sink_objects),
@@ -90,9 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keys", choices=["long", "string"], default="long")
     ap.add_argument("--async-checkpoints", action="store_true", help="also run both with asynchronous checkpoints")
+    ap.add_argument("--state-keys", type=int, default=None, help="distinct keys (default: W's 100,000)")
+    ap.add_argument("--files", type=int, default=None, help="input files, one a batch (default: W's 5)")
+    ap.add_argument("--compaction-chain", type=int, default=8)
     a = ap.parse_args(argv)
     wheres = ["local", "s3", *(["local async", "s3 async"] if a.async_checkpoints else [])]
-    data = ensure_workload(DEFAULT_DATA_ROOT, "W")
+    if a.state_keys or a.files:
+        keys, files = a.state_keys or 100_000, a.files or 5
+        data = ensure_workload(DEFAULT_DATA_ROOT, f"W-{keys}keys-{files}files", files=files, keys=keys)
+    else:
+        data = ensure_workload(DEFAULT_DATA_ROOT, "W")
     if a.keys == "string":
         data = string_keyed(data)
     tmp = Path(tempfile.mkdtemp(prefix="ks-objstore-"))
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             create_bucket(server, bucket)
             for i, where in enumerate(wheres):
                 root = str(tmp / f"r{r}" / str(i)) if where.startswith("local") else f"s3://{bucket}/{i}"
-                res = run(data, f"{root}/job", f"{root}/out", a.keys, where.endswith("async"))
+                res = run(data, f"{root}/job", f"{root}/out", a.keys, where.endswith("async"), a.compaction_chain)
                 results[where].append(res)
                 print(f"repeat {r} {where}: steady {res['steady']:.2f} s, wall {res['wall']:.1f} s, "
                       f"writes/batch {res['writes_per_batch']}, requests/batch {res['requests_per_batch']}, "

@@ -232,3 +232,14 @@ def test_the_state_backend_is_a_run_setting_passed_to_keyscale_run(folder: Path)
     assert DeploymentSpec.from_json(rocks.to_json()) == rocks
     with pytest.raises(DeploymentError, match="state_backend"):
         _parse(folder, MINIMAL + 'state_backend = "disk"\n')
+
+
+def test_async_checkpoints_is_a_run_setting_passed_to_keyscale_run(folder: Path) -> None:
+    default = _parse(folder, MINIMAL)
+    assert not default.async_checkpoints and "--async-checkpoints" not in default.command("/j")
+    on = _parse(folder, MINIMAL + "async_checkpoints = true\n")
+    assert on.command("/j")[-1] == "--async-checkpoints"
+    assert default.changes(on) == ["async_checkpoints"] and "async_checkpoints" in RUN_FIELDS
+    assert DeploymentSpec.from_json(on.to_json()) == on
+    with pytest.raises(DeploymentError, match="async_checkpoints"):
+        _parse(folder, MINIMAL + 'async_checkpoints = "yes"\n')

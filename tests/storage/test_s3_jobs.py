@@ -84,15 +84,20 @@ def test_rescale_live_and_on_restart_on_s3_equals_parallelism_1(
 
 # The fault points where the object store matters: a state file's upload in flight, output
 # written before the commit (a kill mid-batch, with no upload begun, is tests/runtime/test_crash.py's).
-@pytest.mark.parametrize("fault", ["mid-upload:2", "after-sink:2"])
-def test_killed_driver_on_s3_restarts_exactly_once(fault: str, events: Path, reference: pd.DataFrame, s3_bucket: str, tmp_path: Path) -> None:
+# With asynchronous checkpoints the upload of batch 2 is still in flight while batch 3 runs.
+@pytest.mark.parametrize(("fault", "asynchronous"), [("mid-upload:2", False), ("after-sink:2", False), ("mid-upload:2", True)])
+def test_killed_driver_on_s3_restarts_exactly_once(
+    fault: str, asynchronous: bool, events: Path, reference: pd.DataFrame, s3_bucket: str, tmp_path: Path,
+) -> None:
     job, out = f"{s3_bucket}/jobs/rc", f"{s3_bucket}/out"
     base = ["run", str(RUNNING_COUNT), "--job-dir", job, "-p", "2", "--until-idle", "--compaction-chain", "2",
-            "--set", f"input={events}", "--set", f"output={out}"]
+            "--set", f"input={events}", "--set", f"output={out}", *(["--async-checkpoints"] if asynchronous else [])]
     crashed = cli(*base, "--fault", fault)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     jd = JobDir(job)
     assert jd.manifest_batches()[-1] == 1  # batch 2 never committed
+    if asynchronous:
+        assert jd.read_intent(3) is not None  # the driver was on to batch 3
     if fault.startswith("after-sink"):  # its output is complete (marked) on S3
         assert open_store(out, "out").exists("batch=000000000002/_keyscale.json")
     resumed = cli(*base, check=True)

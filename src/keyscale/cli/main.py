@@ -136,6 +136,7 @@ def _restart_rescale(a: argparse.Namespace) -> int:
             "--master", run["master"], "--trigger-interval", run["trigger_interval"], "--retain", str(run["retain"]),
             "--compaction-chain", str(run["compaction_chain"]), "--state-backend", run.get("state_backend", "memory")]
     argv += ["--until-idle"] if run["until_idle"] else []
+    argv += ["--async-checkpoints"] if run.get("async_checkpoints") else []
     for opt in a.storage_option or []:
         argv += ["--storage-option", opt]
     for k, v in run["args"].items():

@@ -124,7 +124,8 @@ class RestartStrategy:
 
 
 #: Fields whose change needs a new job process (the upgrade strategy applies).
-RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism", "spark_conf", "state_backend")
+RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism", "spark_conf", "state_backend",
+              "async_checkpoints")
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,7 @@ class DeploymentSpec:
     restart: RestartStrategy = field(default_factory=RestartStrategy)
     spark_conf: dict[str, str] = field(default_factory=dict)  # keyscale run --conf
     state_backend: str = "memory"  # keyscale run --state-backend: the keyed stages' default
+    async_checkpoints: bool = False  # keyscale run --async-checkpoints
 
     @property
     def base_dir(self) -> Path:
@@ -190,6 +192,7 @@ class DeploymentSpec:
             "restart": self.restart.to_json(),
             "spark_conf": dict(self.spark_conf),
             "state_backend": self.state_backend,
+            "async_checkpoints": self.async_checkpoints,
         }
 
     @classmethod
@@ -204,6 +207,7 @@ class DeploymentSpec:
             allow_non_restored_state=bool(d["allow_non_restored_state"]), restart=RestartStrategy.from_json(d["restart"]),
             spark_conf={str(k): str(v) for k, v in d.get("spark_conf", {}).items()},  # absent in specs stored before it
             state_backend=str(d.get("state_backend", "memory")),  # likewise
+            async_checkpoints=bool(d.get("async_checkpoints", False)),  # likewise
         )
 
     def settings(self) -> dict[str, Any]:
@@ -241,6 +245,8 @@ class DeploymentSpec:
             argv += ["--max-parallelism", str(self.max_parallelism)]
         if self.state_backend != "memory":
             argv += ["--state-backend", self.state_backend]
+        if self.async_checkpoints:
+            argv += ["--async-checkpoints"]
         for k, v in self.args.items():
             argv += ["--set", f"{k}={v}"]
         for k, v in self.spark_conf.items():
@@ -290,7 +296,7 @@ def file_sha256(path: Path) -> str:
 _TOP = (
     "name", "job", "args", "parallelism", "max_parallelism", "master", "trigger_interval", "retain",
     "compaction_chain", "state_dir", "savepoint_dir", "upgrade_strategy", "restore_strategy",
-    "allow_non_restored_state", "restart", "spark_conf", "state_backend",
+    "allow_non_restored_state", "restart", "spark_conf", "state_backend", "async_checkpoints",
 )
 _RESTART = ("attempts", "backoff_seconds", "backoff_factor", "max_backoff_seconds")
 
@@ -413,6 +419,7 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
     backend = top.string("state_backend", "memory")
     if backend not in ("memory", "rocksdb"):
         top.fail("state_backend", f"must be 'memory' or 'rocksdb', not {backend!r}")
+    async_checkpoints = top.boolean("async_checkpoints", False)
     state_dir = _path(base, top.string("state_dir", f".keyscale/{name}"))
     savepoint_dir = _path(base, top.string("savepoint_dir")) if "savepoint_dir" in doc else state_dir / "savepoints"
     upgrade = UpgradeStrategy(top.choice("upgrade_strategy", UpgradeStrategy, "STATEFUL"))
@@ -435,7 +442,7 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
         parallelism=parallelism, max_parallelism=max_parallelism, master=master, trigger_interval=interval,
         retain=retain, compaction_chain=chain, state_dir=state_dir, savepoint_dir=savepoint_dir,
         upgrade_strategy=upgrade, restore_strategy=restore, allow_non_restored_state=allow, restart=restart,
-        spark_conf=spark_conf, state_backend=backend,
+        spark_conf=spark_conf, state_backend=backend, async_checkpoints=async_checkpoints,
     )
 
 

@@ -50,7 +50,7 @@ from keyscale.operators.nonkeyed import broadcast_to_json, lists_state
 from keyscale.runtime import counters, parallelism, poison_batch, stages
 from keyscale.runtime.jobstate import BatchRecord, JobState, PendingCommit
 from keyscale.runtime.source_plan import plan_source, read_source, source_status
-from keyscale.runtime.status import report_counts, status
+from keyscale.runtime.status import checkpoint_fields, report_counts, status
 from keyscale.sources import reader
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ def commit_manifest(
         **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(), "epoch": job.jobdir.epoch,
         **(drain_extra(job.watermark.to_json(), batch_id) if drain else {})})
     if background:
-        job.pending = PendingCommit(batch_id, manifest, _in_background(_commit_stored, job, manifest))
+        job.pending = PendingCommit(batch_id, manifest, _in_background(_commit_in_background, job, manifest))
     else:
         _commit_stored(job, manifest)
     job.reports.forget(batch_id)
@@ -237,6 +237,12 @@ def _commit_stored(job: JobState, manifest: Manifest) -> None:
         new = [f for op in manifest.operators.values() for f in op.files if f.batch == manifest.batch]
         wait_stored(job.jobdir.store, new, job.upload_timeout, f"the commit of batch {manifest.batch} waits for it")
     job.jobdir.commit(manifest)
+
+
+def _commit_in_background(job: JobState, manifest: Manifest) -> None:
+    _commit_stored(job, manifest)
+    if job.jobdir.is_local and job.committed_status is not None:  # elsewhere the heartbeat writes it
+        job.jobdir.write_status({**job.committed_status, **checkpoint_fields(job), "running": True})
 
 
 def _in_background(fn: Callable[..., None], *args: Any) -> Future[None]:
@@ -283,7 +289,7 @@ def record(
         parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, backlog)
     job.committed_status = status(job, reports, source)
     if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
-        job.jobdir.write_status({**job.committed_status, "running": True})
+        job.jobdir.write_status({**job.committed_status, **checkpoint_fields(job), "running": True})
     # Records are counted by the log's readers or the first keyed stage; a job with neither
     # (stateless on a Spark source) would print zeros for rows it did move.
     counted = job.pipeline.log_source is not None or bool(job.pipeline.keyed_steps)

@@ -272,7 +272,7 @@ class JobRunner:
         self.jobdir.write_json("run.json", {
             "job_file": str(Path(o.job_file).absolute()) if o.job_file else None, "args": o.args, "master": o.master, "until_idle": o.until_idle,
             "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
-            "spark_conf": o.spark_conf, "state_backend": o.state_backend,
+            "spark_conf": o.spark_conf, "state_backend": o.state_backend, "async_checkpoints": o.async_checkpoints,
         }, durable=False)
 
     def _plan_parallelism(self, pipeline: Pipeline) -> None:
@@ -525,7 +525,7 @@ class JobRunner:
         committed = self.job.committed_status
         if committed is None:
             return self._status(self._last_reports)
-        return {**committed, "updated_ms": int(time.time() * 1000)}
+        return {**committed, **status.checkpoint_fields(self.job), "updated_ms": int(time.time() * 1000)}
 
     def query_active(self) -> bool | None:
         """Whether the job's Spark query runs (None: no query, a keyscale-driven source or between queries)."""

@@ -64,8 +64,7 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
         "spark": _spark_of(job),
         "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
                     "last_decisions": job.decisions},
-        "last_checkpoint": last_checkpoint(job),
-        "checkpoint_committing": job.pending.batch if job.pending and not job.pending.future.done() else None,
+        **checkpoint_fields(job),
         "watermark": describe_watermark(job.watermark.watermark_ms) if job.pipeline and job.pipeline.watermark else None,
         "watermark_ms": job.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
         "updated_ms": int(time.time() * 1000),
@@ -75,14 +74,14 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
     }
 
 
-def last_checkpoint(job: JobState) -> int | None:
-    """The newest committed batch. With asynchronous checkpoints the batch just run may
-    still be committing: then the one committed before it."""
+def checkpoint_fields(job: JobState) -> dict[str, int | None]:
+    """``last_checkpoint``, the newest committed batch, and ``checkpoint_committing``: with
+    asynchronous checkpoints, the batch just run while its checkpoint commits."""
     p = job.pending
-    if p is not None and not (p.future.done() and p.future.exception() is None):
-        older = [b for b in job.jobdir.manifest_batches() if b < p.batch]
-        return older[-1] if older else None
-    return job.committed.batch if job.committed else None
+    if p is None or p.batch in job.jobdir.manifest_batches():
+        return {"last_checkpoint": job.committed.batch if job.committed else None, "checkpoint_committing": None}
+    older = [b for b in job.jobdir.manifest_batches() if b < p.batch]
+    return {"last_checkpoint": older[-1] if older else None, "checkpoint_committing": p.batch}
 
 
 def outputs(pipeline: Pipeline) -> list[dict[str, Any]]:
