@@ -137,19 +137,22 @@ def test_flip8_live_rescale_on_kafka_partitions_exactly_once(kafka_broker: Any, 
 
 
 # kafka-precommit: a task kills the driver after its transaction is flushed, before it
-# commits; mid-batch: while the batch is being computed (its output partly written).
-@pytest.mark.parametrize("fault", ["mid-batch:2", "kafka-precommit:2"])
-def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, kafka_broker: Any, tmp_path: Path) -> None:
+# commits; mid-batch: while the batch is being computed (its output partly written);
+# mid-upload with asynchronous checkpoints: while batch 2's state uploads during batch 3,
+# whose output is in the topic too: both batches are replayed.
+@pytest.mark.parametrize(("fault", "asynchronous"), [("mid-batch:2", False), ("kafka-precommit:2", False), ("mid-upload:2", True)])
+def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, asynchronous: bool, kafka_broker: Any, tmp_path: Path) -> None:
     b = kafka_broker.bootstrap
     src, out = new_topic(b, 4, "in"), new_topic(b, 2, "out")
     events = produce_events(b, src, 1000, keys=40, seed=2)
     base = ["run", str(JOB), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle",
-            "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}", "--set", "max_records=60"]
+            "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}", "--set", "max_records=60",
+            *(["--async-checkpoints"] if asynchronous else [])]
     crashed = cli(*base, "--fault", fault)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert JobDir(tmp_path / "job").manifest_batches()[-1] == 1  # batch 2 never committed
     resumed = cli(*base, check=True)
-    if fault != "mid-batch:2":
+    if fault == "kafka-precommit:2":
         assert "already committed" in resumed.stderr
     _check_read_to_end(JobDir(tmp_path / "job"), b, src, resumed.stderr)
     records = read_committed(b, out)  # read once: the view describes the output checked

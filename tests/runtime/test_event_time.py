@@ -201,7 +201,10 @@ def test_status_shows_the_watermark(spark: Any, data: list[pd.DataFrame], tmp_pa
     assert status["watermark_ms"] >= want and status["watermark"].startswith("2026-01-01T")
 
 
-def test_stop_with_drain_fires_every_window_of_a_running_job(data: list[pd.DataFrame], tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["", "async-checkpoints"])
+def test_stop_with_drain_fires_every_window_of_a_running_job(asynchronous: bool, data: list[pd.DataFrame], tmp_path: Path) -> None:
+    """With asynchronous checkpoints the stop comes while a checkpoint may be in flight: it
+    commits before the drain batch, and the drain's own before its savepoint."""
     write_batches(tmp_path / "in", data)
     job, log_path = tmp_path / "job", tmp_path / "job.log"
     args = ["--set", f"input={tmp_path / 'in'}", "--set", f"output={tmp_path / 'out'}", "--set", "size=10 seconds",
@@ -209,7 +212,7 @@ def test_stop_with_drain_fires_every_window_of_a_running_job(data: list[pd.DataF
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "keyscale.cli.main", "run", str(EXAMPLES / "tumbling_count.py"), "--job-dir", str(job), "-p", "2",
-             "--trigger-interval", "200 milliseconds", *args],
+             "--trigger-interval", "200 milliseconds", *args, *(["--async-checkpoints"] if asynchronous else [])],
             cwd=ROOT, stdout=log, stderr=log, env=os.environ.copy(),
         )
         try:

@@ -41,7 +41,7 @@ from keyscale.runtime.jobstate import watermark_of as _watermark_of
 from keyscale.runtime.profiling import profiled
 from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.reports import Reports
-from keyscale.runtime.session import missing_keyscale, spark_session, user_session
+from keyscale.runtime.session import crashed_worker, missing_keyscale, spark_session, user_session
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
@@ -81,6 +81,9 @@ def _translate(exc: BaseException) -> BaseException:
     no_keyscale = missing_keyscale(text, _python_of_workers())
     if no_keyscale:
         return errors.KeyscaleError(no_keyscale)
+    crashed = crashed_worker(text)
+    if crashed:
+        return errors.KeyscaleError(crashed)
     unreadable = input_error(text)
     if unreadable:
         log.debug("Spark's error reading the input:\n%s", text)

@@ -61,7 +61,7 @@ class RunOptions:
     # A batch's state files upload while the next batch runs; its manifest commits once they are stored.
     async_checkpoints: bool = False
     # test-only: "<point>:<batch>", point mid-batch, mid-upload, between-sinks, after-sink, in-compaction,
-    # and with asynchronous checkpoints slow-upload, worker-dies-mid-upload
+    # and with asynchronous checkpoints slow-upload, fail-upload, worker-dies-mid-upload
     fault: str | None = None
 
 

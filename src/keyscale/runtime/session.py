@@ -163,3 +163,18 @@ def missing_keyscale(error_text: str, python: str) -> str | None:
         return None
     return (f"Spark's Python workers ({python}) cannot import keyscale: set spark.pyspark.python (or PYSPARK_PYTHON) to the "
             "Python that has keyscale installed, e.g. .config('spark.pyspark.python', sys.executable) on a single machine")
+
+
+def crashed_worker(error_text: str) -> str | None:
+    """The one-line explanation of a task failure that is a Python worker dying under it.
+
+    >>> crashed_worker("SparkException: Python worker exited unexpectedly (crashed). Consider ...")[:44]
+    'a Python worker died while running a task of'
+    >>> crashed_worker("ValueError: bad") is None
+    True
+    """
+    if "Python worker exited unexpectedly (crashed)" not in error_text:
+        return None
+    return ("a Python worker died while running a task of the batch (Spark: Python worker exited unexpectedly); most often the "
+            "operating system killed it for lack of memory (check the executors' memory, or dmesg). Nothing is lost: the next "
+            "start replays the batch")

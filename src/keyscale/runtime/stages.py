@@ -206,8 +206,9 @@ def keyed(
         fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
     if job.fault("worker-dies-mid-upload", batch_id):
         fault = "kill-worker-mid-upload"  # the Python worker dies with its file unstored (asynchronous checkpoints)
-    if job.fault("slow-upload", batch_id):
-        fault = "slow-upload"  # the state files appear 2 s after their tasks end (asynchronous checkpoints)
+    for point in ("slow-upload", "fail-upload"):  # 2 s after their tasks end, the state files appear or their uploads fail
+        if job.fault(point, batch_id):
+            fault = point
     policy = job.pipeline.error_policy(step) if job.pipeline else FAIL
     backend = step.state_backend or job.opts.state_backend
     if backend == "rocksdb":

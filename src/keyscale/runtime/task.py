@@ -475,12 +475,14 @@ class Upload:
                         time.sleep(3)
                     os.kill(spec.driver_pid, signal.SIGKILL)
                     time.sleep(30)
-                if spec.fault in ("kill-worker-mid-upload", "slow-upload"):
+                if spec.fault in ("kill-worker-mid-upload", "slow-upload", "fail-upload"):
                     while not self._detached:  # until the task has ended: its report on its way to the driver
                         time.sleep(0.05)
                     time.sleep(2)
                     if spec.fault == "kill-worker-mid-upload":
                         os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
+                if spec.fault == "fail-upload" and self._detached:
+                    raise OSError("the store refused the upload (test fault)")
                 put_state_file(spec.store, rel_path, data)
             except BaseException as e:  # handed to wait(), in the task's own thread
                 self._error = e
