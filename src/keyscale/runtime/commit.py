@@ -205,7 +205,6 @@ def commit_manifest(
 
     With ``background`` the commit runs in a thread once the state files are stored
     (``job.pending``), and the job's state moves on now: the next batch runs on it."""
-    drain = bool(intent.get("drain"))
     assert job.pipeline is not None
     batch_time_ms = int(intent["batch_time_ms"])
     manifest, records, emitted, reports = build_manifest(

@@ -461,36 +461,29 @@ class Upload:
     """A state file's upload in a thread of the task (obstore and file writes release the GIL).
 
     The task either waits for it (:meth:`wait`: the task reports once the file is stored) or,
-    with asynchronous checkpoints, leaves it running (:meth:`detach`): the worker process
-    outlives the task, and the driver commits the batch's manifest once the file exists."""
+    with asynchronous checkpoints (``spec.detach_upload``), leaves it running (:meth:`detach`):
+    the worker process outlives the task, and the driver commits the batch's manifest once
+    the file exists."""
 
     def __init__(self, spec: StageTask, rel_path: str, data: bytes | Path):
         self._error: BaseException | None = None
-        self._detached = False
+        self._task_over = threading.Event()
 
         def put() -> None:
             try:
-                if spec.fault == "kill-driver-mid-upload" and spec.driver_pid:
-                    if spec.detach_upload:  # the task has ended: the driver is on to the next batch
-                        time.sleep(3)
-                    os.kill(spec.driver_pid, signal.SIGKILL)
-                    time.sleep(30)
-                if spec.fault in ("kill-worker-mid-upload", "slow-upload", "fail-upload"):
-                    while not self._detached:  # until the task has ended: its report on its way to the driver
-                        time.sleep(0.05)
-                    time.sleep(2)
-                    if spec.fault == "kill-worker-mid-upload":
-                        os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
-                if spec.fault == "fail-upload" and self._detached:
-                    raise OSError("the store refused the upload (test fault)")
+                self._test_fault(spec)
                 put_state_file(spec.store, rel_path, data)
             except BaseException as e:  # handed to wait(), in the task's own thread
                 self._error = e
             finally:
                 if isinstance(data, Path):  # a spilled file: its folder goes with it
                     remove_scratch(data.parent)
-                if self._detached:
-                    self._finish_detached(rel_path)
+                if spec.detach_upload:
+                    release_free_memory()
+                    if self._error is not None:
+                        # The task may be over: the driver waits for the file, gives up naming
+                        # it, and the batch is replayed from its intent at the next start.
+                        print(f"keyscale: uploading state file {rel_path} failed: {self._error}", file=sys.stderr, flush=True)
 
         self._thread = threading.Thread(target=put, name="keyscale-upload", daemon=True)
         self._thread.start()
@@ -505,14 +498,23 @@ class Upload:
             raise self._error
 
     def detach(self) -> None:
-        """Let the upload finish after the task ends (asynchronous checkpoints)."""
-        self._detached = True
-        if not self._thread.is_alive():
-            self.wait()
+        """The task ends; the upload goes on (asynchronous checkpoints). An upload that has
+        already failed fails the task instead."""
+        self._task_over.set()
+        if not self._thread.is_alive() and self._error is not None:
+            raise self._error
 
-    def _finish_detached(self, rel_path: str) -> None:
-        release_free_memory()
-        if self._error is not None:
-            # No task is left to fail: the driver waits for the file, times out naming it,
-            # and the batch is replayed from its intent at the next start.
-            print(f"keyscale: uploading state file {rel_path} failed: {self._error}", file=sys.stderr, flush=True)
+    def _test_fault(self, spec: StageTask) -> None:
+        """Test-only faults (``--fault``) in an upload."""
+        if spec.fault == "kill-driver-mid-upload" and spec.driver_pid:
+            if spec.detach_upload:  # the task has ended: the driver is on to the next batch
+                time.sleep(3)
+            os.kill(spec.driver_pid, signal.SIGKILL)
+            time.sleep(30)
+        if spec.fault in ("kill-worker-mid-upload", "slow-upload", "fail-upload") and spec.detach_upload:
+            self._task_over.wait()  # its report on its way to the driver
+            time.sleep(2)
+            if spec.fault == "kill-worker-mid-upload":
+                os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
+            if spec.fault == "fail-upload":
+                raise OSError("the store refused the upload (test fault)")
