@@ -19,7 +19,9 @@ from keyscale.checkpoint.files import (
     put_state_file,
     read_state_slice,
     spill_state_file,
+    upload_timeout,
     verify_state_file,
+    wait_stored,
     write_state_file,
 )
 from keyscale.checkpoint.manifest import StateFile
@@ -260,3 +262,27 @@ def test_a_spilled_state_file_is_uploaded_from_disk_to_either_store(tmp_path: Pa
     assert verify_state_file(tmp_path, entry) is None
     assert read_state_slice(tmp_path, entry, KeyGroupRange(14, 15)).to_pylist() == t.filter(
         pa.compute.is_in(t[KG_COLUMN], pa.array([14, 15], pa.int32()))).to_pylist()
+
+
+def test_wait_stored_returns_once_every_file_appears_and_names_the_one_that_never_does(tmp_path: Path) -> None:
+    """Asynchronous checkpoints: the commit waits for uploads that outlive their tasks."""
+    import threading
+
+    store = LocalStore(tmp_path)
+    late, never = StateFile("state/op/3-s0-delta-a.arrow", 3, "delta", 0, 7, 1, 1, 0), StateFile("state/op/3-s1-delta-b.arrow", 3, "delta", 8, 15, 1, 1, 0)
+    threading.Timer(0.3, lambda: store.put(late.path, b"x")).start()
+    wait_stored(store, [late], 10, "the test")  # appears while it waits
+    assert store.exists(late.path)
+    with pytest.raises(StateError, match=r"3-s1-delta-b\.arrow of batch 3 was not stored within 0\.2 s .*\(the test\)"):
+        wait_stored(store, [late, never], 0.2, "the test")
+
+
+def test_the_upload_timeout_is_a_positive_number_of_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KEYSCALE_UPLOAD_TIMEOUT", raising=False)
+    assert upload_timeout() == 600
+    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "2.5")
+    assert upload_timeout() == 2.5
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", bad)
+        with pytest.raises(StateError, match="KEYSCALE_UPLOAD_TIMEOUT"):
+            upload_timeout()

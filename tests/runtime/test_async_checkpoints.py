@@ -121,3 +121,22 @@ def test_a_bad_upload_timeout_is_refused_by_name(events: Path, tmp_path: Path, m
     assert r.returncode != 0
     assert "KEYSCALE_UPLOAD_TIMEOUT must be a number of seconds above 0, not 'soon'" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_status_and_metrics_name_the_last_committed_checkpoint_while_one_commits(tmp_path: Path) -> None:
+    from concurrent.futures import Future
+
+    from keyscale.checkpoint.manifest import Manifest
+    from keyscale.runtime.jobstate import JobState, PendingCommit, RunOptions, RunSummary
+    from keyscale.runtime.status import checkpoint_fields, last_committed
+
+    jd = JobDir(tmp_path / "job")
+    m1, m2 = (Manifest(job="j", batch=b, batch_time_ms=0, operators={}, created_ms=b) for b in (1, 2))
+    jd.store.put(jd.manifest_key(1), m1.dumps().encode())
+    job = JobState(RunOptions("", str(tmp_path / "job"), async_checkpoints=True), jd, "run", RunSummary("j", jd.uri))
+    job.committed, job.pending = m2, PendingCommit(2, m2, Future(), m1)  # batch 2 ran; its manifest commits
+    assert checkpoint_fields(job) == {"last_checkpoint": 1, "checkpoint_committing": 2}
+    assert last_committed(job) is m1
+    jd.store.put(jd.manifest_key(2), m2.dumps().encode())  # committed by the background thread
+    assert checkpoint_fields(job) == {"last_checkpoint": 2, "checkpoint_committing": None}
+    assert last_committed(job) is m2

@@ -217,7 +217,7 @@ def commit_manifest(
         **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(), "epoch": job.jobdir.epoch,
         **(drain_extra(job.watermark.to_json(), batch_id) if drain else {})})
     if background:
-        job.pending = PendingCommit(batch_id, manifest, _in_background(_commit_in_background, job, manifest))
+        job.pending = PendingCommit(batch_id, manifest, _in_background(_commit_in_background, job, manifest), job.committed)
     else:
         _commit_stored(job, manifest)
     job.reports.forget(batch_id)

@@ -105,6 +105,7 @@ class PendingCommit:
     batch: int
     manifest: Manifest
     future: Future[None]
+    previous: Manifest | None  # the manifest committed before it
 
 
 @dataclass(eq=False)

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.runtime.jobstate import RunSummary
+from keyscale.runtime.status import last_committed
 
 if TYPE_CHECKING:
     from keyscale.runtime.driver import JobRunner
@@ -131,7 +132,7 @@ class _JobCollector(Collector):
         import time
 
         r = self.runner
-        yield from families(r.live_status(), r.committed, r.summary, int(time.time() * 1000))
+        yield from families(r.live_status(), last_committed(r.job), r.summary, int(time.time() * 1000))
 
 
 def registry_for(runner: JobRunner) -> CollectorRegistry:

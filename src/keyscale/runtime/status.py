@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from keyscale._pipeline import Pipeline
-from keyscale.checkpoint.manifest import summarize_operator_state
+from keyscale.checkpoint.manifest import Manifest, summarize_operator_state
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.windows import WindowAggregate
 from keyscale.runtime import counters
@@ -74,14 +74,22 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
     }
 
 
-def checkpoint_fields(job: JobState) -> dict[str, int | None]:
-    """``last_checkpoint``, the newest committed batch, and ``checkpoint_committing``: with
-    asynchronous checkpoints, the batch just run while its checkpoint commits."""
+def committing(job: JobState) -> int | None:
+    """With asynchronous checkpoints, the batch whose checkpoint is being committed, if any."""
     p = job.pending
-    if p is None or p.batch in job.jobdir.manifest_batches():
-        return {"last_checkpoint": job.committed.batch if job.committed else None, "checkpoint_committing": None}
-    older = [b for b in job.jobdir.manifest_batches() if b < p.batch]
-    return {"last_checkpoint": older[-1] if older else None, "checkpoint_committing": p.batch}
+    return p.batch if p is not None and p.batch not in job.jobdir.manifest_batches() else None
+
+
+def last_committed(job: JobState) -> Manifest | None:
+    """The newest committed manifest: ``job.committed``, or the one before it while that one
+    commits in the background."""
+    return job.pending.previous if committing(job) is not None and job.pending else job.committed
+
+
+def checkpoint_fields(job: JobState) -> dict[str, int | None]:
+    """``last_checkpoint``, the newest committed batch, and ``checkpoint_committing``."""
+    m = last_committed(job)
+    return {"last_checkpoint": m.batch if m else None, "checkpoint_committing": committing(job)}
 
 
 def outputs(pipeline: Pipeline) -> list[dict[str, Any]]:
