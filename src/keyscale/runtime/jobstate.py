@@ -116,7 +116,9 @@ class JobState:
     jobdir: JobDir
     run_id: str
     summary: RunSummary
-    on_batch: Callable[[BatchRecord], None] | None = None  # called after each committed batch
+    # Called after each batch, before the next one starts: committed, or with asynchronous
+    # checkpoints run and committing (a rescale it asks for applies at the next batch either way).
+    on_batch: Callable[[BatchRecord], None] | None = None
     name: str = ""
     max_parallelism: int = 0
     pipeline: Pipeline | None = None
