@@ -9,7 +9,7 @@ vectorized, Parquet sink, parallelism 2, local[2]) with job directory and output
 disk, then with both on S3. Steady batch = median of the batches after the first (W: 1-4) of Spark's own
 ``triggerExecution``; medians over repeats. Also the storage requests of each steady batch
 (driver and tasks: job directory only; the sink's are reported apart: its part objects and
-its marker), and the end-to-end wall time.
+its marker), the end-to-end wall time, and the CPU time the S3 server used meanwhile.
 
 ``--keys string`` runs the same with string keys (``k<n>``), the case users have.
 ``--async-checkpoints`` adds, in each repeat, both again with asynchronous checkpoints
@@ -59,6 +59,12 @@ def string_keyed(data: Path) -> Path:
         os.utime(out / f.name, (f.stat().st_mtime, f.stat().st_mtime))
     (out / "_COMPLETE").write_text("ok")
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(data: Path, job_dir: str, output: str, key_type: str, async_checkpoints: bool = False, max_chain: int = 8) -> dict[str, Any]:
@@ -115,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             create_bucket(server, bucket)
             for i, where in enumerate(wheres):
                 root = str(tmp / f"r{r}" / str(i)) if where.startswith("local") else f"s3://{bucket}/{i}"
+                cpu_before = cpu_seconds(server.pid)
                 res = run(data, f"{root}/job", f"{root}/out", a.keys, where.endswith("async"), a.compaction_chain)
+                res["server_cpu"] = cpu_seconds(server.pid) - cpu_before  # the S3 server's CPU, on the job's 2 cores
                 results[where].append(res)
-                print(f"repeat {r} {where}: steady {res['steady']:.2f} s, wall {res['wall']:.1f} s, "
+                print(f"repeat {r} {where}: steady {res['steady']:.2f} s, wall {res['wall']:.1f} s, S3 server CPU {res['server_cpu']:.1f} s, "
                       f"writes/batch {res['writes_per_batch']}, requests/batch {res['requests_per_batch']}, "
                       f"sink objects/batch {res['sink_objects_per_batch']}", flush=True)
             shutil.rmtree(tmp / f"r{r}", ignore_errors=True)
@@ -126,11 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     steady = {w: statistics.median(x["steady"] for x in results[w]) for w in wheres}
     wall = {w: statistics.median(x["wall"] for x in results[w]) for w in wheres}
-    print("\n| where | steady batch | end to end | writes per batch (job dir) | requests per batch (job dir) | sink objects per batch |")
-    print("|---|---|---|---|---|---|")
+    cpu = {w: statistics.median(x["server_cpu"] for x in results[w]) for w in wheres}
+    print("\n| where | steady batch | end to end | S3 server CPU | writes per batch (job dir) | requests per batch (job dir) | sink objects per batch |")
+    print("|---|---|---|---|---|---|---|")
     for w in wheres:
         x = results[w][-1]
-        print(f"| {w} | {steady[w]:.2f} s | {wall[w]:.1f} s | {x['writes_per_batch']} | {x['requests_per_batch']} | {x['sink_objects_per_batch']} |")
+        print(f"| {w} | {steady[w]:.2f} s | {wall[w]:.1f} s | {cpu[w]:.1f} s | {x['writes_per_batch']} | {x['requests_per_batch']} | "
+              f"{x['sink_objects_per_batch']} |")
     print(f"\nS3 / local: steady {steady['s3'] / steady['local']:.2f}x, end to end {wall['s3'] / wall['local']:.2f}x (target steady <= 1.3x)")
     if a.async_checkpoints:
         print(f"S3 async / local: steady {steady['s3 async'] / steady['local']:.2f}x, end to end {wall['s3 async'] / wall['local']:.2f}x "
