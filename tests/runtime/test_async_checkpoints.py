@@ -31,6 +31,12 @@ def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory
     return reference_output(tmp_path_factory, events, 2, max_chain=2)
 
 
+def _run_args(events: Path, tmp_path: Path, *extra: str) -> list[str]:
+    """``keyscale run`` of the running count with asynchronous checkpoints, a snapshot every other batch."""
+    return ["run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle", "--async-checkpoints",
+            "--compaction-chain", "2", "--set", f"input={events}", "--set", f"output={tmp_path / 'out'}", *extra]
+
+
 def test_live_rescales_with_checkpoints_in_flight_give_the_same_output(spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
     """Each rescale moves key groups to subtasks whose state comes from the files of the
     batch before, still uploading when the rescaled batch starts: its tasks wait for them."""
@@ -56,8 +62,7 @@ def test_live_rescales_with_checkpoints_in_flight_give_the_same_output(spark: An
      ("mid-upload:2", "rocksdb")],
 )
 def test_killed_driver_restarts_exactly_once(fault: str, backend: str, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
-    base = ["run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle", "--async-checkpoints",
-            "--compaction-chain", "2", "--set", f"input={events}", "--set", f"output={tmp_path / 'out'}", "--state-backend", backend]
+    base = _run_args(events, tmp_path, "--state-backend", backend)
     crashed = cli(*base, "--fault", fault)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     jd = JobDir(tmp_path / "job")
@@ -80,8 +85,7 @@ def test_a_state_file_never_stored_fails_the_run_and_the_restart_replays(
     """The Python worker uploading batch 2's file dies after its task reported: the run
     fails with an error that says so, and the next start replays the batch."""
     monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "8")
-    base = ["run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle", "--async-checkpoints",
-            "--compaction-chain", "2", "--set", f"input={events}", "--set", f"output={tmp_path / 'out'}"]
+    base = _run_args(events, tmp_path)
     failed = cli(*base, "--fault", "worker-dies-mid-upload:2")
     assert failed.returncode not in (0, -signal.SIGKILL), failed.stderr[-2000:]
     # The commit (or a task of batch 3 reading the file) gives up, naming the file; or batch 3's
@@ -103,8 +107,7 @@ def test_an_upload_failing_after_its_task_ended_fails_the_run_naming_the_file(
     """Batch 2's uploads fail once their tasks have reported: no task is left to fail, so the
     driver, waiting to commit batch 2, gives up naming a file; the next start replays it."""
     monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "6")
-    base = ["run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle", "--async-checkpoints",
-            "--compaction-chain", "2", "--set", f"input={events}", "--set", f"output={tmp_path / 'out'}"]
+    base = _run_args(events, tmp_path)
     failed = cli(*base, "--fault", "fail-upload:2")
     assert failed.returncode == StateError.exit_code, failed.stderr[-2000:]
     assert "000000000002-s0" in failed.stderr and "was not stored within 6 s" in failed.stderr, failed.stderr[-2000:]
