@@ -99,18 +99,24 @@ def _file_of_batch(jd: JobDir, batch: int, subtask_start: int = 0) -> str:
     return next(f.path for f in m.operators["totals"].files if f.batch == batch and f.start == subtask_start)
 
 
-def test_a_damaged_file_several_checkpoints_share_replays_every_batch_after_the_intact_one(spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+# With asynchronous checkpoints, each replayed batch must be committed before the next is
+# replayed: batch 1's files appear 2 s after its tasks end (a slow upload), and a replay
+# that went on without waiting skipped batch 2.
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["", "async-checkpoints"])
+def test_a_damaged_file_several_checkpoints_share_replays_every_batch_after_the_intact_one(
+    asynchronous: bool, spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
     events = tmp_path / "events"
     write_events(events, files=4, rows=1500, keys=400, seed=11)
     args = {"input": str(events), "output": str(tmp_path / "out")}
-    run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
+    run_job(RUNNING_COUNT, tmp_path / "job", 2, args, async_checkpoints=asynchronous)
     jd = JobDir(tmp_path / "job")
     # --retain 3, and 0: the fallback kept for when checkpoint 3's oldest files are compacted
     assert jd.manifest_batches() == [0, 1, 2, 3]
     _flip(jd, _file_of_batch(jd, 1))  # checkpoints 1, 2 and 3 use it
     write_events(events, files=1, rows=1500, keys=400, seed=11, first=4)
     caplog.set_level("INFO", logger="keyscale")
-    summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
+    summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, args, async_checkpoints=asynchronous, fault="slow-upload:1" if asynchronous else None)
     assert summary.recovered_from == 0
     assert len(summary.discarded) == 3
     assert [b.batch for b in summary.batches] == [1, 2, 3, 4]  # every batch after the fallback, then the new one

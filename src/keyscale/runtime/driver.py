@@ -377,9 +377,11 @@ class JobRunner:
         }
 
     def _run_spark_once(self) -> None:
-        """A query that runs one batch (the one Spark's offsets log ends with) and stops."""
+        """A query that runs one batch (the one Spark's offsets log ends with) and stops,
+        its checkpoint committed: a replay goes on only from a committed batch."""
         self._query = self._spark_writer(once=True).start()
         self._wait()
+        commit.settle(self.job)
 
     def _spark_writer(self, once: bool = False) -> Any:
         assert self.pipeline is not None
