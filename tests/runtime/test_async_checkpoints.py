@@ -40,13 +40,22 @@ def _run_args(events: Path, tmp_path: Path, *extra: str) -> list[str]:
 def test_live_rescales_with_checkpoints_in_flight_give_the_same_output(spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
     """Each rescale moves key groups to subtasks whose state comes from the files of the
     batch before, still uploading when the rescaled batch starts: its tasks wait for them."""
+    from keyscale.runtime.jobstatus import status_dict
+
     jd = JobDir(tmp_path / "job")
     plan = {0: 3, 1: 1, 2: 2}
+    seen: dict[str, Any] = {}
+
+    def during(rec: Any) -> None:
+        jd.request_rescale(plan[rec.batch])
+        if rec.batch == 1:  # what `keyscale status` says while batch 1's checkpoint commits
+            seen.update(status_dict(str(tmp_path / "job")))
+
     # Batch 1's files appear 2 s after its tasks end: batch 2, at parallelism 1, needs them.
     summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, {"input": str(events), "output": str(tmp_path / "out")}, max_chain=2,
-                      async_checkpoints=True, fault="slow-upload:1",
-                      on_batch=lambda rec: jd.request_rescale(plan[rec.batch]) if rec.batch in plan else None)
+                      async_checkpoints=True, fault="slow-upload:1", on_batch=lambda rec: during(rec) if rec.batch in plan else None)
     assert [b.parallelism["totals"] for b in summary.batches] == [2, 3, 1, 2, 2]
+    assert (seen["last_checkpoint"], seen["checkpoint_committing"]) == (0, 1)
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
     pd.testing.assert_frame_equal(out, reference)

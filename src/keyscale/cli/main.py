@@ -343,7 +343,9 @@ def cmd_status(a: argparse.Namespace) -> int:
     if st["pending_rescale"]:
         want = ", ".join(f"{'all operators' if u == '*' else repr(u)} -> {p}" for u, p in st["pending_rescale"]["parallelism"].items())
         print(f"  rescale pending (applied at the next batch): {want}")
-    print(f"  max parallelism (key groups): {st['max_parallelism']}; last checkpoint: {st['last_checkpoint']}; kept: {st['checkpoints']}")
+    committing = f" (batch {st['checkpoint_committing']} committing)" if st.get("checkpoint_committing") is not None else ""
+    print(f"  max parallelism (key groups): {st['max_parallelism']}; last checkpoint: {st['last_checkpoint']}{committing}; "
+          f"kept: {st['checkpoints']}")
     if "watermark" in st:
         print(f"  watermark: {st['watermark']}")
     for uid, total in st["counters"]["total"].items():

@@ -48,6 +48,9 @@ def status_dict(job_dir: str) -> dict[str, Any]:
         "max_parallelism": ident.max_parallelism,
         "last_checkpoint": m.batch if m else None,
         "checkpoints": jd.manifest_batches(),
+        # Asynchronous checkpoints: the batch run whose checkpoint commits (the status may be a moment behind the manifests).
+        "checkpoint_committing": committing if running and (committing := live.get("checkpoint_committing")) is not None
+        and (m is None or committing > m.batch) else None,
         "operators": {},
         "outputs": live.get("outputs", []),
     }
