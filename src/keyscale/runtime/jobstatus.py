@@ -36,6 +36,11 @@ def status_dict(job_dir: str) -> dict[str, Any]:
     m = jd.latest_manifest()
     live = jd.read_status()
     running = jd.is_running()
+    # Asynchronous checkpoints: the batch run whose checkpoint commits. The status file may be a
+    # moment behind the manifests: a batch whose manifest is listed is no longer committing.
+    committing = live.get("checkpoint_committing") if running else None
+    if committing is not None and m is not None and committing <= m.batch:
+        committing = None
     out: dict[str, Any] = {
         "job": ident.name,
         "job_dir": jd.uri,
@@ -48,9 +53,7 @@ def status_dict(job_dir: str) -> dict[str, Any]:
         "max_parallelism": ident.max_parallelism,
         "last_checkpoint": m.batch if m else None,
         "checkpoints": jd.manifest_batches(),
-        # Asynchronous checkpoints: the batch run whose checkpoint commits (the status may be a moment behind the manifests).
-        "checkpoint_committing": committing if running and (committing := live.get("checkpoint_committing")) is not None
-        and (m is None or committing > m.batch) else None,
+        "checkpoint_committing": committing,
         "operators": {},
         "outputs": live.get("outputs", []),
     }

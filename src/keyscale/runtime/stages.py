@@ -204,9 +204,9 @@ def keyed(
         fault = "kill-driver-mid-batch"
     if job.fault("mid-upload", batch_id):
         fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
-    if job.fault("worker-dies-mid-upload", batch_id):
-        fault = "kill-worker-mid-upload"  # the Python worker dies with its file unstored (asynchronous checkpoints)
-    for point in ("slow-upload", "fail-upload"):  # 2 s after their tasks end, the state files appear or their uploads fail
+    # Asynchronous checkpoints: 2 s after their tasks end, the Python worker uploading a state
+    # file dies, or the files appear, or their uploads fail (task.Upload._test_fault).
+    for point in ("worker-dies-mid-upload", "slow-upload", "fail-upload"):
         if job.fault(point, batch_id):
             fault = point
     policy = job.pipeline.error_policy(step) if job.pipeline else FAIL

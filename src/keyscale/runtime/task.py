@@ -511,10 +511,10 @@ class Upload:
                 time.sleep(3)
             os.kill(spec.driver_pid, signal.SIGKILL)
             time.sleep(30)
-        if spec.fault in ("kill-worker-mid-upload", "slow-upload", "fail-upload") and spec.detach_upload:
+        if spec.fault in ("worker-dies-mid-upload", "slow-upload", "fail-upload") and spec.detach_upload:
             self._task_over.wait()  # its report on its way to the driver
             time.sleep(2)
-            if spec.fault == "kill-worker-mid-upload":
+            if spec.fault == "worker-dies-mid-upload":
                 os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
             if spec.fault == "fail-upload":
                 raise OSError("the store refused the upload (test fault)")
