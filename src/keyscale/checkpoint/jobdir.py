@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from keyscale.checkpoint import sparklog
+from keyscale.checkpoint.fence import EPOCHS, Fence, epoch_key
 from keyscale.checkpoint.files import state_size_problem, verify_state_file
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.retention import checkpoints_to_keep
-from keyscale.errors import FencedError, JobDirError, StateError, StorageError
+from keyscale.errors import JobDirError, StateError, StorageError
 from keyscale.storage import LocalStore, Store, open_store
 
 JOB_FILE = "job.json"
 CHECKPOINTS = "checkpoints"
-EPOCHS = "epochs"
 DAMAGE_REPORT = "damage.json"  # a run found a damaged state file: the next start checks in full
 # On an object store there is no lock: a job whose heartbeat (status.json) is older than
 # this is taken to be gone, and a new run may claim the job directory.
@@ -219,19 +219,19 @@ class JobDir:
         known = [b for n in self.store.list_names(EPOCHS) if (b := _batch_of(n, "")) is not None]
         n = max(known, default=0) + 1
         who = {"pid": os.getpid(), "host": socket.gethostname(), "started_ms": int(time.time() * 1000), "run": uuid.uuid4().hex}
-        while not self.store.create(f"{EPOCHS}/{n:010d}.json", _json(who)):
+        while not self.store.create(epoch_key(n), _json(who)):
             n += 1
         self.epoch = n
         return n
 
+    @property
+    def fence(self) -> Fence:
+        """This run's epoch, as writers of its effects (sinks, their tasks) check it."""
+        return Fence(self.store, self.epoch)
+
     def check_epoch(self, doing: str) -> None:
         """Raise :class:`FencedError` if a newer run claimed the job directory (one HEAD)."""
-        if self.epoch and self.store.exists(f"{EPOCHS}/{self.epoch + 1:010d}.json"):
-            newer = json.loads(self.store.get_text(f"{EPOCHS}/{self.epoch + 1:010d}.json") or "{}")
-            raise FencedError(
-                f"job directory {self.uri}: a newer run took over (pid {newer.get('pid', '?')} on {newer.get('host', '?')}); "
-                f"this run (epoch {self.epoch}, pid {os.getpid()}) stops without {doing}"
-            )
+        self.fence.check(doing)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:

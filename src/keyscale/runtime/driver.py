@@ -289,7 +289,9 @@ class JobRunner:
             assert self.pipeline is not None
             # Sinks learn the job's lineage before the first batch (output of another
             # lineage is refused now, not at its batch); others only clean up.
-            ctx = SinkContext(self.lineage, self.name, self.jobdir.uri, self.run_id, self.committed.batch if self.committed else -1, self.opts.fault or "")
+            ctx = SinkContext(
+                self.lineage, self.name, self.jobdir.uri, self.run_id, self.committed.batch if self.committed else -1, self.opts.fault or "",
+                self.jobdir.fence)
             for sink in self.pipeline.sinks:
                 sink_open, sink_cleanup = getattr(sink, "open", None), getattr(sink, "cleanup", None)
                 if callable(sink_open):

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+    from keyscale.checkpoint.fence import Fence
     from keyscale.checkpoint.lineage import Lineage
 
 
@@ -27,6 +28,10 @@ class SinkContext:
     attempt: str
     committed: int
     fault: str = ""  # test-only: the run's --fault (sinks with fault points of their own)
+    #: The run's epoch: a sink (and its tasks: it pickles) checks ``fence.check(...)`` before
+    #: an effect that a newer run must not find (docs/design.md, "Exactly-once, effect by
+    #: effect"). None outside a job (tests, tools).
+    fence: Fence | None = None
 
 
 class Sink(Protocol):
