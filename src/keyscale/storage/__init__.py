@@ -8,7 +8,7 @@ cannot serve is an error, never a local folder named after its scheme.
 >>> from keyscale.storage import open_store
 >>> import tempfile
 >>> store = open_store(tempfile.mkdtemp(), "job directory")
->>> store.create("checkpoints/manifest-1.json", b"{}"), store.create("checkpoints/manifest-1.json", b"{}")
+>>> store.create("checkpoints/manifest-1.json", b'{"run": 1}'), store.create("checkpoints/manifest-1.json", b'{"run": 2}')
 (True, False)
 """
 

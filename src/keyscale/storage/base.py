@@ -116,10 +116,23 @@ class Store(ABC):
         memory where the store can stream them (a state file of a large range)."""
         self.put(key, source.read_bytes())
 
-    @abstractmethod
     def create(self, key: str, data: bytes) -> bool:
         """Write the object only if none of that name exists: True if this call created it,
-        False if one was there. Atomic: of two concurrent callers exactly one creates it."""
+        False if one was there. Atomic: of two concurrent callers exactly one creates it.
+
+        An object store client retries a request whose answer it did not get (a timeout, a
+        5xx sent after the write landed); the retry then finds the object its own first try
+        created and is told "exists". That answer is resolved by reading the object back,
+        never by deleting anything: the same bytes are this call's. So every caller writes
+        content no other writer would write (an epoch claim's run id, a manifest's epoch and
+        time, an output marker's write id); docs/design.md, "Ambiguous creates"."""
+        if self._create(key, data):
+            return True
+        return self.get_or_none(key) == data
+
+    @abstractmethod
+    def _create(self, key: str, data: bytes) -> bool:
+        """The store's conditional create: True if the write happened in this request."""
 
     @abstractmethod
     def size(self, key: str) -> int | None:

@@ -148,7 +148,7 @@ class LocalStore(Store):
         first, and files written within one clock tick would come in any order."""
         os.utime(self.path(key), (seconds, seconds))
 
-    def create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes) -> bool:
         self.requests["create"] += 1
         target = self.path(key)
         tmp = self._write_temp(target, data, True)

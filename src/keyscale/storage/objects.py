@@ -175,7 +175,7 @@ class ObjectStore(Store):
         except Exception as e:
             raise self._fail("write", key, e) from None
 
-    def create(self, key: str, data: bytes) -> bool:
+    def _create(self, key: str, data: bytes) -> bool:
         import obstore
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
