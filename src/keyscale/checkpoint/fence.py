@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,3 +68,32 @@ class Fence:
 
     def is_fenced(self) -> bool:
         return self.newer() is not None
+
+
+def resumed_key(n: int) -> str:
+    """The key of the record of which checkpoint run ``n`` resumed from."""
+    return f"{EPOCHS}/{n:010d}-resumed.json"
+
+
+def superseded(epochs: Mapping[int, int], resumed: Mapping[int, tuple[int, int]]) -> list[int]:
+    """The checkpoints a fenced run created too late: of ``epochs`` (checkpoint batch -> the
+    epoch of the run that created it), every one whose batch is after the checkpoint a
+    newer run resumed from, unless a run resumed from it. ``resumed``: epoch -> (batch,
+    epoch) of the checkpoint that run resumed from ((-1, 0) for none).
+
+    A newer run listed the checkpoints when it started and resumed from the newest: an
+    older run's checkpoint after that one was created afterwards (an old run that passed
+    its fence check, then paused), for a batch the newer run recomputes. Each run records
+    where it resumed from beside its epoch claim (:func:`resumed_key`); each manifest
+    carries its run's epoch (:meth:`keyscale.checkpoint.jobdir.JobDir.commit`). A late
+    checkpoint that a later run found newest and resumed from is that run's history.
+
+    >>> superseded({1: 1, 2: 1, 3: 2, 4: 2}, {1: (-1, 0), 2: (1, 1)})
+    [2]
+    >>> superseded({1: 1, 2: 1, 3: 3}, {2: (1, 1), 3: (2, 1)})
+    []
+    """
+    return sorted(
+        b for b, epoch in epochs.items()
+        if any(e > epoch and b > r for e, (r, _) in resumed.items()) and (b, epoch) not in resumed.values()
+    )

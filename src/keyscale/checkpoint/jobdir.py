@@ -24,23 +24,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from keyscale.checkpoint import sparklog
-from keyscale.checkpoint.fence import EPOCHS, Fence, epoch_key
+from keyscale.checkpoint.fence import EPOCHS, Fence, epoch_key, resumed_key, superseded
 from keyscale.checkpoint.files import state_size_problem, verify_state_file
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.retention import checkpoints_to_keep
 from keyscale.errors import JobDirError, StateError, StorageError
 from keyscale.storage import LocalStore, Store, open_store
+
+log = logging.getLogger("keyscale")
 
 JOB_FILE = "job.json"
 CHECKPOINTS = "checkpoints"
@@ -101,6 +104,7 @@ class JobDir:
         self._lock_fd: int | None = None
         self._local_id = uuid.uuid4().hex[:8]
         self.epoch = 0  # this process's run, once claimed
+        self.resumed_from: int | None = None  # the checkpoint this run resumed from (-1: none), once recovered
         self._batches: list[int] | None = None  # manifest batches, listed once, then kept up to date
         self._manifests: dict[int, Manifest] = {}
         self._intents: set[int] | None = None  # intent batches, listed once by retention, then kept
@@ -302,22 +306,30 @@ class JobDir:
             return batch in self._batches  # the one writer knows what it and its predecessors committed
         return self.store.exists(self.manifest_key(batch))
 
-    def commit(self, manifest: Manifest) -> None:
-        """The commit point of a batch: after this the batch has happened.
+    def commit(self, manifest: Manifest) -> Manifest:
+        """The commit point of a batch: after this the batch has happened. Returns the
+        manifest as committed.
 
-        The manifest is created only if absent, after checking that no newer run took over:
-        an old driver that wakes up after a new one started never commits (a commit that was
-        already in flight is one whole manifest, and the new run finds it)."""
-        self.check_epoch(f"committing batch {manifest.batch}")
-        if not self.store.create(self.manifest_key(manifest.batch), manifest.dumps().encode()):
-            self.check_epoch(f"committing batch {manifest.batch}")
+        The manifest, stamped with this run's epoch and the checkpoint it resumed from, is
+        created only if absent; then the fence is checked. A run that a newer one took over
+        may have passed an earlier check and paused before its create (the create lands
+        late, perhaps re-creating a checkpoint retention deleted): it learns here that it
+        is fenced and stops before any effect that follows a commit. Its late manifest is
+        never deleted (the newer run may have listed and resumed from it); the next
+        :meth:`recover` sets it aside if a newer run resumed from an earlier checkpoint
+        (:func:`keyscale.checkpoint.fence.superseded`)."""
+        stamped = replace(manifest, extra={**manifest.extra, "epoch": self.epoch, "resumed_from": self.resumed_from}) if self.epoch else manifest
+        created = self.store.create(self.manifest_key(manifest.batch), stamped.dumps().encode())
+        self.check_epoch(f"committing batch {manifest.batch}" if not created else f"anything after its late commit of batch {manifest.batch}")
+        if not created:
             raise StateError(
                 f"batch {manifest.batch} of {self.uri} was committed by another run while this one ran it; "
                 "this run stops (restart the job: it resumes from that checkpoint)"
             )
-        self._manifests[manifest.batch] = manifest
+        self._manifests[manifest.batch] = stamped
         if self._batches is not None:
             self._batches = sorted({*self._batches, manifest.batch})
+        return stamped
 
     def latest_manifest(self) -> Manifest | None:
         batches = self.manifest_batches()
@@ -359,7 +371,10 @@ class JobDir:
         reported = None if self.is_local else self.store.get_text(DAMAGE_REPORT)
         # Sizes only on an object store, unless a run found a damaged file (then in full, as on local disk).
         sizes = None if self.is_local or reported is not None else {o.key: o.size for o in self.store.list("state")}
+        stale = self._set_aside_superseded()
         for batch in reversed(self.manifest_batches()):
+            if batch in stale:
+                continue
             m, problem = self.check_manifest(batch, sizes)
             if m is not None:
                 found = m
@@ -380,7 +395,8 @@ class JobDir:
             key = self.manifest_key(batch)
             self._set_aside(key, key + ".damaged")
             self._manifests.pop(batch, None)
-        self._batches = [b for b in self.manifest_batches() if b not in dict(damaged)]
+        self._batches = [b for b in self.manifest_batches() if b not in dict(damaged) and b not in stale]
+        self._resumed(found)
         if empty:
             sparklog.restore_hidden(self.spark_checkpoint, self.spark_hidden)  # set aside whole
             aside = sparklog.set_aside(self.spark_checkpoint)
@@ -390,11 +406,49 @@ class JobDir:
                     self._set_aside(f"{CHECKPOINTS}/{name}", f"{folder}/{name}")
             if reported is not None:
                 self.store.delete(DAMAGE_REPORT)
+            self._resumed(None)
             return Recovery(None, discarded, empty_restart=True, spark_set_aside=str(aside) if aside else None)
         self.rollback_spark_commits(after=found.batch if found else -1)
         if reported is not None:
             self.store.delete(DAMAGE_REPORT)  # checked in full: what is damaged is set aside
         return Recovery(found, discarded)
+
+    def _set_aside_superseded(self) -> set[int]:
+        """Set aside (``.superseded``) every checkpoint a fenced run created after a newer
+        run had resumed from an earlier one; returns their batches. Reads each manifest
+        once (retention keeps a few) and the resumed-from records of the runs since the
+        oldest of them; a damaged manifest is left to the damage check."""
+        epochs: dict[int, int] = {}
+        for batch in self.manifest_batches():
+            try:
+                epochs[batch] = int(self.read_manifest(batch).extra.get("epoch") or 0)
+            except StateError:
+                continue
+        if not epochs:
+            return set()
+        resumed: dict[int, tuple[int, int]] = {}
+        for e in (b for n in self.store.list_names(EPOCHS) if (b := _batch_of(n, "")) is not None):
+            record = self.read_json(resumed_key(e)) if e > min(epochs.values()) and e != self.epoch else {}
+            if isinstance(record.get("batch"), int):
+                resumed[e] = (int(record["batch"]), int(record.get("epoch") or 0))
+        stale = set(superseded(epochs, resumed))
+        for batch in sorted(stale):
+            key = self.manifest_key(batch)
+            self._set_aside(key, key + ".superseded")
+            self._manifests.pop(batch, None)
+            log.warning(
+                "checkpoint %d was created by run %d after a newer run had resumed from an earlier checkpoint (the late commit "
+                "of a paused or cut-off driver): it is not the job's history; set aside as %s",
+                batch, epochs[batch], self.store.url(key + ".superseded"))
+        return stale
+
+    def _resumed(self, found: Manifest | None) -> None:
+        """Note (for a run: beside its epoch claim) the checkpoint this run resumes from: an
+        older run's checkpoint after it that appears later is a late commit (:meth:`recover`)."""
+        self.resumed_from = found.batch if found is not None else -1
+        if self.epoch:
+            epoch = int(found.extra.get("epoch") or 0) if found is not None else 0
+            self.store.put(resumed_key(self.epoch), _json({"batch": self.resumed_from, "epoch": epoch}))
 
     def report_damage(self, why: str) -> None:
         """Ask the next start to check every state file of the checkpoints in full.

@@ -214,7 +214,7 @@ def commit_manifest(
     counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
     totals = counters.add(counters.from_extra(job.committed.extra if job.committed else None), counts)
     manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
-        **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(), "epoch": job.jobdir.epoch,
+        **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(),
         **(drain_extra(job.watermark.to_json(), batch_id) if drain else {})})
     if background:
         job.pending = PendingCommit(batch_id, manifest, _in_background(_commit_in_background, job, manifest), job.committed)

@@ -255,7 +255,7 @@ def restore_savepoint(
                 "lineage": restored_lineage(ck_extra, batch).to_json(),
             },
         )
-        job_dir.commit(manifest)
+        manifest = job_dir.commit(manifest)
     except BaseException:
         job_dir.store.delete_many(written)
         if copied:
