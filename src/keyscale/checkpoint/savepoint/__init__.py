@@ -43,7 +43,7 @@ job directory and the savepoint may be on different ones.
 ...                      "snapshot", 0, KeyGroupRange(0, 7))
 >>> n = StateDescriptor("n", "value", pa.int64())
 >>> op = OperatorCheckpoint("count", 8, 1, (("key", "string"),), (n.to_json(),), (f,))
->>> m = Manifest("counts", 0, 0, {"count": op}); jd.commit(m)
+>>> m = jd.commit(Manifest("counts", 0, 0, {"count": op}))
 >>> sp = write_savepoint(jd, m, root / "sp")
 >>> info = read_savepoint(sp)
 >>> info.batch, info.operators["count"].rows, info.source
