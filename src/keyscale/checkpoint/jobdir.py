@@ -108,6 +108,7 @@ class JobDir:
         self._batches: list[int] | None = None  # manifest batches, listed once, then kept up to date
         self._manifests: dict[int, Manifest] = {}
         self._intents: set[int] | None = None  # intent batches, listed once by retention, then kept
+        self._inherited: set[int] = set()  # intents older runs left when this run took over (adoptable)
         self._since_sweep = SWEEP_EVERY
 
     def __str__(self) -> str:
@@ -217,6 +218,9 @@ class JobDir:
                     "after its last heartbeat: KEYSCALE_TAKEOVER_AFTER)"
                 )
         self.claim_epoch()
+        # After the claim, before anything else: the intents older runs left. An older run's
+        # intent that appears later is a paused run's late write (read_intent ignores it).
+        self._inherited = {i for n in self.store.list_names(CHECKPOINTS) if (i := _batch_of(n, "intent-")) is not None}
 
     def claim_epoch(self) -> int:
         """Create the next epoch object: from now on every older run is fenced."""
@@ -467,10 +471,32 @@ class JobDir:
 
     # -- batch intents -------------------------------------------------------------------
     def read_intent(self, batch: int) -> dict[str, Any] | None:
-        return self.read_json(self.intent_key(batch)) or None  # an intent is never empty
+        """Batch ``batch``'s intent in force: this run's, or one an older run left before this
+        run took over (its replay follows it). For a run (not a tool), an older run's intent
+        written after the takeover is None: a paused run's late write, which this run must
+        not follow (docs/design.md, "Exactly-once, effect by effect")."""
+        intent = self.read_json(self.intent_key(batch)) or None  # an intent is never empty
+        if intent is not None and self.epoch and int(intent.get("epoch") or 0) < self.epoch and batch not in self._inherited:
+            log.warning("batch %d: ignoring the intent run %s wrote after this run took over (a paused or cut-off driver)",
+                        batch, intent.get("epoch", "?"))
+            return None
+        return intent
 
-    def write_intent(self, batch: int, intent: dict[str, Any]) -> None:
-        self.store.put(self.intent_key(batch), _json(intent))
+    def write_intent(self, batch: int, intent: dict[str, Any], replace: bool = False) -> None:
+        """Fix batch ``batch``'s intent, stamped with this run's epoch. Created only if absent,
+        so that a paused older run that wakes cannot replace it (it finds this one and is
+        fenced); ``replace``: this run re-plans the batch (a retry at a new ``-p``, an
+        interrupted drain, an intent :meth:`read_intent` ignored)."""
+        doing = f"planning batch {batch}"
+        self.check_epoch(doing)
+        data = _json({**intent, "epoch": self.epoch} if self.epoch else intent)
+        if replace:
+            self.store.put(self.intent_key(batch), data)
+        elif not self.store.create(self.intent_key(batch), data):
+            self.check_epoch(doing)
+            # An older run's late write since this run read none: not followed, replaced.
+            log.warning("batch %d: replacing the intent an older run wrote after this run took over", batch)
+            self.store.put(self.intent_key(batch), data)
         if self._intents is not None:
             self._intents.add(batch)
 

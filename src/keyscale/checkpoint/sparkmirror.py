@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from keyscale.checkpoint.fence import Fence
 from keyscale.storage import Store
 
 FOLDER = "spark"
@@ -53,8 +54,8 @@ def _decode(d: dict[str, str]) -> bytes:
 class SparkMirror:
     """The local folder ``local`` kept in ``store`` (the job directory) as bundles."""
 
-    def __init__(self, store: Store, local: Path):
-        self.store, self.local = store, local
+    def __init__(self, store: Store, local: Path, fence: Fence | None = None):
+        self.store, self.local, self.fence = store, local, fence
         self._pushed: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last sent
         self._since_full = FULL_EVERY  # a run's first bundle is full
 
@@ -105,8 +106,13 @@ class SparkMirror:
             "files": {rel: _encode((self.local / rel).read_bytes()) for rel in sorted(changed)},
             "deleted": [] if full else sorted(set(self._pushed) - set(now)),
         }
+        # A run that a newer one took over writes no bundle: its batch is not the job's.
+        if self.fence is not None:
+            self.fence.check(f"mirroring Spark's checkpoint of batch {batch}")
         self.store.put(_bundle_key(batch), json.dumps(bundle, sort_keys=True).encode())
         self._pushed = now
         self._since_full = 1 if full else self._since_full + 1
         if full:  # older bundles are no longer needed to rebuild the folder
+            if self.fence is not None:  # and never a newer run's
+                self.fence.check(f"pruning Spark's mirrored checkpoint before batch {batch}")
             self.store.delete_many([_bundle_key(b) for n in self.store.list_names(FOLDER) if (b := _batch(n)) is not None and b < batch])

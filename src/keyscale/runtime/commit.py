@@ -128,10 +128,11 @@ def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) 
     """Step 2: the batch's intent, new or (a replay) as first written; and whether it is a replay."""
     assert job.pipeline is not None
     intent = job.jobdir.read_intent(batch_id)
+    replace = False
     if intent is not None and intent.get("drain") and not drain:
         # An interrupted drain: this batch is Spark's, with its input and the job's watermark.
         log.info("batch %d: an interrupted drain used this id; it runs as an ordinary batch", batch_id)
-        intent = None
+        intent, replace = None, True
     if intent is not None:
         return replay_intent(job, batch_id, intent), True
     parallelism.apply_rescale_requests(job, batch_id)
@@ -147,7 +148,7 @@ def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) 
     intent["log_ids"] = dict(job.log_ids)  # the logs the plans are for: their ids go into the manifest
     if job.mirror is not None and df is not None:
         job.mirror.push(batch_id)  # Spark's offsets of this batch are in the job directory before anything of it
-    job.jobdir.write_intent(batch_id, intent)
+    job.jobdir.write_intent(batch_id, intent, replace=replace)
     return intent, False
 
 
@@ -156,7 +157,7 @@ def replay_intent(job: JobState, batch_id: int, intent: dict[str, Any]) -> dict[
     assert job.pipeline is not None
     intent, replanned = poison_batch.replan_intent(intent, job.opts.parallelism, [s.uid for s in job.pipeline.keyed_steps])
     if replanned:
-        job.jobdir.write_intent(batch_id, intent)
+        job.jobdir.write_intent(batch_id, intent, replace=True)
         log.info("batch %d: retrying the failed attempt at -p %d (it ran with %s); its time and input stay", batch_id,
                  job.opts.parallelism, ", ".join(f"'{u}' p={old}" for u, (old, _) in replanned.items()))
     else:

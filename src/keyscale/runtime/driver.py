@@ -199,7 +199,7 @@ class JobRunner:
         self.jobdir.lock()
         self._locked = True
         if not self.jobdir.is_local:  # Spark's checkpoint is local: rebuild it from the job directory
-            self._mirror = SparkMirror(self.jobdir.store, self.jobdir.spark_checkpoint)
+            self._mirror = SparkMirror(self.jobdir.store, self.jobdir.spark_checkpoint, self.jobdir.fence)
             self._mirror.pull()
         self._record_run_options()
         rec = self.jobdir.recover(allow_empty_restart=opts.allow_empty_restart)

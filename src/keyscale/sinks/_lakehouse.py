@@ -310,6 +310,8 @@ class TableSink(ABC, Generic[T]):
                 table = self._create(data.schema)
             self._check_schema(table, data.schema)
             self._before_commit(table)
+            if self._ctx is not None and self._ctx.fence is not None:  # a run a newer one took over commits nothing
+                self._ctx.fence.check(f"committing batch {batch_id} to {self.describe()}")
             try:
                 self._commit(table, data, batch_id)
                 return data.num_rows

@@ -309,7 +309,10 @@ class ParquetSink:
             files,
         )
         # The commit point of the batch's output: the files are in place (each task's put
-        # returned), the marker makes them the batch.
+        # returned), the marker makes them the batch. Never by a run a newer one took over:
+        # its files stay an unfinished attempt, which the newer run's write of the batch replaces.
+        if ctx is not None and ctx.fence is not None:
+            ctx.fence.check(f"marking batch {batch_id}'s output in {self.path} complete")
         if not self.store.create(join(folder, MARKER), json.dumps(marker.to_json(), sort_keys=True).encode()):
             # Another writer finished this batch first: its files are the batch, not ours.
             self.store.delete_many([join(folder, f.name) for f in files])

@@ -242,7 +242,7 @@ def restore_savepoint(
                 spark.put(o.key[len(prefix):], info.store.get(o.key), durable=job_dir.is_local)
             if not job_dir.is_local:
                 pushed = True
-                SparkMirror(job_dir.store, job_dir.spark_checkpoint).push(batch)
+                SparkMirror(job_dir.store, job_dir.spark_checkpoint, job_dir.fence).push(batch)
         manifest = Manifest(
             job=job_name, batch=batch, batch_time_ms=info.batch_time_ms, operators=ops,
             watermark_ms=resumed_ms if ck_extra.get("drained") else info.watermark_ms, created_ms=int(time.time() * 1000),
