@@ -31,6 +31,24 @@ every kind comes up about equally often):
   full) and the flip's outcome is that restart's;
 * ``restart``: ``keyscale stop JOB`` (a clean stop through the control API), then a restart
   at another parallelism.
+* ``replan``: SIGKILL, then a restart at another parallelism than the interrupted batch was
+  planned with (a replayed batch is re-planned, or kept at its plan when a sink holds part of
+  its output: issue 32, case 1);
+* ``pause``: SIGSTOP of the job's whole process group (driver, JVM, workers): a GC pause, a
+  VM freeze. On local disk the run holds the job directory's lock, so the pause ends after a
+  few seconds (SIGCONT) and the run goes on. On an object store the pause outlasts the
+  takeover time (``--takeover-after``): a new run takes the job directory over, and the
+  paused one, a zombie, is resumed (SIGCONT) at a random moment while the new run starts
+  or runs. The zombie must stop without any effect the new run would keep (issue 32,
+  case 2): it is counted by how it exited (``zombies``: exit 9 is "fenced"); one still
+  running 3 minutes after its resume is killed and counted as ``lingered``.
+
+Each start draws its Spark master from ``--masters`` (``local[1]``..``local[4]``: Spark's
+split of a file into tasks, and so of a batch, changes with the cores), with
+``--async-checkpoints`` every run commits one batch behind, and ``--lossy-s3 F`` puts
+:class:`keyscale.storage.faultproxy.FaultProxy` between the jobs and the S3 server: a
+fraction ``F`` of the PUT requests (conditional creates included) lands and is then
+answered with ``503``, so the client retries a write that already happened.
 
 Half of the rescales and savepoints are followed within 2 s by the next fault, so kills land
 during them too. A start that fails three times in a row without committing a batch is
@@ -87,7 +105,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 JOB_FILE = HERE / "jobs" / "chaos_count.py"
 OUT = HERE / "out"
-KINDS = ("kill-driver", "kill-worker", "rescale", "savepoint", "flip", "restart")
+KINDS = ("kill-driver", "kill-worker", "rescale", "savepoint", "flip", "restart", "replan", "pause")
 WINDOW_MS = 10_000
 
 
@@ -206,7 +224,17 @@ class Stats:
     savepoints: list[dict[str, Any]] = field(default_factory=list)
     savepoints_failed: list[str] = field(default_factory=list)
     savepoints_unsupported: str | None = None  # --store s3 on a keyscale that cannot write savepoints there
+    zombies: dict[str, int] = field(default_factory=dict)  # how paused-and-taken-over runs ended: "exit 9", "lingered"...
     events: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Zombie:
+    """A run paused (SIGSTOP) past the takeover, to be resumed while the new run starts or runs."""
+
+    proc: subprocess.Popen[bytes]
+    resume_at: float
+    resumed: float | None = None
 
 
 class Harness:
@@ -230,6 +258,8 @@ class Harness:
         self.watch: dict[str, Any] | None = None  # a restart whose outcome is awaited
         self.failed_starts = 0
         self.committed: dict[int, int] = {}  # the highest batch each job directory ever committed
+        self.zombies: list[Zombie] = []
+        self.masters = [m for m in args.masters.split(",") if m]
         self.t0 = time.time()
         from keyscale.sources import GENERATOR_DDL, create_log
 
@@ -261,7 +291,10 @@ class Harness:
         argv = ["run", str(JOB_FILE), "--job-dir", g.job, "--max-parallelism", str(self.args.max_parallelism),
                 "--trigger-interval", self.args.trigger_interval, "--autoscaler", "off",
                 "--set", f"log={self.log.uri}", "--set", f"output={g.out}", "--set", f"late={g.late}",
-                "--set", f"limit={self.args.limit}", "--set", f"size={WINDOW_MS // 1000} seconds", *extra]
+                "--set", f"limit={self.args.limit}", "--set", f"size={WINDOW_MS // 1000} seconds",
+                "--master", self.rng.choice(self.masters), *extra]
+        if self.args.async_checkpoints:
+            argv.append("--async-checkpoints")
         if p is not None:
             argv += ["-p", str(p)]
         return argv
@@ -351,7 +384,9 @@ class Harness:
 
     # -- the supervisor --------------------------------------------------------------------------
     def supervise(self) -> None:
-        """Restart the job when it exits; count recoveries and refusals; reap async commands."""
+        """Restart the job when it exits; count recoveries and refusals; reap async commands;
+        resume paused runs when their time comes, and count how they end."""
+        self.tend_zombies()
         for a in list(self.pending):
             if a.proc.poll() is None:
                 if time.time() - a.started > 300:
@@ -409,6 +444,30 @@ class Harness:
             self.restore("three failed starts in a row")
             return
         self.start()
+
+    def tend_zombies(self, final: bool = False) -> None:
+        for z in list(self.zombies):
+            now = time.time()
+            if z.resumed is None and (final or now >= z.resume_at):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(z.proc.pid, signal.SIGCONT)
+                z.resumed = now
+                self.event("zombie-resumed", pid=z.proc.pid)
+                say(f"  the paused run (pid {z.proc.pid}) resumes")
+            rc = z.proc.poll()
+            if rc is not None:
+                outcome = f"exit {rc}"
+            elif z.resumed is not None and now - z.resumed > 180:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(z.proc.pid, signal.SIGKILL)
+                z.proc.wait()
+                outcome = "lingered"
+            else:
+                continue
+            self.zombies.remove(z)
+            self.stats.zombies[outcome] = self.stats.zombies.get(outcome, 0) + 1
+            self.event("zombie-ended", pid=z.proc.pid, outcome=outcome)
+            say(f"  the paused run (pid {z.proc.pid}) ended: {outcome}")
 
     def resolve_watch(self) -> None:
         """A restart committed a batch: a recovery (or, from empty state, a silent loss)."""
@@ -521,6 +580,16 @@ class Harness:
             self.start()  # the restart after the flip: recovered or refused
             assert self.watch is not None
             self.watch["flip"] = True
+        elif kind == "replan":
+            if not self.alive():
+                return False
+            self.restart_p = self.other_p()
+            self.kill("replan")  # the supervisor restarts it at restart_p
+            self.event(kind, parallelism=self.restart_p)
+        elif kind == "pause":
+            if not self.alive():
+                return False
+            return self.pause()
         elif kind == "restart":
             p = self.other_p()
             self.expect_exit = "restart"
@@ -529,6 +598,27 @@ class Harness:
             if r.returncode != 0:
                 self.kill("restart")  # the clean stop failed: stop it hard, restart all the same
             self.event(kind, parallelism=p, clean=r.returncode == 0)
+        return True
+
+    def pause(self) -> bool:
+        """SIGSTOP the job's process group. Local disk: SIGCONT a few seconds later (the paused
+        run keeps the lock). Object store: wait out the takeover, start a new run, and leave
+        the paused one to :meth:`tend_zombies`, which resumes it at a random moment."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        os.killpg(pid, signal.SIGSTOP)
+        if self.args.store == "local":
+            stopped = self.rng.uniform(1, 8)
+            time.sleep(stopped)
+            os.killpg(pid, signal.SIGCONT)
+            self.event("pause", seconds=round(stopped, 1))
+            return True
+        time.sleep(self.args.takeover_after + 1)
+        zombie = Zombie(self.proc, time.time() + self.rng.uniform(0, self.args.takeover_after + 30))
+        self.zombies.append(zombie)
+        self.proc = None
+        self.event("pause", takeover=True, zombie=pid, resume_in=round(zombie.resume_at - time.time(), 1))
+        self.start(self.rng.choice([None, self.rng.randint(1, self.args.max_p)]))
         return True
 
     def _cli(self, argv: list[str]) -> subprocess.Popen[str]:
@@ -621,6 +711,10 @@ class Harness:
                 a.proc.wait(300)
             except subprocess.TimeoutExpired:
                 a.proc.kill()
+        self.tend_zombies(final=True)
+        while self.zombies:  # every paused run resumed; each ends (fenced) or lingers and is killed
+            self.supervise()
+            time.sleep(0.5)
         self.supervise()
         self.expect_exit = "final"
         r = keyscale("stop", self.gen.job, timeout=300) if self.alive() else None
@@ -670,6 +764,7 @@ class Harness:
             "savepoints": len(s.savepoints), "savepoints_failed": s.savepoints_failed,
             "savepoints_unsupported": s.savepoints_unsupported,
             "rescales_refused": s.rescales_refused,
+            "zombies": s.zombies,
             "job_dirs": len(self.gens),
             **check,
             "wall_seconds": round(wall, 1),
@@ -784,6 +879,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trigger-interval", default="1 second")
     ap.add_argument("--store", choices=("local", "s3"), default="local",
                     help="where job directories, outputs and savepoints live: the work folder, or a private SeaweedFS S3 server")
+    ap.add_argument("--masters", default="local[2]", help="Spark masters a start draws from, comma-separated (e.g. local[1],local[2],local[4])")
+    ap.add_argument("--async-checkpoints", action="store_true", help="run the job with --async-checkpoints")
+    ap.add_argument("--takeover-after", type=float, default=6.0,
+                    help="seconds after its last heartbeat a run on S3 is taken over (KEYSCALE_TAKEOVER_AFTER of the job processes)")
+    ap.add_argument("--lossy-s3", type=float, default=0.0, metavar="F",
+                    help="with --store s3: a fraction F of PUT requests lands and is then answered 503 (a proxy in front of the server)")
     ap.add_argument("--work", help="working folder (kept; default a temporary one, deleted unless the check fails)")
     ap.add_argument("--out", help="summary JSON (default bench/out/chaos.json)")
     args = ap.parse_args(argv)
@@ -791,7 +892,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     out_path = Path(args.out) if args.out else OUT / "chaos.json"
     server = None
+    proxy = None
     root = None
+    if args.lossy_s3 and args.store != "s3":
+        raise SystemExit("--lossy-s3 needs --store s3")
     if args.store == "s3":
         from keyscale.storage.seaweed import create_bucket, start_seaweedfs
 
@@ -801,6 +905,13 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint folders (local by design) stay in the work folder.
         os.environ.update(server.env())
         os.environ["KEYSCALE_SPARK_CACHE"] = str(work / "spark-cache")
+        os.environ["KEYSCALE_TAKEOVER_AFTER"] = str(args.takeover_after)
+        if args.lossy_s3:
+            from keyscale.storage.faultproxy import FaultProxy, Rule
+
+            proxy = FaultProxy(server.endpoint_url, [Rule("PUT", "", None, times=None, chance=args.lossy_s3)], seed=args.seed)
+            os.environ["AWS_ENDPOINT_URL"] = proxy.url
+            say(f"a proxy at {proxy.url} answers {args.lossy_s3:.1%} of PUTs with 503 after they landed")
         root = "s3://chaos"
         say(f"SeaweedFS (pid {server.pid}) at {server.endpoint_url}; job directories and outputs under {root}")
     try:
@@ -810,16 +921,24 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if h.alive():
                 h.kill("harness exit")
+            for z in h.zombies:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(z.proc.pid, signal.SIGKILL)
             for a in h.pending:
                 if a.proc.poll() is None:
                     a.proc.kill()
     finally:
+        if proxy is not None:
+            summary_failed = len(proxy.failed)
+            proxy.stop()
         if server is not None:
             server.stop()  # its own process group, by its PID
     summary["work"] = str(work)
+    if proxy is not None:
+        summary["s3_puts_failed_after_landing"] = summary_failed
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(summary, indent=1, default=str))
-    brief = {k: summary[k] for k in ("faults", "faults_total", "recoveries", "flips", "empty_restarts", "restores", "records", "records_lost",
+    brief = {k: summary[k] for k in ("faults", "faults_total", "recoveries", "flips", "empty_restarts", "restores", "zombies", "records", "records_lost",
                                       "records_duplicated", "keyed_state", "late_records", "exactly_once", "wall_seconds")}
     say("summary: " + json.dumps(brief))
     for r in summary["refusals"]:

@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 import http.client
+import random
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,12 +29,14 @@ from urllib.parse import urlsplit
 @dataclass
 class Rule:
     """Which requests to fail after they landed: ``method``, a part of the path, whether only
-    conditional writes (``If-None-Match``), and how many times (None: every time)."""
+    conditional writes (``If-None-Match``), how many times (None: every time), and the
+    chance that a matching request is failed."""
 
     method: str = "PUT"
     key_contains: str = ""
     conditional: bool | None = None
     times: int | None = 1
+    chance: float = 1.0
     hits: int = field(default=0, init=False)
 
     def matches(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
@@ -47,9 +50,10 @@ class Rule:
 class FaultProxy:
     """A proxy to ``upstream`` (``http://host:port``) on 127.0.0.1; ``url`` is its address."""
 
-    def __init__(self, upstream: str, rules: list[Rule] | None = None) -> None:
+    def __init__(self, upstream: str, rules: list[Rule] | None = None, seed: int = 0) -> None:
         self.upstream = urlsplit(upstream)
         self.rules: list[Rule] = list(rules or [])
+        self._rng = random.Random(seed)
         self.failed: list[str] = []  # "METHOD path" of every request failed after it landed
         self._lock = threading.Lock()
         proxy = self
@@ -95,7 +99,7 @@ class FaultProxy:
     def _fail_now(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
         with self._lock:
             for rule in self.rules:
-                if rule.matches(method, path, headers):
+                if rule.matches(method, path, headers) and (rule.chance >= 1 or self._rng.random() < rule.chance):
                     rule.hits += 1
                     self.failed.append(f"{method} {path}")
                     return True
