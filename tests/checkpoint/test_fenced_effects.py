@@ -14,9 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from keyscale.checkpoint.fence import Fence
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import FencedError
+
+
+class _CheckedBeforeTheTakeover(Fence):
+    """A run's fence whose check passed before the takeover: its next write still lands."""
+
+    def check(self, doing: str) -> None:
+        pass
 
 
 def _run(path: Path) -> JobDir:
@@ -71,3 +79,36 @@ def test_a_paused_run_neither_writes_nor_prunes_sparks_mirrored_checkpoint(tmp_p
     with pytest.raises(FencedError):
         mirror.push(1)  # a full bundle: it would also delete every older one
     assert sorted(o.key for o in new.store.list("spark")) == before
+
+
+def test_a_bundle_a_paused_run_writes_after_its_check_is_not_the_jobs_history(tmp_path: Path) -> None:
+    """The old run passed its fence check and paused before writing its bundle of batch 2;
+    the new run wrote its own bundle of batch 2 meanwhile. The late bundle lands beside it
+    (bundles are named per run) and the next rebuild of Spark's checkpoint ignores it."""
+    old = _run(tmp_path / "job")
+    old_local = tmp_path / "spark-old"
+    (old_local / "offsets").mkdir(parents=True)
+    old_mirror = SparkMirror(old.store, old_local, old.fence)
+    for b in (0, 1):
+        (old_local / "offsets" / str(b)).write_text(f"old {b}")
+        old_mirror.push(b)
+    new = _run(tmp_path / "job")
+    new_local = tmp_path / "spark-new"
+    SparkMirror(new.store, new_local, new.fence).pull()
+    (new_local / "offsets" / "2").write_text("new 2")
+    SparkMirror(new.store, new_local, new.fence).push(2)
+    (old_local / "offsets" / "2").write_text("old 2")
+    old_mirror.fence = _CheckedBeforeTheTakeover(old.store, old.epoch)  # the write lands now
+    old_mirror.push(2)
+    rebuilt = tmp_path / "spark-third"
+    SparkMirror(new.store, rebuilt).pull()
+    assert {p.name: p.read_text() for p in (rebuilt / "offsets").iterdir()} == {"0": "old 0", "1": "old 1", "2": "new 2"}
+
+
+@pytest.mark.parametrize("module", ["keyscale.checkpoint.fence", "keyscale.checkpoint.sparkmirror", "keyscale.storage.faultproxy"])
+def test_doctests(module: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

@@ -786,7 +786,7 @@ def test_savepoint_across_stores(at: Any, job_kind: str, sp_kind: str, new_kind:
     sc = target.spark_checkpoint
     assert sorted(int(p.name) for p in (sc / "offsets").iterdir() if p.name.isdigit()) == list(range(5))
     if new_kind == "s3":
-        assert target.store.list_names("spark") == ["bundle-000000000004.json"]
+        assert target.store.list_names("spark") == [f"bundle-000000000004-e{target.epoch:010d}.json"]
         assert not (sc.parent / "state").exists()  # nothing of the job directory went to local disk
 
 
