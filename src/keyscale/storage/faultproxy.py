@@ -65,9 +65,13 @@ class FaultProxy:
                 pass
 
             def _forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                headers = {k: v for k, v in self.headers.items()}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "expect")}
+                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                    body: bytes | None = self._read_chunked()
+                    headers["Content-Length"] = str(len(body))
+                else:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    body = self.rfile.read(length) if length else None
                 conn = http.client.HTTPConnection(proxy.upstream.hostname or "127.0.0.1", proxy.upstream.port or 80, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
@@ -88,6 +92,17 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+
+            def _read_chunked(self) -> bytes:
+                parts = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass  # trailers
+                        return b"".join(parts)
+                    parts.append(self.rfile.read(size))
+                    self.rfile.readline()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
