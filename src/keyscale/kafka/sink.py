@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 COMMIT_LOG_SUFFIX = ".keyscale-commits"
 _RESULT_SCHEMA = "task int, rows long, written boolean"
 _FAULT = "kafka-precommit"  # test-only: a task kills the driver between flush and commit_transaction
+_FAULT_AFTER = "kafka-postcommit"  # test-only: task 0 kills the driver once its transaction is committed
 SERIAL_COMMITS_ENV = "KEYSCALE_KAFKA_SERIAL_COMMITS"
 
 
@@ -190,6 +191,9 @@ def _write_task(
         else:
             rows, written = _transaction(producer, topic, commit_log, key, value, batches, lineage, batch_id, task, timeout_ms, turn,
                                          kill_driver=driver_pid if fault == f"{_FAULT}:{batch_id}" and task == 0 else 0), True
+            if fault == f"{_FAULT_AFTER}:{batch_id}" and task == 0:  # test-only fault: after a commit, before the others'
+                os.kill(driver_pid, signal.SIGKILL)
+                time.sleep(30)
     except KafkaException as e:
         raise RuntimeError(encode_error(OutputError(f"Kafka sink (topic {topic!r}), batch {batch_id}, task {task}: {e.args[0].str() if e.args else e}"))) from None
     finally:
