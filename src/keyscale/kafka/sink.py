@@ -99,7 +99,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMMIT_LOG_SUFFIX", "KafkaSink", "encode_values", "read_committed"]
+__all__ = ["COMMIT_LOG_SUFFIX", "SERIAL_COMMITS_ENV", "KafkaSink", "encode_values", "output_tasks", "read_committed"]
 
 _RESULT_SCHEMA = "task int, rows long, written boolean"
 _FAULT = "kafka-precommit"  # test-only: a task kills the driver between flush and commit_transaction
