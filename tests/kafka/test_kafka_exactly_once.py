@@ -158,6 +158,26 @@ def test_a_retried_task_with_attempt_number_zero_writes_nothing_again(kafka_brok
     assert [(r["batch"], r["task"], r["rows"]) for r in _commit_records(b, out)] == [(0, 0, 5)]
 
 
+def test_a_task_an_earlier_run_of_the_lineage_committed_is_not_written_again(kafka_broker: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """A run (epoch 3) commits batch 0's task 0; a newer run (epoch 4) that replays batch 0
+    without having seen that commit at its start writes nothing for it."""
+    b = kafka_broker.bootstrap
+    out = new_topic(b, 1, "out")
+    store = open_store(str(tmp_path / "job"), "job directory")
+    sink = KafkaSink(b, out, key="key", serial_commits=False)
+    me = Lineage("9" * 32)
+    sink.open(_ctx(me, -1))
+    start = sink._commit_log_end()
+    _as_task(monkeypatch, 0, 0)
+    for epoch in (3, 4):
+        if epoch == 4:
+            store.put(epoch_key(4), b"{}")
+        list(_write_task(**_task_args(sink, me.id, 0, start, Fence(store, epoch)), batches=_rows(4)))
+    assert len(read_committed(b, out)) == 4
+    assert [(r["task"], r["epoch"]) for r in _commit_records(b, out)] == [(0, 3)]
+
+
 @pytest.mark.parametrize("attempt", [0, 1])
 def test_the_retry_check_finds_a_commit_behind_a_siblings_open_transaction(attempt: int, kafka_broker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Task 1's transaction is open on the commit log (its commit record sent) when task 0's

@@ -62,17 +62,16 @@ def read(consumer: Any, topic: str, start: int, timeout: float = 30.0) -> Iterat
 
 
 def read_until(consumer: Any, topic: str, start: int, end: int | None, timeout: float) -> Iterator[dict[str, Any]]:
-    """Commit records from ``start`` on: to the end (``end`` None), or until the consumer's
-    position reaches ``end``. A ``read_committed`` consumer stops at the last stable offset,
-    before a transaction still open; reading to an ``end`` past it waits (up to
-    ``timeout``) for that transaction to end."""
+    """Commit records from ``start`` on, to the end: the first end-of-partition the consumer
+    reaches (``end`` None), or the first at ``end`` or past it. A ``read_committed``
+    consumer's end is the last stable offset, before a transaction still open; reading to
+    an ``end`` past it waits (up to ``timeout``) for that transaction to end. An end the
+    broker reported short (Tansu) still reads to the true end, where the partition ends."""
     from confluent_kafka import KafkaError, TopicPartition
 
     consumer.assign([TopicPartition(topic, 0, max(start, 0))])
     deadline = time.monotonic() + timeout
     try:
-        if end is not None and start >= end:
-            return
         while True:
             msgs = consumer.consume(num_messages=1000, timeout=0.5)
             if not msgs and time.monotonic() > deadline:
@@ -84,8 +83,6 @@ def read_until(consumer: Any, topic: str, start: int, end: int | None, timeout: 
                     r = _parsed(m.value())
                     if r is not None:
                         yield r
-                    if end is not None and (m.offset() or 0) + 1 >= end:
-                        return
                 elif err.code() == KafkaError._PARTITION_EOF:
                     if end is None or (m.offset() or 0) >= end:
                         return
@@ -106,6 +103,22 @@ def end_offset(consumer: Any, topic: str) -> int:
     return int(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False)[1])
 
 
+def read_committed_to_end(bootstrap: str, options: Mapping[str, Any], topic: str, start: int, timeout: float) -> Iterator[dict[str, Any]]:
+    """The committed records from ``start`` to the high watermark seen now: past the stable
+    offset where a transaction still open holds it (waiting up to ``timeout`` for it to
+    end), so that no record committed before this call is missed."""
+    probe = reader(bootstrap, options, "read_uncommitted")  # read_committed, ListOffsets answers the stable offset
+    try:
+        end = end_offset(probe, topic)
+    finally:
+        probe.close()
+    consumer = reader(bootstrap, options, "read_committed")
+    try:
+        yield from read_until(consumer, topic, start, end, timeout)
+    finally:
+        consumer.close()
+
+
 def committed_before(bootstrap: str, options: Mapping[str, Any], topic: str, start: int, lineage: str, batch: int, task: int,
                      timeout: float) -> bool:
     """Whether (``batch``, ``task``) of ``lineage`` committed already, in any epoch: an
@@ -114,17 +127,8 @@ def committed_before(bootstrap: str, options: Mapping[str, Any], topic: str, sta
     every earlier attempt's transaction (committed or aborted), so reading to the high
     watermark seen now finds its record if there is one; a sibling's transaction still open
     before that holds the stable offset, and the read waits for it (up to ``timeout``)."""
-    probe = reader(bootstrap, options, "read_uncommitted")  # read_committed, ListOffsets answers the stable offset
-    try:
-        end = end_offset(probe, topic)
-    finally:
-        probe.close()
-    consumer = reader(bootstrap, options, "read_committed")
-    try:
-        return any(r.get("lineage") == lineage and r.get("batch") == batch and r.get("task") == task
-                   for r in read_until(consumer, topic, start, end, timeout))
-    finally:
-        consumer.close()
+    return any(r.get("lineage") == lineage and r.get("batch") == batch and r.get("task") == task
+               for r in read_committed_to_end(bootstrap, options, topic, start, timeout))
 
 
 # -- the topic: compacted -----------------------------------------------------------------------

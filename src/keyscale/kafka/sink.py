@@ -345,11 +345,9 @@ class KafkaSink:
                 raise OutputError(f"Kafka sink (topic {self.topic!r}): could not fence transactional id of task {task}: {e}") from None
             finally:
                 p.close()
-        c = self._consumer("read_committed")
-        try:
-            records = list(commit_log.read(c, self.commit_log, 0))
-        finally:
-            c.close()
+        # To the high watermark, past another lineage's open transaction: a commit record
+        # behind it would be missed, and its task written again.
+        records = list(commit_log.read_committed_to_end(self.bootstrap, self.options, self.commit_log, 0, self.timeout_ms / 1000 + 10))
         committed = [r for r in records if r.get("lineage") == lineage]
         self._done, self._tasks = {}, {}
         for r in committed:
