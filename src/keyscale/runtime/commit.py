@@ -153,9 +153,18 @@ def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) 
 
 
 def replay_intent(job: JobState, batch_id: int, intent: dict[str, Any]) -> dict[str, Any]:
-    """A replay's intent: as first written, except a failed batch retried at a new ``-p``."""
+    """A replay's intent: as first written, except a failed batch retried at a new ``-p``,
+    unless a sink's committed output of the batch is tied to its plan (``Sink.plan_bound``)."""
     assert job.pipeline is not None
-    intent, replanned = poison_batch.replan_intent(intent, job.opts.parallelism, [s.uid for s in job.pipeline.keyed_steps])
+    replan, replanned = poison_batch.replan_intent(intent, job.opts.parallelism, [s.uid for s in job.pipeline.keyed_steps])
+    bound = [s.describe() for s in job.pipeline.sinks if replanned and _plan_bound(s, batch_id)]
+    if bound:
+        log.warning("batch %d: replayed with the parallelism it first ran with (%s), not -p %d: part of its output is already "
+                    "committed to %s, task by task of that plan; -p %d applies from the next batch", batch_id,
+                    ", ".join(f"'{u}' p={old}" for u, (old, _) in replanned.items()), job.opts.parallelism, ", ".join(bound),
+                    job.opts.parallelism)
+        return intent
+    intent = replan
     if replanned:
         job.jobdir.write_intent(batch_id, intent, replace=True)
         log.info("batch %d: retrying the failed attempt at -p %d (it ran with %s); its time and input stay", batch_id,
@@ -163,6 +172,11 @@ def replay_intent(job: JobState, batch_id: int, intent: dict[str, Any]) -> dict[
     else:
         log.info("batch %d: replaying an interrupted attempt with its original parallelism and time", batch_id)
     return intent
+
+
+def _plan_bound(sink: Any, batch_id: int) -> bool:
+    hook = getattr(sink, "plan_bound", None)
+    return callable(hook) and bool(hook(batch_id))
 
 
 def write_sinks(job: JobState, plan: stages.BatchPlan, batch_id: int) -> float:

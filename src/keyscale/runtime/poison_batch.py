@@ -11,7 +11,9 @@
   intent's keyed stages are re-planned at that parallelism (its time and source plan
   stay): a batch that failed for want of memory can be retried wider. A keyed stage's
   output per key does not depend on its parallelism, so if the failed attempt had already
-  written the sink's output, the retry computes the same rows.
+  written the sink's output, the retry computes the same rows. A sink whose committed part
+  of the batch is tied to the batch's tasks (``Sink.plan_bound``: the Kafka sink) keeps
+  the retry at its first plan instead (``commit.replay_intent``).
 """
 
 from __future__ import annotations

@@ -44,6 +44,14 @@ class Sink(Protocol):
     Optional: ``open(ctx: SinkContext) -> None``, called once before the first batch (the
     driver skips sinks without it); an exactly-once sink checks its output against the
     job's lineage there, so a conflict is reported before any batch runs.
+
+    Optional: ``plan_bound(batch_id: int) -> bool``, asked (after ``open``) before a batch
+    with an intent is replayed: True if some of the batch's output is already committed in
+    units tied to the batch's plan (its Spark tasks: a task number means other key groups
+    at another parallelism), so the replay must keep the intent's plan. keyscale then does
+    not re-plan the batch at a new ``-p`` (``runtime/commit.py``, ``replay_intent``); the
+    new ``-p`` applies from the next batch. A sink without it, or whose idempotence does not
+    depend on the plan (a whole batch kept or written anew), lets the replay re-plan.
     """
 
     exactly_once: bool
