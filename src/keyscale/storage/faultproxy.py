@@ -66,8 +66,9 @@ class FaultProxy:
 
             def _forward(self) -> None:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "expect")}
+                body: bytes | None
                 if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-                    body: bytes | None = self._read_chunked()
+                    body = self._read_chunked()
                     headers["Content-Length"] = str(len(body))
                 else:
                     length = int(self.headers.get("Content-Length") or 0)
@@ -94,7 +95,7 @@ class FaultProxy:
                     self.wfile.write(data)
 
             def _read_chunked(self) -> bytes:
-                parts = []
+                parts: list[bytes] = []
                 while True:
                     size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
                     if size == 0:
