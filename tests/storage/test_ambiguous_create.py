@@ -67,3 +67,23 @@ def test_the_parquet_sink_keeps_its_files_when_its_markers_answer_was_lost(spark
     assert proxy.failed
     out = read_output(open_store(f"{s3_bucket}/out", "test")).to_pandas()
     assert sorted(zip(out.k, out.n, strict=True)) == [("a", 1), ("b", 2)]
+
+
+def test_the_proxy_changes_nothing_but_the_answers_it_fails(s3_bucket: str, proxy: FaultProxy, tmp_path: Any) -> None:
+    """What the chaos bench relies on: objects written through the proxy, whose answers it
+    drops now and then, read back whole, with their sizes (HEAD) and in listings."""
+    import os
+
+    store = _via(proxy, f"{s3_bucket}/p")
+    proxy.rules.append(Rule("PUT", "", None, times=None, chance=0.3))
+    written = {}
+    for i in range(8):
+        written[f"small-{i}"] = os.urandom(100 + i)
+        store.put(f"small-{i}", written[f"small-{i}"])
+        src = tmp_path / f"big-{i}"
+        src.write_bytes(os.urandom(200_000 + i))
+        store.put_file(f"big-{i}", src)  # streamed from the file
+        written[f"big-{i}"] = src.read_bytes()
+    assert proxy.failed
+    assert {k: (store.get(k), store.size(k)) for k in written} == {k: (v, len(v)) for k, v in written.items()}
+    assert sorted((o.key, o.size) for o in store.list("")) == sorted((k, len(v)) for k, v in written.items())

@@ -87,9 +87,11 @@ class FaultProxy:
                     return
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    # A HEAD's Content-Length is the object's size: kept; other answers are re-framed.
+                    if k.lower() not in ("transfer-encoding", "connection") and (k.lower() != "content-length" or self.command == "HEAD"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
