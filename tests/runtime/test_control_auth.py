@@ -22,7 +22,15 @@ import pytest
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control import ControlServer, call
-from keyscale.runtime.control_auth import check_request, new_secret, read_secret, secret_path
+from keyscale.runtime.control_auth import (
+    CSRF_HEADER,
+    check_request,
+    check_session_scope,
+    has_secret,
+    new_secret,
+    read_secret,
+    secret_path,
+)
 from keyscale.storage import LocalStore
 
 
@@ -50,6 +58,10 @@ class FakeRunner:
 
     def stop(self) -> None:
         self.actions.append("stop")
+
+    def request_restart(self, parallelism: int | None, job_file: str | None = None) -> str:
+        self.actions.append(f"restart {parallelism} {job_file}")
+        return "/sp"
 
 
 @pytest.fixture
@@ -211,3 +223,59 @@ def test_another_local_user_cannot_control_the_job(server: Any, tmp_path: Path) 
     assert msg.startswith("KeyscaleError: cannot read the control secret " + str(secret_path(jd.store))), msg
     assert "permission denied" in msg
     assert runner.actions == [] and jd.read_rescale_requests() == {}
+
+
+def _dashboard_session(srv: Any, jd: JobDir) -> dict[str, str]:
+    """The headers of a browser logged in with a one-time link (``keyscale dashboard DIR``)."""
+    import http.client
+
+    link = call(jd, "POST", "/ui/token")["url"]
+    conn = http.client.HTTPConnection("127.0.0.1", srv.httpd.server_address[1], timeout=30)
+    try:  # the 303 itself: its Set-Cookie is the session
+        conn.request("GET", link.split(str(srv.httpd.server_address[1]), 1)[1])
+        resp = conn.getresponse()
+        assert resp.status == 303, resp.status
+        cookie = (resp.getheader("Set-Cookie") or "").split(";", 1)[0]
+    finally:
+        conn.close()
+    assert cookie.startswith("keyscale_session=")
+    return {"Cookie": cookie, CSRF_HEADER: "1", "Content-Type": "application/json"}
+
+
+def test_a_dashboard_session_cannot_name_a_path_or_a_file(server: Any, tmp_path: Path) -> None:
+    """Issue 32, case 11: a one-time dashboard link must not grant what only the secret may:
+    a savepoint written anywhere (``dest``) or a restart running any file (``job_file``)."""
+    srv, runner, jd = server
+    browser = _dashboard_session(srv, jd)
+    target = tmp_path / "elsewhere"
+    for path, body in [("/savepoint", {"dest": str(target)}), ("/stop", {"savepoint": True, "dest": str(target)}),
+                       ("/stop", {"drain": True, "dest": str(target)}), ("/restart", {"job_file": str(tmp_path / "evil.py")})]:
+        code, answer = _request(srv.url + path, body=json.dumps(body).encode(), headers=browser)
+        assert code == 403, (path, body, code, answer)
+        assert "control secret" in answer["error"] and ("'dest'" in answer["error"] or "'job_file'" in answer["error"]), answer
+    assert runner.actions == [] and not target.exists()
+    # What the dashboard's own buttons send is served: a savepoint into the default place, a stop after one, a rescale.
+    assert _request(srv.url + "/savepoint", body=b"{}", headers=browser)[0] == 200
+    assert _request(srv.url + "/stop", body=b'{"savepoint": true}', headers=browser)[0] == 200
+    assert _request(srv.url + "/rescale", body=b'{"parallelism": 3}', headers=browser)[0] == 202
+    assert runner.actions == ["savepoint None", "savepoint None", "stop"]
+    # The secret's holder may still name both.
+    assert call(jd, "POST", "/savepoint", {"dest": str(target)})["savepoint"] == str(target)
+    assert call(jd, "POST", "/restart", {"job_file": "/jobs/new.py"})["restarting"]
+    assert runner.actions[-2:] == [f"savepoint {target}", "restart None /jobs/new.py"]
+
+
+def test_session_scope_rules() -> None:
+    assert check_session_scope("/savepoint", {}) is None
+    assert check_session_scope("/savepoint", {"dest": None}) is None  # names nothing
+    assert check_session_scope("/stop", {"savepoint": True}) is None
+    assert check_session_scope("/restart", {"parallelism": 4}) is None
+    assert check_session_scope("/savepoint", {"dest": "/tmp/x"}) == (
+        403, "a dashboard session cannot name 'dest' in POST /savepoint: a request that names a path or a file needs the control "
+        "secret (keyscale CLI, or 'Authorization: Bearer <JOB_DIR/control/secret>')")
+    refusal = check_session_scope("/restart", {"job_file": "x.py", "dest": "y"})
+    assert refusal is not None and refusal[0] == 403 and "'dest' or 'job_file'" in refusal[1]
+    # Who counts as the secret's holder: the Bearer scheme and the exact secret only.
+    assert has_secret({"Authorization": "Bearer s3cret"}, "s3cret") and has_secret({"Authorization": "bearer s3cret "}, "s3cret")
+    assert not has_secret({"Authorization": "Bearer s3cre"}, "s3cret") and not has_secret({"Cookie": "keyscale_session=s3cret"}, "s3cret")
+    assert not has_secret({}, "s3cret")

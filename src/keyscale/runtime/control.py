@@ -13,8 +13,10 @@ Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) 
 while the job runs; it listens on 127.0.0.1 only.
 
 Every request must carry ``Authorization: Bearer <JOB_DIR/control/secret>`` (else 401) and a
-Host header naming the server (else 403); POST bodies must be JSON (else 415). A refused
-request changes nothing. See :mod:`keyscale.runtime.control_auth` for why.
+Host header naming the server (else 403); POST bodies must be JSON (else 415). The dashboard's
+session (a one-time login link) stands in for the secret, but may not name a path or a file
+(``dest``, ``job_file``: 403). A refused request changes nothing. See
+:mod:`keyscale.runtime.control_auth` for why.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from keyscale.runtime.control_auth import (
     auth_header,
     check_host,
     check_request,
+    check_session_scope,
+    has_secret,
     new_secret,
     read_secret,
 )
@@ -196,6 +200,13 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as e:
             self._reply(400, {"error": f"bad request body: {e}"})
             return
+        if not has_secret({"Authorization": self.headers.get("Authorization") or ""}, self.secret):
+            refusal = check_session_scope(self.path, body)  # a dashboard session: no paths, no files
+            if refusal is not None:
+                code, reason = refusal
+                log.warning("control API: refused POST %s from a dashboard session (%d: %s)", self.path, code, reason)
+                self._reply(code, {"error": reason})
+                return
         r = self.runner
         try:
             if self.path == "/rescale":
