@@ -279,3 +279,23 @@ def test_session_scope_rules() -> None:
     assert has_secret({"Authorization": "Bearer s3cret"}, "s3cret") and has_secret({"Authorization": "bearer s3cret "}, "s3cret")
     assert not has_secret({"Authorization": "Bearer s3cre"}, "s3cret") and not has_secret({"Cookie": "keyscale_session=s3cret"}, "s3cret")
     assert not has_secret({}, "s3cret")
+
+
+def test_close_deletes_only_this_runs_control_files_and_the_heartbeat_restores_them(tmp_path: Path) -> None:
+    """Issue 32, case 4: the control secret and address are shared by the job's runs; a run
+    deletes them at its end only while they are its own, and the live run writes them again
+    (from its heartbeat) if a run it fenced deleted them late."""
+    jd = JobDir(tmp_path / "job")
+    jd.claim("count", 8, 8)
+    srv = ControlServer(FakeRunner(jd))  # type: ignore[arg-type]
+    ours = (read_secret(jd.store), jd.read_json("control/http.json"))
+    jd.store.delete_many(["control/secret", "control/http.json"])  # a fenced run's late delete
+    srv.reassert()
+    assert (read_secret(jd.store), jd.read_json("control/http.json")) == ours
+    srv.reassert()  # nothing to do: no warning, same files
+    # A newer run on another host wrote its own (same URL: another machine's 127.0.0.1).
+    theirs = {"url": srv.url, "epoch": 7, "server": "another"}
+    jd.store.put("control/secret", b"the-newer-runs-secret", private=True)
+    jd.write_json("control/http.json", theirs)
+    srv.close()
+    assert read_secret(jd.store) == "the-newer-runs-secret" and jd.read_json("control/http.json") == theirs

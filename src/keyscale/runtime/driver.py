@@ -26,7 +26,14 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.sparkmirror import SparkMirror
-from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError, decode_error
+from keyscale.errors import (
+    FencedError,
+    JobDefinitionError,
+    JobDirError,
+    KeyscaleError,
+    StateError,
+    decode_error,
+)
 from keyscale.operators.eventtime import NO_WATERMARK, WatermarkState
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.poison import input_error
@@ -307,6 +314,8 @@ class JobRunner:
                 # Before the control API: a client that finds its address must find the job running too.
                 self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
             control = ControlServer(self)
+            if self._heartbeat is not None:  # a fenced run's late delete of the control files is undone within a beat
+                self._heartbeat.also = control.reassert
             self.job.state = "running"
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
@@ -349,9 +358,14 @@ class JobRunner:
             if self.job.state not in ("failed", "restarting"):
                 self.job.state = "stopped"
             if self._locked:
-                self.jobdir.write_status({**self._status(self._last_reports), "running": False})
-                self.jobdir.unlock()
-                self._locked = False
+                try:
+                    # Shared with the run that took over, if one did: then not written (FencedError).
+                    self.jobdir.write_status({**self._status(self._last_reports), "running": False})
+                except FencedError as e:
+                    log.warning("%s", e)
+                finally:
+                    self.jobdir.unlock()
+                    self._locked = False
         return self.summary
 
     def _settle_after_failure(self) -> None:
