@@ -158,9 +158,10 @@ class JobRunner:
         self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri), on_batch=on_batch)
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        # Held while a batch runs: savepoints are taken between batches, and retention
-        # (end of a batch) never deletes files a savepoint is still reading.
-        self._batch_lock = threading.Lock()
+        # Held while a batch runs, a savepoint is taken or a pending commit settles (every
+        # commit.settle): savepoints are taken between batches, of committed batches, and
+        # retention (end of a batch) never deletes files a savepoint is still reading.
+        self._batch_lock = self.job.batch_lock
         self._query: StreamingQuery | None = None
         self._locked = False
         self._empty_batch = False  # the last batch run read no records (see _input_read)
@@ -330,7 +331,8 @@ class JobRunner:
                 if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
                     self.job.state = "draining"
                     self._run_drain(spark)
-                commit.settle(self.job)  # the last batch's checkpoint, committing in the background
+                with self._batch_lock:  # a savepoint asked for now waits for this commit
+                    commit.settle(self.job)  # the last batch's checkpoint, committing in the background
             except BaseException as e:
                 self._settle_after_failure()
                 self._record_failure(e)
@@ -371,12 +373,19 @@ class JobRunner:
     def _settle_after_failure(self) -> None:
         """A batch failed while the one before it commits in the background: let that commit
         finish, so the next start need not replay it."""
+        # Under the batch lock, as every settle. Whoever holds it now (a savepoint; a batch
+        # still running after Ctrl-C) settles the pending commit itself before it goes on:
+        # waiting here briefly is enough, and never for a whole batch.
+        if not self._batch_lock.acquire(timeout=5):
+            return
         pending = self.job.pending
         try:
             commit.settle(self.job)
         except Exception:  # the job's own error is what to report
             assert pending is not None
             log.warning("the checkpoint of batch %d did not commit either; the next start replays that batch", pending.batch)
+        finally:
+            self._batch_lock.release()
 
     def _record_failure(self, exc: BaseException) -> None:
         """The job failed: its status says so, with the error, until the next start."""
@@ -397,7 +406,8 @@ class JobRunner:
         its checkpoint committed: a replay goes on only from a committed batch."""
         self._query = self._spark_writer(once=True).start()
         self._wait()
-        commit.settle(self.job)
+        with self._batch_lock:
+            commit.settle(self.job)
 
     def _spark_writer(self, once: bool = False) -> Any:
         assert self.pipeline is not None
