@@ -83,12 +83,16 @@ def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> 
     thread.join(timeout=120)
     assert not thread.is_alive() and "summary" in result
     assert not jd.is_running() and not ((jd.path / "control") / "http.json").exists() and not ((jd.path / "control") / "secret").exists()
+    final = jd.read_status()
+    assert final["running"] is False and final["epoch"] == runner.jobdir.epoch == 1  # whose status it is
 
 
-def test_a_fenced_run_leaves_the_live_runs_control_files_and_status(spark: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["", "async-checkpoints"])
+def test_a_fenced_run_leaves_the_live_runs_control_files_and_status(asynchronous: bool, spark: Any, tmp_path: Path) -> None:
     """Issue 32, case 4: a run that a newer run took over (its epoch + 1 exists: the old driver
     was paused past the takeover time) must not delete the newer run's control secret and
-    address, nor write its own status over the newer run's, as it exits."""
+    address, nor write its own status over the newer run's, as it exits. With asynchronous
+    checkpoints batch 1 runs and records its status before batch 0's commit finds the fence."""
     from keyscale.checkpoint.fence import epoch_key
     from keyscale.errors import FencedError
 
@@ -109,10 +113,10 @@ def test_a_fenced_run_leaves_the_live_runs_control_files_and_status(spark: Any, 
         jd.store.put("status.json", json.dumps(newer["status"]).encode())
 
     opts = RunOptions(job_file=str(RUNNING_COUNT), job_dir=str(tmp_path / "job"), parallelism=2, until_idle=True,
-                      args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+                      async_checkpoints=asynchronous, args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
     runner = JobRunner(opts, on_batch=take_over)
     with pytest.raises(FencedError, match="a newer run took over"):
-        runner.run()  # batch 1's commit finds the newer epoch
+        runner.run()  # the next commit finds the newer epoch
     assert newer, "the job never ran batch 0"
     assert (jd.store.get_text("control/secret") or "") == newer["secret"]
     assert jd.read_json("control/http.json") == newer["address"]
