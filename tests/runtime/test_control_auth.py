@@ -299,3 +299,5 @@ def test_close_deletes_only_this_runs_control_files_and_the_heartbeat_restores_t
     jd.write_json("control/http.json", theirs)
     srv.close()
     assert read_secret(jd.store) == "the-newer-runs-secret" and jd.read_json("control/http.json") == theirs
+    srv.reassert()  # a last heartbeat after the close: writes nothing
+    assert read_secret(jd.store) == "the-newer-runs-secret" and jd.read_json("control/http.json") == theirs

@@ -67,6 +67,9 @@ class ControlServer:
         self.runner = runner
         secret = new_secret(runner.jobdir.store)  # before the address: a client that finds one finds the other
         self.secret = secret
+        # reassert (the heartbeat's thread) and close: no file written again once close deleted it.
+        self._files = threading.Lock()
+        self._closed = False
 
         class Handler(_Handler):
             pass
@@ -92,6 +95,11 @@ class ControlServer:
         """Write the control files again if they are not this server's: called by the heartbeat
         (object stores) after it found this run current, so a file that a fenced run deleted
         late (see :meth:`close`) is back within a heartbeat."""
+        with self._files:
+            if not self._closed:
+                self._reassert()
+
+    def _reassert(self) -> None:
         mine = self._mine()
         if SECRET not in mine:
             log.warning("the control secret %s was not this run's: written again", self.runner.jobdir.store.url(SECRET))
@@ -110,13 +118,15 @@ class ControlServer:
         them again (:meth:`reassert`) within ``HEARTBEAT_S``, and this run, fenced, writes
         nothing after."""
         try:
-            jd = self.runner.jobdir
-            newer = jd.fence.newer()
-            if newer is not None:
-                log.info("a newer run (pid %s on %s) took over the job directory: its control API files stay",
-                         newer.get("pid", "?"), newer.get("host", "?"))
-            else:
-                jd.store.delete_many(self._mine())
+            with self._files:
+                self._closed = True
+                jd = self.runner.jobdir
+                newer = jd.fence.newer()
+                if newer is not None:
+                    log.info("a newer run (pid %s on %s) took over the job directory: its control API files stay",
+                             newer.get("pid", "?"), newer.get("host", "?"))
+                else:
+                    jd.store.delete_many(self._mine())
         finally:
             self.httpd.shutdown()
             self.httpd.server_close()
