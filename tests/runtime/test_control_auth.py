@@ -301,3 +301,24 @@ def test_close_deletes_only_this_runs_control_files_and_the_heartbeat_restores_t
     assert read_secret(jd.store) == "the-newer-runs-secret" and jd.read_json("control/http.json") == theirs
     srv.reassert()  # a last heartbeat after the close: writes nothing
     assert read_secret(jd.store) == "the-newer-runs-secret" and jd.read_json("control/http.json") == theirs
+
+
+def test_a_fenced_runs_heartbeat_writes_neither_status_nor_control_files(tmp_path: Path) -> None:
+    """The heartbeat checks the epoch before each beat's writes: once a newer run claimed the
+    job directory, this run's heartbeat stops, writing nothing more."""
+    from keyscale.checkpoint.fence import epoch_key
+    from keyscale.runtime.heartbeat import Heartbeat
+
+    jd = JobDir(tmp_path / "job")
+    jd.claim("count", 8, 8)
+    jd.claim_epoch()
+    written: list[str] = []
+    beat = Heartbeat(jd, lambda: {"pid": os.getpid()}, every=3600)
+    beat.also = lambda: written.append("control files")
+    beat._beat()
+    assert jd.read_status()["epoch"] == jd.epoch and written == ["control files"]
+    jd.store.create(epoch_key(jd.epoch + 1), b"{}")  # a newer run
+    jd.store.put("status.json", b'{"running": true, "epoch": 2}')
+    assert not beat._beat()  # fenced: the heartbeat stops
+    beat.close()
+    assert jd.read_status() == {"running": True, "epoch": 2} and written == ["control files"]

@@ -28,8 +28,9 @@ dashboard.
 The secret is **regenerated on every run** (not kept for the job directory's life): clients
 read it at each call, so rotation costs them nothing, and a secret that leaked (a copy of the
 job directory, a backup, a log of a debugging session) stops working when the job restarts.
-It is removed when the run ends cleanly; a killed run leaves it (still 0600), and the next run
-replaces it before it serves.
+It is removed when the run ends cleanly, if it is still the run's own (a run that a newer one
+took over leaves the newer run's secret alone: :meth:`keyscale.runtime.control.ControlServer.close`);
+a killed run leaves it (still 0600), and the next run replaces it before it serves.
 
 The checks are pure functions of the request so they can be tested without a server.
 """
