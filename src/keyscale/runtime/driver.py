@@ -377,6 +377,10 @@ class JobRunner:
         # still running after Ctrl-C) settles the pending commit itself before it goes on:
         # waiting here briefly is enough, and never for a whole batch.
         if not self._batch_lock.acquire(timeout=5):
+            waiting = self.job.pending  # read once: the holder may take it meanwhile
+            if waiting is not None:
+                log.info("the checkpoint of batch %d commits in the batch or savepoint still running (else the next start replays it)",
+                         waiting.batch)
             return
         pending = self.job.pending
         try:
