@@ -275,6 +275,14 @@ def test_session_scope_rules() -> None:
         "secret (keyscale CLI, or 'Authorization: Bearer <JOB_DIR/control/secret>')")
     refusal = check_session_scope("/restart", {"job_file": "x.py", "dest": "y"})
     assert refusal is not None and refusal[0] == 403 and "'dest' or 'job_file'" in refusal[1]
+    # check_request with the body read: a session is refused a path, the secret's holder is not.
+    session = {"Host": "127.0.0.1:9", "Cookie": "keyscale_session=s1", CSRF_HEADER: "1", "Content-Type": "application/json"}
+    owner = {"Host": "127.0.0.1:9", "Authorization": "Bearer s3cret", "Content-Type": "application/json"}
+    assert check_request("POST", session, 9, "s3cret", {"s1"}, "/savepoint", {}) is None
+    assert check_request("POST", session, 9, "s3cret", {"s1"}, "/savepoint", {"dest": "/x"})[0] == 403  # type: ignore[index]
+    assert check_request("POST", session, 9, "s3cret", {"s1"}, "/restart", {"job_file": "/x.py"})[0] == 403  # type: ignore[index]
+    assert check_request("POST", owner, 9, "s3cret", {"s1"}, "/restart", {"job_file": "/x.py", "dest": "/x"}) is None
+    assert check_request("POST", {**session, "Cookie": "keyscale_session=s2"}, 9, "s3cret", {"s1"}, "/savepoint", {"dest": "/x"})[0] == 401  # type: ignore[index]
     # Who counts as the secret's holder: the Bearer scheme and the exact secret only.
     assert has_secret({"Authorization": "Bearer s3cret"}, "s3cret") and has_secret({"Authorization": "bearer s3cret "}, "s3cret")
     assert not has_secret({"Authorization": "Bearer s3cre"}, "s3cret") and not has_secret({"Cookie": "keyscale_session=s3cret"}, "s3cret")

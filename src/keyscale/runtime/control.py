@@ -42,8 +42,6 @@ from keyscale.runtime.control_auth import (
     auth_header,
     check_host,
     check_request,
-    check_session_scope,
-    has_secret,
     new_secret,
     read_secret,
 )
@@ -163,9 +161,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _auth_headers(self) -> dict[str, str]:
+        return {h: self.headers.get(h) or "" for h in ("Host", "Authorization", "Content-Type", "Cookie", CSRF_HEADER)}
+
     def _refused(self, method: str) -> bool:
         """Answer a request that is not the owner's (nothing done); True if it was refused."""
-        headers = {h: self.headers.get(h) or "" for h in ("Host", "Authorization", "Content-Type", "Cookie", CSRF_HEADER)}
+        headers = self._auth_headers()
         if method == "GET" and self.path.startswith("/ui/login?"):  # the one-time link carries its own proof
             refusal = check_host(headers, self.port)
         else:
@@ -248,13 +249,12 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as e:
             self._reply(400, {"error": f"bad request body: {e}"})
             return
-        if not has_secret({"Authorization": self.headers.get("Authorization") or ""}, self.secret):
-            refusal = check_session_scope(self.path, body)  # a dashboard session: no paths, no files
-            if refusal is not None:
-                code, reason = refusal
-                log.warning("control API: refused POST %s from a dashboard session (%d: %s)", self.path, code, reason)
-                self._reply(code, {"error": reason})
-                return
+        refusal = check_request("POST", self._auth_headers(), self.port, self.secret, self.logins.sessions, self.path, body)
+        if refusal is not None:  # a dashboard session naming a path or a file
+            code, reason = refusal
+            log.warning("control API: refused POST %s (%d: %s)", self.path, code, reason)
+            self._reply(code, {"error": reason})
+            return
         r = self.runner
         try:
             if self.path == "/rescale":

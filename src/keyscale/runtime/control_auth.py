@@ -121,7 +121,7 @@ def check_host(headers: Mapping[str, str], port: int) -> tuple[int, str] | None:
 
 
 def check_request(method: str, headers: Mapping[str, str], port: int, secret: str,
-                  sessions: Collection[str] = ()) -> tuple[int, str] | None:
+                  sessions: Collection[str] = (), path: str = "", body: Mapping[str, Any] | None = None) -> tuple[int, str] | None:
     """Refuse a request that is not the owner's: ``(status, reason)``, or None to serve it.
 
     In order: a foreign Host (403), a missing or wrong secret (401), a POST body that is not
@@ -130,8 +130,9 @@ def check_request(method: str, headers: Mapping[str, str], port: int, secret: st
     A browser on the dashboard carries no secret but the session cookie its one-time login
     link set (``sessions``: the ids this run issued; HttpOnly, SameSite=Strict); its POSTs
     must also carry the ``X-Keyscale-Request`` header, which a page of another site cannot
-    send without a CORS preflight the server never grants (403 otherwise). What a session may
-    ask for once its body is read is :func:`check_session_scope`'s question.
+    send without a CORS preflight the server never grants (403 otherwise), and, once the
+    body is read (``path``, ``body``: the server checks again then), may not name a path or
+    a file (403, :func:`check_session_scope`).
     """
     refused = check_host(headers, port)
     if refused is not None:
@@ -147,6 +148,8 @@ def check_request(method: str, headers: Mapping[str, str], port: int, secret: st
         ctype = (headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         if ctype != "application/json":
             return 415, f"POST bodies must be JSON (Content-Type: application/json), not {ctype or '(none)'!r}"
+    if body is not None and not by_secret:
+        return check_session_scope(path, body)
     return None
 
 
