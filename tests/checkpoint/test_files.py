@@ -18,6 +18,7 @@ from keyscale.checkpoint.files import (
     kg_index,
     put_state_file,
     read_state_slice,
+    record_upload_failure,
     spill_state_file,
     upload_timeout,
     verify_state_file,
@@ -275,6 +276,25 @@ def test_wait_stored_returns_once_every_file_appears_and_names_the_one_that_neve
     assert store.exists(late.path)
     with pytest.raises(StateError, match=r"3-s1-delta-b\.arrow of batch 3 was not stored within 0\.2 s .*\(the test\)"):
         wait_stored(store, [late, never], 0.2, "the test")
+
+
+def test_wait_stored_fails_at_once_on_a_failed_upload_and_a_stored_file_wins(tmp_path: Path) -> None:
+    """Issue 32, case 9: a detached upload that failed leaves a record beside its file; the
+    commit and the next batch's tasks, waiting for the file, fail at once with its error."""
+    import time
+
+    store = LocalStore(tmp_path)
+    ok, failed = StateFile("state/op/3-s0-delta-a.arrow", 3, "delta", 0, 7, 1, 1, 0), StateFile("state/op/3-s1-delta-b.arrow", 3, "delta", 8, 15, 1, 1, 0)
+    store.put(ok.path, b"x")
+    assert record_upload_failure(store, failed.path, OSError("the store refused the upload"))
+    started = time.monotonic()
+    with pytest.raises(StateError, match=r"3-s1-delta-b\.arrow of batch 3 was not stored: its upload failed "
+                       r"\(OSError: the store refused the upload\) \(the test\)"):
+        wait_stored(store, [ok, failed], 600, "the test")
+    assert time.monotonic() - started < 5
+    # An upload reported as failed that landed after all: the file is there, the wait is over.
+    store.put(failed.path, b"x")
+    wait_stored(store, [ok, failed], 600, "the test")
 
 
 def test_the_upload_timeout_is_a_positive_number_of_seconds(monkeypatch: pytest.MonkeyPatch) -> None:

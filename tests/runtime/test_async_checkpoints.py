@@ -110,17 +110,20 @@ def test_a_state_file_never_stored_fails_the_run_and_the_restart_replays(
 
 
 @pytest.mark.slow
-def test_an_upload_failing_after_its_task_ended_fails_the_run_naming_the_file(
+def test_an_upload_failing_after_its_task_ended_fails_the_run_at_once_naming_the_file(
     events: Path, reference: pd.DataFrame, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Batch 2's uploads fail once their tasks have reported: no task is left to fail, so the
-    driver, waiting to commit batch 2, gives up naming a file; the next start replays it."""
-    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "6")
+    """Batch 2's uploads fail once their tasks have reported: no task is left to fail. The
+    uploader leaves a failure record beside the file, so whoever waits for the file (the
+    driver's commit of batch 2, a task of batch 3 reading it) fails at once with the upload's
+    error, not after KEYSCALE_UPLOAD_TIMEOUT (issue 32, case 9: on a cluster, that timeout
+    times Spark's task retries was 40 minutes). The next start replays the batch."""
+    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "3600")  # a regression shows as cli's timeout
     base = _run_args(events, tmp_path)
-    failed = cli(*base, "--fault", "fail-upload:2")
+    failed = cli(*base, "--fault", "fail-upload:2", timeout=180)
     assert failed.returncode == StateError.exit_code, failed.stderr[-2000:]
-    assert "000000000002-s0" in failed.stderr and "was not stored within 6 s" in failed.stderr, failed.stderr[-2000:]
-    assert "the store refused the upload" in failed.stderr  # the worker's own line, in the executor's log
+    assert "000000000002-s0" in failed.stderr and "was not stored: its upload failed" in failed.stderr, failed.stderr[-2000:]
+    assert "the store refused the upload (test fault)" in failed.stderr
     assert JobDir(tmp_path / "job").manifest_batches()[-1] == 1
     cli(*base, check=True)
     pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference)
@@ -152,3 +155,70 @@ def test_status_and_metrics_name_the_last_committed_checkpoint_while_one_commits
     jd.store.put(jd.manifest_key(2), m2.dumps().encode())  # committed by the background thread
     assert checkpoint_fields(job) == {"last_checkpoint": 2, "checkpoint_committing": None}
     assert last_committed(job) is m2
+
+
+def test_a_savepoint_asked_for_while_the_last_checkpoint_commits_waits_for_it(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32, case 9: the run's final settle ran outside the batch lock. A savepoint asked
+    for then (the control API's thread) found no pending commit (the settle had taken it)
+    and saved ``job.committed``: batch 1's manifest, not yet committed. Every settle now
+    holds the batch lock, so the savepoint waits for the commit. The commit of batch 1 is
+    held back until the savepoint has had its chance to run."""
+    import threading
+
+    from keyscale.checkpoint.savepoint import read_savepoint
+    from keyscale.runtime import commit
+    from keyscale.runtime.driver import JobRunner, RunOptions
+
+    write_events(tmp_path / "in", files=2, rows=300, keys=30)
+    last = 1
+    final_settle, release = threading.Event(), threading.Event()
+    settle, commit_in_background = commit.settle, commit._commit_in_background
+
+    def settling(job: Any) -> int:
+        if job.pending is not None and job.pending.batch == last and threading.current_thread() is run_thread:
+            final_settle.set()  # the run's own settle of its last checkpoint (not a savepoint's)
+        return settle(job)
+
+    def held_back(job: Any, manifest: Any) -> None:
+        if manifest.batch == last:
+            release.wait(120)
+        commit_in_background(job, manifest)
+
+    monkeypatch.setattr(commit, "settle", settling)
+    monkeypatch.setattr(commit, "_commit_in_background", held_back)
+    opts = RunOptions(job_file=str(RUNNING_COUNT), job_dir=str(tmp_path / "job"), parallelism=2, until_idle=True, async_checkpoints=True,
+                      args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+    runner = JobRunner(opts)
+    outcome: dict[str, Any] = {}
+    run_thread = threading.Thread(target=lambda: outcome.setdefault("summary", runner.run()), daemon=True)
+    run_thread.start()
+    try:
+        assert final_settle.wait(180), "the run never settled its last checkpoint"
+        reader = JobDir(tmp_path / "job")  # a tool's view: what is in the store
+
+        def savepoint() -> None:
+            outcome["savepoint"] = runner.take_savepoint(str(tmp_path / "sp"))
+            outcome["committed when saved"] = reader.has_manifest(last)
+
+        saver = threading.Thread(target=savepoint, daemon=True)
+        saver.start()
+        saver.join(2)  # before the fix the savepoint is written by now, of the uncommitted batch
+    finally:
+        release.set()
+    saver.join(120)
+    run_thread.join(120)
+    assert not run_thread.is_alive() and "summary" in outcome
+    assert outcome["committed when saved"], "the savepoint saved a batch whose checkpoint had not committed"
+    assert read_savepoint(tmp_path / "sp").batch == last
+
+
+def test_settle_refuses_to_run_without_the_batch_lock(tmp_path: Path) -> None:
+    from keyscale.runtime import commit
+    from keyscale.runtime.jobstate import JobState, RunOptions, RunSummary
+
+    jd = JobDir(tmp_path / "job")
+    job = JobState(RunOptions("", str(tmp_path / "job"), async_checkpoints=True), jd, "run", RunSummary("j", jd.uri))
+    with pytest.raises(RuntimeError, match="without the batch lock"):
+        commit.settle(job)
+    with job.batch_lock:
+        assert commit.settle(job) == 0  # nothing pending

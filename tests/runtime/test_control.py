@@ -83,3 +83,42 @@ def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> 
     thread.join(timeout=120)
     assert not thread.is_alive() and "summary" in result
     assert not jd.is_running() and not ((jd.path / "control") / "http.json").exists() and not ((jd.path / "control") / "secret").exists()
+    final = jd.read_status()
+    assert final["running"] is False and final["epoch"] == runner.jobdir.epoch == 1  # whose status it is
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["", "async-checkpoints"])
+def test_a_fenced_run_leaves_the_live_runs_control_files_and_status(asynchronous: bool, spark: Any, tmp_path: Path) -> None:
+    """Issue 32, case 4: a run that a newer run took over (its epoch + 1 exists: the old driver
+    was paused past the takeover time) must not delete the newer run's control secret and
+    address, nor write its own status over the newer run's, as it exits. With asynchronous
+    checkpoints batch 1 runs and records its status before batch 0's commit finds the fence."""
+    from keyscale.checkpoint.fence import epoch_key
+    from keyscale.errors import FencedError
+
+    write_events(tmp_path / "in", files=2, rows=300, keys=30)
+    jd = JobDir(tmp_path / "job")
+    newer: dict[str, Any] = {}
+
+    def take_over(rec: Any) -> None:
+        """After batch 0 a newer run claims the next epoch and writes its files, as its start does."""
+        if rec.batch != 0:
+            return
+        epoch = runner.jobdir.epoch
+        jd.store.create(epoch_key(epoch + 1), json.dumps({"pid": 1, "host": "elsewhere", "run": "newer"}).encode())
+        newer["secret"], newer["address"] = "the-newer-runs-secret", {"url": "http://127.0.0.1:1", "epoch": epoch + 1}
+        newer["status"] = {"running": True, "state": "running", "epoch": epoch + 1, "pid": 1, "host": "elsewhere", "updated_ms": 1}
+        jd.store.put("control/secret", newer["secret"].encode(), private=True)
+        jd.write_json("control/http.json", newer["address"])
+        jd.store.put("status.json", json.dumps(newer["status"]).encode())
+
+    opts = RunOptions(job_file=str(RUNNING_COUNT), job_dir=str(tmp_path / "job"), parallelism=2, until_idle=True,
+                      async_checkpoints=asynchronous, args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+    runner = JobRunner(opts, on_batch=take_over)
+    with pytest.raises(FencedError, match="a newer run took over"):
+        runner.run()  # the next commit finds the newer epoch
+    assert newer, "the job never ran batch 0"
+    assert (jd.store.get_text("control/secret") or "") == newer["secret"]
+    assert jd.read_json("control/http.json") == newer["address"]
+    assert jd.read_status() == newer["status"]
+    assert 1 not in jd.manifest_batches()

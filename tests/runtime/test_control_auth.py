@@ -22,7 +22,15 @@ import pytest
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control import ControlServer, call
-from keyscale.runtime.control_auth import check_request, new_secret, read_secret, secret_path
+from keyscale.runtime.control_auth import (
+    CSRF_HEADER,
+    check_request,
+    check_session_scope,
+    has_secret,
+    new_secret,
+    read_secret,
+    secret_path,
+)
 from keyscale.storage import LocalStore
 
 
@@ -50,6 +58,10 @@ class FakeRunner:
 
     def stop(self) -> None:
         self.actions.append("stop")
+
+    def request_restart(self, parallelism: int | None, job_file: str | None = None) -> str:
+        self.actions.append(f"restart {parallelism} {job_file}")
+        return "/sp"
 
 
 @pytest.fixture
@@ -211,3 +223,110 @@ def test_another_local_user_cannot_control_the_job(server: Any, tmp_path: Path) 
     assert msg.startswith("KeyscaleError: cannot read the control secret " + str(secret_path(jd.store))), msg
     assert "permission denied" in msg
     assert runner.actions == [] and jd.read_rescale_requests() == {}
+
+
+def _dashboard_session(srv: Any, jd: JobDir) -> dict[str, str]:
+    """The headers of a browser logged in with a one-time link (``keyscale dashboard DIR``)."""
+    import http.client
+
+    link = call(jd, "POST", "/ui/token")["url"]
+    conn = http.client.HTTPConnection("127.0.0.1", srv.httpd.server_address[1], timeout=30)
+    try:  # the 303 itself: its Set-Cookie is the session
+        conn.request("GET", link.split(str(srv.httpd.server_address[1]), 1)[1])
+        resp = conn.getresponse()
+        assert resp.status == 303, resp.status
+        cookie = (resp.getheader("Set-Cookie") or "").split(";", 1)[0]
+    finally:
+        conn.close()
+    assert cookie.startswith("keyscale_session=")
+    return {"Cookie": cookie, CSRF_HEADER: "1", "Content-Type": "application/json"}
+
+
+def test_a_dashboard_session_cannot_name_a_path_or_a_file(server: Any, tmp_path: Path) -> None:
+    """Issue 32, case 11: a one-time dashboard link must not grant what only the secret may:
+    a savepoint written anywhere (``dest``) or a restart running any file (``job_file``)."""
+    srv, runner, jd = server
+    browser = _dashboard_session(srv, jd)
+    target = tmp_path / "elsewhere"
+    for path, body in [("/savepoint", {"dest": str(target)}), ("/stop", {"savepoint": True, "dest": str(target)}),
+                       ("/stop", {"drain": True, "dest": str(target)}), ("/restart", {"job_file": str(tmp_path / "evil.py")})]:
+        code, answer = _request(srv.url + path, body=json.dumps(body).encode(), headers=browser)
+        assert code == 403, (path, body, code, answer)
+        assert "control secret" in answer["error"] and ("'dest'" in answer["error"] or "'job_file'" in answer["error"]), answer
+    assert runner.actions == [] and not target.exists()
+    # What the dashboard's own buttons send is served: a savepoint into the default place, a stop after one, a rescale.
+    assert _request(srv.url + "/savepoint", body=b"{}", headers=browser)[0] == 200
+    assert _request(srv.url + "/stop", body=b'{"savepoint": true}', headers=browser)[0] == 200
+    assert _request(srv.url + "/rescale", body=b'{"parallelism": 3}', headers=browser)[0] == 202
+    assert runner.actions == ["savepoint None", "savepoint None", "stop"]
+    # The secret's holder may still name both.
+    assert call(jd, "POST", "/savepoint", {"dest": str(target)})["savepoint"] == str(target)
+    assert call(jd, "POST", "/restart", {"job_file": "/jobs/new.py"})["restarting"]
+    assert runner.actions[-2:] == [f"savepoint {target}", "restart None /jobs/new.py"]
+
+
+def test_session_scope_rules() -> None:
+    assert check_session_scope("/savepoint", {}) is None
+    assert check_session_scope("/savepoint", {"dest": None}) is None  # names nothing
+    assert check_session_scope("/stop", {"savepoint": True}) is None
+    assert check_session_scope("/restart", {"parallelism": 4}) is None
+    assert check_session_scope("/savepoint", {"dest": "/tmp/x"}) == (
+        403, "a dashboard session cannot name 'dest' in POST /savepoint: a request that names a path or a file needs the control "
+        "secret (keyscale CLI, or 'Authorization: Bearer <JOB_DIR/control/secret>')")
+    refusal = check_session_scope("/restart", {"job_file": "x.py", "dest": "y"})
+    assert refusal is not None and refusal[0] == 403 and "'dest' or 'job_file'" in refusal[1]
+    # check_request with the body read: a session is refused a path, the secret's holder is not.
+    session = {"Host": "127.0.0.1:9", "Cookie": "keyscale_session=s1", CSRF_HEADER: "1", "Content-Type": "application/json"}
+    owner = {"Host": "127.0.0.1:9", "Authorization": "Bearer s3cret", "Content-Type": "application/json"}
+    assert check_request("POST", session, 9, "s3cret", {"s1"}, "/savepoint", {}) is None
+    assert check_request("POST", session, 9, "s3cret", {"s1"}, "/savepoint", {"dest": "/x"})[0] == 403  # type: ignore[index]
+    assert check_request("POST", session, 9, "s3cret", {"s1"}, "/restart", {"job_file": "/x.py"})[0] == 403  # type: ignore[index]
+    assert check_request("POST", owner, 9, "s3cret", {"s1"}, "/restart", {"job_file": "/x.py", "dest": "/x"}) is None
+    assert check_request("POST", {**session, "Cookie": "keyscale_session=s2"}, 9, "s3cret", {"s1"}, "/savepoint", {"dest": "/x"})[0] == 401  # type: ignore[index]
+    # Who counts as the secret's holder: the Bearer scheme and the exact secret only.
+    assert has_secret({"Authorization": "Bearer s3cret"}, "s3cret") and has_secret({"Authorization": "bearer s3cret "}, "s3cret")
+    assert not has_secret({"Authorization": "Bearer s3cre"}, "s3cret") and not has_secret({"Cookie": "keyscale_session=s3cret"}, "s3cret")
+    assert not has_secret({}, "s3cret")
+
+
+def test_close_deletes_only_this_runs_control_files_and_the_heartbeat_restores_them(tmp_path: Path) -> None:
+    """Issue 32, case 4: the control secret and address are shared by the job's runs; a run
+    deletes them at its end only while they are its own, and the live run writes them again
+    (from its heartbeat) if a run it fenced deleted them late."""
+    jd = JobDir(tmp_path / "job")
+    jd.claim("count", 8, 8)
+    srv = ControlServer(FakeRunner(jd))  # type: ignore[arg-type]
+    ours = (read_secret(jd.store), jd.read_json("control/http.json"))
+    jd.store.delete_many(["control/secret", "control/http.json"])  # a fenced run's late delete
+    srv.reassert()
+    assert (read_secret(jd.store), jd.read_json("control/http.json")) == ours
+    srv.reassert()  # nothing to do: no warning, same files
+    # A newer run on another host wrote its own (same URL: another machine's 127.0.0.1).
+    theirs = {"url": srv.url, "epoch": 7, "server": "another"}
+    jd.store.put("control/secret", b"the-newer-runs-secret", private=True)
+    jd.write_json("control/http.json", theirs)
+    srv.close()
+    assert read_secret(jd.store) == "the-newer-runs-secret" and jd.read_json("control/http.json") == theirs
+    srv.reassert()  # a last heartbeat after the close: writes nothing
+    assert read_secret(jd.store) == "the-newer-runs-secret" and jd.read_json("control/http.json") == theirs
+
+
+def test_a_fenced_runs_heartbeat_writes_neither_status_nor_control_files(tmp_path: Path) -> None:
+    """The heartbeat checks the epoch before each beat's writes: once a newer run claimed the
+    job directory, this run's heartbeat stops, writing nothing more."""
+    from keyscale.checkpoint.fence import epoch_key
+    from keyscale.runtime.heartbeat import Heartbeat
+
+    jd = JobDir(tmp_path / "job")
+    jd.claim("count", 8, 8)
+    jd.claim_epoch()
+    written: list[str] = []
+    beat = Heartbeat(jd, lambda: {"pid": os.getpid()}, every=3600)
+    beat.also = lambda: written.append("control files")
+    beat._beat()
+    assert jd.read_status()["epoch"] == jd.epoch and written == ["control files"]
+    jd.store.create(epoch_key(jd.epoch + 1), b"{}")  # a newer run
+    jd.store.put("status.json", b'{"running": true, "epoch": 2}')
+    assert not beat._beat()  # fenced: the heartbeat stops
+    beat.close()
+    assert jd.read_status() == {"running": True, "epoch": 2} and written == ["control files"]

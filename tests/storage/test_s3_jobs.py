@@ -146,3 +146,54 @@ def test_a_paused_driver_is_fenced_by_the_run_that_took_over(events: Path, refer
     latest = jd.read_manifest(FILES - 1)
     assert latest.extra["epoch"] == 2
     assert json.loads(open_store(job, "job").get("epochs/0000000002.json"))["pid"] != a.pid
+
+
+def test_a_paused_driver_waking_while_the_new_run_runs_leaves_it_controllable(events: Path, s3_bucket: str, tmp_path: Path) -> None:
+    """Issue 32, case 4, as it happens: driver A is paused past the takeover time, B takes
+    over and keeps running; A wakes, is fenced at its next commit and exits. A's exit deleted
+    B's control secret and address (B could no longer be stopped with a savepoint) and wrote
+    ``running: false`` over B's status (a new start would have taken over from the healthy
+    B). Now A leaves both: B answers and stops with a savepoint."""
+    from keyscale.checkpoint.savepoint import read_savepoint
+    from keyscale.runtime.control import call
+
+    job, out, inp = f"{s3_bucket}/jobs/rc", f"{s3_bucket}/out", tmp_path / "in"
+    _feed(events, inp, 2)
+    env = {**os.environ, "KEYSCALE_TAKEOVER_AFTER": "6", "KEYSCALE_SPARK_LOG_LEVEL": "ERROR"}
+    args = ["run", str(RUNNING_COUNT), "--job-dir", job, "-p", "2", "--set", f"input={inp}", "--set", f"output={out}",
+            "--trigger-interval", "500 milliseconds"]
+
+    def start() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=ROOT)
+
+    jd = JobDir(job)
+    a, b = start(), None
+    try:
+        deadline = time.time() + 180
+        while (not jd.manifest_batches() or jd.manifest_batches()[-1] < 1) and time.time() < deadline:
+            assert a.poll() is None, a.communicate()[1][-2000:]
+            time.sleep(0.5)
+        a.send_signal(signal.SIGSTOP)
+        time.sleep(7)  # A's heartbeat goes stale
+        b = start()
+        while jd.read_json("control/http.json").get("epoch") != 2 and time.time() < deadline:
+            assert b.poll() is None, b.communicate()[1][-2000:]
+            time.sleep(0.5)
+        assert call(jd, "GET", "/status", timeout=30)["pid"] == b.pid
+        a.send_signal(signal.SIGCONT)
+        _feed(events, inp, 3)  # a batch for A to run: its commit finds B's epoch
+        _, a_err = a.communicate(timeout=180)
+        assert a.returncode == FencedError.exit_code, a_err[-3000:]
+        status = jd.read_status()
+        assert status["epoch"] == 2 and status["running"] and status["pid"] == b.pid, status
+        answer = call(jd, "POST", "/stop", {"savepoint": True}, timeout=120)  # B's secret and address are B's
+        _, b_err = b.communicate(timeout=180)
+        assert b.returncode == 0, b_err[-3000:]
+        assert answer["stopping"] and read_savepoint(answer["savepoint"]).batch >= 1
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()

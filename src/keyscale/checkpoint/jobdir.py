@@ -526,6 +526,9 @@ class JobDir:
             return {}
 
     def clear_rescale_requests(self) -> None:
+        """Take the requests (read first): not a fenced run's to take, they are for the newer run."""
+        if self.epoch:
+            self.check_epoch("taking the rescale requests")
         self.store.delete("control/rescale.json")
 
     def append_event(self, event: dict[str, Any]) -> None:
@@ -545,8 +548,15 @@ class JobDir:
         return [dict(json.loads(ln)) for ln in lines if ln.strip()]
 
     def write_status(self, status: dict[str, Any]) -> None:
-        """The job's status (on an object store also its heartbeat: see :meth:`lock`)."""
+        """The job's status (on an object store also its heartbeat: see :meth:`lock`), with
+        this run's epoch. ``status.json`` is shared by every run of the job: a run that a newer
+        one took over raises :class:`FencedError` and writes nothing (its status would tell
+        ``lock`` and ``keyscale status`` that the live run stopped). The check and the write
+        are two requests: a run paused between them writes one stale status, which the live
+        run's next heartbeat (every ``HEARTBEAT_S``) replaces; on local disk the lock keeps a
+        second run from starting at all."""
         if self.epoch:
+            self.check_epoch("writing its status")
             status = {**status, "epoch": self.epoch, "host": socket.gethostname()}
         self.write_json("status.json", status, durable=False)
 

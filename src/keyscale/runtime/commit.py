@@ -114,7 +114,15 @@ def settle(job: JobState) -> int:
     """Asynchronous checkpoints: wait until the pending batch is committed (its state files
     stored, its manifest created), then run its post-commit steps (6, retention). Raises the
     commit's error (a file never stored, a newer run's fence). Returns the old state files
-    retention removed. Called before the next batch's commit, a savepoint and the run's end."""
+    retention removed. Called before the next batch's commit, a savepoint and the run's end.
+
+    The caller holds ``job.batch_lock``: between taking ``job.pending`` and its commit, the
+    job's ``committed`` is a manifest that is not committed yet, and a savepoint (which
+    settles, then reads ``committed``, under the lock) must not see that in between, nor
+    read files that this settle's retention deletes. A ``threading.Lock`` has no owner, so
+    what is checked is that someone holds it: every caller takes it around the call."""
+    if not job.batch_lock.locked():
+        raise RuntimeError("commit.settle called without the batch lock (a keyscale bug: it would race a savepoint)")
     pending = job.pending
     if pending is None:
         return 0

@@ -13,8 +13,10 @@ Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) 
 while the job runs; it listens on 127.0.0.1 only.
 
 Every request must carry ``Authorization: Bearer <JOB_DIR/control/secret>`` (else 401) and a
-Host header naming the server (else 403); POST bodies must be JSON (else 415). A refused
-request changes nothing. See :mod:`keyscale.runtime.control_auth` for why.
+Host header naming the server (else 403); POST bodies must be JSON (else 415). The dashboard's
+session (a one-time login link) stands in for the secret, but may not name a path or a file
+(``dest``, ``job_file``: 403). A refused request changes nothing. See
+:mod:`keyscale.runtime.control_auth` for why.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
@@ -61,6 +64,10 @@ class ControlServer:
     def __init__(self, runner: JobRunner, host: str = "127.0.0.1", port: int = 0):
         self.runner = runner
         secret = new_secret(runner.jobdir.store)  # before the address: a client that finds one finds the other
+        self.secret = secret
+        # reassert (the heartbeat's thread) and close: no file written again once close deleted it.
+        self._files = threading.Lock()
+        self._closed = False
 
         class Handler(_Handler):
             pass
@@ -71,13 +78,56 @@ class ControlServer:
         self.url = f"http://{host}:{Handler.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-control", daemon=True)
         self._thread.start()
-        runner.jobdir.write_json(ADDRESS, {"url": self.url}, durable=False)
+        # The run's epoch and a server id beside the URL: another host's server may have the same URL.
+        self.address = {"url": self.url, "epoch": runner.jobdir.epoch, "server": uuid.uuid4().hex}
+        runner.jobdir.write_json(ADDRESS, self.address, durable=False)
         log.info("control API at %s", self.url)
 
+    def _mine(self) -> list[str]:
+        """Which of the control files are still this server's (a newer run writes its own)."""
+        jd = self.runner.jobdir
+        mine = [SECRET] if (jd.store.get_text(SECRET) or "").strip() == self.secret else []
+        return mine + ([ADDRESS] if jd.read_json(ADDRESS).get("server") == self.address["server"] else [])
+
+    def reassert(self) -> None:
+        """Write the control files again if they are not this server's: called by the heartbeat
+        (object stores) after it found this run current, so a file that a fenced run deleted
+        late (see :meth:`close`) is back within a heartbeat."""
+        with self._files:
+            if not self._closed:
+                self._reassert()
+
+    def _reassert(self) -> None:
+        mine = self._mine()
+        if SECRET not in mine:
+            log.warning("the control secret %s was not this run's: written again", self.runner.jobdir.store.url(SECRET))
+            self.runner.jobdir.store.put(SECRET, self.secret.encode(), private=True)
+        if ADDRESS not in mine:
+            self.runner.jobdir.write_json(ADDRESS, self.address, durable=False)
+
     def close(self) -> None:
-        self.runner.jobdir.store.delete_many([ADDRESS, SECRET])
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Stop serving; delete the control secret and address if they are still this run's.
+
+        They are shared by every run of the job: a run that a newer one took over (fenced)
+        deletes nothing, else the live job could no longer be stopped or savepointed. The
+        fence check, the comparison and the delete are separate requests, so a run paused
+        between them (only possible on an object store, where no lock keeps a second run
+        out) can still delete the newer run's files once; the newer run's heartbeat writes
+        them again (:meth:`reassert`) within ``HEARTBEAT_S``, and this run, fenced, writes
+        nothing after."""
+        try:
+            with self._files:
+                self._closed = True
+                jd = self.runner.jobdir
+                newer = jd.fence.newer()
+                if newer is not None:
+                    log.info("a newer run (pid %s on %s) took over the job directory: its control API files stay",
+                             newer.get("pid", "?"), newer.get("host", "?"))
+                else:
+                    jd.store.delete_many(self._mine())
+        finally:
+            self.httpd.shutdown()
+            self.httpd.server_close()
 
 
 def request_rescale(runner: JobRunner, parallelism: int, operator: str | None = None) -> None:
@@ -111,9 +161,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _auth_headers(self) -> dict[str, str]:
+        return {h: self.headers.get(h) or "" for h in ("Host", "Authorization", "Content-Type", "Cookie", CSRF_HEADER)}
+
     def _refused(self, method: str) -> bool:
         """Answer a request that is not the owner's (nothing done); True if it was refused."""
-        headers = {h: self.headers.get(h) or "" for h in ("Host", "Authorization", "Content-Type", "Cookie", CSRF_HEADER)}
+        headers = self._auth_headers()
         if method == "GET" and self.path.startswith("/ui/login?"):  # the one-time link carries its own proof
             refusal = check_host(headers, self.port)
         else:
@@ -195,6 +248,12 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
             self._reply(400, {"error": f"bad request body: {e}"})
+            return
+        refusal = check_request("POST", self._auth_headers(), self.port, self.secret, self.logins.sessions, self.path, body)
+        if refusal is not None:  # a dashboard session naming a path or a file
+            code, reason = refusal
+            log.warning("control API: refused POST %s (%d: %s)", self.path, code, reason)
+            self._reply(code, {"error": reason})
             return
         r = self.runner
         try:

@@ -16,11 +16,21 @@ POST needs no CORS preflight; DNS rebinding makes a page's own host name resolve
 - **POST bodies are JSON** (``Content-Type: application/json``), which a page can only send
   after a preflight.
 
+A browser on the dashboard holds a session from a one-time login link instead of the secret
+(:mod:`keyscale.web`). A session acts on *this* job only: it may rescale, take a savepoint
+into the job directory's default place and stop, as the dashboard's buttons do, but never
+name a path or a file (``dest``, ``job_file``: :func:`check_session_scope`). A path in a
+request makes the job write anywhere its owner can (a savepoint over another file) or run
+any file as its owner (a restart with another job file); only the secret's holder, who can
+do that already, may ask for it. A leaked or stolen login link stays worth no more than the
+dashboard.
+
 The secret is **regenerated on every run** (not kept for the job directory's life): clients
 read it at each call, so rotation costs them nothing, and a secret that leaked (a copy of the
 job directory, a backup, a log of a debugging session) stops working when the job restarts.
-It is removed when the run ends cleanly; a killed run leaves it (still 0600), and the next run
-replaces it before it serves.
+It is removed when the run ends cleanly, if it is still the run's own (a run that a newer one
+took over leaves the newer run's secret alone: :meth:`keyscale.runtime.control.ControlServer.close`);
+a killed run leaves it (still 0600), and the next run replaces it before it serves.
 
 The checks are pure functions of the request so they can be tested without a server.
 """
@@ -31,6 +41,7 @@ import hmac
 import secrets
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 from keyscale.errors import KeyscaleError
 from keyscale.storage import Store
@@ -110,7 +121,7 @@ def check_host(headers: Mapping[str, str], port: int) -> tuple[int, str] | None:
 
 
 def check_request(method: str, headers: Mapping[str, str], port: int, secret: str,
-                  sessions: Collection[str] = ()) -> tuple[int, str] | None:
+                  sessions: Collection[str] = (), path: str = "", body: Mapping[str, Any] | None = None) -> tuple[int, str] | None:
     """Refuse a request that is not the owner's: ``(status, reason)``, or None to serve it.
 
     In order: a foreign Host (403), a missing or wrong secret (401), a POST body that is not
@@ -119,14 +130,14 @@ def check_request(method: str, headers: Mapping[str, str], port: int, secret: st
     A browser on the dashboard carries no secret but the session cookie its one-time login
     link set (``sessions``: the ids this run issued; HttpOnly, SameSite=Strict); its POSTs
     must also carry the ``X-Keyscale-Request`` header, which a page of another site cannot
-    send without a CORS preflight the server never grants (403 otherwise).
+    send without a CORS preflight the server never grants (403 otherwise), and, once the
+    body is read (``path``, ``body``: the server checks again then), may not name a path or
+    a file (403, :func:`check_session_scope`).
     """
     refused = check_host(headers, port)
     if refused is not None:
         return refused
-    auth = headers.get("Authorization") or ""
-    scheme, _, token = auth.partition(" ")
-    by_secret = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), secret.encode())
+    by_secret = has_secret(headers, secret)
     session = session_of(headers.get("Cookie") or "")
     by_session = bool(session) and any(hmac.compare_digest(session.encode(), s.encode()) for s in sessions)
     if not by_secret and not by_session:
@@ -137,6 +148,37 @@ def check_request(method: str, headers: Mapping[str, str], port: int, secret: st
         ctype = (headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         if ctype != "application/json":
             return 415, f"POST bodies must be JSON (Content-Type: application/json), not {ctype or '(none)'!r}"
+    if body is not None and not by_secret:
+        return check_session_scope(path, body)
+    return None
+
+
+def has_secret(headers: Mapping[str, str], secret: str) -> bool:
+    """Whether the request carries the job's secret (``Authorization: Bearer <secret>``)."""
+    scheme, _, token = (headers.get("Authorization") or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), secret.encode())
+
+
+# Fields of a POST body that name a path or a file: the job would write there (a savepoint's
+# ``dest``, also of /stop) or run it (/restart's ``job_file``). Secret holders only.
+PATH_FIELDS = ("dest", "job_file")
+
+
+def check_session_scope(path: str, body: Mapping[str, Any]) -> tuple[int, str] | None:
+    """Refuse a dashboard session's POST ``path`` whose ``body`` names a path or a file: 403
+    and why; None to serve it. Call it for requests without the secret only (the secret's
+    holder may ask for anything). A field sent as null names nothing and is allowed.
+
+    >>> check_session_scope("/savepoint", {}) is None
+    True
+    >>> check_session_scope("/savepoint", {"dest": "/home/me/.bashrc"})[0]
+    403
+    """
+    named = [f for f in PATH_FIELDS if body.get(f) is not None]
+    if named:
+        return 403, (f"a dashboard session cannot name {' or '.join(repr(f) for f in named)} in POST {path}: "
+                     "a request that names a path or a file needs the control secret (keyscale CLI, or "
+                     "'Authorization: Bearer <JOB_DIR/control/secret>')")
     return None
 
 

@@ -26,7 +26,14 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.sparkmirror import SparkMirror
-from keyscale.errors import JobDefinitionError, JobDirError, KeyscaleError, StateError, decode_error
+from keyscale.errors import (
+    FencedError,
+    JobDefinitionError,
+    JobDirError,
+    KeyscaleError,
+    StateError,
+    decode_error,
+)
 from keyscale.operators.eventtime import NO_WATERMARK, WatermarkState
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.poison import input_error
@@ -151,9 +158,10 @@ class JobRunner:
         self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri), on_batch=on_batch)
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        # Held while a batch runs: savepoints are taken between batches, and retention
-        # (end of a batch) never deletes files a savepoint is still reading.
-        self._batch_lock = threading.Lock()
+        # Held while a batch runs, a savepoint is taken or a pending commit settles (every
+        # commit.settle): savepoints are taken between batches, of committed batches, and
+        # retention (end of a batch) never deletes files a savepoint is still reading.
+        self._batch_lock = self.job.batch_lock
         self._query: StreamingQuery | None = None
         self._locked = False
         self._empty_batch = False  # the last batch run read no records (see _input_read)
@@ -307,6 +315,8 @@ class JobRunner:
                 # Before the control API: a client that finds its address must find the job running too.
                 self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
             control = ControlServer(self)
+            if self._heartbeat is not None:  # a fenced run's late delete of the control files is undone within a beat
+                self._heartbeat.also = control.reassert
             self.job.state = "running"
             if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
                 self._size_executors(self.parallelism)  # from the start: cores follow parallelism
@@ -321,7 +331,8 @@ class JobRunner:
                 if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
                     self.job.state = "draining"
                     self._run_drain(spark)
-                commit.settle(self.job)  # the last batch's checkpoint, committing in the background
+                with self._batch_lock:  # a savepoint asked for now waits for this commit
+                    commit.settle(self.job)  # the last batch's checkpoint, committing in the background
             except BaseException as e:
                 self._settle_after_failure()
                 self._record_failure(e)
@@ -349,20 +360,36 @@ class JobRunner:
             if self.job.state not in ("failed", "restarting"):
                 self.job.state = "stopped"
             if self._locked:
-                self.jobdir.write_status({**self._status(self._last_reports), "running": False})
-                self.jobdir.unlock()
-                self._locked = False
+                try:
+                    # Shared with the run that took over, if one did: then not written (FencedError).
+                    self.jobdir.write_status({**self._status(self._last_reports), "running": False})
+                except FencedError as e:
+                    log.warning("%s", e)
+                finally:
+                    self.jobdir.unlock()
+                    self._locked = False
         return self.summary
 
     def _settle_after_failure(self) -> None:
         """A batch failed while the one before it commits in the background: let that commit
         finish, so the next start need not replay it."""
+        # Under the batch lock, as every settle. Whoever holds it now (a savepoint; a batch
+        # still running after Ctrl-C) settles the pending commit itself before it goes on:
+        # waiting here briefly is enough, and never for a whole batch.
+        if not self._batch_lock.acquire(timeout=5):
+            waiting = self.job.pending  # read once: the holder may take it meanwhile
+            if waiting is not None:
+                log.info("the checkpoint of batch %d commits in the batch or savepoint still running (else the next start replays it)",
+                         waiting.batch)
+            return
         pending = self.job.pending
         try:
             commit.settle(self.job)
         except Exception:  # the job's own error is what to report
             assert pending is not None
             log.warning("the checkpoint of batch %d did not commit either; the next start replays that batch", pending.batch)
+        finally:
+            self._batch_lock.release()
 
     def _record_failure(self, exc: BaseException) -> None:
         """The job failed: its status says so, with the error, until the next start."""
@@ -383,7 +410,8 @@ class JobRunner:
         its checkpoint committed: a replay goes on only from a committed batch."""
         self._query = self._spark_writer(once=True).start()
         self._wait()
-        commit.settle(self.job)
+        with self._batch_lock:
+            commit.settle(self.job)
 
     def _spark_writer(self, once: bool = False) -> Any:
         assert self.pipeline is not None

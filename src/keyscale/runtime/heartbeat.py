@@ -20,6 +20,8 @@ class Heartbeat:
 
     def __init__(self, jobdir: JobDir, status: Callable[[], dict[str, Any]], every: float = HEARTBEAT_S):
         self.jobdir, self.status, self.every = jobdir, status, every
+        # Called after each beat that wrote the status (the control API re-asserts its files).
+        self.also: Callable[[], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="keyscale-heartbeat", daemon=True)
         # The first beat before returning: until it, `keyscale stop/rescale/savepoint` would find the
@@ -35,8 +37,9 @@ class Heartbeat:
     def _beat(self) -> bool:
         """Write the status once; False when this run is fenced (it must stop writing)."""
         try:
-            self.jobdir.check_epoch("writing its status")
-            self.jobdir.write_status({**self.status(), "running": True})
+            self.jobdir.write_status({**self.status(), "running": True})  # checks this run's epoch first
+            if self.also is not None:
+                self.also()
         except FencedError as e:
             log.error("%s", e)
             return False

@@ -10,6 +10,7 @@ collector. The driver (``driver.py``: set-up, run, stop, savepoints) fills it in
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -149,6 +150,10 @@ class JobState:
     # and how long its files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
     pending: PendingCommit | None = None
     upload_timeout: float = 600.0
+    # Held while a batch runs, a savepoint is taken or a pending commit settles (JobRunner's
+    # batch lock): savepoints are taken between batches, of committed batches only, and
+    # retention never deletes files a savepoint is still reading.
+    batch_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def note(self, batch: int, kind: str, reason: str, **details: Any) -> None:
         """An event the dashboard marks on its timelines (a rescale, an autoscaler decision)."""

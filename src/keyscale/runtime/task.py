@@ -45,6 +45,7 @@ from keyscale.checkpoint.files import (
     encode_state_file,
     put_state_file,
     read_state_slice,
+    record_upload_failure,
     spill_state_file,
 )
 from keyscale.checkpoint.manifest import FileKind, StateFile, catch_up
@@ -481,9 +482,13 @@ class Upload:
                 if spec.detach_upload:
                     release_free_memory()
                     if self._error is not None:
-                        # The task may be over: the driver waits for the file, gives up naming
-                        # it, and the batch is replayed from its intent at the next start.
-                        print(f"keyscale: uploading state file {rel_path} failed: {self._error}", file=sys.stderr, flush=True)
+                        # The task may be over, and the driver's commit and the next batch's
+                        # tasks wait for the file: a failure record beside it ends their wait
+                        # at once with this error; the batch is replayed at the next start.
+                        recorded = record_upload_failure(spec.store, rel_path, self._error)
+                        print(f"keyscale: uploading state file {rel_path} failed: {self._error}"
+                              f"{'' if recorded else ' (and so did writing its failure record: the waiters time out)'}",
+                              file=sys.stderr, flush=True)
 
         self._thread = threading.Thread(target=put, name="keyscale-upload", daemon=True)
         self._thread.start()
