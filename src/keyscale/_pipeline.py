@@ -516,6 +516,9 @@ def stream(df: DataFrame | LogSource) -> Stream:
     check_classic(df)
     if not df.isStreaming:
         raise JobDefinitionError("keyscale.stream() needs a streaming DataFrame (spark.readStream...), not a batch one")
+    from keyscale.runtime.spark_source import check_spark_source
+
+    check_spark_source(df)
     return Stream(df)
 
 

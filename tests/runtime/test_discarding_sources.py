@@ -69,3 +69,16 @@ def test_keyscale_run_refuses_clean_source(tmp_path: Path) -> None:
     # Nothing ran: the input is where it was, nothing archived, no output.
     assert sorted(p.name for p in (tmp_path / "in").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
     assert not (tmp_path / "archive").exists() and not (tmp_path / "out").exists()
+
+
+def test_ignore_missing_files_session_setting_warned(spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_events(tmp_path / "in", files=1, rows=10, keys=2)
+    df = spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path / "in"))
+    spark.conf.set("spark.sql.files.ignoreMissingFiles", "true")
+    try:
+        with caplog.at_level(logging.WARNING, logger="keyscale"):
+            ks.stream(df)
+    finally:
+        spark.conf.unset("spark.sql.files.ignoreMissingFiles")
+    warned = [r.getMessage() for r in caplog.records if "ignoreMissingFiles=true (spark.sql.files.ignoreMissingFiles)" in r.getMessage()]
+    assert len(warned) == 1
