@@ -76,13 +76,15 @@ def order_columns(df: DataFrame) -> tuple[str, ...]:
     return ORDER if all(c in cols for c in ORDER) else ()
 
 
-def sort_indices(table: pa.Table, seq: str) -> np.ndarray:
-    """The order in which a task processes its records: by (file, block, sequence) when the
-    table carries :data:`ORDER`, else by sequence (stable: equal keys keep their place)."""
+def in_arrival_order(table: pa.Table, seq: str) -> pa.Table:
+    """A task's records in the order it processes them: by (file, block, sequence) when the
+    table carries :data:`ORDER` (dropped then: nothing after the sort reads them, and the
+    take copies fewer columns), else by sequence (stable: equal keys keep their place)."""
     s = table.column(seq).to_numpy()
     if FILE not in table.column_names:
-        return np.argsort(s, kind="stable")
-    return np.lexsort((s, table.column(BLOCK).to_numpy(), table.column(FILE).to_numpy()))
+        return table.take(np.argsort(s, kind="stable"))
+    order = np.lexsort((s, table.column(BLOCK).to_numpy(), table.column(FILE).to_numpy()))
+    return table.drop_columns(list(ORDER)).take(order)
 
 
 def without(df: DataFrame, cols: Sequence[str]) -> DataFrame:

@@ -263,7 +263,7 @@ def routed(
     """The rows a keyed stage at parallelism ``p`` (``m`` key groups) ships: ``columns`` of
     ``df`` (whose ``schema`` the caller read) with each row's arrival sequence and key group
     (and the arrival-order columns ``order`` of a file source: the task sorts by them first,
-    ``arrival.sort_indices``), one marker row per subtask, and the expression that routes a
+    ``arrival.in_arrival_order``), one marker row per subtask, and the expression that routes a
     row to its subtask's partition (``repartition(p, expr)``). ``cache``: the marker rows
     built in earlier batches."""
     from pyspark.sql import functions as F

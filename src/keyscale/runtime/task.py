@@ -343,7 +343,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     errors = ErrorCollector(spec.on_error, spec.uid, spec.batch_id, subtask)
     # Windows run every batch: without records, some may still be due.
     if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
-        table = table.take(arrival.sort_indices(table, SEQ))
+        table = arrival.in_arrival_order(table, SEQ)
         table = grouping.null_check(spec, table)  # dropped here, not in Spark, so that they are counted
         if (kept := grouping.records(spec, table)) < records:
             counters["dropped_null_keys"] = records - kept
