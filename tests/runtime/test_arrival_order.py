@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import cli, read_output
+from conftest import cli, read_output, run_job, write_events
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -80,3 +81,31 @@ def test_same_order_on_another_master_and_split(tmp_path: Path, fmt: str) -> Non
     for _, g in small.sort_values("n").groupby(["key", "file"]):
         assert g["value"].is_monotonic_increasing
     pd.testing.assert_frame_equal(small.drop(columns="file"), default)
+
+
+BRANCHES = '''
+import keyscale as ks
+from pyspark.sql import functions as F
+
+def build(ctx):
+    events = ctx.spark.readStream.schema("key string, value long, ts timestamp").parquet(ctx.arg("input"))
+    s = ks.stream(events)
+    return ks.pipeline(
+        s.select("*").sink(ks.ParquetSink(ctx.arg("star"))),
+        s.filter("value > 0").sink(ks.ParquetSink(ctx.arg("filtered"))),
+        s.transform(lambda df: df.withColumn("seen", F.lit(",".join(df.columns)))).sink(ks.ParquetSink(ctx.arg("seen"))),
+        s.filter("value > 0").key_by("key").aggregate(uid="n", n=ks.count()).sink(ks.ParquetSink(ctx.arg("counts"))),
+    )
+'''
+
+
+def test_order_columns_never_reach_user_code_or_sinks(spark: Any, tmp_path: Path) -> None:
+    write_events(tmp_path / "in", files=2, rows=50, keys=3)
+    job = tmp_path / "branches_job.py"
+    job.write_text(BRANCHES)
+    outs = {name: tmp_path / name for name in ("star", "filtered", "seen", "counts")}
+    run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), **{k: str(v) for k, v in outs.items()}})
+    star, filtered, seen, counts = (read_output(outs[n]) for n in ("star", "filtered", "seen", "counts"))
+    assert list(star.columns) == list(filtered.columns) == ["key", "value", "ts", "batch"] and len(star) == len(filtered) == 100
+    assert set(seen["seen"]) == {"key,value,ts"}
+    assert counts.groupby("key")["n"].max().sum() == 100

@@ -27,7 +27,6 @@ memory, Kafka, a union of streams...), the order is Spark's, as before.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,8 +36,6 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
-
-log = logging.getLogger("keyscale")
 
 FILE = "__ks_file"
 BLOCK = "__ks_block"
