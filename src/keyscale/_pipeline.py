@@ -145,20 +145,36 @@ class Stream:
         return self._schema
 
     def transform(self, fn: Callable[[DataFrame], DataFrame]) -> Stream:
-        """Apply ordinary PySpark transformations (filter, select, withColumn, joins with static data)."""
-        probe = fn(_session(self._source).createDataFrame([], self._schema))
-        return Stream(self._source, (*self._steps, TransformStep(fn)), probe.schema, self._watermark)
+        """Apply ordinary PySpark transformations (filter, select, withColumn, joins with static data).
+
+        ``fn`` gets the batch's columns only; the keyed stages after it get their records in
+        Spark's order within a batch (``filter`` and ``select`` keep a file source's file
+        order: README, "Arrival order")."""
+        return self._transform(TransformStep(fn))
+
+    def _transform(self, step: TransformStep) -> Stream:
+        from keyscale.runtime.arrival import ORDER, order_probe_schema
+
+        session = _session(self._source)
+        probe = step.fn(session.createDataFrame([], self._schema))
+        if step.keeping is not None:
+            # It keeps the order columns only if they come out once each, after its own (a
+            # select of "*" would bring them twice).
+            kept = step.keeping(session.createDataFrame([], order_probe_schema(self._schema)), ORDER).columns
+            if kept != [*probe.columns, *ORDER]:
+                step = TransformStep(step.fn)
+        return Stream(self._source, (*self._steps, step), probe.schema, self._watermark)
 
     def filter(self, condition: Column | str) -> Stream:
         """Keep rows matching ``condition`` (a Column or a SQL expression)."""
-        return self.transform(lambda df: df.filter(condition))
+        return self._transform(TransformStep(lambda df: df.filter(condition), keeping=lambda df, _: df.filter(condition)))
 
     def select(self, *cols: Column | str) -> Stream:
         """Project columns (Columns or SQL expressions)."""
         exprs = [c for c in cols if isinstance(c, str)]
         if len(exprs) == len(cols):
-            return self.transform(lambda df: df.selectExpr(*exprs))
-        return self.transform(lambda df: df.select(*cols))
+            return self._transform(TransformStep(lambda df: df.selectExpr(*exprs), keeping=lambda df, keep: df.selectExpr(*exprs, *keep)))
+        return self._transform(TransformStep(lambda df: df.select(*cols), keeping=lambda df, keep: df.select(*cols, *keep)))
 
     def process(self, function: ProcessFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
                 broadcast: BroadcastStream | None = None) -> Stream:
@@ -500,6 +516,9 @@ def stream(df: DataFrame | LogSource) -> Stream:
     check_classic(df)
     if not df.isStreaming:
         raise JobDefinitionError("keyscale.stream() needs a streaming DataFrame (spark.readStream...), not a batch one")
+    from keyscale.runtime.spark_source import check_spark_source
+
+    check_spark_source(df)
     return Stream(df)
 
 

@@ -7,8 +7,8 @@ session, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import pyarrow as pa
@@ -33,6 +33,10 @@ class TransformStep:
     """Ordinary (stateless) Spark transformations applied to each micro-batch."""
 
     fn: Callable[[DataFrame], DataFrame]
+    # The same transformation keeping the given columns (keyscale's own filter and select):
+    # the batch's arrival-order columns ride through it (keyscale.runtime.arrival). None: the
+    # user's function, which gets the batch without them.
+    keeping: Callable[[DataFrame, Sequence[str]], DataFrame] | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.poison import input_error
 from keyscale.runtime import commit, poison_batch, status
 from keyscale.runtime import parallelism as scaling
+from keyscale.runtime.arrival import with_file_order
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.heartbeat import Heartbeat
 from keyscale.runtime.jobfile import load_job
@@ -417,8 +418,14 @@ class JobRunner:
         assert self.pipeline is not None
         source = self.pipeline.source
         assert not isinstance(source, LogSource)
+        # A file source's rows carry their file and split (arrival.py): a batch's order is
+        # then the files' whatever Spark's split, so a replay elsewhere sees it again.
+        query, ordered = with_file_order(source)
+        if not ordered and not once:
+            log.info("the Spark source's rows have no file metadata (not a file source, or one behind an aggregate, a union or "
+                     "mapInPandas): within a batch, keyed stages get their records in Spark's order, by partition (README, \"Arrival order\")")
         writer = (
-            source.writeStream.foreachBatch(self._on_batch)
+            query.writeStream.foreachBatch(self._on_batch)
             .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
             .queryName(f"keyscale_{self.name}_{self.run_id[:6]}")
         )

@@ -29,6 +29,7 @@ from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
 from keyscale.operators.vectorized import RunningAggregate, partial_column
+from keyscale.runtime import arrival
 from keyscale.runtime.jobstate import JobState
 from keyscale.runtime.nonkeyed_task import NonKeyedTask, make_nonkeyed_function
 from keyscale.runtime.spark_task import make_stage_function
@@ -76,13 +77,19 @@ def plan_stages(
 
     Each stage is planned once, however many branches read it; where several writes read
     one stage's output (branches, side outputs), it is cached, so its tasks run (and its
-    state moves) once per batch."""
+    state moves) once per batch.
+
+    A file source's batch carries its arrival-order columns (``arrival.ORDER``): through
+    keyscale's own filter and select to the keyed stages that read it, dropped before
+    anything else (a user's transform, a non-keyed stage, a sink)."""
     from pyspark.sql import functions as F
 
     pipeline = job.pipeline
     assert pipeline is not None
     readers = _readers(pipeline.branches)
     frames: dict[tuple[int, ...], DataFrame] = {}
+    # The arrival-order columns each path's output carries (the input's, while they ride along).
+    orders: dict[tuple[int, ...], tuple[str, ...]] = {(): arrival.order_columns(df)}
     side: list[tuple[Sink, DataFrame]] = []
     dead_letters: list[DataFrame] = []
     cached: list[DataFrame] = []
@@ -99,21 +106,27 @@ def plan_stages(
         path: tuple[int, ...] = ()
         out = frames[path] if path in frames else shared(path, df)
         for step in branch.steps:
+            order = orders[path]
             path = (*path, id(step))
             if path in frames:
                 out = frames[path]
                 continue
+            orders[path] = ()
             if isinstance(step, LogInputStep):
                 assert side_df is not None
-                out = shared(path, step.merge(out, side_df))
+                out = shared(path, step.merge(arrival.without(out, order), side_df))
                 continue
             if isinstance(step, TransformStep):
-                out = shared(path, step.fn(out))
+                if order and step.keeping is not None:
+                    orders[path] = order
+                    out = shared(path, step.keeping(out, order))
+                else:
+                    out = shared(path, step.fn(arrival.without(out, order)))
                 continue
             if isinstance(step, NonKeyedStep):
-                out = shared(path, nonkeyed(job, out, step, batch_id, batch_time_ms, par[step.uid], rules))
+                out = shared(path, nonkeyed(job, arrival.without(out, order), step, batch_id, batch_time_ms, par[step.uid], rules))
                 continue
-            out = keyed(job, out, step, batch_id, batch_time_ms, par[step.uid], watermark_ms, rules)
+            out = keyed(job, out, step, batch_id, batch_time_ms, par[step.uid], watermark_ms, rules, order)
             dead = pipeline.error_policy(step).on_error == "dead_letter"
             if step.late_sink is not None or dead:
                 # The stage runs once (cached); its rows split into the main, late and dead-letter streams.
@@ -127,7 +140,7 @@ def plan_stages(
                 frames[path] = out  # a filter of the cached stage: reading it twice runs nothing twice
                 continue
             out = shared(path, out)
-        writes.append((branch.sink, out))
+        writes.append((branch.sink, arrival.without(out, orders[path])))
     if pipeline.dead_letter is not None and dead_letters:
         side.append((pipeline.dead_letter, reduce(lambda a, b: a.unionByName(b), dead_letters)))
     return BatchPlan(writes + side, cached)
@@ -184,9 +197,11 @@ def nonkeyed(job: JobState, df: DataFrame, step: NonKeyedStep, batch_id: int, ba
 
 def keyed(
     job: JobState, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int, rules: dict[str, dict[str, Any]],
+    order: Sequence[str] = (),
 ) -> DataFrame:
     """A keyed stage at parallelism ``p``: its state files from the committed manifest, which
-    subtasks snapshot (compact) this batch, and the exact shuffle to its subtasks."""
+    subtasks snapshot (compact) this batch, and the exact shuffle to its subtasks. ``order``:
+    the arrival-order columns ``df`` carries (``arrival.ORDER``, or none)."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     m = job.max_parallelism
@@ -228,7 +243,7 @@ def keyed(
     # The schema is read once (each read is a call to the JVM).
     spark_schema = df.schema
     # Each stage its own marker rows: two stages never share a piece of plan (nor its columns' ids).
-    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p, job.markers.setdefault(step.uid, {}))
+    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p, job.markers.setdefault(step.uid, {}), order)
     if step.combine:
         staged, spec = combined(rows.withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
     else:
@@ -243,23 +258,28 @@ def keyed(
 
 def routed(
     df: DataFrame, schema: StructType, columns: Sequence[str], key_names: Sequence[str], m: int, p: int, cache: dict[Any, Any] | None = None,
+    order: Sequence[str] = (),
 ) -> tuple[DataFrame, Column]:
     """The rows a keyed stage at parallelism ``p`` (``m`` key groups) ships: ``columns`` of
-    ``df`` (whose ``schema`` the caller read) with each row's arrival sequence and key group,
-    one marker row per subtask, and the expression that routes a row to its subtask's
-    partition (``repartition(p, expr)``). ``cache``: the marker rows built in earlier batches."""
+    ``df`` (whose ``schema`` the caller read) with each row's arrival sequence and key group
+    (and the arrival-order columns ``order`` of a file source: the task sorts by them first,
+    ``arrival.in_arrival_order``), one marker row per subtask, and the expression that routes a
+    row to its subtask's partition (``repartition(p, expr)``). ``cache``: the marker rows
+    built in earlier batches."""
     from pyspark.sql import functions as F
 
     # The plan is rebuilt every batch, and every Column made in Python is several calls to
     # the JVM (~1 ms each): fixed parts are SQL expressions.
     keys = ", ".join(_quoted(k) for k in key_names)
-    rows = df.select(*columns, F.monotonically_increasing_id().alias(SEQ), F.expr(f"cast(pmod(hash({keys}), {m}) as int)").alias(KG))
+    rows = df.select(*columns, F.monotonically_increasing_id().alias(SEQ), F.expr(f"cast(pmod(hash({keys}), {m}) as int)").alias(KG), *order)
     # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
     to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int(({KG} * {p}) div {m}) + 1)")
-    return rows.unionByName(_markers(df.sparkSession, schema, columns, m, p, {} if cache is None else cache)), to
+    return rows.unionByName(_markers(df.sparkSession, schema, columns, m, p, {} if cache is None else cache, order)), to
 
 
-def _markers(spark: SparkSession, schema: StructType, columns: Sequence[str], m: int, p: int, cache: dict[Any, Any]) -> DataFrame:
+def _markers(
+    spark: SparkSession, schema: StructType, columns: Sequence[str], m: int, p: int, cache: dict[Any, Any], order: Sequence[str] = (),
+) -> DataFrame:
     """One marker row per subtask (sequence -1, dropped by the task): every subtask runs, and
     reports, even when Spark proves the batch empty (a transform with an aggregate or a
     window over an empty batch plans to no partitions at all). They depend on the columns
@@ -273,13 +293,14 @@ def _markers(spark: SparkSession, schema: StructType, columns: Sequence[str], m:
     if "session" not in cache or not cache["session"].equals(session):
         cache.clear()
         cache["session"] = session
-    key = (tuple(columns), tuple(schema[c].dataType for c in columns), m, p)
+    key = (tuple(columns), tuple(schema[c].dataType for c in columns), m, p, tuple(order))
     markers: DataFrame | None = cache.get(key)
     if markers is None:
         starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
         markers = cache[key] = spark.range(p).select(
             *[_null_of(c, schema[c].dataType) for c in columns],
-            F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"))
+            F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"),
+            *(F.expr(f"cast(-1 as bigint) as {c}") for c in order))
     return markers
 
 

@@ -60,7 +60,7 @@ from keyscale.operators.keyed import (
 from keyscale.operators.poison import ErrorCollector, null_event_time_mask, run_guarded
 from keyscale.operators.vectorized import VectorizedKeyedFunction
 from keyscale.operators.windows import WindowAggregate, run_windows
-from keyscale.runtime import grouping, vectorized_task
+from keyscale.runtime import arrival, grouping, vectorized_task
 from keyscale.runtime.counters import window_counters
 from keyscale.runtime.grouping import Grouped
 from keyscale.runtime.stagetask import (
@@ -344,7 +344,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     errors = ErrorCollector(spec.on_error, spec.uid, spec.batch_id, subtask)
     # Windows run every batch: without records, some may still be due.
     if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
-        table = table.take(np.argsort(table.column(SEQ).to_numpy(), kind="stable"))
+        table = arrival.in_arrival_order(table, SEQ)
         table = grouping.null_check(spec, table)  # dropped here, not in Spark, so that they are counted
         if (kept := grouping.records(spec, table)) < records:
             counters["dropped_null_keys"] = records - kept
