@@ -105,6 +105,16 @@ def test_a_bundle_a_paused_run_writes_after_its_check_is_not_the_jobs_history(tm
     assert {p.name: p.read_text() for p in (rebuilt / "offsets").iterdir()} == {"0": "old 0", "1": "old 1", "2": "new 2"}
 
 
+def test_a_paused_run_records_no_damage_for_the_next_start(tmp_path: Path) -> None:
+    """A zombie that reads a damaged state file does not write the shared damage report
+    (the run that took over reads the file itself)."""
+    old = _run(tmp_path / "job")
+    _run(tmp_path / "job")
+    with pytest.raises(FencedError):
+        old.report_damage("state file x is damaged")
+    assert not old.store.exists("damage.json")
+
+
 @pytest.mark.parametrize("module", ["keyscale.checkpoint.fence", "keyscale.checkpoint.sparkmirror", "keyscale.storage.faultproxy"])
 def test_doctests(module: str) -> None:
     import doctest

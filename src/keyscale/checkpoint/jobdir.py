@@ -462,7 +462,10 @@ class JobDir:
         in place is found when a task reads it. The run that finds it calls this before it
         exits; the next :meth:`recover` then checks sizes and checksums, as on local disk: it
         falls back to the newest intact checkpoint, or refuses when none is left (unless
-        ``allow_empty_restart``). The request stays until a recovery succeeds."""
+        ``allow_empty_restart``). The request stays until a recovery succeeds. A run that a
+        newer one took over writes nothing (:class:`FencedError`): the newer run reads the
+        file itself."""
+        self.check_epoch("recording the damage for the next start")
         self.store.put(DAMAGE_REPORT, _json({"why": why, "pid": os.getpid(), "host": socket.gethostname(), "time_ms": int(time.time() * 1000)}))
 
     def rollback_spark_commits(self, after: int) -> list[int]:

@@ -170,11 +170,17 @@ def crashed_worker(error_text: str) -> str | None:
 
     >>> crashed_worker("SparkException: Python worker exited unexpectedly (crashed). Consider ...")[:44]
     'a Python worker died while running a task of'
+    >>> crashed_worker("SparkException: EOFException occurred while reading the port number from pyspark.daemon's stdout")[:44]
+    'a Python worker died while running a task of'
     >>> crashed_worker("ValueError: bad") is None
     True
     """
-    if "Python worker exited unexpectedly (crashed)" not in error_text:
+    if "Python worker exited unexpectedly (crashed)" in error_text:
+        spark_said = "Python worker exited unexpectedly"
+    elif "reading the port number from pyspark.daemon" in error_text:  # the daemon that forks the workers died
+        spark_said = "no port number from pyspark.daemon"
+    else:
         return None
-    return ("a Python worker died while running a task of the batch (Spark: Python worker exited unexpectedly); most often the "
+    return (f"a Python worker died while running a task of the batch (Spark: {spark_said}); most often the "
             "operating system killed it for lack of memory (check the executors' memory, or dmesg). Nothing is lost: the next "
             "start replays the batch")
