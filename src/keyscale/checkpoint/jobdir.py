@@ -530,8 +530,7 @@ class JobDir:
 
     def clear_rescale_requests(self) -> None:
         """Take the requests (read first): not a fenced run's to take, they are for the newer run."""
-        if self.epoch:
-            self.check_epoch("taking the rescale requests")
+        self.check_epoch("taking the rescale requests")  # a tool (epoch 0) is never fenced: no request
         self.store.delete("control/rescale.json")
 
     def append_event(self, event: dict[str, Any]) -> None:

@@ -98,11 +98,14 @@ class SparkMirror:
                 out[p.relative_to(self.local).as_posix()] = (st.st_size, st.st_mtime_ns)
         return out
 
+    def _listed(self) -> list[tuple[int, int]]:
+        """(batch, epoch) of every bundle in the job directory (one listing)."""
+        return [x for n in self.store.list_names(FOLDER) if (x := _parse(n)) is not None]
+
     def pull(self) -> int:
         """Rebuild the local folder from the job directory; returns the files written."""
-        found = [x for n in self.store.list_names(FOLDER) if (x := _parse(n)) is not None]
         chain: list[dict[str, Any]] = []
-        for b, e in reversed(live_bundles(found)):  # back to the newest full bundle
+        for b, e in reversed(live_bundles(self._listed())):  # back to the newest full bundle
             bundle = json.loads(self.store.get(_bundle_key(b, e)))
             chain.append(bundle)
             if bundle.get("full"):
@@ -144,5 +147,4 @@ class SparkMirror:
         if full:  # older bundles are no longer needed to rebuild the folder; never a newer run's
             if self.fence is not None:
                 self.fence.check(f"pruning Spark's mirrored checkpoint before batch {batch}")
-            found = [x for n in self.store.list_names(FOLDER) if (x := _parse(n)) is not None]
-            self.store.delete_many([_bundle_key(b, e) for b, e in found if b < batch and e <= epoch])
+            self.store.delete_many([_bundle_key(b, e) for b, e in self._listed() if b < batch and e <= epoch])
