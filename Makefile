@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keyscale-installed
 
-.PHONY: setup run test lint typecheck bench clean redis browser
+.PHONY: setup run test docs lint typecheck bench clean redis browser
 
 setup: $(STAMP)
 
@@ -18,8 +18,13 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/python examples/demo.py
 
-test: setup redis browser
+test: setup redis browser docs
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
+
+# The docs site, into site/: strict, so a broken link or anchor, a page left out of the nav,
+# or a docstring the API reference cannot render fails the build (and so `make test`).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The log tests start their own redis-server; install the Debian package if it is missing (as root).
 redis:
@@ -32,8 +37,8 @@ browser:
 		|| { echo "make: could not install chromium and chromium-driver (apt-get, as root)"; exit 1; }
 
 lint: setup
-	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff check src tests bench examples tools
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache build
+	rm -rf $(VENV) .pytest_cache .mypy_cache build site

@@ -5,7 +5,7 @@ session) on a 2-core machine where it is CPU-bound; each spends most of its star
 and verifying the same ~20,000 classes. A dynamic CDS archive (JDK 13+) made once from a
 run that touches what the tests touch (a batch job, Python UDFs through Arrow, a streaming
 query with ``foreachBatch``) lets every later JVM map them instead: the suite on a clean
-clone took 24-27 minutes with it against 31 without (README; an ad-hoc timing of one
+clone took 24-27 minutes with it against 31 without (docs/getting-started.md; an ad-hoc timing of one
 session start under the suite's load, not a benchmark: 15 s against 26 s).
 
 The archive belongs to one JDK and one set of Spark jars; its name carries a digest of

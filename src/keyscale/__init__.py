@@ -2,7 +2,7 @@
 
 Keyed state lives in key groups (Flink's model), so a job's parallelism changes by
 reassigning key-group ranges, live between two micro-batches or on restart, with
-exactly-once checkpoints. See the README for the model and the CLI.
+exactly-once checkpoints. See docs/ (the docs site) for the model, the guides and the CLI.
 
 >>> import keyscale as ks
 >>> ks.count()

@@ -149,7 +149,7 @@ class Stream:
 
         ``fn`` gets the batch's columns only; the keyed stages after it get their records in
         Spark's order within a batch (``filter`` and ``select`` keep a file source's file
-        order: README, "Arrival order")."""
+        order: docs/guides/job.md, "Arrival order")."""
         return self._transform(TransformStep(fn))
 
     def _transform(self, step: TransformStep) -> Stream:
@@ -291,8 +291,7 @@ class KeyedStream:
         state as ``ctx.broadcast_state``; a batch's rules apply before its records.
         ``on_error`` ("fail", "skip", "dead_letter") overrides the pipeline's poison-record
         policy for this stage. ``state_backend`` ("memory" or "rocksdb") overrides the job's
-        (``start(state_backend=...)``, default "memory") for this stage: README, "Choosing a
-        state backend".
+        (``start(state_backend=...)``, default "memory") for this stage: docs/guides/state-backends.md.
         """
         if not isinstance(function, KeyedProcessFunction | VectorizedKeyedFunction):
             raise JobDefinitionError(f"operator '{uid}': {type(function).__name__} is not a KeyedProcessFunction or VectorizedKeyedFunction")
@@ -333,7 +332,7 @@ class KeyedStream:
 
         ``combine=True``: Spark aggregates each subtask's records per key in the JVM (after
         the shuffle, with no other exchange), so one row per key, not every record, crosses
-        to Python. It pays only with many records per key in a batch (measured: README).
+        to Python. It pays only with many records per key in a batch (measured: docs/benchmarks.md, "combine=True").
         State, output, checkpoints and rescaling are the same either way (a job can turn it
         on or off between runs). Sums and means of floating-point columns are refused: the
         order of Spark's partial additions is not fixed, so a replay could differ.

@@ -416,17 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --until-idle: end with a drain batch (watermark at the end of time: every timer and window fires)")
     r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an argument for the job")
     r.add_argument("--conf", action="append", default=[], metavar="NAME=VALUE",
-                   help="a Spark setting for the job's session (repeatable); wins over keyscale's defaults (README: Spark settings)")
+                   help="a Spark setting for the job's session (repeatable); wins over keyscale's defaults (docs/reference/spark-settings.md)")
     r.add_argument("--trigger-interval", default="1 second")
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
     r.add_argument("--async-checkpoints", action="store_true",
                    help="a batch's state files upload while the next batch runs; its checkpoint commits once they are stored "
-                        "(README: Asynchronous checkpoints)")
+                        "(docs/guides/async-checkpoints.md)")
     r.add_argument("--state-backend", choices=["memory", "rocksdb"], default="memory",
                    help="where keyed stages keep their state: memory (default) or rocksdb on the executors' local disk "
-                        "(a stage's own state_backend= wins; README: Choosing a state backend)")
+                        "(a stage's own state_backend= wins; docs/guides/state-backends.md)")
     r.add_argument("--scaling", choices=["fixed", "reactive", "auto"], default="fixed",
                    help="reactive: parallelism follows the executor cores Spark has; auto: the autoscaler watches every batch (default fixed)")
     r.add_argument("--scaling-min", type=int, default=1, metavar="N", help="lowest parallelism reactive mode and the autoscaler choose (default 1)")

@@ -423,7 +423,7 @@ class JobRunner:
         query, ordered = with_file_order(source)
         if not ordered and not once:
             log.info("the Spark source's rows have no file metadata (not a file source, or one behind an aggregate, a union or "
-                     "mapInPandas): within a batch, keyed stages get their records in Spark's order, by partition (README, \"Arrival order\")")
+                     "mapInPandas): within a batch, keyed stages get their records in Spark's order, by partition (docs/guides/job.md, \"Arrival order\")")
         writer = (
             query.writeStream.foreachBatch(self._on_batch)
             .option("checkpointLocation", str(self.jobdir.spark_checkpoint))

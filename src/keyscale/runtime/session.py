@@ -41,7 +41,7 @@ SESSION_DEFAULTS: dict[str, str] = {
     "spark.driver.memory": "2g",
     "spark.sql.session.timeZone": "UTC",
 }
-"""What keyscale sets on every session unless the user's conf says otherwise (README: "Spark settings")."""
+"""What keyscale sets on every session unless the user's conf says otherwise (docs/reference/spark-settings.md)."""
 
 
 def parse_spark_conf(items: Iterable[str], option: str = "--conf") -> dict[str, str]:
@@ -133,8 +133,7 @@ def user_session(pipeline: Pipeline) -> SparkSession:
     unset: on a ``local`` master, Python workers run this interpreter (``sys.executable``)
     rather than whatever ``python3`` is first on the PATH, which in a notebook or an IDE is
     often not the environment keyscale is installed in. ``PYSPARK_PYTHON`` or
-    ``spark.pyspark.python``, if set, win; on a cluster, set one of them (README: "Your own
-    SparkSession").
+    ``spark.pyspark.python``, if set, win; on a cluster, set one of them (docs/guides/notebook.md).
     """
     from pyspark.sql import DataFrame, SparkSession
 
