@@ -128,7 +128,7 @@ def test_options_win_over_the_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("opts", "env", "error"), [
-    ({"metrics_token_file": "/nonexistent/token"}, {}, "the metrics token file /nonexistent/token (the metrics token file option) does not exist"),
+    ({"metrics_token_file": "/nonexistent/token"}, {}, "the metrics token file /nonexistent/token (metrics_token_file (--metrics-token-file)) does not exist"),
     ({}, {"KEYSCALE_METRICS_TOKEN_FILE": "EMPTY"}, "(KEYSCALE_METRICS_TOKEN_FILE) is empty"),
     ({}, {"KEYSCALE_METRICS_TOKEN_FILE": ""}, "KEYSCALE_METRICS_TOKEN_FILE is set but names no file"),
     ({}, {"KEYSCALE_METRICS_TOKEN": "  "}, "KEYSCALE_METRICS_TOKEN is set but empty"),
@@ -138,7 +138,7 @@ def test_options_win_over_the_environment(tmp_path: Path) -> None:
     ({"metrics_unauthenticated": True}, {"KEYSCALE_METRICS_TOKEN": "x"}, "/metrics cannot both need a token (KEYSCALE_METRICS_TOKEN) and be unauthenticated"),
     ({}, {"KEYSCALE_METRICS_UNAUTHENTICATED": "maybe"}, "KEYSCALE_METRICS_UNAUTHENTICATED must be true or false (1/0, yes/no), not 'maybe'"),
     ({}, {"KEYSCALE_CONTROL_PORT": "http"}, "KEYSCALE_CONTROL_PORT must be a port number (0 for any free port), not 'http'"),
-    ({"control_port": 70000}, {}, "the control port option must be a port number from 0 to 65535"),
+    ({"control_port": 70000}, {}, "control_port (--control-port) must be a port number from 0 to 65535"),
     ({}, {"KEYSCALE_CONTROL_HOST": ""}, "KEYSCALE_CONTROL_HOST must be an address to listen on"),
 ])
 def test_a_setting_keyscale_cannot_serve_is_an_error_naming_it(tmp_path: Path, opts: dict[str, Any], env: dict[str, str], error: str) -> None:

@@ -131,13 +131,13 @@ def control_settings(opts: RunOptions, environ: dict[str, str] | None = None) ->
     env = dict(os.environ) if environ is None else environ
 
     if opts.control_host is not None:
-        host, host_origin = opts.control_host, "the control host option"
+        host, host_origin = opts.control_host, "control_host (--control-host)"
     else:
         host, host_origin = env.get(HOST_ENV, "127.0.0.1"), HOST_ENV
     if not host.strip() or host != host.strip():
         raise KeyscaleError(f"{host_origin} must be an address to listen on (e.g. 127.0.0.1, 0.0.0.0, ::), not {host!r}")
     if opts.control_port is not None:
-        port = _port(opts.control_port, "the control port option")
+        port = _port(opts.control_port, "control_port (--control-port)")
     else:
         port = _port(env.get(PORT_ENV, "0"), PORT_ENV)
 
@@ -147,7 +147,7 @@ def control_settings(opts: RunOptions, environ: dict[str, str] | None = None) ->
         unauthenticated = _flag(UNAUTHENTICATED_ENV, env.get(UNAUTHENTICATED_ENV, ""))
     sources: list[tuple[str, str | None, str | None]] = []  # (origin, file, value)
     if opts.metrics_token_file is not None:
-        sources.append(("the metrics token file option", opts.metrics_token_file, None))
+        sources.append(("metrics_token_file (--metrics-token-file)", opts.metrics_token_file, None))
     elif TOKEN_FILE_ENV in env:
         sources.append((TOKEN_FILE_ENV, env[TOKEN_FILE_ENV], None))
     if TOKEN_ENV in env:
@@ -156,7 +156,7 @@ def control_settings(opts: RunOptions, environ: dict[str, str] | None = None) ->
         raise KeyscaleError(f"the /metrics token is given twice ({' and '.join(s[0] for s in sources)}): give one")
     if sources and unauthenticated:
         raise KeyscaleError(f"/metrics cannot both need a token ({sources[0][0]}) and be unauthenticated "
-                            f"({UNAUTHENTICATED_ENV} or the metrics unauthenticated option): choose one")
+                            f"(metrics_unauthenticated, --metrics-unauthenticated or {UNAUTHENTICATED_ENV}): choose one")
     token = None
     if sources:
         origin, file, value = sources[0]
