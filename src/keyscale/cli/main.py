@@ -15,6 +15,7 @@ from typing import Any
 
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
+from keyscale.runtime.control_settings import add_control_arguments, control_options
 from keyscale.runtime.jobstatus import find_jobs, status_dict
 from keyscale.runtime.session import parse_spark_conf
 from keyscale.storage import local_path, open_store, scheme_of
@@ -84,8 +85,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
         spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend, async_checkpoints=a.async_checkpoints,
-        control_host=a.control_host, control_port=a.control_port, metrics_token_file=a.metrics_token_file,
-        metrics_unauthenticated=a.metrics_unauthenticated,
+        **control_options(a),
     )
     log = logging.getLogger("keyscale")
     while True:
@@ -447,17 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a subtask writes a snapshot when its oldest state file is this many batches old (bounds a fallback's replay; default 32)")
     r.add_argument("--allow-empty-restart", action="store_true",
                    help="when no intact checkpoint is left, start again with empty state and read the input again from its beginning")
-    control = r.add_argument_group("control API (also KEYSCALE_CONTROL_HOST, KEYSCALE_CONTROL_PORT, KEYSCALE_METRICS_TOKEN_FILE, "
-                                   "KEYSCALE_METRICS_TOKEN, KEYSCALE_METRICS_UNAUTHENTICATED; a flag wins over its variable)")
-    control.add_argument("--control-host", metavar="ADDRESS",
-                         help="address the control API listens on (default 127.0.0.1; 0.0.0.0 for probes and Prometheus in Kubernetes); "
-                              "every endpoint but /health and /metrics still needs the per-run secret")
-    control.add_argument("--control-port", type=int, metavar="PORT", help="its port (default: any free port, see JOB_DIR/control/http.json)")
-    control.add_argument("--metrics-token-file", metavar="FILE",
-                         help="/metrics also accepts 'Authorization: Bearer <the file's content>' (e.g. a mounted Kubernetes Secret; "
-                              "read again at each scrape)")
-    control.add_argument("--metrics-unauthenticated", action="store_true", default=None,
-                         help="/metrics answers without any credential (the operator's explicit choice)")
+    add_control_arguments(r)
     r.add_argument("--fault", help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
 

@@ -20,10 +20,11 @@ closed one, without being told.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from keyscale.errors import KeyscaleError
 
@@ -172,3 +173,24 @@ def control_settings(opts: RunOptions, environ: dict[str, str] | None = None) ->
                 raise KeyscaleError(f"{origin} contains white space: give the token alone")
             token = MetricsToken(value=value.strip(), origin=origin)
     return ControlSettings(host=host, port=port, metrics_token=token, metrics_unauthenticated=unauthenticated)
+
+
+def add_control_arguments(p: argparse.ArgumentParser) -> None:
+    """The control API's flags, for ``keyscale run`` and a job file's ``ks.main`` (spark-submit)."""
+    g = p.add_argument_group(f"control API (also {HOST_ENV}, {PORT_ENV}, {TOKEN_FILE_ENV}, {TOKEN_ENV}, {UNAUTHENTICATED_ENV}; "
+                             "a flag wins over its variable)")
+    g.add_argument("--control-host", metavar="ADDRESS",
+                   help="address the control API listens on (default 127.0.0.1; 0.0.0.0 for probes and Prometheus in Kubernetes); "
+                        "every endpoint but /health and /metrics still needs the per-run secret")
+    g.add_argument("--control-port", type=int, metavar="PORT", help="its port (default: any free port, see JOB_DIR/control/http.json)")
+    g.add_argument("--metrics-token-file", metavar="FILE",
+                   help="/metrics also accepts 'Authorization: Bearer <the file's content>' (e.g. a mounted Kubernetes Secret; "
+                        "read again at each scrape)")
+    g.add_argument("--metrics-unauthenticated", action="store_true", default=None,
+                   help="/metrics answers without any credential (the operator's explicit choice)")
+
+
+def control_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`RunOptions` fields of :func:`add_control_arguments`' flags."""
+    return {"control_host": a.control_host, "control_port": a.control_port, "metrics_token_file": a.metrics_token_file,
+            "metrics_unauthenticated": a.metrics_unauthenticated}
