@@ -150,14 +150,15 @@ def test_a_setting_keyscale_cannot_serve_is_an_error_naming_it(tmp_path: Path, o
     assert error in str(e.value)
 
 
-def test_a_rotated_token_file_takes_effect_and_a_broken_one_keeps_the_last(tmp_path: Path) -> None:
+def test_a_rotated_token_file_takes_effect_and_a_broken_one_keeps_the_last(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "token"
     path.write_text("one")
     token = MetricsToken(file=str(path), origin="test")
     path.write_text("two")  # a Kubernetes Secret volume is updated in place when the Secret rotates
     assert token.current() == "two"
     path.write_text("")
-    assert token.current() == "two"
+    assert token.current() == token.current() == "two"
+    assert [r.getMessage() for r in caplog.records] == [f"the metrics token file {path} (test) is empty; the previous token stays in force"]
 
 
 # -- the server: what a probe and Prometheus get ----------------------------------------------

@@ -53,14 +53,17 @@ class MetricsToken:
     def __init__(self, value: str | None = None, file: str | None = None, origin: str = ""):
         self.file, self.origin = file, origin
         self._last = value if value is not None else _read_token_file(file or "", origin)
+        self._problem = ""  # logged once, not at every scrape
 
     def current(self) -> str:
         if self.file is None:
             return self._last
         try:
-            self._last = _read_token_file(self.file, self.origin)
+            self._last, self._problem = _read_token_file(self.file, self.origin), ""
         except KeyscaleError as e:
-            log.warning("%s; the previous token stays in force", e)
+            if str(e) != self._problem:
+                self._problem = str(e)
+                log.warning("%s; the previous token stays in force", e)
         return self._last
 
 
