@@ -254,6 +254,10 @@ def test_the_bind_option_by_environment_and_a_clear_error_when_it_cannot_listen(
         assert call(jobdir, "GET", "/status")["state"] == "running"
         with pytest.raises(KeyscaleError, match=re.escape(f"the control API cannot listen on ::1 port {port}: Address already in use")):
             ControlServer(Runner(jobdir), settings)  # type: ignore[arg-type]
+    # The next run in the same process (keyscale upgrade, rescale --restart) gets the same fixed
+    # port at once, although the last one's connections are still in TIME_WAIT: probes keep working.
+    with _serve(jobdir, settings) as (srv, _runner):
+        assert _get(srv.url + "/health")[0] == 200
     with pytest.raises(KeyscaleError, match=re.escape("the control API cannot listen on 203.0.113.9 port 0")):
         ControlServer(Runner(jobdir), ControlSettings(host="203.0.113.9"))  # type: ignore[arg-type]
     assert not os.path.exists(jobdir.store.url("control/secret"))  # a start that could not listen leaves no secret
