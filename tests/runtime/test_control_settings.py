@@ -232,7 +232,9 @@ def test_bound_beyond_loopback_a_pod_ip_caller_is_served_by_credential(jobdir: J
         assert _get(outside + "/metrics", {"Authorization": "Bearer op-token"})[0] == 200
         assert _get(outside + "/metrics", {"Authorization": "Bearer nope"})[0] == 401
         secret = {"Authorization": f"Bearer {read_secret(jobdir.store)}", "Content-Type": "application/json"}
-        for path, method in (("/status", "GET"), ("/history", "GET"), ("/ui/", "GET"), ("/stop", "POST"), ("/rescale", "POST"), ("/ui/token", "POST")):
+        every_other = [("/status", "GET"), ("/history", "GET"), ("/ui/", "GET"), ("/ui/static/dashboard.js", "GET")] + [
+            (p, "POST") for p in ("/rescale", "/savepoint", "/stop", "/restart", "/cancel", "/ui/token")]
+        for path, method in every_other:
             code, body = _get(outside + path, {"Content-Type": "application/json"}, method)
             assert code == 401 and "control secret" in json.loads(body)["error"], (path, code, body)
         assert runner.actions == ["status"]  # the one scrape with the token; nothing was stopped or rescaled
