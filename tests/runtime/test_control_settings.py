@@ -120,7 +120,7 @@ def test_options_win_over_the_environment(tmp_path: Path) -> None:
     s = control_settings(_opts(), env)
     assert (s.host, s.port, s.metrics_unauthenticated) == ("0.0.0.0", 9464, True)
     s = control_settings(_opts(control_host="127.0.0.1", control_port=7000, metrics_unauthenticated=False,
-                               metrics_token_file=str(token)), env)
+                               metrics_token_file=token), env)  # a Path, as a Python caller gives it
     assert (s.host, s.port, s.metrics_unauthenticated) == ("127.0.0.1", 7000, False)
     assert s.metrics_token is not None and s.metrics_token.current() == "from-file"
     s = control_settings(_opts(), {"KEYSCALE_METRICS_TOKEN": " t0k "})

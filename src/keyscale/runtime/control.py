@@ -1,4 +1,4 @@
-"""The running job's control API: a small HTTP server on localhost.
+"""The running job's control API: a small HTTP server, on 127.0.0.1 unless told otherwise.
 
 ``GET /status``; ``GET /metrics`` (Prometheus' text format, :mod:`keyscale.runtime.metrics`);
 ``GET /health`` (200 while the job runs its batches, else 503); ``GET /history`` (recent

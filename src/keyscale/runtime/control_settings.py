@@ -92,7 +92,7 @@ class ControlSettings:
 
     host: str = "127.0.0.1"
     port: int = 0
-    # None: /metrics needs the per-run secret (as every endpoint); "none": anyone may read it.
+    # /metrics also accepts this token (the per-run secret always works); or, unauthenticated, anyone may read it.
     metrics_token: MetricsToken | None = None
     metrics_unauthenticated: bool = False
 
@@ -151,7 +151,7 @@ def control_settings(opts: RunOptions, environ: dict[str, str] | None = None) ->
         unauthenticated = _flag(UNAUTHENTICATED_ENV, env.get(UNAUTHENTICATED_ENV, ""))
     sources: list[tuple[str, str | None, str | None]] = []  # (origin, file, value)
     if opts.metrics_token_file is not None:
-        sources.append(("metrics_token_file (--metrics-token-file)", opts.metrics_token_file, None))
+        sources.append(("metrics_token_file (--metrics-token-file)", os.fspath(opts.metrics_token_file), None))  # a Path from Python too
     elif TOKEN_FILE_ENV in env:
         sources.append((TOKEN_FILE_ENV, env[TOKEN_FILE_ENV], None))
     if TOKEN_ENV in env:
