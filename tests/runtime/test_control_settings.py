@@ -260,6 +260,10 @@ def test_the_bind_option_by_environment_and_a_clear_error_when_it_cannot_listen(
     # port at once, although the last one's connections are still in TIME_WAIT: probes keep working.
     with _serve(jobdir, settings) as (srv, _runner):
         assert _get(srv.url + "/health")[0] == 200
+    # "::": every address, IPv6 and (dual stack, Linux's default) IPv4; clients on the host use [::1].
+    with _serve(jobdir, ControlSettings(host="::")) as (srv, _runner):
+        assert srv.url.startswith("http://[::1]:") and _get(srv.url + "/health")[0] == 200
+        assert _get(srv.url + "/status")[0] == 401
     with pytest.raises(KeyscaleError, match=re.escape("the control API cannot listen on 203.0.113.9 port 0")):
         ControlServer(Runner(jobdir), ControlSettings(host="203.0.113.9"))  # type: ignore[arg-type]
     assert not os.path.exists(jobdir.store.url("control/secret"))  # a start that could not listen leaves no secret
