@@ -19,6 +19,7 @@ def build(ctx: Any) -> Any:
 
 
 @pytest.mark.spark
+@pytest.mark.slow
 def test_ks_main_listens_where_told_and_refuses_a_missing_token_file(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_events(tmp_path / "in", files=1, rows=100, keys=5)
     given = ["--until-idle", "--set", f"input={tmp_path / 'in'}"]
