@@ -1,5 +1,5 @@
 """Where the control API listens and who may read ``/metrics``: run options first, then
-``KEYSCALE_CONTROL_*`` / ``KEYSCALE_METRICS_*`` environment variables, then the defaults.
+environment variables, then the defaults.
 
 - ``control_host`` (``--control-host``, ``KEYSCALE_CONTROL_HOST``): the address to listen
   on; default ``127.0.0.1``. ``0.0.0.0`` (or ``::``) for a probe or Prometheus in a pod.
