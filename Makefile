@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keyscale-installed
 
-.PHONY: setup run test docs lint typecheck bench clean redis browser
+.PHONY: setup run test docs lint typecheck bench clean redis browser prometheus
 
 setup: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/python examples/demo.py
 
-test: setup redis browser docs
+test: setup redis browser prometheus docs
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
 
 # The docs site, into site/: strict, so a broken link or anchor, a page left out of the nav,
@@ -35,6 +35,11 @@ redis:
 browser:
 	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
 		|| { echo "make: could not install chromium and chromium-driver (apt-get, as root)"; exit 1; }
+
+# The Prometheus scrape test starts its own Debian prometheus (own config, data folder, port); install it if missing (as root).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } \
+		|| { echo "make: could not install prometheus (apt-get, as root)"; exit 1; }
 
 lint: setup
 	$(BIN)/ruff check src tests bench examples tools

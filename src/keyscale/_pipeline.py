@@ -493,8 +493,10 @@ class Pipeline:
         ``until_idle=True`` (end when the input is read), ``trigger_interval="1 second"``,
         ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"``,
         ``retain``, ``drain_at_end``, ``state_backend="memory"|"rocksdb"`` (the keyed stages'
-        default; a stage's own ``state_backend=`` wins)... keyscale changes none of the
-        session's settings.
+        default; a stage's own ``state_backend=`` wins), ``control_host="0.0.0.0"`` and
+        ``control_port=9464`` (where the control API listens; default 127.0.0.1, any port),
+        ``metrics_token_file=`` or ``metrics_unauthenticated=True`` (who may read ``/metrics``;
+        default: the per-run secret)... keyscale changes none of the session's settings.
         """
         from keyscale.runtime.handle import start_job
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
+from keyscale.runtime.control_settings import add_control_arguments, control_options
 from keyscale.runtime.jobstatus import find_jobs, status_dict
 from keyscale.runtime.session import parse_spark_conf
 from keyscale.storage import local_path, open_store, scheme_of
@@ -84,6 +85,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
         spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend, async_checkpoints=a.async_checkpoints,
+        **control_options(a),
     )
     log = logging.getLogger("keyscale")
     while True:
@@ -137,6 +139,10 @@ def _restart_rescale(a: argparse.Namespace) -> int:
             "--compaction-chain", str(run["compaction_chain"]), "--state-backend", run.get("state_backend", "memory")]
     argv += ["--until-idle"] if run["until_idle"] else []
     argv += ["--async-checkpoints"] if run.get("async_checkpoints") else []
+    for flag in ("control_host", "control_port", "metrics_token_file"):  # the environment's KEYSCALE_* are inherited
+        if run.get(flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(run[flag])]
+    argv += ["--metrics-unauthenticated"] if run.get("metrics_unauthenticated") else []
     for opt in a.storage_option or []:
         argv += ["--storage-option", opt]
     for k, v in run["args"].items():
@@ -441,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a subtask writes a snapshot when its oldest state file is this many batches old (bounds a fallback's replay; default 32)")
     r.add_argument("--allow-empty-restart", action="store_true",
                    help="when no intact checkpoint is left, start again with empty state and read the input again from its beginning")
+    add_control_arguments(r)
     r.add_argument("--fault", help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
 

@@ -1,4 +1,4 @@
-"""The running job's control API: a small HTTP server on localhost.
+"""The running job's control API: a small HTTP server, on 127.0.0.1 unless told otherwise.
 
 ``GET /status``; ``GET /metrics`` (Prometheus' text format, :mod:`keyscale.runtime.metrics`);
 ``GET /health`` (200 while the job runs its batches, else 503); ``GET /history`` (recent
@@ -10,10 +10,13 @@ with its path); ``POST /stop`` ``{"savepoint": bool, "dest": path?}``; ``POST /r
 again in the same Spark application); ``POST /cancel``.
 Answers are JSON; errors are ``{"error": "..."}`` with status 400 (bad request) or 409
 (refused, the job keeps running). The address is written to ``JOB_DIR/control/http.json``
-while the job runs; it listens on 127.0.0.1 only.
+while the job runs; it listens on 127.0.0.1 unless told otherwise (``control_host``,
+``control_port``: :mod:`keyscale.runtime.control_settings`).
 
-Every request must carry ``Authorization: Bearer <JOB_DIR/control/secret>`` (else 401) and a
-Host header naming the server (else 403); POST bodies must be JSON (else 415). The dashboard's
+Every request but ``GET /health`` must carry ``Authorization: Bearer <JOB_DIR/control/secret>``
+(else 401) and, on loopback, a Host header naming the server (else 403); ``GET /metrics`` may
+instead carry the operator's metrics token, or nothing if they made it unauthenticated. POST
+bodies must be JSON (else 415). The dashboard's
 session (a one-time login link) stands in for the secret, but may not name a path or a file
 (``dest``, ``job_file``: 403). A refused request changes nothing. See
 :mod:`keyscale.runtime.control_auth` for why.
@@ -21,8 +24,10 @@ session (a one-time login link) stands in for the secret, but may not name a pat
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.error
@@ -40,12 +45,16 @@ from keyscale.runtime.control_auth import (
     SECRET,
     SESSION_COOKIE,
     auth_header,
+    check_health,
     check_host,
+    check_metrics,
     check_request,
     new_secret,
     read_secret,
 )
+from keyscale.runtime.control_settings import ControlSettings
 from keyscale.runtime.metrics import health, registry_for
+from keyscale.runtime.status import last_committed
 from keyscale.state.keygroups import check_parallelism
 from keyscale.web import LOGIN_TTL_SECONDS, Logins, static_file
 
@@ -61,10 +70,9 @@ ADDRESS = "control/http.json"  # where a client finds the running job's control 
 class ControlServer:
     """Serves one :class:`JobRunner` until :meth:`close`."""
 
-    def __init__(self, runner: JobRunner, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, runner: JobRunner, settings: ControlSettings | None = None):
         self.runner = runner
-        secret = new_secret(runner.jobdir.store)  # before the address: a client that finds one finds the other
-        self.secret = secret
+        settings = settings or ControlSettings()
         # reassert (the heartbeat's thread) and close: no file written again once close deleted it.
         self._files = threading.Lock()
         self._closed = False
@@ -72,16 +80,25 @@ class ControlServer:
         class Handler(_Handler):
             pass
 
-        Handler.runner, Handler.secret, Handler.registry, Handler.logins = runner, secret, registry_for(runner), Logins()
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        Handler.runner, Handler.registry, Handler.logins, Handler.settings = runner, registry_for(runner), Logins(), settings
+        self.httpd = _listen(settings.host, settings.port, Handler)  # before the secret: a failed start leaves none behind
         Handler.port = int(self.httpd.server_address[1])
-        self.url = f"http://{host}:{Handler.port}"
+        bound = str(self.httpd.server_address[0])
+        # Beyond loopback the callers' Host headers name addresses this server cannot know (control_auth).
+        Handler.any_host = not ipaddress.ip_address(bound).is_loopback
+        secret = new_secret(runner.jobdir.store)  # before the address: a client that finds one finds the other
+        self.secret = Handler.secret = secret
+        self.url = f"http://{_url_host(bound)}:{Handler.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-control", daemon=True)
         self._thread.start()
         # The run's epoch and a server id beside the URL: another host's server may have the same URL.
         self.address = {"url": self.url, "epoch": runner.jobdir.epoch, "server": uuid.uuid4().hex}
         runner.jobdir.write_json(ADDRESS, self.address, durable=False)
-        log.info("control API at %s", self.url)
+        if Handler.any_host:
+            log.info("control API at %s, listening on %s port %d: /health without authentication, %s, "
+                     "every other endpoint with the control secret", self.url, bound, Handler.port, settings.describe_metrics())
+        else:
+            log.info("control API at %s (%s)", self.url, settings.describe_metrics())
 
     def _mine(self) -> list[str]:
         """Which of the control files are still this server's (a newer run writes its own)."""
@@ -130,6 +147,29 @@ class ControlServer:
             self.httpd.server_close()
 
 
+def _listen(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """A server on ``host`` (an IPv4 or IPv6 address, or a name) and ``port``; a KeyscaleError
+    naming them if it cannot listen there (a port in use, an address this host does not have)."""
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    try:
+        return Server((host, port), handler)
+    except (OSError, OverflowError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise KeyscaleError(f"the control API cannot listen on {host} port {port}: {reason} "
+                            "(control host and port: --control-host/--control-port, KEYSCALE_CONTROL_HOST/KEYSCALE_CONTROL_PORT)") from None
+
+
+def _url_host(bound: str) -> str:
+    """The host part of the URL clients on this machine use: a wildcard address is reached as loopback."""
+    ip = ipaddress.ip_address(bound)
+    if ip.is_unspecified:
+        return "[::1]" if ip.version == 6 else "127.0.0.1"
+    return f"[{bound}]" if ip.version == 6 else bound
+
+
 def request_rescale(runner: JobRunner, parallelism: int, operator: str | None = None) -> None:
     """Ask a running job to rescale at its next batch (all operators, or ``operator``); it
     shows as pending in the status until then. A parallelism the job cannot take, or an
@@ -149,6 +189,8 @@ class _Handler(BaseHTTPRequestHandler):
     port: int
     registry: CollectorRegistry
     logins: Logins
+    settings: ControlSettings
+    any_host: bool  # listening beyond loopback (control_auth: which Host headers are accepted)
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # requests are logged by what they do, not by the HTTP layer
@@ -169,8 +211,14 @@ class _Handler(BaseHTTPRequestHandler):
         headers = self._auth_headers()
         if method == "GET" and self.path.startswith("/ui/login?"):  # the one-time link carries its own proof
             refusal = check_host(headers, self.port)
+        elif method == "GET" and self.path == "/health":
+            refusal = check_health(headers, self.port, self.any_host)
+        elif method == "GET" and self.path == "/metrics":
+            token = self.settings.metrics_token
+            refusal = check_metrics(headers, self.port, self.secret, token.current() if token is not None else None,
+                                    self.settings.metrics_unauthenticated, self.any_host)
         else:
-            refusal = check_request(method, headers, self.port, self.secret, self.logins.sessions)
+            refusal = check_request(method, headers, self.port, self.secret, self.logins.sessions, any_host=self.any_host)
         if refusal is None:
             return False
         code, reason = refusal
@@ -226,7 +274,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(data)
         elif self.path == "/health":
-            code, body = health(self.runner.job.state, self.runner.query_active())
+            r = self.runner
+            code, body = health(r.job.state, r.query_active(), last_committed(r.job), int(time.time() * 1000), r.stop_requested())
             self._reply(code, body)
         elif self.path == "/metrics":
             data = generate_latest(self.registry)
@@ -249,7 +298,8 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as e:
             self._reply(400, {"error": f"bad request body: {e}"})
             return
-        refusal = check_request("POST", self._auth_headers(), self.port, self.secret, self.logins.sessions, self.path, body)
+        refusal = check_request("POST", self._auth_headers(), self.port, self.secret, self.logins.sessions, self.path, body,
+                                any_host=self.any_host)
         if refusal is not None:  # a dashboard session naming a path or a file
             code, reason = refusal
             log.warning("control API: refused POST %s (%d: %s)", self.path, code, reason)

@@ -32,6 +32,19 @@ It is removed when the run ends cleanly, if it is still the run's own (a run tha
 took over leaves the newer run's secret alone: :meth:`keyscale.runtime.control.ControlServer.close`);
 a killed run leaves it (still 0600), and the next run replaces it before it serves.
 
+**Beyond one machine** (``--control-host 0.0.0.0``, for a Kubernetes probe or Prometheus in
+another pod) the Host header names whatever address the caller used (a pod IP, a Service
+name), so it cannot be checked against a list; it is not needed either where a credential
+decides: a request with the secret or the metrics token is served whatever its Host (a page
+that rebinds a name still cannot know them). What a browser carries by itself, a dashboard
+session cookie or a login link, still needs Host ``127.0.0.1``/``localhost`` (reach the
+dashboard through a tunnel or ``kubectl port-forward`` to the same port number).
+
+Two endpoints may answer without the secret: ``GET /health`` always (state only: what a
+liveness probe, which cannot read a file of the job directory, needs), and ``GET /metrics``
+with the operator's stable token or, if they chose so, with nothing
+(:mod:`keyscale.runtime.control_settings`). ``/metrics`` still answers the secret too.
+
 The checks are pure functions of the request so they can be tested without a server.
 """
 
@@ -115,13 +128,41 @@ def session_of(cookie_header: str) -> str:
 def check_host(headers: Mapping[str, str], port: int) -> tuple[int, str] | None:
     """A foreign Host header (DNS rebinding): 403, else None."""
     host = (headers.get("Host") or "").strip().lower()
-    if host not in (f"127.0.0.1:{port}", f"localhost:{port}"):
+    if host not in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
         return 403, f"Host header {host or '(none)'!r} is not this server (127.0.0.1:{port} or localhost:{port})"
     return None
 
 
+def check_health(headers: Mapping[str, str], port: int, any_host: bool = False) -> tuple[int, str] | None:
+    """``GET /health`` needs no credential: it tells the job's state, nothing else. On
+    loopback the Host header is checked as for every request (a rebound page learns
+    nothing); with ``any_host`` (listening beyond loopback) anyone who can connect may ask."""
+    return None if any_host else check_host(headers, port)
+
+
+def check_metrics(headers: Mapping[str, str], port: int, secret: str, token: str | None = None,
+                  unauthenticated: bool = False, any_host: bool = False) -> tuple[int, str] | None:
+    """``GET /metrics``: the operator's stable ``token`` or the per-run ``secret`` as a bearer
+    token, or nothing if the operator made it ``unauthenticated``; 401 otherwise.
+
+    >>> check_metrics({"Host": "10.0.0.7:9464", "Authorization": "Bearer t0k"}, 9464, "s", token="t0k", any_host=True) is None
+    True
+    >>> check_metrics({"Host": "127.0.0.1:9464", "Authorization": "Bearer wrong"}, 9464, "s", token="t0k")[0]
+    401
+    """
+    if not any_host:
+        refused = check_host(headers, port)
+        if refused is not None:
+            return refused
+    if unauthenticated or has_secret(headers, secret) or (token is not None and has_secret(headers, token)):
+        return None
+    need = "the metrics token" if token is not None else "the control secret (JOB_DIR/control/secret)"
+    return 401, f"missing or wrong credential for /metrics: send 'Authorization: Bearer <{need}>'"
+
+
 def check_request(method: str, headers: Mapping[str, str], port: int, secret: str,
-                  sessions: Collection[str] = (), path: str = "", body: Mapping[str, Any] | None = None) -> tuple[int, str] | None:
+                  sessions: Collection[str] = (), path: str = "", body: Mapping[str, Any] | None = None,
+                  any_host: bool = False) -> tuple[int, str] | None:
     """Refuse a request that is not the owner's: ``(status, reason)``, or None to serve it.
 
     In order: a foreign Host (403), a missing or wrong secret (401), a POST body that is not
@@ -133,15 +174,23 @@ def check_request(method: str, headers: Mapping[str, str], port: int, secret: st
     send without a CORS preflight the server never grants (403 otherwise), and, once the
     body is read (``path``, ``body``: the server checks again then), may not name a path or
     a file (403, :func:`check_session_scope`).
+
+    ``any_host``: the server listens beyond loopback; a request with the secret is served
+    whatever its Host header, a dashboard session's still needs 127.0.0.1 or localhost.
     """
-    refused = check_host(headers, port)
-    if refused is not None:
-        return refused
+    if not any_host:
+        refused = check_host(headers, port)
+        if refused is not None:
+            return refused
     by_secret = has_secret(headers, secret)
     session = session_of(headers.get("Cookie") or "")
     by_session = bool(session) and any(hmac.compare_digest(session.encode(), s.encode()) for s in sessions)
     if not by_secret and not by_session:
         return 401, "missing or wrong control secret: send 'Authorization: Bearer <JOB_DIR/control/secret>'"
+    if any_host and not by_secret:  # a browser's session: DNS rebinding is still a browser's attack
+        refused = check_host(headers, port)
+        if refused is not None:
+            return refused
     if method == "POST" and not by_secret and not headers.get(CSRF_HEADER):
         return 403, f"a dashboard request must carry the {CSRF_HEADER} header"
     if method == "POST":

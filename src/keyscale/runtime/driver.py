@@ -41,6 +41,7 @@ from keyscale.runtime import commit, poison_batch, status
 from keyscale.runtime import parallelism as scaling
 from keyscale.runtime.arrival import with_file_order
 from keyscale.runtime.control import ControlServer
+from keyscale.runtime.control_settings import control_settings
 from keyscale.runtime.heartbeat import Heartbeat
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.jobstate import BatchRecord, JobState, RunOptions, RunSummary
@@ -173,6 +174,8 @@ class JobRunner:
         elif opts.scaling not in ("fixed", "auto", "reactive"):
             raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
         check_state_backend(opts.state_backend, "the job's option")
+        # Read now (a token file too): a setting the control API cannot serve fails the start, before Spark.
+        self._control_settings = control_settings(opts)
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[str | None] = Future()
@@ -285,6 +288,8 @@ class JobRunner:
             "job_file": str(Path(o.job_file).absolute()) if o.job_file else None, "args": o.args, "master": o.master, "until_idle": o.until_idle,
             "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
             "spark_conf": o.spark_conf, "state_backend": o.state_backend, "async_checkpoints": o.async_checkpoints,
+            "control_host": o.control_host, "control_port": o.control_port, "metrics_token_file": o.metrics_token_file,
+            "metrics_unauthenticated": o.metrics_unauthenticated,
         }, durable=False)
 
     def _plan_parallelism(self, pipeline: Pipeline) -> None:
@@ -315,7 +320,7 @@ class JobRunner:
             if not self.jobdir.is_local:
                 # Before the control API: a client that finds its address must find the job running too.
                 self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
-            control = ControlServer(self)
+            control = ControlServer(self, self._control_settings)
             if self._heartbeat is not None:  # a fenced run's late delete of the control files is undone within a beat
                 self._heartbeat.also = control.reassert
             self.job.state = "running"
@@ -489,6 +494,10 @@ class JobRunner:
     def stop(self) -> None:
         """Ask the job to stop after the current batch (safe from any thread)."""
         self._stop.set()
+
+    def stop_requested(self) -> bool:
+        """Whether the job was asked to stop (it ends after the current batch)."""
+        return self._stop.is_set()
 
     def request_restart(self, parallelism: int | None, job_file: str | None = None) -> str:
         """Restart without a new JVM: a savepoint (the fallback), then the run ends between two

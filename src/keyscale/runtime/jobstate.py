@@ -61,6 +61,12 @@ class RunOptions:
     state_backend: str = "memory"  # keyed stages' default: "memory" | "rocksdb" (a stage's own state_backend= wins)
     # A batch's state files upload while the next batch runs; its manifest commits once they are stored.
     async_checkpoints: bool = False
+    # The control API (keyscale.runtime.control_settings): None takes the environment variable
+    # of the same setting, else the default (127.0.0.1, any free port, /metrics with the secret).
+    control_host: str | None = None
+    control_port: int | None = None
+    metrics_token_file: str | None = None
+    metrics_unauthenticated: bool | None = None
     # test-only: "<point>:<batch>", point mid-batch, mid-upload, between-sinks, after-sink, in-compaction,
     # and with asynchronous checkpoints slow-upload, fail-upload, worker-dies-mid-upload
     fault: str | None = None

@@ -11,7 +11,7 @@ tested without Spark:
 
 >>> from keyscale.runtime.jobstate import RunSummary
 >>> fams = families({"job": "rc", "state": "running", "operators": {"totals": {"parallelism": 2}}}, None, RunSummary("rc", "d"), 0)
->>> [(s.name, s.labels, s.value) for f in fams if f.name == "keyscale_operator_parallelism" for s in f.samples]
+>>> [(s.name, s.labels, float(s.value)) for f in fams if f.name == "keyscale_operator_parallelism" for s in f.samples]
 [('keyscale_operator_parallelism', {'job': 'rc', 'operator': 'totals'}, 2.0)]
 """
 
@@ -142,16 +142,35 @@ def registry_for(runner: JobRunner) -> CollectorRegistry:
     return registry
 
 
-def health(state: str, query_active: bool | None) -> tuple[int, dict[str, Any]]:
-    """``GET /health``: 200 while the job runs its batches, else 503 with the reason.
+def health(state: str, query_active: bool | None, committed: Manifest | None = None, now_ms: int = 0,
+           stopping: bool = False) -> tuple[int, dict[str, Any]]:
+    """``GET /health``, which answers without the secret: 200 while the job runs its batches
+    or is ending by itself (a stop or restart asked for), else 503 with the reason. The body
+    tells the state, the last committed batch and its age, nothing else (no names, paths or
+    errors: the job's status has those, behind the secret).
+
+    The code does not depend on the age: a job whose input is idle commits no batch, and a
+    probe must not restart it for that (alert on ``keyscale_last_checkpoint_age_seconds``
+    where the input is steady).
 
     >>> health("running", True)
-    (200, {'status': 'ok', 'state': 'running'})
+    (200, {'status': 'ok', 'state': 'running', 'last_checkpoint': None, 'last_checkpoint_age_seconds': None})
     >>> health("running", False)[0], health("failed", None)[1]["reason"]
     (503, 'the job is failed')
+    >>> health("running", False, stopping=True)[1]["state"]
+    'stopping'
     """
+    body: dict[str, Any] = {
+        "status": "ok",
+        "state": "stopping" if stopping and state in ("running", "draining") else state,
+        "last_checkpoint": committed.batch if committed is not None else None,
+        "last_checkpoint_age_seconds": round(max(0.0, (now_ms - committed.created_ms) / 1000), 3)
+        if committed is not None and committed.created_ms else None,
+    }
+    if body["state"] in ("stopping", "restarting"):
+        return 200, body  # ends (or starts again) by itself: a restart by the probe would cut its savepoint short
     if state not in ("running", "draining"):
-        return 503, {"status": "down", "state": state, "reason": f"the job is {state}"}
+        return 503, {**body, "status": "down", "reason": f"the job is {state}"}
     if query_active is False:
-        return 503, {"status": "down", "state": state, "reason": "the job's Spark query is not active"}
-    return 200, {"status": "ok", "state": state}
+        return 503, {**body, "status": "down", "reason": "the job's Spark query is not active"}
+    return 200, body

@@ -18,6 +18,7 @@ from typing import Any
 
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
+from keyscale.runtime.control_settings import add_control_arguments, control_options
 
 __all__ = ["main"]
 
@@ -31,6 +32,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--trigger-interval", default="1 second")
     p.add_argument("--from-savepoint", help="start a new job directory from this savepoint")
     p.add_argument("--max-parallelism", type=int)
+    add_control_arguments(p)
     return p
 
 
@@ -64,7 +66,8 @@ def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
         if not isinstance(pipeline, Pipeline):
             raise KeyscaleError(f"build() in {module_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
         job = pipeline.start(a.job_dir, a.parallelism, name=name, until_idle=a.until_idle, trigger_interval=a.trigger_interval,
-                             from_savepoint=a.from_savepoint, max_parallelism=a.max_parallelism, args=_parse_sets(a.set))
+                             from_savepoint=a.from_savepoint, max_parallelism=a.max_parallelism, args=_parse_sets(a.set),
+                             **control_options(a))
 
         def _graceful(signum: int, _frame: Any) -> None:
             log.info("received %s; stopping after the current batch", signal.Signals(signum).name)
