@@ -3,8 +3,20 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keyscale-installed
+# The oldest PySpark that pyproject.toml's range admits: `make test-oldest` runs a smoke set on
+# it, in a venv of its own (docs/install.md says which versions are tested where).
+OLDEST_PYSPARK := 4.0.0
+OLDEST := .venv-oldest
+# Wheels this Makefile (and the wheel test) download or build, kept between runs: PyPI has
+# PySpark only as a ~430 MB sdist, which pip would otherwise build again for every new venv.
+WHEELS := .cache/wheels
+# The smoke set: Spark's hash agrees with keyscale's key groups, a user's script starts,
+# rescales, savepoints and stops a job, and a job file runs under spark-submit.
+SMOKE := tests/state/test_spark_hash.py \
+	tests/api/test_python_api.py::test_a_users_script_starts_rescales_savepoints_and_stops_a_job \
+	tests/api/test_python_api.py::test_the_job_file_runs_under_spark_submit_with_the_users_conf
 
-.PHONY: setup run test lint typecheck bench clean redis browser
+.PHONY: setup run test test-oldest lint typecheck bench clean redis browser
 
 setup: $(STAMP)
 
@@ -20,6 +32,20 @@ run: setup
 
 test: setup redis browser
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
+	$(MAKE) --no-print-directory test-oldest
+
+test-oldest: $(OLDEST)/.keyscale-installed
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(SMOKE)
+
+$(OLDEST)/.keyscale-installed: pyproject.toml $(WHEELS)/pyspark-$(OLDEST_PYSPARK)-py2.py3-none-any.whl
+	@test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --find-links $(WHEELS) -e . 'pyspark==$(OLDEST_PYSPARK)' \
+		'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	@touch $@
+
+# PySpark's wheel, built once from its sdist (pip's own cache is not this Makefile's to rely on).
+$(WHEELS)/pyspark-%-py2.py3-none-any.whl:
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir $(WHEELS) 'pyspark==$*'
 
 # The log tests start their own redis-server; install the Debian package if it is missing (as root).
 redis:
@@ -36,4 +62,4 @@ lint: setup
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache build
+	rm -rf $(VENV) $(OLDEST) .cache .pytest_cache .mypy_cache build
