@@ -3,6 +3,9 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keyscale-installed
+# The PySpark the suite runs on (the newest in pyproject.toml's range): pinned here, so that
+# what `make test` tested is known, while users' resolvers get the whole range.
+PYSPARK := 4.3.0
 # The oldest PySpark that pyproject.toml's range admits: `make test-oldest` runs a smoke set on
 # it, in a venv of its own (docs/install.md says which versions are tested where).
 OLDEST_PYSPARK := 4.0.0
@@ -21,10 +24,10 @@ SMOKE := tests/state/test_spark_hash.py \
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@command -v $(PY) >/dev/null 2>&1 || { echo "make: $(PY) not found (keyscale needs Python 3.11)"; exit 1; }
+	@command -v $(PY) >/dev/null 2>&1 || { echo "make: $(PY) not found (the Makefile's venvs use Python 3.11; PY=python3.12 make ... for another)"; exit 1; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,plot]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,plot]' 'pyspark==$(PYSPARK)'
 	@touch $(STAMP)
 
 run: setup
