@@ -224,9 +224,9 @@ act("rescale", async () => {
   // The job as it is now, not as the page last drew it: a rescale from elsewhere in the
   // last two seconds must not be undone by a box that had not caught up yet.
   const now = keyedParallelism(await getJSON("/status"));
-  if (!typed || now.every((n) => n === p)) {
-    return `the job already runs at parallelism ${[...new Set(now)].join(", ")}: nothing to rescale`;
-  }
+  const same = `the job already runs at parallelism ${[...new Set(now)].join(", ")}: nothing to rescale`;
+  if (!typed) return now.length ? same : "enter the parallelism to rescale to";
+  if (now.length && now.every((n) => n === p)) return same;
   if (!Number.isInteger(p) || p < 1) throw new Error("the parallelism must be a whole number of subtasks, 1 or more");
   await post("/rescale", { parallelism: p });
   return `rescale to ${p} requested: applied at the next batch`;
