@@ -3,16 +3,31 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.keyscale-installed
+# The PySpark the suite runs on (the newest in pyproject.toml's range): pinned here, so that
+# what `make test` tested is known, while users' resolvers get the whole range.
+PYSPARK := 4.3.0
+# The oldest PySpark that pyproject.toml's range admits: `make test-oldest` runs a smoke set on
+# it, in a venv of its own (docs/install.md says which versions are tested where).
+OLDEST_PYSPARK := 4.0.0
+OLDEST := .venv-oldest
+# Wheels this Makefile (and the wheel test) download or build, kept between runs: PyPI has
+# PySpark only as a ~430 MB sdist, which pip would otherwise build again for every new venv.
+WHEELS := .cache/wheels
+# The smoke set: Spark's hash agrees with keyscale's key groups, a user's script starts,
+# rescales, savepoints and stops a job, and a job file runs under spark-submit.
+SMOKE := tests/state/test_spark_hash.py \
+	tests/api/test_python_api.py::test_a_users_script_starts_rescales_savepoints_and_stops_a_job \
+	tests/api/test_python_api.py::test_the_job_file_runs_under_spark_submit_with_the_users_conf
 
-.PHONY: setup run test docs lint typecheck bench clean redis browser prometheus
+.PHONY: setup run test test-oldest docs lint typecheck bench clean redis browser prometheus
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@command -v $(PY) >/dev/null 2>&1 || { echo "make: $(PY) not found (keyscale needs Python 3.11)"; exit 1; }
+	@command -v $(PY) >/dev/null 2>&1 || { echo "make: $(PY) not found (the Makefile's venvs use Python 3.11; PY=python3.12 make ... for another)"; exit 1; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,plot]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,plot]' 'pyspark==$(PYSPARK)'
 	@touch $(STAMP)
 
 run: setup
@@ -20,6 +35,20 @@ run: setup
 
 test: setup redis browser prometheus docs
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
+	$(MAKE) --no-print-directory test-oldest
+
+test-oldest: $(OLDEST)/.keyscale-installed
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(SMOKE)
+
+$(OLDEST)/.keyscale-installed: pyproject.toml $(WHEELS)/pyspark-$(OLDEST_PYSPARK)-py2.py3-none-any.whl
+	@test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --find-links $(WHEELS) -e . 'pyspark==$(OLDEST_PYSPARK)' \
+		'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	@touch $@
+
+# PySpark's wheel, built once from its sdist (pip's own cache is not this Makefile's to rely on).
+$(WHEELS)/pyspark-%-py2.py3-none-any.whl:
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir $(WHEELS) 'pyspark==$*'
 
 # The docs site, into site/: strict, so a broken link or anchor, a page left out of the nav,
 # or a docstring the API reference cannot render fails the build (and so `make test`).
@@ -46,4 +75,4 @@ lint: setup
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache build site
+	rm -rf $(VENV) $(OLDEST) .cache .pytest_cache .mypy_cache build site

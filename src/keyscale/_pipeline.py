@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from keyscale._spark_types import from_arrow_schema, to_arrow_schema
 from keyscale._steps import (
     KeyedStep,
     LogInputStep,
@@ -79,14 +80,10 @@ class JobContext:
 
 
 def _to_arrow_schema(schema: StructType) -> pa.Schema:
-    from pyspark.sql.pandas.types import to_arrow_schema
-
-    return to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
+    return to_arrow_schema(schema, utc=True)
 
 
 def _to_spark_schema(schema: pa.Schema) -> StructType:
-    from pyspark.sql.pandas.types import from_arrow_schema
-
     return from_arrow_schema(schema)
 
 

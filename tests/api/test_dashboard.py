@@ -5,6 +5,7 @@ page cannot be opened without the one-time login link. Screenshots are kept in
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import time
@@ -41,6 +42,7 @@ def browser() -> Iterator[Any]:
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", "--window-size=1400,1600", f"--user-data-dir={profile}"):
         opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console: a 404 or a script error shows there
     driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=opts)
     try:
         yield driver
@@ -83,7 +85,8 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
         assert browser.find_element(By.ID, "state").text == "running"
         strips = browser.find_elements(By.CSS_SELECTOR, "[data-operator=totals] rect.subtask")
         assert len(strips) == 2
-        assert len(browser.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 4  # uPlot drew the four timelines
+        assert len(browser.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 3  # uPlot drew three timelines
+        assert "n/a" in browser.find_element(By.ID, "chart-backlog").text  # and files have no backlog to draw
         assert len(browser.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")) == 3
         assert len(browser.find_elements(By.CSS_SELECTOR, "#savepoints tbody tr")) == 1
         assert browser.find_element(By.ID, "outputs").text == f"'totals' → parquet files in {tmp_path / 'out'}"
@@ -121,6 +124,89 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
             assert browser.find_element(By.ID, "job").text == "clicks"
         finally:
             folder.close()
+    finally:
+        job.stop()
+
+
+def _browser_errors(browser: Any) -> list[str]:
+    """What the page's console reported as failed (a resource that answered 404, a script error)."""
+    return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _clipped_rows(browser: Any, chart: str) -> int:
+    """How many pixel rows of the chart's plot height have ink in the canvas's first two
+    columns: a y-axis label wider than its axis is cut off there (the `0,000` of issue 33)."""
+    return int(browser.execute_script("""
+        const u = charts[arguments[0]], c = u.ctx.canvas, r = devicePixelRatio;
+        const px = u.ctx.getImageData(0, Math.round(u.bbox.top), 2, Math.round(u.bbox.height)).data;
+        let rows = 0;
+        for (let i = 3; i < px.length; i += 8) if (px[i] > 0 || px[i + 4] > 0) rows++;
+        return rows;""", chart))
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_the_dashboard_follows_the_jobs_parallelism(spark: Any, tmp_path: Path, browser: Any) -> None:
+    """Issue 33, item 6: a job started at -p 4 and rescaled live shows its own parallelism in
+    the box (never the page's default), a number being typed is left alone, and pressing
+    Rescale without changing it rescales nothing. On the same page: the input-rate axis
+    reads 12k/s (not a clipped `0,000`), a file source's backlog is an explicit n/a with the
+    reason, and the page has a favicon (no 404)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    inp = tmp_path / "in"
+    write_events(inp, files=3, rows=30_000, keys=300)  # tens of thousands of records/s: five-digit rates
+    events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(inp))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count())
+           .sink(ks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 4, name="wide", trigger_interval="300 milliseconds"))
+    jd = JobDir(str(tmp_path / "job"))
+    field = lambda: browser.find_element(By.ID, "parallelism")  # noqa: E731
+    try:
+        _wait(lambda: job.status()["last_checkpoint"] == 2, "three batches")
+        browser.get(call(jd, "POST", "/ui/token")["url"])
+        _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the page to load")
+        assert field().get_attribute("value") == "4"
+
+        rate_labels = browser.execute_script("return charts['chart-rate'].axes[1]._values")
+        assert rate_labels and all(re.fullmatch(r"\d+(\.\d)?[kM]?/s", v) for v in rate_labels), rate_labels
+        assert any("k/s" in v for v in rate_labels), rate_labels
+        assert _clipped_rows(browser, "chart-rate") == 0
+        backlog = browser.find_element(By.ID, "chart-backlog")
+        assert "n/a" in backlog.text and "does not tell how much input is waiting" in backlog.text
+        assert not backlog.find_elements(By.TAG_NAME, "canvas")
+        icon = browser.find_element(By.CSS_SELECTOR, "link[rel=icon]").get_attribute("href")
+        assert browser.execute_script("return fetch(arguments[0]).then((r) => r.status + ' ' + r.headers.get('content-type'))", icon) == "200 image/svg+xml"
+        assert _browser_errors(browser) == []
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "dashboard-p4.png"))
+
+        # A live rescale from elsewhere (the CLI, the autoscaler): the box follows the job.
+        job.rescale(3)
+        write_events(inp, files=1, rows=30_000, keys=300, first=3)
+        _wait(lambda: job.status()["last_checkpoint"] == 3, "the rescale")
+        _wait(lambda: field().get_attribute("value") == "3", "the box to show 3")
+
+        # A number being typed survives the page's refreshes.
+        field().send_keys(Keys.BACKSPACE, "6")
+        seen = browser.execute_script("return Number(document.body.dataset.refreshes)")
+        _wait(lambda: browser.execute_script("return Number(document.body.dataset.refreshes)") >= seen + 2, "two refreshes")
+        assert field().get_attribute("value") == "6"
+        browser.find_element(By.ID, "job").click()  # focus elsewhere: still the user's number
+        _wait(lambda: browser.execute_script("return Number(document.body.dataset.refreshes)") >= seen + 3, "a refresh")
+        assert field().get_attribute("value") == "6"
+
+        # A fresh page, Rescale pressed without a change: nothing is requested.
+        browser.refresh()
+        _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the page to load again")
+        assert field().get_attribute("value") == "3"
+        browser.find_element(By.ID, "rescale").click()
+        _wait(lambda: browser.find_element(By.ID, "result").text != "", "the page's answer")
+        assert browser.find_element(By.ID, "result").text == "the job already runs at parallelism 3: nothing to rescale"
+        assert job.status()["pending_rescale"] is None
+        write_events(inp, files=1, rows=30_000, keys=300, first=4)
+        _wait(lambda: job.status()["last_checkpoint"] == 4, "one more batch")
+        assert job.status()["operators"]["totals"]["parallelism"] == 3
     finally:
         job.stop()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from keyscale._spark_types import to_arrow_schema
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.jobstate import JobState
 from keyscale.sources import reader
@@ -62,7 +63,6 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
 def read_source(job: JobState, src: LogSource, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int,
                 log_ids: dict[str, str | None]) -> DataFrame:
     """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``)."""
-    from pyspark.sql.pandas.types import to_arrow_schema
 
     from keyscale._pipeline import source_schema
 
@@ -70,7 +70,7 @@ def read_source(job: JobState, src: LogSource, batch_id: int, plan_json: list[li
     plan = reader.plan_from_json(plan_json)
     spark = job.spark
     schema = source_schema(src)
-    target = to_arrow_schema(schema, timezone="UTC", prefers_large_types=False)
+    target = to_arrow_schema(schema, utc=True)
     # The job's clock is per partition when the log drives the batches; beside a Spark
     # source the stage's own event times move it (commit.next_watermark).
     driving = src is job.pipeline.log_source

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from keyscale._pipeline import Branch
+from keyscale._spark_types import from_arrow_schema, to_arrow_schema
 from keyscale._steps import KeyedStep, LogInputStep, NonKeyedStep, TransformStep
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
@@ -181,7 +182,6 @@ def apply_broadcasts(job: JobState, plans: dict[str, list[list[list[int]]]]) -> 
 
 def nonkeyed(job: JobState, df: DataFrame, step: NonKeyedStep, batch_id: int, batch_time_ms: int, p: int, rules: dict[str, dict[str, Any]]) -> DataFrame:
     """A non-keyed stage at parallelism ``p``: its lists from the committed manifest."""
-    from pyspark.sql.pandas.types import from_arrow_schema
 
     prev = job.committed.operators.get(step.uid) if job.committed else None
     lists = lists_for(prev.operator_state if prev else {}, step.lists, p, step.uid)
@@ -202,7 +202,6 @@ def keyed(
     """A keyed stage at parallelism ``p``: its state files from the committed manifest, which
     subtasks snapshot (compact) this batch, and the exact shuffle to its subtasks. ``order``:
     the arrival-order columns ``df`` carries (``arrival.ORDER``, or none)."""
-    from pyspark.sql.pandas.types import from_arrow_schema
 
     m = job.max_parallelism
     prev = job.committed.operators.get(step.uid) if job.committed else None
@@ -313,7 +312,6 @@ def combined(staged: DataFrame, input_schema: StructType, step: KeyedStep, spec:
     would have; the marker rows stay rows of their own (sequence -1). ``input_schema``: the
     batch's, already read by ``keyed`` (each read of a plan's schema is a call to the JVM)."""
     from pyspark.sql import functions as F
-    from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import FractionalType, IntegralType, TimestampType
 
     fn = step.function
@@ -348,7 +346,7 @@ def combined(staged: DataFrame, input_schema: StructType, step: KeyedStep, spec:
         parts += [F.max(F.when(~beyond, ms)).alias(COMBINED_EVENT_MS), F.sum(beyond.cast("long")).alias(COMBINED_AHEAD)]
     marker = (F.col(SEQ) < 0).alias(MARKER)
     grouped = staged.groupBy(ROUTE, marker, KG, *step.key_names).agg(*parts, F.min(SEQ).alias(SEQ))
-    task_schema = to_arrow_schema(grouped.select(*step.key_names, *partials).schema)
+    task_schema = to_arrow_schema(grouped.select(*step.key_names, *partials).schema, utc=False)
     out = grouped.select(*task_schema.names, SEQ, KG)
     return out, replace(spec, function=RunningAggregate(fn.aggs, fn.key_names, fn.input_types, merging=True),
                         input_schema=task_schema, combined=True)

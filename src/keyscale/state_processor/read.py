@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from keyscale._spark_types import from_arrow_schema
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.savepoint import (
     DEFAULT_ROWS_PER_FILE,
@@ -128,8 +129,6 @@ def read_keyed_state(
 
 
 def spark_schema(schema: pa.Schema) -> Any:
-    from pyspark.sql.pandas.types import from_arrow_schema
-
     return from_arrow_schema(schema)
 
 

@@ -20,7 +20,7 @@ __all__ = ["LOGIN_TTL_SECONDS", "Logins", "static_file"]
 LOGIN_TTL_SECONDS = 120.0
 
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
-          ".png": "image/png", ".LICENSE": "text/plain; charset=utf-8"}
+          ".png": "image/png", ".svg": "image/svg+xml", ".LICENSE": "text/plain; charset=utf-8"}
 
 
 def static_file(name: str) -> tuple[bytes, str] | None:

@@ -5,6 +5,8 @@
 
 const COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
 const charts = {};
+let jobParallelism = [];  // the keyed operators' parallelism, from the last /status
+let edited = false;  // the user typed into the box: refreshes leave it alone until Rescale
 
 function fmtBytes(n) {
   if (n == null) return "–";
@@ -15,6 +17,31 @@ function fmtBytes(n) {
 }
 
 function fmtTime(ms) { return ms ? new Date(ms).toLocaleTimeString() : "–"; }
+
+// An axis label short enough to read at a glance: 950, 1.2k, 35k, 1.5M.
+function fmtCompact(v) {
+  const a = Math.abs(v);
+  for (const [div, unit] of [[1e9, "G"], [1e6, "M"], [1e3, "k"]]) {
+    if (a >= div) return `${+(v / div).toFixed(a >= 10 * div ? 0 : 1)}${unit}`;
+  }
+  return `${+v.toFixed(a >= 10 || a === 0 ? 0 : a >= 1 ? 1 : 2)}`;
+}
+
+// uPlot gives a y axis a fixed 50 px, so "12,000" lost its first digits at the canvas edge:
+// size the axis to its widest label instead (uPlot calls this again once the labels are known),
+// never under those 50 px, which the x axis's first date label needs on its left.
+function axisSize(u, values, axisIdx, cycleNum) {
+  const axis = u.axes[axisIdx];
+  if (cycleNum > 1) return axis._size;  // uPlot's guard: stop re-measuring after two passes
+  const widest = (values || []).reduce((w, v) => (String(v).length > w.length ? String(v) : w), "");
+  u.ctx.font = axis.font[0];
+  return Math.max(50, Math.ceil(axis.ticks.size + axis.gap + 6 + u.ctx.measureText(widest).width / devicePixelRatio));
+}
+
+// The keyed operators' parallelism (operators with key groups: what a rescale of the job changes).
+function keyedParallelism(status) {
+  return Object.values(status.operators || {}).filter((op) => op.ranges).map((op) => op.parallelism);
+}
 
 async function getJSON(path) {
   const r = await fetch(path, { credentials: "same-origin" });
@@ -80,15 +107,29 @@ function markers(events) {
   };
 }
 
-function chart(id, title, label, data, events, stepped) {
+function chart(id, title, label, data, events, fmt, stepped) {
   const el = document.getElementById(id);
   const opts = {
     title, width: el.clientWidth - 8, height: 200, plugins: [markers(events)],
     scales: { x: { time: true } },
-    series: [{}, { label, stroke: "#4e79a7", width: 2, ...(stepped ? { paths: uPlot.paths.stepped({ align: 1 }) } : {}) }],
+    axes: [{}, { size: axisSize, values: (u, ticks) => ticks.map(fmt), ...(stepped ? { incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500] } : {}) }],
+    series: [{}, { label, stroke: "#4e79a7", width: 2, value: (u, v) => (v == null ? "–" : fmt(v)), ...(stepped ? { paths: uPlot.paths.stepped({ align: 1 }) } : {}) }],
   };
   if (charts[id]) charts[id].destroy();
+  el.replaceChildren();
   charts[id] = new uPlot(opts, data, el);
+}
+
+// A timeline the job has no numbers for: say so, and why, rather than draw empty axes.
+function noChart(id, title, why) {
+  if (charts[id]) { charts[id].destroy(); delete charts[id]; }
+  const h = document.createElement("div");
+  h.className = "u-title";
+  h.textContent = title;
+  const p = document.createElement("p");
+  p.className = "na";
+  p.textContent = why;
+  document.getElementById(id).replaceChildren(h, p);
 }
 
 function render(status, history) {
@@ -102,6 +143,11 @@ function render(status, history) {
   const pending = status.pending_rescale;
   document.getElementById("pending").textContent = pending
     ? `rescale pending: ${Object.entries(pending.parallelism).map(([u, p]) => `${u === "*" ? "all" : u} → ${p}`).join(", ")}` : "";
+  // The box shows the job's parallelism (it changes by a live rescale, the CLI, the
+  // autoscaler, or a start at another -p) unless the user is entering a number of their own.
+  jobParallelism = keyedParallelism(status);
+  const field = document.getElementById("parallelism");
+  if (jobParallelism.length && !edited && document.activeElement !== field) field.value = Math.max(...jobParallelism);
   const err = status.last_error;
   document.getElementById("error").hidden = !err;
   if (err) {
@@ -123,10 +169,19 @@ function render(status, history) {
   const batches = history.batches;
   const t = batches.map((b) => b.time_ms / 1000);
   const events = history.events;
-  chart("chart-rate", "Input rate", "records/s", [t, batches.map((b) => (b.seconds > 0 ? b.records / b.seconds : 0))], events);
-  chart("chart-duration", "Batch duration", "seconds", [t, batches.map((b) => b.seconds)], events);
-  chart("chart-backlog", "Backlog", "records", [t, batches.map((b) => b.backlog)], events);
-  chart("chart-parallelism", "Parallelism", "subtasks", [t, batches.map((b) => Math.max(0, ...Object.values(b.parallelism)))], events, true);
+  chart("chart-rate", "Input rate", "records/s", [t, batches.map((b) => (b.seconds > 0 ? b.records / b.seconds : 0))], events,
+    (v) => `${fmtCompact(v)}/s`);
+  chart("chart-duration", "Batch duration", "seconds", [t, batches.map((b) => b.seconds)], events, (v) => `${fmtCompact(v)} s`);
+  // The backlog is what a keyscale log source has not read yet (Kafka lag); a Spark source
+  // (files, a table, Spark's Kafka reader) does not report it, so every batch has null.
+  if (batches.length && batches.every((b) => b.backlog == null)) {
+    noChart("chart-backlog", "Backlog", "n/a: this job's source does not tell how much input is waiting (Spark's file, "
+      + "table and Kafka sources do not). keyscale measures the backlog of its own sources: ks.kafka_source and ks.log_source.");
+  } else {
+    chart("chart-backlog", "Backlog", "records", [t, batches.map((b) => b.backlog)], events, fmtCompact);
+  }
+  chart("chart-parallelism", "Parallelism", "subtasks", [t, batches.map((b) => Math.max(0, ...Object.values(b.parallelism)))], events,
+    (v) => (Number.isInteger(v) ? String(v) : ""), true);
 
   document.getElementById("events").replaceChildren(...events.slice().reverse().map((e) => {
     const li = document.createElement("li");
@@ -141,6 +196,7 @@ function render(status, history) {
   rows("#checkpoints", batches.slice(-20).reverse(), (b) => [b.batch, fmtTime(b.time_ms), b.seconds.toFixed(2), b.records.toLocaleString(), fmtBytes(b.checkpoint_bytes)]);
   rows("#savepoints", history.savepoints.slice().reverse(), (s) => [s.batch, fmtTime(s.time_ms), s.path]);
   document.body.dataset.loaded = "true";
+  document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);  // lets a test wait for the next one
 }
 
 async function refresh() {
@@ -160,8 +216,18 @@ function act(button, fn) {
   });
 }
 
+document.getElementById("parallelism").addEventListener("input", () => { edited = true; });
 act("rescale", async () => {
   const p = Number(document.getElementById("parallelism").value);
+  const typed = edited;
+  edited = false;
+  // The job as it is now, not as the page last drew it: a rescale from elsewhere in the
+  // last two seconds must not be undone by a box that had not caught up yet.
+  const now = keyedParallelism(await getJSON("/status"));
+  const same = `the job already runs at parallelism ${[...new Set(now)].join(", ")}: nothing to rescale`;
+  if (!typed) return now.length ? same : "enter the parallelism to rescale to";
+  if (now.length && now.every((n) => n === p)) return same;
+  if (!Number.isInteger(p) || p < 1) throw new Error("the parallelism must be a whole number of subtasks, 1 or more");
   await post("/rescale", { parallelism: p });
   return `rescale to ${p} requested: applied at the next batch`;
 });
