@@ -52,6 +52,11 @@ class InputDataError(KeyscaleError):
     exit_code = 5
 
 
+class KeyColumnMissingError(InputDataError):
+    """A key column is null in every record of a batch: most likely the input lacks the
+    column (a misspelled name, or a schema naming a column the files do not have)."""
+
+
 class ClusterError(KeyscaleError):
     """A local Spark standalone cluster (``keyscale cluster``) cannot be started, reached or changed."""
 

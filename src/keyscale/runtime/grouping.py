@@ -23,7 +23,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyscale.errors import InputDataError
+from keyscale.errors import InputDataError, KeyColumnMissingError
 from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.operators.poison import null_key_mask
 from keyscale.runtime.stagetask import (
@@ -61,6 +61,15 @@ def null_check(spec: StageTask, table: pa.Table) -> pa.Table:
         col = table.column(k)
         bad = null_key_mask(col)
         n = int(bad.sum() if weight is None else weight[bad].sum())  # records
+        if n and spec.null_keys == "error" and col.null_count == table.num_rows:
+            # Not one key in the batch: the column is most likely not in the input at all (Spark
+            # reads a column that a given schema names and a file lacks as null). Saying "null
+            # key" would send the user to drop null keys, that is, every record.
+            raise KeyColumnMissingError(
+                f"key column '{k}' of operator '{spec.uid}' is null in every record of batch {spec.batch_id} ({n} records): "
+                f"is the column missing from the input, or misspelled? (Spark reads a column that the schema names and the "
+                f"input lacks as null) The stage's input columns: {', '.join(spec.input_schema.names)}"
+            )
         if n and spec.null_keys == "error":
             nan = " (NaN counts as a null key)" if int(bad.sum()) > col.null_count else ""
             raise InputDataError(

@@ -33,6 +33,7 @@ class SourceOptions:
 
     format: str
     options: dict[str, str]
+    schema_json: str | None = None  # the schema the job gave the source (JSON), if any
 
     @property
     def path(self) -> str:
@@ -57,7 +58,8 @@ def spark_sources(df: DataFrame) -> list[SourceOptions]:
         paths = ds.paths()
         if "path" not in options and paths.size():
             options["path"] = ", ".join(str(paths.apply(j)) for j in range(paths.size()))
-        found.append(SourceOptions(str(ds.className()), options))
+        given = ds.userSpecifiedSchema()
+        found.append(SourceOptions(str(ds.className()), options, str(given.get().json()) if given.isDefined() else None))
     return found
 
 
@@ -84,3 +86,44 @@ def check_spark_source(df: DataFrame) -> None:
                 "delete input only once every checkpoint the job keeps is past the batch that read it",
                 src.format, src.path, where,
             )
+
+
+def input_file_columns(df: DataFrame) -> list[tuple[str, list[str]]]:
+    """Per file source of ``df``, its path and the columns its files have (read without the
+    schema the job gives: what Spark infers, as the files' own). Only for an error message:
+    it reads the files' schema (all of a JSON or CSV input), so it is never on a batch's path."""
+    out = []
+    for src in spark_sources(df):
+        fmt = src.format.lower().rsplit(".", 1)[-1]
+        short = next((f for f in ("parquet", "json", "csv", "orc") if fmt.startswith(f)), None)
+        if short is None or "path" not in src.options or ", " in src.options["path"]:
+            continue
+        options = {k: v for k, v in src.options.items() if k != "path"}
+        try:
+            columns = df.sparkSession.read.format(short).options(**options).load(src.options["path"]).columns
+        except Exception:  # an unreadable input is not what this message is about
+            continue
+        out.append((f"the {short} source reading {src.path}", list(columns)))
+    return out
+
+
+def explain_missing_key(df: DataFrame, message: str) -> str:
+    """``message`` (a key column null in a whole batch) made sure by the input files' own
+    columns: the files lack the column (named, with the columns they have), or they have it
+    and the batch's records just have null keys."""
+    import re
+
+    m = re.match(r"key column '([^']+)' of operator '([^']+)' is null in every record of batch (\d+) \((\d+) records\)", message)
+    if m is None:
+        return message
+    column, uid, batch, n = m.groups()
+    found = input_file_columns(df)
+    lacking = [(what, cols) for what, cols in found if column not in cols]
+    if lacking:
+        what, cols = lacking[0]
+        return (f"key column '{column}' of operator '{uid}' is null in every record of batch {batch} ({n} records): {what} has no column "
+                f"'{column}' (its files have: {', '.join(cols)}); fix the name in key_by() or in the source's schema")
+    if found:
+        return (f"null key in column '{column}' of operator '{uid}' (batch {batch}, {n} records, every record of the batch; the input "
+                f"files have the column); filter them out before key_by() or use key_by(..., null_keys='drop')")
+    return message

@@ -70,10 +70,11 @@ class BatchPlan:
 
 def plan_stages(
     job: JobState, df: DataFrame, batch_id: int, batch_time_ms: int, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]],
-    side_df: DataFrame | None = None,
+    side_df: DataFrame | None = None, input_dead_letters: DataFrame | None = None,
 ) -> BatchPlan:
     """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``
-    (``side_df``: the records read from the log beside a Spark source).
+    (``side_df``: the records read from the log beside a Spark source; ``input_dead_letters``:
+    the batch's malformed input records for the dead-letter sink, runtime/malformed.py).
 
     Each stage is planned once, however many branches read it; where several writes read
     one stage's output (branches, side outputs), it is cached, so its tasks run (and its
@@ -91,7 +92,7 @@ def plan_stages(
     # The arrival-order columns each path's output carries (the input's, while they ride along).
     orders: dict[tuple[int, ...], tuple[str, ...]] = {(): arrival.order_columns(df)}
     side: list[tuple[Sink, DataFrame]] = []
-    dead_letters: list[DataFrame] = []
+    dead_letters: list[DataFrame] = [] if input_dead_letters is None else [input_dead_letters]
     cached: list[DataFrame] = []
 
     def shared(path: tuple[int, ...], out: DataFrame) -> DataFrame:
