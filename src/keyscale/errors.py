@@ -53,8 +53,9 @@ class InputDataError(KeyscaleError):
 
 
 class KeyColumnMissingError(InputDataError):
-    """A key column is null in every record of a batch: most likely the input lacks the
-    column (a misspelled name, or a schema naming a column the files do not have)."""
+    """A subtask got only null keys: perhaps the whole batch has no key, the input lacking
+    the column (a misspelled name, or a schema naming a column the files do not have). The
+    driver checks the batch and rewords the message when so."""
 
 
 class ClusterError(KeyscaleError):

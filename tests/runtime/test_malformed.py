@@ -57,11 +57,22 @@ def test_a_key_column_the_files_lack_is_named_with_the_columns_they_have(spark: 
     pq.write_table(pa.table({"userId": ["ann", "bob"], "v": [1, 2]}), tmp_path / "in" / "part-0.parquet")
     with pytest.raises(KeyColumnMissingError) as err:
         _run(tmp_path, "parquet", "", "user string, v long")
-    assert str(err.value).startswith("key column 'user' of operator 'counts' is null in every record of batch 0 (2 records): "
-                                     f"the parquet source reading {tmp_path / 'in'}")
-    assert "has no column 'user' (its files have: userId, v)" in str(err.value)
-    assert "null_keys" not in str(err.value)  # no advice to drop every record
+    assert str(err.value) == (f"key column 'user' of operator 'counts' is null in every record of batch 0: the parquet source reading "
+                              f"{tmp_path / 'in'} has no column 'user' (its files have: userId, v); fix the name in key_by() or in the source's schema")
     _committed_nothing(tmp_path)
+
+
+def test_a_subtask_that_gets_only_null_keys_is_no_missing_column(spark: Any, tmp_path: Path) -> None:
+    """At parallelism 2 the null key's subtask (key group 42 of 128: subtask 0) gets nothing else,
+    while "a" and "b" go to subtask 1: the batch has keys, so the null key is the record's own."""
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"user": ["a", "b", None], "v": [1, 2, 3]}), tmp_path / "in" / "part-0.parquet")
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    with pytest.raises(InputDataError) as err:
+        run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out"), "format": "parquet",
+                                           "schema": "user string, v long"})
+    assert str(err.value).startswith("null key in column 'user' of operator 'counts' (batch 0, 1 records)")
 
 
 def test_a_json_source_in_spark_default_mode_without_the_corrupt_record_column_is_refused(spark: Any, tmp_path: Path) -> None:

@@ -596,8 +596,8 @@ class JobRunner:
             poison_batch.keep_trace(self.jobdir, e)
             self._error = _translate(e)
             if isinstance(self._error, KeyColumnMissingError) and self.pipeline is not None and not isinstance(self.pipeline.source, LogSource):
-                # Only now, on the way out: the input files' own columns say whether the column is missing.
-                self._error = KeyColumnMissingError(explain_missing_key(self.pipeline.source, str(self._error)))
+                # Only now, on the way out: the batch, and the input files' own columns, say whether the column is missing.
+                self._error = KeyColumnMissingError(explain_missing_key(df, self.pipeline.source, str(self._error)))
             elif type(self._error) is InputDataError and self.pipeline is not None and not isinstance(self.pipeline.source, LogSource):
                 self._error = InputDataError(malformed.explain_failfast(self.pipeline.source, str(self._error)))
             raise

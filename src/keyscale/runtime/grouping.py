@@ -61,18 +61,14 @@ def null_check(spec: StageTask, table: pa.Table) -> pa.Table:
         col = table.column(k)
         bad = null_key_mask(col)
         n = int(bad.sum() if weight is None else weight[bad].sum())  # records
-        if n and spec.null_keys == "error" and col.null_count == table.num_rows:
-            # Not one key in the batch: the column is most likely not in the input at all (Spark
-            # reads a column that a given schema names and a file lacks as null). Saying "null
-            # key" would send the user to drop null keys, that is, every record.
-            raise KeyColumnMissingError(
-                f"key column '{k}' of operator '{spec.uid}' is null in every record of batch {spec.batch_id} ({n} records): "
-                f"is the column missing from the input, or misspelled? (Spark reads a column that the schema names and the "
-                f"input lacks as null) The stage's input columns: {', '.join(spec.input_schema.names)}"
-            )
         if n and spec.null_keys == "error":
             nan = " (NaN counts as a null key)" if int(bad.sum()) > col.null_count else ""
-            raise InputDataError(
+            # Not one key among the subtask's records: perhaps none in the whole batch, the
+            # column missing from the input (Spark reads a column that a given schema names and
+            # a file lacks as null). Only the driver can tell (it sees the batch): it rewords
+            # the error then, instead of advising to drop null keys, that is, every record.
+            error = KeyColumnMissingError if col.null_count == table.num_rows else InputDataError
+            raise error(
                 f"null key in column '{k}' of operator '{spec.uid}' (batch {spec.batch_id}, {n} records){nan}; "
                 "filter them out before key_by() or use key_by(..., null_keys='drop')"
             )

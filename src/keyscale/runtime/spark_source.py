@@ -107,23 +107,30 @@ def input_file_columns(df: DataFrame) -> list[tuple[str, list[str]]]:
     return out
 
 
-def explain_missing_key(df: DataFrame, message: str) -> str:
-    """``message`` (a key column null in a whole batch) made sure by the input files' own
-    columns: the files lack the column (named, with the columns they have), or they have it
-    and the batch's records just have null keys."""
+def explain_missing_key(df: DataFrame, source: DataFrame, message: str) -> str:
+    """A null-key error of a subtask that got no key at all (``message``), checked against
+    the batch ``df`` (only on the way out: it reads the batch again): when no record of the
+    batch has the key either, the column is most likely missing from the input, and the
+    message says so, with the input files' own columns for a file source (``source``: the
+    job's streaming DataFrame). Otherwise (or when the batch lacks the column: a key
+    computed by the pipeline) ``message`` stays as it is."""
     import re
 
-    m = re.match(r"key column '([^']+)' of operator '([^']+)' is null in every record of batch (\d+) \((\d+) records\)", message)
-    if m is None:
+    from pyspark.sql import functions as F
+
+    m = re.match(r"null key in column '([^']+)' of operator '([^']+)' \(batch (\d+), (\d+) records\)", message)
+    if m is None or m.group(1) not in df.columns:
         return message
-    column, uid, batch, n = m.groups()
-    found = input_file_columns(df)
+    column, uid, batch, _ = m.groups()
+    if df.where(F.col(f"`{column}`").isNotNull()).limit(1).collect():
+        return message  # other subtasks got keys: the null keys are records' own
+    head = f"key column '{column}' of operator '{uid}' is null in every record of batch {batch}"
+    found = input_file_columns(source)
     lacking = [(what, cols) for what, cols in found if column not in cols]
     if lacking:
         what, cols = lacking[0]
-        return (f"key column '{column}' of operator '{uid}' is null in every record of batch {batch} ({n} records): {what} has no column "
-                f"'{column}' (its files have: {', '.join(cols)}); fix the name in key_by() or in the source's schema")
+        return f"{head}: {what} has no column '{column}' (its files have: {', '.join(cols)}); fix the name in key_by() or in the source's schema"
     if found:
-        return (f"null key in column '{column}' of operator '{uid}' (batch {batch}, {n} records, every record of the batch; the input "
-                f"files have the column); filter them out before key_by() or use key_by(..., null_keys='drop')")
-    return message
+        return message  # the files have the column: their records just have no key
+    return (f"{head}: is the column missing from the input, or misspelled? (Spark reads a column that the schema names and the input "
+            f"lacks as null) The stream's columns: {', '.join(source.columns)}")
