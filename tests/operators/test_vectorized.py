@@ -365,3 +365,23 @@ def test_a_last_seen_column_through_spark(spark: Any, tmp_path: Any) -> None:
     for c in ("first_seen", "last_seen", "lo", "hi"):
         assert (pd.to_datetime(got[c], utc=True) == pd.to_datetime(want[c], utc=True)).all(), c
     assert (got["last_value"] == want["last_value"]).all()
+
+
+@pytest.mark.spark
+def test_min_max_of_a_timestamp_with_combine(spark: Any, tmp_path: Any) -> None:
+    """combine=True: Spark's partial min/max of a timestamp (a timestamp column) merged by the task."""
+    from conftest import read_output, run_job, write_events
+
+    write_events(tmp_path / "in", files=2, rows=200, keys=20, seed=6)
+    job = tmp_path / "combined.py"
+    job.write_text(
+        "import keyscale as ks\n"
+        "def build(ctx):\n"
+        "    df = ctx.spark.readStream.schema('key string, value long, ts timestamp').option('maxFilesPerTrigger', 1).parquet(ctx.arg('input'))\n"
+        "    return (ks.stream(df).key_by('key').aggregate(uid='span', combine=True, lo=ks.min('ts'), hi=ks.max('ts'))\n"
+        "            .sink(ks.ParquetSink(ctx.arg('output'))))\n"
+    )
+    run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+    out = read_output(tmp_path / "out").sort_values("batch").groupby("key").last()
+    ts = pd.concat([pd.read_parquet(p) for p in sorted((tmp_path / "in").glob("part-*.parquet"))]).groupby("key")["ts"]
+    assert (pd.to_datetime(out["lo"], utc=True) == ts.min()).all() and (pd.to_datetime(out["hi"], utc=True) == ts.max()).all()

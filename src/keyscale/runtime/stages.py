@@ -349,7 +349,8 @@ def combined(staged: DataFrame, input_schema: StructType, step: KeyedStep, spec:
         parts += [F.max(F.when(~beyond, ms)).alias(COMBINED_EVENT_MS), F.sum(beyond.cast("long")).alias(COMBINED_AHEAD)]
     marker = (F.col(SEQ) < 0).alias(MARKER)
     grouped = staged.groupBy(ROUTE, marker, KG, *step.key_names).agg(*parts, F.min(SEQ).alias(SEQ))
-    task_schema = to_arrow_schema(grouped.select(*step.key_names, *partials).schema)
+    # timezone: a partial min/max of a timestamp is a timestamp (keyscale's sessions run in UTC)
+    task_schema = to_arrow_schema(grouped.select(*step.key_names, *partials).schema, timezone="UTC")
     out = grouped.select(*task_schema.names, SEQ, KG)
     return out, replace(spec, function=RunningAggregate(fn.aggs, fn.key_names, fn.input_types, merging=True),
                         input_schema=task_schema, combined=True)
