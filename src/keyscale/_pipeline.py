@@ -232,7 +232,10 @@ class Stream:
                     f"operator '{uid}' has on_error='dead_letter' but the pipeline has no dead-letter sink: "
                     "end it with .sink(main_sink, dead_letter=ks.ParquetSink(path))"
                 )
-        return _check_sinks(Pipeline(self._source, (Branch(self._steps, sink),), self._watermark, policies, dead_letter))
+        if on_error == "dead_letter" and dead_letter is None:
+            raise JobDefinitionError("sink(on_error='dead_letter') needs a dead-letter sink: .sink(main_sink, on_error='dead_letter', dead_letter=ks.ParquetSink(path))")
+        return _check_sinks(Pipeline(self._source, (Branch(self._steps, sink),), self._watermark, policies, dead_letter,
+                                     ErrorPolicy(on_error, max_errors_per_batch)))
 
     def _with(self, step: KeyedStep) -> Stream:
         return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
@@ -409,6 +412,9 @@ class Pipeline:
     watermark: WatermarkSpec | None = None
     policies: dict[str, ErrorPolicy] = field(default_factory=dict)  # each keyed stage's poison-record policy
     dead_letter: Sink | None = None
+    # The job's own policy (``sink(on_error=)``): for records no operator owns, such as a
+    # file source's malformed records (runtime/malformed.py).
+    input_policy: ErrorPolicy = field(default_factory=ErrorPolicy)
 
     def error_policy(self, step: KeyedStep) -> ErrorPolicy:
         """A keyed stage's effective poison-record policy: its own, else its branch's ``sink(on_error=)``."""
@@ -514,9 +520,11 @@ def stream(df: DataFrame | LogSource) -> Stream:
     check_classic(df)
     if not df.isStreaming:
         raise JobDefinitionError("keyscale.stream() needs a streaming DataFrame (spark.readStream...), not a batch one")
+    from keyscale.runtime.malformed import check_malformed_modes
     from keyscale.runtime.spark_source import check_spark_source
 
     check_spark_source(df)
+    check_malformed_modes(df)
     return Stream(df)
 
 
@@ -557,7 +565,9 @@ def pipeline(*branches: Pipeline) -> Pipeline:
     dead = {id(b.dead_letter): b.dead_letter for b in branches if b.dead_letter is not None}
     if len(dead) > 1:
         raise JobDefinitionError("the branches of keyscale.pipeline() have different dead-letter sinks: a job has one; give it on one branch")
-    return _check_sinks(replace(merged, policies=policies, dead_letter=next(iter(dead.values()), None)))
+    # The job's own policy (malformed input): the strictest of the branches' (fail, then dead_letter).
+    inputs = sorted((b.input_policy for b in branches), key=lambda p: ("fail", "dead_letter", "skip").index(p.on_error))
+    return _check_sinks(replace(merged, policies=policies, dead_letter=next(iter(dead.values()), None), input_policy=inputs[0]))
 
 
 def _check_sinks(p: Pipeline) -> Pipeline:

@@ -52,6 +52,12 @@ class InputDataError(KeyscaleError):
     exit_code = 5
 
 
+class KeyColumnMissingError(InputDataError):
+    """A subtask got only null keys: perhaps the whole batch has no key, the input lacking
+    the column (a misspelled name, or a schema naming a column the files do not have). The
+    driver checks the batch and rewords the message when so."""
+
+
 class ClusterError(KeyscaleError):
     """A local Spark standalone cluster (``keyscale cluster``) cannot be started, reached or changed."""
 

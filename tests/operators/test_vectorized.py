@@ -262,3 +262,126 @@ def test_combine_refuses_float_sums_and_means() -> None:
     with pytest.raises(JobDefinitionError, match=r"operator 'op': combine=True cannot combine sum\('x'\) \(aggregate 'fx'\)"):
         fn.check_combinable("op")
     RunningAggregate({"hi": kmax("x"), "lo": kmin("x"), "n": count("x"), "avg": mean("v")}, ["k"], TYPES).check_combinable("op")
+
+
+# -- min/max of times, first/last (issue 33, item 8): against a pandas model -----------------------
+
+_T0 = pd.Timestamp("2026-01-01", tz="UTC")
+
+
+def _model(batches: list[list[tuple[str, Any]]], how: str, vtype: str) -> list[dict[str, Any]]:
+    """Per batch, each key of the batch with its running aggregate over every record so far
+    (nulls skipped; first/last in arrival order): what pandas says."""
+    seen: list[tuple[str, Any]] = []
+    out = []
+    for rows in batches:
+        seen += rows
+        values = [v for _, v in seen]
+        if vtype in ("timestamp", "date"):
+            col = pd.Series(pd.to_datetime(values, utc=True))
+        else:
+            col = pd.Series(values, dtype="Int64" if vtype == "long" else object)
+        agg = col.groupby([k for k, _ in seen], sort=False)
+        result = {"min": agg.min, "max": agg.max, "first": agg.first, "last": agg.last}[how]()  # pandas skips nulls
+        back = {"timestamp": lambda t: t.to_pydatetime(), "date": lambda t: t.date(), "long": int, "string": str}[vtype]
+        out.append({k: (None if pd.isna(result[k]) else back(result[k])) for k in dict.fromkeys(k for k, _ in rows)})
+    return out
+
+
+_VALUES = {
+    "timestamp": st.one_of(st.none(), st.integers(-10**6, 10**6).map(lambda s: (_T0 + pd.Timedelta(microseconds=s * 997)).to_pydatetime())),
+    "date": st.one_of(st.none(), st.integers(-3000, 3000).map(lambda d: (_T0 + pd.Timedelta(days=d)).date())),
+    "long": st.one_of(st.none(), st.integers(-(2**62), 2**62)),
+    "string": st.one_of(st.none(), st.text("abcé", max_size=3)),
+}
+
+
+@given(data=st.data(), parallelism=st.integers(1, 3), restore_after=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_min_max_first_last_equal_pandas_at_any_parallelism_and_across_a_restore(data: st.DataObject, parallelism: int, restore_after: int) -> None:
+    from keyscale.operators.vectorized import first as kfirst
+    from keyscale.operators.vectorized import last as klast
+    from keyscale.testing import KeyedHarness
+
+    how = data.draw(st.sampled_from(["min", "max", "first", "last"]))
+    vtype = data.draw(st.sampled_from(["timestamp", "date", "long"] + (["string"] if how in ("first", "last") else [])))
+    batches = data.draw(st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), _VALUES[vtype]), max_size=8), min_size=1, max_size=4))
+    agg = {"min": kmin, "max": kmax, "first": kfirst, "last": klast}[how]("v")
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema=f"k string, v {vtype}", parallelism=parallelism, r=agg)
+    got = []
+    for i, rows in enumerate(batches):
+        if i == restore_after:
+            h = h.snapshot().restore(parallelism=4 - parallelism)
+        got.append({r["k"]: r["r"] for r in h.process([{"k": k, "v": v} for k, v in rows])})
+    assert got == _model(batches, how, vtype)
+
+
+def test_times_and_first_last_are_refused_where_they_cannot_run() -> None:
+    from keyscale.operators.vectorized import first as kfirst
+    from keyscale.operators.windows import TumblingWindows, WindowAggregate
+
+    types = {"k": pa.string(), "ts": pa.timestamp("us", tz="UTC"), "x": pa.list_(pa.int64())}
+    with pytest.raises(JobDefinitionError, match=r"combine=True cannot combine first\('ts'\)"):
+        RunningAggregate({"f": kfirst("ts")}, ["k"], types).check_combinable("op")
+    with pytest.raises(JobDefinitionError, match=r"first\(\) takes a number, a string, a timestamp or a date; column 'x' has type list<item: int64>"):
+        RunningAggregate({"f": kfirst("x")}, ["k"], types)
+    with pytest.raises(JobDefinitionError, match=r"first\(\) is a running aggregate"):
+        WindowAggregate(TumblingWindows("1 minute"), {"f": kfirst("ts")}, ["k"], types, "ts", 0)
+    with pytest.raises(JobDefinitionError, match=r"column 'ts' has type timestamp.*, not a number$"):  # windows: numbers only, as before
+        WindowAggregate(TumblingWindows("1 minute"), {"m": kmin("ts")}, ["k"], types, "ts", 0)
+
+
+def test_the_aggregates_docstring_examples_run() -> None:
+    import doctest
+
+    import keyscale.operators.vectorized as module
+
+    result = doctest.testmod(module)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+@pytest.mark.spark
+def test_a_last_seen_column_through_spark(spark: Any, tmp_path: Any) -> None:
+    """min/max/first/last of a timestamp in a real job (Spark's types on the way in and out),
+    one file per batch: the running values after the last batch are pandas' over the files in order."""
+    from conftest import read_output, run_job, write_events
+
+    write_events(tmp_path / "in", files=3, rows=200, keys=20, seed=5)
+    job = tmp_path / "seen.py"
+    job.write_text(
+        "import keyscale as ks\n"
+        "def build(ctx):\n"
+        "    df = ctx.spark.readStream.schema('key string, value long, ts timestamp').option('maxFilesPerTrigger', 1).parquet(ctx.arg('input'))\n"
+        "    return (ks.stream(df).key_by('key').aggregate(uid='seen', first_seen=ks.first('ts'), last_seen=ks.last('ts'),\n"
+        "            lo=ks.min('ts'), hi=ks.max('ts'), last_value=ks.last('value')).sink(ks.ParquetSink(ctx.arg('output'))))\n"
+    )
+    run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+    out = read_output(tmp_path / "out").sort_values("batch").groupby("key").last()
+    events = pd.concat([pd.read_parquet(p) for p in sorted((tmp_path / "in").glob("part-*.parquet"))], ignore_index=True)
+    by = events.groupby("key")
+    want = pd.DataFrame({"first_seen": by["ts"].first(), "last_seen": by["ts"].last(), "lo": by["ts"].min(), "hi": by["ts"].max(),
+                         "last_value": by["value"].last()})
+    got = out[list(want.columns)]
+    for c in ("first_seen", "last_seen", "lo", "hi"):
+        assert (pd.to_datetime(got[c], utc=True) == pd.to_datetime(want[c], utc=True)).all(), c
+    assert (got["last_value"] == want["last_value"]).all()
+
+
+@pytest.mark.spark
+def test_min_max_of_a_timestamp_with_combine(spark: Any, tmp_path: Any) -> None:
+    """combine=True: Spark's partial min/max of a timestamp (a timestamp column) merged by the task."""
+    from conftest import read_output, run_job, write_events
+
+    write_events(tmp_path / "in", files=2, rows=200, keys=20, seed=6)
+    job = tmp_path / "combined.py"
+    job.write_text(
+        "import keyscale as ks\n"
+        "def build(ctx):\n"
+        "    df = ctx.spark.readStream.schema('key string, value long, ts timestamp').option('maxFilesPerTrigger', 1).parquet(ctx.arg('input'))\n"
+        "    return (ks.stream(df).key_by('key').aggregate(uid='span', combine=True, lo=ks.min('ts'), hi=ks.max('ts'))\n"
+        "            .sink(ks.ParquetSink(ctx.arg('output'))))\n"
+    )
+    run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+    out = read_output(tmp_path / "out").sort_values("batch").groupby("key").last()
+    ts = pd.concat([pd.read_parquet(p) for p in sorted((tmp_path / "in").glob("part-*.parquet"))]).groupby("key")["ts"]
+    assert (pd.to_datetime(out["lo"], utc=True) == ts.min()).all() and (pd.to_datetime(out["hi"], utc=True) == ts.max()).all()

@@ -31,7 +31,8 @@ class Positions(ks.KeyedProcessFunction):
         yield (ctx.key, row.value, n)
 
 def build(ctx):
-    events = ctx.spark.readStream.schema("key string, value long").format(ctx.arg("format")).load(ctx.arg("input"))
+    # FAILFAST: a JSON source in Spark's default mode needs a corrupt-record column (runtime/malformed.py)
+    events = ctx.spark.readStream.schema("key string, value long").format(ctx.arg("format")).option("mode", "FAILFAST").load(ctx.arg("input"))
     return (
         ks.stream(events)
         .filter("value >= 0")

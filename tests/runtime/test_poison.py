@@ -461,3 +461,20 @@ def test_log_reader_ignores_null_event_times_for_the_watermark(tmp_path: Path) -
     rows = pa.concat_tables(pa.Table.from_batches([b]) for b in read(iter([pa.record_batch({"subtask": pa.array([0], pa.int32())})])))
     assert rows.num_rows == 3
     assert collected.take("reader", 0, 1)[0]["partitions"]["0"]["max_event_ms"] == 9
+
+
+@pytest.mark.spark
+def test_the_jobs_own_policy_for_malformed_input_is_the_sinks_and_the_strictest_of_its_branches(spark: Any, tmp_path: Path) -> None:
+    import keyscale as ks
+    from keyscale.errors import JobDefinitionError
+
+    events = ks.stream(spark.readStream.schema("key string, value long, id long").parquet(str(tmp_path)))
+    counts = events.key_by("key").aggregate(uid="counts", on_error="fail", n=ks.count())
+    dead = ks.ParquetSink(tmp_path / "dead")
+    with pytest.raises(JobDefinitionError, match=r"sink\(on_error='dead_letter'\) needs a dead-letter sink"):
+        counts.sink(ks.ConsoleSink(), on_error="dead_letter")  # no operator uses it, the job's input does
+    p = counts.sink(ks.ConsoleSink(), on_error="dead_letter", dead_letter=dead, max_errors_per_batch=7)
+    assert p.input_policy == ErrorPolicy("dead_letter", 7) and p.error_policy(p.keyed_steps[0]) == ErrorPolicy("fail", 7)
+    sums = events.key_by("key").aggregate(uid="sums", total=ks.sum("value"))
+    both = ks.pipeline(counts.sink(ks.ParquetSink(tmp_path / "a"), on_error="skip"), sums.sink(ks.ParquetSink(tmp_path / "b")))
+    assert both.input_policy.on_error == "fail"  # the strictest: a malformed record is never skipped for a branch that fails

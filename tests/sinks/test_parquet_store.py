@@ -25,6 +25,7 @@ from keyscale.sinks.parquet import (
     batch_folder_name,
     read_output,
 )
+from keyscale.sinks.spark_log import LOG
 from keyscale.storage import Store, join, open_store
 
 pytestmark = [pytest.mark.spark]
@@ -122,7 +123,7 @@ def test_an_ancestors_later_batches_are_superseded(spark: Any, out: str) -> None
     new.open(ctx(Lineage("new", {"old": 0}), committed=0))
     store = open_store(out, "test")
     # (SeaweedFS, like a local disk, may still list the emptied folders: they hold no object)
-    assert {o.key.split("/")[0] for o in store.list("")} == {batch_folder_name(0), SUPERSEDED}
+    assert {o.key.split("/")[0] for o in store.list("")} == {batch_folder_name(0), SUPERSEDED, LOG}
     kept = store.sub(join(SUPERSEDED, "old"))
     assert {o.key.split("/")[0] for o in kept.list("")} == {batch_folder_name(1), batch_folder_name(2)}
     assert rows(kept) == [("k1", 1, 1), ("k2", 2, 2)]  # complete, with their markers

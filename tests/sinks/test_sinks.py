@@ -25,7 +25,7 @@ def test_parquet_sink_writes_a_batch_once(spark: Any, tmp_path: Path) -> None:
     assert sink.write(again, 7) == -1  # a replay: the first complete write stays
     rows = pads.dataset(str(tmp_path / "out"), partitioning="hive").to_table().to_pylist()
     assert sorted((r["key"], r["n"], r["batch"]) for r in rows) == [("a", 1, 7), ("b", 2, 7)]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [batch_folder_name(7)]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_spark_metadata", batch_folder_name(7)]  # Spark's log: sinks/test_spark_log.py
     # the marker lists every Parquet file of the batch, with its rows and size; nothing else is there
     folder = tmp_path / "out" / batch_folder_name(7)
     marker = json.loads((folder / MARKER).read_text())

@@ -166,3 +166,29 @@ def test_a_process_function_keeps_split_merge_entries_and_unions_across_a_restor
     assert lists["rules"] == [["r1", "r2"]] * to  # union: each subtask gets all of them
     assert sorted(i for share in lists["ids"] for i in share) == list(range(7)) and len(lists["ids"]) == to  # split/merge: each once
     assert restored.process([{"id": 7}]) == [{"subtask": i, "rules": 2} for i in range(to)]  # every subtask runs each batch
+
+
+def test_advance_watermark_takes_a_datetime_as_the_event_time_column_holds_it() -> None:
+    import datetime as dt
+
+    import numpy as np
+    import pandas as pd
+
+    from keyscale.errors import JobDefinitionError
+
+    def fired(to: Any) -> list[dict[str, Any]]:
+        h = KeyedHarness.window(ks.TumblingWindows("1 minute"), key_by=["user"], input_schema="user string, ts timestamp",
+                                event_time="ts", clicks=ks.count())
+        h.process([{"user": "ann", "ts": dt.datetime(2026, 1, 1, 0, 0, 30)}])
+        h.advance_watermark(to)
+        return h.process()
+
+    # the first minute (naive: UTC, as the records' naive datetimes) is complete at 00:01, not before
+    assert fired(dt.datetime(2026, 1, 1, 0, 0, 59)) == []
+    for done in (dt.datetime(2026, 1, 1, 0, 1), dt.datetime(2026, 1, 1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=1))),
+                 pd.Timestamp("2026-01-01T00:01Z"), np.datetime64("2026-01-01T00:01"), T0 + MINUTE):
+        assert [r["clicks"] for r in fired(done)] == [1], done
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k string", n=ks.count())
+    for wrong in ("2026-01-01", dt.date(2026, 1, 1), 1.5e12):
+        with pytest.raises(JobDefinitionError, match=r"watermark .* is not an event time: give epoch milliseconds"):
+            h.advance_watermark(wrong)

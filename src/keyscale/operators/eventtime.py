@@ -159,6 +159,44 @@ def advance(spec: WatermarkSpec, state: WatermarkState, seen: dict[str, int | No
     return WatermarkState(max(state.watermark_ms, candidate), inputs)
 
 
+def watermark_ms_of(value: object, what: str = "watermark") -> int:
+    """Epoch milliseconds of a watermark given as an event-time column holds times: an
+    integer (epoch ms), or a timestamp (``datetime``, ``pandas.Timestamp``,
+    ``numpy.datetime64``; naive is UTC, as Arrow reads a naive ``datetime``), floored to
+    its millisecond as :func:`event_time_ms` floors event times.
+
+    >>> from datetime import datetime, timezone
+    >>> watermark_ms_of(1_500), watermark_ms_of(datetime(1970, 1, 1, 0, 0, 1, 999_999))
+    (1500, 1999)
+    >>> watermark_ms_of(datetime(1970, 1, 1, 1, tzinfo=timezone(timedelta(hours=1))))
+    0
+    >>> watermark_ms_of("2026-01-01")
+    Traceback (most recent call last):
+    ...
+    keyscale.errors.JobDefinitionError: watermark '2026-01-01' (str) is not an event time: give epoch milliseconds (int) or a datetime
+    """
+    from datetime import date, datetime
+
+    if isinstance(value, np.integer):
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, datetime | np.datetime64):
+        # Through Arrow, as the records' timestamps go: same time zone rule, same flooring.
+        try:
+            if isinstance(value, np.datetime64):
+                arr = pa.array([value if np.datetime_data(value.dtype)[0] in ("s", "ms", "us", "ns") else value.astype("datetime64[s]")])
+            else:
+                arr = pa.array([value], pa.timestamp("us", tz="UTC"))
+            return int(event_time_ms(pa.table({"t": arr}), "t")[0])
+        except (ValueError, OverflowError, pa.ArrowException):  # NaT, out of range
+            raise JobDefinitionError(f"{what} {value!r} is not a time") from None
+    kind = "a date (no time of day)" if isinstance(value, date) else type(value).__name__
+    raise JobDefinitionError(
+        f"{what} {value!r} ({kind}) is not an event time: give epoch milliseconds (int) or a datetime"
+    )
+
+
 def describe(watermark_ms: int) -> str:
     """A watermark for people: an ISO time, 'none' or 'end of time'."""
     if watermark_ms <= NO_WATERMARK:

@@ -160,7 +160,7 @@ def unmasked(column: Any, t: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
 
 # -- built-in running aggregates ---------------------------------------------------------------
 
-AggKind = Literal["count", "sum", "min", "max", "mean", "reduce"]
+AggKind = Literal["count", "sum", "min", "max", "mean", "reduce", "first", "last"]
 
 
 @dataclass(frozen=True)
@@ -183,13 +183,66 @@ def sum(column: str) -> Agg:
 
 
 def min(column: str) -> Agg:
-    """Running minimum of ``column`` per key."""
+    """Running minimum of ``column`` per key: a number, a timestamp or a date (nulls skipped).
+
+    >>> from datetime import datetime
+    >>> from keyscale.testing import KeyedHarness
+    >>> h = KeyedHarness.aggregate(key_by=["user"], input_schema="user string, ts timestamp", since=min("ts"))
+    >>> [r["since"].isoformat() for r in h.process([{"user": "ann", "ts": datetime(2026, 1, 2)}, {"user": "ann", "ts": datetime(2026, 1, 1)}])]
+    ['2026-01-01T00:00:00+00:00']
+    """
     return Agg("min", column)
 
 
 def max(column: str) -> Agg:
-    """Running maximum of ``column`` per key."""
+    """Running maximum of ``column`` per key: a number, a timestamp or a date (nulls skipped).
+
+    >>> from datetime import date
+    >>> from keyscale.testing import KeyedHarness
+    >>> h = KeyedHarness.aggregate(key_by=["user"], input_schema="user string, day date", latest=max("day"))
+    >>> h.process([{"user": "ann", "day": date(2026, 3, 1)}, {"user": "ann", "day": date(2026, 2, 1)}])
+    [{'user': 'ann', 'latest': datetime.date(2026, 3, 1)}]
+    """
     return Agg("max", column)
+
+
+def first(column: str) -> Agg:
+    """The first non-null value of ``column`` per key, in arrival order: it never changes once set.
+
+    Arrival order is the order keyscale feeds a key's records to the stage (README, "Arrival
+    order"): across batches, the batch order; within a batch, for a file source read
+    straight into the stage, the files' order (by a hash of their paths) and each file's
+    row order, so a replay (after a crash, at another parallelism, on another master)
+    gives the same first value. Where the order is Spark's (Kafka through Spark, a union,
+    a ``transform`` before the stage) two records of one key in one batch may arrive in
+    another order on a replay; order by a column of the records (``min``/``max`` of a
+    timestamp) when that matters. Not with ``combine=True``.
+
+    >>> from keyscale.testing import KeyedHarness
+    >>> h = KeyedHarness.aggregate(key_by=["user"], input_schema="user string, page string", entry=first("page"))
+    >>> h.process([{"user": "ann", "page": None}, {"user": "ann", "page": "/home"}, {"user": "ann", "page": "/buy"}])
+    [{'user': 'ann', 'entry': '/home'}]
+    """
+    return Agg("first", column)
+
+
+def last(column: str) -> Agg:
+    """The last non-null value of ``column`` per key, in arrival order (see :func:`first` for
+    what the order is, and when a replay repeats it): a "last seen" column.
+
+    >>> from datetime import datetime
+    >>> from keyscale.testing import KeyedHarness
+    >>> h = KeyedHarness.aggregate(key_by=["user"], input_schema="user string, ts timestamp", last_seen=last("ts"))
+    >>> [r["last_seen"].isoformat() for r in h.process([{"user": "ann", "ts": datetime(2026, 1, 1, 9)}, {"user": "ann", "ts": datetime(2026, 1, 1, 8)}])]
+    ['2026-01-01T08:00:00+00:00']
+    >>> [r["last_seen"].isoformat() for r in h.process([{"user": "ann", "ts": None}])]  # nulls are skipped: the last value seen stays
+    ['2026-01-01T08:00:00+00:00']
+    """
+    return Agg("last", column)
+
+
+def _temporal(t: pa.DataType) -> bool:
+    return bool(pa.types.is_timestamp(t) or pa.types.is_date(t))
 
 
 def mean(column: str) -> Agg:
@@ -197,8 +250,9 @@ def mean(column: str) -> Agg:
     return Agg("mean", column)
 
 
-def result_type(what: str, agg: Agg, input_types: dict[str, pa.DataType]) -> pa.DataType:
-    """The type of an aggregate's result; the column must exist, and be a number where it must."""
+def result_type(what: str, agg: Agg, input_types: dict[str, pa.DataType], running: bool = False) -> pa.DataType:
+    """The type of an aggregate's result; the column must exist, and be a number where it must.
+    ``running``: for ``aggregate()``, which also takes min/max of times and first/last."""
     if agg.kind == "count" and agg.column is None:
         return pa.int64()
     if agg.column not in input_types:
@@ -208,8 +262,17 @@ def result_type(what: str, agg: Agg, input_types: dict[str, pa.DataType]) -> pa.
         return pa.int64()
     if agg.kind == "reduce":
         return t
+    if agg.kind in ("first", "last"):
+        if not running:
+            raise JobDefinitionError(f"{what}: {agg.kind}() is a running aggregate (aggregate()), not a window aggregate")
+        if not (is_numeric(t) or _temporal(t) or pa.types.is_string(t) or pa.types.is_large_string(t)):
+            raise JobDefinitionError(f"{what}: {agg.kind}() takes a number, a string, a timestamp or a date; column '{agg.column}' has type {t}")
+        return t
+    if running and agg.kind in ("min", "max") and _temporal(t):
+        return t
     if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
-        raise JobDefinitionError(f"{what}: column '{agg.column}' has type {t}, not a number")
+        times = " or a time (timestamp, date)" if running and agg.kind in ("min", "max") else ""
+        raise JobDefinitionError(f"{what}: column '{agg.column}' has type {t}, not a number{times}")
     if agg.kind == "sum":
         return pa.int64() if pa.types.is_integer(t) else pa.float64()
     return pa.float64() if agg.kind == "mean" else t
@@ -240,7 +303,7 @@ class RunningAggregate(VectorizedKeyedFunction):
         for name, agg in aggs.items():
             if agg.kind == "reduce":
                 raise JobDefinitionError(f"aggregate '{name}': reduce() is for windows; for a running reduce write a KeyedProcessFunction")
-            self.types[name] = result_type(f"aggregate '{name}'", agg, input_types)
+            self.types[name] = result_type(f"aggregate '{name}'", agg, input_types, running=True)
         if merging:
             self.input_columns = [partial_column(n, part) for n, a in aggs.items() for part in (("sum", "count") if a.kind == "mean" else ("",))]
 
@@ -249,6 +312,10 @@ class RunningAggregate(VectorizedKeyedFunction):
         a sum or mean of floating-point values depends on the order of its additions, which
         Spark's partial aggregation does not fix (a replayed batch could differ in its last bits)."""
         for name, agg in self.aggs.items():
+            if agg.kind in ("first", "last"):
+                raise JobDefinitionError(
+                    f"operator '{uid}': combine=True cannot combine {agg.kind}('{agg.column}') (aggregate '{name}'): Spark's partial "
+                    "aggregation does not keep the records' arrival order; leave combine off")
             if agg.kind in ("sum", "mean") and pa.types.is_floating(self.input_types[str(agg.column)]):
                 raise JobDefinitionError(
                     f"operator '{uid}': combine=True cannot combine {agg.kind}('{agg.column}') (aggregate '{name}'): a sum of "
@@ -298,6 +365,9 @@ class RunningAggregate(VectorizedKeyedFunction):
             prev = batch.state[name]
             have = ~np.asarray(prev.isna(), dtype=bool)
             t = self.types[name]
+            if agg.kind in ("first", "last") or _temporal(t):
+                new[name] = out[name] = _by_position(batch, column, agg.kind, prev, have, t)
+                continue
             dtype = t.to_pandas_dtype()
             old = prev.to_numpy(dtype=dtype, na_value=0)
             seen = batch.count(column)  # a partial is null where all of its records' values were
@@ -310,3 +380,61 @@ class RunningAggregate(VectorizedKeyedFunction):
                 val = np.where(have & fresh, pick(old, cur), np.where(fresh, cur, old))
             new[name] = out[name] = masked(val, have | fresh, t)
         return new, pd.DataFrame(out)
+
+
+def _as_ints(arr: pa.Array[Any]) -> np.ndarray:
+    """A time column's Arrow storage as int64 (nulls as 0: the caller masks them)."""
+    import pyarrow.compute as pc
+
+    if pa.types.is_date(arr.type):
+        arr = pc.cast(arr, pa.int32() if pa.types.is_date32(arr.type) else pa.int64())
+    return np.asarray(pc.cast(arr, pa.int64()).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _by_position(batch: KeyedBatch, column: str, kind: str, prev: pd.Series, have: np.ndarray, t: pa.DataType) -> Any:
+    """min/max of a time, first/last of any value: per key, the position (in arrival order)
+    of the batch's record that wins, its value taken from Arrow, merged with the state.
+    Times are compared as integers (their Arrow storage), so no time zone or unit is
+    reinterpreted on the way."""
+
+    assert batch.arrow is not None
+    col = batch.arrow.column(column).combine_chunks()
+    n_keys = len(batch.keys)
+    valid = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)[batch.order]  # in key-grouped arrival order
+    some = np.diff(batch.starts) > 0
+    pos = np.full(n_keys, -1, dtype=np.int64)
+    starts = batch.starts[:-1][some]
+    at = np.arange(len(batch.order), dtype=np.int64)
+    if kind in ("first", "last"):
+        cand = np.where(valid, at, len(at) if kind == "first" else -1)
+        pos[some] = (np.minimum if kind == "first" else np.maximum).reduceat(cand, starts) if len(starts) else []
+    else:
+        ints = _as_ints(col)[batch.order]
+        # the winner's position: lexsort by (key group run, value, position); nulls lose
+        run = np.repeat(np.arange(n_keys), np.diff(batch.starts))
+        key = ints if kind == "min" else -ints
+        order = np.lexsort((at, key, ~valid, run))
+        firsts = np.concatenate([[True], run[order][1:] != run[order][:-1]]) if len(order) else np.empty(0, dtype=bool)
+        winners = order[firsts]
+        pos[run[winners]] = np.where(valid[winners], winners, -1)
+    fresh = (pos >= 0) & (pos < len(at))
+    taken = col.take(pa.array(batch.order[np.where(fresh, pos, 0)], pa.int64())) if len(at) else pa.nulls(n_keys, col.type)
+    cur = np.empty(n_keys, dtype=object)
+    cur[:] = taken.to_pylist() if len(at) else [None] * n_keys
+    old = np.empty(n_keys, dtype=object)
+    old[:] = [None if pd.isna(v) else v for v in prev.tolist()] if is_numeric(t) else prev.tolist()
+    none = np.full(n_keys, None, dtype=object)
+    if kind == "first":
+        val = np.where(have, old, np.where(fresh, cur, none))
+    elif kind == "last":
+        val = np.where(fresh, cur, np.where(have, old, none))
+    else:
+        both = pa.array(np.concatenate([old, cur]).tolist(), t)
+        ints_both = _as_ints(both)
+        o, c = ints_both[:n_keys], ints_both[n_keys:]
+        better = (c < o) if kind == "min" else (c > o)
+        val = np.where(have & fresh, np.where(better, cur, old), np.where(fresh, cur, old))
+    if is_numeric(t):
+        ok = np.array([v is not None for v in val], dtype=bool)
+        return masked(np.array([v if v is not None else 0 for v in val], dtype=t.to_pandas_dtype()), ok, t)
+    return val

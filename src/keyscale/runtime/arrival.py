@@ -42,10 +42,11 @@ BLOCK = "__ks_block"
 ORDER = (FILE, BLOCK)
 
 
-def with_file_order(df: DataFrame) -> tuple[DataFrame, bool]:
+def with_file_order(df: DataFrame, path: str | None = None) -> tuple[DataFrame, bool]:
     """The streaming DataFrame the job's query runs: ``df`` with :data:`ORDER` from its files'
     metadata when its rows come straight from a file source (through Spark's filters and
-    projections); else ``df`` itself. Says which."""
+    projections), and with each row's file path as column ``path`` if given (for messages
+    about malformed records); else ``df`` itself. Says which."""
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
@@ -54,6 +55,7 @@ def with_file_order(df: DataFrame) -> tuple[DataFrame, bool]:
     try:
         ordered = df.select(
             "*", F.xxhash64(F.col("_metadata.file_path")).alias(FILE), F.col("_metadata.file_block_start").alias(BLOCK),
+            *([F.col("_metadata.file_path").alias(path)] if path else []),
         )
     except AnalysisException:  # not a file source, or one behind an aggregate, a union, mapInPandas...
         return df, False

@@ -47,7 +47,7 @@ from keyscale.operators.eventtime import END_OF_TIME, WatermarkState
 from keyscale.operators.eventtime import advance as advance_watermark
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.nonkeyed import broadcast_to_json, lists_state
-from keyscale.runtime import counters, parallelism, poison_batch, stages
+from keyscale.runtime import counters, malformed, parallelism, poison_batch, stages
 from keyscale.runtime.jobstate import BatchRecord, JobState, PendingCommit
 from keyscale.runtime.source_plan import plan_source, read_source, source_status
 from keyscale.runtime.status import checkpoint_fields, report_counts, status
@@ -92,7 +92,12 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         df = read_source(job, src, batch_id, intent["source_plan"], batch_time_ms, intent.get("log_ids", {}))
     side_df = read_source(job, side, batch_id, intent["side_plan"], batch_time_ms, intent.get("log_ids", {})) if side else None
     rules = stages.apply_broadcasts(job, intent.get("broadcast_plans", {}))
-    plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df)
+    job.input_counts, malformed_letters = {}, None
+    if job.malformed is not None and df is not None:
+        # Before any stage: a malformed record must not reach one as a row of nulls (a null key).
+        df, malformed_letters, bad = malformed.split_malformed(df, job.malformed, job.pipeline.input_policy, batch_id)
+        job.input_counts = {malformed.INPUT: bad} if bad else {}
+    plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df, malformed_letters)
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
     if job.fault("after-sink", batch_id):
@@ -234,7 +239,7 @@ def commit_manifest(
         job, batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules, intent.get("log_ids", {}),
         intent.get("side_plan"))
     wm = next_watermark(job, reports, batch_time_ms, watermark_ms)
-    counts = counters.of_reports(reports)  # late, too far ahead, dropped...: totals survive retention and restarts
+    counts = {**counters.of_reports(reports), **job.input_counts}  # late, too far ahead, dropped...: totals survive retention and restarts
     totals = counters.add(counters.from_extra(job.committed.extra if job.committed else None), counts)
     manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
         **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(),

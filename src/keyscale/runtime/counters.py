@@ -19,7 +19,10 @@ Names keyscale itself counts:
 - ``dropped``: records dropped (a window without a late output);
 - ``dropped_null_keys``: records with a null key dropped by ``key_by(..., null_keys="drop")``;
 - ``skipped`` / ``dead_lettered``: records whose processing raised, under ``on_error="skip"``
-  or ``"dead_letter"`` (operators/poison.py).
+  or ``"dead_letter"`` (operators/poison.py);
+- ``malformed_skipped`` / ``malformed_dead_lettered``: a JSON/CSV source's malformed records
+  (Spark's corrupt-record column) under the job's ``on_error``, counted under ``input``
+  (runtime/malformed.py).
 
 Everything here is pure.
 
@@ -127,6 +130,9 @@ def describe(batch: int, kind: str, uid: str, counts: Mapping[str, int], max_ahe
     for name, where in ((SKIPPED, "skipped"), (DEAD_LETTERED, "sent to the dead-letter sink")):
         if c.get(name):
             what.append(f"{_records(c.pop(name))} whose processing raised, {where} (on_error)")
+    for name, where in (("malformed_skipped", "skipped"), ("malformed_dead_lettered", "sent to the dead-letter sink")):
+        if c.get(name):
+            what.append(f"{_records(c.pop(name), 'malformed ')} (Spark's corrupt-record column), {where} (on_error)")
     if c.get(DROPPED_NULL_KEYS):
         what.append(f"{_records(c.pop(DROPPED_NULL_KEYS))} with a null key, dropped (null_keys='drop')")
     dests = []
@@ -150,7 +156,8 @@ def summary(counts: Mapping[str, int]) -> str:
     '12 late, 15 to the late output, 3 too far ahead'
     """
     words = {LATE: "late", TOO_FAR_AHEAD: "too far ahead", TO_LATE_OUTPUT: "to the late output", DROPPED: "dropped",
-             DROPPED_NULL_KEYS: "dropped for a null key", SKIPPED: "skipped (raised)", DEAD_LETTERED: "dead-lettered (raised)"}
+             DROPPED_NULL_KEYS: "dropped for a null key", SKIPPED: "skipped (raised)", DEAD_LETTERED: "dead-lettered (raised)",
+             "malformed_skipped": "malformed, skipped", "malformed_dead_lettered": "malformed, dead-lettered"}
     return ", ".join(f"{n:,} {words.get(k, k.replace('_', ' '))}" for k, n in sorted(counts.items()) if n)
 
 

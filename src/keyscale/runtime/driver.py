@@ -28,8 +28,10 @@ from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import (
     FencedError,
+    InputDataError,
     JobDefinitionError,
     JobDirError,
+    KeyColumnMissingError,
     KeyscaleError,
     StateError,
     decode_error,
@@ -37,7 +39,7 @@ from keyscale.errors import (
 from keyscale.operators.eventtime import NO_WATERMARK, WatermarkState
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.poison import input_error
-from keyscale.runtime import commit, poison_batch, status
+from keyscale.runtime import commit, malformed, poison_batch, status
 from keyscale.runtime import parallelism as scaling
 from keyscale.runtime.arrival import with_file_order
 from keyscale.runtime.control import ControlServer
@@ -47,10 +49,12 @@ from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.jobstate import BatchRecord, JobState, RunOptions, RunSummary
 from keyscale.runtime.jobstate import seconds as _seconds
 from keyscale.runtime.jobstate import watermark_of as _watermark_of
+from keyscale.runtime.malformed import check_malformed_modes
 from keyscale.runtime.profiling import profiled
 from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.reports import Reports
 from keyscale.runtime.session import crashed_worker, missing_keyscale, spark_session, user_session
+from keyscale.runtime.spark_source import explain_missing_key
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
@@ -425,7 +429,8 @@ class JobRunner:
         assert not isinstance(source, LogSource)
         # A file source's rows carry their file and split (arrival.py): a batch's order is
         # then the files' whatever Spark's split, so a replay elsewhere sees it again.
-        query, ordered = with_file_order(source)
+        self.job.malformed = check_malformed_modes(source, warn=False)
+        query, ordered = with_file_order(source, malformed.PATH if self.job.malformed else None)
         if not ordered and not once:
             log.info("the Spark source's rows have no file metadata (not a file source, or one behind an aggregate, a union or "
                      "mapInPandas): within a batch, keyed stages get their records in Spark's order, by partition (docs/guides/job.md, \"Arrival order\")")
@@ -599,6 +604,11 @@ class JobRunner:
         except BaseException as e:
             poison_batch.keep_trace(self.jobdir, e)
             self._error = _translate(e)
+            if isinstance(self._error, KeyColumnMissingError) and self.pipeline is not None and not isinstance(self.pipeline.source, LogSource):
+                # Only now, on the way out: the batch, and the input files' own columns, say whether the column is missing.
+                self._error = KeyColumnMissingError(explain_missing_key(df, self.pipeline.source, str(self._error)))
+            elif type(self._error) is InputDataError and self.pipeline is not None and not isinstance(self.pipeline.source, LogSource):
+                self._error = InputDataError(malformed.explain_failfast(self.pipeline.source, str(self._error)))
             raise
 
     def _run_batch(self, df: DataFrame, batch_id: int) -> None:

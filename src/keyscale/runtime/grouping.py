@@ -23,7 +23,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyscale.errors import InputDataError
+from keyscale.errors import InputDataError, KeyColumnMissingError
 from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.operators.poison import null_key_mask
 from keyscale.runtime.stagetask import (
@@ -63,7 +63,12 @@ def null_check(spec: StageTask, table: pa.Table) -> pa.Table:
         n = int(bad.sum() if weight is None else weight[bad].sum())  # records
         if n and spec.null_keys == "error":
             nan = " (NaN counts as a null key)" if int(bad.sum()) > col.null_count else ""
-            raise InputDataError(
+            # Not one key among the subtask's records: perhaps none in the whole batch, the
+            # column missing from the input (Spark reads a column that a given schema names and
+            # a file lacks as null). Only the driver can tell (it sees the batch): it rewords
+            # the error then, instead of advising to drop null keys, that is, every record.
+            error = KeyColumnMissingError if col.null_count == table.num_rows else InputDataError
+            raise error(
                 f"null key in column '{k}' of operator '{spec.uid}' (batch {spec.batch_id}, {n} records){nan}; "
                 "filter them out before key_by() or use key_by(..., null_keys='drop')"
             )

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from keyscale._pipeline import Pipeline
     from keyscale.checkpoint.sparkmirror import SparkMirror
+    from keyscale.runtime.malformed import Watched
 
 
 @dataclass
@@ -139,6 +140,8 @@ class JobState:
     autoscaler: Autoscaler | None = None
     decisions: dict[str, dict[str, Any]] = field(default_factory=dict)  # the autoscaler's last, per operator
     counts: counters.Counters = field(default_factory=dict)  # the last batch's counts of records not processed normally
+    malformed: Watched | None = None  # the corrupt-record column of a JSON/CSV source, whose rows on_error handles
+    input_counts: counters.Counters = field(default_factory=dict)  # the running batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its last plan is for
     last_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
     committed_status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)

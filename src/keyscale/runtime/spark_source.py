@@ -33,6 +33,7 @@ class SourceOptions:
 
     format: str
     options: dict[str, str]
+    schema_json: str | None = None  # the schema the job gave the source (JSON), if any
 
     @property
     def path(self) -> str:
@@ -57,7 +58,8 @@ def spark_sources(df: DataFrame) -> list[SourceOptions]:
         paths = ds.paths()
         if "path" not in options and paths.size():
             options["path"] = ", ".join(str(paths.apply(j)) for j in range(paths.size()))
-        found.append(SourceOptions(str(ds.className()), options))
+        given = ds.userSpecifiedSchema()
+        found.append(SourceOptions(str(ds.className()), options, str(given.get().json()) if given.isDefined() else None))
     return found
 
 
@@ -84,3 +86,51 @@ def check_spark_source(df: DataFrame) -> None:
                 "delete input only once every checkpoint the job keeps is past the batch that read it",
                 src.format, src.path, where,
             )
+
+
+def input_file_columns(df: DataFrame) -> list[tuple[str, list[str]]]:
+    """Per file source of ``df``, its path and the columns its files have (read without the
+    schema the job gives: what Spark infers, as the files' own). Only for an error message:
+    it reads the files' schema (all of a JSON or CSV input), so it is never on a batch's path."""
+    out = []
+    for src in spark_sources(df):
+        fmt = src.format.lower().rsplit(".", 1)[-1]
+        short = next((f for f in ("parquet", "json", "csv", "orc") if fmt.startswith(f)), None)
+        if short is None or "path" not in src.options or ", " in src.options["path"]:
+            continue
+        options = {k: v for k, v in src.options.items() if k != "path"}
+        try:
+            columns = df.sparkSession.read.format(short).options(**options).load(src.options["path"]).columns
+        except Exception:  # an unreadable input is not what this message is about
+            continue
+        out.append((f"the {short} source reading {src.path}", list(columns)))
+    return out
+
+
+def explain_missing_key(df: DataFrame, source: DataFrame, message: str) -> str:
+    """A null-key error of a subtask that got no key at all (``message``), checked against
+    the batch ``df`` (only on the way out: it reads the batch again): when no record of the
+    batch has the key either, the column is most likely missing from the input, and the
+    message says so, with the input files' own columns for a file source (``source``: the
+    job's streaming DataFrame). Otherwise (or when the batch lacks the column: a key
+    computed by the pipeline) ``message`` stays as it is."""
+    import re
+
+    from pyspark.sql import functions as F
+
+    m = re.match(r"null key in column '([^']+)' of operator '([^']+)' \(batch (\d+), (\d+) records\)", message)
+    if m is None or m.group(1) not in df.columns:
+        return message
+    column, uid, batch, _ = m.groups()
+    if df.where(F.col(f"`{column}`").isNotNull()).limit(1).collect():
+        return message  # other subtasks got keys: the null keys are records' own
+    head = f"key column '{column}' of operator '{uid}' is null in every record of batch {batch}"
+    found = input_file_columns(source)
+    lacking = [(what, cols) for what, cols in found if column not in cols]
+    if lacking:
+        what, cols = lacking[0]
+        return f"{head}: {what} has no column '{column}' (its files have: {', '.join(cols)}); fix the name in key_by() or in the source's schema"
+    if found:
+        return message  # the files have the column: their records just have no key
+    return (f"{head}: is the column missing from the input, or misspelled? (Spark reads a column that the schema names and the input "
+            f"lacks as null) The stream's columns: {', '.join(source.columns)}")

@@ -71,10 +71,11 @@ class BatchPlan:
 
 def plan_stages(
     job: JobState, df: DataFrame, batch_id: int, batch_time_ms: int, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]],
-    side_df: DataFrame | None = None,
+    side_df: DataFrame | None = None, input_dead_letters: DataFrame | None = None,
 ) -> BatchPlan:
     """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``
-    (``side_df``: the records read from the log beside a Spark source).
+    (``side_df``: the records read from the log beside a Spark source; ``input_dead_letters``:
+    the batch's malformed input records for the dead-letter sink, runtime/malformed.py).
 
     Each stage is planned once, however many branches read it; where several writes read
     one stage's output (branches, side outputs), it is cached, so its tasks run (and its
@@ -92,7 +93,7 @@ def plan_stages(
     # The arrival-order columns each path's output carries (the input's, while they ride along).
     orders: dict[tuple[int, ...], tuple[str, ...]] = {(): arrival.order_columns(df)}
     side: list[tuple[Sink, DataFrame]] = []
-    dead_letters: list[DataFrame] = []
+    dead_letters: list[DataFrame] = [] if input_dead_letters is None else [input_dead_letters]
     cached: list[DataFrame] = []
 
     def shared(path: tuple[int, ...], out: DataFrame) -> DataFrame:
@@ -346,7 +347,8 @@ def combined(staged: DataFrame, input_schema: StructType, step: KeyedStep, spec:
         parts += [F.max(F.when(~beyond, ms)).alias(COMBINED_EVENT_MS), F.sum(beyond.cast("long")).alias(COMBINED_AHEAD)]
     marker = (F.col(SEQ) < 0).alias(MARKER)
     grouped = staged.groupBy(ROUTE, marker, KG, *step.key_names).agg(*parts, F.min(SEQ).alias(SEQ))
-    task_schema = to_arrow_schema(grouped.select(*step.key_names, *partials).schema, utc=False)
+    # timezone: a partial min/max of a timestamp is a timestamp (keyscale's sessions run in UTC)
+    task_schema = to_arrow_schema(grouped.select(*step.key_names, *partials).schema, utc=True)
     out = grouped.select(*task_schema.names, SEQ, KG)
     return out, replace(spec, function=RunningAggregate(fn.aggs, fn.key_names, fn.input_types, merging=True),
                         input_schema=task_schema, combined=True)

@@ -119,7 +119,7 @@ def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> No
     sources, spec = {s.uid for s in job.pipeline.logs}, job.pipeline.watermark
     windows = {s.uid for s in job.pipeline.keyed_steps if isinstance(s.function, WindowAggregate)}
     for uid, c in counts.items():
-        kind = "source" if uid in sources else "window" if uid in windows else "operator"
+        kind = "source" if uid in sources or uid == "input" else "window" if uid in windows else "operator"
         log.warning("%s", counters.describe(batch_id, kind, uid, c, spec.max_ahead_ms if spec else None))
 
 

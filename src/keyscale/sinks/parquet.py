@@ -17,6 +17,10 @@ the same on local disk and on S3, with no rename and no directory fsync:
    that the marker does not list (left by an attempt that crashed before its marker).
    If the create finds a marker, another writer finished the batch first: its marker is
    decided on, and this attempt deletes its own files.
+4. Right after the marker, under the same fence check and create-only too, the batch's
+   entry in ``PATH/_spark_metadata/`` (Spark's file-sink log, :mod:`keyscale.sinks.spark_log`)
+   lists the same files: Spark's readers of ``PATH`` read only what that log lists, so they
+   see complete batches only. A replay that keeps a batch's output creates a missing entry.
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ import json
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import KeyscaleError, OutputError, StorageError, encode_error
+from keyscale.sinks.spark_log import LOG, SinkLog, file_status
 from keyscale.storage import Store, join, open_store
 from keyscale.storage.local import local_write_failure
 
@@ -174,14 +182,16 @@ class ParquetSink:
 
     ``_keyscale.json`` in a batch folder is its completion mark, as ``_SUCCESS`` is for
     Hadoop's committers: it is written last, atomically (create-if-absent), and lists the
-    batch's files with their rows and sizes. Readers that must see only complete batches
-    read the folders that have a marker, and only the files it lists
-    (:func:`read_output` does). A folder without a marker is an attempt that did not
-    finish (the job crashed while writing it): keyscale completes it on replay, writing the
-    batch anew and deleting the unfinished attempt's files once the new marker exists.
-    Spark (``spark.read.parquet(PATH)``) and pyarrow read a local ``PATH`` as one dataset
-    with a ``batch`` column; they do not look at markers, so they may also see a batch
-    being written.
+    batch's files with their rows and sizes. A folder without a marker is an attempt that
+    did not finish (the job crashed while writing it): keyscale completes it on replay,
+    writing the batch anew and deleting the unfinished attempt's files once the new marker
+    exists. Readers see complete batches only through :func:`read_output` (markers) or
+    through Spark: right after each marker the sink adds the batch's files to
+    ``PATH/_spark_metadata/``, the commit log of Spark's own file sink, and
+    ``spark.read.parquet(PATH)`` then reads only the files that log lists (with a ``batch``
+    column from the folder names). pyarrow's ``pq.read_table(PATH)`` reads every file of the
+    folder, a batch being written included. On an object store the log names files by the
+    store's URIs (``s3://...``): Spark needs a file system for that scheme.
 
     The marker names the job lineage, job, job directory and attempt that wrote it; output
     of another lineage is refused (see :mod:`keyscale.checkpoint.lineage`), output of an
@@ -201,6 +211,9 @@ class ParquetSink:
         self.store = open_store(path, "Parquet sink path")
         self.path = self.store.url()
         self._ctx: SinkContext | None = None
+        self._log = SinkLog(self.store)
+        self._log_loaded = False
+        self._folders: set[int] | None = None  # batches with a folder, from open()'s LIST
 
     def describe(self) -> str:
         return f"parquet files in {self.path}"
@@ -218,6 +231,8 @@ class ParquetSink:
             if name.startswith(_LEGACY_TMP):
                 self.store.delete_prefix(name)  # half-written by the rename protocol of an older keyscale
         folders = sorted((int(m.group(1)), n) for n in names if (m := _BATCH.match(n)))
+        self._folders = {b for b, _ in folders}
+        self._log_loaded = LOG not in names  # else listed at the first write (open lists nothing more)
         superseded = []
         for batch, folder in folders:
             if batch <= ctx.committed:
@@ -232,6 +247,9 @@ class ParquetSink:
                 raise self._conflict(batch, found.marker)
             if action is Action.SUPERSEDE:
                 superseded.append((batch, folder, found))
+        if superseded:
+            # Out of Spark's log first (newest first), then moved aside: a reader never gets a listed file that is gone.
+            self._truncate_log(superseded[0][0] - 1)
         for batch, folder, found in superseded:
             self._supersede(batch, folder, found.marker)
 
@@ -295,6 +313,7 @@ class ParquetSink:
             if found is not None:
                 if self._keep_or_refuse(found.marker, batch_id, folder):
                     df.write.format("noop").mode("overwrite").save()
+                    self._add_to_log(batch_id, folder, found.files)  # a crash may have come between the marker and its entry
                     return -1
                 leftovers = []  # superseded: moved aside
         write_id = uuid.uuid4().hex[:12]  # this call's file names (a concurrent writer's differ)
@@ -318,6 +337,7 @@ class ParquetSink:
             self.store.delete_many([join(folder, f.name) for f in files])
             found = self._inspect(folder)
             if found is not None and self._keep_or_refuse(found.marker, batch_id, folder):
+                self._add_to_log(batch_id, folder, found.files)
                 return -1
             return self.write(df, batch_id)  # its output was moved aside (superseded): write ours
         listed = {f.name for f in files}
@@ -325,7 +345,46 @@ class ParquetSink:
         if stale:
             # An unfinished attempt's files: not part of the batch (the marker says which are).
             self.store.delete_many(stale)
+        # Under the fence check made for the marker: the log follows the marker, never leads it.
+        self._add_to_log(batch_id, folder, files)
         return sum(f.rows for f in files)
+
+    # -- Spark's commit log ------------------------------------------------------------------
+    def _add_to_log(self, batch_id: int, folder: str, files: tuple[OutputFile, ...] | None) -> None:
+        """Batch ``batch_id``'s entry in ``_spark_metadata`` (create-only), after entries for
+        the batches before it that the log lacks (Spark's reader needs every one)."""
+        if not self._log_loaded:
+            self._log.load()
+            self._log_loaded = True
+        if batch_id <= self._log.latest:
+            return  # logged already: entries are created in order, and only once a batch is complete
+        for gap in range(self._log.latest + 1, batch_id):
+            self._log.add(gap, self._logged_files(gap, batch_folder_name(gap), None))
+        self._log.add(batch_id, self._logged_files(batch_id, folder, files))
+
+    def _truncate_log(self, keep_up_to: int) -> None:
+        self._log.truncate(keep_up_to)
+        self._log_loaded = True
+
+    def _logged_files(self, batch: int, folder: str, files: tuple[OutputFile, ...] | None) -> list[dict[str, Any]]:
+        """The log's lines for a batch folder: its marker's files (``files``, else read from
+        its marker); none for a batch this sink never wrote, or whose folder is unfinished."""
+        if files is None:
+            if self._folders is not None and batch not in self._folders:
+                return []
+            found = read_marker(self.store, folder)
+            if found is None:
+                return []
+            files = found.files if found.files is not None else tuple(
+                OutputFile(o.key[len(folder) + 1:], 0, o.size) for o in self.store.list(folder) if o.key.endswith(".parquet"))
+        now = int(time.time() * 1000)
+        return [file_status(self._spark_uri(join(folder, f.name)), f.bytes, now) for f in files]
+
+    def _spark_uri(self, key: str) -> str:
+        """A file as Spark names it: a ``file:`` URI on local disk, the store's URI elsewhere."""
+        url = self.store.url(key)
+        # "=" unescaped, as Hadoop's Path writes it (Spark's own sink log has batch=.../ verbatim)
+        return "file://" + quote(str(Path(url).resolve()), safe="/=") if self.store.is_local else url
 
     def _keep_or_refuse(self, marker: Marker, batch_id: int, folder: str) -> bool:
         """True if the batch's existing output stays (a replay); raises if it is another
@@ -338,6 +397,7 @@ class ParquetSink:
             # Replay of a batch whose output is complete: the caller runs the stages (state
             # must be rebuilt) but keeps the first output; it is identical by determinism.
             return True
+        self._truncate_log(batch_id - 1)
         self._supersede(batch_id, folder, marker)
         return False
 

@@ -7,15 +7,17 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.checkpoint.savepoint.schema import spark_type_name
-from keyscale.operators.eventtime import NO_WATERMARK, Duration, parse_duration_ms
+from keyscale.operators.eventtime import NO_WATERMARK, Duration, parse_duration_ms, watermark_ms_of
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states
 from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyedFunction
 from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START, Assigner, WindowAggregate
@@ -139,9 +141,15 @@ class KeyedHarness:
 
     # -- running ----------------------------------------------------------------------------
 
-    def advance_watermark(self, to: int) -> None:
-        """Move the watermark (epoch milliseconds; it never goes back) for the next batch."""
-        self.watermark_ms = max(self.watermark_ms, int(to))
+    def advance_watermark(self, to: int | datetime | np.datetime64) -> None:
+        """Move the watermark for the next batch (it never goes back): epoch milliseconds,
+        as an integer event-time column holds them, or a time as a timestamp column holds
+        it (a ``datetime``, ``pandas.Timestamp`` or ``numpy.datetime64``; a naive one is
+        UTC, as a naive ``datetime`` in the records is). Finer than a millisecond is
+        floored to its millisecond, as event times are. Anything else (a string, a float,
+        a ``date``) is refused: a float or a date has no one reading as an event time.
+        """
+        self.watermark_ms = max(self.watermark_ms, watermark_ms_of(to))
 
     def advance_processing_time(self, by: Duration) -> None:
         """Move the processing-time clock forward (a duration: ``"30 seconds"``, or ms)."""
