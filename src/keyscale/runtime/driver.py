@@ -50,6 +50,7 @@ from keyscale.runtime.profiling import profiled
 from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.reports import Reports
 from keyscale.runtime.session import crashed_worker, missing_keyscale, spark_session, user_session
+from keyscale.runtime.shipping import ship_user_code, unimportable_module
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
@@ -89,6 +90,10 @@ def _translate(exc: BaseException) -> BaseException:
     no_keyscale = missing_keyscale(text, _python_of_workers())
     if no_keyscale:
         return errors.KeyscaleError(no_keyscale)
+    unimportable = unimportable_module(text, _python_of_workers())
+    if unimportable:
+        log.debug("the workers' error:\n%s", text)
+        return errors.KeyscaleError(unimportable)
     crashed = crashed_worker(text)
     if crashed:
         return errors.KeyscaleError(crashed)
@@ -247,6 +252,9 @@ class JobRunner:
             if not isinstance(pipeline, Pipeline):
                 raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
         self.pipeline = pipeline
+        # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
+        shipped = ship_user_code()
+        log.debug("the job's own modules, shipped to the workers by value: %s", ", ".join(shipped) or "none")
         if opts.from_savepoint:
             self._restore_savepoint(pipeline, opts.from_savepoint)
         self._plan_parallelism(pipeline)

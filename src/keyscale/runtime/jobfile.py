@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from keyscale.errors import JobDefinitionError
+from keyscale.runtime.shipping import import_paths
 
 
 def load_job(path: str | Path) -> tuple[str, Callable[[Any], Any], types.ModuleType]:
@@ -23,7 +24,15 @@ def load_job(path: str | Path) -> tuple[str, Callable[[Any], Any], types.ModuleT
         raise JobDefinitionError(f"job file {p} does not exist")
     if p.suffix != ".py":
         raise JobDefinitionError(f"job file {p} is not a Python file (.py)")
-    mod_name = f"keyscale_job_{p.stem}"
+    # Its imports resolve as under `python JOB.py` (its folder first on the path) or, in a
+    # package, `python -m pkg.job` (relative imports too), whatever the working directory:
+    # `from myjob import pipeline` finds the sibling module. The workers get these modules
+    # by value once the pipeline is built (keyscale.runtime.shipping), not through the path.
+    paths, package_name = import_paths(p)
+    for folder in reversed(paths):
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    mod_name = package_name or f"keyscale_job_{p.stem}"
     spec = importlib.util.spec_from_file_location(mod_name, p)
     if spec is None or spec.loader is None:
         raise JobDefinitionError(f"job file {p} cannot be loaded")
@@ -33,10 +42,6 @@ def load_job(path: str | Path) -> tuple[str, Callable[[Any], Any], types.ModuleT
         spec.loader.exec_module(module)
     except Exception as e:
         raise JobDefinitionError(f"job file {p} failed to load: {type(e).__name__}: {e}") from e
-    # Workers cannot import the job file by name: ship its functions and classes by value.
-    from pyspark import cloudpickle
-
-    cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
     build = getattr(module, "build", None)
     if not callable(build):
         raise JobDefinitionError(f"job file {p} has no build(ctx) function")
