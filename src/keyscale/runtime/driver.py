@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
-from keyscale._pipeline import JobContext, Pipeline
+from keyscale._pipeline import JobArgs, JobContext, Pipeline
 from keyscale.checkpoint.files import upload_timeout
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
@@ -42,6 +42,7 @@ from keyscale.runtime import parallelism as scaling
 from keyscale.runtime.arrival import with_file_order
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.heartbeat import Heartbeat
+from keyscale.runtime.jobargs import check_args_read, keep_args, kept_args
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.jobstate import BatchRecord, JobState, RunOptions, RunSummary
 from keyscale.runtime.jobstate import seconds as _seconds
@@ -161,7 +162,10 @@ class JobRunner:
         jobdir = JobDir(opts.job_dir)
         self._given = (pipeline, name) if pipeline is not None else None
         # What the batch modules share (commit, stages, source_plan, parallelism, status).
-        self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri), on_batch=on_batch)
+        self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri),
+                            on_batch=self._batch_recorded)
+        self._user_on_batch = on_batch
+        self._args_kept = False
         self._error: BaseException | None = None
         self._stop = threading.Event()
         # Held while a batch runs, a savepoint is taken or a pending commit settles (every
@@ -185,6 +189,20 @@ class JobRunner:
         # same process and Spark application (parallelism, job file), from this checkpoint.
         self.restart_request: dict[str, Any] | None = None
         self._heartbeat: Heartbeat | None = None
+
+    def _batch_recorded(self, rec: BatchRecord) -> None:
+        """After each batch's commit: the first one proves the start (its arguments are kept)."""
+        self._keep_args()
+        if self._user_on_batch is not None:
+            self._user_on_batch(rec)
+
+    def _keep_args(self) -> None:
+        """This start's arguments become the ones a later ``keyscale run`` reuses, once the
+        start is a success: its first batch committed, or it ended without an error
+        (keyscale.runtime.jobargs). Never for a start that failed."""
+        if not self._args_kept and self.job.state != "failed":
+            keep_args(self.jobdir, self.opts.args)
+            self._args_kept = True
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> SparkSession:
@@ -248,9 +266,11 @@ class JobRunner:
         poison_batch.quiet_task_failures(spark)
         self._spark = spark
         if build is not None:
-            pipeline = build(JobContext(spark, dict(opts.args)))
+            ctx = JobContext(spark, dict(opts.args))
+            pipeline = build(ctx)
             if not isinstance(pipeline, Pipeline):
                 raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
+            check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.jobdir))
         self.pipeline = pipeline
         # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
         shipped = ship_user_code()
@@ -342,6 +362,8 @@ class JobRunner:
                     self._run_drain(spark)
                 with self._batch_lock:  # a savepoint asked for now waits for this commit
                     commit.settle(self.job)  # the last batch's checkpoint, committing in the background
+                if self._error is None:
+                    self._keep_args()  # it ended without an error, whether or not a batch ran
             except BaseException as e:
                 self._settle_after_failure()
                 self._record_failure(e)
