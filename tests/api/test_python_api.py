@@ -113,7 +113,7 @@ def test_a_failed_job_says_failed_with_its_error(spark: Any, tmp_path: Path, cap
 def test_a_bad_start_option_is_named(spark: Any, tmp_path: Path) -> None:
     events = spark.readStream.schema("key string, value long").parquet(str(tmp_path))
     pipeline = ks.stream(events).key_by("key").aggregate(uid="n", n=ks.count()).sink(ks.NoopSink())
-    with pytest.raises(KeyscaleError, match=r"unknown option.*paralelism"):
+    with pytest.raises(KeyscaleError, match=r"unknown keyword argument 'paralelism' \(did you mean 'parallelism'\?\)"):
         pipeline.start(str(tmp_path / "job"), paralelism=2)
 
 

@@ -15,6 +15,7 @@ import time
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from keyscale._keywords import unknown_keyword
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control import request_rescale
 from keyscale.runtime.jobstate import RunOptions, RunSummary
@@ -37,7 +38,7 @@ def start_job(pipeline: Pipeline, job_dir: str, parallelism: int | None = None, 
     known = {f.name for f in dataclasses.fields(RunOptions)} - _SET_BY_START
     unknown = sorted(set(options) - known)
     if unknown:
-        raise KeyscaleError(f"Pipeline.start() got unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise unknown_keyword("Pipeline.start()", unknown[0], [*sorted(known), "parallelism", "name"])
     opts = RunOptions(job_file="", job_dir=str(job_dir), parallelism=parallelism, **options)
     job_name = name or PurePosixPath(str(job_dir).rstrip("/")).name or "job"
     handle = JobHandle(JobRunner(opts, pipeline=pipeline, name=job_name))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from keyscale._keywords import checked_keywords
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
 
@@ -35,6 +36,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+@checked_keywords
 def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
     """Run the job ``build`` defines, under spark-submit or plain Python; returns 0 when it
     stopped cleanly (SIGTERM/SIGINT stop it after the current batch), else the

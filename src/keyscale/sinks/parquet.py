@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from keyscale._keywords import checked_keywords
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import KeyscaleError, OutputError, StorageError, encode_error
 from keyscale.storage import Store, join, open_store
@@ -197,6 +198,7 @@ class ParquetSink:
 
     exactly_once = True
 
+    @checked_keywords
     def __init__(self, path: str | os.PathLike[str] | Store):
         self.store = open_store(path, "Parquet sink path")
         self.path = self.store.url()
