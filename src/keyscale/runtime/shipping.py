@@ -31,7 +31,7 @@ import types
 from functools import cache
 from pathlib import Path
 
-__all__ = ["import_paths", "is_user_code", "ship_user_code", "unimportable_module", "user_modules"]
+__all__ = ["import_paths", "is_user_code", "is_user_module", "ship_user_code", "unimportable_module", "user_modules"]
 
 # Pickled by reference even where they are not installed (an editable keyscale, Spark's own
 # python/ folder on PYTHONPATH under spark-submit): every worker must have them anyway.
@@ -56,16 +56,15 @@ def is_user_code(path: str | os.PathLike[str]) -> bool:
     return "site-packages" not in parts and "dist-packages" not in parts and not p.startswith(_installation_dirs())
 
 
+def is_user_module(name: str, module: types.ModuleType | None) -> bool:
+    """Whether a loaded module is the user's own code (see the module's docstring)."""
+    path = getattr(module, "__file__", None)
+    return bool(path) and name.partition(".")[0] not in _NEVER_SHIPPED and is_user_code(str(path))
+
+
 def user_modules() -> list[types.ModuleType]:
-    """The modules loaded so far that are the user's own code (see the module's docstring)."""
-    out = []
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if module is None or not path or name.partition(".")[0] in _NEVER_SHIPPED:
-            continue
-        if is_user_code(path):
-            out.append(module)
-    return out
+    """The modules loaded so far that are the user's own code."""
+    return [m for name, m in list(sys.modules.items()) if m is not None and is_user_module(name, m)]
 
 
 def ship_user_code() -> list[str]:
