@@ -191,7 +191,8 @@ class JobRunner:
         self._heartbeat: Heartbeat | None = None
 
     def _batch_recorded(self, rec: BatchRecord) -> None:
-        """After each batch's commit: the first one proves the start (its arguments are kept)."""
+        """After each batch (its checkpoint committed; with asynchronous checkpoints,
+        committing): the first one proves the start, whose arguments are then kept."""
         self._keep_args()
         if self._user_on_batch is not None:
             self._user_on_batch(rec)
@@ -200,9 +201,13 @@ class JobRunner:
         """This start's arguments become the ones a later ``keyscale run`` reuses, once the
         start is a success: its first batch committed, or it ended without an error
         (keyscale.runtime.jobargs). Never for a start that failed."""
-        if not self._args_kept and self.job.state != "failed":
+        if self._args_kept or self.job.state == "failed":
+            return
+        self._args_kept = True
+        try:
             keep_args(self.jobdir, self.opts.args)
-            self._args_kept = True
+        except (KeyscaleError, OSError) as e:  # the batch is committed: this must not fail it
+            log.warning("could not keep this start's arguments for the next run (%s): give them with --set next time", e)
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> SparkSession:
