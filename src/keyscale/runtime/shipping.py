@@ -49,11 +49,15 @@ def _installation_dirs() -> tuple[str, ...]:
 def is_user_code(path: str | os.PathLike[str]) -> bool:
     """Whether a module file is the user's own code: a ``.py`` file outside the Python
     installation (its standard library and site-packages, this one's or another's)."""
-    p = os.path.realpath(path)
-    if not p.endswith(".py") or not os.path.isfile(p):  # compiled extensions, zip imports (--py-files): not shippable by value
-        return False
+    p = os.fspath(path)
+    # The path as given first: most modules are ruled out without a system call.
+    return _outside_installation(p) and _outside_installation(os.path.realpath(p)) and os.path.isfile(p)
+
+
+def _outside_installation(p: str) -> bool:
     parts = p.split(os.sep)
-    return "site-packages" not in parts and "dist-packages" not in parts and not p.startswith(_installation_dirs())
+    # Compiled extensions and zip imports (--py-files) cannot be shipped by value either.
+    return p.endswith(".py") and "site-packages" not in parts and "dist-packages" not in parts and not p.startswith(_installation_dirs())
 
 
 def is_user_module(name: str, module: types.ModuleType | None) -> bool:
