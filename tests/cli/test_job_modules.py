@@ -12,7 +12,6 @@ import pytest
 from tests.cli.job_project import expected_totals, final_totals, write_project
 
 from conftest import cli, read_output, write_events
-from keyscale.runtime.shipping import unimportable_module
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -65,29 +64,3 @@ def test_a_module_the_workers_cannot_import_is_one_line_naming_it(tmp_path: Path
     line = _one_line_error(proc, "'lazy_helpers'", str(project / "lazy_helpers.py"), "top of")
     assert "on_error" not in line
     assert read_output(tmp_path / "out").empty
-
-
-def test_the_message_says_what_to_do_for_each_kind_of_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = "py4j... pyspark.errors.exceptions.captured.PythonException: ... ModuleNotFoundError: No module named '{}'\n  at ..."
-    assert unimportable_module("ValueError: bad", "python3") is None
-    assert unimportable_module(text.format("keyscale"), "python3") is None  # its own message (missing_keyscale)
-    # Installed for the driver only (site-packages): install it on the workers.
-    installed = unimportable_module(text.format("pyarrow.compute"), "/opt/py/bin/python3")
-    assert installed is not None and "'pyarrow'" in installed and "/opt/py/bin/python3" in installed and "install" in installed
-    # Nowhere at all.
-    nowhere = unimportable_module(text.format("no_such_module_xyz"), "python3")
-    assert nowhere is not None and "'no_such_module_xyz'" in nowhere and "\n" not in nowhere
-    # The job's own code, found by the driver: import it at the top of a module.
-    (tmp_path / "own_helpers.py").write_text("X = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    own = unimportable_module(text.format("own_helpers"), "python3")
-    assert own is not None and str(tmp_path / "own_helpers.py") in own and "top of" in own
-
-
-def test_doctests() -> None:
-    import doctest
-
-    import keyscale.runtime.shipping
-
-    result = doctest.testmod(keyscale.runtime.shipping)
-    assert result.failed == 0 and result.attempted > 0
