@@ -81,6 +81,14 @@ class JobArgs(dict[str, str]):
         self._looked_up.add(name)
         return super().get(name, default)
 
+    def setdefault(self, name: str, default: str = "") -> str:  # type: ignore[override]
+        self._looked_up.add(name)
+        return super().setdefault(name, default)
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        self._looked_up.add(name)
+        return super().pop(name, *default)
+
     def __contains__(self, name: object) -> bool:
         if isinstance(name, str):
             self._looked_up.add(name)
@@ -102,6 +110,10 @@ class JobArgs(dict[str, str]):
     def values(self) -> Any:
         self._listed = True
         return super().values()
+
+    def copy(self) -> dict[str, str]:
+        self._listed = True
+        return dict(super().items())
 
     @property
     def read(self) -> set[str] | None:
