@@ -11,11 +11,11 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from tests.cli.job_project import expected_totals, final_totals, write_project
 
 from conftest import read_output, write_events
 from keyscale._pipeline import JobContext
 from keyscale.runtime.shipping import unimportable_module
-from tests.cli.job_project import expected_totals, final_totals, write_project
 
 
 @pytest.mark.spark
