@@ -16,13 +16,15 @@ A job file defines ``build(ctx)`` returning a :class:`Pipeline`::
 
 from __future__ import annotations
 
+import difflib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pyarrow as pa
 
+from keyscale._keywords import checked_keywords, unknown_keyword
 from keyscale._spark_types import from_arrow_schema, to_arrow_schema
 from keyscale._steps import (
     KeyedStep,
@@ -63,6 +65,63 @@ if TYPE_CHECKING:
 log = logging.getLogger("keyscale")
 
 
+class JobArgs(dict[str, str]):
+    """The job's arguments (``ctx.args``), remembering the names the job looks up, so that a
+    ``--set`` the job never reads is flagged (keyscale.runtime.jobargs.check_args_read)."""
+
+    def __init__(self, args: Mapping[str, str] | None = None) -> None:
+        super().__init__(args or {})
+        self._looked_up: set[str] = set()
+        self._listed = False
+
+    def __getitem__(self, name: str) -> str:
+        self._looked_up.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        self._looked_up.add(name)
+        return super().get(name, default)
+
+    def setdefault(self, name: str, default: str = "") -> str:  # type: ignore[override]
+        self._looked_up.add(name)
+        return super().setdefault(name, default)
+
+    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
+        self._looked_up.add(name)
+        return super().pop(name, *default)
+
+    def __contains__(self, name: object) -> bool:
+        if isinstance(name, str):
+            self._looked_up.add(name)
+        return super().__contains__(name)
+
+    # A job that lists its arguments (passes them all on, say) reads every one of them.
+    def __iter__(self) -> Iterator[str]:
+        self._listed = True
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        self._listed = True
+        return super().keys()
+
+    def items(self) -> Any:
+        self._listed = True
+        return super().items()
+
+    def values(self) -> Any:
+        self._listed = True
+        return super().values()
+
+    def copy(self) -> dict[str, str]:
+        self._listed = True
+        return dict(super().items())
+
+    @property
+    def read(self) -> set[str] | None:
+        """The names the job looked up; None when it listed them all."""
+        return None if self._listed else set(self._looked_up)
+
+
 @dataclass
 class JobContext:
     """What ``build`` gets: the Spark session and the job's ``--set`` arguments."""
@@ -70,12 +129,18 @@ class JobContext:
     spark: SparkSession
     args: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.args, JobArgs):
+            self.args = JobArgs(self.args)
+
     def arg(self, name: str, default: str | None = None) -> str:
         """The ``--set NAME=VALUE`` argument ``name`` (or ``default``; missing and no default is an error)."""
         if name in self.args:
             return self.args[name]
         if default is None:
-            raise JobDefinitionError(f"the job needs the argument '{name}': pass --set {name}=VALUE")
+            close = difflib.get_close_matches(name, list(dict.keys(self.args)), n=1)  # dict.keys: not a listing by the job
+            hint = f" (--set {close[0]}=... was given: misspelt?)" if close else ""
+            raise JobDefinitionError(f"the job needs the argument '{name}': pass --set {name}=VALUE{hint}")
         return default
 
 
@@ -103,6 +168,7 @@ class Stream:
     def watermark(self) -> WatermarkSpec | None:
         return self._watermark
 
+    @checked_keywords
     def with_watermark(
         self, column: str, max_out_of_orderness: Duration = 0, idleness: Duration | None = None, max_ahead: Duration | None = "1 hour",
     ) -> Stream:
@@ -141,6 +207,7 @@ class Stream:
     def schema(self) -> StructType:
         return self._schema
 
+    @checked_keywords
     def transform(self, fn: Callable[[DataFrame], DataFrame]) -> Stream:
         """Apply ordinary PySpark transformations (filter, select, withColumn, joins with static data).
 
@@ -162,10 +229,12 @@ class Stream:
                 step = TransformStep(step.fn)
         return Stream(self._source, (*self._steps, step), probe.schema, self._watermark)
 
+    @checked_keywords
     def filter(self, condition: Column | str) -> Stream:
         """Keep rows matching ``condition`` (a Column or a SQL expression)."""
         return self._transform(TransformStep(lambda df: df.filter(condition), keeping=lambda df, _: df.filter(condition)))
 
+    @checked_keywords
     def select(self, *cols: Column | str) -> Stream:
         """Project columns (Columns or SQL expressions)."""
         exprs = [c for c in cols if isinstance(c, str)]
@@ -173,6 +242,7 @@ class Stream:
             return self._transform(TransformStep(lambda df: df.selectExpr(*exprs), keeping=lambda df, keep: df.selectExpr(*exprs, *keep)))
         return self._transform(TransformStep(lambda df: df.select(*cols), keeping=lambda df, keep: df.select(*cols, *keep)))
 
+    @checked_keywords
     def process(self, function: ProcessFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
                 broadcast: BroadcastStream | None = None) -> Stream:
         """A non-keyed stage: ``function.process(records, ctx)`` once per subtask and batch,
@@ -184,6 +254,7 @@ class Stream:
         step = NonKeyedStep(uid, function, _to_arrow_schema(self._schema), arrow_schema(schema), describe_lists(function, uid), parallelism, broadcast)
         return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
 
+    @checked_keywords
     def connect(self, other: Stream) -> ConnectedStreams:
         """This stream and ``other`` into one keyed stage: ``.key_by(keys, other_keys)``
         then ``.process(KeyedCoProcessFunction, schema, uid)`` or ``.interval_join(lower,
@@ -196,6 +267,7 @@ class Stream:
 
         return ConnectedStreams(self, other)
 
+    @checked_keywords
     def key_by(self, *columns: str, null_keys: NullKeys = "error") -> KeyedStream:
         """Partition the stream by key columns: the next stage's state is per key.
 
@@ -211,6 +283,7 @@ class Stream:
             raise JobDefinitionError(f"null_keys must be 'error' or 'drop', not {null_keys!r}")
         return KeyedStream(self, tuple(columns), null_keys)
 
+    @checked_keywords
     def sink(
         self, sink: Sink, on_error: OnError = "fail", dead_letter: Sink | None = None, max_errors_per_batch: int | None = DEFAULT_MAX_ERRORS,
     ) -> Pipeline:
@@ -237,6 +310,13 @@ class Stream:
         return _check_sinks(Pipeline(self._source, (Branch(self._steps, sink),), self._watermark, policies, dead_letter,
                                      ErrorPolicy(on_error, max_errors_per_batch)))
 
+    def start(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: a stream starts once it ends in a sink (``.sink(...).start(...)``)."""
+        last = next((s.uid for s in reversed(self._steps) if not isinstance(s, TransformStep)), None)
+        what = f"the stream after stage '{last}'" if last else "the stream"
+        raise JobDefinitionError(f"{what} has no sink, so it cannot start: end it with .sink(ks.ParquetSink(path)) "
+                                 "(or another sink), then call .start(...) on what .sink() returns")
+
     def _with(self, step: KeyedStep) -> Stream:
         return Stream(self._source, (*self._steps, step), _to_spark_schema(step.output_schema), self._watermark)
 
@@ -257,6 +337,12 @@ class KeyedStream:
         self._null_keys = null_keys
         self._input = _to_arrow_schema(stream.schema)
         self._key_types = tuple(self._input.field(k).type for k in key_names)
+
+    def start(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: a keyed stream needs a stage and a sink before it starts."""
+        keys = ", ".join(f"'{k}'" for k in self._keys)
+        raise JobDefinitionError(f"the stream keyed by {keys} has no stage and no sink, so it cannot start: add a stage "
+                                 "(.aggregate(...) or .process(...)), end it with .sink(...), then call .start(...)")
 
     def _step(
         self, uid: str, fn: Any, output: pa.Schema, states: list[StateDescriptor], parallelism: int | None,
@@ -280,6 +366,7 @@ class KeyedStream:
             check_rocksdb_keys(uid, step.state_key_columns)
         return self._stream._with(step)
 
+    @checked_keywords
     def process(
         self, function: KeyedProcessFunction | VectorizedKeyedFunction, schema: str | pa.Schema, uid: str, parallelism: int | None = None,
         broadcast: BroadcastStream | None = None, on_error: OnError | None = None, state_backend: str | None = None,
@@ -303,6 +390,7 @@ class KeyedStream:
         return self._step(uid, function, arrow_schema(schema), describe_states(function, uid), parallelism, broadcast=broadcast, on_error=on_error,
                           state_backend=state_backend)
 
+    @checked_keywords
     def window(self, assigner: Assigner, allowed_lateness: Duration = 0, late_output: Sink | None = None) -> WindowedStream:
         """Event-time windows per key: ``TumblingWindows``, ``SlidingWindows`` or ``SessionWindows``.
 
@@ -337,6 +425,7 @@ class KeyedStream:
         on or off between runs). Sums and means of floating-point columns are refused: the
         order of Spark's partial additions is not fixed, so a replay could differ.
         """
+        _check_aggs("aggregate()", aggs, ("uid", "parallelism", "on_error", "state_backend", "combine"))
         types = {f.name: f.type for f in self._input}
         fn = RunningAggregate(dict(aggs), list(self._keys), types)
         if combine:
@@ -347,6 +436,11 @@ class KeyedStream:
 
 class WindowedStream:
     """A keyed stream cut into windows; ``aggregate`` adds the window operator."""
+
+    def start(self, *args: Any, **kwargs: Any) -> NoReturn:
+        """Refused: windows need their aggregate and a sink before the job starts."""
+        raise JobDefinitionError("the windowed stream has no aggregate and no sink, so it cannot start: add "
+                                 ".aggregate(uid=..., ...), end it with .sink(...), then call .start(...)")
 
     def __init__(self, keyed: KeyedStream, assigner: Assigner, lateness_ms: int, late_output: Sink | None):
         self._keyed = keyed
@@ -361,6 +455,7 @@ class WindowedStream:
 
         Records without an event time (null) follow ``on_error`` (or the pipeline's default);
         ``state_backend`` ("memory" or "rocksdb") overrides the job's for this stage."""
+        _check_aggs("window(...).aggregate()", aggs, ("uid", "parallelism", "on_error", "state_backend"))
         k = self._keyed
         wm = k._stream.watermark
         assert wm is not None
@@ -369,6 +464,17 @@ class WindowedStream:
         out = pa.schema([*(k._input.field(c) for c in k._keys), *fn.output_fields()])
         return k._step(uid, fn, out, fn.state_descriptors(), parallelism, ((WINDOW_START, pa.int64()),), self._late, on_error=on_error,
                        state_backend=state_backend)
+
+
+def _check_aggs(where: str, aggs: dict[str, Any], options: tuple[str, ...]) -> None:
+    """Each keyword beyond ``options`` names an output column and must be an aggregate: a
+    misspelt option (``paralelism=2``) is not one, and says which option it was meant as."""
+    for name, agg in aggs.items():
+        if not isinstance(agg, Agg):
+            if difflib.get_close_matches(name, options, n=1):
+                raise unknown_keyword(where, name, options)
+            raise JobDefinitionError(f"{where}: {name}={agg!r} is not an aggregate: give ks.count(), ks.sum(column), ks.min(column), "
+                                     "ks.max(column), ks.mean(column) or ks.reduce(column, fn)")
 
 
 def source_schema(source: DataFrame | LogSource) -> StructType:
@@ -430,6 +536,7 @@ class Pipeline:
         return tuple(seen.values())
 
     @property
+    @checked_keywords
     def sink(self) -> Sink:
         """The first branch's sink."""
         return self.branches[0].sink
@@ -506,6 +613,7 @@ class Pipeline:
         return start_job(self, job_dir, parallelism, name, **options)
 
 
+@checked_keywords
 def stream(df: DataFrame | LogSource) -> Stream:
     """Start a pipeline from a Spark streaming DataFrame (``spark.readStream...``) or a
     partitioned log (:func:`keyscale.log_source`), whose offsets keyscale keeps itself."""
@@ -528,6 +636,7 @@ def stream(df: DataFrame | LogSource) -> Stream:
     return Stream(df)
 
 
+@checked_keywords
 def pipeline(*branches: Pipeline) -> Pipeline:
     """One job with several sinks: each argument ends one branch (``stream.sink(...)``), and
     all start from the same ``ks.stream(...)``. A batch runs each stage once, however many

@@ -8,6 +8,7 @@ Layout (keys of the job directory's store: a local folder or an object store pre
     lock                      local disk only: held (flock) by the one process running the job
     status.json               written by the running job (its heartbeat on an object store)
     run.json                  how the job was started (for `keyscale rescale --restart`)
+    args.json                 the --set arguments of the last successful start, which `keyscale run` reuses
     control/rescale.json      live rescale requests, read at the next batch
     control/secret            the running job's control API secret (new each run)
     checkpoints/manifest-<batch>.json   one per committed batch (the commit point; created only if absent)

@@ -21,16 +21,6 @@ from keyscale.runtime.session import parse_spark_conf
 from keyscale.storage import local_path, open_store, scheme_of
 
 
-def _parse_sets(items: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        name, eq, value = item.partition("=")
-        if not eq or not name:
-            raise KeyscaleError(f"--set {item!r} must look like NAME=VALUE")
-        out[name] = value
-    return out
-
-
 def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
     """AutoscalerConfig from ``--autoscaler-option NAME=VALUE`` (field names of AutoscalerConfig)."""
     import dataclasses
@@ -55,29 +45,15 @@ def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
         raise KeyscaleError(f"autoscaler options: {e}") from None
 
 
-def _stored_sets(job_dir: str, given: dict[str, str]) -> dict[str, str]:
-    """The ``--set`` values of the job's last start, under those given now: a job resumes
-    without repeating them (a value given now wins, and the log says which were reused)."""
-    from keyscale.checkpoint.jobdir import JobDir
-
-    try:
-        stored = JobDir(job_dir).read_json("run.json").get("args") or {}
-    except KeyscaleError:
-        return given
-    reused = {k: v for k, v in stored.items() if k not in given}
-    if reused:
-        logging.getLogger("keyscale").info(
-            "using the job's stored settings from its last start: %s (give --set NAME=VALUE to change one)",
-            ", ".join(f"{k}={v}" for k, v in sorted(reused.items())))
-    return {**reused, **given}
-
-
 def cmd_run(a: argparse.Namespace) -> int:
+    from keyscale.checkpoint.jobdir import JobDir
     from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.runtime.jobargs import parse_sets, resolve_args
 
+    args = resolve_args(JobDir(a.job_dir), parse_sets(a.set), a.unset, use_kept=not a.no_stored_args)
     opts = RunOptions(
         job_file=a.job_file, job_dir=a.job_dir, parallelism=a.parallelism, max_parallelism=a.max_parallelism,
-        master=a.master, until_idle=a.until_idle, args=_stored_sets(a.job_dir, _parse_sets(a.set)), trigger_interval=a.trigger_interval,
+        master=a.master, until_idle=a.until_idle, args=args, trigger_interval=a.trigger_interval,
         retain=a.retain, max_chain=a.compaction_chain, max_file_age=a.max_file_age, fault=a.fault,
         from_savepoint=a.from_savepoint, allow_non_restored_state=a.allow_non_restored_state,
         allow_empty_restart=a.allow_empty_restart,
@@ -420,7 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--until-idle", action="store_true", help="process all available input, then exit")
     r.add_argument("--drain-at-end", action="store_true",
                    help="with --until-idle: end with a drain batch (watermark at the end of time: every timer and window fires)")
-    r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="an argument for the job")
+    r.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="an argument for the job, read in build() with ctx.arg(NAME) (repeatable). A name the job does not "
+                        "read is an error. A job directory keeps the arguments of its last successful start (its first batch "
+                        "committed, or it ended without an error) and a later run reuses them: give --set only to change one")
+    r.add_argument("--unset", action="append", default=[], metavar="NAME",
+                   help="drop an argument the job directory keeps from its last successful start (repeatable)")
+    r.add_argument("--no-stored-args", action="store_true",
+                   help="use only this command's --set arguments, none of those the job directory keeps "
+                        "(deployments pass this: their file lists every argument)")
     r.add_argument("--conf", action="append", default=[], metavar="NAME=VALUE",
                    help="a Spark setting for the job's session (repeatable); wins over keyscale's defaults (docs/reference/spark-settings.md)")
     r.add_argument("--trigger-interval", default="1 second")

@@ -234,12 +234,14 @@ class DeploymentSpec:
         ...                       parallelism=2, state_dir=Path("/s"))
         >>> " ".join(spec.command("/s/jobs/1", python="py"))  # doctest: +NORMALIZE_WHITESPACE
         'py -m keyscale.cli.main run /s/artifacts/abababababababab/job.py --job-dir /s/jobs/1 -p 2
-         --master local[2] --trigger-interval 1 second --retain 3 --compaction-chain 8 --set input=in'
+         --master local[2] --trigger-interval 1 second --retain 3 --compaction-chain 8 --no-stored-args --set input=in'
         """
         argv = [
             python, "-m", "keyscale.cli.main", "run", str(self.artifact), "--job-dir", str(job_dir),
             "-p", str(self.parallelism), "--master", self.master, "--trigger-interval", self.trigger_interval,
             "--retain", str(self.retain), "--compaction-chain", str(self.compaction_chain),
+            # The file lists every argument: one removed from it must not live on as one the job directory kept.
+            "--no-stored-args",
         ]
         if self.max_parallelism is not None:
             argv += ["--max-parallelism", str(self.max_parallelism)]

@@ -27,6 +27,7 @@ By hand: ``python -m keyscale.kafka.broker`` starts one and prints its bootstrap
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,8 +125,19 @@ def _answers(bootstrap: str) -> bool:
         return False
 
 
-def main() -> int:
-    broker = start_tansu()
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m keyscale.kafka.broker",
+        description="Start a private Kafka-protocol broker (Tansu, in-memory) on 127.0.0.1 for tests and examples, print its "
+                    "bootstrap address, and run until Ctrl-C. Not for production: it keeps nothing on disk.")
+    parser.add_argument("--port", type=int, help="the port to listen on (default: a free one)")
+    parser.add_argument("--log-dir", help="where the broker writes tansu.log (default: a temporary folder)")
+    a = parser.parse_args(argv)
+    try:
+        broker = start_tansu(a.port, a.log_dir)
+    except KeyscaleError as e:
+        print(f"keyscale: error: {e}", file=sys.stderr)
+        return e.exit_code
     print(f"Tansu broker on {broker.bootstrap} (pid {broker.pid}); Ctrl-C stops it", flush=True)
     print("Jobs writing to it with KafkaSink: set KEYSCALE_KAFKA_SERIAL_COMMITS=1 (its transactions can stall when several end at once)", flush=True)
     try:

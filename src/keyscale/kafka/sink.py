@@ -84,6 +84,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from keyscale._keywords import checked_keywords
 from keyscale.errors import FencedError, JobDefinitionError, OutputError, encode_error
 from keyscale.kafka import commit_log
 from keyscale.kafka.client import KafkaConnectorError, connection_options, partition_count
@@ -282,6 +283,7 @@ class KafkaSink:
 
     exactly_once = True
 
+    @checked_keywords
     def __init__(self, bootstrap: str, topic: str, key: str | None = None, value: str | None = None,
                  options: Mapping[str, Any] | None = None, transaction_timeout_s: float = 60.0,
                  serial_commits: bool | None = None) -> None:

@@ -39,6 +39,7 @@ from typing import Any, Literal, Protocol
 
 import pyarrow as pa
 
+from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError
 from keyscale.kafka.client import (
     KafkaConnectorError,
@@ -403,6 +404,7 @@ class KafkaLog(PartitionedLog):
         return f"Kafka topic {self.topic!r} on {self.bootstrap}, {self.num_partitions()} partitions, columns ({_ddl(self.schema)})"
 
 
+@checked_keywords
 def kafka_source(
     bootstrap: str, topic: str, uid: str = "source", *, decoder: KafkaDecoder | None = None, options: Mapping[str, Any] | None = None,
     max_records_per_batch: int | None = None, parallelism: int | None = None, starting_offsets: Literal["earliest", "latest"] = "earliest",

@@ -135,6 +135,15 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_list(frames)).rstrip("\n")
 
 
+def _not_the_records_fault(exc: BaseException | None) -> None:
+    """A module the worker cannot import fails every record alike: it is the workers'
+    Python environment at fault, not a record, so no policy may skip or dead-letter it.
+    It leaves the task as it is, and the driver names the module in one line
+    (keyscale.runtime.shipping.unimportable_module)."""
+    if isinstance(exc, ImportError):
+        raise exc
+
+
 def json_text(value: Any) -> str:
     """A value as JSON text (timestamps, decimals and bytes as their string form)."""
     return json.dumps(_plain(value), default=str, ensure_ascii=False)
@@ -177,6 +186,7 @@ class ErrorCollector:
     def add(self, reason: str, key: Any = None, records: list[dict[str, Any]] | None = None, exc: BaseException | None = None,
             what: str | None = None) -> None:
         """Handle poison: ``reason`` one line; ``records`` the records at fault (None: a timer)."""
+        _not_the_records_fault(exc)
         tb = user_traceback(exc) if exc is not None else ""
         n = len(records) if records else 1
         if self.policy.on_error == "fail":
@@ -214,6 +224,7 @@ class ErrorCollector:
         """A function that sees the whole batch raised: the batch fails (no record to blame)."""
         if isinstance(exc, KeyscaleError):
             raise exc
+        _not_the_records_fault(exc)
         reason = one_line(exc)
         raise RecordError(self._message(reason, _NO_KEY, None, user_traceback(exc), what, 0, f"operator '{self.uid}' failed in batch {self.batch_id} (subtask {self.subtask})"))
 

@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from keyscale._keywords import checked_keywords
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import (
     NO_WATERMARK,
@@ -65,6 +66,7 @@ class TumblingWindows:
     size_ms: int
     offset_ms: int = 0
 
+    @checked_keywords
     def __init__(self, size: Duration, offset: Duration = 0):
         object.__setattr__(self, "size_ms", parse_duration_ms(size, "window size"))
         object.__setattr__(self, "offset_ms", parse_duration_ms(offset, "window offset"))
@@ -88,6 +90,7 @@ class SlidingWindows:
     slide_ms: int
     offset_ms: int = 0
 
+    @checked_keywords
     def __init__(self, size: Duration, slide: Duration, offset: Duration = 0):
         object.__setattr__(self, "size_ms", parse_duration_ms(size, "window size"))
         object.__setattr__(self, "slide_ms", parse_duration_ms(slide, "window slide"))
@@ -114,6 +117,7 @@ class SessionWindows:
 
     gap_ms: int
 
+    @checked_keywords
     def __init__(self, gap: Duration):
         object.__setattr__(self, "gap_ms", parse_duration_ms(gap, "session gap"))
         if self.gap_ms <= 0:

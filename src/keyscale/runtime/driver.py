@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
-from keyscale._pipeline import JobContext, Pipeline
+from keyscale._pipeline import JobArgs, JobContext, Pipeline
 from keyscale.checkpoint.files import upload_timeout
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
@@ -45,6 +45,7 @@ from keyscale.runtime.arrival import with_file_order
 from keyscale.runtime.control import ControlServer
 from keyscale.runtime.control_settings import control_settings
 from keyscale.runtime.heartbeat import Heartbeat
+from keyscale.runtime.jobargs import check_args_read, keep_args, kept_args
 from keyscale.runtime.jobfile import load_job
 from keyscale.runtime.jobstate import BatchRecord, JobState, RunOptions, RunSummary
 from keyscale.runtime.jobstate import seconds as _seconds
@@ -54,6 +55,7 @@ from keyscale.runtime.profiling import profiled
 from keyscale.runtime.recovery import replay_spark_batches
 from keyscale.runtime.reports import Reports
 from keyscale.runtime.session import crashed_worker, missing_keyscale, spark_session, user_session
+from keyscale.runtime.shipping import ship_user_code, unimportable_module
 from keyscale.runtime.spark_source import explain_missing_key
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
@@ -94,6 +96,10 @@ def _translate(exc: BaseException) -> BaseException:
     no_keyscale = missing_keyscale(text, _python_of_workers())
     if no_keyscale:
         return errors.KeyscaleError(no_keyscale)
+    unimportable = unimportable_module(text, _python_of_workers())
+    if unimportable:
+        log.debug("the workers' error:\n%s", text)
+        return errors.KeyscaleError(unimportable)
     crashed = crashed_worker(text)
     if crashed:
         return errors.KeyscaleError(crashed)
@@ -161,7 +167,10 @@ class JobRunner:
         jobdir = JobDir(opts.job_dir)
         self._given = (pipeline, name) if pipeline is not None else None
         # What the batch modules share (commit, stages, source_plan, parallelism, status).
-        self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri), on_batch=on_batch)
+        self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri),
+                            on_batch=self._batch_recorded)
+        self._user_on_batch = on_batch
+        self._args_kept = False
         self._error: BaseException | None = None
         self._stop = threading.Event()
         # Held while a batch runs, a savepoint is taken or a pending commit settles (every
@@ -187,6 +196,25 @@ class JobRunner:
         # same process and Spark application (parallelism, job file), from this checkpoint.
         self.restart_request: dict[str, Any] | None = None
         self._heartbeat: Heartbeat | None = None
+
+    def _batch_recorded(self, rec: BatchRecord) -> None:
+        """After each batch (its checkpoint committed; with asynchronous checkpoints,
+        committing): the first one proves the start, whose arguments are then kept."""
+        self._keep_args()
+        if self._user_on_batch is not None:
+            self._user_on_batch(rec)
+
+    def _keep_args(self) -> None:
+        """This start's arguments become the ones a later ``keyscale run`` reuses, once the
+        start is a success: its first batch committed, or it ended without an error
+        (keyscale.runtime.jobargs). Never for a start that failed."""
+        if self._args_kept or self.job.state == "failed":
+            return
+        self._args_kept = True
+        try:
+            keep_args(self.jobdir, self.opts.args)
+        except (KeyscaleError, OSError) as e:  # the batch is committed: this must not fail it
+            log.warning("could not keep this start's arguments for the next run (%s): give them with --set next time", e)
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> SparkSession:
@@ -250,10 +278,15 @@ class JobRunner:
         poison_batch.quiet_task_failures(spark)
         self._spark = spark
         if build is not None:
-            pipeline = build(JobContext(spark, dict(opts.args)))
+            ctx = JobContext(spark, dict(opts.args))
+            pipeline = build(ctx)
             if not isinstance(pipeline, Pipeline):
                 raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
+            check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.jobdir))
         self.pipeline = pipeline
+        # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
+        shipped = ship_user_code()
+        log.debug("the job's own modules, shipped to the workers by value: %s", ", ".join(shipped) or "none")
         if opts.from_savepoint:
             self._restore_savepoint(pipeline, opts.from_savepoint)
         self._plan_parallelism(pipeline)
@@ -343,6 +376,8 @@ class JobRunner:
                     self._run_drain(spark)
                 with self._batch_lock:  # a savepoint asked for now waits for this commit
                     commit.settle(self.job)  # the last batch's checkpoint, committing in the background
+                if self._error is None:
+                    self._keep_args()  # it ended without an error, whether or not a batch ran
             except BaseException as e:
                 self._settle_after_failure()
                 self._record_failure(e)

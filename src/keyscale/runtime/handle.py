@@ -10,12 +10,12 @@ control API does, in-process. The control API runs as well, so ``keyscale status
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 import time
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from keyscale._keywords import unknown_keyword
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control import request_rescale
 from keyscale.runtime.jobstate import RunOptions, RunSummary
@@ -38,29 +38,12 @@ def start_job(pipeline: Pipeline, job_dir: str, parallelism: int | None = None, 
     known = {f.name for f in dataclasses.fields(RunOptions)} - _SET_BY_START
     unknown = sorted(set(options) - known)
     if unknown:
-        raise KeyscaleError(f"Pipeline.start() got unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    _ship_user_modules(pipeline)
+        raise unknown_keyword("Pipeline.start()", unknown[0], [*sorted(known), "parallelism", "name"])
     opts = RunOptions(job_file="", job_dir=str(job_dir), parallelism=parallelism, **options)
     job_name = name or PurePosixPath(str(job_dir).rstrip("/")).name or "job"
     handle = JobHandle(JobRunner(opts, pipeline=pipeline, name=job_name))
     handle._wait_started(startup_timeout)
     return handle
-
-
-def _ship_user_modules(pipeline: Pipeline) -> None:
-    """Python workers cannot import the user's own modules (a script's helpers, a test file)
-    by name: the functions and classes the pipeline's stages come from are pickled by value,
-    as a job file's are (``__main__``, a notebook's, always is; installed packages are not)."""
-    from pyspark import cloudpickle
-
-    for step in pipeline.steps:
-        fn = getattr(step, "function", None) or getattr(step, "fn", None)
-        name = getattr(fn, "__module__", None)  # a function's, or an instance's class's
-        module = sys.modules.get(name or "")
-        path = str(getattr(module, "__file__", "") or "")
-        if module is None or name in ("__main__", "builtins") or (name or "").startswith(("keyscale.", "pyspark.")) or "-packages" in path:
-            continue
-        cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
 
 
 class JobHandle:

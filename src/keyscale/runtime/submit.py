@@ -14,8 +14,9 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from keyscale._keywords import checked_keywords
 from keyscale._logging import configure_logging
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control_settings import add_control_arguments, control_options
@@ -27,7 +28,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run this keyscale job on the SparkSession spark-submit made.")
     p.add_argument("--job-dir", required=True, help="where the job keeps its state (a folder or s3://...)")
     p.add_argument("-p", "--parallelism", type=int, help="subtasks per keyed operator (default: as checkpointed, else 1)")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a job argument (ctx.arg(NAME))")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a job argument, read in build() with ctx.arg(NAME) (repeatable); a name the job does not read is an error")
     p.add_argument("--until-idle", action="store_true", help="stop once the input is read")
     p.add_argument("--trigger-interval", default="1 second")
     p.add_argument("--from-savepoint", help="start a new job directory from this savepoint")
@@ -36,6 +38,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
+@checked_keywords
 def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
     """Run the job ``build`` defines, under spark-submit or plain Python; returns 0 when it
     stopped cleanly (SIGTERM/SIGINT stop it after the current batch), else the
@@ -51,8 +54,8 @@ def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
     """
     from pyspark.sql import SparkSession
 
-    from keyscale._pipeline import JobContext, Pipeline
-    from keyscale.cli.main import _parse_sets
+    from keyscale._pipeline import JobArgs, JobContext, Pipeline
+    from keyscale.runtime.jobargs import check_args_read, parse_sets
 
     code = getattr(build, "__code__", None)
     module_file = Path(code.co_filename if code is not None else sys.argv[0])
@@ -62,11 +65,15 @@ def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
     log = logging.getLogger("keyscale")
     try:
         spark = SparkSession.builder.getOrCreate()  # spark-submit's master and --conf; nothing of keyscale's
-        pipeline = build(JobContext(spark, _parse_sets(a.set)))
+        args = parse_sets(a.set)
+        ctx = JobContext(spark, dict(args))
+        pipeline = build(ctx)
         if not isinstance(pipeline, Pipeline):
             raise KeyscaleError(f"build() in {module_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
+        # Every argument is given on this command line (ks.main reuses none a job directory keeps): one the job does not read is an error.
+        check_args_read(args, cast(JobArgs, ctx.args).read, {})
         job = pipeline.start(a.job_dir, a.parallelism, name=name, until_idle=a.until_idle, trigger_interval=a.trigger_interval,
-                             from_savepoint=a.from_savepoint, max_parallelism=a.max_parallelism, args=_parse_sets(a.set),
+                             from_savepoint=a.from_savepoint, max_parallelism=a.max_parallelism, args=args,
                              **control_options(a))
 
         def _graceful(signum: int, _frame: Any) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from keyscale._keywords import checked_keywords
+
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
@@ -17,6 +19,7 @@ class ConsoleSink:
 
     exactly_once = False
 
+    @checked_keywords
     def __init__(self, rows: int = 20):
         self.rows = rows
 

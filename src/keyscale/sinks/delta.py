@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from keyscale._keywords import checked_keywords
 from keyscale.errors import OutputError, StorageError
 from keyscale.sinks._lakehouse import (
     BATCH_KEY,
@@ -108,6 +109,7 @@ class DeltaSink(TableSink["DeltaTable"]):
     keyscale.errors.OutputError: Delta sink: cannot write a table at hdfs://lake/counts: ...
     """
 
+    @checked_keywords
     def __init__(
         self,
         uri: str | os.PathLike[str],

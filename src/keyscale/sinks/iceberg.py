@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+from keyscale._keywords import checked_keywords
 from keyscale.errors import OutputError, StorageError
 from keyscale.sinks._lakehouse import (
     BATCH_KEY,
@@ -103,6 +104,7 @@ class IcebergSink(TableSink["Table"]):
     keyscale.errors.OutputError: Iceberg sink for analytics.counts: mode='upsert' needs keys=[...], ...
     """
 
+    @checked_keywords
     def __init__(
         self,
         catalog: Catalog | Mapping[str, str],

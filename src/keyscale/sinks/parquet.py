@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from keyscale._keywords import checked_keywords
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import KeyscaleError, OutputError, StorageError, encode_error
 from keyscale.sinks.spark_log import LOG, SinkLog, file_status
@@ -207,6 +208,7 @@ class ParquetSink:
 
     exactly_once = True
 
+    @checked_keywords
     def __init__(self, path: str | os.PathLike[str] | Store):
         self.store = open_store(path, "Parquet sink path")
         self.path = self.store.url()

@@ -32,6 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.runtime import reports
@@ -60,6 +61,7 @@ class LogSource:
         return self.log.schema
 
 
+@checked_keywords
 def log_source(log: PartitionedLog | str, uid: str = "source", parallelism: int | None = None, max_records_per_batch: int | None = None) -> LogSource:
     """A partitioned log as a job's source; give the result to :func:`keyscale.stream`.
 
