@@ -86,7 +86,7 @@ def test_a_stage_read_by_two_sinks_runs_once_per_batch(spark: Any, tmp_path: Pat
     write_events(tmp_path / "in", files=3, rows=500, keys=40)
     (tmp_path / "notes").mkdir()
     args = {k: str(tmp_path / k) for k in ("in", "a", "b", "notes")}
-    run_job(HERE / "branch_probe_job.py", tmp_path / "job", 2, {**args, "input": args["in"]})
+    run_job(HERE / "branch_probe_job.py", tmp_path / "job", 2, {"input": args.pop("in"), **args})
     a, b = read_output(tmp_path / "a"), read_output(tmp_path / "b")
     assert len(a) > 0
     pd.testing.assert_frame_equal(a, b)

@@ -28,8 +28,9 @@ def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _args(inp: Path, out: Path) -> dict[str, str]:
-    return {"input": str(inp), "output": str(out), "threshold": "300"}
+def _args(inp: Path, out: Path, job: Path = RUNNING_COUNT) -> dict[str, str]:
+    """The job's arguments (an argument a job does not read is an error)."""
+    return {"input": str(inp), "output": str(out), **({"threshold": "300"} if job == ALERTS else {})}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory
     refs = {}
     for name, job in JOBS.items():
         tmp = tmp_path_factory.mktemp(f"ref-{name}")
-        run_job(job, tmp / "job", 1, _args(events, tmp / "out"))
+        run_job(job, tmp / "job", 1, _args(events, tmp / "out", job))
         refs[name] = read_output(tmp / "out")
         assert len(refs[name]) > 0
     return refs
@@ -56,7 +57,7 @@ def test_live_rescale_2_4_1_equals_parallelism_1(
         if rec.batch in plan:
             jd.request_rescale(plan[rec.batch])
 
-    summary = run_job(JOBS[name], tmp_path / "job", 2, _args(events, tmp_path / "out"), on_batch=rescale, state_backend=backend)
+    summary = run_job(JOBS[name], tmp_path / "job", 2, _args(events, tmp_path / "out", JOBS[name]), on_batch=rescale, state_backend=backend)
     seen = [b.parallelism[next(iter(b.parallelism))] for b in summary.batches]
     assert seen == [2, 2, 4, 4, 1, 1]
     assert [(b, f, t) for b, _, f, t in summary.rescales] == [(2, 2, 4), (4, 4, 1)]

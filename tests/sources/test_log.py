@@ -191,6 +191,7 @@ while time.time() < deadline:
                 errors.append(f"partition {{p}}: read {{len(seqs)}} records, not whole appends")
             checks += 1
     seen = max(seen, sum(ends))
+    Path(sys.argv[2] + ".checks").write_text(str(checks))  # the writer goes on until enough reads overlapped it
     if done:
         break
 print(json.dumps({{"seen": seen, "checks": checks, "errors": errors[:5], "partitions": len(ends)}}))
@@ -213,6 +214,13 @@ def _finish_reader(proc: subprocess.Popen[str], stop: Path) -> dict[str, Any]:
     return result
 
 
+def _read_or(path: Path, default: str) -> str:
+    try:
+        return path.read_text() or default
+    except FileNotFoundError:
+        return default
+
+
 def _wait_reader_started(log: PartitionedLog, proc: subprocess.Popen[str]) -> None:
     time.sleep(0.5)  # the reader imports pyarrow; let it get going before the writer finishes
     assert proc.poll() is None
@@ -223,8 +231,10 @@ def test_appends_are_atomic_for_a_reader_in_another_process(make_log: Any, tmp_p
     proc, stop = _start_reader(log, tmp_path)
     _wait_reader_started(log, proc)
     written = 0
-    deadline = time.time() + 3
-    while time.time() < deadline:
+    # At least 3 s of appends, and on until the reader has read more than 10 times while they
+    # ran (a loaded machine gives the reader few turns in 3 s), within a minute.
+    start, progress = time.time(), Path(f"{stop}.checks")
+    while time.time() < start + 3 or (time.time() < start + 60 and int(_read_or(progress, "0")) <= 10):
         for p in (0, 1):
             log.append(p, seq_table(log.end_offsets()[p], BATCH))
             written += BATCH

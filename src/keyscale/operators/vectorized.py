@@ -422,7 +422,9 @@ def _by_position(batch: KeyedBatch, column: str, kind: str, prev: pd.Series, hav
     cur = np.empty(n_keys, dtype=object)
     cur[:] = taken.to_pylist() if len(at) else [None] * n_keys
     old = np.empty(n_keys, dtype=object)
-    old[:] = [None if pd.isna(v) else v for v in prev.tolist()] if is_numeric(t) else prev.tolist()
+    # A key without a value so far is NaN (numbers) or NaT (times) in pandas: None for Arrow
+    # (a NaT with a time zone cannot become an Arrow timestamp).
+    old[:] = [None if v is None or v is pd.NaT or (isinstance(v, float) and v != v) else v for v in prev.tolist()]
     none = np.full(n_keys, None, dtype=object)
     if kind == "first":
         val = np.where(have, old, np.where(fresh, cur, none))
