@@ -1,0 +1,137 @@
+"""A standalone cluster for ``bench/chaos.py`` (``--cluster N``, issue 32): keyscale's own
+``keyscale cluster`` code starts a master and N one-core workers in the work folder, every
+start of the job runs on it (``--master spark://...``), and the fault ``kill-executor``
+SIGKILLs one executor JVM of the job's application while it runs a batch.
+
+An executor that vanishes mid-stage takes its running tasks and its shuffle files with it
+(no external shuffle service): Spark reruns the lost tasks, and a later stage that needs the
+lost map output fails with ``FetchFailed`` and its parent stage is submitted again, with
+attempt numbers of its tasks starting at 0 again (issue 32, case 5). The standalone master
+starts a new executor for the application on the freed worker. :func:`stage_retries` reads
+what Spark said about it from the driver's log (WARN level, keyscale's default for Spark).
+
+Executors are found in the worker's process group (the worker JVM leads it; its executors
+and their Python workers are in it), and only those whose command line names the job's
+current application (the master's newest running one: a paused run's older application
+keeps its executors, and they are not the fault's target).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+EXECUTOR_CLASS = "CoarseGrainedExecutorBackend"
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class ChaosCluster:
+    """``workers`` one-core workers (1 GB each: one 512 MB executor per worker) in ``folder``."""
+
+    def __init__(self, folder: Path, workers: int) -> None:
+        from keyscale.cluster import start_cluster
+
+        self.folder = folder
+        self.info = start_cluster(folder, workers=workers, cores=1, memory="1g")
+
+    @property
+    def master_url(self) -> str:
+        return self.info.master_url
+
+    def current_app(self) -> str | None:
+        """The id of the newest running application (the job's current run)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.info.webui_port}/json/", timeout=5) as resp:
+                data: dict[str, Any] = json.loads(resp.read().decode())
+        except (OSError, ValueError):
+            return None
+        apps = [a for a in data.get("activeapps", []) if a.get("state") in ("RUNNING", "WAITING")]
+        return str(max(apps, key=lambda a: a.get("starttime", 0))["id"]) if apps else None
+
+    def processes(self) -> list[int]:
+        """Every process of every worker's group: workers, executors, Python workers."""
+        from keyscale.cluster import read_cluster
+        from keyscale.cluster.processes import group_members
+
+        info = read_cluster(self.folder)
+        return [p for w in (info.workers if info else ()) for p in group_members(w.pid, w.started)]
+
+    def executors(self, app: str) -> list[int]:
+        """The executor JVMs of application ``app``."""
+        return [p for p in self.processes() if EXECUTOR_CLASS in (c := _cmdline(p)) and f"--app-id {app}" in c]
+
+    def python_workers(self, app: str) -> list[int]:
+        """The Python workers (``pyspark.daemon`` and its forks) under ``app``'s executors."""
+        execs = set(self.executors(app))
+        out = []
+        for p in self.processes():
+            c = _cmdline(p)
+            if "pyspark.daemon" not in c and "pyspark.worker" not in c:
+                continue
+            parent: int | None = p
+            for _ in range(4):  # daemon -> executor, or fork -> daemon -> executor
+                parent = _ppid(parent) if parent is not None else None
+                if parent is None:
+                    break
+                if parent in execs:
+                    out.append(p)
+                    break
+        return out
+
+    def stop(self) -> None:
+        from keyscale.cluster import stop_cluster
+
+        stop_cluster(self.folder, grace=5.0)
+
+
+_LOST_EXECUTOR = re.compile(r"Lost executor (\S+)")
+_RETRIED_STAGE_TASK = re.compile(r"in stage (\d+)\.([1-9]\d*) \(TID")
+
+
+def stage_retries(log_text: str) -> dict[str, int]:
+    """What the driver's log says about executor losses: executors lost, tasks that failed
+    with ``FetchFailed``, and retried stage attempts (stage ``n.k``, k >= 1, in a task line).
+
+    >>> stage_retries("ERROR TaskSchedulerImpl: Lost executor 1 on 127.0.0.1: Command exited with code 137\\n"
+    ...               "WARN TaskSetManager: Lost task 0.0 in stage 7.0 (TID 31) (127.0.0.1 executor 0): FetchFailed(...)\\n"
+    ...               "WARN TaskSetManager: Lost task 1.0 in stage 6.1 (TID 33) (127.0.0.1 executor 2): ...")
+    {'executors_lost': 1, 'fetch_failed_tasks': 1, 'retried_stage_attempts': 1}
+    """
+    return {
+        "executors_lost": len(set(_LOST_EXECUTOR.findall(log_text))),
+        "fetch_failed_tasks": sum(1 for ln in log_text.splitlines() if "FetchFailed" in ln and "Lost task" in ln),
+        "retried_stage_attempts": len(set(_RETRIED_STAGE_TASK.findall(log_text))),
+    }
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    """CPU time (user + system, clock ticks) the processes used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            rest = stat[stat.rindex(")") + 2:].split()
+            total += int(rest[11]) + int(rest[12])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
