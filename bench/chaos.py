@@ -43,6 +43,19 @@ every kind comes up about equally often):
   case 2): it is counted by how it exited (``zombies``: exit 9 is "fenced"); one still
   running 3 minutes after its resume is killed and counted as ``lingered``.
 
+* ``kill-executor`` (only with ``--cluster N``): SIGKILL of one executor JVM of the job's
+  application on the standalone cluster, while it runs tasks where possible: Spark reruns
+  the lost tasks and retries the stage whose map output was lost (``FetchFailed``); the
+  summary's ``cluster`` counts what the drivers' logs say (``chaos_cluster.py``).
+
+Kafka (issue 32): ``--source kafka`` makes the input a topic of ``--partitions`` partitions
+on a private Tansu broker, filled at ``--rate`` by an idempotent producer and read by the job
+with keyscale's Kafka source (the model reads the topic whole); ``--sink kafka`` writes each
+job directory's windows to a topic with ``KafkaSink``, and the check takes the rows whose
+transactions the broker marked committed in the log (control batches read with a raw
+Fetch: Tansu 0.6 serves aborted records to ``read_committed`` consumers, so a client's
+view cannot be the check); see ``chaos_kafka.py``.
+
 Each start draws its Spark master from ``--masters`` (``local[1]``..``local[4]``: Spark's
 split of a file into tasks, and so of a batch, changes with the cores), with
 ``--async-checkpoints`` every run commits one batch behind, and ``--lossy-s3 F`` puts
