@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,20 @@ class ChaosCluster:
 
     def python_workers(self, app: str) -> list[int]:
         """The Python workers (``pyspark.daemon`` and its forks) under ``app``'s executors."""
+        return [p for ps in self.python_workers_by_executor(app).values() for p in ps]
+
+    def busy_executors(self, app: str, window: float = 0.5) -> list[int]:
+        """``app``'s executors whose Python workers used CPU during ``window`` seconds: they
+        are running tasks of a stage (keyscale's stages run Python; an idle executor's
+        Python daemon uses none, while the JVM alone can, for its JIT and GC)."""
+        by_exec = self.python_workers_by_executor(app)
+        before = {e: cpu_ticks(ps) for e, ps in by_exec.items()}
+        time.sleep(window)
+        return [e for e, ps in by_exec.items() if cpu_ticks(ps) - before[e] >= 3]
+
+    def python_workers_by_executor(self, app: str) -> dict[int, list[int]]:
         execs = set(self.executors(app))
-        out = []
+        out: dict[int, list[int]] = {e: [] for e in execs}
         for p in self.processes():
             c = _cmdline(p)
             if "pyspark.daemon" not in c and "pyspark.worker" not in c:
@@ -93,7 +106,7 @@ class ChaosCluster:
                 if parent is None:
                     break
                 if parent in execs:
-                    out.append(p)
+                    out[parent].append(p)
                     break
         return out
 
