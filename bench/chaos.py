@@ -338,6 +338,10 @@ class Harness:
                 "--master", self.rng.choice(self.masters), *extra]
         if self.args.async_checkpoints:
             argv.append("--async-checkpoints")
+        if self.cluster is not None:
+            from chaos_cluster import event_log_conf
+
+            argv += event_log_conf(self.work / "spark-events")
         if p is not None:
             argv += ["-p", str(p)]
         return argv
@@ -555,12 +559,10 @@ class Harness:
         self.failed_starts = 0
 
     def cluster_figures(self) -> dict[str, int]:
-        """What the drivers' logs say about executors lost and stages retried (``chaos_cluster.stage_retries``)."""
+        """What Spark's event logs recorded about executors lost and stages retried (``chaos_cluster.stage_retries``)."""
         from chaos_cluster import stage_retries
 
-        text = "".join((self.work / f"job{g.index}.log").read_text(errors="replace") for g in self.gens
-                       if (self.work / f"job{g.index}.log").exists())
-        return stage_retries(text)
+        return stage_retries(self.work / "spark-events")
 
     def read_out(self, g: Generation) -> Any:
         """One job directory's output rows (pandas): Parquet's complete batches
