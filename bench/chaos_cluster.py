@@ -129,8 +129,9 @@ def stage_retries(folder: Path) -> dict[str, int]:
     tasks that ended with ``ExecutorLostFailure`` or ``FetchFailed``, and stage attempts
     after the first (``Stage Attempt ID`` >= 1: a stage resubmitted after lost map output)."""
     out = {"applications": 0, "executors_removed": 0, "tasks_executor_lost": 0, "tasks_fetch_failed": 0, "stage_retries": 0}
-    for f in sorted(folder.glob("*")) if folder.exists() else []:
-        out["applications"] += 1
+    # Spark 4 writes rolling event logs: a folder per application, ``events_<n>_<app>`` files in it.
+    for f in sorted(folder.rglob("events_*")) if folder.exists() else []:
+        out["applications"] += f.name.startswith("events_1_")
         with open(f, errors="replace") as lines:
             for line in lines:
                 if '"SparkListenerTaskEnd"' in line and '"Reason"' in line:
