@@ -893,8 +893,13 @@ def model(log: Any) -> tuple[Any, Any]:
     """Per (key, window start ms): count and sum; per key: count. From the log's contents."""
     import pandas as pd
 
-    parts = [log.read(p, 0, e).to_pandas() for p, e in enumerate(log.end_offsets()) if e]
-    df = pd.concat(parts) if parts else pd.DataFrame({"key": [], "value": [], "ts": []})
+    if hasattr(log, "bootstrap") and hasattr(log, "topic"):  # --source kafka: the topic read raw (chaos_kafka.input_frame)
+        from chaos_kafka import input_frame
+
+        df = input_frame(log.bootstrap, log.topic, log.num_partitions())
+    else:
+        parts = [log.read(p, 0, e).to_pandas() for p, e in enumerate(log.end_offsets()) if e]
+        df = pd.concat(parts) if parts else pd.DataFrame({"key": [], "value": [], "ts": []})
     ms = df["ts"].astype("int64") // 1000 if str(df["ts"].dtype).startswith("int") else _ms(df["ts"])
     df = df.assign(w=ms - ms % WINDOW_MS)
     windows = df.groupby(["key", "w"]).agg(count=("value", "size"), total=("value", "sum"))

@@ -73,3 +73,17 @@ def test_committed_aborted_and_fenced_transactions_are_told_apart(kafka_broker: 
     assert keys == {"committed": ["committed", "committed"], "aborted": ["aborted", "fenced"], "open": ["open"]}
     assert view.markers == {"COMMIT": 2, "ABORT": 2}
     open_p.abort_transaction(30)
+
+
+def test_the_model_reads_the_whole_input_topic(kafka_broker: Any) -> None:
+    import time
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 3, "chaosin")
+    gen = chaos_kafka.KafkaProducerThread(b, topic, rate=300, keys=5, seed=1)
+    gen.start()
+    time.sleep(1.5)
+    undelivered = gen.stop()
+    df = chaos_kafka.input_frame(b, topic, 3)
+    assert undelivered == 0 and len(df) == gen.produced > 0
+    assert set(df.columns) == {"key", "value", "ts"} and df["value"].between(1, 100).all()
