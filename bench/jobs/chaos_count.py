@@ -12,9 +12,15 @@ Two keyed stages, so a fault can hurt either kind of state:
 The lateness bound is generous (``lateness``, default 1 hour): a run of minutes never drops
 a record as late unless the watermark is wrong, so a short window is a lost record.
 Arguments: ``log``, ``output``, ``late`` (optional), ``limit`` (records per partition and batch).
+Kafka in and out (issue 32): ``source=kafka`` reads the topic ``topic`` on ``bootstrap``
+(JSON values ``key``, ``value``, ``ts``) instead of ``log``; ``sink=kafka`` writes the windows
+to the topic ``output`` on ``bootstrap`` (``KafkaSink``, key = the record's key), each row
+stamped with its batch number (``batch``, as the Parquet sink's folders give it), so a check
+can tell a replay's row written twice from a window emitted again.
 """
 
 import numpy as np
+from pyspark.sql import functions as F
 
 import keyscale as ks
 
@@ -37,8 +43,25 @@ class Numbered(ks.VectorizedKeyedFunction):
         return {"n": prev + counts}, out
 
 
+class BatchStampedKafkaSink(ks.KafkaSink):
+    """The Kafka sink, each row with its batch number (a projection: the output's split into
+    tasks, which the sink's idempotence is keyed on, is unchanged)."""
+
+    def write(self, df, batch_id):
+        return super().write(df.withColumn("batch", F.lit(batch_id)), batch_id)
+
+
 def build(ctx):
-    source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=int(ctx.arg("limit", "2000")))
+    limit = int(ctx.arg("limit", "2000"))
+    if ctx.args.get("source", "log") == "kafka":
+        source = ks.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="reader", max_records_per_batch=limit,
+                                 decoder=ks.json_values("key string, value long, ts timestamp"))
+    else:
+        source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=limit)
+    if ctx.args.get("sink", "parquet") == "kafka":
+        sink = BatchStampedKafkaSink(ctx.arg("bootstrap"), ctx.arg("output"), key="key")
+    else:
+        sink = ks.ParquetSink(ctx.arg("output"))
     late = ctx.args.get("late")
     return (
         ks.stream(source)
@@ -49,5 +72,5 @@ def build(ctx):
         .window(ks.TumblingWindows(ctx.arg("size", "10 seconds")), allowed_lateness=ctx.arg("lateness", "1 hour"),
                 late_output=ks.ParquetSink(late) if late else None)
         .aggregate(uid="windows", count=ks.count(), total=ks.sum("value"), last=ks.max("n"))
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(sink)
     )
