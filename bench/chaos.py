@@ -115,6 +115,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from procs import cmdline, descendants
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 JOB_FILE = HERE / "jobs" / "chaos_count.py"
@@ -129,41 +131,6 @@ def say(msg: str) -> None:
 
 
 # -- processes ------------------------------------------------------------------------------------
-
-
-def _ppid_map() -> dict[int, int]:
-    out: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                stat = f.read()
-            out[int(d)] = int(stat[stat.rindex(")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Processes below ``pid`` (children, grandchildren, ...), by parent PID."""
-    children: dict[int, list[int]] = {}
-    for p, pp in _ppid_map().items():
-        children.setdefault(pp, []).append(p)
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def python_workers(driver_pid: int) -> list[int]:

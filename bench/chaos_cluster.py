@@ -24,24 +24,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from procs import cmdline, ppid
+
 EXECUTOR_CLASS = "CoarseGrainedExecutorBackend"
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 class ChaosCluster:
@@ -77,7 +62,7 @@ class ChaosCluster:
 
     def executors(self, app: str) -> list[int]:
         """The executor JVMs of application ``app``."""
-        return [p for p in self.processes() if EXECUTOR_CLASS in (c := _cmdline(p)) and f"--app-id {app}" in c]
+        return [p for p in self.processes() if EXECUTOR_CLASS in (c := cmdline(p)) and f"--app-id {app}" in c]
 
     def python_workers(self, app: str) -> list[int]:
         """The Python workers (``pyspark.daemon`` and its forks) under ``app``'s executors."""
@@ -96,12 +81,12 @@ class ChaosCluster:
         execs = set(self.executors(app))
         out: dict[int, list[int]] = {e: [] for e in execs}
         for p in self.processes():
-            c = _cmdline(p)
+            c = cmdline(p)
             if "pyspark.daemon" not in c and "pyspark.worker" not in c:
                 continue
             parent: int | None = p
             for _ in range(4):  # daemon -> executor, or fork -> daemon -> executor
-                parent = _ppid(parent) if parent is not None else None
+                parent = ppid(parent) if parent is not None else None
                 if parent is None:
                     break
                 if parent in execs:
