@@ -150,6 +150,16 @@ def _redis_server_binary() -> str | None:
     return next((c for c in ("/usr/bin/redis-server", "/usr/sbin/redis-server", "/usr/local/bin/redis-server") if Path(c).is_file()), None)
 
 
+def stop_server(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """Stop a server a test started (by its PID): SIGTERM, then SIGKILL after ``timeout`` s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``redis://127.0.0.1:PORT/0`` of a redis-server of our own (no persistence), stopped by its PID at the end."""
@@ -188,12 +198,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc, 10)
 
 
 @pytest.fixture(params=["local", "redis"])

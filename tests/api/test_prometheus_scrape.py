@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import keyscale as ks
-from conftest import write_events
+from conftest import stop_server, write_events
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 pytestmark = pytest.mark.skipif(not Path(PROMETHEUS).is_file(), reason="needs Debian's prometheus (make test installs it)")
@@ -80,12 +80,7 @@ def prometheus(folder: Path, scrape_configs: list[dict[str, Any]]) -> Iterator[s
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(15)
+        stop_server(proc, 15)
         log.close()
 
 
