@@ -162,7 +162,7 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
     """Every subtask of every batch through ``run_subtask`` in this process (see module doc)."""
     import pyarrow.compute as pc
 
-    import keyscale.runtime.task.keyed as task
+    import keyscale.runtime.task.memory as memory
     from keyscale.checkpoint.manifest import StateFile, live_files
     from keyscale.operators.vectorized import RunningAggregate
     from keyscale.operators.vectorized import sum as ksum
@@ -206,7 +206,7 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
         live = live_files([*live, *new], m)
         del part, k, kg, col, full
         seconds = time.perf_counter() - t0
-        held = sum(len(h.table) for h in task._HELD.values())
+        held = sum(len(h.table) for h in memory._HELD.values())
         # CPU seconds too: on a machine shared with other jobs, wall time is mostly waiting.
         row: dict[str, Any] = {"batch": b, "seconds": round(seconds, 2), "cpu_seconds": round(time.process_time() - c0, 2), "held_keys": held, "rss_mb": round(_self_rss_mb()), "rss_over_start_mb": round(_self_rss_mb() - base)}
         rows.append(row)
@@ -231,7 +231,7 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
         print(json.dumps(summary, indent=1), flush=True)
         shutil.rmtree(job, ignore_errors=True)
         return {"batches": rows, **summary}
-    (held_state,) = task._HELD.values()
+    (held_state,) = memory._HELD.values()
     parts = table_breakdown(held_state.table)
     n = len(held_state.table)
     rss_end = _self_rss_mb() - base
@@ -241,9 +241,9 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
     spec = dataclasses.replace(spec, batch_id=files, committed=files - 1, files=tuple(live))
     reload_s = []
     for i in range(parallelism):
-        task._HELD.clear()
+        memory._HELD.clear()
         t0 = time.perf_counter()
-        task.obtain_state(spec, key_group_range(i, m, parallelism))
+        memory.obtain_state(spec, key_group_range(i, m, parallelism))
         reload_s.append(round(time.perf_counter() - t0, 2))
     print(f"a fresh worker loads each range in {reload_s} s ({len(live)} files)", flush=True)
     summary = {

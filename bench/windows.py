@@ -383,7 +383,7 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
             files = tuple(live_files([*files, StateFile.from_json(report["file"])], 128)) if report["file"] else files
             max_seen = max(max_seen, int(report["max_event_ms"]))
             wm = max(wm, max_seen - 10_000 - 1)
-            from keyscale.runtime.task.keyed import _HELD
+            from keyscale.runtime.task.memory import _HELD
 
             held = next(iter(_HELD.values()))
             info = {"batch": b, "records": n, "seconds": round(secs, 3), "emitted": res.num_rows,
@@ -398,7 +398,7 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
                 print(out["cprofile"], flush=True)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
-        from keyscale.runtime.task.keyed import _HELD
+        from keyscale.runtime.task.memory import _HELD
 
         _HELD.clear()
     return out

@@ -38,7 +38,7 @@ State = dict[int, dict[int, int]]  # key group -> key -> value
 
 
 def needs_full_reload(files: list[StateFile], key_group: int, held_version: int) -> bool:
-    """The catch-up rule the task applies (vectorized in runtime.task.obtain_state)."""
+    """The catch-up rule the task applies (vectorized in runtime.task.memory.obtain_state)."""
     snaps = [f.batch for f in files if f.kind == "snapshot" and f.start <= key_group <= f.end]
     return held_version < 0 or (bool(snaps) and max(snaps) > held_version)
 

@@ -7,6 +7,7 @@ columnar table (:mod:`keyscale.state.table`): fastest, bounded by the executors'
 memory it keeps is bounded by configuration and by the batch's working set, whatever the
 state's size (100M keys: docs/benchmarks.md, "100M keys"). Both write the same checkpoint
 files and savepoints, so a job can switch between them at a restart.
+A task uses either through one interface (:mod:`keyscale.runtime.task.backend`).
 
 >>> check_state_backend("rocksdb", "operator 'counts'")
 'rocksdb'

@@ -21,7 +21,7 @@ from keyscale.operators.eventtime import NO_WATERMARK, Duration, parse_duration_
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states
 from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyedFunction
 from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START, Assigner, WindowAggregate
-from keyscale.runtime.task import keyed as task
+from keyscale.runtime.task import memory
 from keyscale.runtime.task.keyed import KG, LATE, MAIN, SEQ, StageTask, run_subtask
 from keyscale.state.keygroups import key_group_range
 from keyscale.state.table import KeyedStateTable
@@ -176,12 +176,12 @@ class KeyedHarness:
         for i in range(p):
             rng = key_group_range(i, m, p)
             mine = table.filter(pa.array((kgs >= rng.start) & (kgs <= rng.end)))
-            saved = task._HELD
-            task._HELD = self._workers.setdefault(i, {})
+            saved = memory._HELD
+            memory._HELD = self._workers.setdefault(i, {})
             try:
                 out, report = run_subtask(spec, iter(mine.to_batches()), i)
             finally:
-                task._HELD = saved
+                memory._HELD = saved
             if report["file"]:
                 new.append(StateFile.from_json(report["file"]))
             rows += self._unpack(out)

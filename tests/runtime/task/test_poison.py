@@ -24,7 +24,7 @@ from test_task import (  # noqa: F401
     tracker_reference,
 )
 
-import keyscale.runtime.task.keyed as task
+import keyscale.runtime.task.memory as memory
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.errors import InputDataError, JobDefinitionError, RecordError
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK
@@ -143,7 +143,7 @@ def test_skipped_record_leaves_no_state_and_other_records_apply(tmp_path: Path, 
         assert sum(_poisoned(r) for r in reports) == 1
         assert {k for r in reports for k in r["counters"]} == {"skipped" if on_error == "skip" else "dead_lettered"}
     # A fresh worker restoring from the checkpoint sees the same state: nothing half-applied was written.
-    task._HELD.clear()
+    memory._HELD.clear()
     outs, _ = d.run(2, [_row("a", 1, 8), _row("b", 1, 9)], 2)
     assert rows_of(outs) == tracker_reference([*_without_poison(batches), [_row("a", 1, 8), _row("b", 1, 9)]])[2]
 

@@ -3,7 +3,7 @@
 The driver here does what the real one does between batches: it routes records to the
 subtask owning their key group, collects the sidecar reports, keeps the live state files,
 and passes them with ``committed=batch`` to the next batch. Worker processes are simulated
-by swapping the module-level cache of warm state (``task._HELD``).
+by swapping the module-level cache of warm state (``memory._HELD``, the memory backend's).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import keyscale.runtime.task.keyed as task
+import keyscale.runtime.task.memory as memory
 from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.errors import InputDataError, JobDefinitionError
@@ -38,20 +38,20 @@ SPARK_TYPES = {pa.string(): "string", pa.int64(): "long"}
 
 @pytest.fixture(autouse=True)
 def _clear_held() -> Iterator[None]:
-    task._HELD.clear()
+    memory._HELD.clear()
     yield
-    task._HELD.clear()
+    memory._HELD.clear()
 
 
 @contextmanager
 def worker(cache: dict[Any, Any]) -> Iterator[None]:
     """Run as the worker process whose warm state is ``cache``."""
-    saved = task._HELD
-    task._HELD = cache
+    saved = memory._HELD
+    memory._HELD = cache
     try:
         yield
     finally:
-        task._HELD = saved
+        memory._HELD = saved
 
 
 # -- functions under test and their pure-Python references -----------------------------------
@@ -185,7 +185,7 @@ class Driver:
         for i in range(p):
             rng = key_group_range(i, M, p)
             mine = [r for r in rows if rng.start <= r[KG] <= rng.end]
-            cache = (workers if workers is not None else {}).get(i, task._HELD)
+            cache = (workers if workers is not None else {}).get(i, memory._HELD)
             with worker(cache):
                 out, rep = run_subtask(spec, iter(to_record_batches(mine, self.input_schema, shuffle)), i)
             assert out.schema == self.output_schema
@@ -352,7 +352,7 @@ def test_fresh_process_reloads_from_files(tmp_path: Path, kind: str, fresh: str)
     if fresh == "new-run-id":
         d.run_id = "run-2"  # the driver restarted; the worker's old copy must not be trusted
     else:
-        task._HELD.clear()
+        memory._HELD.clear()
     outs, reports = d.run(3, batches[3], 2)
     assert rows_of(outs) == want[3]
     assert [r["loaded_key_groups"] for r in reports] == [8, 8]
@@ -369,7 +369,7 @@ def test_state_keys_count_live_keys(tmp_path: Path, fresh: bool) -> None:
     for b, rows in enumerate(batches):
         d.run(b, rows, 2)
     if fresh:
-        task._HELD.clear()
+        memory._HELD.clear()
     _, reports = d.run(3, [], 2)
     live: set[str] = set()
     for rows in batches:
@@ -466,7 +466,7 @@ def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget
     """Subtasks alternate between two workers (as Spark hands tasks to idle workers). With
     no room for stale copies (the default) each worker keeps only the key groups it served
     last and reloads the other range; with room, it keeps both and catches up from deltas."""
-    monkeypatch.setattr(task, "STALE_COPY_BYTES", budget)
+    monkeypatch.setattr(memory, "STALE_COPY_BYTES", budget)
     make, reference = DRIVERS[kind]
     batches = make_batches(4, 90, 30, seed=12)
     want = reference(batches)
@@ -487,7 +487,7 @@ def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget
 def test_a_worker_running_several_subtasks_of_a_batch_keeps_them_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker, both subtasks of each batch: the second subtask's key groups are not
     stale when the first subtask ends, however small the budget."""
-    monkeypatch.setattr(task, "STALE_COPY_BYTES", 0)
+    monkeypatch.setattr(memory, "STALE_COPY_BYTES", 0)
     d = aggregate_driver(tmp_path)
     batches = make_batches(3, 80, 20, seed=4)
     want = aggregate_reference(batches)
@@ -537,7 +537,7 @@ def test_multi_column_keys(tmp_path: Path, kind: str) -> None:
     d = Driver(tmp_path / "job", fn, out, key_names=("key", "n"), input_schema=schema)
     for b, (rows, p) in enumerate(zip(batches, [2, 1, 4, 3], strict=True)):
         if b == 2:
-            task._HELD.clear()
+            memory._HELD.clear()
         outs, _ = d.run(b, rows, p, shuffle=b)
         assert rows_of(outs) == want[b], f"batch {b}"
 
@@ -573,7 +573,7 @@ def test_compaction_writes_a_snapshot_and_restores_from_it(tmp_path: Path, kind:
         table = read_state_slice(d.job_dir, f, f.range, verify=True)
         states = [c for c in table.column_names if c not in ("key", KG)]
         assert all(any(r[c] is not None for c in states) for r in table.to_pylist())
-    task._HELD.clear()  # a fresh process restores from the snapshots
+    memory._HELD.clear()  # a fresh process restores from the snapshots
     outs, reports = d.run(3, batches[3], 2)
     assert rows_of(outs) == want[3]
     assert [r["files_read"] for r in reports] == [1, 1]

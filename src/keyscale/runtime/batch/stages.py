@@ -220,7 +220,7 @@ def keyed(
     if job.fault("mid-upload", batch_id):
         fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
     # Asynchronous checkpoints: 2 s after their tasks end, the Python worker uploading a state
-    # file dies, or the files appear, or their uploads fail (task.Upload._test_fault).
+    # file dies, or the files appear, or their uploads fail (runtime/task/upload.py, Upload._test_fault).
     for point in ("worker-dies-mid-upload", "slow-upload", "fail-upload"):
         if job.fault(point, batch_id):
             fault = point

@@ -25,9 +25,9 @@ import hashlib
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,12 +39,11 @@ from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.keyed import TIMER_STATES, ttl_column
 from keyscale.operators.windows import WINDOW_END, WindowAggregate
+from keyscale.runtime.task.spec import StageTask
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.rocksdb import RocksState, Working
+from keyscale.state.table import KeyedStateTable
 from keyscale.storage.scratch import remove_scratch, scratch_children, scratch_dir
-
-if TYPE_CHECKING:
-    from keyscale.runtime.task.keyed import StageTask
 
 KG = "__kg"
 # Rows of state files loaded into RocksDB at once when a key-group range is restored: the
@@ -90,16 +89,10 @@ def indexed_columns(spec: StageTask) -> list[tuple[str, int]]:
     return cols
 
 
-class RocksHeld:
-    """What ``task._process`` works on: the batch's working table."""
-
-    def __init__(self, working: Working):
-        self.working = working
-        self.table = working.table
-
-
 class RocksSession:
-    """One task's use of its subtask's RocksDB (open, bring up to date, fetch, write back, close)."""
+    """One task's use of its subtask's RocksDB (open, bring up to date, fetch, write back,
+    close): the RocksDB :class:`~keyscale.runtime.task.backend.TaskStateBackend`, whose
+    :attr:`table` is the batch's working set."""
 
     def __init__(self, spec: StageTask, rng: KeyGroupRange, subtask: int):
         self.spec, self.rng = spec, rng
@@ -119,6 +112,7 @@ class RocksSession:
             donors = sorted((p for p, r in others.items() if _overlap(r, rng)), key=lambda p: (-_overlap(others[p], rng), others[p].start))
             self.copied_from = self._copy_nearest(own, donors)
         self.private: Path | None = None
+        self._working: Working | None = None
         try:
             self.db = RocksState(own, *self.args)
         except Exception as e:  # held by another attempt of this subtask (speculation, a zombie): a private copy
@@ -166,8 +160,19 @@ class RocksSession:
 
     # -- bringing the range to the committed checkpoint --------------------------------------
 
-    def obtain(self, records: pa.Table) -> tuple[RocksHeld, dict[str, Any]]:
-        """Load what the range misses from the state files, then fetch the batch's working set."""
+    @property
+    def table(self) -> KeyedStateTable:
+        """The batch's working set (after :meth:`load`): the stored rows of its keys and of
+        the keys due without a record (timers, TTL, windows)."""
+        assert self._working is not None, "load() first"
+        return self._working.table
+
+    def load(self, records: Callable[[], pa.Table]) -> dict[str, Any]:
+        return self.obtain(records())
+
+    def obtain(self, records: pa.Table) -> dict[str, Any]:
+        """Load what the range misses from the state files, then fetch the working set of
+        the batch's ``records``."""
         started = time.perf_counter()
         spec, db, lo, hi = self.spec, self.db, self.rng.start, self.rng.end
         outside = np.ones(spec.max_parallelism, dtype=bool)
@@ -188,8 +193,8 @@ class RocksSession:
         for column, upto in self.columns:
             db.fetch_due(w, column, upto, lo, hi)
         w.freeze()
-        self.held = RocksHeld(w)
-        return self.held, {**stats, "load_seconds": time.perf_counter() - started, "fetched_keys": len(w.table), "copied_from": self.copied_from}
+        self._working = w
+        return {**stats, "load_seconds": time.perf_counter() - started, "fetched_keys": len(w.table), "copied_from": self.copied_from}
 
     def _chunks(self, reads: list[tuple[StateFile, KeyGroupRange]], every_group: bool = False) -> Iterator[KeyGroupRange]:
         """The key groups the slices ``reads`` touch (``every_group``: the whole range), in
@@ -269,7 +274,12 @@ class RocksSession:
     # -- the end of the batch --------------------------------------------------------------------
 
     def write_back(self, rows: np.ndarray) -> None:
-        self.db.write_back(self.held.working, rows)
+        """The batch's changed rows into the database: the range's whole state is there now."""
+        assert self._working is not None
+        self.db.write_back(self._working, rows)
+
+    def snapshot(self, changed: np.ndarray) -> Iterator[pa.Table]:
+        return self.snapshot_parts(self.table.to_arrow(changed))
 
     def snapshot_parts(self, changes: pa.Table) -> Iterator[pa.Table]:
         """The range's whole state for a snapshot, a chunk of key groups at a time: its
@@ -293,4 +303,5 @@ class RocksSession:
         self.db.flush()
 
     def state_keys(self) -> int:
+        """The range's keys, as the database counts them."""
         return int(self.db.counts[self.rng.start : self.rng.end + 1].sum())

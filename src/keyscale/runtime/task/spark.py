@@ -15,8 +15,9 @@ import pyarrow.compute as pc
 from keyscale.errors import KeyscaleError, encode_error
 from keyscale.operators.poison import FAIL, ErrorCollector
 from keyscale.runtime.task import report as reports
-from keyscale.runtime.task.keyed import SEQ, StageTask, Upload, run_subtask_deferred
+from keyscale.runtime.task.keyed import SEQ, StageTask, run_subtask_deferred
 from keyscale.runtime.task.profiling import profiled
+from keyscale.runtime.task.upload import Upload
 
 
 def as_spark_task(

@@ -1,11 +1,11 @@
 """A vectorized keyed function on a subtask's batch: one call for the batch's keys, event
 timers drained, and poison keys found by bisection (``on_error``) without applying any
-key twice. Called by :mod:`keyscale.runtime.task.keyed`, which owns the state and the batch."""
+key twice. Called by :mod:`keyscale.runtime.task.keyed`, which owns the batch; ``state``
+is the table its state backend gives it (:mod:`keyscale.runtime.task.backend`)."""
 
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -25,29 +25,25 @@ from keyscale.operators.vectorized import (
 )
 from keyscale.runtime.task.grouping import Grouped
 from keyscale.runtime.task.spec import StageTask
-from keyscale.state.table import make_index
-
-if TYPE_CHECKING:
-    from keyscale.runtime.task.keyed import Held
-
+from keyscale.state.table import KeyedStateTable, make_index
 
 TIMER_COLUMNS = frozenset(c for pair in TIMER_STATES.values() for c in pair)  # kept by keyscale, not the function's
 
 
-def run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table,
+def run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, state: KeyedStateTable, g: Grouped, user: pa.Table,
                    due: np.ndarray | None) -> tuple[pa.Table, np.ndarray]:
     """One call for the whole batch; every key of the batch is written back (their rows are
     returned). ``due``: with event timers, which keys' timers are due (keys after the
     records' own may have no records)."""
-    pos = held.table.positions(g.probe)
+    pos = state.positions(g.probe)
     # Only the columns the function says it reads become pandas (a string key column is costly).
     reads = user if fn.input_columns is None else user.select(fn.input_columns)
-    timer = None if due is None else masked(*held.table.gather(TIMER, pos), pa.int64())
+    timer = None if due is None else masked(*state.gather(TIMER, pos), pa.int64())
     batch = KeyedBatch(
         records=to_frame(reads) if fn.pandas_records else pd.DataFrame(index=range(reads.num_rows)),
         codes=g.codes,
         keys=pd.DataFrame({k: u for k, u in zip(spec.key_names, g.keys, strict=True)}),
-        state=pd.DataFrame({s.name: masked(*held.table.gather(s.name, pos), s.column_type) for s in spec.states if s.name not in TIMER_COLUMNS}),
+        state=pd.DataFrame({s.name: masked(*state.gather(s.name, pos), s.column_type) for s in spec.states if s.name not in TIMER_COLUMNS}),
         order=g.order,
         starts=g.starts,
         batch_id=spec.batch_id,
@@ -69,7 +65,7 @@ def run_vectorized(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: 
         updates[TIMER] = unmasked(new_state[TIMER], pa.int64()) if TIMER in new_state else unmasked(timer, pa.int64())
         if TIMER not in new_state:
             updates[TIMER][1][due] = False
-    rows = held.table.upsert(g.probe, g.kgs, updates, pos=pos)
+    rows = state.upsert(g.probe, g.kgs, updates, pos=pos)
     return as_output(spec, result), rows
 
 
@@ -89,17 +85,17 @@ def as_output(spec: StageTask, result: pd.DataFrame | pa.Table) -> pa.Table:
 
 
 def run_vectorized_guarded(
-    fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table, errors: ErrorCollector, due_rows: np.ndarray,
+    fn: VectorizedKeyedFunction, spec: StageTask, state: KeyedStateTable, g: Grouped, user: pa.Table, errors: ErrorCollector, due_rows: np.ndarray,
 ) -> tuple[pa.Table, np.ndarray]:
     """``run_vectorized``; when it raises under skip/dead_letter, the keys it fails on are
     found by bisection and set aside (all their records of the batch), the others processed.
     In a drain, the timers the calls set fire after them (``drain_timers``)."""
     due: np.ndarray | None = None
     if fn.event_timers:  # keys whose timers are due join the batch's, once
-        g, due = with_due_keys(g, held, due_rows)
+        g, due = with_due_keys(g, state, due_rows)
     draining = due is not None and spec.watermark_ms >= END_OF_TIME
     try:
-        out, changed = run_vectorized(fn, spec, held, g, user, due)
+        out, changed = run_vectorized(fn, spec, state, g, user, due)
     except KeyscaleError:
         raise
     except Exception as e:
@@ -107,11 +103,11 @@ def run_vectorized_guarded(
             errors.fail_batch(e, "in a vectorized function (it sees the subtask's whole batch)")
             raise
     else:  # the state is written: a failure from here on fails the batch (bisecting would apply it twice)
-        return drain_timers(fn, spec, held, g, user, out, changed, errors) if draining else (out, changed)
+        return drain_timers(fn, spec, state, g, user, out, changed, errors) if draining else (out, changed)
 
     def attempt(idx: np.ndarray) -> tuple[pa.Table, np.ndarray]:
         sub, sub_user = subset(g, user, idx)
-        return run_vectorized(fn, spec, held, sub, sub_user, None if due is None else due[np.sort(idx)])
+        return run_vectorized(fn, spec, state, sub, sub_user, None if due is None else due[np.sort(idx)])
 
     results, failed = bisect_failures(np.arange(len(g.index)), attempt)
     for j, exc in sorted(failed, key=lambda f: f[0]):
@@ -121,16 +117,16 @@ def run_vectorized_guarded(
     changed = np.concatenate([c for _, c in results]) if results else np.empty(0, dtype=np.intp)
     if draining:  # the keys that went through: their timers set in the drain fire in it
         ok = np.setdiff1d(np.arange(len(g.index)), np.array([j for j, _ in failed], dtype=np.int64))
-        return drain_timers(fn, spec, held, subset(g, user, ok)[0], user, out, changed, errors)
+        return drain_timers(fn, spec, state, subset(g, user, ok)[0], user, out, changed, errors)
     return out, changed
 
 
-def drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table, out: pa.Table,
+def drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, state: KeyedStateTable, g: Grouped, user: pa.Table, out: pa.Table,
                  changed: np.ndarray, errors: ErrorCollector) -> tuple[pa.Table, np.ndarray]:
     """At the end of time (a drain) no batch follows: timers the function has just set fire
     now, in further calls with those keys due and no records, until none is left."""
     try:
-        return fire_until_none(fn, spec, held, g, user, out, changed)
+        return fire_until_none(fn, spec, state, g, user, out, changed)
     except KeyscaleError:
         raise
     except Exception as e:
@@ -138,19 +134,19 @@ def drain_timers(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Gr
         raise
 
 
-def fire_until_none(fn: VectorizedKeyedFunction, spec: StageTask, held: Held, g: Grouped, user: pa.Table, out: pa.Table,
+def fire_until_none(fn: VectorizedKeyedFunction, spec: StageTask, state: KeyedStateTable, g: Grouped, user: pa.Table, out: pa.Table,
                     changed: np.ndarray) -> tuple[pa.Table, np.ndarray]:
     outs = [out]
     while True:
-        vals, ok = held.table.gather(TIMER, held.table.positions(g.probe))
+        vals, ok = state.gather(TIMER, state.positions(g.probe))
         idx = np.flatnonzero(ok & (vals <= spec.watermark_ms))
         if not len(idx):
             return pa.concat_tables(outs), changed
         g = Grouped(np.empty(0, dtype=np.int64), g.index[idx], [k[idx] for k in g.keys], g.kgs[idx], np.empty(0, dtype=np.int64),
                      np.zeros(len(idx) + 1, dtype=np.int64), g.take(idx))
-        more, rows = run_vectorized(fn, spec, held, g, user.slice(0, 0), np.ones(len(idx), dtype=bool))
+        more, rows = run_vectorized(fn, spec, state, g, user.slice(0, 0), np.ones(len(idx), dtype=bool))
         outs.append(more)
-        changed = held.table.rows_union(changed, rows)
+        changed = state.rows_union(changed, rows)
 
 
 def subset(g: Grouped, user: pa.Table, idx: np.ndarray) -> tuple[Grouped, pa.Table]:
@@ -165,16 +161,16 @@ def subset(g: Grouped, user: pa.Table, idx: np.ndarray) -> tuple[Grouped, pa.Tab
     return sub, user.take(rows)
 
 
-def with_due_keys(g: Grouped, held: Held, due_rows: np.ndarray) -> tuple[Grouped, np.ndarray]:
+def with_due_keys(g: Grouped, state: KeyedStateTable, due_rows: np.ndarray) -> tuple[Grouped, np.ndarray]:
     """The batch's keys followed by keys that have only due timers; and which keys are due."""
     if not len(due_rows):
         return g, np.zeros(len(g.index), dtype=bool)
-    due_keys = held.table.key_values(due_rows)
+    due_keys = state.key_values(due_rows)
     due_index = make_index(due_keys)
     extra = ~np.asarray(due_index.isin(g.index), dtype=bool)
     index = g.index.append(due_index[extra])
     keys = [np.concatenate([a, b[extra].astype(a.dtype, copy=False)]) for a, b in zip(g.keys, due_keys, strict=True)]
-    kgs = np.concatenate([g.kgs, held.table.kg[due_rows][extra]]).astype(np.int32)
+    kgs = np.concatenate([g.kgs, state.kg[due_rows][extra]]).astype(np.int32)
     starts = np.concatenate([g.starts, np.full(int(extra.sum()), g.starts[-1], dtype=np.int64)])
     due = np.asarray(index.isin(due_index), dtype=bool)
     return Grouped(g.codes, index, keys, kgs, g.order, starts, keys), due

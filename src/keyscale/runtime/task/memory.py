@@ -1,0 +1,171 @@
+"""The memory state backend in a task: the subtask's key groups in the Python worker.
+
+Warm state: Spark reuses Python worker processes, so each worker keeps, per operator, the
+state of the key groups it has served together with the version of each. A task whose key
+groups are held at the committed version reads nothing; one a few batches behind applies
+only the deltas since; otherwise (first batch, moved key groups, a newer snapshot) it loads
+from the checkpoint. A worker marks key groups invalid while it updates them, so a failed
+attempt never leaves a copy that claims a version it does not have. A worker keeps the
+state of the subtasks it runs only: copies of key groups another worker now advances are
+dropped (see ``STALE_COPY_BYTES``), so an executor holds one copy of each key.
+
+:class:`MemoryBackend` is this as a :class:`~keyscale.runtime.task.backend.TaskStateBackend`:
+the batch works on the worker's table itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from keyscale.checkpoint.files import read_state_slice
+from keyscale.checkpoint.manifest import StateFile, catch_up
+from keyscale.runtime.task.spec import StageTask
+from keyscale.state.keygroups import KeyGroupRange
+from keyscale.state.table import KeyedStateTable
+from keyscale.storage import Store
+
+
+class Held:
+    """A worker's warm copy of one operator's state: some key groups, each at a version."""
+
+    def __init__(self, spec: StageTask):
+        self.run_id = spec.run_id
+        self.signature = _signature(spec)
+        names = [*spec.key_names, *(k for k, _ in spec.extra_keys)]
+        self.table = KeyedStateTable(names, [*spec.key_types, *(t for _, t in spec.extra_keys)], spec.states)
+        self.version = np.full(spec.max_parallelism, -1, dtype=np.int64)
+        self.last_used = np.full(spec.max_parallelism, -1, dtype=np.int64)
+        self.tasks: dict[int, tuple[int, int]] = {}  # per batch (this one, the one before): subtasks served, of how many
+
+
+def _signature(spec: StageTask) -> tuple[Any, ...]:
+    return (spec.key_names, spec.extra_keys, spec.states, spec.max_parallelism)
+
+
+# Lives as long as the Python worker process: that is what keeps state warm.
+_HELD: dict[tuple[str, str], Held] = {}
+
+
+def obtain_state(spec: StageTask, rng: KeyGroupRange) -> tuple[Held, dict[str, int]]:
+    """The worker's state for ``rng`` brought to version ``spec.committed``."""
+    key = (spec.store.uri, spec.uid)
+    held = _HELD.get(key)
+    if held is None or held.run_id != spec.run_id or held.signature != _signature(spec):
+        held = _HELD[key] = Held(spec)
+    _evict(held, rng, spec.batch_id, spec.parallelism)  # before loading: one copy at a time, at the peak too
+    lo, hi = rng.start, rng.end
+    ver = held.version[lo : hi + 1].copy()
+    held.version[lo : hi + 1] = -1  # invalid until this task finishes
+    full, reads, stats = catch_up(spec.files, rng, ver, spec.committed, spec.max_parallelism)
+    spec.await_pending(reads)
+    held.table.drop_groups(np.flatnonzero(full) + lo)
+    # In batch order, a delta over what came before it: applied as one, each key once.
+    held.table.apply_all(list(_fetch_in_order(spec.store, reads)))
+    if stats["files_read"]:
+        held.table.compact()  # deletes replayed from deltas leave all-null rows
+    return held, stats
+
+
+# Slices fetched at once from an object store (obstore releases the GIL): a restore after a
+# rescale waits for the slowest request, not for the sum.
+_PREFETCH = 8
+
+
+def _fetch_in_order(store: Store, reads: list[tuple[StateFile, KeyGroupRange]]) -> Iterator[pa.Table]:
+    """The slices of ``reads``, in order; from an object store several in flight at once."""
+    if store.is_local or len(reads) < 2:
+        for f, r in reads:
+            yield read_state_slice(store, f, r)
+        return
+    with ThreadPoolExecutor(max_workers=_PREFETCH, thread_name_prefix="keyscale-restore") as pool:
+        pending = deque(pool.submit(read_state_slice, store, f, r) for f, r in reads[:_PREFETCH])
+        for f, r in reads[_PREFETCH:]:
+            yield pending.popleft().result()
+            pending.append(pool.submit(read_state_slice, store, f, r))
+        while pending:
+            yield pending.popleft().result()
+
+
+# A worker's copies of key groups it did not serve in this batch are stale: another worker
+# advances them. Kept, such a copy saves a reload when its key groups come back (it then
+# catches up from the deltas since); but Spark gives a task whichever Python worker is idle,
+# so every worker ends up with a copy of every subtask's state (measured: two workers, two
+# subtasks, 10M keys: each worker held all 10M; docs/benchmarks.md). So by default a worker
+# keeps none: one copy of the state per executor, and a task that lands on another worker
+# than last time reloads its range from the checkpoint. KEYSCALE_STALE_STATE_MB (in the
+# executors' environment) keeps stale copies, newest first, up to that size per worker and
+# operator: memory for fewer reloads (worth it when the state is small or on an object store).
+STALE_COPY_BYTES = int(float(os.environ.get("KEYSCALE_STALE_STATE_MB", "0")) * 2**20)
+
+
+def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_batches: int = 3) -> None:
+    """Forget key groups this worker has not served lately (they moved or another worker
+    has them), and stale copies beyond ``STALE_COPY_BYTES``: those of key groups not
+    served in this batch, once the worker has served its likely share of the batch's
+    subtasks (a worker may run several, one after the other): as many as in the batch
+    before, scaled by the change of parallelism."""
+    held.last_used[rng.start : rng.end + 1] = batch
+    held.tasks = {b: t for b, t in held.tasks.items() if b >= batch - 1}
+    held.tasks[batch] = (held.tasks.get(batch, (0, parallelism))[0] + 1, parallelism)
+    before, of = held.tasks.get(batch - 1, (0, 1))
+    done = held.tasks[batch][0] >= before * parallelism / of
+    stale = (held.version >= 0) & (held.last_used < batch - keep_batches)
+    others = np.flatnonzero((held.version >= 0) & (held.last_used < batch) & ~stale)
+    if done and len(others) and len(held.table):
+        row_bytes = sum(held.table.memory().values()) / len(held.table)
+        rows = np.bincount(held.table.kg, minlength=len(held.version))
+        newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
+        kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), STALE_COPY_BYTES, side="right"))
+        stale[newest_first[kept:]] = True
+    if stale.any():
+        held.table.drop_groups(np.flatnonzero(stale))
+        held.version[stale] = -1
+
+
+class MemoryBackend:
+    """A task's use of the worker's warm state (:func:`obtain_state`): the batch changes the
+    worker's table in place, so there is nothing to write back."""
+
+    def __init__(self, spec: StageTask, rng: KeyGroupRange):
+        self.spec, self.rng = spec, rng
+        self.held: Held | None = None
+
+    @property
+    def table(self) -> KeyedStateTable:
+        assert self.held is not None, "load() first"
+        return self.held.table
+
+    def load(self, records: Callable[[], pa.Table]) -> dict[str, Any]:
+        """The worker's copy of the range at the committed version (``records`` unread: the
+        whole range is here)."""
+        self.held, stats = obtain_state(self.spec, self.rng)
+        return dict(stats)
+
+    def write_back(self, rows: np.ndarray) -> None:
+        pass  # the batch changed the held table itself
+
+    def snapshot(self, changed: np.ndarray) -> Iterator[pa.Table]:
+        """The range's rows of the held table, compacted first (its row numbers change)."""
+        self.table.compact()
+        return self.table.arrow_parts(self.table.rows_in_range(self.rng.start, self.rng.end))
+
+    def finish(self, batch: int) -> None:
+        assert self.held is not None
+        self.held.version[self.rng.start : self.rng.end + 1] = batch
+        # Purged windows, expired or deleted keys: dropped once written, at 10% of the rows (a
+        # compaction of 5M rows takes ~0.2 s: at most ~0.4 us per dead row, at most ~3 B/key kept).
+        if self.table.dead_share() > 0.1:
+            self.table.compact()
+
+    def state_keys(self) -> int:
+        return len(self.table.rows_in_range(self.rng.start, self.rng.end, live_only=True))
+
+    def close(self) -> None:
+        pass  # the worker keeps its copy for the next batch

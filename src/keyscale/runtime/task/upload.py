@@ -1,0 +1,112 @@
+"""A state file's upload from a task, and handing a batch's freed memory back to the system.
+
+The task starts the upload of the state file it wrote (:class:`Upload`) and either waits for
+it before it reports or, with asynchronous checkpoints, leaves it running past its end
+(docs/design.md, "Asynchronous checkpoints: a commit one batch behind"). Called by
+:mod:`keyscale.runtime.task.keyed` and :mod:`keyscale.runtime.task.spark`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from keyscale.checkpoint.files import put_state_file, record_upload_failure
+from keyscale.runtime.task.spec import StageTask
+from keyscale.storage.scratch import remove_scratch
+
+
+def _libc() -> Any:
+    try:
+        lib = ctypes.CDLL(None)
+        return lib if hasattr(lib, "malloc_trim") else None  # glibc only
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_free_memory() -> None:
+    """Hand the memory a batch's temporaries freed back to the system. glibc keeps freed
+    heap pages and Arrow's pool its freed segments for reuse; in a worker that idles
+    between batches they only inflate its RSS (measured, 1M keys of a running count:
+    ~90 bytes per key of state, more than the state itself; docs/benchmarks.md)."""
+    pa.default_memory_pool().release_unused()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+class Upload:
+    """A state file's upload in a thread of the task (obstore and file writes release the GIL).
+
+    The task either waits for it (:meth:`wait`: the task reports once the file is stored) or,
+    with asynchronous checkpoints (``spec.detach_upload``), leaves it running (:meth:`detach`):
+    the worker process outlives the task, and the driver commits the batch's manifest once
+    the file exists."""
+
+    def __init__(self, spec: StageTask, rel_path: str, data: bytes | Path):
+        self._error: BaseException | None = None
+        self._task_over = threading.Event()
+
+        def put() -> None:
+            try:
+                self._test_fault(spec)
+                put_state_file(spec.store, rel_path, data)
+            except BaseException as e:  # handed to wait(), in the task's own thread
+                self._error = e
+            finally:
+                if isinstance(data, Path):  # a spilled file: its folder goes with it
+                    remove_scratch(data.parent)
+                if spec.detach_upload:
+                    release_free_memory()
+                    if self._error is not None:
+                        # The task may be over, and the driver's commit and the next batch's
+                        # tasks wait for the file: a failure record beside it ends their wait
+                        # at once with this error; the batch is replayed at the next start.
+                        recorded = record_upload_failure(spec.store, rel_path, self._error)
+                        print(f"keyscale: uploading state file {rel_path} failed: {self._error}"
+                              f"{'' if recorded else ' (and so did writing its failure record: the waiters time out)'}",
+                              file=sys.stderr, flush=True)
+
+        self._thread = threading.Thread(target=put, name="keyscale-upload", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
+        # The output has streamed on by now (its buffers and the file's bytes are free):
+        # from this thread, the one that freed them (Arrow's pool returns a thread's pages
+        # only when that thread asks).
+        release_free_memory()
+        if self._error is not None:
+            raise self._error
+
+    def detach(self) -> None:
+        """The task ends; the upload goes on (asynchronous checkpoints). An upload that has
+        already failed fails the task instead."""
+        self._task_over.set()
+        if not self._thread.is_alive() and self._error is not None:
+            raise self._error
+
+    def _test_fault(self, spec: StageTask) -> None:
+        """Test-only faults (``--fault``) in an upload."""
+        if spec.fault == "kill-driver-mid-upload" and spec.driver_pid:
+            if spec.detach_upload:  # the task has ended: the driver is on to the next batch
+                time.sleep(3)
+            os.kill(spec.driver_pid, signal.SIGKILL)
+            time.sleep(30)
+        if spec.fault in ("worker-dies-mid-upload", "slow-upload", "fail-upload") and spec.detach_upload:
+            self._task_over.wait()  # its report on its way to the driver
+            time.sleep(2)
+            if spec.fault == "worker-dies-mid-upload":
+                os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
+            if spec.fault == "fail-upload":
+                raise OSError("the store refused the upload (test fault)")
