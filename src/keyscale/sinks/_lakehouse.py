@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast
 
 from keyscale.errors import OutputError, StorageError
+from keyscale.sinks.base import KEPT
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -293,13 +294,13 @@ class TableSink(ABC, Generic[T]):
                 )
 
     def write(self, df: DataFrame, batch_id: int) -> int:
-        """Write batch ``batch_id`` in one commit; returns its rows (-1 if the table has it)."""
+        """Write batch ``batch_id`` in one commit; returns its rows (``KEPT`` if the table has it)."""
         check_key_columns(self.describe(), self.keys, list(df.columns))
         table = self._load()
         if table is not None and self._has(table, batch_id):
             # A replay: the table has the batch. Run the plan (state is rebuilt by it), keep the table.
             df.write.format("noop").mode("overwrite").save()
-            return -1
+            return KEPT
         data: pa.Table = df.toArrow()  # the batch's one Spark action
         if data.num_rows == 0:
             return 0  # nothing to commit; a replay of it writes nothing either
@@ -322,6 +323,6 @@ class TableSink(ABC, Generic[T]):
                 raise StorageError(f"{self.describe()}: batch {batch_id} could not be written: {one_line(e)}") from None
             table = self._load()
             if table is not None and self._has(table, batch_id):
-                return -1
+                return KEPT
         raise StorageError(f"{self.describe()}: batch {batch_id} could not be committed: other writers changed the table "
                            f"under each of {COMMIT_ATTEMPTS} attempts")

@@ -12,6 +12,12 @@ if TYPE_CHECKING:
     from keyscale.checkpoint.lineage import Lineage
 
 
+#: What :meth:`Sink.write` returns when the sink already had the batch's complete output
+#: (a replay after a crash, or another writer got there first): that earlier write is kept
+#: and this call wrote nothing. The batch's commit logs it.
+KEPT = -1
+
+
 @dataclass(frozen=True)
 class SinkContext:
     """Who writes through a sink: given to a sink's optional ``open(ctx)`` before the first batch.
@@ -57,7 +63,8 @@ class Sink(Protocol):
     exactly_once: bool
 
     def write(self, df: DataFrame, batch_id: int) -> int:
-        """Write the batch; return the number of rows written (or -1 if unknown)."""
+        """Write the batch; return the number of rows this call wrote, or :data:`KEPT` (-1)
+        if the sink already had the batch's complete output and kept it."""
         ...
 
     def describe(self) -> str:

@@ -42,6 +42,7 @@ from urllib.parse import quote
 from keyscale._keywords import checked_keywords
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import KeyscaleError, OutputError, StorageError, encode_error
+from keyscale.sinks.base import KEPT
 from keyscale.sinks.spark_log import LOG, SinkLog, file_status
 from keyscale.storage import Store, join, open_store
 from keyscale.storage.local import local_write_failure
@@ -307,7 +308,7 @@ class ParquetSink:
 
     # -- one batch ---------------------------------------------------------------------------
     def write(self, df: DataFrame, batch_id: int) -> int:
-        """Write batch ``batch_id`` once; returns its rows (-1 if an earlier write is kept)."""
+        """Write batch ``batch_id`` once; returns its rows (``KEPT`` if an earlier write is kept)."""
         folder = batch_folder_name(batch_id)
         leftovers = [o.key[len(folder) + 1:] for o in self.store.list(folder)]
         if MARKER in leftovers or any(not _ATTEMPT_FILE.match(n) for n in leftovers):
@@ -316,7 +317,7 @@ class ParquetSink:
                 if self._keep_or_refuse(found.marker, batch_id, folder):
                     df.write.format("noop").mode("overwrite").save()
                     self._add_to_log(batch_id, folder, found.files)  # a crash may have come between the marker and its entry
-                    return -1
+                    return KEPT
                 leftovers = []  # superseded: moved aside
         write_id = uuid.uuid4().hex[:12]  # this call's file names (a concurrent writer's differ)
         task = functools.partial(_write_partition, self.store, folder, write_id, batch_id)
@@ -340,7 +341,7 @@ class ParquetSink:
             found = self._inspect(folder)
             if found is not None and self._keep_or_refuse(found.marker, batch_id, folder):
                 self._add_to_log(batch_id, folder, found.files)
-                return -1
+                return KEPT
             return self.write(df, batch_id)  # its output was moved aside (superseded): write ours
         listed = {f.name for f in files}
         stale = [join(folder, n) for n in leftovers if n not in listed]

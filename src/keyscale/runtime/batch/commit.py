@@ -18,7 +18,7 @@ stores alike)", step by step.
    the commit point. Then the job's state moves on (committed manifest, watermark) and
    retention deletes what no kept manifest needs (:func:`run_batch`), and the batch is
    recorded (:func:`record`).
-6. **Post-commit** (:func:`post_commit`): two-phase sinks make the batch visible.
+6. **Post-commit** (:func:`post_commit`): log sources hear the positions the batch committed.
 7. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
    driver's log loop starts the next batch (``driver.py``).
 
@@ -53,6 +53,7 @@ from keyscale.runtime.batch.jobstate import BatchRecord, JobState, PendingCommit
 from keyscale.runtime.batch.source_plan import plan_source, read_source, source_status
 from keyscale.runtime.batch.status import checkpoint_fields, report_counts, status
 from keyscale.runtime.task import counters
+from keyscale.sinks.base import KEPT
 from keyscale.sources import reader
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     background = job.opts.async_checkpoints and not drain
     records, emitted, reports = commit_manifest(job, batch_id, intent, par, watermark_ms, rules, drain, background)
     if not background:
-        # 6. Two-phase sinks make the batch's output visible.
+        # 6. Post-commit: log sources hear the committed positions.
         post_commit(job, batch_id)
         removed += job.jobdir.retain(job.opts.retain)
     return record(job, batch_id, clock, records, emitted, par, replayed, reports, spark_seconds, removed)
@@ -202,7 +203,8 @@ def write_sinks(job: JobState, plan: stages.BatchPlan, batch_id: int) -> float:
         for i, (sink, rows) in enumerate(plan.writes):
             if i == 1 and job.fault("between-sinks", batch_id):
                 os.kill(os.getpid(), signal.SIGKILL)
-            sink.write(rows, batch_id)
+            if sink.write(rows, batch_id) == KEPT:
+                log.info("batch %d: %s already had this batch's output: the earlier write is kept", batch_id, sink.describe())
     finally:
         for staged in plan.cached:
             staged.unpersist()
@@ -210,14 +212,10 @@ def write_sinks(job: JobState, plan: stages.BatchPlan, batch_id: int) -> float:
 
 
 def post_commit(job: JobState, batch_id: int) -> None:
-    """Step 6: sinks that commit in two phases (a transaction written before the manifest,
-    made visible after it) commit batch ``batch_id`` now. A crash before this is resolved
-    by the sink's ``open(ctx)``: batches up to ``ctx.committed`` are committed there."""
+    """Step 6, once batch ``batch_id``'s manifest is committed: each log source hears the
+    positions it committed. No sink has a step here: each one's output is committed by its
+    write (step 4), before the manifest, and a replay keeps it."""
     assert job.pipeline is not None
-    for sink in job.pipeline.sinks:
-        hook = getattr(sink, "post_commit", None)
-        if callable(hook):
-            hook(batch_id)
     for src in job.pipeline.logs:
         if job.committed is not None and src.uid in job.committed.operators:
             # For monitoring tools only (a Kafka consumer group's offsets): the job's own

@@ -344,17 +344,15 @@ class JobRunner:
         try:
             spark = self._prepare()
             assert self.pipeline is not None
-            # Sinks learn the job's lineage before the first batch (output of another
-            # lineage is refused now, not at its batch); others only clean up.
+            # Sinks with an open(ctx) (sinks/base.py, Sink) learn the job's lineage before the
+            # first batch: output of another lineage is refused now, not at its batch.
             ctx = SinkContext(
                 self.lineage, self.name, self.jobdir.uri, self.run_id, self.committed.batch if self.committed else -1, self.opts.fault or "",
                 self.jobdir.fence)
             for sink in self.pipeline.sinks:
-                sink_open, sink_cleanup = getattr(sink, "open", None), getattr(sink, "cleanup", None)
+                sink_open = getattr(sink, "open", None)
                 if callable(sink_open):
                     sink_open(ctx)
-                elif callable(sink_cleanup):
-                    sink_cleanup()
             outputs = [b.sink for b in self.pipeline.branches]
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), ", ".join(s.describe() for s in outputs))
             for sink in self.pipeline.sinks:
