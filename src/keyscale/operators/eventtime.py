@@ -1,7 +1,8 @@
 """Event time: durations, the watermark of a source, and how it advances per micro-batch.
 
 The watermark is an event time up to which the job takes its input as complete. In
-keyscale it moves once per micro-batch, between batches (DESIGN.md §3):
+keyscale it moves once per micro-batch, between batches (docs/design.md, "Event time in
+micro-batches"):
 
 - batch ``b`` runs with the watermark ``W(b)`` committed by batch ``b - 1``: event-time
   timers and windows due at ``W(b)`` fire at the start of ``b``, and a record is late when

@@ -27,7 +27,7 @@ can be rescaled live, between two batches, at near-zero cost:
   ``scale_down_max_factor``), bounded (``min_parallelism`` / ``max_parallelism``,
   never above the number of key groups), and aligned to key groups: the smallest
   ``P >= target`` that divides ``max_parallelism`` gives every subtask the same
-  number of key groups (DESIGN §2).
+  number of key groups (docs/design.md, "Parallelism aligned to key groups").
 * **No-action band.** ``utilisation = target rate / current capacity``. Nothing
   happens while it stays within ``target_utilization ± utilization_band`` (the
   upper edge is capped at 1.0: running above capacity always means a growing

@@ -83,7 +83,8 @@ def start_parallelism(job: JobState, uid: str, prev: OperatorCheckpoint | None, 
 
 
 def follow_cores(job: JobState, batch_id: int) -> None:
-    """Reactive mode: parallelism follows the executor cores Spark has now (DESIGN §7)."""
+    """Reactive mode: parallelism follows the executor cores Spark has now (docs/design.md,
+    "Parallelism aligned to key groups")."""
     from keyscale.cluster import executor_cores
     from keyscale.scaling.reactive import reactive_parallelism
 
