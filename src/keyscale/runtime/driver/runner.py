@@ -339,20 +339,24 @@ class JobRunner:
         scaling.plan_parallelism(self.job, pipeline)
 
     # -- running -------------------------------------------------------------------------
+    def _open_sinks(self, pipeline: Pipeline) -> None:
+        """Sinks with an ``open(ctx)`` (the optional hook of sinks/base.py's ``Sink``) learn the
+        job's lineage before the first batch: output of another lineage is refused now, not at
+        its batch."""
+        ctx = SinkContext(
+            self.lineage, self.name, self.jobdir.uri, self.run_id, self.committed.batch if self.committed else -1, self.opts.fault or "",
+            self.jobdir.fence)
+        for sink in pipeline.sinks:
+            sink_open = getattr(sink, "open", None)
+            if callable(sink_open):
+                sink_open(ctx)
+
     def run(self) -> RunSummary:
         """Run until idle (``until_idle``) or until :meth:`stop`; raise on failure."""
         try:
             spark = self._prepare()
             assert self.pipeline is not None
-            # Sinks with an open(ctx) (sinks/base.py, Sink) learn the job's lineage before the
-            # first batch: output of another lineage is refused now, not at its batch.
-            ctx = SinkContext(
-                self.lineage, self.name, self.jobdir.uri, self.run_id, self.committed.batch if self.committed else -1, self.opts.fault or "",
-                self.jobdir.fence)
-            for sink in self.pipeline.sinks:
-                sink_open = getattr(sink, "open", None)
-                if callable(sink_open):
-                    sink_open(ctx)
+            self._open_sinks(self.pipeline)
             outputs = [b.sink for b in self.pipeline.branches]
             log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), ", ".join(s.describe() for s in outputs))
             for sink in self.pipeline.sinks:
