@@ -3,7 +3,8 @@
 The task owns the key groups of its subtask. It gets their state at the last committed
 version, processes the batch's records key by key in arrival order, writes the keys that
 changed as one state file (or, when the restore chain got long, a snapshot of its whole
-range), reports what it did in a small sidecar file, and emits its output rows.
+range), emits its output rows, and reports what it did to the driver through Spark
+(:mod:`keyscale.runtime.task.report`).
 
 Where the state is between batches is the state backend's (one interface,
 :class:`~keyscale.runtime.task.backend.TaskStateBackend`): with ``state_backend="memory"``

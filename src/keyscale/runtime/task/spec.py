@@ -54,7 +54,7 @@ class StageTask:
     event_time_limit_ms: int | None = None  # later event times are not believed (with_watermark's max_ahead)
     on_error: ErrorPolicy = FAIL  # poison records: fail, skip or dead-letter (operators/poison.py)
     report_to: Any = None  # where the report goes (keyscale.runtime.task.report): a Spark accumulator
-    state_backend: str = "memory"  # "memory" | "rocksdb" (runtime/task/rocks.py)
+    state_backend: str = "memory"  # "memory" | "rocksdb": the task's TaskStateBackend (runtime/task/backend.py)
     combined: bool = False  # the records are Spark's partial aggregates per key (aggregate(combine=True)): see COMBINED_*
     # Asynchronous checkpoints: the task ends without waiting for its state file's upload,
     # and the files of batch ``pending`` (its manifest not yet committed) may still be uploading.
