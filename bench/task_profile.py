@@ -21,6 +21,7 @@ import pyarrow as pa
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.operators.vectorized import Agg, RunningAggregate
 from keyscale.runtime.task.keyed import StageTask, run_subtask
+from keyscale.storage import LocalStore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             names=["key", "v", "__seq", "__kg"],
         )
         spec = StageTask(
-            job_dir=job_dir, run_id="profile", uid="count", function=fn, key_names=("key",), key_types=(pa.int64(),),
+            store=LocalStore(job_dir), run_id="profile", uid="count", function=fn, key_names=("key",), key_types=(pa.int64(),),
             input_schema=pa.schema([("key", pa.int64()), ("v", pa.int64())]),
             output_schema=pa.schema([("key", pa.int64()), ("count", pa.int64())]),
             states=tuple(fn.state_descriptors()), null_keys="error", max_parallelism=128, parallelism=2, batch_id=b,
