@@ -30,9 +30,8 @@ from keyscale.checkpoint.savepoint import (
 from keyscale.checkpoint.savepoint.format import sha256_of
 from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.state.keygroups import KeyGroupRange, check_parallelism
-from keyscale.state.spark_hash import routing_values
+from keyscale.state.spark_hash import key_group_sql, key_groups, routing_values
 from keyscale.state.types import StateDescriptor, arrow_type
-from keyscale.state_processor.keygroups import key_groups
 from keyscale.state_processor.read import spark_schema
 from keyscale.storage import Store
 
@@ -280,7 +279,7 @@ def _bootstrap_spark(
             raise KeyscaleError(f"operator '{uid}': key column '{k}' has type {fields[k].simpleString()}, which keyscale cannot key by") from None
     sel = df.select(
         *keys,
-        F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(m)).cast("int").alias(KEY_GROUP_COLUMN),
+        F.expr(key_group_sql(keys, m)).alias(KEY_GROUP_COLUMN),
         *[F.col(d.name).cast(spark_type_name(d.column_type)).alias(d.name) for d in descs],
     )
     counts = np.zeros(m, dtype=np.int64)
