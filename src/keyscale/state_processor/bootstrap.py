@@ -32,6 +32,7 @@ from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.state.keygroups import KeyGroupRange, check_parallelism
 from keyscale.state.spark_hash import key_group_sql, key_groups, routing_values
 from keyscale.state.types import StateDescriptor, arrow_type
+from keyscale.state.uids import check_uid
 from keyscale.state_processor.read import spark_schema
 from keyscale.storage import Store
 
@@ -58,11 +59,6 @@ def _state_descriptor(name: str, spec: str | StateDescriptor) -> StateDescriptor
     if pa.types.is_map(t):
         return StateDescriptor(name, "map", t.item_type, t.key_type)
     return StateDescriptor(name, "value", t)
-
-
-def _check_uid(uid: str) -> None:
-    if not uid or "/" in uid or "\\" in uid or uid in (".", "..") or uid.startswith("."):
-        raise KeyscaleError(f"operator uid {uid!r} cannot name a folder; use letters, digits, '-', '_'")
 
 
 def _normal_key_type(t: pa.DataType) -> pa.DataType:
@@ -360,7 +356,7 @@ def write_savepoint_from_dataframes(
     with new_savepoint(dest) as store:
         ops: dict[str, SavepointOperator] = {}
         for uid, (data, keys, states) in operators.items():
-            _check_uid(uid)
+            check_uid(uid)  # the pipeline's rule: a savepoint never holds a uid no stage can have
             descs = [_state_descriptor(n, s) for n, s in states.items()]
             keys = list(keys)
             if _is_spark_frame(data):
