@@ -127,15 +127,15 @@ def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mappi
     What the end is for, and why it is never past uncommitted data: it ends the ranges a
     batch plans (``reader.plan_batch``), written to the batch's intent before any record is
     read and read again as they are by a replay; a job that starts at ``latest`` starts
-    there; the next start checks the committed positions against it. Under
-    ``read_committed`` every record below the last stable offset is decided (committed, or
-    aborted), so a range that ends there holds the same records whenever it is read, which
-    is what a replay relies on. An end past an open transaction's first record would put
-    undecided records in the range: the read would wait at the stable offset until the
-    transaction ends (and fail after ``READ_TIMEOUT_S``, every time on a broker whose
-    stable offset is stuck), a job starting there would never read that transaction's
-    records once committed, and positions committed past it would be refused by the next
-    start (its end below them). So the end is always an end a fetch response reported
+    there; the next start checks the committed positions against it; lag is measured to
+    it. Under ``read_committed`` every record below the last stable offset is decided
+    (committed, or aborted), so a range that ends there holds the same records whenever it
+    is read, which is what a replay relies on, and its read never waits. An end past an
+    open transaction's first record would put undecided records in the range: the read
+    would wait at the stable offset until the transaction ends (and fail after
+    ``READ_TIMEOUT_S``, every time on a broker whose stable offset is stuck, as Tansu's can
+    be), and a job starting there at ``latest`` would never read that transaction's
+    records once committed. So the end is always an end a fetch response reported
     (librdkafka's ``ls_offset``: the stable offset under ``read_committed``), or a record's
     offset + 1 under the isolation level the readers use; neither is past the stable
     offset, and the stable offset never moves back, so an end from an earlier response is
