@@ -9,7 +9,7 @@ returns a stream, ``def enrich(events: ks.streams.Stream) -> ks.streams.Stream``
 >>> import keyscale as ks
 >>> from keyscale.sources import create_log
 >>> log = create_log(tempfile.mkdtemp() + "/events", "key string, ts timestamp", partitions=2)
->>> events = ks.stream(ks.sources.log_source(log, uid="events"))
+>>> events = ks.stream(ks.sources.log_source(log, uid="events")).with_watermark("ts", "10 seconds")
 >>> isinstance(events, ks.streams.Stream)
 True
 >>> per_key = events.key_by("key")
