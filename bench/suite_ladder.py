@@ -59,7 +59,7 @@ def rungs(spark: Any, file: str, out: Path) -> dict[str, Callable[[], Any]]:
     """The rungs on one input file, each a function that runs it once."""
     from pyspark.sql import functions as F
 
-    from keyscale.runtime.stages import routed
+    from keyscale.runtime.batch.stages import routed
 
     def read() -> Any:
         return spark.read.schema(SCHEMA).parquet(file).select("key", "value")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-root", type=Path, default=HERE / "data" / "suite")
     a = ap.parse_args(argv)
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
 
     a.data_root.mkdir(parents=True, exist_ok=True)
     data = make_input(a.data_root, a.files, a.rows, a.keys)

@@ -52,7 +52,7 @@ def _count(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 def rungs(spark: Any, query: str, file: str) -> dict[str, Callable[[], Any]]:
     """The rungs of ``query`` on one input file, each a function that runs it once."""
-    from keyscale.runtime.stages import routed
+    from keyscale.runtime.batch.stages import routed
 
     key, transform = KEYED[query]
     cols = Q.READS[query]["bid"]

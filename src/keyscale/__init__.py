@@ -49,8 +49,8 @@ from keyscale.operators.coprocess import KeyedCoProcessFunction, VectorizedKeyed
 from keyscale.operators.keyed import KeyedProcessFunction
 from keyscale.operators.nonkeyed import ProcessFunction
 from keyscale.operators.vectorized import VectorizedKeyedFunction
-from keyscale.runtime.handle import JobHandle
-from keyscale.runtime.submit import main
+from keyscale.runtime.control.handle import JobHandle
+from keyscale.runtime.control.submit import main
 
 __version__ = "0.1.0"
 

@@ -363,7 +363,7 @@ class JobDir:
         """Find the newest intact checkpoint; set damaged newer ones aside.
 
         Spark's commit log is rolled back to the checkpoint found; the runtime then replays
-        every batch after it (:mod:`keyscale.runtime.recovery`). When no intact checkpoint is
+        every batch after it (:mod:`keyscale.runtime.driver.recovery`). When no intact checkpoint is
         left but the job has committed batches, starting would lose its state: refused with a
         :class:`StateError` naming the damage, unless ``allow_empty_restart``: then the state
         starts empty and the input is read again from its beginning (Spark's checkpoint and

@@ -271,7 +271,7 @@ class Supervisor:
 
         (A killed job leaves its control address behind: the answer must come from ``pid``.)
         """
-        from keyscale.runtime.control import ADDRESS, call
+        from keyscale.runtime.control.server import ADDRESS, call
 
         if jd.lock_holder() != pid or not jd.store.exists(ADDRESS) or not jd.is_running():
             return False
@@ -412,7 +412,7 @@ class Supervisor:
 
         A refused savepoint raises :class:`KeyscaleError` and leaves the job running.
         """
-        from keyscale.runtime.control import call
+        from keyscale.runtime.control.server import call
 
         j = self.job
         assert j is not None
@@ -477,7 +477,7 @@ class Supervisor:
         return Outcome(True, action.reason)
 
     def _rescale(self, action: Action, desired: Desired) -> Outcome | None:
-        from keyscale.runtime.control import call
+        from keyscale.runtime.control.server import call
 
         assert action.spec is not None and action.parallelism is not None and self.job is not None
         try:
