@@ -9,7 +9,7 @@ redistributed when the parallelism changes by the rule each list declares:
 - ``"union"``: every new subtask gets every entry and keeps what it needs.
 
 Broadcast state is a map every subtask holds identically. It is fed by a low-volume rules
-stream (:func:`keyscale.broadcast`): per batch, the stream's new records are applied to the
+stream (:func:`keyscale.sources.broadcast`): per batch, the stream's new records are applied to the
 map on the driver, in log order, *before* the main stream's records of that batch are
 processed; every subtask of the operator then reads the same map (``ctx.broadcast_state``).
 
@@ -146,14 +146,14 @@ class BroadcastStream:
 
 
 def broadcast(source: Any, apply: Callable[[dict[str, Any], Any], None]) -> BroadcastStream:
-    """A low-volume stream (a :func:`keyscale.log_source`) of rules or configuration,
+    """A low-volume stream (a :func:`keyscale.sources.log_source`) of rules or configuration,
     delivered to every subtask of a stage as broadcast state.
 
     ``apply(state, row)`` updates the state (a dict of JSON-serialisable values) with one
     rules record; it runs on the driver, records in partition then offset order, before the
     main stream's records of the same batch.
 
-    ``ks.broadcast(ks.log_source(ctx.arg("rules"), uid="rules"), lambda s, r: s.__setitem__(r.key, r.threshold))``
+    ``ks.sources.broadcast(ks.sources.log_source(ctx.arg("rules"), uid="rules"), lambda s, r: s.__setitem__(r.key, r.threshold))``
     """
     from keyscale.sources.reader import LogSource
 

@@ -196,7 +196,7 @@ class WindowAggregate:
 
     def __post_init__(self) -> None:
         if not self.aggs:
-            raise JobDefinitionError("a window needs at least one aggregate, e.g. aggregate(uid='per_minute', n=keyscale.count())")
+            raise JobDefinitionError("a window needs at least one aggregate, e.g. aggregate(uid='per_minute', n=keyscale.aggregates.count())")
         for name, agg in self.aggs.items():
             if name in (*self.key_names, WINDOW_START, WINDOW_END):
                 raise JobDefinitionError(f"window aggregate '{name}' has the name of a key or window column")

@@ -49,7 +49,7 @@ LAST_RECORDS = "last_records"
 
 @dataclass(frozen=True)
 class LogSource:
-    """A partitioned log read by ``parallelism`` readers (see :func:`keyscale.log_source`)."""
+    """A partitioned log read by ``parallelism`` readers (see :func:`keyscale.sources.log_source`)."""
 
     log: PartitionedLog
     uid: str
@@ -68,7 +68,7 @@ def log_source(log: PartitionedLog | str, uid: str = "source", parallelism: int 
     ``log``: a :class:`PartitionedLog` or its URI (a folder, or ``redis://host:port/db?name=N``).
     ``max_records_per_batch`` caps what one batch reads from each partition.
 
-    ``ks.stream(ks.log_source(ctx.arg("log"), uid="events")).key_by("key")...``
+    ``ks.stream(ks.sources.log_source(ctx.arg("log"), uid="events")).key_by("key")...``
     """
     opened = open_log(log) if isinstance(log, str) else log
     if max_records_per_batch is not None and max_records_per_batch < 1:
