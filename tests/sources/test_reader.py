@@ -99,7 +99,7 @@ def test_offsets_of_another_or_a_shorter_log_stop_the_job() -> None:
     offset and the end found, and says what to do."""
     import pytest
 
-    from keyscale.sources.log import LogError
+    from keyscale.sources.partitioned import LogError
     from keyscale.sources.reader import check_positions, log_id_of
 
     committed = [[(0, 50), (1, 7)], [(2, 0)]]
@@ -156,7 +156,7 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
 
     from keyscale.runtime.reports import Reports
     from keyscale.sources import create_log
-    from keyscale.sources.log import LogError
+    from keyscale.sources.partitioned import LogError
     from keyscale.sources.reader import (
         check_last_records,
         last_records_after,

@@ -26,14 +26,8 @@ from keyscale.sources.generator import (
     start_generator,
 )
 from keyscale.sources.local_log import LocalLog
-from keyscale.sources.log import (
-    LogError,
-    LogWriter,
-    PartitionedLog,
-    create_log,
-    open_log,
-    partition_of,
-)
+from keyscale.sources.log import LogWriter, create_log, open_log, partition_of
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.sources.redis_log import RedisLog
 
 __all__ = [

@@ -36,7 +36,8 @@ from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.runtime import reports
-from keyscale.sources.log import LogError, PartitionedLog, open_log
+from keyscale.sources.log import open_log
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.state.redistribution import split_merge
 
 Assignment = list[list[tuple[int, int]]]  # per reader: (partition, next offset)
@@ -204,7 +205,7 @@ def check_positions(uid: str, log_uri: str, committed: Assignment, ends: Sequenc
     >>> check_positions("reader", "/logs/l", [[(0, 5)]], [3], "a", "a")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    keyscale.sources.log.LogError: source 'reader': partition 0 of log /logs/l ends at offset 3, but the job has committed offset 5 ...
+    keyscale.sources.partitioned.LogError: source 'reader': partition 0 of log /logs/l ends at offset 3, but the job has committed offset 5 ...
     """
     if committed_id is not None and current_id != committed_id:
         raise LogError(
