@@ -40,7 +40,6 @@ from keyscale.operators.nonkeyed import (
     OperatorContext,
     OperatorListState,
     ProcessFunction,
-    broadcast,
 )
 from keyscale.operators.vectorized import (
     TIMER,
@@ -62,7 +61,7 @@ from keyscale.sinks.delta import DeltaSink
 from keyscale.sinks.iceberg import IcebergSink
 from keyscale.sinks.noop import NoopSink
 from keyscale.sinks.parquet import ParquetSink
-from keyscale.sources.reader import LogSource, log_source
+from keyscale.sources.reader import LogSource, broadcast, log_source
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,9 @@
 """Reading a partitioned log as a job's source: offsets as split/merge operator state.
 
+:func:`log_source` makes a log a job's source and :func:`broadcast` a stage's broadcast
+input (:class:`~keyscale.operators.nonkeyed.BroadcastStream`: the operators know the
+stream as data and never import the sources).
+
 The source is a non-keyed operator with ``parallelism`` reader subtasks. Its state is one
 list state, ``offsets``: entries ``(partition, next offset)``, each held by one reader
 (FLIP-8's example). On a change of parallelism the entries are pooled and split evenly
@@ -35,6 +39,7 @@ import pyarrow as pa
 from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import event_time_ms, max_event_within
+from keyscale.operators.nonkeyed import BroadcastStream
 from keyscale.runtime import reports
 from keyscale.sources.log import open_log
 from keyscale.sources.partitioned import LogError, PartitionedLog
@@ -75,6 +80,23 @@ def log_source(log: PartitionedLog | str, uid: str = "source", parallelism: int 
     if max_records_per_batch is not None and max_records_per_batch < 1:
         raise JobDefinitionError(f"source '{uid}': max_records_per_batch must be at least 1")
     return LogSource(opened, uid, parallelism, max_records_per_batch)
+
+
+def broadcast(source: LogSource, apply: Callable[[dict[str, Any], Any], None]) -> BroadcastStream:
+    """A low-volume stream (a :func:`keyscale.log_source`) of rules or configuration,
+    delivered to every subtask of a stage as broadcast state.
+
+    ``apply(state, row)`` updates the state (a dict of JSON-serialisable values) with one
+    rules record; it runs on the driver, records in partition then offset order, before the
+    main stream's records of the same batch.
+
+    ``ks.broadcast(ks.log_source(ctx.arg("rules"), uid="rules"), lambda s, r: s.__setitem__(r.key, r.threshold))``
+    """
+    if not isinstance(source, LogSource):
+        raise JobDefinitionError(f"broadcast() takes a log_source(), not {type(source).__name__}")
+    if not callable(apply):
+        raise JobDefinitionError("broadcast(): apply must be a function (state, row) -> None")
+    return BroadcastStream(source, apply)
 
 
 # -- pure planning -----------------------------------------------------------------------------
