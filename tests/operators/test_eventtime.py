@@ -86,7 +86,7 @@ def test_bad_durations_are_named(bad: object) -> None:
 
 
 @pytest.mark.parametrize("name", ["keyscale", "keyscale.operators.eventtime", "keyscale.operators.windows", "keyscale.sources.reader", "keyscale.checkpoint.manifest",
-                                  "keyscale.runtime.counters"])
+                                  "keyscale.runtime.task.counters"])
 def test_docstring_examples_run(name: str) -> None:
     import doctest
     import importlib

@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# Re-exported: runtime/grouping.py and runtime/vectorized_task.py import them from here.
+# Re-exported: runtime/task/grouping.py and runtime/task/vectorized.py import them from here.
 from keyscale.state.factorize import factorize_keys as factorize_keys
 from keyscale.state.factorize import make_index as make_index
 from keyscale.state.keyindex import KeyIndex, key_hash
