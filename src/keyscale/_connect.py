@@ -31,7 +31,7 @@ from keyscale.operators.coprocess import (
 )
 from keyscale.operators.eventtime import parse_duration_ms
 from keyscale.operators.windows import SlidingWindows, TumblingWindows
-from keyscale.sources.log import LogError
+from keyscale.sources.partitioned import LogError
 from keyscale.sources.reader import LogSource
 from keyscale.sources.union import UnionLog
 

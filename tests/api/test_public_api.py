@@ -30,11 +30,11 @@ DEFINED_IN = {
     **dict.fromkeys(["reduce", "SessionWindows", "SlidingWindows", "TumblingWindows"], "keyscale.operators.windows"),
     **dict.fromkeys(["KeyedStream", "Stream", "WindowedStream"], "keyscale._pipeline"),
     **dict.fromkeys(["Context", "RuntimeContext", "TimerService", "ValueState", "ListState", "MapState"], "keyscale.operators.keyed"),
-    **dict.fromkeys(["OperatorContext", "OperatorListState", "BroadcastStream", "broadcast"], "keyscale.operators.nonkeyed"),
+    **dict.fromkeys(["OperatorContext", "OperatorListState", "BroadcastStream"], "keyscale.operators.nonkeyed"),
     "KeyedCoBatch": "keyscale.operators.coprocess",
     **dict.fromkeys(["json_values", "kafka_decoder", "kafka_source"], "keyscale.kafka.source"),
     "KafkaSink": "keyscale.kafka.sink",
-    **dict.fromkeys(["LogSource", "log_source"], "keyscale.sources.reader"),
+    **dict.fromkeys(["LogSource", "log_source", "broadcast"], "keyscale.sources.reader"),
     "ConsoleSink": "keyscale.sinks.console", "DeltaSink": "keyscale.sinks.delta", "IcebergSink": "keyscale.sinks.iceberg",
     "NoopSink": "keyscale.sinks.noop", "ParquetSink": "keyscale.sinks.parquet",
 }

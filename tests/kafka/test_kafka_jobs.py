@@ -18,7 +18,7 @@ from conftest import EXAMPLES, cli, new_topic, produce_events, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.kafka.sink import read_committed
 from keyscale.kafka.source import KafkaLog, json_values
-from keyscale.sources.log import LogError
+from keyscale.sources.partitioned import LogError
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 

@@ -3,7 +3,7 @@
 Spark's Kafka source is not in the pyspark wheel (its jars come only from Maven), and
 its offsets live in Spark's checkpoint, which keyscale does not rescale. keyscale reads
 Kafka itself, as it reads its partitioned log: :class:`KafkaLog` is a
-:class:`~keyscale.sources.log.PartitionedLog` over one topic, so everything the log
+:class:`~keyscale.sources.partitioned.PartitionedLog` over one topic, so everything the log
 source does holds for Kafka (see :mod:`keyscale.sources.reader`):
 
 - the (partition, offset) entries are split/merge operator state in keyscale's manifest,
@@ -49,7 +49,7 @@ from keyscale.kafka.client import (
     reader_config,
     true_ends,
 )
-from keyscale.sources.log import LogError, PartitionedLog
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.sources.reader import LogSource
 from keyscale.state.types import arrow_schema
 

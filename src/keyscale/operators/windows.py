@@ -48,7 +48,8 @@ from keyscale.operators.eventtime import (
     too_far_ahead,
 )
 from keyscale.operators.vectorized import Agg, result_type
-from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
+from keyscale.state.factorize import factorize_keys, make_index
+from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor
 
 WINDOW_START = "window_start"

@@ -45,26 +45,20 @@ from keyscale.sources.generator import (
     start_generator,
 )
 from keyscale.sources.local_log import LocalLog
-from keyscale.sources.log import (
-    LogError,
-    LogWriter,
-    PartitionedLog,
-    create_log,
-    open_log,
-    partition_of,
-)
+from keyscale.sources.log import LogWriter, create_log, open_log, partition_of
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.sources.redis_log import RedisLog
 
 if TYPE_CHECKING:
     from keyscale.kafka.source import json_values, kafka_decoder, kafka_source
-    from keyscale.operators.nonkeyed import BroadcastStream, broadcast
-    from keyscale.sources.reader import LogSource, log_source
+    from keyscale.operators.nonkeyed import BroadcastStream
+    from keyscale.sources.reader import LogSource, broadcast, log_source
 
 # Imported on first use: the modules that define these import this package's modules.
 _EXPORTS = {
     "BroadcastStream": "keyscale.operators.nonkeyed",
     "LogSource": "keyscale.sources.reader",
-    "broadcast": "keyscale.operators.nonkeyed",
+    "broadcast": "keyscale.sources.reader",
     "json_values": "keyscale.kafka.source",
     "kafka_decoder": "keyscale.kafka.source",
     "kafka_source": "keyscale.kafka.source",

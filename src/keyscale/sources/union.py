@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.operators.coprocess import EVENT_TIME, INPUTS, SIDE
-from keyscale.sources.log import LogError, PartitionedLog
+from keyscale.sources.partitioned import LogError, PartitionedLog
 
 
 class UnionLog(PartitionedLog):
