@@ -16,24 +16,13 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import ROOT, RUNNING_COUNT, cli, read_output, reference_output, run_job, write_events
+from conftest import ROOT, RUNNING_COUNT, cli, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.errors import StateError
 
 pytestmark = [pytest.mark.spark]
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=6, rows=1500, keys=250, seed=5)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    return reference_output(tmp_path_factory, events)
+EVENTS = {"files": 6, "rows": 1500, "keys": 250, "seed": 5}
 
 
 def _stage(events: Path, inp: Path, files: slice) -> None:
