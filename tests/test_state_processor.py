@@ -464,16 +464,6 @@ def test_inspect_savepoint(tmp_path: Path) -> None:
     np.testing.assert_equal(len(inspect_savepoint(sp, verify=True)) > 0, True)
 
 
-@pytest.mark.parametrize("name", ["", ".keygroups", ".read", ".bootstrap", ".rekey"])
-def test_doctests(name: str) -> None:
-    import doctest
-    import importlib
-
-    module = importlib.import_module("keyscale.state_processor" + name)
-    result = doctest.testmod(module)
-    assert result.failed == 0 and (result.attempted > 0 or name in (".read", ".bootstrap", ".rekey"))
-
-
 # -- on object stores -------------------------------------------------------------------------
 #
 # Savepoints and job directories on S3 (SeaweedFS, the ``s3_bucket`` fixture), mixed with

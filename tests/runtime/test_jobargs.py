@@ -3,7 +3,6 @@ dropped, and a --set the job never reads is an error naming the closest name it 
 
 from __future__ import annotations
 
-import doctest
 import json
 from pathlib import Path
 from typing import Any
@@ -132,11 +131,6 @@ def test_run_help_documents_set_and_unset() -> None:
     sub = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
     text = sub.format_help()
     assert "--unset NAME" in text and "--no-stored-args" in text and "last successful start" in text
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(jobargs_module)
-    assert result.failed == 0 and result.attempted > 0
 
 
 def test_a_deployment_runs_its_job_with_exactly_the_arguments_of_its_file(tmp_path: Path) -> None:

@@ -54,12 +54,3 @@ def test_the_message_says_what_to_do_for_each_kind_of_module(tmp_path: Path, mon
     monkeypatch.syspath_prepend(str(tmp_path))
     own = unimportable_module(text.format("own_helpers"), "python3")
     assert own is not None and str(tmp_path / "own_helpers.py") in own and "top of" in own
-
-
-def test_doctests() -> None:
-    import doctest
-
-    import keyscale.runtime.shipping
-
-    result = doctest.testmod(keyscale.runtime.shipping)
-    assert result.failed == 0 and result.attempted > 0

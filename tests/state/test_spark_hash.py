@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import doctest
 import math
 import os
 import random
@@ -248,12 +247,6 @@ def test_routing_values_are_memoized_but_not_shared() -> None:
         routing_values(0)
     with pytest.raises(KeyscaleError):
         routing_values(32769)
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(spark_hash_module)
-    assert result.attempted > 0
-    assert result.failed == 0
 
 
 # --- against real Spark --------------------------------------------------------------------
