@@ -12,7 +12,6 @@ import keyscale as ks
 from keyscale.errors import JobDefinitionError
 
 
-@pytest.mark.spark
 def test_a_misspelt_keyword_says_which_one_was_meant(spark: Any, tmp_path: Path) -> None:
     events = ks.stream(spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path)))
     keyed = events.key_by("key")
@@ -37,7 +36,6 @@ def test_a_misspelt_keyword_says_which_one_was_meant(spark: Any, tmp_path: Path)
     assert not (tmp_path / "job").exists()
 
 
-@pytest.mark.spark
 def test_starting_without_a_sink_says_what_to_add(spark: Any, tmp_path: Path) -> None:
     events = ks.stream(spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path)))
     with pytest.raises(JobDefinitionError, match=r"the stream after stage 'totals' has no sink, so it cannot start: end it with \.sink\("):

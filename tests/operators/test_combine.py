@@ -18,7 +18,7 @@ import pytest
 from conftest import read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 JOB = '''
 from pyspark.sql import functions as F

@@ -12,7 +12,7 @@ import pytest
 from conftest import RUNNING_COUNT, cli, read_output
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 EVENTS = {"files": 5, "rows": 2000, "keys": 300, "seed": 7}
 REFERENCE = {"parallelism": 2, "max_chain": 2}
 

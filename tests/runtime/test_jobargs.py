@@ -44,7 +44,6 @@ def _kept(job_dir: Path) -> dict[str, str]:
     return kept_args(JobDir(job_dir))
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_only_a_successful_start_keeps_its_arguments(spark: Any, tmp_path: Path) -> None:
     job = tmp_path / "limited.py"
@@ -73,7 +72,6 @@ def test_only_a_successful_start_keeps_its_arguments(spark: Any, tmp_path: Path)
     assert len(read_output(tmp_path / "out")) == 100
 
 
-@pytest.mark.spark
 def test_a_failed_first_start_keeps_nothing(spark: Any, tmp_path: Path) -> None:
     job = tmp_path / "limited.py"
     job.write_text(LIMITED)

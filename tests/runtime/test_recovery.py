@@ -12,7 +12,6 @@ import pytest
 from conftest import EXAMPLES, RUNNING_COUNT, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark]
 EVENTS = {"files": 4, "rows": 1500, "keys": 200, "seed": 3}
 REFERENCE = {"parallelism": 2}
 

@@ -16,8 +16,6 @@ import pytest
 from conftest import ALERTS, RUNNING_COUNT, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark]
-
 JOBS = {"aggregate": RUNNING_COUNT, "per-record": ALERTS}
 EVENTS = {"files": 6, "rows": 3000, "keys": 400}
 

@@ -18,7 +18,6 @@ from keyscale._pipeline import JobContext
 from keyscale.runtime.shipping import unimportable_module
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_pipeline_start_ships_a_module_and_the_modules_it_imports(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The workers run in the repository's folder: the project's modules reach them only by

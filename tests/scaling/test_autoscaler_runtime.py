@@ -6,13 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pytest
 
 from conftest import RUNNING_COUNT, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.scaling.policy import AutoscalerConfig
 
-pytestmark = [pytest.mark.spark]
 EVENTS = {"files": 6, "rows": 400, "keys": 60, "seed": 21}
 
 # React at once: no stabilisation, no scale-down delay, every batch counts.

@@ -19,7 +19,6 @@ from keyscale.sinks.base import SinkContext
 from keyscale.sinks.parquet import MARKER, SUPERSEDED, ParquetSink, batch_folder_name
 from keyscale.storage import LocalStore
 
-pytestmark = [pytest.mark.spark]
 EVENTS = {"files": 3, "rows": 300, "keys": 40, "seed": 3}
 
 # The running count with a "code change": every value multiplied by --set factor=N.
