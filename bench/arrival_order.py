@@ -1,4 +1,4 @@
-"""What a file source's arrival order (keyscale.runtime.arrival) costs per batch: workload W
+"""What a file source's arrival order (keyscale.runtime.task.arrival) costs per batch: workload W
 (400,000-row Parquet files, one per batch) through the vectorized running count, noop sink,
 local[2], parallelism 2, run by two keyscale source trees in turn (before/after a change).
 
@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 
 def child(data: Path, mode: str) -> dict[str, Any]:
     import keyscale
-    from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     tmp = Path(tempfile.mkdtemp(prefix="ks-arrival-"))
     try:
@@ -55,8 +55,8 @@ def child(data: Path, mode: str) -> dict[str, Any]:
 def plan_only(data: Path, repeats: int) -> dict[str, float]:
     from pyspark.sql import functions as F
 
-    from keyscale.runtime.arrival import with_file_order
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
+    from keyscale.runtime.task.arrival import with_file_order
 
     spark = spark_session("local[2]", "arrival-plan")
 

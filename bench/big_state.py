@@ -51,7 +51,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
-from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions  # noqa: E402
+from keyscale.runtime.driver.runner import BatchRecord, JobRunner, RunOptions  # noqa: E402
 
 
 def _descendants(root: int) -> list[int]:
@@ -162,11 +162,11 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
     """Every subtask of every batch through ``run_subtask`` in this process (see module doc)."""
     import pyarrow.compute as pc
 
-    import keyscale.runtime.task as task
+    import keyscale.runtime.task.keyed as task
     from keyscale.checkpoint.manifest import StateFile, live_files
     from keyscale.operators.vectorized import RunningAggregate
     from keyscale.operators.vectorized import sum as ksum
-    from keyscale.runtime.task import KG, SEQ, StageTask, run_subtask
+    from keyscale.runtime.task.keyed import KG, SEQ, StageTask, run_subtask
     from keyscale.state.keygroups import key_group_range
     from keyscale.storage import LocalStore
 
@@ -212,7 +212,7 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
         rows.append(row)
         print(f"  {row}", flush=True)
     if backend != "memory":  # no table to break down: the state is on disk
-        from keyscale.runtime.rocks_task import RocksSession
+        from keyscale.runtime.task.rocks import RocksSession
 
         # What a subtask whose database holds nothing pays for its range: the files read into RocksDB.
         spec = dataclasses.replace(spec, batch_id=files, committed=files - 1, files=tuple(live), run_id="bench-reload")
@@ -286,7 +286,7 @@ def bootstrapped(keys: int, files: int, backend: str, per_file: int = 4_000_000)
     from pyspark.sql import functions as F
 
     from keyscale.checkpoint.savepoint import write_savepoint
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
     from keyscale.state_processor.bootstrap import write_savepoint_from_dataframes
 
     root = HERE / "out" / "big_bootstrap"

@@ -316,7 +316,7 @@ class Harness:
     def start(self, p: int | None = None, *extra: str) -> None:
         assert self.proc is None or self.proc.poll() is not None
         argv = self.run_argv(p, *extra)
-        from keyscale.runtime.control import ADDRESS
+        from keyscale.runtime.control.server import ADDRESS
 
         # A killed run leaves its control address behind: serving() waits for this run's own.
         self.stale_address = self.jobdir().store.get_or_none(ADDRESS)
@@ -361,7 +361,7 @@ class Harness:
         return self.proc is not None and self.proc.poll() is None
 
     def serving(self) -> bool:
-        from keyscale.runtime.control import ADDRESS
+        from keyscale.runtime.control.server import ADDRESS
 
         if not self.alive():
             return False

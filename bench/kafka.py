@@ -61,7 +61,7 @@ def _event(i: int, keys: int) -> tuple[str, bytes]:
 
 
 def _run(bootstrap: str, src: str, out: str, job_dir: Path, parallelism: int, max_records: int, on_batch: Any = None) -> Any:
-    from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     opts = RunOptions(job_file=str(JOB), job_dir=str(job_dir), parallelism=parallelism, until_idle=True,
                       args={"bootstrap": bootstrap, "input": src, "output": out, "max_records": str(max_records)})

@@ -34,8 +34,8 @@ from spark_baselines import (  # noqa: E402
     transform_with_state_in_pandas,
 )
 
-from keyscale.runtime.driver import JobRunner, RunOptions  # noqa: E402
-from keyscale.runtime.session import spark_session  # noqa: E402
+from keyscale.runtime.driver.runner import JobRunner, RunOptions  # noqa: E402
+from keyscale.runtime.driver.session import spark_session  # noqa: E402
 
 
 def keyscale_run(data: Path, mode: str, parallelism: int = 2) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from pyspark.sql import functions as F
 
     from keyscale.checkpoint.lineage import Lineage
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
     from keyscale.sinks.base import SinkContext
     from keyscale.sinks.delta import DeltaSink
     from keyscale.sinks.iceberg import IcebergSink

@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 
 from _workload import DEFAULT_DATA_ROOT, ensure_workload  # noqa: E402
 
-from keyscale.runtime.driver import JobRunner, RunOptions  # noqa: E402
+from keyscale.runtime.driver.runner import JobRunner, RunOptions  # noqa: E402
 from keyscale.sinks.parquet import read_marker  # noqa: E402
 from keyscale.storage import open_store  # noqa: E402
 from keyscale.storage.seaweed import create_bucket, start_seaweedfs  # noqa: E402

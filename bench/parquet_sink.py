@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pyspark.sql import functions as F
 
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
     from keyscale.sinks.parquet import ParquetSink, read_output
 
     spark = spark_session("local[2]")

@@ -3,7 +3,7 @@
     PYTHONPATH=src .venv/bin/python bench/profile_job.py --job running_count --files 6 --rows 200000 --keys 100000
 
 Runs one job of bench/suite.py in this process with ``KEYSCALE_PROFILE_DIR`` set
-(keyscale.runtime.profiling): every subtask in its Python worker and every batch on the
+(keyscale.runtime.task.profiling): every subtask in its Python worker and every batch on the
 driver writes a cProfile file. Prints per batch: wall time, the Spark job's time (the
 sink write, which runs the tasks), the driver's own time (the rest: intent, planning,
 manifest, retention), and the keyed tasks' busy time (summed over subtasks); then the top

@@ -37,7 +37,7 @@ from _workload import DEFAULT_DATA_ROOT, ensure_workload  # noqa: E402
 from spark_baselines import make_spark, offline_repartition  # noqa: E402
 
 from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
-from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions  # noqa: E402
+from keyscale.runtime.driver.runner import BatchRecord, JobRunner, RunOptions  # noqa: E402
 
 
 def live_run(data: Path, p: int, plan: dict[int, int]) -> list[float]:

@@ -54,7 +54,7 @@ JOB = ROOT / "examples" / "running_count.py"
 
 from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
 from keyscale.cluster import start_cluster, stop_cluster  # noqa: E402
-from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions  # noqa: E402
+from keyscale.runtime.driver.runner import BatchRecord, JobRunner, RunOptions  # noqa: E402
 
 
 def write_input(folder: Path, files: int, rows: int, keys: int, seed: int = 0) -> None:
@@ -81,13 +81,13 @@ def warm_up(master: str, workers: int) -> Any:
     keyscale and pyarrow imported (``spark.python.worker.reuse`` keeps them): the first
     batches then measure keyscale, not process start-up."""
     from keyscale.cluster import wait_for_executor_cores
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
 
     spark = spark_session(master)
     wait_for_executor_cores(spark, workers, timeout=180)
     sc = spark.sparkContext
     for _ in range(2):
-        sc.parallelize(range(4 * workers), 4 * workers).map(lambda x: (__import__("keyscale.runtime.task"), __import__("pyarrow"), x)[2]).sum()
+        sc.parallelize(range(4 * workers), 4 * workers).map(lambda x: (__import__("keyscale.runtime.task.keyed"), __import__("pyarrow"), x)[2]).sum()
     return spark
 
 

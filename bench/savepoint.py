@@ -39,8 +39,8 @@ from spark_baselines import ROCKSDB_PROVIDER, _native_agg_df, _run_available  # 
 
 from keyscale.checkpoint.jobdir import JobDir  # noqa: E402
 from keyscale.checkpoint.savepoint import write_savepoint  # noqa: E402
-from keyscale.runtime.driver import JobRunner, RunOptions  # noqa: E402
-from keyscale.runtime.session import spark_session  # noqa: E402
+from keyscale.runtime.driver.runner import JobRunner, RunOptions  # noqa: E402
+from keyscale.runtime.driver.session import spark_session  # noqa: E402
 
 
 def du(path: Path) -> int:

@@ -153,7 +153,7 @@ def spark_floor(spark: Any, job: str, data: Path, tmp: Path) -> dict[str, Any]:
 
 
 def keyscale(job: str, data: Path, tmp: Path, combine: bool = False) -> dict[str, Any]:
-    from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     opts = RunOptions(job_file=str(HERE / "jobs" / "suite_job.py"), job_dir=str(tmp / "job"), parallelism=2, until_idle=True,
                       drain_at_end=False, args={"input": str(_stage(data, tmp / "in")), "output": str(tmp / "out"), "job": job,
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.with_10m:
         a.keys = [*a.keys, 10_000_000]
     logging.getLogger("keyscale").setLevel(logging.WARNING)
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
 
     spark = spark_session("local[2]", "keyscale-suite", {"spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
                                                           "spark.sql.shuffle.partitions": "2"})

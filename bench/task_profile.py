@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from keyscale.checkpoint.manifest import StateFile, live_files
 from keyscale.operators.vectorized import Agg, RunningAggregate
-from keyscale.runtime.task import StageTask, run_subtask
+from keyscale.runtime.task.keyed import StageTask, run_subtask
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -241,7 +241,7 @@ def spark_windows(spark: Any, data: Path, kind: str, size: str = "1 minute", gap
 
 
 def keyscale_windows(data: Path, kind: str, parallelism: int = 2, extra: dict[str, str] | None = None) -> dict[str, Any]:
-    from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     tmp = Path(tempfile.mkdtemp(prefix="ks-win-bench-"))
     try:
@@ -289,7 +289,7 @@ def verify(spark: Any, data: Path) -> dict[str, Any]:
     """
     from pyspark.sql import functions as F
 
-    from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     out: dict[str, Any] = {}
     for kind in ("tumbling", "session"):
@@ -341,7 +341,7 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
         TumblingWindows,
         WindowAggregate,
     )
-    from keyscale.runtime.task import StageTask, run_subtask
+    from keyscale.runtime.task.keyed import StageTask, run_subtask
 
     ts_type = pa.timestamp("us", tz="UTC")
     types = {"key": pa.int64(), "v": pa.int64(), "ts": ts_type}
@@ -383,7 +383,7 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
             files = tuple(live_files([*files, StateFile.from_json(report["file"])], 128)) if report["file"] else files
             max_seen = max(max_seen, int(report["max_event_ms"]))
             wm = max(wm, max_seen - 10_000 - 1)
-            from keyscale.runtime.task import _HELD
+            from keyscale.runtime.task.keyed import _HELD
 
             held = next(iter(_HELD.values()))
             info = {"batch": b, "records": n, "seconds": round(secs, 3), "emitted": res.num_rows,
@@ -398,7 +398,7 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
                 print(out["cprofile"], flush=True)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
-        from keyscale.runtime.task import _HELD
+        from keyscale.runtime.task.keyed import _HELD
 
         _HELD.clear()
     return out
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         r = profile(ensure_ts_workload(DEFAULT_DATA_ROOT), a.profile)  # keyscale of the pinned copy
         Path(a.out or HERE / "out" / f"windows_profile_{a.profile}.json").write_text(json.dumps(r, indent=1))
         return 0
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
 
     small = dict(name="W-ts-small", files=3, rows_per_file=100_000, keys=25_000)
     data = ensure_ts_workload(DEFAULT_DATA_ROOT, **small) if a.quick else ensure_ts_workload(DEFAULT_DATA_ROOT)  # type: ignore[arg-type]

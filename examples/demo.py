@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from keyscale._logging import configure_logging
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions
+from keyscale.runtime.driver.runner import BatchRecord, JobRunner, RunOptions
 
 HERE = Path(__file__).resolve().parent
 RESCALES = {2: 4, 5: 1}  # after batch N is committed, ask for this parallelism

@@ -282,7 +282,7 @@ def _keyscale_logs_reach_caplog() -> Any:
 
 @pytest.fixture(scope="session")
 def spark() -> Any:
-    from keyscale.runtime.session import spark_session
+    from keyscale.runtime.driver.session import spark_session
 
     session = spark_session("local[2]")
     yield session
@@ -340,7 +340,7 @@ def run_job(
     on_batch: Callable[[Any], None] | None = None,
     **kw: Any,
 ) -> Any:
-    from keyscale.runtime.driver import JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     opts = RunOptions(job_file=str(job_file), job_dir=str(job_dir), parallelism=parallelism, until_idle=True, args=args, **kw)
     return JobRunner(opts, on_batch).run()

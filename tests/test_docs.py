@@ -53,8 +53,8 @@ def test_api_reference_has_every_export() -> None:
 
 
 def test_metrics_reference_has_every_family_the_endpoint_serves() -> None:
-    from keyscale.runtime.jobstate import RunSummary
-    from keyscale.runtime.metrics import families
+    from keyscale.runtime.batch.jobstate import RunSummary
+    from keyscale.runtime.control.metrics import families
 
     listed = {name for name, *_ in docs_gen.metric_families()}
     status = {"job": "j", "state": "running", "watermark_ms": 0, "pending_rescale": {"parallelism": {"*": 2}},
@@ -82,7 +82,7 @@ def test_cli_reference_covers_every_command() -> None:
 
 
 def test_spark_settings_page_lists_keyscale_defaults() -> None:
-    from keyscale.runtime.session import session_conf
+    from keyscale.runtime.driver.session import session_conf
 
     page = (DOCS / "reference/spark-settings.md").read_text()
     for master in ("local[2]", "spark://127.0.0.1:7077"):

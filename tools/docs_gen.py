@@ -6,7 +6,7 @@ tests (tests/test_docs.py) call the same functions. Each reads the code itself:
 
 - ``cli``: the ``keyscale`` argparse parsers (keyscale.cli.main.build_parser), every
   command and subcommand with its usage and options, and ``ks.main``'s parser;
-- ``metrics``: the metric families in keyscale/runtime/metrics.py, read from its source
+- ``metrics``: the metric families in keyscale/runtime/control/metrics.py, read from its source
   (every family is created there with a literal name, help text and label list);
 - ``exit-codes``: the KeyscaleError classes of keyscale.errors and their exit codes.
 
@@ -92,7 +92,7 @@ def _parser_markdown(parser: argparse.ArgumentParser, name: str, summary: str, l
 def cli_markdown() -> str:
     """Every ``keyscale`` command and option, from the parsers the command itself uses."""
     from keyscale.cli.main import build_parser
-    from keyscale.runtime.submit import _parser as submit_parser
+    from keyscale.runtime.control.submit import _parser as submit_parser
 
     parser = build_parser()
     lines = _parser_markdown(parser, "keyscale", "", 2)
@@ -111,13 +111,13 @@ def _literal(node: ast.expr) -> object:
 
 
 def metric_families(source: str | None = None) -> list[tuple[str, str, str, list[str]]]:
-    """(name, type, help, labels) of every metric family keyscale/runtime/metrics.py creates.
+    """(name, type, help, labels) of every metric family keyscale/runtime/control/metrics.py creates.
 
     Read from the source rather than by calling ``families()``: some families are made only
     when the job has a checkpoint, a watermark or a log source, and this lists them all.
     """
     if source is None:
-        source = (ROOT / "src/keyscale/runtime/metrics.py").read_text()
+        source = (ROOT / "src/keyscale/runtime/control/metrics.py").read_text()
     found = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):

@@ -5,7 +5,7 @@
     PYTHONPATH=src .venv/bin/python bench/nexmark/profile_query.py --query q18 --tasks
 
 One keyscale run of the query on the benchmark's input (2M events, 10 batches, -p 2) with
-``KEYSCALE_PROFILE_DIR`` set (keyscale.runtime.profiling: a cProfile file per batch on the
+``KEYSCALE_PROFILE_DIR`` set (keyscale.runtime.task.profiling: a cProfile file per batch on the
 driver); prints keyscale's own functions by cumulative time over batches 3.., with the
 batches counted, so per-batch figures are the cumulative time / that count.
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def timing(query: str, data: Path, combine: bool) -> int:
     """Each step of a batch (commit.py's and the keyed stage's plan) timed around its call."""
-    from keyscale.runtime import commit, stages
+    from keyscale.runtime.batch import commit, stages
 
     times: dict[str, list[float]] = {}
 

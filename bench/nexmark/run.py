@@ -88,7 +88,7 @@ def run_keyscale(query: str, data: Path, tmp: Path, parallelism: int = 2, output
     batch to the parallelism to rescale to, live, after it; ``combine``: see Q.COMBINABLE;
     ``per_record``: see Q.PER_RECORD."""
     from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import BatchRecord, JobRunner, RunOptions
 
     jd = JobDir(tmp / "job")
     plan = plan or {}
@@ -194,7 +194,7 @@ def verify(spark: Any, query: str, data: Path, tmp: Path, systems: tuple[str, ..
 
 
 def spark_session() -> Any:
-    from keyscale.runtime.session import spark_session as make
+    from keyscale.runtime.driver.session import spark_session as make
 
     return make("local[2]", "keyscale-nexmark", {"spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
                                                  "spark.sql.shuffle.partitions": "2"})

@@ -55,8 +55,8 @@ from keyscale.operators.vectorized import (
     sum,
 )
 from keyscale.operators.windows import SessionWindows, SlidingWindows, TumblingWindows, reduce
-from keyscale.runtime.handle import JobHandle
-from keyscale.runtime.submit import main
+from keyscale.runtime.control.handle import JobHandle
+from keyscale.runtime.control.submit import main
 from keyscale.sinks.console import ConsoleSink
 from keyscale.sinks.delta import DeltaSink
 from keyscale.sinks.iceberg import IcebergSink

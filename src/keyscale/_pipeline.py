@@ -53,13 +53,14 @@ from keyscale.operators.windows import (
 from keyscale.sources.reader import LogSource
 from keyscale.state.backends import check_rocksdb_keys, check_state_backend
 from keyscale.state.types import StateDescriptor, arrow_schema
+from keyscale.state.uids import check_uid
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql.types import StructType
 
     from keyscale._connect import ConnectedStreams
-    from keyscale.runtime.handle import JobHandle
+    from keyscale.runtime.control.handle import JobHandle
     from keyscale.sinks.base import Sink
 
 log = logging.getLogger("keyscale")
@@ -67,7 +68,7 @@ log = logging.getLogger("keyscale")
 
 class JobArgs(dict[str, str]):
     """The job's arguments (``ctx.args``), remembering the names the job looks up, so that a
-    ``--set`` the job never reads is flagged (keyscale.runtime.jobargs.check_args_read)."""
+    ``--set`` the job never reads is flagged (keyscale.runtime.driver.jobargs.check_args_read)."""
 
     def __init__(self, args: Mapping[str, str] | None = None) -> None:
         super().__init__(args or {})
@@ -217,7 +218,7 @@ class Stream:
         return self._transform(TransformStep(fn))
 
     def _transform(self, step: TransformStep) -> Stream:
-        from keyscale.runtime.arrival import ORDER, order_probe_schema
+        from keyscale.runtime.task.arrival import ORDER, order_probe_schema
 
         session = _session(self._source)
         probe = step.fn(session.createDataFrame([], self._schema))
@@ -322,8 +323,7 @@ class Stream:
 
 
 def _check_uid(uid: str, steps: tuple[Step, ...]) -> None:
-    if not uid or not uid.replace("-", "").replace("_", "").isalnum():
-        raise JobDefinitionError(f"uid {uid!r} must be a non-empty name of letters, digits, '-' and '_'")
+    check_uid(uid)
     if uid in {s.uid for s in steps if not isinstance(s, TransformStep)}:
         raise JobDefinitionError(f"two stages have the uid '{uid}'; each stateful stage needs its own")
 
@@ -519,7 +519,7 @@ class Pipeline:
     policies: dict[str, ErrorPolicy] = field(default_factory=dict)  # each keyed stage's poison-record policy
     dead_letter: Sink | None = None
     # The job's own policy (``sink(on_error=)``): for records no operator owns, such as a
-    # file source's malformed records (runtime/malformed.py).
+    # file source's malformed records (runtime/batch/malformed.py).
     input_policy: ErrorPolicy = field(default_factory=ErrorPolicy)
 
     def error_policy(self, step: KeyedStep) -> ErrorPolicy:
@@ -599,7 +599,7 @@ class Pipeline:
 
         ``name`` is the job's name (default: the job directory's last part); a job
         directory remembers it, so a later start in the same directory resumes from its
-        checkpoint. ``options`` are :class:`~keyscale.runtime.jobstate.RunOptions` fields:
+        checkpoint. ``options`` are :class:`~keyscale.runtime.batch.jobstate.RunOptions` fields:
         ``until_idle=True`` (end when the input is read), ``trigger_interval="1 second"``,
         ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"``,
         ``retain``, ``drain_at_end``, ``state_backend="memory"|"rocksdb"`` (the keyed stages'
@@ -608,7 +608,7 @@ class Pipeline:
         ``metrics_token_file=`` or ``metrics_unauthenticated=True`` (who may read ``/metrics``;
         default: the per-run secret)... keyscale changes none of the session's settings.
         """
-        from keyscale.runtime.handle import start_job
+        from keyscale.runtime.control.handle import start_job
 
         return start_job(self, job_dir, parallelism, name, **options)
 
@@ -623,13 +623,13 @@ def stream(df: DataFrame | LogSource) -> Stream:
         return Stream(df)
     if not isinstance(df, SparkDataFrame):
         raise JobDefinitionError(f"keyscale.stream() takes a Spark DataFrame or a log_source(), not {type(df).__name__}")
-    from keyscale.runtime.session import check_classic
+    from keyscale.runtime.driver.session import check_classic
 
     check_classic(df)
     if not df.isStreaming:
         raise JobDefinitionError("keyscale.stream() needs a streaming DataFrame (spark.readStream...), not a batch one")
-    from keyscale.runtime.malformed import check_malformed_modes
-    from keyscale.runtime.spark_source import check_spark_source
+    from keyscale.runtime.batch.malformed import check_malformed_modes
+    from keyscale.runtime.batch.spark_source import check_spark_source
 
     check_spark_source(df)
     check_malformed_modes(df)

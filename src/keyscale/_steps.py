@@ -1,7 +1,7 @@
 """The nodes of a job's graph: what each stage of a :class:`~keyscale.Pipeline` runs.
 
 The fluent API (``keyscale._pipeline``: streams, keyed streams, windows) builds these; the
-runtime (``keyscale.runtime.stages``) runs them each micro-batch. Pure data: no Spark
+runtime (``keyscale.runtime.batch.stages``) runs them each micro-batch. Pure data: no Spark
 session, no I/O.
 """
 
@@ -34,7 +34,7 @@ class TransformStep:
 
     fn: Callable[[DataFrame], DataFrame]
     # The same transformation keeping the given columns (keyscale's own filter and select):
-    # the batch's arrival-order columns ride through it (keyscale.runtime.arrival). None: the
+    # the batch's arrival-order columns ride through it (keyscale.runtime.task.arrival). None: the
     # user's function, which gets the batch without them.
     keeping: Callable[[DataFrame, Sequence[str]], DataFrame] | None = field(default=None, kw_only=True)
 

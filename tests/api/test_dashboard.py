@@ -20,8 +20,8 @@ import pytest
 import keyscale as ks
 from conftest import write_events
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.runtime.control import ADDRESS, call
-from keyscale.runtime.control_auth import check_request
+from keyscale.runtime.control.auth import check_request
+from keyscale.runtime.control.server import ADDRESS, call
 from keyscale.web import Logins, static_file
 from keyscale.web.folder import FolderServer, folder_rows
 

@@ -17,10 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import keyscale as ks
 from conftest import write_events
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.runtime.control import ADDRESS, call
-from keyscale.runtime.control_auth import auth_header, read_secret
-from keyscale.runtime.jobstate import BatchRecord, RunSummary
-from keyscale.runtime.metrics import families, health
+from keyscale.runtime.batch.jobstate import BatchRecord, RunSummary
+from keyscale.runtime.control.auth import auth_header, read_secret
+from keyscale.runtime.control.metrics import families, health
+from keyscale.runtime.control.server import ADDRESS, call
 
 
 def _get(job_dir: Path, path: str, auth: bool = True) -> tuple[int, str]:

@@ -122,7 +122,7 @@ def test_a_set_up_failure_is_raised_by_start_not_left_in_a_failed_handle(spark: 
     # The pause between the two makes that order certain.
     import time
 
-    from keyscale.runtime.driver import JobRunner
+    from keyscale.runtime.driver.runner import JobRunner
 
     record = JobRunner._record_failure
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import ALERTS, ROOT, RUNNING_COUNT, cli, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import InputDataError, JobDefinitionError, JobDirError
-from keyscale.runtime.control import call
+from keyscale.runtime.control.server import call
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:

@@ -45,7 +45,7 @@ def test_run_refuses_with_a_clear_error_and_changes_nothing(tmp_path: Path, caps
 
 
 def test_the_flag_reaches_run_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import keyscale.runtime.driver as driver
+    import keyscale.runtime.driver.runner as driver
 
     seen = {}
 

@@ -21,7 +21,7 @@ from typing import Any
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("KEYSCALE_SPARK_LOG_LEVEL", "ERROR")
 
-from keyscale.runtime.session import spark_session
+from keyscale.runtime.driver.session import spark_session
 
 
 def who(values: Any) -> Any:

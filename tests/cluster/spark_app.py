@@ -30,7 +30,7 @@ from keyscale.cluster.executors import (
     request_executors,
     spark_conf_for_cluster,
 )
-from keyscale.runtime.session import spark_session
+from keyscale.runtime.driver.session import spark_session
 
 
 def reply(obj: dict[str, Any]) -> None:

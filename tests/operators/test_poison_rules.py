@@ -17,7 +17,7 @@ from keyscale.operators.poison import (
     input_error,
     null_key_mask,
 )
-from keyscale.runtime.poison_batch import replan_intent
+from keyscale.runtime.batch.poison import replan_intent
 
 # Excerpts of real Spark 4 error texts (the first line and the innermost cause of ~570 lines).
 NANOS = """py4j.protocol.Py4JJavaError: An error occurred while calling o123.save.

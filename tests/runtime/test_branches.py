@@ -123,7 +123,7 @@ def test_branches_must_share_one_stream_and_each_need_their_own_sink(spark: Any,
 
 
 def test_a_stage_gets_only_the_columns_its_function_reads(spark: Any, tmp_path: Path) -> None:
-    from keyscale.runtime.stages import task_input
+    from keyscale.runtime.batch.stages import task_input
 
     events = ks.stream(spark.readStream.schema("key string, value long, ts timestamp, note string").parquet(str(tmp_path)))
     totals = events.key_by("key").aggregate(uid="totals", n=ks.count(), total=ks.sum("value"))

@@ -76,7 +76,7 @@ def test_a_reader_leaves_far_future_event_times_out_of_its_partitions_clocks(tmp
     the batch's bound; they are counted and passed on."""
     import pyarrow as pa
 
-    from keyscale.runtime.reports import Reports
+    from keyscale.runtime.task.report import Reports
     from keyscale.sources import create_log
     from keyscale.sources.reader import make_reader_function
 
@@ -154,7 +154,7 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
     import pyarrow as pa
     import pytest
 
-    from keyscale.runtime.reports import Reports
+    from keyscale.runtime.task.report import Reports
     from keyscale.sources import create_log
     from keyscale.sources.log import LogError
     from keyscale.sources.reader import (

@@ -9,7 +9,7 @@ import pytest
 
 import keyscale as ks
 from keyscale.errors import JobDefinitionError
-from keyscale.runtime.driver import JobRunner, RunOptions
+from keyscale.runtime.driver.runner import JobRunner, RunOptions
 from keyscale.sources import create_log
 from keyscale.state.backends import check_state_backend
 

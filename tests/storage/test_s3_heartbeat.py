@@ -9,7 +9,7 @@ import socket
 import time
 
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.runtime.heartbeat import Heartbeat
+from keyscale.runtime.driver.heartbeat import Heartbeat
 
 
 def test_the_first_heartbeat_is_written_at_once(s3_bucket: str) -> None:

@@ -144,7 +144,7 @@ def test_a_paused_driver_waking_while_the_new_run_runs_leaves_it_controllable(ev
     ``running: false`` over B's status (a new start would have taken over from the healthy
     B). Now A leaves both: B answers and stops with a savepoint."""
     from keyscale.checkpoint.savepoint import read_savepoint
-    from keyscale.runtime.control import call
+    from keyscale.runtime.control.server import call
 
     job, out, inp = f"{s3_bucket}/jobs/rc", f"{s3_bucket}/out", tmp_path / "in"
     _feed(events, inp, 2)

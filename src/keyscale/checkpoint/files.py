@@ -91,7 +91,7 @@ def record_upload_failure(store: Store, rel_path: str, error: BaseException) -> 
     Why a record in the store rather than a message to the driver: the waiters are the
     driver's commit thread and the next batch's tasks, on other machines, and the store is
     the one thing they all read, on local disk and on S3 alike. The state file's name is
-    its attempt's own (:func:`keyscale.runtime.stagetask.state_file_name`) and that attempt
+    its attempt's own (:func:`keyscale.runtime.task.spec.state_file_name`) and that attempt
     never uploads it again, so a record means the file will not come. Retention's sweep
     deletes it with the batch's other unnamed files (its name starts with the batch)."""
     record = {"error": f"{type(error).__name__}: {error}", "pid": os.getpid(), "time_ms": int(time.time() * 1000)}

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from keyscale._logging import configure_logging
-from keyscale.errors import KeyscaleError
-from keyscale.runtime.control_settings import add_control_arguments, control_options
-from keyscale.runtime.jobstatus import find_jobs, status_dict
-from keyscale.runtime.session import parse_spark_conf
+from keyscale.errors import KeyscaleError, cli_exit
+from keyscale.runtime.control.jobstatus import find_jobs, status_dict
+from keyscale.runtime.control.settings import add_control_arguments, control_options
+from keyscale.runtime.driver.session import parse_spark_conf
 from keyscale.storage import local_path, open_store, scheme_of
 
 
@@ -47,8 +47,8 @@ def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.runtime.driver import JobRunner, RunOptions
-    from keyscale.runtime.jobargs import parse_sets, resolve_args
+    from keyscale.runtime.driver.jobargs import parse_sets, resolve_args
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     args = resolve_args(JobDir(a.job_dir), parse_sets(a.set), a.unset, use_kept=not a.no_stored_args)
     opts = RunOptions(
@@ -144,7 +144,7 @@ def _restart_rescale(a: argparse.Namespace) -> int:
 def _restart_in_place(a: argparse.Namespace, jd: Any, job_file: str | None) -> int:
     """Restart without a new JVM: the running `keyscale run` takes a savepoint, ends its query
     and starts the job again in the same Spark application (executors kept)."""
-    from keyscale.runtime.control import call
+    from keyscale.runtime.control.server import call
 
     p = getattr(a, "parallelism", None)
     body: dict[str, Any] = {"parallelism": p}
@@ -209,7 +209,7 @@ def cmd_rescale(a: argparse.Namespace) -> int:
 
 def _ask_running_job(job_dir: str, path: str, timeout: float, **body: Any) -> dict[str, Any]:
     from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.runtime.control import call
+    from keyscale.runtime.control.server import call
 
     jd = JobDir(job_dir)
     jd.identity()
@@ -310,7 +310,7 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from keyscale.runtime import counters
+    from keyscale.runtime.task import counters
 
     st = status_dict(a.job_dir)
     if a.json:
@@ -532,8 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_storage_options(parse_storage_options(getattr(a, "storage_option", None) or []))
         return int(a.func(a))
     except KeyscaleError as e:
-        print(f"keyscale: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return cli_exit(e)
 
 
 if __name__ == "__main__":

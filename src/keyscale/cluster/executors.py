@@ -171,7 +171,7 @@ def executor_cores(spark: Any) -> int:
 
     In local mode the driver *is* the executor: ``local[N]`` gives ``N``.
 
-    >>> from keyscale.runtime.session import spark_session    # doctest: +SKIP
+    >>> from keyscale.runtime.driver.session import spark_session    # doctest: +SKIP
     >>> executor_cores(spark_session("spark://127.0.0.1:41393", conf=spark_conf_for_cluster()))  # doctest: +SKIP
     1
     """

@@ -39,7 +39,7 @@ task ``i`` of a replay computes the rows task ``i`` of the first attempt compute
 keyscale's deterministic replay. A replay at another parallelism would split the key
 groups otherwise; so ``plan_bound(b)`` tells keyscale that some of ``b``'s output is
 committed per task, and keyscale replays ``b`` at its intent's parallelism (a new ``-p``
-applies from the next batch: ``runtime/commit.py``, ``replay_intent``). Where Spark knows
+applies from the next batch: ``runtime/batch/commit.py``, ``replay_intent``). Where Spark knows
 the number of output tasks before running (an exchange ends the plan), each commit record
 carries it, and a replay split otherwise fails with an OutputError rather than losing or
 duplicating output; where it does not (a union: the dead-letter output), that check is off.

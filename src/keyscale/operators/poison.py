@@ -139,7 +139,7 @@ def _not_the_records_fault(exc: BaseException | None) -> None:
     """A module the worker cannot import fails every record alike: it is the workers'
     Python environment at fault, not a record, so no policy may skip or dead-letter it.
     It leaves the task as it is, and the driver names the module in one line
-    (keyscale.runtime.shipping.unimportable_module)."""
+    (keyscale.runtime.driver.shipping.unimportable_module)."""
     if isinstance(exc, ImportError):
         raise exc
 
@@ -233,7 +233,7 @@ class ErrorCollector:
 
     def counters(self) -> dict[str, int]:
         """The subtask's count of records that raised, named by where they went
-        (``skipped`` or ``dead_lettered``), for its report's counters (runtime/counters.py)."""
+        (``skipped`` or ``dead_lettered``), for its report's counters (runtime/task/counters.py)."""
         if not self.count:
             return {}
         return {"dead_lettered" if self.policy.on_error == "dead_letter" else "skipped": self.count}

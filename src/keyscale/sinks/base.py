@@ -49,7 +49,7 @@ class Sink(Protocol):
     with an intent is replayed: True if some of the batch's output is already committed in
     units tied to the batch's plan (its Spark tasks: a task number means other key groups
     at another parallelism), so the replay must keep the intent's plan. keyscale then does
-    not re-plan the batch at a new ``-p`` (``runtime/commit.py``, ``replay_intent``); the
+    not re-plan the batch at a new ``-p`` (``runtime/batch/commit.py``, ``replay_intent``); the
     new ``-p`` applies from the next batch. A sink without it, or whose idempotence does not
     depend on the plan (a whole batch kept or written anew), lets the replay re-plan.
     """

@@ -35,7 +35,7 @@ import pyarrow as pa
 from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import event_time_ms, max_event_within
-from keyscale.runtime import reports
+from keyscale.runtime.task import report as reports
 from keyscale.sources.log import LogError, PartitionedLog, open_log
 from keyscale.state.redistribution import split_merge
 
@@ -264,7 +264,7 @@ def make_reader_function(
     after ``event_time_limit_ms`` are not believed: counted, left out of the maximum (so
     they never move the partition's clock), and passed on like any record. With ``log_id``,
     a reader first checks the log is still the one the batch was planned on. Reports go to
-    ``report_to`` (:mod:`keyscale.runtime.reports`).
+    ``report_to`` (:mod:`keyscale.runtime.task.report`).
     """
 
     def read(rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -3,7 +3,7 @@
 ``memory`` keeps every key of a subtask's key groups in the Python worker, in a compact
 columnar table (:mod:`keyscale.state.table`): fastest, bounded by the executors' memory.
 ``rocksdb`` keeps them in a RocksDB on the executor's local disk (:mod:`keyscale.state.rocksdb`,
-:mod:`keyscale.runtime.rocks_task`): a batch reads and writes only its own keys, and the
+:mod:`keyscale.runtime.task.rocks`): a batch reads and writes only its own keys, and the
 memory it keeps is bounded by configuration and by the batch's working set, whatever the
 state's size (100M keys: docs/benchmarks.md, "100M keys"). Both write the same checkpoint
 files and savepoints, so a job can switch between them at a restart.

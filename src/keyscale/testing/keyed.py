@@ -21,12 +21,12 @@ from keyscale.operators.eventtime import NO_WATERMARK, Duration, parse_duration_
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states
 from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyedFunction
 from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START, Assigner, WindowAggregate
-from keyscale.runtime import task
-from keyscale.runtime.task import KG, LATE, MAIN, SEQ, StageTask, run_subtask
+from keyscale.runtime.task import keyed as task
+from keyscale.runtime.task.keyed import KG, LATE, MAIN, SEQ, StageTask, run_subtask
 from keyscale.state.keygroups import key_group_range
+from keyscale.state.spark_hash import key_groups
 from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import arrow_schema
-from keyscale.state_processor.keygroups import key_groups
 from keyscale.storage import LocalStore
 
 Records = Iterable[Mapping[str, Any]] | pd.DataFrame | pa.Table

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from keyscale.operators.eventtime import Duration, parse_duration_ms
 from keyscale.operators.nonkeyed import ProcessFunction, describe_lists, lists_for, lists_state
-from keyscale.runtime.nonkeyed_task import NonKeyedTask, run_nonkeyed_subtask
+from keyscale.runtime.task.nonkeyed import NonKeyedTask, run_nonkeyed_subtask
 from keyscale.state.types import arrow_schema
 from keyscale.testing.keyed import T0_MS, Records, sorted_rows, to_arrow
 

@@ -59,7 +59,7 @@ def run_job_file(
     import pyarrow.parquet as pq
 
     from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.runtime.driver import BatchRecord, JobRunner, RunOptions
+    from keyscale.runtime.driver.runner import BatchRecord, JobRunner, RunOptions
     from keyscale.sinks.parquet import read_output
 
     root = Path(tempfile.mkdtemp(prefix="keyscale-run-"))

@@ -5,7 +5,7 @@ The page (``static/``: HTML, JS, CSS and uPlot 1.6.32 from npm, vendored, no CDN
 CLI. A browser cannot send the control secret, so ``keyscale dashboard DIR`` asks the job
 (with the secret) for a one-time login link: opening it within two minutes sets an
 HttpOnly, SameSite=Strict session cookie for this run (see
-:mod:`keyscale.runtime.control_auth` for the rules a request must pass).
+:mod:`keyscale.runtime.control.auth` for the rules a request must pass).
 """
 
 from __future__ import annotations

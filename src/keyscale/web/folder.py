@@ -3,7 +3,7 @@ running job's dashboard.
 
 The server runs as the user who starts it and listens on 127.0.0.1. It is opened like a
 job's dashboard, by a one-time link it prints (session cookie, Host check: see
-:mod:`keyscale.runtime.control_auth`); from there, "open" asks the chosen job for a
+:mod:`keyscale.runtime.control.auth`); from there, "open" asks the chosen job for a
 one-time dashboard link with that job's own secret, which this user can read only if the
 job is theirs, and sends the browser to it.
 """
@@ -18,8 +18,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from keyscale.errors import KeyscaleError
-from keyscale.runtime.control_auth import SESSION_COOKIE, check_host, check_request
-from keyscale.runtime.jobstatus import find_jobs, status_dict
+from keyscale.runtime.control.auth import SESSION_COOKIE, check_host, check_request
+from keyscale.runtime.control.jobstatus import find_jobs, status_dict
 from keyscale.web import Logins, static_file
 
 __all__ = ["FolderServer", "folder_rows"]
@@ -121,7 +121,7 @@ class _FolderHandler(BaseHTTPRequestHandler):
 
     def _open(self, job_dir: str) -> None:
         from keyscale.checkpoint.jobdir import JobDir
-        from keyscale.runtime.control import call
+        from keyscale.runtime.control.server import call
 
         if job_dir not in find_jobs(self.server_ref.folder):
             self._json(404, {"error": f"{job_dir} is not a job under {self.server_ref.folder}"})

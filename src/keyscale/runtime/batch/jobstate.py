@@ -1,0 +1,199 @@
+"""What a running job knows between batches, shared by the driver's modules.
+
+:class:`JobState` is a plain record: the run's options and job directory, the pipeline, the
+last committed manifest, each operator's parallelism, the watermark, the tasks' report
+collector. The driver (``driver.py``: set-up, run, stop, savepoints) fills it in; one batch
+(``commit.py``) reads it and advances it at its commit; the stage plumbing
+(``stages.py``), the source planning (``source_plan.py``), the parallelism decisions
+(``parallelism.py``) and the status (``status.py``) read what they need from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.lineage import Lineage
+from keyscale.checkpoint.manifest import Manifest
+from keyscale.operators.eventtime import WatermarkState, ahead_limit_ms
+from keyscale.runtime.task import counters
+from keyscale.runtime.task.report import Reports
+from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from keyscale._pipeline import Pipeline
+    from keyscale.checkpoint.sparkmirror import SparkMirror
+    from keyscale.runtime.batch.malformed import Watched
+
+
+@dataclass
+class RunOptions:
+    """What ``keyscale run`` was asked to do."""
+
+    job_file: str
+    job_dir: str
+    parallelism: int | None = None
+    max_parallelism: int | None = None
+    master: str = "local[2]"
+    until_idle: bool = False
+    args: dict[str, str] = field(default_factory=dict)
+    trigger_interval: str = "1 second"
+    retain: int = 3
+    max_chain: int = 8
+    max_file_age: int = 32  # a subtask snapshots when its oldest state file is this many batches old
+    spark_conf: dict[str, str] = field(default_factory=dict)
+    scaling: str = "fixed"  # "fixed" | "auto"
+    autoscaler_mode: str = "recommend"  # with scaling "auto": "off" | "recommend" | "active"
+    autoscaler: AutoscalerConfig | None = None
+    from_savepoint: str | None = None
+    allow_non_restored_state: bool = False
+    allow_empty_restart: bool = False  # no intact checkpoint left: start with empty state, re-read the input
+    drain_at_end: bool = False  # with until_idle: end with a drain (every event-time timer and window fires)
+    scaling_min: int = 1  # bounds of reactive mode and the autoscaler
+    scaling_max: int | None = None  # None: the number of key groups
+    state_backend: str = "memory"  # keyed stages' default: "memory" | "rocksdb" (a stage's own state_backend= wins)
+    # A batch's state files upload while the next batch runs; its manifest commits once they are stored.
+    async_checkpoints: bool = False
+    # The control API (keyscale.runtime.control.settings): None takes the environment variable
+    # of the same setting, else the default (127.0.0.1, any free port, /metrics with the secret).
+    control_host: str | None = None
+    control_port: int | None = None
+    metrics_token_file: str | None = None
+    metrics_unauthenticated: bool | None = None
+    # test-only: "<point>:<batch>", point mid-batch, mid-upload, between-sinks, after-sink, in-compaction,
+    # and with asynchronous checkpoints slow-upload, fail-upload, worker-dies-mid-upload
+    fault: str | None = None
+
+
+@dataclass
+class BatchRecord:
+    batch: int
+    seconds: float
+    records: int
+    emitted: int
+    parallelism: dict[str, int]
+    replayed: bool = False
+    requests: dict[str, int] = field(default_factory=dict)  # storage requests of the batch, driver and tasks, per kind
+
+
+@dataclass
+class RunSummary:
+    job: str
+    job_dir: str
+    batches: list[BatchRecord] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    rescales: list[tuple[int, str, int, int]] = field(default_factory=list)  # (batch, uid, from, to)
+    recovered_from: int | None = None
+    discarded: tuple[str, ...] = ()
+    parallelism: dict[str, int] = field(default_factory=dict)
+    # Spark's own measure of each batch with input (durationMs.triggerExecution), in seconds.
+    trigger_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def records(self) -> int:
+        return sum(b.records for b in self.batches)
+
+
+HISTORY = 720  # batches (and events) the dashboard's timelines show
+
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """A batch run and not yet committed: its manifest, built, commits in ``future`` once
+    the state files it names are stored (runtime/batch/commit.py, ``settle``)."""
+
+    batch: int
+    manifest: Manifest
+    future: Future[None]
+    previous: Manifest | None  # the manifest committed before it
+
+
+@dataclass(eq=False)
+class JobState:
+    """One running job's state between batches (see the module docstring for who writes what)."""
+
+    opts: RunOptions
+    jobdir: JobDir
+    run_id: str
+    summary: RunSummary
+    # Called after each batch, before the next one starts: committed, or with asynchronous
+    # checkpoints run and committing (a rescale it asks for applies at the next batch either way).
+    on_batch: Callable[[BatchRecord], None] | None = None
+    name: str = ""
+    max_parallelism: int = 0
+    pipeline: Pipeline | None = None
+    committed: Manifest | None = None  # the last committed batch's manifest (or the pending one's: see ``pending``)
+    parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
+    watermark: WatermarkState = field(default_factory=WatermarkState)
+    lineage: Lineage = field(default_factory=lambda: Lineage(""))  # the job's lineage (sinks' output belongs to it)
+    spark: SparkSession = None  # type: ignore[assignment]  # set at set-up
+    reports: Reports = field(default_factory=Reports)  # tasks' reports: through Spark once the session is there
+    mirror: SparkMirror | None = None  # Spark's checkpoint mirrored into a job directory on an object store
+    autoscaler: Autoscaler | None = None
+    decisions: dict[str, dict[str, Any]] = field(default_factory=dict)  # the autoscaler's last, per operator
+    counts: counters.Counters = field(default_factory=dict)  # the last batch's counts of records not processed normally
+    malformed: Watched | None = None  # the corrupt-record column of a JSON/CSV source, whose rows on_error handles
+    input_counts: counters.Counters = field(default_factory=dict)  # the running batch's malformed records, counted by the driver
+    log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its last plan is for
+    last_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
+    committed_status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
+    state: str = "starting"  # "starting" | "running" | "draining" | "stopped" | "failed" (status.json, GET /status)
+    last_error: dict[str, Any] | None = None  # why the job failed: message, traceback, batch, time_ms
+    pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
+    # What the dashboard draws (GET /history): the recent batches, rescales and decisions with
+    # their reasons, savepoints; bounded, this run only (events.jsonl keeps everything).
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    savepoints: list[dict[str, Any]] = field(default_factory=list)
+    # Per keyed stage, its marker rows in the query's Spark session (stages.routed): the same every batch.
+    markers: dict[str, dict[Any, Any]] = field(default_factory=dict)
+    # Asynchronous checkpoints: the batch whose manifest commits in the background (at most one),
+    # and how long its files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
+    pending: PendingCommit | None = None
+    upload_timeout: float = 600.0
+    # Held while a batch runs, a savepoint is taken or a pending commit settles (JobRunner's
+    # batch lock): savepoints are taken between batches, of committed batches only, and
+    # retention never deletes files a savepoint is still reading.
+    batch_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def note(self, batch: int, kind: str, reason: str, **details: Any) -> None:
+        """An event the dashboard marks on its timelines (a rescale, an autoscaler decision)."""
+        self.events.append({"batch": batch, "time_ms": int(time.time() * 1000), "type": kind, "reason": reason, **details})
+
+    def fault(self, point: str, batch_id: int) -> bool:
+        """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here."""
+        return self.opts.fault == f"{point}:{batch_id}"
+
+    def event_time_limit(self, batch_time_ms: int) -> int | None:
+        """The latest event time a batch believes (with_watermark's max_ahead after its time)."""
+        spec = self.pipeline.watermark if self.pipeline else None
+        return ahead_limit_ms(spec.max_ahead_ms, batch_time_ms) if spec is not None else None
+
+
+def seconds(interval: str) -> float | None:
+    """Seconds of a Spark trigger interval such as "1 second" or "200 milliseconds"."""
+    number, _, unit = interval.strip().partition(" ")
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    scale = {"ms": 0.001, "millisecond": 0.001, "milliseconds": 0.001, "minute": 60.0, "minutes": 60.0}.get(unit.strip().lower(), 1.0)
+    return value * scale
+
+
+def watermark_of(m: Manifest | None) -> WatermarkState:
+    """The watermark a job resumes with from its last manifest."""
+    if m is None:
+        return WatermarkState()
+    state = WatermarkState.from_json(m.extra.get("watermark"))
+    if m.watermark_ms is not None and m.watermark_ms > state.watermark_ms:
+        state = replace(state, watermark_ms=m.watermark_ms)
+    return state

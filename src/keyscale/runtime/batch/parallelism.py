@@ -1,0 +1,172 @@
+"""Each operator's parallelism: at start, and the scaling decisions between batches.
+
+- at start (:func:`plan_parallelism`): ``-p``, else as checkpointed, else the operator's own,
+  after checking the checkpoint's operators and state still fit the job;
+- before a batch's intent (:func:`apply_rescale_requests`): live rescale requests (the
+  control API, ``keyscale rescale``, the active autoscaler) and reactive mode;
+- after a batch (:func:`autoscale`): the autoscaler observes it, records its decision and,
+  in active mode, requests a rescale for the next batch;
+- on a cluster (:func:`size_executors`): executor cores follow parallelism.
+
+Writes ``job.parallelism`` (and the summary's rescales, the autoscaler's decisions); a
+batch fixes the parallelism it runs with in its intent, so nothing here changes a batch
+that has begun.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from keyscale.checkpoint.manifest import OperatorCheckpoint
+from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
+from keyscale.runtime.batch.jobstate import JobState, seconds
+from keyscale.scaling.policy import BatchMetrics
+from keyscale.state.keygroups import check_parallelism
+
+if TYPE_CHECKING:
+    from keyscale._pipeline import Pipeline
+
+log = logging.getLogger("keyscale")
+
+
+def plan_parallelism(job: JobState, pipeline: Pipeline) -> None:
+    """Every operator's parallelism at start; refuses a checkpoint the job no longer fits."""
+    old = job.committed.operators if job.committed else {}
+    uids = {s.uid for s in pipeline.keyed_steps}
+    for src in pipeline.logs:
+        if src.uid in uids:
+            raise JobDefinitionError(f"the source and a stage both have the uid '{src.uid}'")
+        uids.add(src.uid)
+        start_parallelism(job, src.uid, old.get(src.uid), src.parallelism)
+    for nk in pipeline.nonkeyed_steps:
+        start_parallelism(job, nk.uid, old.get(nk.uid), nk.parallelism)
+        uids.add(nk.uid)
+    for uid in pipeline.broadcasts:
+        if uid in uids:
+            raise JobDefinitionError(f"the broadcast stream and another operator both have the uid '{uid}'")
+        uids.add(uid)
+    orphaned = sorted(set(old) - uids)
+    if orphaned and not job.opts.allow_non_restored_state:
+        raise StateError(
+            f"checkpoint {job.committed.batch if job.committed else '?'} has state of operator '{orphaned[0]}', which the job no longer has; "
+            "pass --allow-non-restored-state (Pipeline.start: allow_non_restored_state=True) to drop it"
+        )
+    for step in pipeline.keyed_steps:
+        prev = old.get(step.uid)
+        if prev is not None:
+            want_keys = tuple((k, str(t)) for k, t in step.state_key_columns)
+            if prev.key_columns != want_keys:
+                raise StateError(f"operator '{step.uid}': its state is keyed by {list(prev.key_columns)}, the job now keys by {list(want_keys)}")
+            # Added states start absent and dropped ones are ignored; a changed type needs
+            # the schema evolution a savepoint restore applies.
+            now = {d.name: d.to_json() for d in step.states}
+            for old_state in prev.states:
+                new_state = now.get(old_state["name"])
+                if new_state is not None and (new_state["kind"], new_state["type"]) != (old_state["kind"], old_state["type"]):
+                    raise StateError(
+                        f"operator '{step.uid}', state '{old_state['name']}': checkpointed as {old_state['kind']} {old_state['type']}, "
+                        f"the job now declares {new_state['kind']} {new_state['type']}; take a savepoint and restore it with --from-savepoint to evolve the schema"
+                    )
+        p = start_parallelism(job, step.uid, prev, step.parallelism)
+        if prev is not None and prev.parallelism != p:
+            log.info("operator '%s': restarting at parallelism %d (was %d); key groups are reassigned, no state is rewritten", step.uid, p, prev.parallelism)
+    job.summary.parallelism = dict(job.parallelism)
+
+
+def start_parallelism(job: JobState, uid: str, prev: OperatorCheckpoint | None, own: int | None) -> int:
+    """An operator's parallelism at start: -p, else as checkpointed, else its own default, else 1."""
+    p = job.opts.parallelism or (prev.parallelism if prev else None) or own or 1
+    check_parallelism(p, job.max_parallelism)
+    job.parallelism[uid] = p
+    return p
+
+
+def follow_cores(job: JobState, batch_id: int) -> None:
+    """Reactive mode: parallelism follows the executor cores Spark has now (DESIGN §7)."""
+    from keyscale.cluster import executor_cores
+    from keyscale.scaling.reactive import reactive_parallelism
+
+    cores = executor_cores(job.spark)
+    hi = job.opts.scaling_max or job.max_parallelism
+    target = reactive_parallelism(cores, job.opts.scaling_min, min(hi, job.max_parallelism), job.max_parallelism)
+    changed = {u: p for u, p in job.parallelism.items() if p != target}
+    if not changed:
+        return
+    log.info("batch %d: reactive: the job has %d executor cores; parallelism %s -> %d", batch_id, cores,
+             "/".join(str(p) for p in sorted(set(changed.values()))), target)
+    job.jobdir.append_event({"type": "reactive", "batch": batch_id, "executor_cores": cores, "from": changed, "to": target})
+    for uid, p in changed.items():
+        job.summary.rescales.append((batch_id, uid, p, target))
+        job.note(batch_id, "rescale", f"reactive: the job has {cores} executor cores", operator=uid, **{"from": p, "to": target})
+        job.parallelism[uid] = target
+
+
+def apply_rescale_requests(job: JobState, batch_id: int) -> None:
+    """Before a new batch's intent: reactive mode, then the pending rescale requests."""
+    if job.opts.scaling == "reactive":
+        follow_cores(job, batch_id)
+    reqs = job.jobdir.read_rescale_requests()
+    if not reqs:
+        return
+    job.jobdir.clear_rescale_requests()
+    job.pending_rescale = None
+    for uid in list(job.parallelism):
+        want = reqs.get(uid, reqs.get("*"))
+        if want is None or want == job.parallelism[uid]:
+            continue
+        try:
+            check_parallelism(want, job.max_parallelism)
+        except KeyscaleError as e:
+            log.error("rescale of '%s' refused: %s", uid, e)
+            continue
+        log.info("batch %d: rescaling '%s' live from %d to %d subtasks (no restart; key groups reassigned)", batch_id, uid, job.parallelism[uid], want)
+        job.summary.rescales.append((batch_id, uid, job.parallelism[uid], want))
+        job.note(batch_id, "rescale", "requested (control API, keyscale rescale or the active autoscaler)", operator=uid,
+                 **{"from": job.parallelism[uid], "to": want})
+        job.parallelism[uid] = want
+
+
+def autoscale(
+    job: JobState, batch_id: int, started: float, batch_seconds: float, par: dict[str, int], reports: dict[str, list[dict[str, Any]]], backlog: int | None,
+) -> None:
+    """Feed the batch's metrics to the autoscaler; record, and in active mode apply, its decision."""
+    assert job.autoscaler is not None
+    mode = job.opts.autoscaler_mode
+    interval = None if job.opts.until_idle else seconds(job.opts.trigger_interval)
+    for uid, rs in reports.items():
+        m = BatchMetrics(
+            time=started, uid=uid, parallelism=par[uid], max_parallelism=job.max_parallelism,
+            input_records=sum(int(r["records"]) for r in rs), batch_seconds=batch_seconds, trigger_interval_seconds=interval,
+            busy_seconds=tuple(float(r["busy_seconds"]) for r in rs), records=tuple(int(r["records"]) for r in rs),
+            backlog_records=backlog,  # what the source has not read yet: every operator must process it
+        )
+        d = job.autoscaler.observe(m)
+        event = {"type": "autoscaler", "mode": mode, "batch": batch_id, **d.to_dict()}
+        job.decisions[uid] = event
+        job.jobdir.append_event(event)
+        if d.changes:
+            job.note(batch_id, "autoscaler", d.reason, operator=uid, mode=mode, **{"from": d.current_parallelism, "to": d.target_parallelism})
+        if d.changes:
+            if mode == "active":
+                log.info("autoscaler: %s", d.reason)
+                job.jobdir.request_rescale(d.target_parallelism, uid)
+                size_executors(job, {**job.parallelism, uid: d.target_parallelism})
+            else:
+                log.info("autoscaler recommends (not applied): %s", d.reason)
+
+
+def size_executors(job: JobState, parallelism: dict[str, int]) -> None:
+    """Compute follows parallelism: on a cluster, ask for as many executor cores as the
+    widest operator has subtasks (more when it grows, fewer when it shrinks). Key groups
+    that land on a new executor are restored there from the checkpoint."""
+    if not job.opts.master.startswith("spark://"):
+        return
+    from keyscale.cluster import executor_cores, request_executors
+
+    per = int(job.spark.sparkContext.getConf().get("spark.executor.cores", "1"))
+    want = -(-max(parallelism.values()) // per)
+    have = executor_cores(job.spark) // per
+    if want != have and request_executors(job.spark, want):
+        log.info("asked Spark for %d executors of %d cores (had %d) for parallelism %d", want, per, have, max(parallelism.values()))
+        job.jobdir.append_event({"type": "executors", "requested": want, "had": have, "cores_per_executor": per})

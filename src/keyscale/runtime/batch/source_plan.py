@@ -1,0 +1,98 @@
+"""A keyscale log source on the driver: which records a batch reads, the reader tasks, the lag.
+
+A batch's source plan (per reader: partition, start and end offset) is fixed in its intent
+(commit protocol step 2), so a replay reads exactly the same records; the offsets after it
+go into the batch's manifest with the state they produced. Rules streams (broadcasts) are
+planned the same way, with one reader. Reads ``job.committed`` and the log; writes only
+``job.log_ids`` (the logs the plans are for).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from keyscale._spark_types import to_arrow_schema
+from keyscale.errors import KeyscaleError
+from keyscale.runtime.batch.jobstate import JobState
+from keyscale.sources import reader
+from keyscale.sources.reader import LogSource
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+log = logging.getLogger("keyscale")
+
+
+def describe_assignment(a: reader.Assignment) -> str:
+    return "; ".join(f"reader {i}: {', '.join(str(p) for p, _ in e) or 'none'}" for i, e in enumerate(a))
+
+
+def committed_assignment(job: JobState, src: LogSource) -> reader.Assignment | None:
+    """The readers' committed partitions and offsets (None before the source's first batch)."""
+    prev = job.committed.operators.get(src.uid) if job.committed else None
+    return reader.from_state(prev.operator_state) if prev is not None else None
+
+
+def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool = True) -> list[list[list[int]]]:
+    """Batch ``batch_id``'s plan of ``src`` over ``p`` readers (``read`` False: read nothing,
+    as a drain does), after checking the log still holds the committed positions."""
+    current = committed_assignment(job, src)
+    ends = src.log.end_offsets()
+    log_id = src.log.identity()
+    if current is not None:  # a log that shrank or was recreated would be read from the wrong offsets
+        state = job.committed.operators[src.uid].operator_state if job.committed else None
+        reader.check_positions(src.uid, src.log.uri, current, ends, reader.log_id_of(state), log_id)
+        reader.check_last_records(src.uid, src.log, current, reader.last_records_of(state))
+    job.log_ids[src.uid] = log_id
+    firsts = src.log.first_offsets() if current is None or len(ends) > sum(len(e) for e in current) else None
+    if current is None:
+        current = reader.initial_assignment(len(ends), p, firsts)
+        log.info("source '%s': %d partitions over %d readers: %s", src.uid, len(ends), p, describe_assignment(current))
+    if len(current) != p:
+        current = reader.rescale_assignment(current, p)
+        log.info("batch %d: source '%s' rescaled to %d readers: partitions %s", batch_id, src.uid, p, describe_assignment(current))
+    # The partitions are those the ends were read for: one view of the log for the whole plan.
+    current, added = reader.add_partitions(current, len(ends), firsts)
+    for part, r in added:
+        log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset %d", batch_id, src.uid, part, r, firsts[part] if firsts else 0)
+    plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
+    return reader.plan_to_json(plan)
+
+
+def read_source(job: JobState, src: LogSource, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int,
+                log_ids: dict[str, str | None]) -> DataFrame:
+    """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``)."""
+
+    from keyscale._pipeline import source_schema
+
+    assert job.pipeline is not None
+    plan = reader.plan_from_json(plan_json)
+    spark = job.spark
+    schema = source_schema(src)
+    target = to_arrow_schema(schema, utc=True)
+    # The job's clock is per partition when the log drives the batches; beside a Spark
+    # source the stage's own event times move it (commit.next_watermark).
+    driving = src is job.pipeline.log_source
+    event_time = job.pipeline.watermark.column if job.pipeline.watermark and driving else None
+    fn = reader.make_reader_function(
+        src.log, src.uid, batch_id, plan, target, event_time, job.event_time_limit(batch_time_ms), log_ids.get(src.uid), job.reports.sender)
+    readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")
+    return readers.mapInArrow(fn, schema)
+
+
+def source_status(job: JobState, src: LogSource) -> dict[str, Any]:
+    """Readers, their partitions and offsets, and the lag behind the log's end."""
+    assignment = committed_assignment(job, src) or [[] for _ in range(job.parallelism[src.uid])]
+    try:
+        ends = src.log.end_offsets()
+    except KeyscaleError as e:
+        return {"kind": "log", "log": src.log.describe(), "error": str(e)}
+    lag = reader.lag(assignment, ends)
+    return {
+        "kind": "log", "log": src.log.describe(), "parallelism": job.parallelism[src.uid],
+        "readers": [{"subtask": i, "partitions": {str(p): {"offset": o, "end": ends[p] if p < len(ends) else None, "lag": lag.get(p)} for p, o in e}}
+                    for i, e in enumerate(assignment)],
+        "unassigned_partitions": [p for p in range(len(ends)) if p not in lag],
+        "lag": sum(lag.values()),
+    }

@@ -1,0 +1,128 @@
+"""What a running job tells: its status (``status.json``, ``GET /status``), the counts of
+records a batch did not process normally, and its parallelism in one line.
+
+Reads ``JobState``; writes nothing but ``job.counts`` and the job's event log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from keyscale._pipeline import Pipeline
+from keyscale.checkpoint.manifest import Manifest, summarize_operator_state
+from keyscale.operators.eventtime import describe as describe_watermark
+from keyscale.operators.windows import WindowAggregate
+from keyscale.runtime.batch.jobstate import JobState
+from keyscale.runtime.batch.source_plan import source_status
+from keyscale.runtime.task import counters
+from keyscale.state.keygroups import key_group_ranges
+
+log = logging.getLogger("keyscale")
+
+
+def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status file's content; ``source``: the log source's status, if already read."""
+    ops: dict[str, Any] = {}
+    logs = {s.uid: s for s in job.pipeline.logs} if job.pipeline else {}
+    operator_state_only = {s.uid for s in job.pipeline.nonkeyed_steps} | set(job.pipeline.broadcasts) if job.pipeline else set()
+    for uid, p in job.parallelism.items():
+        if uid in logs:
+            driving = job.pipeline is not None and logs[uid] is job.pipeline.log_source
+            ops[uid] = source if source is not None and driving else source_status(job, logs[uid])
+            continue
+        if uid in operator_state_only:
+            continue
+
+        entry: dict[str, Any] = {
+            "parallelism": p,
+            "max_parallelism": job.max_parallelism,
+            "ranges": [str(r) for r in key_group_ranges(job.max_parallelism, p)],
+        }
+        if reports and uid in reports:
+            entry["subtasks"] = [
+                {k: r[k] for k in ("subtask", "records", "keys", "state_keys", "busy_seconds", "warm_key_groups", "loaded_key_groups")}
+                for r in reports[uid]
+            ]
+            op = job.committed.operators.get(uid) if job.committed else None
+            if op is not None and op.parallelism == len(entry["subtasks"]):  # the checkpoint's bytes per subtask's range
+                for sub, nbytes in zip(entry["subtasks"], op.state_bytes_per_subtask(), strict=True):
+                    sub["state_bytes"] = nbytes
+        ops[uid] = entry
+    for uid in sorted(operator_state_only):
+        committed = job.committed.operators.get(uid) if job.committed else None
+        ops[uid] = {"parallelism": job.parallelism.get(uid, 1),  # a broadcast stream is applied by the driver: 1
+                    "operator_state": summarize_operator_state(committed.operator_state) if committed else {}}
+    return {
+        "job": job.name,
+        "pid": os.getpid(),
+        "state": job.state,
+        "last_error": job.last_error,
+        "pending_rescale": job.pending_rescale,
+        "spark": _spark_of(job),
+        "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
+                    "last_decisions": job.decisions},
+        **checkpoint_fields(job),
+        "watermark": describe_watermark(job.watermark.watermark_ms) if job.pipeline and job.pipeline.watermark else None,
+        "watermark_ms": job.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
+        "updated_ms": int(time.time() * 1000),
+        "operators": ops,
+        "outputs": outputs(job.pipeline) if job.pipeline else [],
+        "counters": {"last_batch": job.counts, "total": counters.from_extra(job.committed.extra if job.committed else None)},
+    }
+
+
+def committing(job: JobState) -> int | None:
+    """With asynchronous checkpoints, the batch whose checkpoint is being committed, if any."""
+    p = job.pending
+    return p.batch if p is not None and p.batch not in job.jobdir.manifest_batches() else None
+
+
+def last_committed(job: JobState) -> Manifest | None:
+    """The newest committed manifest: ``job.committed``, or the one before it while that one
+    commits in the background."""
+    return job.pending.previous if committing(job) is not None and job.pending else job.committed
+
+
+def checkpoint_fields(job: JobState) -> dict[str, int | None]:
+    """``last_checkpoint``, the newest committed batch, and ``checkpoint_committing``."""
+    m = last_committed(job)
+    return {"last_checkpoint": m.batch if m else None, "checkpoint_committing": committing(job)}
+
+
+def outputs(pipeline: Pipeline) -> list[dict[str, Any]]:
+    """Where the job's rows go: each branch's sink after its last stateful stage ("from"),
+    then the side outputs (late records, dead letters)."""
+    out = [{"from": b.last_stage, "kind": "output", "sink": b.sink.describe()} for b in pipeline.branches]
+    out += [{"from": s.uid, "kind": "late records", "sink": s.late_sink.describe()} for s in pipeline.keyed_steps if s.late_sink is not None]
+    if pipeline.dead_letter is not None:
+        out.append({"from": None, "kind": "dead letters", "sink": pipeline.dead_letter.describe()})
+    return out
+
+
+def _spark_of(job: JobState) -> dict[str, Any] | None:
+    """The Spark application the job runs in (its id, and its web UI if on)."""
+    if job.spark is None:
+        return None
+    sc = job.spark.sparkContext
+    return {"application_id": sc.applicationId, "ui": sc.uiWebUrl, "master": sc.master}
+
+
+def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> None:
+    """Records a batch diverted, dropped or did not believe: a log line per operator and an event."""
+    job.counts = counts
+    if not counts or job.pipeline is None:
+        return
+    job.jobdir.append_event(counters.event(batch_id, counts))
+    sources, spec = {s.uid for s in job.pipeline.logs}, job.pipeline.watermark
+    windows = {s.uid for s in job.pipeline.keyed_steps if isinstance(s.function, WindowAggregate)}
+    for uid, c in counts.items():
+        kind = "source" if uid in sources or uid == "input" else "window" if uid in windows else "operator"
+        log.warning("%s", counters.describe(batch_id, kind, uid, c, spec.max_ahead_ms if spec else None))
+
+
+def describe_parallelism(job: JobState) -> str:
+    """Each operator's parallelism, for the log line a run starts with."""
+    return ", ".join(f"'{u}' at parallelism {p} of {job.max_parallelism} key groups" for u, p in job.parallelism.items())
