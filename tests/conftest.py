@@ -22,6 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -40,6 +41,11 @@ os.environ.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")
 # With it, a class-data-sharing archive of Spark's classes (tests/jvm_archive.py), made in
 # pytest_configure: the first process makes it, the others (xdist's workers) find it.
 _JIT = "-XX:TieredStopAtLevel=1"
+# Hypothesis' default 200 ms deadline fails pure tests on a loaded machine (the fast lane runs
+# beside other work: a Kafka codec example took 316 ms at load 20 on 2 cores); most of the
+# suite's property tests already say deadline=None, and a test's own @settings still wins.
+settings.register_profile("keyscale", deadline=None)
+settings.load_profile("keyscale")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
