@@ -1,4 +1,5 @@
-# keyscale: `make run` sets up and runs the demo job, `make test` sets up and runs the suite.
+# keyscale: `make run` sets up and runs the demo job, `make test` sets up and runs the suite,
+# `make test-fast` the fast lane: the tests and doctests that start no Spark and no server.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,7 +20,7 @@ SMOKE := tests/state/test_spark_hash.py \
 	tests/api/test_python_api.py::test_a_users_script_starts_rescales_savepoints_and_stops_a_job \
 	tests/api/test_python_api.py::test_the_job_file_runs_under_spark_submit_with_the_users_conf
 
-.PHONY: setup run test test-oldest docs lint typecheck bench clean redis browser prometheus
+.PHONY: setup run test test-fast test-oldest docs lint typecheck bench clean redis browser prometheus
 
 setup: $(STAMP)
 
@@ -36,6 +37,12 @@ run: setup
 test: setup redis browser prometheus docs
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
 	$(MAKE) --no-print-directory test-oldest
+
+# The fast lane, for every change: the pure and in-process tests and src/keyscale's doctests;
+# no Spark, no CLI job runs, no servers (tests/conftest.py deselects the tests marked for them
+# and fails one that starts Spark or a server anyway). `make test` stays the whole suite.
+test-fast: setup
+	$(BIN)/python -m pytest -q --fast -n 2 --durations=10
 
 test-oldest: $(OLDEST)/.keyscale-installed
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(SMOKE)

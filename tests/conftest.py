@@ -1,21 +1,28 @@
-"""Shared fixtures: a local Spark session, event files, output readers, job runners."""
+"""Shared fixtures: a local Spark session, event files, output readers, job runners; the
+markers every test gets from what it uses, and the fast lane (``pytest --fast``,
+``make test-fast``): no Spark, no servers."""
 
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import logging
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
+import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -34,15 +41,240 @@ os.environ.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")
 # With it, a class-data-sharing archive of Spark's classes (tests/jvm_archive.py), made in
 # pytest_configure: the first process makes it, the others (xdist's workers) find it.
 _JIT = "-XX:TieredStopAtLevel=1"
+# Hypothesis' default 200 ms deadline fails pure tests on a loaded machine (the fast lane runs
+# beside other work: a Kafka codec example took 316 ms at load 20 on 2 cores); most of the
+# suite's property tests already say deadline=None, and a test's own @settings still wins.
+settings.register_profile("keyscale", deadline=None)
+settings.load_profile("keyscale")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true", help=(
+        "the fast lane (make test-fast): deselect the tests marked " + ", ".join(FAST_LANE_EXCLUDES)
+        + "; a test left in it that starts Spark or a server fails, named"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--fast", False):
+        config.pluginmanager.register(FastLaneGuard(), "keyscale-fast-lane-guard")
+        return  # no Spark to start: no class-data-sharing archive either
     if "SPARK_SUBMIT_OPTS" in os.environ:  # the developer's own: kept as they set it
         return
     from jvm_archive import ensure
 
     archive = ensure(_JIT)
     os.environ["SPARK_SUBMIT_OPTS"] = f"{_JIT} {archive}" if archive else _JIT
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """--doctest-modules (pyproject.toml) is for src/keyscale: it would import every module
+    here, and the scripts tests run in child processes do their work at import
+    (tests/api/user_script.py starts Spark). Test files and conftest.py are collected as ever."""
+    if collection_path.suffix == ".py" and not collection_path.name.startswith("test_") and collection_path.name != "conftest.py":
+        return True
+    return None
+
+
+# -- markers from what a test uses -------------------------------------------------------------
+#
+# A test is marked from the fixtures it uses (``item.fixturenames``: the fixtures' own
+# fixtures too) and from the helpers it calls, directly or through functions, classes and
+# fixtures of the tests' own modules: a helper says what it starts with ``@marks_callers``.
+# Markers are not applied by hand where a fixture or helper says it (``slow``, and ``cluster``
+# on a test that starts its own cluster, are marks of their own). The fast lane deselects
+# every test that carries one of FAST_LANE_EXCLUDES; FastLaneGuard fails one that got in.
+
+FAST_LANE_EXCLUDES = ("spark", "s3", "kafka", "redis", "cluster", "browser", "prometheus", "slow")
+
+FIXTURE_MARKS = {
+    "spark": "spark",  # the session's local Spark
+    "s3_server": "s3",  # SeaweedFS (s3_bucket uses it)
+    "kafka_broker": "kafka",  # Tansu
+    "redis_url": "redis",  # redis-server (make_log's redis backend: its param is marked)
+    "cluster": "cluster",  # a module's own standalone cluster (tests/cluster, tests/scaling)
+    "browser": "browser",  # chromium through chromedriver (tests/api/test_dashboard.py)
+}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def marks_callers(*markers: str) -> Callable[[_F], _F]:
+    """A helper that starts something a fixture cannot show (the CLI in a child process, a
+    job on Spark, a server): every test that calls it, directly or not, gets ``markers``."""
+
+    def mark(fn: _F) -> _F:
+        fn.__keyscale_marks__ = markers  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _ours(obj: Any) -> bool:
+    """Defined in the tests' own files (not keyscale's, not a library's)."""
+    try:
+        return Path(inspect.getfile(obj)).resolve().is_relative_to(ROOT / "tests")
+    except TypeError:
+        return False
+
+
+def _called_marks(obj: Any, seen: set[int]) -> set[str]:
+    """The markers of the helpers ``obj`` (a function or class) reaches."""
+    if id(obj) in seen:
+        return set()
+    seen.add(id(obj))
+    found = set(getattr(obj, "__keyscale_marks__", ()))
+    if isinstance(obj, type):
+        for member in vars(obj).values():
+            member = getattr(member, "__func__", member)  # staticmethod, classmethod
+            if isinstance(member, property):
+                member = member.fget
+            if isinstance(member, types.FunctionType):
+                found |= _called_marks(member, seen)
+        return found
+    fn = inspect.unwrap(obj)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return found
+    found |= set(getattr(fn, "__keyscale_marks__", ()))
+    scope = getattr(fn, "__globals__", {})
+    for name in _names(code):
+        target = scope.get(name)
+        if target is None:
+            continue
+        if hasattr(target, "__keyscale_marks__"):
+            found |= set(target.__keyscale_marks__)
+        elif isinstance(target, types.FunctionType | type) and _ours(target):
+            found |= _called_marks(target, seen)
+    return found
+
+
+def _markers_for(item: pytest.Item) -> set[str]:
+    names = getattr(item, "fixturenames", ())
+    found = {FIXTURE_MARKS[name] for name in names if name in FIXTURE_MARKS}
+    seen: set[int] = set()
+    function = getattr(item, "function", None)
+    if function is not None:
+        found |= _called_marks(function, seen)
+    info = getattr(item, "_fixtureinfo", None)
+    for name in names:
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            if _ours(fixturedef.func):
+                found |= _called_marks(fixturedef.func, seen)
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in sorted(_markers_for(item) - {m.name for m in item.iter_markers()}):
+            item.add_marker(name)
+    if config.getoption("--fast", False):
+        kept = [i for i in items if not any(i.get_closest_marker(m) for m in FAST_LANE_EXCLUDES)]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in set(kept)])
+            items[:] = kept
+
+
+# -- the fast lane's guard: what no test in it may start --------------------------------------
+
+_SERVERS = {"redis-server": "redis", "weed": "s3", "tansu": "kafka", "prometheus": "prometheus",
+            "chromium": "browser", "chromedriver": "browser", "java": "spark", "spark-submit": "spark"}
+# What the stand-in java writes: every JVM a test starts, in any process under it.
+_STAND_IN_JAVA = """#!/bin/sh
+echo "${PYTEST_CURRENT_TEST:-a test}" >> "$KEYSCALE_FAST_LANE_JVMS"
+echo "keyscale fast lane: ${PYTEST_CURRENT_TEST:-a test} starts a JVM (Spark); the fast lane runs none:\
+ it needs a fixture or a @marks_callers helper that marks it spark (tests/conftest.py)" >&2
+exit 97
+"""
+
+
+class FastLaneError(RuntimeError):
+    pass
+
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "a test").rsplit(" (", 1)[0]
+
+
+class FastLaneGuard:
+    """The fast lane's guard, so that a test without the markers it needs cannot hide in it.
+
+    In the tests' process a SparkSession (``SparkSession.builder.getOrCreate``) or a server
+    started by a test raises FastLaneError naming the test. Below it, ``JAVA_HOME`` is a
+    stand-in whose ``bin/java`` refuses and notes the test: every Spark driver, spark-submit
+    and standalone daemon, in a child (``keyscale run``, a script) or a grandchild, runs
+    Java from there. A test that started one fails even where it caught the error."""
+
+    def __init__(self) -> None:
+        self.violations: dict[str, list[str]] = {}
+        self._home = tempfile.mkdtemp(prefix="keyscale-fast-lane-")
+        self._jvms = Path(self._home) / "jvms.txt"
+        java = Path(self._home) / "bin" / "java"
+        java.parent.mkdir()
+        java.write_text(_STAND_IN_JAVA)
+        java.chmod(0o755)
+        os.environ["JAVA_HOME"] = self._home
+        os.environ["KEYSCALE_FAST_LANE_JVMS"] = str(self._jvms)
+        from pyspark.sql import SparkSession
+
+        guard = self
+
+        def get_or_create(builder: Any) -> Any:
+            guard.refuse("starts Spark (SparkSession.builder.getOrCreate)", "spark")
+
+        SparkSession.Builder.getOrCreate = get_or_create  # type: ignore[method-assign,assignment]
+        popen_init = subprocess.Popen.__init__
+
+        def guarded_init(popen: Any, args: Any, *a: Any, **kw: Any) -> None:
+            guard.check_command(args)
+            popen_init(popen, args, *a, **kw)
+
+        subprocess.Popen.__init__ = guarded_init  # type: ignore[method-assign]
+
+    def refuse(self, what: str, marker: str) -> None:
+        test = _current_test()
+        message = (f"this test {what}: {test}; the fast lane runs no Spark and no servers: "
+                   f"it needs a fixture or a @marks_callers helper that marks it {marker} (tests/conftest.py)")
+        self.violations.setdefault(test, []).append(message)
+        raise FastLaneError(message)
+
+    def check_command(self, args: Any) -> None:
+        argv = shlex.split(args) if isinstance(args, str) else [os.fspath(a) for a in args]
+        name = os.path.basename(argv[0]) if argv else ""
+        if name in _SERVERS:
+            self.refuse(f"starts {name} ({' '.join(argv[:3])} ...)", _SERVERS[name])
+
+    def _jvms_of(self, nodeid: str) -> list[str]:
+        if not self._jvms.exists():
+            return []
+        lines = self._jvms.read_text().splitlines()
+        mine = [line for line in lines if line.rsplit(" (", 1)[0] == nodeid]
+        if mine:
+            self._jvms.write_text("".join(f"{line}\n" for line in lines if line not in mine))
+        return [f"this test started a JVM (Spark) in a child process ({line}); the fast lane runs none: "
+                "it needs a fixture or a @marks_callers helper that marks it spark (tests/conftest.py)" for line in mine]
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        report = yield
+        caught = self.violations.pop(item.nodeid, []) + self._jvms_of(item.nodeid)
+        if caught and not report.failed:
+            report.outcome = "failed"
+            report.longrepr = "\n".join(caught) + "\n(the fast lane fails the test even though it caught the error)"
+        return report
+
+    def pytest_unconfigure(self) -> None:
+        import shutil
+
+        shutil.rmtree(self._home, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +337,7 @@ def read_output(folder: Path | str) -> pd.DataFrame:
     return df.sort_values(list(df.columns)).reset_index(drop=True)
 
 
+@marks_callers("spark")
 def run_job(
     job_file: Path,
     job_dir: Path,
@@ -119,6 +352,7 @@ def run_job(
     return JobRunner(opts, on_batch).run()
 
 
+@marks_callers("spark")
 def reference_output(tmp_path_factory: pytest.TempPathFactory, events: Path, parallelism: int = 1, **kw: Any) -> pd.DataFrame:
     """The output of an uninterrupted run of the running count: what other runs must equal."""
     tmp = tmp_path_factory.mktemp("ref")
@@ -126,6 +360,34 @@ def reference_output(tmp_path_factory: pytest.TempPathFactory, events: Path, par
     return read_output(tmp / "out")
 
 
+# -- a module's input and its reference output ------------------------------------------------
+#
+# One definition for the modules that run jobs over Parquet events and compare runs with an
+# uninterrupted one; a module says how in two constants (pytest reads them from the module):
+#   EVENTS = {"files": 5, "rows": 2000, "keys": 300, "seed": 7}   # write_events' arguments
+#   REFERENCE = {"parallelism": 2, "max_chain": 2}                 # reference_output's
+# A module that needs more (another file, other jobs) builds on these: a fixture of the same
+# name may request the one it overrides (tests/operators/test_combine.py).
+
+DEFAULT_EVENTS: dict[str, int] = {"files": 4, "rows": 1500, "keys": 200, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def events(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of Parquet event files (write_events), as the module's ``EVENTS`` says."""
+    folder = tmp_path_factory.mktemp("events")
+    write_events(folder, **getattr(request.module, "EVENTS", DEFAULT_EVENTS))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(request: pytest.FixtureRequest, spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
+    """The running count's output over ``events`` in one uninterrupted run, as the module's
+    ``REFERENCE`` says (parallelism 1 without it): what the module's other runs must equal."""
+    return reference_output(tmp_path_factory, events, **getattr(request.module, "REFERENCE", {}))
+
+
+@marks_callers("spark")
 def cli(*argv: str, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the keyscale CLI in a fresh process (its own Spark driver)."""
     proc = subprocess.run(
@@ -201,7 +463,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Any:
         stop_server(proc, 10)
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
 def make_log(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     """``make_log(schema, partitions)``: a new, empty log of the parametrised backend."""
     import uuid
@@ -215,16 +477,6 @@ def make_log(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
 
 
 # -- S3 (keyscale.storage): a real SeaweedFS server for the session, a fresh bucket per test ------
-
-_S3_FIXTURES = ("s3_server", "s3_bucket")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that uses an S3 fixture carries the ``s3`` marker (``-m 'not s3'`` skips them)."""
-    for item in items:
-        if any(name in getattr(item, "fixturenames", ()) for name in _S3_FIXTURES):
-            item.add_marker(pytest.mark.s3)
-
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:

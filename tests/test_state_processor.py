@@ -149,7 +149,6 @@ def test_key_groups_of_slices_chunks_and_large_types() -> None:
         key_groups(pa.table({"d": pa.array([1], pa.decimal128(5, 0))}), ["d"], ["decimal(5,0)"], 8)
 
 
-@pytest.mark.spark
 def test_key_groups_match_spark(spark: Any) -> None:
     from pyspark.sql import functions as F
 
@@ -266,7 +265,6 @@ def _spark_frame(spark: Any, frame: pd.DataFrame, two_keys: bool) -> Any:
     return spark.createDataFrame(rows, schema)
 
 
-@pytest.mark.spark
 @pytest.mark.parametrize("two_keys", [False, True])
 def test_bootstrap_from_spark_then_read_back(spark: Any, tmp_path: Path, two_keys: bool) -> None:
     frame = _reference(300, seed=4, two_keys=two_keys)
@@ -313,7 +311,6 @@ def test_bootstrap_from_spark_then_read_back(spark: Any, tmp_path: Path, two_key
         read_keyed_state(spark, sp, "op", state="x")
 
 
-@pytest.mark.spark
 def test_spark_bootstrap_refuses_duplicates_and_null_keys(spark: Any, tmp_path: Path) -> None:
     df = spark.createDataFrame([("a", 1), ("b", 2), ("a", 3)], "user string, total long")
     with pytest.raises(InputDataError, match=r"1 rows repeat a key \(e.g. \('a',\)\)"):
@@ -353,7 +350,6 @@ def _checkpoint(path: Path | str, frame: pd.DataFrame, m: int, p: int) -> JobDir
     return jd
 
 
-@pytest.mark.spark
 def test_read_keyed_state_of_a_checkpoint(spark: Any, tmp_path: Path) -> None:
     frame = _reference(150, seed=9)
     jd = _checkpoint(tmp_path / "job", frame, 16, 3)
@@ -417,7 +413,6 @@ def test_rekey_refuses_an_existing_destination_and_damaged_source(tmp_path: Path
     assert not (tmp_path / "sp32").exists()
 
 
-@pytest.mark.spark
 def test_rekey_matches_spark_key_groups(spark: Any, tmp_path: Path) -> None:
     from pyspark.sql import functions as F
 
@@ -464,16 +459,6 @@ def test_inspect_savepoint(tmp_path: Path) -> None:
     np.testing.assert_equal(len(inspect_savepoint(sp, verify=True)) > 0, True)
 
 
-@pytest.mark.parametrize("name", ["", ".keygroups", ".read", ".bootstrap", ".rekey"])
-def test_doctests(name: str) -> None:
-    import doctest
-    import importlib
-
-    module = importlib.import_module("keyscale.state_processor" + name)
-    result = doctest.testmod(module)
-    assert result.failed == 0 and (result.attempted > 0 or name in (".read", ".bootstrap", ".rekey"))
-
-
 # -- on object stores -------------------------------------------------------------------------
 #
 # Savepoints and job directories on S3 (SeaweedFS, the ``s3_bucket`` fixture), mixed with
@@ -486,7 +471,6 @@ def bucket(s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> s
     return str(s3_bucket)
 
 
-@pytest.mark.s3
 def test_bootstrap_and_rekey_on_s3(bucket: str, tmp_path: Path) -> None:
     frame = _reference(120, seed=4)
     sp = write_savepoint_from_dataframes(f"{bucket}/sp16", "job", {"op": (frame, ["user"], STATE_TYPES)}, 16, rows_per_file=30)
@@ -504,8 +488,6 @@ def test_bootstrap_and_rekey_on_s3(bucket: str, tmp_path: Path) -> None:
     assert inspect_savepoint(to_s3).splitlines()[0] == f"savepoint {bucket}/sp32"
 
 
-@pytest.mark.spark
-@pytest.mark.s3
 def test_state_processor_on_s3(spark: Any, bucket: str, tmp_path: Path) -> None:
     """A job directory on S3: its checkpoint read as a DataFrame, a savepoint of it on S3 read
     by tasks through the store, restored into job directories on S3 and on local disk at

@@ -58,7 +58,6 @@ def _wait(pred: Any, what: str, timeout: float = 120) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path, browser: Any) -> None:
     from selenium.webdriver.common.by import By
@@ -144,7 +143,6 @@ def _clipped_rows(browser: Any, chart: str) -> int:
         return rows;""", chart))
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_the_dashboard_follows_the_jobs_parallelism(spark: Any, tmp_path: Path, browser: Any) -> None:
     """Issue 33, item 6: a job started at -p 4 and rescaled live shows its own parallelism in

@@ -3,18 +3,15 @@ misspelt keyword says which one was meant, a pipeline without a sink says what t
 
 from __future__ import annotations
 
-import doctest
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import keyscale as ks
-import keyscale._keywords as keywords_module
 from keyscale.errors import JobDefinitionError
 
 
-@pytest.mark.spark
 def test_a_misspelt_keyword_says_which_one_was_meant(spark: Any, tmp_path: Path) -> None:
     events = ks.stream(spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path)))
     keyed = events.key_by("key")
@@ -39,7 +36,6 @@ def test_a_misspelt_keyword_says_which_one_was_meant(spark: Any, tmp_path: Path)
     assert not (tmp_path / "job").exists()
 
 
-@pytest.mark.spark
 def test_starting_without_a_sink_says_what_to_add(spark: Any, tmp_path: Path) -> None:
     events = ks.stream(spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path)))
     with pytest.raises(JobDefinitionError, match=r"the stream after stage 'totals' has no sink, so it cannot start: end it with \.sink\("):
@@ -49,8 +45,3 @@ def test_starting_without_a_sink_says_what_to_add(spark: Any, tmp_path: Path) ->
     with pytest.raises(JobDefinitionError, match="the windowed stream has no aggregate and no sink"):
         events.with_watermark("ts").key_by("key").window(ks.windows.TumblingWindows("1 minute")).start(str(tmp_path / "job"))  # type: ignore[attr-defined]
     assert not (tmp_path / "job").exists()
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(keywords_module)
-    assert result.failed == 0 and result.attempted > 0

@@ -38,7 +38,6 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-@pytest.mark.spark
 def test_metrics_match_the_status_of_a_running_job(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=500, keys=40)
     events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import keyscale as ks
-from conftest import stop_server, write_events
+from conftest import marks_callers, stop_server, write_events
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 pytestmark = pytest.mark.skipif(not Path(PROMETHEUS).is_file(), reason="needs Debian's prometheus (make test installs it)")
@@ -50,6 +50,7 @@ def _outside_address() -> str:
             return "127.0.0.1"
 
 
+@marks_callers("prometheus")
 @contextmanager
 def prometheus(folder: Path, scrape_configs: list[dict[str, Any]]) -> Iterator[str]:
     """A Prometheus of this test's own on 127.0.0.1; yields its URL."""
@@ -96,7 +97,6 @@ def _value(url: str, query: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_prometheus_scrapes_a_running_job_with_the_operators_token(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=500, keys=40)

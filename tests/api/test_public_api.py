@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import doctest
 import importlib
 import re
 import subprocess
@@ -157,12 +156,6 @@ def test_the_docs_examples_and_job_files_use_no_deprecated_name() -> None:
         for path in sorted((ROOT / folder).rglob("*.py")):
             used += [f"{path.relative_to(ROOT)}: {use}" for use in _deprecated_uses(path.read_text())]
     assert not used, "\n".join(used)
-
-
-@pytest.mark.parametrize("module", ["keyscale", *(f"keyscale.{m}" for m in (*MODULES, "kafka"))])
-def test_doctests(module: str) -> None:
-    result = doctest.testmod(importlib.import_module(module))
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_the_low_level_modules_import_first_in_a_fresh_interpreter() -> None:

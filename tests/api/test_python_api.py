@@ -88,7 +88,6 @@ class Boom(ks.KeyedProcessFunction):
         yield (ctx.key, row.value)
 
 
-@pytest.mark.spark
 def test_a_failed_job_says_failed_with_its_error(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from keyscale.cli.main import main as cli
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import importlib
-
 from keyscale.checkpoint.drain import (
     add_empty_batch,
     drain_extra,
@@ -46,9 +43,3 @@ def test_a_drain_manifest_names_the_last_spark_batch_and_the_watermark_before() 
     assert extra == {"watermark": wm} and ms == 1234 and "drained" not in extra
     assert restored_event_time({}) == ({}, None)
     assert restored_event_time({"drained": True, "drain": {"spark_batch": 3}}) == ({}, None)  # no event time before
-
-
-def test_doctests() -> None:
-    for name in ("keyscale.checkpoint.drain", "keyscale.checkpoint.lineage"):
-        result = doctest.testmod(importlib.import_module(name))
-        assert result.attempted and not result.failed, name

@@ -113,12 +113,3 @@ def test_a_paused_run_records_no_damage_for_the_next_start(tmp_path: Path) -> No
     with pytest.raises(FencedError):
         old.report_damage("state file x is damaged")
     assert not old.store.exists("damage.json")
-
-
-@pytest.mark.parametrize("module", ["keyscale.checkpoint.fence", "keyscale.checkpoint.sparkmirror", "keyscale.storage.faultproxy"])
-def test_doctests(module: str) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(module))
-    assert result.attempted > 0 and result.failed == 0

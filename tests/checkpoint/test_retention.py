@@ -91,12 +91,3 @@ def test_examples() -> None:
     assert should_snapshot(8, 10, 20, max_chain=8, max_age=32)
     assert should_snapshot(1, 10, 42, max_chain=8, max_age=32)
     assert not should_snapshot(0, None, 100, max_chain=8, max_age=32)
-
-
-def test_doctests() -> None:
-    import doctest
-
-    import keyscale.checkpoint.retention as module
-
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0

@@ -704,16 +704,6 @@ def test_text_progress() -> None:
     assert quiet.getvalue() == ""
 
 
-@pytest.mark.parametrize("name", ["", ".schema", ".format", ".write", ".restore", ".progress"])
-def test_doctests(name: str) -> None:
-    import doctest
-    import importlib
-
-    module = importlib.import_module("keyscale.checkpoint.savepoint" + name)
-    result = doctest.testmod(module)
-    assert result.failed == 0 and (result.attempted > 0 or name in (".write", ".restore"))
-
-
 def test_documented_pyarrow_reader_runs(savepoint: tuple[Path, SimJob], tmp_path: Path) -> None:
     """docs/savepoint-format.md's pyarrow-only example reads a real savepoint."""
     import re

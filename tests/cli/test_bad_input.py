@@ -57,7 +57,6 @@ def test_bad_set_argument(tmp_path: Path) -> None:
     _one_line_error(cli("run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "j"), "--set", "novalue"), 2, "novalue", "NAME=VALUE")
 
 
-@pytest.mark.spark
 def test_missing_key_column(spark: Any, tmp_path: Path) -> None:
     job = tmp_path / "wrong_key.py"
     job.write_text(
@@ -71,7 +70,6 @@ def test_missing_key_column(spark: Any, tmp_path: Path) -> None:
         run_job(job, tmp_path / "job", 1, {"input": str(tmp_path / "in")})
 
 
-@pytest.mark.spark
 def test_missing_aggregate_column(spark: Any, tmp_path: Path) -> None:
     job = tmp_path / "wrong_col.py"
     job.write_text(
@@ -85,7 +83,6 @@ def test_missing_aggregate_column(spark: Any, tmp_path: Path) -> None:
         run_job(job, tmp_path / "job", 1, {"input": str(tmp_path / "in")})
 
 
-@pytest.mark.spark
 def test_null_keys_stop_the_job_and_commit_nothing(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=500, keys=50, null_keys=3)
     args = {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")}
@@ -97,7 +94,6 @@ def test_null_keys_stop_the_job_and_commit_nothing(spark: Any, tmp_path: Path) -
     assert not jd.is_running()
 
 
-@pytest.mark.spark
 def test_null_keys_can_be_dropped(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=1, rows=500, keys=50, null_keys=3)
     job = tmp_path / "drop_nulls.py"
@@ -109,7 +105,6 @@ def test_null_keys_can_be_dropped(spark: Any, tmp_path: Path) -> None:
     assert counted == {"totals": {"dropped_null_keys": 3}}  # dropped, but not without a sign
 
 
-@pytest.mark.spark
 def test_job_dir_of_another_job_is_refused(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=1, rows=200, keys=20)
     args = {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")}
@@ -129,7 +124,6 @@ def test_non_job_directory_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "j" / "precious.txt").read_text() == "keep me"
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_running_job_refuses_a_second_writer_and_rescales_live(tmp_path: Path) -> None:
     """A long-running job: a second `keyscale run` is refused; `keyscale rescale` applies live;

@@ -24,7 +24,6 @@ def _one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> st
     return errors[0]
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_a_job_file_importing_a_sibling_module_and_package_runs_through_keyscale_run(tmp_path: Path) -> None:
     # The CLI runs in the repository's folder, not the project's: neither the driver nor the
@@ -37,7 +36,6 @@ def test_a_job_file_importing_a_sibling_module_and_package_runs_through_keyscale
     assert final_totals(read_output(tmp_path / "out")) == expected_totals(events)
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_a_module_the_workers_cannot_import_is_one_line_naming_it(tmp_path: Path) -> None:
     # An import inside a function runs on the worker, by name: the job's folder is not on

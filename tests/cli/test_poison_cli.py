@@ -64,7 +64,6 @@ def _error_block(stderr: str) -> list[str]:
     return lines[starts[0] :]
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_raising_function_stops_in_one_screen_then_dead_letters_let_it_go_on(tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=50, keys=5)
@@ -98,7 +97,6 @@ def test_raising_function_stops_in_one_screen_then_dead_letters_let_it_go_on(tmp
     assert counted == [n0, len(dead) - n0]
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_unreadable_input_file_is_named_in_one_line(tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=1, rows=20, keys=5)
@@ -115,7 +113,6 @@ def test_unreadable_input_file_is_named_in_one_line(tmp_path: Path) -> None:
     assert JobDir(tmp_path / "job").manifest_batches() == [0]  # the good file before it was committed
 
 
-@pytest.mark.spark
 def test_failed_batch_is_retried_at_another_parallelism(spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     write_events(tmp_path / "in", files=1, rows=60, keys=6)
     job = _job(tmp_path)
@@ -144,7 +141,6 @@ def build(ctx):
 '''
 
 
-@pytest.mark.spark
 def test_nan_key_is_a_null_key(spark: Any, tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     pq.write_table(pa.table({"key": [1.5, float("nan"), 2.5, 1.5, float("nan"), None], "value": pa.array([1, 2, 3, 4, 5, 6], pa.int64())}), tmp_path / "in" / "p.parquet")
@@ -158,7 +154,6 @@ def test_nan_key_is_a_null_key(spark: Any, tmp_path: Path) -> None:
     assert sorted(zip(out["key"], out["n"], strict=True)) == [(1.5, 2), (2.5, 1)]
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_dead_letters_are_exactly_once_across_a_crash_and_a_retry_at_another_parallelism(tmp_path: Path) -> None:
     import signal

@@ -16,24 +16,12 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import ROOT, RUNNING_COUNT, cli, read_output, reference_output, run_job, write_events
+from conftest import ROOT, RUNNING_COUNT, cli, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.errors import StateError
 
-pytestmark = [pytest.mark.spark]
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=6, rows=1500, keys=250, seed=5)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    return reference_output(tmp_path_factory, events)
+EVENTS = {"files": 6, "rows": 1500, "keys": 250, "seed": 5}
 
 
 def _stage(events: Path, inp: Path, files: slice) -> None:
@@ -81,7 +69,6 @@ def test_a_savepoint_taken_on_one_state_backend_restores_on_the_other(
     pd.testing.assert_frame_equal(_union(tmp_path / "out", tmp_path / "out2"), reference)
 
 
-@pytest.mark.s3
 def test_savepoint_of_a_job_on_s3_restored_anywhere(spark: Any, events: Path, reference: pd.DataFrame, s3_bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A job directory on S3: savepoints to S3 and to local disk (the job stopped), each
     restored into job directories on S3 and on local disk at other parallelisms."""

@@ -9,8 +9,6 @@ import pytest
 from keyscale.cluster import executor_cores, executor_ids, request_executors
 from keyscale.errors import ClusterError
 
-pytestmark = [pytest.mark.spark]
-
 
 def test_local_mode_has_its_threads_as_cores_and_takes_no_requests(spark: Any) -> None:
     assert spark.sparkContext.master == "local[2]"

@@ -119,15 +119,6 @@ def test_a_needed_path_closed_to_the_worker_is_named(tmp_path: Path) -> None:
         os.chmod(venv, 0o700)
 
 
-def test_docstring_examples_run() -> None:
-    import doctest
-
-    import keyscale.cluster.isolation as isolation_module
-
-    result = doctest.testmod(isolation_module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0 and result.attempted > 0
-
-
 def test_cli_worker_user_implies_isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from keyscale.cli.main import main
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 import os
 import subprocess
@@ -10,10 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import keyscale.cluster as cluster_package
-import keyscale.cluster.cli as cli_module
-import keyscale.cluster.executors as executors_module
-import keyscale.cluster.local as local_module
 from keyscale.cli.main import main
 from keyscale.cluster import (
     ClusterInfo,
@@ -136,12 +131,6 @@ def test_conf_for_the_cluster() -> None:
     assert conf["spark.driver.host"] == conf["spark.driver.bindAddress"] == "10.0.0.5"
 
 
-@pytest.mark.parametrize("module", [cluster_package, local_module, cli_module, executors_module])
-def test_docstring_examples_run(module: object) -> None:
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)  # type: ignore[arg-type]
-    assert result.failed == 0 and result.attempted > 0
-
-
 def test_a_daemon_that_cannot_start_is_a_clear_error_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -150,11 +139,3 @@ def test_a_daemon_that_cannot_start_is_a_clear_error_and_leaves_nothing(
         start_cluster(tmp_path / "c")
     assert read_cluster(tmp_path / "c") is None
     assert (tmp_path / "c" / "logs" / "master.log").exists()
-
-
-@pytest.mark.parametrize("module", ["processes", "records", "statefile"])
-def test_the_module_examples_run(module: str) -> None:
-    import doctest
-    import importlib
-
-    assert doctest.testmod(importlib.import_module(f"keyscale.cluster.{module}")).failed == 0

@@ -68,7 +68,6 @@ def _task_args(sink: KafkaSink, lineage: str, batch: int, start: int, fence: Fen
 # -- case 1: a replay at another -p ---------------------------------------------------------------
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "restart"), [(4, 2), (2, 4)])
 def test_a_replay_at_another_parallelism_writes_every_update_once(first: int, restart: int, kafka_broker: Any, tmp_path: Path) -> None:
@@ -118,7 +117,6 @@ def _updates_of_batch(job: JobDir, bootstrap: str, topic: str, batch: int) -> se
     return {(k, count[k], total[k]) for k in keys}
 
 
-@pytest.mark.spark
 def test_a_replay_split_into_other_tasks_than_its_committed_ones_is_an_error(spark: Any, kafka_broker: Any) -> None:
     """Batch 5's task 0 committed as one of 4 tasks; a replay of batch 5 in 2 tasks (a
     changed plan) stops with an error naming the topic and batch, and writes nothing."""
@@ -221,7 +219,6 @@ def test_the_retry_check_finds_a_commit_behind_a_siblings_open_transaction(attem
 # -- case 2: a zombie run's tasks -------------------------------------------------------------
 
 
-@pytest.mark.spark
 def test_a_fenced_run_writes_nothing_to_kafka(spark: Any, kafka_broker: Any, tmp_path: Path) -> None:
     """A run whose epoch a newer run superseded (epochs/<n+1>.json exists) writes nothing
     and stops with FencedError (keyscale's exit code 9)."""

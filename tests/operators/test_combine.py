@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import read_output, run_job, write_events
+from conftest import read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 JOB = '''
 from pyspark.sql import functions as F
@@ -42,10 +42,13 @@ def build(ctx):
 '''
 
 
+EVENTS = {"files": 3, "rows": 3000, "keys": 200, "seed": 5, "null_keys": 40}
+
+
 @pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=3, rows=3000, keys=200, seed=5, null_keys=40)
+def events(events: Path) -> Path:
+    """conftest's events (EVENTS), and one file more."""
+    folder = events
     # A last file with event times a century ahead among ordinary ones: counted, never the watermark.
     ts = [dt.datetime(2126, 1, 1, tzinfo=dt.UTC) if i % 3 == 0 else dt.datetime(2026, 1, 2, tzinfo=dt.UTC) + dt.timedelta(seconds=i)
           for i in range(300)]

@@ -4,7 +4,6 @@ records, with their keys' codes and their places in the batch."""
 
 from __future__ import annotations
 
-import doctest
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,7 +14,6 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tests.operators.lockstep import run_in_lockstep
 
-import keyscale.operators.coprocess as coprocess
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.coprocess import (
     INPUTS,
@@ -96,11 +94,6 @@ def test_a_function_of_another_kind_is_refused_by_name() -> None:
         assert "object is not a KeyedCoProcessFunction or VectorizedKeyedCoProcessFunction" in str(e)
     else:
         raise AssertionError("accepted")
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(coprocess)
-    assert result.failed == 0 and result.attempted > 0
 
 
 # -- the interval join, a batch at a time, against the same join one record at a time ------------

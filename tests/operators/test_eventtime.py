@@ -85,16 +85,6 @@ def test_bad_durations_are_named(bad: object) -> None:
         parse_duration_ms(bad, "duration")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["keyscale", "keyscale.operators.eventtime", "keyscale.operators.windows", "keyscale.sources.reader", "keyscale.checkpoint.manifest",
-                                  "keyscale.runtime.task.counters"])
-def test_docstring_examples_run(name: str) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(name))
-    assert result.attempted > 0 and result.failed == 0
-
-
 # -- how far ahead an event time may be (issue 10, case 7) ----------------------------------------
 
 

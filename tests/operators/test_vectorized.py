@@ -331,16 +331,6 @@ def test_times_and_first_last_are_refused_where_they_cannot_run() -> None:
         WindowAggregate(TumblingWindows("1 minute"), {"m": kmin("ts")}, ["k"], types, "ts", 0)
 
 
-def test_the_aggregates_docstring_examples_run() -> None:
-    import doctest
-
-    import keyscale.operators.vectorized as module
-
-    result = doctest.testmod(module)
-    assert result.attempted >= 8 and result.failed == 0
-
-
-@pytest.mark.spark
 def test_a_last_seen_column_through_spark(spark: Any, tmp_path: Any) -> None:
     """min/max/first/last of a timestamp in a real job (Spark's types on the way in and out),
     one file per batch: the running values after the last batch are pandas' over the files in order."""
@@ -367,7 +357,6 @@ def test_a_last_seen_column_through_spark(spark: Any, tmp_path: Any) -> None:
     assert (got["last_value"] == want["last_value"]).all()
 
 
-@pytest.mark.spark
 def test_min_max_of_a_timestamp_with_combine(spark: Any, tmp_path: Any) -> None:
     """combine=True: Spark's partial min/max of a timestamp (a timestamp column) merged by the task."""
     from conftest import read_output, run_job, write_events

@@ -26,7 +26,7 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.operators.eventtime import END_OF_TIME
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 EPOCH_MS = int(EPOCH.timestamp() * 1000)

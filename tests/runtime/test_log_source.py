@@ -24,7 +24,7 @@ from keyscale.errors import KeyscaleError
 from keyscale.sources import LocalLog, LogWriter, PartitionedLog, create_log
 from keyscale.sources.reader import from_state
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 JOB = EXAMPLES / "log_count.py"
 SCHEMA = "key string, value long"

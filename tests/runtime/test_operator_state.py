@@ -17,7 +17,7 @@ from conftest import EXAMPLES, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.sources import LogWriter, create_log
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 COUNTING_JOB = '''
 import keyscale as ks

@@ -11,7 +11,6 @@ import pytest
 from conftest import EXAMPLES, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark]
 TWO_STAGE = EXAMPLES / "two_stage.py"
 
 

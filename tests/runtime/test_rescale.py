@@ -13,19 +13,11 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import ALERTS, RUNNING_COUNT, read_output, run_job, write_events
+from conftest import ALERTS, RUNNING_COUNT, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark]
-
 JOBS = {"aggregate": RUNNING_COUNT, "per-record": ALERTS}
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=6, rows=3000, keys=400)
-    return folder
+EVENTS = {"files": 6, "rows": 3000, "keys": 400}
 
 
 def _args(inp: Path, out: Path, job: Path = RUNNING_COUNT) -> dict[str, str]:
@@ -34,7 +26,8 @@ def _args(inp: Path, out: Path, job: Path = RUNNING_COUNT) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.DataFrame]:
+def references(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.DataFrame]:
+    """Each of JOBS' output in one uninterrupted run at parallelism 1 (conftest's reference is the running count's alone)."""
     refs = {}
     for name, job in JOBS.items():
         tmp = tmp_path_factory.mktemp(f"ref-{name}")
@@ -48,7 +41,7 @@ def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory
 # groups a subtask still owns, drop the others and load the moved ones.
 @pytest.mark.parametrize(("name", "backend"), [*((n, "memory") for n in JOBS), *((n, "rocksdb") for n in JOBS)])
 def test_live_rescale_2_4_1_equals_parallelism_1(
-    name: str, backend: str, spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path,
+    name: str, backend: str, spark: Any, events: Path, references: dict[str, pd.DataFrame], tmp_path: Path,
 ) -> None:
     plan = {1: 4, 3: 1}  # after batch 1 ask for 4 subtasks, after batch 3 for 1
     jd = JobDir(tmp_path / "job")
@@ -61,10 +54,10 @@ def test_live_rescale_2_4_1_equals_parallelism_1(
     seen = [b.parallelism[next(iter(b.parallelism))] for b in summary.batches]
     assert seen == [2, 2, 4, 4, 1, 1]
     assert [(b, f, t) for b, _, f, t in summary.rescales] == [(2, 2, 4), (4, 4, 1)]
-    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference[name])
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), references[name])
 
 
-def test_restart_at_new_parallelism_equals_parallelism_1(spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+def test_restart_at_new_parallelism_equals_parallelism_1(spark: Any, events: Path, references: dict[str, pd.DataFrame], tmp_path: Path) -> None:
     inp = tmp_path / "in"
     inp.mkdir()
     files = sorted(events.glob("part-*.parquet"))
@@ -77,10 +70,10 @@ def test_restart_at_new_parallelism_equals_parallelism_1(spark: Any, events: Pat
     summary = run_job(RUNNING_COUNT, tmp_path / "job", 2, args)
     assert summary.recovered_from == 2
     assert [b.parallelism["totals"] for b in summary.batches] == [2, 2, 2]
-    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference["aggregate"])
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), references["aggregate"])
 
 
-def test_unaligned_and_extreme_parallelism(spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+def test_unaligned_and_extreme_parallelism(spark: Any, events: Path, references: dict[str, pd.DataFrame], tmp_path: Path) -> None:
     """P that does not divide M, and P = M (one key group per subtask)."""
     jd = JobDir(tmp_path / "job")
     plan = {0: 7, 2: 16, 4: 3}
@@ -89,10 +82,10 @@ def test_unaligned_and_extreme_parallelism(spark: Any, events: Path, reference: 
         on_batch=lambda rec: jd.request_rescale(plan[rec.batch]) if rec.batch in plan else None,
     )
     assert [b.parallelism["totals"] for b in summary.batches] == [5, 7, 7, 16, 16, 3]
-    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference["aggregate"])
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), references["aggregate"])
 
 
-def test_compaction_keeps_results_and_bounds_files(spark: Any, events: Path, reference: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+def test_compaction_keeps_results_and_bounds_files(spark: Any, events: Path, references: dict[str, pd.DataFrame], tmp_path: Path) -> None:
     run_job(RUNNING_COUNT, tmp_path / "job", 2, _args(events, tmp_path / "out"), max_chain=2, retain=1)
     m = JobDir(tmp_path / "job").latest_manifest()
     assert m is not None
@@ -104,4 +97,4 @@ def test_compaction_keeps_results_and_bounds_files(spark: Any, events: Path, ref
     kept = {f.path for b in jd.manifest_batches() for f in jd.read_manifest(b).operators["totals"].files}
     assert on_disk == kept  # retention removed the rest (it keeps --retain checkpoints and a fallback that shares no file)
     assert len(jd.manifest_batches()) <= 1 + 2
-    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference["aggregate"])
+    pd.testing.assert_frame_equal(read_output(tmp_path / "out"), references["aggregate"])

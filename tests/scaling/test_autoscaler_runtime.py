@@ -6,28 +6,15 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pytest
 
-from conftest import RUNNING_COUNT, read_output, reference_output, run_job, write_events
+from conftest import RUNNING_COUNT, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.scaling.policy import AutoscalerConfig
 
-pytestmark = [pytest.mark.spark]
+EVENTS = {"files": 6, "rows": 400, "keys": 60, "seed": 21}
 
 # React at once: no stabilisation, no scale-down delay, every batch counts.
 EAGER = AutoscalerConfig(stabilization_seconds=0, scale_down_delay_seconds=0, warmup_batches=0, min_busy_seconds=0.0)
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=6, rows=400, keys=60, seed=21)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    return reference_output(tmp_path_factory, events)
 
 
 def test_recommend_mode_records_and_never_rescales(spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:

@@ -3,20 +3,12 @@ through the policy."""
 
 from __future__ import annotations
 
-import doctest
-
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import keyscale.scaling.decision as decision_module
 from keyscale.scaling.decision import Case, PendingDown, decide, sized_target, stabilising
 from keyscale.scaling.model import AutoscalerConfig, BatchMetrics
 from keyscale.scaling.policy import Autoscaler
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(decision_module)
-    assert result.failed == 0 and result.attempted >= 4
 
 
 def _case(

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import doctest
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import keyscale.scaling.reactive as reactive_module
 from keyscale.errors import KeyscaleError
 from keyscale.scaling.reactive import reactive_parallelism
 
@@ -76,8 +73,3 @@ def test_walk_through_a_cluster_growing_and_shrinking() -> None:
 def test_bad_arguments_are_named(args: tuple[int, int, int, int], message: str) -> None:
     with pytest.raises(KeyscaleError, match=message):
         reactive_parallelism(*args)
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(reactive_module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0 and result.attempted >= 5

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import doctest
 import itertools
 import json
 import math
@@ -14,9 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import keyscale.scaling.jobmodel as jobmodel_module
-import keyscale.scaling.simulate as simulate_module
-import keyscale.scaling.traces as traces_module
 from keyscale.errors import KeyscaleError
 from keyscale.scaling.policy import AutoscalerConfig
 from keyscale.scaling.simulate import (
@@ -461,9 +457,3 @@ def test_format_decisions_table() -> None:
     assert "scale down 32 -> 4" in text
     assert "load change at 120 s" in text
     assert "stabilising" in format_decisions(simulate(step_down()), all_decisions=True)
-
-
-@pytest.mark.parametrize("module", [simulate_module, traces_module, jobmodel_module])
-def test_docstring_examples_run(module: object) -> None:
-    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)  # type: ignore[arg-type]
-    assert result.failed == 0 and result.attempted > 3

@@ -20,8 +20,6 @@ from keyscale.sinks import DeltaSink, IcebergSink
 from keyscale.sinks.base import SinkContext
 from keyscale.sinks.parquet import ParquetSink, read_output
 
-pytestmark = [pytest.mark.spark]
-
 
 def _fenced_ctx(tmp_path: Path) -> SinkContext:
     """The context of run 1 of a job directory whose run 2 has started."""

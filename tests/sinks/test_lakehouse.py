@@ -4,7 +4,6 @@ recognised and skipped; on local disk and on S3 (SeaweedFS)."""
 
 from __future__ import annotations
 
-import doctest
 import logging
 import signal
 from pathlib import Path
@@ -255,12 +254,6 @@ def test_s3_settings_come_from_the_environment_unless_given(monkeypatch: pytest.
     }
 
 
-@pytest.mark.parametrize("module", [delta_module, iceberg_module])
-def test_docstring_examples(module: Any) -> None:
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
-
-
 # -- on S3 ------------------------------------------------------------------------------------
 
 
@@ -368,4 +361,3 @@ def test_a_job_killed_after_its_sinks_wrote_resumes_with_every_batch_once(spark:
     assert iceberg["updates"].commits() == [0, 1, 2, 3]  # an append: one snapshot per batch
     totals = iceberg["totals"].commits()  # an upsert: an overwrite and an append per batch
     assert sorted(set(totals)) == [0, 1, 2, 3] and totals == sorted(totals)
-

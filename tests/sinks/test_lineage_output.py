@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import cli, read_output, run_job, write_events
+from conftest import cli, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.checkpoint.savepoint import write_savepoint
@@ -19,7 +19,7 @@ from keyscale.sinks.base import SinkContext
 from keyscale.sinks.parquet import MARKER, SUPERSEDED, ParquetSink, batch_folder_name
 from keyscale.storage import LocalStore
 
-pytestmark = [pytest.mark.spark]
+EVENTS = {"files": 3, "rows": 300, "keys": 40, "seed": 3}
 
 # The running count with a "code change": every value multiplied by --set factor=N.
 JOB = '''
@@ -36,13 +36,6 @@ def build(ctx):
             .key_by("key").aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
             .sink(ks.sinks.ParquetSink(ctx.arg("output"))))
 '''
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=3, rows=300, keys=40, seed=3)
-    return folder
 
 
 @pytest.fixture()

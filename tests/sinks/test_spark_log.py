@@ -17,8 +17,6 @@ from keyscale.sinks.base import SinkContext
 from keyscale.sinks.parquet import ParquetSink, batch_folder_name
 from keyscale.storage import join, open_store
 
-pytestmark = [pytest.mark.spark]
-
 
 def ctx(lineage: Lineage, committed: int = -1) -> SinkContext:
     return SinkContext(lineage, "j", "jd", "run", committed)

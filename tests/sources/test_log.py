@@ -471,11 +471,3 @@ def test_a_log_has_an_id_that_copies_keep_and_recreation_changes(make_log: Any) 
         other = create_log(uri, KV, 2)
     assert other.identity() != first
     assert log.identity() == other.identity()  # the old handle reads the log as it is now
-
-
-@pytest.mark.parametrize("module", ["log", "local_log"])
-def test_the_module_examples_run(module: str) -> None:
-    import doctest
-    import importlib
-
-    assert doctest.testmod(importlib.import_module(f"keyscale.sources.{module}")).failed == 0

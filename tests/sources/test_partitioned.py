@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-
 import pyarrow as pa
 import pytest
 
@@ -11,11 +9,6 @@ import keyscale.sources.partitioned as partitioned_module
 from keyscale.errors import InputDataError
 from keyscale.sources import LocalLog, LogError, PartitionedLog, RedisLog
 from keyscale.sources.partitioned import check_count, check_schema, first_line
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(partitioned_module)
-    assert result.failed == 0 and result.attempted >= 1
 
 
 def test_both_backends_implement_the_interface_and_the_package_exports_it() -> None:

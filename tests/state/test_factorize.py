@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import doctest
-
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import keyscale.state.factorize as factorize_module
 from keyscale.state.factorize import factorize_keys, make_index
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(factorize_module)
-    assert result.failed == 0 and result.attempted >= 3
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import doctest
 import itertools
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import keyscale.state.keygroups as keygroups_module
 from keyscale.errors import KeyscaleError
 from keyscale.state.keygroups import (
     UPPER_BOUND_MAX_PARALLELISM,
@@ -263,9 +261,3 @@ def test_aligned_parallelism_property(m: int, target: int, lower: int, width: in
     assert lower <= p <= top
     divisors = [d for d in range(clamped, top + 1) if m % d == 0]
     assert p == (divisors[0] if divisors else clamped)
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(keygroups_module)
-    assert result.attempted > 0
-    assert result.failed == 0

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import doctest
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import keyscale.state.redistribution as redistribution_module
 from keyscale.errors import KeyscaleError, StateError
 from keyscale.state.redistribution import broadcast, split_merge, union
 
@@ -164,9 +162,3 @@ def test_new_parallelism_must_be_positive(p: int) -> None:
             f([[1]], p)
     with pytest.raises(KeyscaleError, match=f"new parallelism {p}"):
         broadcast([{}], p)
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(redistribution_module)
-    assert result.attempted > 0
-    assert result.failed == 0

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import doctest
 import math
 import os
 import random
@@ -323,12 +322,6 @@ def test_sql_forms() -> None:
         key_group_sql(["k"], 0)
     with pytest.raises(KeyscaleError):
         route_sql("s", 0)
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(spark_hash_module)
-    assert result.attempted > 0
-    assert result.failed == 0
 
 
 # --- against real Spark --------------------------------------------------------------------

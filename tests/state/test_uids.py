@@ -3,7 +3,6 @@ bootstrapped savepoint's operators, so no savepoint holds a uid no stage can dec
 
 from __future__ import annotations
 
-import doctest
 import tempfile
 from pathlib import Path
 
@@ -13,7 +12,6 @@ from hypothesis import strategies as st
 from pyspark.sql.types import LongType, StringType, StructField, StructType
 
 import keyscale as ks
-import keyscale.state.uids as uids_module
 from keyscale._pipeline import Stream
 from keyscale.errors import KeyscaleError
 from keyscale.state_processor import write_savepoint_from_dataframes
@@ -62,8 +60,3 @@ def test_examples() -> None:
         refusal = bootstrap_refusal(bad)
         assert refusal is not None and refusal == pipeline_refusal(bad)
         assert refusal[1] == f"uid {bad!r} must be a non-empty name of letters, digits, '-' and '_'"
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(uids_module)
-    assert result.attempted > 0 and result.failed == 0

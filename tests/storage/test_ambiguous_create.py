@@ -21,8 +21,6 @@ from keyscale.sinks.parquet import ParquetSink, read_output
 from keyscale.storage import ObjectStore, open_store
 from keyscale.storage.faultproxy import FaultProxy, Rule
 
-pytestmark = pytest.mark.s3
-
 
 @pytest.fixture
 def proxy(s3_server: Any) -> Iterator[FaultProxy]:
@@ -58,7 +56,6 @@ def test_a_commit_whose_answer_was_lost_stands(s3_bucket: str, proxy: FaultProxy
     assert JobDir(open_store(f"{s3_bucket}/job", "test")).manifest_batches() == [0]
 
 
-@pytest.mark.spark
 def test_the_parquet_sink_keeps_its_files_when_its_markers_answer_was_lost(spark: Any, s3_bucket: str, proxy: FaultProxy) -> None:
     sink = ParquetSink(_via(proxy, f"{s3_bucket}/out"))
     sink.open(SinkContext(Lineage("me"), "j", "jd", "run", -1))

@@ -17,8 +17,6 @@ from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN
 
-pytestmark = [pytest.mark.s3]
-
 
 def _flip(jd: JobDir, key: str) -> None:
     data = bytearray(jd.store.get(key))

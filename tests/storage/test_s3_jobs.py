@@ -20,7 +20,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import ROOT, RUNNING_COUNT, cli, read_output, reference_output, run_job, write_events
+from conftest import ROOT, RUNNING_COUNT, cli, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import FencedError
 from keyscale.storage import open_store
@@ -28,18 +28,7 @@ from keyscale.storage import open_store
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 FILES = 6
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=FILES, rows=1500, keys=250, seed=11)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    return reference_output(tmp_path_factory, events, 1)
+EVENTS = {"files": FILES, "rows": 1500, "keys": 250, "seed": 11}
 
 
 def _feed(events: Path, dest: Path, upto: int) -> None:

@@ -22,7 +22,7 @@ from keyscale.storage.base import check_key
 from keyscale.storage.local import atomic_write_bytes, atomic_write_json
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     if request.param == "local":
         yield open_store(tmp_path / "root", "test store")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import os
 import re
 import subprocess
@@ -13,16 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import keyscale.storage.uri
 from conftest import ROOT, RUNNING_COUNT
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import StorageError
 from keyscale.sinks.parquet import ParquetSink
 from keyscale.storage import ObjectStore, local_path, open_store
-
-
-def test_doctests() -> None:
-    assert doctest.testmod(keyscale.storage.uri).failed == 0
 
 
 @pytest.mark.parametrize("uri", ["s3://bucket/jobs/rc", "S3A://b/x", "gs://b/x", "hdfs://nn:8020/x", "abfss://c@a.dfs.core.windows.net/x"])

@@ -16,7 +16,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 EVENTS = "key string, value long, ts timestamp"
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 
 def events(batches: int = 3, rows: int = 40, keys: int = 6, seed: int = 1, step_s: float = 2.0) -> list[list[dict[str, Any]]]:

@@ -3,7 +3,6 @@ and state files: the same output at any parallelism and across a snapshot and re
 
 from __future__ import annotations
 
-import doctest
 import random
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,6 @@ def state_backend(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: p
 
 MINUTE = 60_000
 T0 = 1_767_225_600_000
-
-
-@pytest.mark.parametrize("module", [keyscale.testing, keyscale.testing.nonkeyed], ids=lambda m: m.__name__)
-def test_the_module_examples_run(module: Any) -> None:
-    assert doctest.testmod(module, raise_on_error=True).attempted > 0
 
 
 batches = st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "dd", "ü"]), st.integers(-5, 5)), max_size=8), min_size=1, max_size=5)

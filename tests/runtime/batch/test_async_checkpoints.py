@@ -12,23 +12,13 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import RUNNING_COUNT, cli, read_output, reference_output, run_job, write_events
+from conftest import RUNNING_COUNT, cli, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import StateError
 
 pytestmark = [pytest.mark.spark]
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=5, rows=2000, keys=300, seed=11)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    return reference_output(tmp_path_factory, events, 2, max_chain=2)
+EVENTS = {"files": 5, "rows": 2000, "keys": 300, "seed": 11}
+REFERENCE = {"parallelism": 2, "max_chain": 2}
 
 
 def _run_args(events: Path, tmp_path: Path, *extra: str) -> list[str]:

@@ -14,8 +14,6 @@ import keyscale as ks
 from conftest import cli, write_events
 from keyscale.errors import JobDefinitionError
 
-pytestmark = pytest.mark.spark
-
 JOB = '''
 import keyscale as ks
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import read_output, run_job, write_events
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 JOB = '''
 import keyscale as ks

@@ -17,8 +17,6 @@ from conftest import read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import InputDataError, JobDefinitionError, KeyColumnMissingError, RecordError
 
-pytestmark = pytest.mark.spark
-
 JOB = '''
 import keyscale as ks
 

@@ -18,8 +18,6 @@ from keyscale.checkpoint.savepoint import read_savepoint
 from keyscale.runtime.control.auth import read_secret
 from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
-pytestmark = [pytest.mark.spark]
-
 
 def _post(url: str, body: dict[str, Any], secret: str | None, content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
     headers = {"Content-Type": content_type, **({"Authorization": f"Bearer {secret}"} if secret else {})}

@@ -267,12 +267,3 @@ def test_the_bind_option_by_environment_and_a_clear_error_when_it_cannot_listen(
     with pytest.raises(KeyscaleError, match=re.escape("the control API cannot listen on 203.0.113.9 port 0")):
         ControlServer(Runner(jobdir), ControlSettings(host="203.0.113.9"))  # type: ignore[arg-type]
     assert not os.path.exists(jobdir.store.url("control/secret"))  # a start that could not listen leaves no secret
-
-
-@pytest.mark.parametrize("name", ["control.settings", "control.auth", "control.metrics"])
-def test_doctests(name: str) -> None:
-    import doctest
-    import importlib
-
-    result = doctest.testmod(importlib.import_module(f"keyscale.runtime.{name}"))
-    assert result.failed == 0 and result.attempted > 0

@@ -18,7 +18,6 @@ def build(ctx: Any) -> Any:
     return ks.stream(events).key_by("key").aggregate(uid="n", n=ks.aggregates.count()).sink(ks.sinks.NoopSink())
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_ks_main_listens_where_told_and_refuses_a_missing_token_file(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_events(tmp_path / "in", files=1, rows=100, keys=5)

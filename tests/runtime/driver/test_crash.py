@@ -5,27 +5,16 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import pytest
 
-from conftest import RUNNING_COUNT, cli, read_output, reference_output, write_events
+from conftest import RUNNING_COUNT, cli, read_output
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=5, rows=2000, keys=300, seed=7)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    return reference_output(tmp_path_factory, events, 2, max_chain=2)
+pytestmark = [pytest.mark.slow]
+EVENTS = {"files": 5, "rows": 2000, "keys": 300, "seed": 7}
+REFERENCE = {"parallelism": 2, "max_chain": 2}
 
 
 @pytest.mark.parametrize(

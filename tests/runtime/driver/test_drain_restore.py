@@ -21,7 +21,7 @@ from keyscale.operators.eventtime import END_OF_TIME
 from keyscale.runtime.driver.runner import JobRunner, RunOptions
 from keyscale.sinks.parquet import SUPERSEDED, batch_folder_name
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 ARGS = {"size": "10 seconds", "lateness": "3 seconds", "out_of_orderness": "2 seconds"}
 

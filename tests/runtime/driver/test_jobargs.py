@@ -3,7 +3,6 @@ dropped, and a --set the job never reads is an error naming the closest name it 
 
 from __future__ import annotations
 
-import doctest
 import json
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,6 @@ def _kept(job_dir: Path) -> dict[str, str]:
     return kept_args(JobDir(job_dir))
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_only_a_successful_start_keeps_its_arguments(spark: Any, tmp_path: Path) -> None:
     job = tmp_path / "limited.py"
@@ -74,7 +72,6 @@ def test_only_a_successful_start_keeps_its_arguments(spark: Any, tmp_path: Path)
     assert len(read_output(tmp_path / "out")) == 100
 
 
-@pytest.mark.spark
 def test_a_failed_first_start_keeps_nothing(spark: Any, tmp_path: Path) -> None:
     job = tmp_path / "limited.py"
     job.write_text(LIMITED)
@@ -132,11 +129,6 @@ def test_run_help_documents_set_and_unset() -> None:
     sub = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
     text = sub.format_help()
     assert "--unset NAME" in text and "--no-stored-args" in text and "last successful start" in text
-
-
-def test_doctests() -> None:
-    result = doctest.testmod(jobargs_module)
-    assert result.failed == 0 and result.attempted > 0
 
 
 def test_a_deployment_runs_its_job_with_exactly_the_arguments_of_its_file(tmp_path: Path) -> None:

@@ -9,22 +9,11 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import EXAMPLES, RUNNING_COUNT, read_output, reference_output, run_job, write_events
+from conftest import EXAMPLES, RUNNING_COUNT, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 
-pytestmark = [pytest.mark.spark]
-
-
-@pytest.fixture(scope="module")
-def events(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("events")
-    write_events(folder, files=4, rows=1500, keys=200, seed=3)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(spark: Any, events: Path, tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
-    return reference_output(tmp_path_factory, events, 2)
+EVENTS = {"files": 4, "rows": 1500, "keys": 200, "seed": 3}
+REFERENCE = {"parallelism": 2}
 
 
 def _damage_manifest(jd: JobDir) -> str:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import doctest
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import keyscale.runtime.driver.session as session_module
 from keyscale.cli.main import main
 from keyscale.cluster import is_loopback_master, spark_conf_for_cluster
 from keyscale.errors import KeyscaleError
@@ -112,8 +110,3 @@ def test_run_names_a_bad_conf_item(capsys: pytest.CaptureFixture[str], tmp_path:
     err = capsys.readouterr().err
     assert "keyscale: error: --conf 'spark.executor.memory' must look like NAME=VALUE" in err
     assert not any(tmp_path.iterdir())
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(session_module, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0 and result.attempted > 0

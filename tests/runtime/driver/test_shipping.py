@@ -18,7 +18,6 @@ from keyscale._pipeline import JobContext
 from keyscale.runtime.driver.shipping import unimportable_module
 
 
-@pytest.mark.spark
 @pytest.mark.slow
 def test_pipeline_start_ships_a_module_and_the_modules_it_imports(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The workers run in the repository's folder: the project's modules reach them only by
@@ -54,12 +53,3 @@ def test_the_message_says_what_to_do_for_each_kind_of_module(tmp_path: Path, mon
     monkeypatch.syspath_prepend(str(tmp_path))
     own = unimportable_module(text.format("own_helpers"), "python3")
     assert own is not None and str(tmp_path / "own_helpers.py") in own and "top of" in own
-
-
-def test_doctests() -> None:
-    import doctest
-
-    import keyscale.runtime.driver.shipping
-
-    result = doctest.testmod(keyscale.runtime.driver.shipping)
-    assert result.failed == 0 and result.attempted > 0

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import cli, read_output, run_job, write_events
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 # Each record's place among its key's records: any change of order changes the output.
 JOB = '''

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-
 import numpy as np
 import pyarrow as pa
 from hypothesis import given, settings
@@ -18,10 +16,6 @@ class _Spec:
 
     def __init__(self, names: list[str], types: list[pa.DataType]):
         self.key_names, self.key_types = names, types
-
-
-def test_the_example_runs() -> None:
-    assert doctest.testmod(grouping).failed == 0
 
 
 @settings(max_examples=80, deadline=None)

@@ -51,7 +51,6 @@ def _row(key: str, value: int, i: int) -> dict[str, Any]:
     return {"key": key, "value": value, "id": i, SEQ: i, KG: key_group_of([key], ["string"], M)}
 
 
-
 def _poisoned(report: dict[str, Any]) -> int:
     """Records of a subtask's report whose processing raised (skipped or dead-lettered)."""
     c = report.get("counters", {})
@@ -415,7 +414,6 @@ def test_an_unexpected_error_in_a_spark_task_names_operator_and_batch(tmp_path: 
     assert found[1].startswith("operator 'alerts' failed in batch 4 (subtask 0): ")
 
 
-@pytest.mark.spark
 def test_pipeline_policies_are_checked_when_the_job_is_built(spark: Any, tmp_path: Path) -> None:
     import keyscale as ks
     from keyscale.errors import JobDefinitionError
@@ -463,7 +461,6 @@ def test_log_reader_ignores_null_event_times_for_the_watermark(tmp_path: Path) -
     assert collected.take("reader", 0, 1)[0]["partitions"]["0"]["max_event_ms"] == 9
 
 
-@pytest.mark.spark
 def test_the_jobs_own_policy_for_malformed_input_is_the_sinks_and_the_strictest_of_its_branches(spark: Any, tmp_path: Path) -> None:
     import keyscale as ks
     from keyscale.errors import JobDefinitionError
