@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -40,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from keyscale._faults import fault_point
 from keyscale.checkpoint.drain import drain_extra
 from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, live_files
@@ -103,7 +103,7 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
     if job.fault("after-sink", batch_id):
-        os.kill(os.getpid(), signal.SIGKILL)
+        fault_point("after-sink", os.getpid())
     # At most one checkpoint in flight: the batch before this one commits first.
     removed = settle(job)
     # 5. Manifest: the commit point (with asynchronous checkpoints, in the background once
@@ -201,7 +201,7 @@ def write_sinks(job: JobState, plan: stages.BatchPlan, batch_id: int) -> float:
     try:
         for i, (sink, rows) in enumerate(plan.writes):
             if i == 1 and job.fault("between-sinks", batch_id):
-                os.kill(os.getpid(), signal.SIGKILL)
+                fault_point("between-sinks", os.getpid())
             sink.write(rows, batch_id)
     finally:
         for staged in plan.cached:

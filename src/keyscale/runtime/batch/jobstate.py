@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from keyscale._faults import armed
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.checkpoint.manifest import Manifest
@@ -169,8 +170,8 @@ class JobState:
         self.events.append({"batch": batch, "time_ms": int(time.time() * 1000), "type": kind, "reason": reason, **details})
 
     def fault(self, point: str, batch_id: int) -> bool:
-        """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here."""
-        return self.opts.fault == f"{point}:{batch_id}"
+        """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here (keyscale/_faults.py)."""
+        return armed(self.opts.fault, point, batch_id)
 
     def event_time_limit(self, batch_time_ms: int) -> int | None:
         """The latest event time a batch believes (with_watermark's max_ahead after its time)."""

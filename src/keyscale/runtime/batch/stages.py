@@ -213,15 +213,13 @@ def keyed(
         for r in ranges
     )
     fault = None
+    # The test fault points a keyed task reaches (keyscale/_faults.py), shipped by name.
     if job.fault("in-compaction", batch_id) and any(compact):
-        fault = "kill-driver-in-compaction"
-    if job.fault("mid-batch", batch_id):
-        fault = "kill-driver-mid-batch"
-    if job.fault("mid-upload", batch_id):
-        fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
-    # Asynchronous checkpoints: 2 s after their tasks end, the Python worker uploading a state
+        fault = "in-compaction"
+    # A task kills the driver mid-batch, or while a state file uploads (the output streaming on);
+    # asynchronous checkpoints: 2 s after their tasks end, the Python worker uploading a state
     # file dies, or the files appear, or their uploads fail (task.Upload._test_fault).
-    for point in ("worker-dies-mid-upload", "slow-upload", "fail-upload"):
+    for point in ("mid-batch", "mid-upload", "worker-dies-mid-upload", "slow-upload", "fail-upload"):
         if job.fault(point, batch_id):
             fault = point
     policy = job.pipeline.error_policy(step) if job.pipeline else FAIL

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import signal
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from keyscale._faults import fault_point
 from keyscale.checkpoint.files import (
     encode_state_file,
     put_state_file,
@@ -326,9 +326,8 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     else:
         held, stats = obtain_state(spec, rng)
     load_seconds = time.perf_counter() - started
-    if spec.fault == "kill-driver-mid-batch" and spec.driver_pid:
-        os.kill(spec.driver_pid, signal.SIGKILL)
-        time.sleep(30)
+    if spec.fault == "mid-batch":
+        fault_point("mid-batch", spec.driver_pid)
 
     if rocks is None:
         parts = list(batches)
@@ -386,9 +385,8 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     if rocks is not None:
         rocks.write_back(changed_rows)  # the range's whole state is in RocksDB now (a snapshot reads it)
     if compact:
-        if spec.fault == "kill-driver-in-compaction" and spec.driver_pid:
-            os.kill(spec.driver_pid, signal.SIGKILL)
-            time.sleep(30)
+        if spec.fault == "in-compaction":
+            fault_point("in-compaction", spec.driver_pid)
         kind: FileKind = "snapshot"
         if rocks is None:
             held.table.compact()
@@ -511,16 +509,17 @@ class Upload:
             raise self._error
 
     def _test_fault(self, spec: StageTask) -> None:
-        """Test-only faults (``--fault``) in an upload."""
-        if spec.fault == "kill-driver-mid-upload" and spec.driver_pid:
+        """Test-only faults (``--fault``, keyscale/_faults.py) in an upload."""
+        if spec.fault == "mid-upload" and spec.driver_pid:
             if spec.detach_upload:  # the task has ended: the driver is on to the next batch
                 time.sleep(3)
-            os.kill(spec.driver_pid, signal.SIGKILL)
-            time.sleep(30)
+            fault_point("mid-upload", spec.driver_pid)
         if spec.fault in ("worker-dies-mid-upload", "slow-upload", "fail-upload") and spec.detach_upload:
             self._task_over.wait()  # its report on its way to the driver
             time.sleep(2)
             if spec.fault == "worker-dies-mid-upload":
-                os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
+                fault_point("worker-dies-mid-upload")  # this Python worker, its task over
+            if spec.fault == "slow-upload":
+                fault_point("slow-upload")
             if spec.fault == "fail-upload":
-                raise OSError("the store refused the upload (test fault)")
+                fault_point("fail-upload")

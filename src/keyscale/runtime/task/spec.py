@@ -44,7 +44,7 @@ class StageTask:
     committed: int  # batch whose manifest the state comes from (-1: none yet)
     files: tuple[StateFile, ...]  # the operator's live files at ``committed``
     compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
-    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction" | "kill-driver-mid-upload" | ...
+    fault: str | None = None  # test-only: the fault point armed for this task, by its name in keyscale/_faults.py
     driver_pid: int = 0
     watermark_ms: int = NO_WATERMARK  # the watermark this batch runs with
     event_time: str | None = None  # the event-time column whose maximum the task reports
