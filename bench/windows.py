@@ -332,7 +332,7 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
     import io
     import pstats
 
-    from keyscale.checkpoint.manifest import StateFile, live_files
+    from keyscale.checkpoint.manifest import live_files
     from keyscale.operators.eventtime import NO_WATERMARK
     from keyscale.operators.vectorized import Agg
     from keyscale.operators.windows import (
@@ -380,14 +380,14 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
             if prof:
                 prof.disable()
             secs = time.perf_counter() - t0
-            files = tuple(live_files([*files, StateFile.from_json(report["file"])], 128)) if report["file"] else files
-            max_seen = max(max_seen, int(report["max_event_ms"]))
+            files = tuple(live_files([*files, report.file], 128)) if report.file else files
+            max_seen = max(max_seen, int(report.max_event_ms))
             wm = max(wm, max_seen - 10_000 - 1)
             from keyscale.runtime.task.keyed import _HELD
 
             held = next(iter(_HELD.values()))
             info = {"batch": b, "records": n, "seconds": round(secs, 3), "emitted": res.num_rows,
-                    "table_rows": len(held.table), "live_rows": report["state_keys"], "fired": report.get("windows_fired"),
+                    "table_rows": len(held.table), "live_rows": report.state_keys, "fired": report.windows_fired,
                     "purged": report.get("windows_purged"), "profiled": prof is not None}
             out["batches"].append(info)
             print(f"profile {kind}: {info}", flush=True)

@@ -24,7 +24,7 @@ from keyscale.checkpoint.lineage import Lineage
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.operators.eventtime import WatermarkState, ahead_limit_ms
 from keyscale.runtime.task import counters
-from keyscale.runtime.task.report import Reports
+from keyscale.runtime.task.report import Reports, TaskReports
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class JobState:
     malformed: Watched | None = None  # the corrupt-record column of a JSON/CSV source, whose rows on_error handles
     input_counts: counters.Counters = field(default_factory=dict)  # the running batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its last plan is for
-    last_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
+    last_reports: TaskReports | None = None  # the last batch's task reports, per operator
     committed_status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
     state: str = "starting"  # "starting" | "running" | "draining" | "stopped" | "failed" (status.json, GET /status)
     last_error: dict[str, Any] | None = None  # why the job failed: message, traceback, batch, time_ms

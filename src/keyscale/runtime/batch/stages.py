@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from types import SimpleNamespace
@@ -24,6 +24,7 @@ import pyarrow as pa
 from keyscale._pipeline import Branch
 from keyscale._spark_types import from_arrow_schema, to_arrow_schema
 from keyscale._steps import KeyedStep, LogInputStep, NonKeyedStep, TransformStep
+from keyscale.checkpoint.intent import SourcePlan
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError
@@ -160,7 +161,7 @@ def _readers(branches: Sequence[Branch]) -> Counter[tuple[int, ...]]:
     return Counter(path for path, _ in readers)
 
 
-def apply_broadcasts(job: JobState, plans: dict[str, list[list[list[int]]]]) -> dict[str, dict[str, Any]]:
+def apply_broadcasts(job: JobState, plans: Mapping[str, SourcePlan]) -> dict[str, dict[str, Any]]:
     """Each rules stream's state for this batch: the committed state with the batch's
     rules records applied on the driver, in partition then offset order."""
     assert job.pipeline is not None

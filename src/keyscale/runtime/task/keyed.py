@@ -3,7 +3,8 @@
 The task owns the key groups of its subtask. It gets their state at the last committed
 version, processes the batch's records key by key in arrival order, writes the keys that
 changed as one state file (or, when the restore chain got long, a snapshot of its whole
-range), reports what it did in a small sidecar file, and emits its output rows.
+range), reports what it did (a :class:`~keyscale.runtime.task.report.TaskReport`, carried to
+the driver by Spark with the task's result), and emits its output rows.
 
 Warm state: Spark reuses Python worker processes, so each worker keeps, per operator, the
 state of the key groups it has served together with the version of each. A task whose key
@@ -59,11 +60,12 @@ from keyscale.operators.keyed import (
 )
 from keyscale.operators.poison import ErrorCollector, null_event_time_mask, run_guarded
 from keyscale.operators.vectorized import VectorizedKeyedFunction
-from keyscale.operators.windows import WindowAggregate, run_windows
+from keyscale.operators.windows import WindowAggregate, WindowResult, run_windows
 from keyscale.runtime.task import arrival, grouping
 from keyscale.runtime.task import vectorized as vectorized_task
 from keyscale.runtime.task.counters import window_counters
 from keyscale.runtime.task.grouping import Grouped
+from keyscale.runtime.task.report import TaskReport
 from keyscale.runtime.task.spec import (
     DEAD,
     KG,
@@ -262,7 +264,7 @@ def _empty_input(spec: StageTask) -> pa.Table:
     return spec.input_schema.append(pa.field(SEQ, pa.int64())).append(pa.field(KG, pa.int32())).empty_table()
 
 
-def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
+def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport]:
     """Process one subtask's records; returns (output, report) once its state file is
     stored. Needs no Spark: testable alone."""
     out, report, upload = run_subtask_deferred(spec, batches, subtask)
@@ -271,7 +273,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     return out, report
 
 
-def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any], Upload | None]:
+def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport, Upload | None]:
     """``run_subtask`` with the state file's upload still running (wait for it before the report goes)."""
     result = _process(spec, batches, subtask)
     release_free_memory()  # the batch's temporaries are gone now; what is left is the state
@@ -299,7 +301,7 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def _process(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any], Upload | None]:
+def _process(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport, Upload | None]:
     if spec.state_backend != "rocksdb":
         return _process_with(spec, batches, subtask, None)
     from keyscale.runtime.task.rocks import RocksSession
@@ -313,7 +315,7 @@ def _process(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -
         session.close()
 
 
-def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int, rocks: RocksSession | None) -> tuple[pa.Table, dict[str, Any], Upload | None]:
+def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int, rocks: RocksSession | None) -> tuple[pa.Table, TaskReport, Upload | None]:
     started = time.perf_counter()
     fn = spec.function
     opened = RuntimeContext(spec.uid, subtask, spec.parallelism, spec.max_parallelism)
@@ -339,7 +341,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
     n_keys = 0
     max_event: int | None = None
     late = spec.input_schema.empty_table()
-    window_stats: dict[str, int] = {}
+    windows: WindowResult | None = None
     counters: dict[str, int] = {}  # named counts of records not processed normally (keyscale.runtime.task.counters)
     errors = ErrorCollector(spec.on_error, spec.uid, spec.batch_id, subtask)
     # Windows run every batch: without records, some may still be due.
@@ -366,7 +368,7 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
             except Exception as e:  # a reduce() function of the user's: it sees the whole batch
                 errors.fail_batch(e, "in a window aggregate (it sees the subtask's whole batch: no single record to set aside)")
                 raise
-            out, late, window_stats = res.output, res.late, {"late_records": res.late_records, "windows_fired": res.fired, "windows_purged": res.purged}
+            out, late, windows = res.output, res.late, res
             counters.update(window_counters(res.late_records, res.too_far_ahead, spec.late_output))
             changed_rows = held.table.rows_union(changed_rows, res.changed_rows)
         else:
@@ -412,23 +414,18 @@ def _process_with(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: i
         if held.table.dead_share() > 0.1:
             held.table.compact()
         state_keys = len(held.table.rows_in_range(rng.start, rng.end, live_only=True))
-    report = {
-        "subtask": subtask,
-        "range": [rng.start, rng.end],
-        "records": records,
-        "max_event_ms": max_event,
-        "timer_keys": len(due_rows),
-        "keys": n_keys,
-        "emitted": out.num_rows,
-        "file": written.to_json() if written else None,
-        "state_keys": state_keys,
-        "busy_seconds": time.perf_counter() - started,
-        "load_seconds": load_seconds,
-        **stats,
-        **window_stats,
-        "counters": {**counters, **errors.counters()},
-        "store_requests": dict(spec.store.requests),  # this task's copy of the store: its own requests
-    }
+    report = TaskReport(
+        subtask=subtask, range=(rng.start, rng.end), records=records, max_event_ms=max_event, timer_keys=len(due_rows), keys=n_keys,
+        emitted=out.num_rows, file=written, state_keys=state_keys, busy_seconds=time.perf_counter() - started,
+        # How the state was loaded (a RocksDB subtask's own load time and fetch too).
+        load_seconds=float(stats.get("load_seconds", load_seconds)), warm_key_groups=int(stats["warm_key_groups"]),
+        loaded_key_groups=int(stats["loaded_key_groups"]), files_read=int(stats["files_read"]),
+        fetched_keys=stats.get("fetched_keys"), copied_from=stats.get("copied_from"),
+        late_records=windows.late_records if windows else None, windows_fired=windows.fired if windows else None,
+        windows_purged=windows.purged if windows else None,
+        counters={**counters, **errors.counters()},
+        store_requests=dict(spec.store.requests),  # this task's copy of the store: its own requests
+    )
     dead = errors.dead_letters() if spec.on_error.on_error == "dead_letter" else None
     if spec.late_output or dead is not None:
         out = with_side_output(out, late if spec.late_output else None, dead)
