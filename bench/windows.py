@@ -262,7 +262,10 @@ def keyscale_windows(data: Path, kind: str, parallelism: int = 2, extra: dict[st
 
 
 def _reports(job_dir: Path, uid: str, batches: int, p: int) -> list[list[dict[str, Any]]]:
-    """The subtasks' sidecar reports (busy seconds, windows fired, ...), where still present."""
+    """The subtasks' reports (busy seconds, windows fired, ...) from the per-subtask JSON files
+    older keyscale versions wrote beside the state. Reports travel to the driver in a Spark
+    accumulator now (``TaskReport``, runtime/task/report.py), so with today's keyscale there
+    are none here and the rows stay empty (``bench_windows`` results before that change have them)."""
     out = []
     for b in range(batches):
         row = []

@@ -1,7 +1,7 @@
 """One subtask of a keyed stage, without Spark: ``run_subtask`` driven by a simulated driver.
 
 The driver here does what the real one does between batches: it routes records to the
-subtask owning their key group, collects the sidecar reports, keeps the live state files,
+subtask owning their key group, collects their reports (``TaskReport``), keeps the live state files,
 and passes them with ``committed=batch`` to the next batch. Worker processes are simulated
 by swapping the module-level cache of warm state (``task._HELD``).
 """
