@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keyscale")
 
+
 @dataclass(frozen=True)
 class _Clock:
     """When a batch began, and the job directory's storage requests until then."""
