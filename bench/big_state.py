@@ -200,8 +200,8 @@ def in_process(keys: int, files: int, key_type: str, parallelism: int, data: Pat
             rng = key_group_range(i, m, parallelism)
             mine = full.filter(pa.array((kg >= rng.start) & (kg <= rng.end)))
             _, report = run_subtask(spec, iter(mine.to_batches(max_chunksize=500_000)), i)
-            if report["file"]:
-                new.append(StateFile.from_json(report["file"]))
+            if report.file:
+                new.append(report.file)
             del mine
         live = live_files([*live, *new], m)
         del part, k, kg, col, full

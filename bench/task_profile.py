@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         _, report = run_subtask(spec, iter([batch]), 0)
         times.append(time.perf_counter() - t)
-        files = tuple(live_files([*files, StateFile.from_json(report["file"])], 128))
+        files = tuple(live_files([*files, report.file], 128))
     print(f"run_subtask, {a.records:,} records over {a.keys:,} keys: first batch {times[0]:.3f} s, "
           f"warm batches median {statistics.median(times[1:]):.3f} s")
     return 0

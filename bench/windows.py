@@ -262,7 +262,10 @@ def keyscale_windows(data: Path, kind: str, parallelism: int = 2, extra: dict[st
 
 
 def _reports(job_dir: Path, uid: str, batches: int, p: int) -> list[list[dict[str, Any]]]:
-    """The subtasks' sidecar reports (busy seconds, windows fired, ...), where still present."""
+    """The subtasks' reports (busy seconds, windows fired, ...) from the per-subtask JSON files
+    older keyscale versions wrote beside the state. Reports travel to the driver in a Spark
+    accumulator now (``TaskReport``, runtime/task/report.py), so with today's keyscale there
+    are none here and the rows stay empty (``bench_windows`` results before that change have them)."""
     out = []
     for b in range(batches):
         row = []
@@ -332,7 +335,7 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
     import io
     import pstats
 
-    from keyscale.checkpoint.manifest import StateFile, live_files
+    from keyscale.checkpoint.manifest import live_files
     from keyscale.operators.eventtime import NO_WATERMARK
     from keyscale.operators.vectorized import Agg
     from keyscale.operators.windows import (
@@ -380,15 +383,15 @@ def profile(data: Path, kind: str, batches: int | None = None, profile_batch: in
             if prof:
                 prof.disable()
             secs = time.perf_counter() - t0
-            files = tuple(live_files([*files, StateFile.from_json(report["file"])], 128)) if report["file"] else files
-            max_seen = max(max_seen, int(report["max_event_ms"]))
+            files = tuple(live_files([*files, report.file], 128)) if report.file else files
+            max_seen = max(max_seen, int(report.max_event_ms))
             wm = max(wm, max_seen - 10_000 - 1)
             from keyscale.runtime.task.memory import _HELD
 
             held = next(iter(_HELD.values()))
             info = {"batch": b, "records": n, "seconds": round(secs, 3), "emitted": res.num_rows,
-                    "table_rows": len(held.table), "live_rows": report["state_keys"], "fired": report.get("windows_fired"),
-                    "purged": report.get("windows_purged"), "profiled": prof is not None}
+                    "table_rows": len(held.table), "live_rows": report.state_keys, "fired": report.windows_fired,
+                    "purged": report.windows_purged, "profiled": prof is not None}
             out["batches"].append(info)
             print(f"profile {kind}: {info}", flush=True)
             if prof:

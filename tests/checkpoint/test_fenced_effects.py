@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from keyscale.checkpoint.fence import Fence
+from keyscale.checkpoint.intent import BatchIntent
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import FencedError
@@ -38,10 +39,10 @@ def _run(path: Path) -> JobDir:
 
 def test_an_intent_left_before_the_takeover_is_adopted(tmp_path: Path) -> None:
     old = _run(tmp_path / "job")
-    old.write_intent(3, {"batch_time_ms": 1})  # then the old run crashed
+    old.write_intent(3, BatchIntent(batch_time_ms=1))  # then the old run crashed
     new = _run(tmp_path / "job")
     intent = new.read_intent(3)
-    assert intent is not None and intent["batch_time_ms"] == 1
+    assert intent is not None and intent.batch_time_ms == 1
 
 
 def test_an_intent_a_paused_run_writes_after_the_takeover_is_not_adopted(tmp_path: Path) -> None:
@@ -50,18 +51,18 @@ def test_an_intent_a_paused_run_writes_after_the_takeover_is_not_adopted(tmp_pat
     # The old run passed its fence check before the takeover; its write lands now.
     old.store.create(old.intent_key(3), json.dumps({"batch_time_ms": 1, "epoch": old.epoch}).encode())
     assert new.read_intent(3) is None  # the new run plans batch 3 itself
-    new.write_intent(3, {"batch_time_ms": 2}, replace=True)
-    assert new.read_intent(3) == {"batch_time_ms": 2, "epoch": new.epoch}
+    new.write_intent(3, BatchIntent(batch_time_ms=2), replace=True)
+    assert new.read_intent(3) == BatchIntent(batch_time_ms=2, epoch=new.epoch)
 
 
 def test_a_paused_run_cannot_replace_the_new_runs_intent(tmp_path: Path) -> None:
     old = _run(tmp_path / "job")
     assert old.read_intent(3) is None  # it reads, then pauses
     new = _run(tmp_path / "job")
-    new.write_intent(3, {"batch_time_ms": 2})
+    new.write_intent(3, BatchIntent(batch_time_ms=2))
     with pytest.raises(FencedError):
-        old.write_intent(3, {"batch_time_ms": 1})
-    assert JobDir(tmp_path / "job").read_intent(3) == {"batch_time_ms": 2, "epoch": new.epoch}
+        old.write_intent(3, BatchIntent(batch_time_ms=1))
+    assert JobDir(tmp_path / "job").read_intent(3) == BatchIntent(batch_time_ms=2, epoch=new.epoch)
 
 
 def test_a_paused_run_neither_writes_nor_prunes_sparks_mirrored_checkpoint(tmp_path: Path) -> None:

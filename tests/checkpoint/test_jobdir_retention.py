@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from keyscale.checkpoint.intent import BatchIntent
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile
 
@@ -26,7 +27,7 @@ def test_retain_keeps_a_fallback_without_shared_files_and_removes_other_attempts
         f = _file(jd, b, kind, "win")
         losers.append(_file(jd, b, kind, "lose"))  # a speculative attempt's file no report named
         live = [f] if kind == "snapshot" else [*live, f]
-        jd.write_intent(b, {"batch_time_ms": b})
+        jd.write_intent(b, BatchIntent(batch_time_ms=b))
         jd.commit(Manifest("j", b, b, {"op": OperatorCheckpoint("op", 8, 1, (), (), tuple(live))}))
         jd.retain(1)
     # Checkpoint 7 uses the files of batches 4..7; 3 shares none of them; 4 is the next anchor.

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from keyscale.checkpoint.fence import superseded
+from keyscale.checkpoint.intent import BatchIntent
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.errors import FencedError, StateError
@@ -36,7 +37,7 @@ def _takeover(path: Path, commits: range, keep: int = 2) -> JobDir:
     new = _run(path)
     new.recover()
     for b in commits:
-        new.write_intent(b, {"batch_time_ms": b})
+        new.write_intent(b, BatchIntent(batch_time_ms=b))
         new.commit(_manifest(b))
         new.retain(keep)
     return new

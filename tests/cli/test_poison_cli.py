@@ -120,7 +120,8 @@ def test_failed_batch_is_retried_at_another_parallelism(spark: Any, tmp_path: Pa
     with pytest.raises(RecordError, match=r'operator .alerts. failed on key "k3" in batch 0'):
         run_job(job, tmp_path / "job", 1, {**args, "bad": "k3"})
     jd = JobDir(tmp_path / "job")
-    assert jd.read_intent(0)["parallelism"] == {"alerts": 1}  # type: ignore[index]
+    intent = jd.read_intent(0)
+    assert intent is not None and intent.parallelism == {"alerts": 1}
     with caplog.at_level(logging.INFO, logger="keyscale"):
         run_job(job, tmp_path / "job", 2, args)
     assert "batch 0: retrying the failed attempt at -p 2 (it ran with 'alerts' p=1)" in caplog.text

@@ -3,6 +3,7 @@ failed batch's parallelism, the messages the driver logs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from keyscale.checkpoint.intent import BatchIntent
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.poison import (
     check_bound,
@@ -69,12 +71,12 @@ def test_nan_and_null_keys_and_event_times() -> None:
 
 
 def test_failed_batch_is_replanned_at_an_explicit_parallelism() -> None:
-    intent = {"batch_time_ms": 5, "watermark_ms": 1, "parallelism": {"reader": 2, "totals": 2, "rules": 1},
-              "source_plan": [[[0, 0, 10]], [[1, 0, 10]]]}
+    intent = BatchIntent(batch_time_ms=5, watermark_ms=1, parallelism={"reader": 2, "totals": 2, "rules": 1},
+                         source_plan=(((0, 0, 10),), ((1, 0, 10),)))
     new, changed = replan_intent(intent, 4, ["totals"])
     assert changed == {"totals": (2, 4)}
-    assert new["parallelism"] == {"reader": 2, "totals": 4, "rules": 1}  # the readers follow the source plan
-    assert {k: new[k] for k in ("batch_time_ms", "watermark_ms", "source_plan")} == {k: intent[k] for k in ("batch_time_ms", "watermark_ms", "source_plan")}
+    assert new.parallelism == {"reader": 2, "totals": 4, "rules": 1}  # the readers follow the source plan
+    assert new == replace(intent, parallelism=new.parallelism, replanned_from={"totals": 2})  # time, watermark, source plan stay
     assert replan_intent(intent, None, ["totals"]) == (intent, {})
     assert replan_intent(intent, 2, ["totals"]) == (intent, {})
 

@@ -78,9 +78,9 @@ def test_a_reader_leaves_far_future_event_times_out_of_its_partitions_clocks(tmp
     the batch's bound; they are counted and passed on."""
     import pyarrow as pa
 
+    from keyscale.runtime.task.reader import make_reader_function
     from keyscale.runtime.task.report import Reports
     from keyscale.sources import create_log
-    from keyscale.sources.reader import make_reader_function
 
     log = create_log(tmp_path / "log", "key string, ts long", 2)
     log.append(0, pa.table({"key": ["a", "b", "c"], "ts": [1_000, 253_402_300_799_000, 2_000]}))
@@ -91,9 +91,10 @@ def test_a_reader_leaves_far_future_event_times_out_of_its_partitions_clocks(tmp
     rows = list(fn(iter([pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])])))
     assert sum(b.num_rows for b in rows) == 4  # every record goes on
     (report,) = collected.take("reader", 0, 1)
-    assert report["partitions"]["0"]["max_event_ms"] == 2_000
-    assert report["partitions"]["1"]["max_event_ms"] is None
-    assert report["counters"] == {"too_far_ahead": 2}
+    assert report.partitions is not None
+    assert report.partitions[0].max_event_ms == 2_000
+    assert report.partitions[1].max_event_ms is None
+    assert report.counters == {"too_far_ahead": 2}
 
 
 def test_offsets_of_another_or_a_shorter_log_stop_the_job() -> None:
@@ -127,8 +128,8 @@ def test_a_reader_stops_on_a_log_recreated_or_shrunk_after_planning(tmp_path: An
     import pyarrow as pa
     import pytest
 
+    from keyscale.runtime.task.reader import make_reader_function
     from keyscale.sources import create_log
-    from keyscale.sources.reader import make_reader_function
 
     log = create_log(tmp_path / "log", "key string", 1)
     log.append(0, pa.table({"key": ["a", "b", "c"]}))
@@ -156,15 +157,11 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
     import pyarrow as pa
     import pytest
 
+    from keyscale.runtime.task.reader import make_reader_function
     from keyscale.runtime.task.report import Reports
     from keyscale.sources import create_log
     from keyscale.sources.partitioned import LogError
-    from keyscale.sources.reader import (
-        check_last_records,
-        last_records_after,
-        last_records_of,
-        make_reader_function,
-    )
+    from keyscale.sources.reader import check_last_records, last_records_after, last_records_of
 
     log = create_log(tmp_path / "log", "key string", 1)
     log.append(0, pa.table({"key": ["a", "b"]}))
@@ -173,7 +170,9 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
     collected = Reports()
     fn = make_reader_function(log, "reader", 0, plan, log.schema, None, report_to=collected.sender)
     list(fn(iter([pa.record_batch([pa.array([0], pa.int32())], names=["subtask"])])))
-    last = last_records_after(None, collected.take("reader", 0, 1))
+    (report,) = collected.take("reader", 0, 1)
+    assert report.partitions is not None
+    last = last_records_after(None, [(p, r.start, r.end, r.last_crc) for p, r in report.partitions.items()])
     assert list(last) == [0] and last[0][0] == 2
     state = to_state(advance(plan), "id", last)
     assert last_records_of(state) == last

@@ -12,7 +12,7 @@ Layout (keys of the job directory's store: a local folder or an object store pre
     control/rescale.json      live rescale requests, read at the next batch
     control/secret            the running job's control API secret (new each run)
     checkpoints/manifest-<batch>.json   one per committed batch (the commit point; created only if absent)
-    checkpoints/intent-<batch>.json     parallelism and time fixed for a batch before it runs
+    checkpoints/intent-<batch>.json     parallelism, time and input fixed for a batch before it runs (BatchIntent)
     spark/bundle-<batch>.json           Spark's own checkpoint, mirrored when the job dir is not local
     state/<uid>/...           state files written by tasks (immutable, uniquely named)
     events.jsonl | events/    what the job decided (autoscaler, rescales), with reasons
@@ -46,6 +46,7 @@ from keyscale._subprocess import pid_exists
 from keyscale.checkpoint import sparklog
 from keyscale.checkpoint.fence import EPOCHS, Fence, epoch_key, resumed_key, superseded
 from keyscale.checkpoint.files import state_size_problem, verify_state_file
+from keyscale.checkpoint.intent import BatchIntent
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.retention import checkpoints_to_keep
 from keyscale.errors import JobDirError, StateError, StorageError
@@ -476,26 +477,31 @@ class JobDir:
         return sparklog.remove_commits_after(self.spark_checkpoint, after)
 
     # -- batch intents -------------------------------------------------------------------
-    def read_intent(self, batch: int) -> dict[str, Any] | None:
+    def read_intent(self, batch: int) -> BatchIntent | None:
         """Batch ``batch``'s intent in force: this run's, or one an older run left before this
         run took over (its replay follows it). For a run (not a tool), an older run's intent
         written after the takeover is None: a paused run's late write, which this run must
-        not follow (docs/design.md, "Exactly-once, effect by effect")."""
-        intent = self.read_json(self.intent_key(batch)) or None  # an intent is never empty
-        if intent is not None and self.epoch and int(intent.get("epoch") or 0) < self.epoch and batch not in self._inherited:
+        not follow (docs/design.md, "Exactly-once, effect by effect"). An intent of a later
+        version than this keyscale reads is an error naming the file."""
+        key = self.intent_key(batch)
+        found = self.read_json(key) or None  # an intent is never empty
+        if found is None:
+            return None
+        intent = BatchIntent.from_wire(found, f"the intent of batch {batch} ({self.uri}: {key})")
+        if self.epoch and intent.epoch < self.epoch and batch not in self._inherited:
             log.warning("batch %d: ignoring the intent run %s wrote after this run took over (a paused or cut-off driver)",
-                        batch, intent.get("epoch", "?"))
+                        batch, intent.epoch or "?")
             return None
         return intent
 
-    def write_intent(self, batch: int, intent: dict[str, Any], replace: bool = False) -> None:
+    def write_intent(self, batch: int, intent: BatchIntent, replace: bool = False) -> None:
         """Fix batch ``batch``'s intent, stamped with this run's epoch. Created only if absent,
         so that a paused older run that wakes cannot replace it (it finds this one and is
         fenced); ``replace``: this run re-plans the batch (a retry at a new ``-p``, an
         interrupted drain, an intent :meth:`read_intent` ignored)."""
         doing = f"planning batch {batch}"
         self.check_epoch(doing)
-        data = _json({**intent, "epoch": self.epoch} if self.epoch else intent)
+        data = _json((intent.stamped(self.epoch) if self.epoch else intent).to_wire())
         if replace:
             self.store.put(self.intent_key(batch), data)
         elif not self.store.create(self.intent_key(batch), data):

@@ -78,12 +78,12 @@ import functools
 import json
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from keyscale._faults import armed, fault_point
 from keyscale._keywords import checked_keywords
 from keyscale.errors import FencedError, JobDefinitionError, OutputError, encode_error
 from keyscale.kafka import commit_log
@@ -103,8 +103,6 @@ log = logging.getLogger(__name__)
 __all__ = ["COMMIT_LOG_SUFFIX", "SERIAL_COMMITS_ENV", "KafkaSink", "encode_values", "output_tasks", "read_committed"]
 
 _RESULT_SCHEMA = "task int, rows long, written boolean"
-_FAULT = "kafka-precommit"  # test-only: a task kills the driver between flush and commit_transaction
-_FAULT_AFTER = "kafka-postcommit"  # test-only: task 0 kills the driver once its transaction is committed
 SERIAL_COMMITS_ENV = "KEYSCALE_KAFKA_SERIAL_COMMITS"
 
 
@@ -201,11 +199,10 @@ def _write_task(
             rows, written = 0, False
         else:
             rows, written = _transaction(producer, topic, log_topic, key, value, batches, lineage, batch_id, task, timeout_ms, turn,
-                                         kill_driver=driver_pid if fault == f"{_FAULT}:{batch_id}" and task == 0 else 0,
+                                         kill_driver=driver_pid if armed(fault, "kafka-precommit", batch_id) and task == 0 else 0,
                                          tasks=tasks, fence=fence), True
-            if fault == f"{_FAULT_AFTER}:{batch_id}" and task == 0:  # test-only fault: after a commit, before the others'
-                os.kill(driver_pid, signal.SIGKILL)
-                time.sleep(30)
+            if armed(fault, "kafka-postcommit", batch_id) and task == 0:  # test-only fault: after a commit, before the others'
+                fault_point("kafka-postcommit", driver_pid)
     except FencedError as e:
         raise RuntimeError(encode_error(e)) from None
     except KafkaException as e:
@@ -242,8 +239,7 @@ def _transaction(producer: Any, topic: str, log_topic: str, key: str | None, val
     producer.produce(log_topic, key=record_key, value=record_value, partition=0)
     producer.flush(timeout_ms / 1000)  # pre-commit: every record of the transaction is on the brokers
     if kill_driver:  # test-only fault: between pre-commit and commit
-        os.kill(kill_driver, signal.SIGKILL)
-        time.sleep(30)
+        fault_point("kafka-precommit", kill_driver)
     with turn():
         if fence is not None:
             try:

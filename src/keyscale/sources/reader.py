@@ -14,7 +14,8 @@ the reader holding the fewest.
 
 Per batch the driver fixes each reader's ranges ``(partition, start, end)`` in the batch's
 intent (so a replay reads exactly the same records); the next offsets are committed in the
-batch's manifest, atomically with the keyed state and after the sink output.
+batch's manifest, atomically with the keyed state and after the sink output. The readers
+themselves are Spark tasks: :mod:`keyscale.runtime.task.reader`.
 
 The offsets are only meaningful for the log they were read from. The state keeps that
 log's id (:meth:`PartitionedLog.identity`), and before each batch :func:`check_positions`
@@ -28,25 +29,22 @@ deleted): reading on would skip records without a sign.
 
 from __future__ import annotations
 
-import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from keyscale._keywords import checked_keywords
-from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
-from keyscale.operators.eventtime import event_time_ms, max_event_within
+from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import BroadcastStream
-from keyscale.runtime.task import report as reports
 from keyscale.sources.log import open_log
 from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.state.redistribution import split_merge
 
 Assignment = list[list[tuple[int, int]]]  # per reader: (partition, next offset)
-Plan = list[list[tuple[int, int, int]]]  # per reader: (partition, start, end)
+Plan = Sequence[Sequence[tuple[int, int, int]]]  # per reader: (partition, start, end); a batch intent's SourcePlan is one
 
 OFFSETS = "offsets"
 LOG_ID = "log_id"
@@ -129,7 +127,7 @@ def add_partitions(assignment: Assignment, partitions: int, firsts: Sequence[int
 
 def plan_batch(assignment: Assignment, end_offsets: Sequence[int], limit: int | None = None) -> Plan:
     """Each reader's ranges for one batch: from its offsets to the log's end (at most ``limit`` per partition)."""
-    plan: Plan = []
+    plan: list[list[tuple[int, int, int]]] = []
     for entries in assignment:
         ranges = []
         for p, start in entries:
@@ -139,15 +137,6 @@ def plan_batch(assignment: Assignment, end_offsets: Sequence[int], limit: int | 
             ranges.append((p, start, max(start, end)))
         plan.append(ranges)
     return plan
-
-
-def plan_to_json(plan: Plan) -> list[list[list[int]]]:
-    """The plan as the intent file stores it."""
-    return [[[p, a, b] for p, a, b in ranges] for ranges in plan]
-
-
-def plan_from_json(plan: list[list[list[int]]]) -> Plan:
-    return [[(int(p), int(a), int(b)) for p, a, b in ranges] for ranges in plan]
 
 
 def advance(plan: Plan) -> Assignment:
@@ -177,13 +166,18 @@ def last_records_of(state: dict[str, Any] | None) -> dict[int, tuple[int, int]]:
     return {int(p): (int(o), int(c)) for p, (o, c) in ((state or {}).get(LAST_RECORDS) or {}).items()}
 
 
-def last_records_after(state: dict[str, Any] | None, reports: list[dict[str, Any]]) -> dict[int, tuple[int, int]]:
-    """The committed fingerprints updated with what a batch's readers read last."""
+def last_records_after(state: dict[str, Any] | None, reads: Iterable[tuple[int, int, int, int | None]]) -> dict[int, tuple[int, int]]:
+    """The committed fingerprints updated with what a batch's readers read last: ``reads``
+    holds, per partition read, (partition, start, end, fingerprint of its last record or
+    None), as their reports say (``TaskReport.partitions``).
+
+    >>> last_records_after(None, [(0, 5, 8, 1234), (1, 3, 3, None)])
+    {0: (7, 1234)}
+    """
     out = last_records_of(state)
-    for r in reports:
-        for p, info in r.get("partitions", {}).items():
-            if info.get("last_crc") is not None and info["end"] > info["start"]:
-                out[int(p)] = (int(info["end"]) - 1, int(info["last_crc"]))
+    for p, start, end, crc in reads:
+        if crc is not None and end > start:
+            out[int(p)] = (int(end) - 1, int(crc))
     return out
 
 
@@ -202,7 +196,7 @@ def check_last_records(uid: str, log: PartitionedLog, committed: Assignment, las
                 raise LogError(
                     f"source '{uid}': partition {p} of log {log.uri} holds another record at offset {off - 1} than the job read "
                     f"there: records the job read were lost and others written in their place (a Redis failover to a replica "
-                    f"that was behind, or the log recreated). {_WHAT_TO_DO}"
+                    f"that was behind, or the log recreated). {WHAT_TO_DO}"
                 )
 
 
@@ -212,7 +206,7 @@ def log_id_of(state: dict[str, Any] | None) -> str | None:
     return None if found is None else str(found)
 
 
-_WHAT_TO_DO = (
+WHAT_TO_DO = (
     "The job stops so that no record is skipped without a sign. If the records should be there, restore the log "
     "(or fail over back to the node that has them) and run the job again. To read this log from its start instead, "
     "take a savepoint (keyscale savepoint JOB_DIR), give the source a new uid in the job, and start it in a new job "
@@ -232,20 +226,20 @@ def check_positions(uid: str, log_uri: str, committed: Assignment, ends: Sequenc
     if committed_id is not None and current_id != committed_id:
         raise LogError(
             f"source '{uid}': log {log_uri} was recreated (its id is {current_id or 'missing'}; the job's offsets belong to "
-            f"the log with id {committed_id}), so the committed offsets mean other records. {_WHAT_TO_DO}"
+            f"the log with id {committed_id}), so the committed offsets mean other records. {WHAT_TO_DO}"
         )
     for entries in committed:
         for p, off in entries:
             if p >= len(ends):
                 raise LogError(
                     f"source '{uid}': log {log_uri} has no partition {p} any more (it has {len(ends)}), but the job has committed "
-                    f"offset {off} there: the log was recreated or lost partitions. {_WHAT_TO_DO}"
+                    f"offset {off} there: the log was recreated or lost partitions. {WHAT_TO_DO}"
                 )
             if ends[p] < off:
                 raise LogError(
                     f"source '{uid}': partition {p} of log {log_uri} ends at offset {ends[p]}, but the job has committed offset {off} "
                     f"there: records [{ends[p]}, {off}) it read are gone (a Redis failover to a replica that was behind, "
-                    f"deleted segments, or the log recreated). {_WHAT_TO_DO}"
+                    f"deleted segments, or the log recreated). {WHAT_TO_DO}"
                 )
 
 
@@ -254,72 +248,3 @@ def from_state(state: dict[str, Any]) -> Assignment | None:
     if not entry:
         return None
     return [[(int(p), int(o)) for p, o in e] for e in entry["subtasks"]]
-
-
-# -- the Spark task ----------------------------------------------------------------------------
-
-
-def _read(log: PartitionedLog, uid: str, batch: int, p: int, start: int, end: int) -> pa.Table:
-    """The batch's records of one partition; records gone since the batch was planned (a
-    replay after the log shrank) stop the job with the same advice as a shrink at planning."""
-    if end <= start:
-        return log.schema.empty_table()
-    try:
-        return log.read(p, start, end)
-    except KeyscaleError as e:
-        ends = log.end_offsets()
-        if p < len(ends) and ends[p] < end:
-            raise RuntimeError(encode_error(KeyscaleError(
-                f"source '{uid}': partition {p} of log {log.uri} ends at offset {ends[p]}, but batch {batch} "
-                f"was planned to read [{start}, {end}): records are gone (a Redis failover to a replica that was behind, deleted "
-                f"segments, or the log recreated). {_WHAT_TO_DO}"
-            ))) from None
-        raise RuntimeError(encode_error(type(e)(f"source '{uid}', batch {batch}: {e}"))) from None
-
-
-def make_reader_function(
-    log: PartitionedLog, uid: str, batch: int, plan: Plan, target: pa.Schema, event_time: str | None,
-    event_time_limit_ms: int | None = None, log_id: str | None = None, report_to: Any = None,
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The ``mapInArrow`` function of the readers: input rows are reader indexes, one per task.
-
-    Each reader reports, per partition, its records and largest event time; event times
-    after ``event_time_limit_ms`` are not believed: counted, left out of the maximum (so
-    they never move the partition's clock), and passed on like any record. With ``log_id``,
-    a reader first checks the log is still the one the batch was planned on. Reports go to
-    ``report_to`` (:mod:`keyscale.runtime.task.report`).
-    """
-
-    def read(rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for rb in rows:
-            for value in rb.column(0).to_pylist():
-                subtask = int(value or 0)
-                started = time.perf_counter()
-                if log_id is not None and log.identity() != log_id:
-                    raise RuntimeError(encode_error(KeyscaleError(
-                        f"source '{uid}': log {log.uri} was recreated after batch {batch} was planned "
-                        f"(its id was {log_id}, now {log.identity()}); the batch's offsets mean other records. {_WHAT_TO_DO}"
-                    )))
-                report: dict[str, Any] = {"subtask": subtask, "partitions": {}}
-                ahead = 0
-                for p, start, end in plan[subtask]:
-                    t = _read(log, uid, batch, p, start, end)
-                    info: dict[str, Any] = {"records": t.num_rows, "start": start, "end": end, "max_event_ms": None}
-                    if event_time and t.num_rows:
-                        info["max_event_ms"], n = max_event_within(event_time_ms(t, event_time), event_time_limit_ms)
-                        ahead += n
-                    if t.num_rows:
-                        info["last_crc"] = fingerprint(t.slice(t.num_rows - 1))
-                    report["partitions"][str(p)] = info
-                    try:
-                        t = t.select(target.names).cast(target)
-                    except (pa.ArrowInvalid, KeyError) as e:
-                        raise RuntimeError(encode_error(InputDataError(f"source '{uid}', partition {p}: records do not fit the log's schema ({e})"))) from None
-                    yield from t.to_batches()
-                report["records"] = sum(i["records"] for i in report["partitions"].values())
-                skipped = log.take_skipped()
-                report["counters"] = {**({"too_far_ahead": ahead} if ahead else {}), **({"skipped_records": skipped} if skipped else {})}
-                report["busy_seconds"] = time.perf_counter() - started
-                reports.send(report_to, uid, batch, subtask, report)
-
-    return read

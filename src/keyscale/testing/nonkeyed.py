@@ -83,7 +83,7 @@ class OperatorHarness:
             out, report = run_nonkeyed_subtask(spec, iter(mine.to_batches()), i)
             rows += out.to_pylist()
             reports.append(report)
-        self._state = json.loads(json.dumps(lists_state(self._modes, [r["lists"] for r in reports])))  # as the manifest keeps it
+        self._state = json.loads(json.dumps(lists_state(self._modes, [dict(r.lists or {}) for r in reports])))  # as the manifest keeps it
         self._committed = batch
         return sorted_rows(rows)
 

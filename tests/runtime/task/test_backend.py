@@ -54,7 +54,8 @@ def _records(keys: list[int]) -> pa.Table:
 
 def _first_batch(job: Path, backend: str) -> StateFile:
     _, report = run_subtask(_spec(job, backend, 0), iter(_records([1, 2, 3, 3]).to_batches()), 0)
-    return StateFile.from_json(report["file"])
+    assert report.file is not None
+    return report.file
 
 
 def _counts(parts: Any) -> dict[int, int]:

@@ -25,7 +25,7 @@ from test_task import (  # noqa: F401
 )
 
 import keyscale.runtime.task.memory as memory
-from keyscale.checkpoint.manifest import StateFile, live_files
+from keyscale.checkpoint.manifest import live_files
 from keyscale.errors import InputDataError, JobDefinitionError, RecordError
 from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK
 from keyscale.operators.keyed import KeyedProcessFunction
@@ -39,6 +39,7 @@ from keyscale.operators.vectorized import (
 )
 from keyscale.operators.windows import TumblingWindows, WindowAggregate
 from keyscale.runtime.task.keyed import DEAD, KG, MAIN, SEQ, run_subtask
+from keyscale.runtime.task.report import TaskReport
 from keyscale.runtime.task.spark import make_stage_function
 from keyscale.state.keygroups import key_group_range
 from keyscale.state.spark_hash import key_group_of
@@ -51,9 +52,10 @@ def _row(key: str, value: int, i: int) -> dict[str, Any]:
     return {"key": key, "value": value, "id": i, SEQ: i, KG: key_group_of([key], ["string"], M)}
 
 
-def _poisoned(report: dict[str, Any]) -> int:
+
+def _poisoned(report: TaskReport) -> int:
     """Records of a subtask's report whose processing raised (skipped or dead-lettered)."""
-    c = report.get("counters", {})
+    c = report.counters
     return int(c.get("skipped", 0)) + int(c.get("dead_lettered", 0))
 
 @dataclass
@@ -77,7 +79,7 @@ class PolicyDriver(Driver):
                 self.dead += [r for r in out.column(DEAD).to_pylist() if r is not None]
                 out = pa.Table.from_pylist([r for r in out.column(MAIN).to_pylist() if r is not None], schema=self.output_schema)
             outs.append(out)
-        self.files = live_files([*self.files, *(StateFile.from_json(r["file"]) for r in reports if r["file"])], M)
+        self.files = live_files([*self.files, *(r.file for r in reports if r.file)], M)
         self.committed = batch
         return outs, reports
 
@@ -140,7 +142,7 @@ def test_skipped_record_leaves_no_state_and_other_records_apply(tmp_path: Path, 
         outs, reports = d.run(b, rows, 2)
         assert rows_of(outs) == want[b], f"batch {b}"
         assert sum(_poisoned(r) for r in reports) == 1
-        assert {k for r in reports for k in r["counters"]} == {"skipped" if on_error == "skip" else "dead_lettered"}
+        assert {k for r in reports for k in r.counters} == {"skipped" if on_error == "skip" else "dead_lettered"}
     # A fresh worker restoring from the checkpoint sees the same state: nothing half-applied was written.
     memory._HELD.clear()
     outs, _ = d.run(2, [_row("a", 1, 8), _row("b", 1, 9)], 2)
@@ -315,7 +317,7 @@ def test_null_event_time_in_a_window_fails_by_default_naming_column_operator_bat
 def test_null_event_time_in_a_window_follows_on_error(tmp_path: Path) -> None:
     d = _window_driver(tmp_path, ErrorPolicy("dead_letter"))
     _, reports = d.run(0, _ts_rows([1000, None, 1500]), 1)
-    assert _poisoned(reports[0]) == 1 and reports[0]["max_event_ms"] == 1500
+    assert _poisoned(reports[0]) == 1 and reports[0].max_event_ms == 1500
     assert d.dead is not None and [json.loads(r["record"])["id"] for r in d.dead] == [1]
     assert d.dead[0]["error"] == "null event time in column 'ts'"
 
@@ -324,9 +326,9 @@ def test_null_event_time_outside_windows_never_moves_the_watermark(tmp_path: Pat
     schema = TS_IN
     d = PolicyDriver(tmp_path / "job", Tracker(), TRACKER_OUT, input_schema=schema, event_time="ts")
     _, reports = d.run(0, [{**r, "value": 2} for r in _ts_rows([None, 700, None])], 1)
-    assert reports[0]["max_event_ms"] == 700
+    assert reports[0].max_event_ms == 700
     _, reports = d.run(1, _ts_rows([None]), 1)
-    assert reports[0]["max_event_ms"] is None
+    assert reports[0].max_event_ms is None
 
 
 class PickyCount(VectorizedKeyedFunction):
@@ -448,9 +450,9 @@ def test_side_outputs_late_and_dead_letters_together() -> None:
 
 
 def test_log_reader_ignores_null_event_times_for_the_watermark(tmp_path: Path) -> None:
+    from keyscale.runtime.task.reader import make_reader_function
     from keyscale.runtime.task.report import Reports
     from keyscale.sources import create_log
-    from keyscale.sources.reader import make_reader_function
 
     log = create_log(tmp_path / "log", "key string, ts long", 1)
     log.append(0, pa.table({"key": ["a", "b", "c"], "ts": pa.array([5, None, 9], pa.int64())}))
@@ -458,7 +460,7 @@ def test_log_reader_ignores_null_event_times_for_the_watermark(tmp_path: Path) -
     read = make_reader_function(log, "reader", 0, [[(0, 0, 3)]], log.schema, "ts", report_to=collected.sender)
     rows = pa.concat_tables(pa.Table.from_batches([b]) for b in read(iter([pa.record_batch({"subtask": pa.array([0], pa.int32())})])))
     assert rows.num_rows == 3
-    assert collected.take("reader", 0, 1)[0]["partitions"]["0"]["max_event_ms"] == 9
+    assert (collected.take("reader", 0, 1)[0].partitions or {})[0].max_event_ms == 9
 
 
 def test_the_jobs_own_policy_for_malformed_input_is_the_sinks_and_the_strictest_of_its_branches(spark: Any, tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """One subtask of a keyed stage, without Spark: ``run_subtask`` driven by a simulated driver.
 
 The driver here does what the real one does between batches: it routes records to the
-subtask owning their key group, collects the reports, keeps the live state files,
+subtask owning their key group, collects their reports (``TaskReport``), keeps the live state files,
 and passes them with ``committed=batch`` to the next batch. Worker processes are simulated
 by swapping the module-level cache of warm state (``memory._HELD``, the memory backend's).
 """
@@ -192,8 +192,8 @@ class Driver:
             outs.append(out)
             reps.append(rep)
         reports = reps
-        assert [r["subtask"] for r in reports] == list(range(p))
-        new = [StateFile.from_json(r["file"]) for r in reports if r["file"]]
+        assert [r.subtask for r in reports] == list(range(p))
+        new = [r.file for r in reports if r.file]
         self.files = live_files([*self.files, *new], M)
         self.committed = batch
         self.reports.append(reports)
@@ -247,9 +247,9 @@ def test_outputs_equal_a_python_reference_over_batches(tmp_path: Path, kind: str
     for b, rows in enumerate(batches):
         outs, reports = d.run(b, rows, 2, shuffle=b)
         assert rows_of(outs) == want[b], f"batch {b}"
-        assert sum(r["records"] for r in reports) == len(rows)
-        assert sum(r["emitted"] for r in reports) == len(want[b])
-        assert [r["range"] for r in reports] == [[0, 7], [8, 15]]
+        assert sum(r.records for r in reports) == len(rows)
+        assert sum(r.emitted for r in reports) == len(want[b])
+        assert [r.range for r in reports] == [(0, 7), (8, 15)]
 
 
 def test_records_of_a_key_arrive_in_seq_order_even_when_shuffled(tmp_path: Path) -> None:
@@ -311,17 +311,17 @@ def test_subtask_without_records_after_the_first_batch(tmp_path: Path) -> None:
     d.run(0, batches[0], 2)
     outs, reports = d.run(1, [], 2)
     assert all(o.num_rows == 0 and o.schema == TRACKER_OUT for o in outs)
-    assert [(r["records"], r["keys"], r["emitted"], r["file"]) for r in reports] == [(0, 0, 0, None)] * 2
+    assert [(r.records, r.keys, r.emitted, r.file) for r in reports] == [(0, 0, 0, None)] * 2
     outs, reports = d.run(2, batches[2], 2)
     assert rows_of(outs) == want[2]
-    assert [r["files_read"] for r in reports] == [0, 0]  # the empty batch kept the state warm
+    assert [r.files_read for r in reports] == [0, 0]  # the empty batch kept the state warm
 
 
 def test_subtask_without_records_in_the_first_batch(tmp_path: Path) -> None:
     d = tracker_driver(tmp_path)
     rows = [r for r in make_batches(1, 40, 10, seed=3)[0] if r[KG] >= 8]  # nothing for subtask 0
     outs, reports = d.run(0, rows, 2)
-    assert outs[0].num_rows == 0 and reports[0]["file"] is None
+    assert outs[0].num_rows == 0 and reports[0].file is None
     assert rows_of(outs) == tracker_reference([rows])[0]
 
 
@@ -334,10 +334,10 @@ def test_second_batch_in_the_same_process_reads_nothing(tmp_path: Path, kind: st
     d = make(tmp_path)
     batches = make_batches(3, 80, 20, seed=4)
     _, first = d.run(0, batches[0], 2)
-    assert [(r["loaded_key_groups"], r["warm_key_groups"], r["files_read"]) for r in first] == [(8, 0, 0)] * 2
+    assert [(r.loaded_key_groups, r.warm_key_groups, r.files_read) for r in first] == [(8, 0, 0)] * 2
     for b in (1, 2):
         _, reports = d.run(b, batches[b], 2)
-        assert [(r["loaded_key_groups"], r["warm_key_groups"], r["files_read"]) for r in reports] == [(0, 8, 0)] * 2
+        assert [(r.loaded_key_groups, r.warm_key_groups, r.files_read) for r in reports] == [(0, 8, 0)] * 2
 
 
 @pytest.mark.parametrize("kind", DRIVERS)
@@ -355,11 +355,11 @@ def test_fresh_process_reloads_from_files(tmp_path: Path, kind: str, fresh: str)
         memory._HELD.clear()
     outs, reports = d.run(3, batches[3], 2)
     assert rows_of(outs) == want[3]
-    assert [r["loaded_key_groups"] for r in reports] == [8, 8]
-    assert all(r["files_read"] >= 1 for r in reports)
+    assert [r.loaded_key_groups for r in reports] == [8, 8]
+    assert all(r.files_read >= 1 for r in reports)
     outs, reports = d.run(4, batches[4], 2)
     assert rows_of(outs) == want[4]
-    assert [r["files_read"] for r in reports] == [0, 0]
+    assert [r.files_read for r in reports] == [0, 0]
 
 
 @pytest.mark.parametrize("fresh", [False, True])
@@ -376,7 +376,7 @@ def test_state_keys_count_live_keys(tmp_path: Path, fresh: bool) -> None:
         for r in sorted(rows, key=lambda r: r[SEQ]):
             (live.discard if r["value"] == 0 else live.add)(r["key"])
     per_subtask = [sum(1 for k in live if key_group_of([k], ["string"], M) * 2 // M == i) for i in range(2)]
-    assert [r["state_keys"] for r in reports] == per_subtask
+    assert [r.state_keys for r in reports] == per_subtask
 
 
 @pytest.mark.parametrize("kind", DRIVERS)
@@ -392,7 +392,7 @@ def test_replayed_batch_computes_the_same(tmp_path: Path, kind: str) -> None:
     d.files, d.committed = files, committed
     outs, reports = d.run(1, batches[1], 2, shuffle=1)
     assert rows_of(outs) == want[1]
-    assert [r["loaded_key_groups"] for r in reports] == [8, 8]  # held version 1 > committed 0
+    assert [r.loaded_key_groups for r in reports] == [8, 8]  # held version 1 > committed 0
     outs, _ = d.run(2, batches[2], 2)
     assert rows_of(outs) == want[2]
 
@@ -429,7 +429,7 @@ def test_rescale_gives_the_same_outputs_as_p1(tmp_path: Path, kind: str, model: 
         outs, reports = scaled.run(b, rows, p, compact=compact, shuffle=b, workers=_workers(model, b, p, pool))
         assert rows_of(ref_outs) == want[b], f"P=1, batch {b}"
         assert rows_of(outs) == want[b], f"{model}, batch {b} at P={p}"
-        assert [r["range"] for r in reports] == [[r.start, r.end] for r in (key_group_range(i, M, p) for i in range(p))]
+        assert [r.range for r in reports] == [(r.start, r.end) for r in (key_group_range(i, M, p) for i in range(p))]
 
 
 def test_rescale_in_one_worker_copies_no_state(tmp_path: Path) -> None:
@@ -438,7 +438,7 @@ def test_rescale_in_one_worker_copies_no_state(tmp_path: Path) -> None:
     for b, p in enumerate([2, 2, 2, 1, 4]):
         _, reports = d.run(b, batches[b], p)
         if b > 0:
-            assert all(r["files_read"] == 0 and r["loaded_key_groups"] == 0 for r in reports), (b, reports)
+            assert all(r.files_read == 0 and r.loaded_key_groups == 0 for r in reports), (b, reports)
 
 
 def test_stale_worker_catches_up_from_deltas(tmp_path: Path) -> None:
@@ -452,8 +452,8 @@ def test_stale_worker_catches_up_from_deltas(tmp_path: Path) -> None:
     d.run(2, batches[2], 1, workers={0: b_})
     outs, reports = d.run(3, batches[3], 1, workers={0: a})  # a holds version 0: needs deltas 1 and 2
     assert rows_of(outs) == want[3]
-    assert reports[0]["loaded_key_groups"] == 0 and reports[0]["warm_key_groups"] == M
-    assert reports[0]["files_read"] == 2
+    assert reports[0].loaded_key_groups == 0 and reports[0].warm_key_groups == M
+    assert reports[0].files_read == 2
 
 
 def _held_key_groups(cache: dict[Any, Any]) -> set[int]:
@@ -476,12 +476,12 @@ def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget
         outs, reports = d.run(b, rows, 2, workers={i: pool[(i + b) % 2] for i in range(2)})
         assert rows_of(outs) == want[b]
         if not budget:
-            assert [r["loaded_key_groups"] for r in reports] == [8, 8]  # each range comes to the other worker
+            assert [r.loaded_key_groups for r in reports] == [8, 8]  # each range comes to the other worker
             for i in range(2):
                 rng = key_group_range(i, M, 2)
                 assert _held_key_groups(pool[(i + b) % 2]) <= set(range(rng.start, rng.end + 1))
         elif b >= 2:  # both workers hold both ranges, a batch behind
-            assert [(r["loaded_key_groups"], r["files_read"]) for r in reports] == [(0, 1), (0, 1)]
+            assert [(r.loaded_key_groups, r.files_read) for r in reports] == [(0, 1), (0, 1)]
 
 
 def test_a_worker_running_several_subtasks_of_a_batch_keeps_them_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -495,7 +495,7 @@ def test_a_worker_running_several_subtasks_of_a_batch_keeps_them_all(tmp_path: P
         outs, reports = d.run(b, rows, 2)
         assert rows_of(outs) == want[b]
         if b:
-            assert [(r["loaded_key_groups"], r["files_read"]) for r in reports] == [(0, 0), (0, 0)]
+            assert [(r.loaded_key_groups, r.files_read) for r in reports] == [(0, 0), (0, 0)]
 
 
 @pytest.mark.parametrize("kind", DRIVERS)
@@ -565,9 +565,9 @@ def test_compaction_writes_a_snapshot_and_restores_from_it(tmp_path: Path, kind:
     assert {f.kind for f in d.files} == {"delta"} and len(d.files) == 4
     outs, reports = d.run(2, batches[2], 2, compact=[True, True])
     assert rows_of(outs) == want[2]
-    snaps = [StateFile.from_json(r["file"]) for r in reports]
+    snaps = [r.file for r in reports]
     assert [(f.kind, f.batch, f.start, f.end) for f in snaps] == [("snapshot", 2, 0, 7), ("snapshot", 2, 8, 15)]
-    assert [f.rows for f in snaps] == [r["state_keys"] for r in reports]  # deleted keys are not in it
+    assert [f.rows for f in snaps] == [r.state_keys for r in reports]  # deleted keys are not in it
     assert d.files == snaps  # older deltas are no longer live
     for f in snaps:  # a snapshot holds no all-null (deleted) rows
         table = read_state_slice(d.job_dir, f, f.range, verify=True)
@@ -576,10 +576,10 @@ def test_compaction_writes_a_snapshot_and_restores_from_it(tmp_path: Path, kind:
     memory._HELD.clear()  # a fresh process restores from the snapshots
     outs, reports = d.run(3, batches[3], 2)
     assert rows_of(outs) == want[3]
-    assert [r["files_read"] for r in reports] == [1, 1]
+    assert [r.files_read for r in reports] == [1, 1]
     outs, reports = d.run(4, batches[4], 2, compact=[False, True])
     assert rows_of(outs) == want[4]
-    assert [StateFile.from_json(r["file"]).kind for r in reports] == ["delta", "snapshot"]
+    assert [r.file.kind for r in reports] == ["delta", "snapshot"]
 
 
 def test_compaction_invalidates_a_stale_worker(tmp_path: Path) -> None:
@@ -594,7 +594,7 @@ def test_compaction_invalidates_a_stale_worker(tmp_path: Path) -> None:
     d.run(2, batches[2], 1, workers={0: b_})
     outs, reports = d.run(3, batches[3], 1, workers={0: a})
     assert rows_of(outs) == want[3]
-    assert reports[0]["loaded_key_groups"] == M and reports[0]["files_read"] == 2
+    assert reports[0].loaded_key_groups == M and reports[0].files_read == 2
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -647,7 +647,7 @@ def test_failed_attempt_leaves_no_warm_state_claiming_its_version(tmp_path: Path
     fn.broken = False  # the retried attempt (same process) must not see the failed one's updates
     outs, reports = d.run(1, batches[1], 2)
     assert rows_of(outs) == want[1]
-    assert reports[0]["loaded_key_groups"] == 8
+    assert reports[0].loaded_key_groups == 8
     outs, _ = d.run(2, batches[2], 2)
     assert rows_of(outs) == want[2]
 
@@ -658,18 +658,17 @@ def test_report_names_the_subtask_and_its_state_file(tmp_path: Path) -> None:
 
     d = aggregate_driver(tmp_path)
     _, reports = d.run(0, make_batches(1, 30, 5)[0], 2)
-    assert [set(r) >= {"subtask", "range", "records", "keys", "emitted", "file", "state_keys", "busy_seconds",
-                       "load_seconds", "warm_key_groups", "loaded_key_groups", "files_read"} for r in reports] == [True, True]
+    assert [(r.subtask, r.range is not None, r.busy_seconds > 0) for r in reports] == [(0, True, True), (1, True, True)]
     collector = Reports()
     for r in reports:
-        send(collector.sender, "op", 0, r["subtask"], r)
+        send(collector.sender, "op", 0, r.subtask, r)
     assert collector.take("op", 0, 2) == reports
     with pytest.raises(KeyscaleError, match="subtask 2 of operator 'op' did not report for batch 0"):
         collector.take("op", 0, 3)
     collector.forget(0)
     with pytest.raises(KeyscaleError, match="subtask 0 of operator 'op' did not report"):
         collector.take("op", 0, 2)
-    f = StateFile.from_json(reports[0]["file"])
+    f = reports[0].file
     assert (d.job_dir / f.path).exists() and f.range == KeyGroupRange(0, 7)
     assert np.all(read_state_slice(d.job_dir, f, f.range).column(KG).to_numpy() <= 7)
 
@@ -716,8 +715,8 @@ def test_expired_state_is_removed_from_memory_and_checkpoint(tmp_path: Path) -> 
     d.run(0, [_row("a", 1, 0), _row("b", 1, 1)], 2)
     d.run(2, [_row("b", 1, 2)], 2)  # b is written again at t0 + 2 s, a is not
     _, reports = d.run(3, [], 2)  # t0 + 3 s: a expires; nobody read it
-    assert sum(r["state_keys"] for r in reports) == 1
-    assert any(r["file"] for r in reports)  # the expiry is written as a delete, incrementally
+    assert sum(r.state_keys for r in reports) == 1
+    assert any(r.file for r in reports)  # the expiry is written as a delete, incrementally
     _, reports = d.run(4, [], 2, compact=[True, True])
     keys = [k for f in d.files for k in read_state_slice(d.job_dir, f, f.range).column("key").to_pylist()]
     assert keys == ["b"]  # the snapshot holds no trace of a
@@ -765,8 +764,8 @@ def test_an_event_time_stage_reports_no_far_future_maximum_and_counts_it(tmp_pat
     spec = replace(d.spec(0, 1), event_time="value", event_time_limit_ms=10_000)
     out, report = run_subtask(spec, iter(to_record_batches(rows, INPUT, None)), 0)
     assert out.num_rows == 3  # a running aggregate still counts every record
-    assert report["max_event_ms"] == 2_000
-    assert report["counters"] == {"too_far_ahead": 1}
+    assert report.max_event_ms == 2_000
+    assert report.counters == {"too_far_ahead": 1}
 
 
 def test_dropped_null_keys_are_counted(tmp_path: Path) -> None:
@@ -778,7 +777,7 @@ def test_dropped_null_keys_are_counted(tmp_path: Path) -> None:
     spec = replace(d.spec(0, 1), null_keys="drop")
     out, report = run_subtask(spec, iter(to_record_batches(rows, INPUT, None)), 0)
     assert out.to_pylist() == [{"key": "a", "count": 2, "total": 2}]
-    assert report["counters"] == {"dropped_null_keys": 2} and report["records"] == 4
+    assert report.counters == {"dropped_null_keys": 2} and report.records == 4
 
 
 # -- two attempts of one subtask (speculation, a zombie task set) --------------------------------
@@ -810,11 +809,11 @@ def test_two_attempts_of_a_subtask_leave_reports_naming_files_that_match(tmp_pat
     _, rep_a = run_subtask(spec, iter(to_record_batches(batches[1], d.input_schema, None)), 0)
     with worker({}):
         _, rep_b = run_subtask(spec, iter(to_record_batches(batches[1], d.input_schema, None)), 0)
-    assert rep_a["file"] != rep_b["file"]  # each attempt its own file
+    assert rep_a.file != rep_b.file  # each attempt its own file
     collector = Reports()
     for rep in ([rep_b, rep_a] if last == "first" else [rep_a, rep_b]):
         send(collector.sender, d.uid, 1, 0, rep)
     survivor = collector.take(d.uid, 1, 1)[0]
-    assert survivor["file"] == (rep_a if last == "first" else rep_b)["file"]
-    assert verify_state_file(d.job_dir, StateFile.from_json(survivor["file"])) is None
-    assert verify_state_file(d.job_dir, StateFile.from_json(rep_b["file"])) is None
+    assert survivor.file == (rep_a if last == "first" else rep_b).file
+    assert verify_state_file(d.job_dir, survivor.file) is None
+    assert verify_state_file(d.job_dir, rep_b.file) is None

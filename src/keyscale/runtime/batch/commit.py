@@ -31,18 +31,19 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from keyscale._faults import fault_point
 from keyscale.checkpoint.drain import drain_extra
 from keyscale.checkpoint.files import wait_stored
-from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, live_files
+from keyscale.checkpoint.intent import BatchIntent, SourcePlan
+from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, live_files
 from keyscale.operators.eventtime import END_OF_TIME, WatermarkState
 from keyscale.operators.eventtime import advance as advance_watermark
 from keyscale.operators.eventtime import describe as describe_watermark
@@ -53,6 +54,7 @@ from keyscale.runtime.batch.jobstate import BatchRecord, JobState, PendingCommit
 from keyscale.runtime.batch.source_plan import plan_source, read_source, source_status
 from keyscale.runtime.batch.status import checkpoint_fields, report_counts, status
 from keyscale.runtime.task import counters
+from keyscale.runtime.task.report import TaskReports
 from keyscale.sinks.base import KEPT
 from keyscale.sources import reader
 
@@ -60,8 +62,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
 log = logging.getLogger("keyscale")
-
-TaskReports = dict[str, list[dict[str, Any]]]  # the tasks' reports of a batch, per operator uid
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,18 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     # 2. Intent.
     intent, replayed = fix_intent(job, df, batch_id, drain)
     # 3. Tasks: the batch's Spark plan, run by the sink write.
-    par: dict[str, int] = {u: int(p) for u, p in intent["parallelism"].items()}
-    watermark_ms = int(intent.get("watermark_ms", job.watermark.watermark_ms))
-    batch_time_ms = int(intent["batch_time_ms"])
+    par: dict[str, int] = dict(intent.parallelism)
+    watermark_ms = job.watermark.watermark_ms if intent.watermark_ms is None else intent.watermark_ms
+    batch_time_ms = intent.batch_time_ms
     src, side = job.pipeline.log_source, job.pipeline.side_log
     if df is None:
-        assert src is not None
-        df = read_source(job, src, batch_id, intent["source_plan"], batch_time_ms, intent.get("log_ids", {}))
-    side_df = read_source(job, side, batch_id, intent["side_plan"], batch_time_ms, intent.get("log_ids", {})) if side else None
-    rules = stages.apply_broadcasts(job, intent.get("broadcast_plans", {}))
+        assert src is not None and intent.source_plan is not None
+        df = read_source(job, src, batch_id, intent.source_plan, batch_time_ms, intent.log_ids)
+    side_df = None
+    if side is not None:
+        assert intent.side_plan is not None
+        side_df = read_source(job, side, batch_id, intent.side_plan, batch_time_ms, intent.log_ids)
+    rules = stages.apply_broadcasts(job, intent.broadcast_plans)
     job.input_counts, malformed_letters = {}, None
     if job.malformed is not None and df is not None:
         # Before any stage: a malformed record must not reach one as a row of nulls (a null key).
@@ -104,7 +107,7 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
     if job.fault("after-sink", batch_id):
-        os.kill(os.getpid(), signal.SIGKILL)
+        fault_point("after-sink", os.getpid())
     # At most one checkpoint in flight: the batch before this one commits first.
     removed = settle(job)
     # 5. Manifest: the commit point (with asynchronous checkpoints, in the background once
@@ -140,35 +143,35 @@ def settle(job: JobState) -> int:
     return job.jobdir.retain(job.opts.retain)
 
 
-def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) -> tuple[dict[str, Any], bool]:
+def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) -> tuple[BatchIntent, bool]:
     """Step 2: the batch's intent, new or (a replay) as first written; and whether it is a replay."""
     assert job.pipeline is not None
     intent = job.jobdir.read_intent(batch_id)
     replace = False
-    if intent is not None and intent.get("drain") and not drain:
+    if intent is not None and intent.drain and not drain:
         # An interrupted drain: this batch is Spark's, with its input and the job's watermark.
         log.info("batch %d: an interrupted drain used this id; it runs as an ordinary batch", batch_id)
         intent, replace = None, True
     if intent is not None:
         return replay_intent(job, batch_id, intent), True
     parallelism.apply_rescale_requests(job, batch_id)
-    intent = {
-        "batch_time_ms": int(time.time() * 1000), "parallelism": dict(job.parallelism),
-        "watermark_ms": END_OF_TIME if drain else job.watermark.watermark_ms, **({"drain": True} if drain else {}),
-    }
-    for src, key in ((job.pipeline.log_source, "source_plan"), (job.pipeline.side_log, "side_plan")):
-        if src is not None:
-            intent[key] = plan_source(job, src, batch_id, job.parallelism[src.uid], read=not drain)
-    # Rules streams: what this batch applies is fixed here, so a replay applies the same.
-    intent["broadcast_plans"] = {uid: plan_source(job, b.source, batch_id, 1) for uid, b in job.pipeline.broadcasts.items()}
-    intent["log_ids"] = dict(job.log_ids)  # the logs the plans are for: their ids go into the manifest
+    batch_time_ms = int(time.time() * 1000)
+    src, side = job.pipeline.log_source, job.pipeline.side_log
+    plans = [plan_source(job, s, batch_id, job.parallelism[s.uid], read=not drain) if s is not None else None for s in (src, side)]
+    intent = BatchIntent(
+        batch_time_ms=batch_time_ms, parallelism=dict(job.parallelism),
+        watermark_ms=END_OF_TIME if drain else job.watermark.watermark_ms, drain=drain, source_plan=plans[0], side_plan=plans[1],
+        # Rules streams: what this batch applies is fixed here, so a replay applies the same.
+        broadcast_plans={uid: plan_source(job, b.source, batch_id, 1) for uid, b in job.pipeline.broadcasts.items()},
+        log_ids=dict(job.log_ids),  # the logs the plans are for: their ids go into the manifest
+    )
     if job.mirror is not None and df is not None:
         job.mirror.push(batch_id)  # Spark's offsets of this batch are in the job directory before anything of it
     job.jobdir.write_intent(batch_id, intent, replace=replace)
     return intent, False
 
 
-def replay_intent(job: JobState, batch_id: int, intent: dict[str, Any]) -> dict[str, Any]:
+def replay_intent(job: JobState, batch_id: int, intent: BatchIntent) -> BatchIntent:
     """A replay's intent: as first written, except a failed batch retried at a new ``-p``,
     unless a sink's committed output of the batch is tied to its plan (``Sink.plan_bound``)."""
     assert job.pipeline is not None
@@ -202,7 +205,7 @@ def write_sinks(job: JobState, plan: stages.BatchPlan, batch_id: int) -> float:
     try:
         for i, (sink, rows) in enumerate(plan.writes):
             if i == 1 and job.fault("between-sinks", batch_id):
-                os.kill(os.getpid(), signal.SIGKILL)
+                fault_point("between-sinks", os.getpid())
             if sink.write(rows, batch_id) == KEPT:
                 log.info("batch %d: %s already had this batch's output: the earlier write is kept", batch_id, sink.describe())
     finally:
@@ -225,7 +228,7 @@ def post_commit(job: JobState, batch_id: int) -> None:
 
 
 def commit_manifest(
-    job: JobState, batch_id: int, intent: dict[str, Any], par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]], drain: bool,
+    job: JobState, batch_id: int, intent: BatchIntent, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]], drain: bool,
     background: bool = False,
 ) -> tuple[int, int, TaskReports]:
     """Step 5: build the manifest, commit it (epoch check, created only if absent), and move
@@ -234,10 +237,9 @@ def commit_manifest(
     With ``background`` the commit runs in a thread once the state files are stored
     (``job.pending``), and the job's state moves on now: the next batch runs on it."""
     assert job.pipeline is not None
-    batch_time_ms = int(intent["batch_time_ms"])
+    batch_time_ms = intent.batch_time_ms
     manifest, records, emitted, reports = build_manifest(
-        job, batch_id, batch_time_ms, par, intent.get("source_plan"), intent.get("broadcast_plans", {}), rules, intent.get("log_ids", {}),
-        intent.get("side_plan"))
+        job, batch_id, batch_time_ms, par, intent.source_plan, intent.broadcast_plans, rules, intent.log_ids, intent.side_plan)
     wm = next_watermark(job, reports, batch_time_ms, watermark_ms)
     counts = {**counters.of_reports(reports), **job.input_counts}  # late, too far ahead, dropped...: totals survive retention and restarts
     totals = counters.add(counters.from_extra(job.committed.extra if job.committed else None), counts)
@@ -299,7 +301,7 @@ def record(
     requests = Counter(job.jobdir.store.requests) - clock.requests_before
     for rs in reports.values():
         for r in rs:
-            requests.update(r.get("store_requests", {}))
+            requests.update(r.store_requests)
     rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests))
     job.summary.batches.append(rec)
     job.summary.parallelism = dict(job.parallelism)
@@ -333,9 +335,9 @@ def record(
 
 
 def build_manifest(
-    job: JobState, batch_id: int, batch_time_ms: int, par: dict[str, int], source_plan: list[list[list[int]]] | None = None,
-    broadcast_plans: dict[str, list[list[list[int]]]] | None = None, rules: dict[str, dict[str, Any]] | None = None,
-    log_ids: dict[str, str | None] | None = None, side_plan: list[list[list[int]]] | None = None,
+    job: JobState, batch_id: int, batch_time_ms: int, par: dict[str, int], source_plan: SourcePlan | None = None,
+    broadcast_plans: Mapping[str, SourcePlan] | None = None, rules: dict[str, dict[str, Any]] | None = None,
+    log_ids: Mapping[str, str | None] | None = None, side_plan: SourcePlan | None = None,
 ) -> tuple[Manifest, int, int, TaskReports]:
     """The batch's manifest from its tasks' reports: per operator its state files (keyed),
     lists (non-keyed), offsets (the source: in the same manifest as the state they
@@ -345,15 +347,16 @@ def build_manifest(
     records = 0
     all_reports: TaskReports = {}
     src = job.pipeline.log_source
-    for log_src, plan_json in ((src, source_plan), (job.pipeline.side_log, side_plan)):
-        if log_src is None or plan_json is None:
+    for log_src, plan in ((src, source_plan), (job.pipeline.side_log, side_plan)):
+        if log_src is None or plan is None:
             continue
         p = par[log_src.uid]
         all_reports[log_src.uid] = job.reports.take(log_src.uid, batch_id, p)
         # The offsets advance in the same manifest as the state they produced.
-        after = reader.advance(reader.plan_from_json(plan_json))
+        after = reader.advance(plan)
         prev_src = job.committed.operators.get(log_src.uid) if job.committed else None
-        last = reader.last_records_after(prev_src.operator_state if prev_src else None, all_reports[log_src.uid])
+        reads = [(part, r.start, r.end, r.last_crc) for report in all_reports[log_src.uid] for part, r in (report.partitions or {}).items()]
+        last = reader.last_records_after(prev_src.operator_state if prev_src else None, reads)
         ops[log_src.uid] = OperatorCheckpoint(
             uid=log_src.uid, max_parallelism=job.max_parallelism, parallelism=p, key_columns=(), states=(),
             operator_state=reader.to_state(after, (log_ids or {}).get(log_src.uid), last),
@@ -363,9 +366,9 @@ def build_manifest(
         reports = job.reports.take(step.uid, batch_id, p)
         all_reports[step.uid] = reports
         if i == 0 and src is None:
-            records = sum(int(r["records"]) for r in reports)
+            records = sum(r.records for r in reports)
         prev = job.committed.operators.get(step.uid) if job.committed else None
-        new = [StateFile.from_json(r["file"]) for r in reports if r["file"]]
+        new = [r.file for r in reports if r.file is not None]
         files = live_files([*(prev.files if prev else ()), *new], job.max_parallelism)
         ops[step.uid] = OperatorCheckpoint(
             uid=step.uid, max_parallelism=job.max_parallelism, parallelism=p,
@@ -377,20 +380,20 @@ def build_manifest(
         all_reports[nk.uid] = reports
         ops[nk.uid] = OperatorCheckpoint(
             uid=nk.uid, max_parallelism=job.max_parallelism, parallelism=par[nk.uid], key_columns=(), states=(),
-            operator_state=lists_state(nk.lists, [r["lists"] for r in reports]),
+            operator_state=lists_state(nk.lists, [dict(r.lists or {}) for r in reports]),
         )
-    for uid, plan in (broadcast_plans or {}).items():
+    for uid, rules_plan in (broadcast_plans or {}).items():
         ops[uid] = OperatorCheckpoint(
             uid=uid, max_parallelism=job.max_parallelism, parallelism=1, key_columns=(), states=(),
             operator_state={
                 "broadcast": broadcast_to_json((rules or {}).get(uid, {})),
-                **reader.to_state(reader.advance(reader.plan_from_json(plan)), (log_ids or {}).get(uid)),
+                **reader.to_state(reader.advance(rules_plan), (log_ids or {}).get(uid)),
             },
         )
     # Rows out: what the last stage of each branch emitted (its sink's rows).
-    emitted = sum(int(r["emitted"]) for uid in job.pipeline.output_uids for r in all_reports.get(uid, []))
+    emitted = sum(r.emitted for uid in job.pipeline.output_uids for r in all_reports.get(uid, []))
     if src is not None and src.uid in all_reports:
-        records = sum(int(r["records"]) for r in all_reports[src.uid])
+        records = sum(r.records for r in all_reports[src.uid])
     extra = {"source_positions": "operator_state"} if src is not None else {}
     manifest = Manifest(job=job.name, batch=batch_id, batch_time_ms=batch_time_ms, operators=ops, created_ms=int(time.time() * 1000), extra=extra)
     return manifest, records, emitted, all_reports
@@ -407,11 +410,11 @@ def next_watermark(job: JobState, reports: TaskReports, batch_time_ms: int, ran_
     if src is not None and src.uid in reports:  # one input per partition of the log
         seen: dict[str, int | None] = {}
         for r in reports[src.uid]:
-            for part, info in r["partitions"].items():
-                seen[f"partition-{part}"] = info["max_event_ms"]
+            for part, read in (r.partitions or {}).items():
+                seen[f"partition-{part}"] = read.max_event_ms
         return advance_watermark(spec, now, seen, batch_time_ms)
     stage = next((s for s in job.pipeline.keyed_steps if s.event_time), None)
     if stage is None:
         return now
-    maxima = [int(r["max_event_ms"]) for r in reports[stage.uid] if r.get("max_event_ms") is not None]
+    maxima = [r.max_event_ms for r in reports[stage.uid] if r.max_event_ms is not None]
     return advance_watermark(spec, now, {"source": max(maxima) if maxima else None}, batch_time_ms)

@@ -18,12 +18,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from keyscale._faults import armed
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.operators.eventtime import WatermarkState, ahead_limit_ms
 from keyscale.runtime.task import counters
-from keyscale.runtime.task.report import Reports
+from keyscale.runtime.task.report import Reports, TaskReports
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ class JobState:
     malformed: Watched | None = None  # the corrupt-record column of a JSON/CSV source, whose rows on_error handles
     input_counts: counters.Counters = field(default_factory=dict)  # the running batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its last plan is for
-    last_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
+    last_reports: TaskReports | None = None  # the last batch's task reports, per operator
     committed_status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
     state: str = "starting"  # "starting" | "running" | "draining" | "stopped" | "failed" (status.json, GET /status)
     last_error: dict[str, Any] | None = None  # why the job failed: message, traceback, batch, time_ms
@@ -169,8 +170,8 @@ class JobState:
         self.events.append({"batch": batch, "time_ms": int(time.time() * 1000), "type": kind, "reason": reason, **details})
 
     def fault(self, point: str, batch_id: int) -> bool:
-        """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here."""
-        return self.opts.fault == f"{point}:{batch_id}"
+        """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here (keyscale/_faults.py)."""
+        return armed(self.opts.fault, point, batch_id)
 
     def event_time_limit(self, batch_time_ms: int) -> int | None:
         """The latest event time a batch believes (with_watermark's max_ahead after its time)."""

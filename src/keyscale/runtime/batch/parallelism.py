@@ -16,11 +16,12 @@ that has begun.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from keyscale.checkpoint.manifest import OperatorCheckpoint
 from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
 from keyscale.runtime.batch.jobstate import JobState, seconds
+from keyscale.runtime.task.report import TaskReports
 from keyscale.scaling.policy import BatchMetrics
 from keyscale.state.keygroups import check_parallelism
 
@@ -129,7 +130,7 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
 
 
 def autoscale(
-    job: JobState, batch_id: int, started: float, batch_seconds: float, par: dict[str, int], reports: dict[str, list[dict[str, Any]]], backlog: int | None,
+    job: JobState, batch_id: int, started: float, batch_seconds: float, par: dict[str, int], reports: TaskReports, backlog: int | None,
 ) -> None:
     """Feed the batch's metrics to the autoscaler; record, and in active mode apply, its decision."""
     assert job.autoscaler is not None
@@ -138,8 +139,8 @@ def autoscale(
     for uid, rs in reports.items():
         m = BatchMetrics(
             time=started, uid=uid, parallelism=par[uid], max_parallelism=job.max_parallelism,
-            input_records=sum(int(r["records"]) for r in rs), batch_seconds=batch_seconds, trigger_interval_seconds=interval,
-            busy_seconds=tuple(float(r["busy_seconds"]) for r in rs), records=tuple(int(r["records"]) for r in rs),
+            input_records=sum(r.records for r in rs), batch_seconds=batch_seconds, trigger_interval_seconds=interval,
+            busy_seconds=tuple(float(r.busy_seconds) for r in rs), records=tuple(r.records for r in rs),
             backlog_records=backlog,  # what the source has not read yet: every operator must process it
         )
         d = job.autoscaler.observe(m)

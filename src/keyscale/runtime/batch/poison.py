@@ -21,29 +21,31 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
+
+from keyscale.checkpoint.intent import BatchIntent
+from keyscale.errors import KeyscaleError
 
 if TYPE_CHECKING:
     from keyscale.checkpoint.jobdir import JobDir
 
-from keyscale.errors import KeyscaleError
-
 log = logging.getLogger("keyscale")
 
 
-def replan_intent(intent: dict[str, Any], parallelism: int | None, keyed: Iterable[str]) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+def replan_intent(intent: BatchIntent, parallelism: int | None, keyed: Iterable[str]) -> tuple[BatchIntent, dict[str, tuple[int, int]]]:
     """The intent of an uncommitted batch with its keyed stages at ``parallelism`` (an
     explicit ``-p``); the batch time, the watermark, the source plan (and so the source
     readers' parallelism) and non-keyed stages stay. Returns (intent, {uid: (old, new)})."""
     if parallelism is None:
         return intent, {}
-    par = dict(intent["parallelism"])
-    changed = {uid: (int(par[uid]), parallelism) for uid in keyed if uid in par and int(par[uid]) != parallelism}
+    par = dict(intent.parallelism)
+    changed = {uid: (par[uid], parallelism) for uid in keyed if uid in par and par[uid] != parallelism}
     if not changed:
         return intent, {}
     for uid in changed:
         par[uid] = parallelism
-    return {**intent, "parallelism": par, "replanned_from": {u: old for u, (old, _) in changed.items()}}, changed
+    return replace(intent, parallelism=par, replanned_from={u: old for u, (old, _) in changed.items()}), changed
 
 
 #: Spark loggers that print a failed task's whole trace (200-570 lines, several times) at

@@ -10,11 +10,14 @@ planned the same way, with one reader. Reads ``job.committed`` and the log; writ
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from keyscale._spark_types import to_arrow_schema
+from keyscale.checkpoint.intent import SourcePlan, source_plan
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.batch.jobstate import JobState
+from keyscale.runtime.task.reader import make_reader_function
 from keyscale.sources import reader
 from keyscale.sources.reader import LogSource
 
@@ -34,7 +37,7 @@ def committed_assignment(job: JobState, src: LogSource) -> reader.Assignment | N
     return reader.from_state(prev.operator_state) if prev is not None else None
 
 
-def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool = True) -> list[list[list[int]]]:
+def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool = True) -> SourcePlan:
     """Batch ``batch_id``'s plan of ``src`` over ``p`` readers (``read`` False: read nothing,
     as a drain does), after checking the log still holds the committed positions."""
     current = committed_assignment(job, src)
@@ -57,17 +60,17 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
     for part, r in added:
         log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset %d", batch_id, src.uid, part, r, firsts[part] if firsts else 0)
     plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
-    return reader.plan_to_json(plan)
+    return source_plan(plan)
 
 
-def read_source(job: JobState, src: LogSource, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int,
-                log_ids: dict[str, str | None]) -> DataFrame:
-    """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``)."""
+def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, batch_time_ms: int,
+                log_ids: Mapping[str, str | None]) -> DataFrame:
+    """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``,
+    :mod:`keyscale.runtime.task.reader`)."""
 
     from keyscale._pipeline import source_schema
 
     assert job.pipeline is not None
-    plan = reader.plan_from_json(plan_json)
     spark = job.spark
     schema = source_schema(src)
     target = to_arrow_schema(schema, utc=True)
@@ -75,7 +78,7 @@ def read_source(job: JobState, src: LogSource, batch_id: int, plan_json: list[li
     # source the stage's own event times move it (commit.next_watermark).
     driving = src is job.pipeline.log_source
     event_time = job.pipeline.watermark.column if job.pipeline.watermark and driving else None
-    fn = reader.make_reader_function(
+    fn = make_reader_function(
         src.log, src.uid, batch_id, plan, target, event_time, job.event_time_limit(batch_time_ms), log_ids.get(src.uid), job.reports.sender)
     readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")
     return readers.mapInArrow(fn, schema)

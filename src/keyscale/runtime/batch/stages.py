@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from types import SimpleNamespace
@@ -24,6 +24,7 @@ import pyarrow as pa
 from keyscale._pipeline import Branch
 from keyscale._spark_types import from_arrow_schema, to_arrow_schema
 from keyscale._steps import KeyedStep, LogInputStep, NonKeyedStep, TransformStep
+from keyscale.checkpoint.intent import SourcePlan
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError
@@ -160,7 +161,7 @@ def _readers(branches: Sequence[Branch]) -> Counter[tuple[int, ...]]:
     return Counter(path for path, _ in readers)
 
 
-def apply_broadcasts(job: JobState, plans: dict[str, list[list[list[int]]]]) -> dict[str, dict[str, Any]]:
+def apply_broadcasts(job: JobState, plans: Mapping[str, SourcePlan]) -> dict[str, dict[str, Any]]:
     """Each rules stream's state for this batch: the committed state with the batch's
     rules records applied on the driver, in partition then offset order."""
     assert job.pipeline is not None
@@ -213,15 +214,13 @@ def keyed(
         for r in ranges
     )
     fault = None
+    # The test fault points a keyed task reaches (keyscale/_faults.py), shipped by name.
     if job.fault("in-compaction", batch_id) and any(compact):
-        fault = "kill-driver-in-compaction"
-    if job.fault("mid-batch", batch_id):
-        fault = "kill-driver-mid-batch"
-    if job.fault("mid-upload", batch_id):
-        fault = "kill-driver-mid-upload"  # while a state file uploads, the output streaming on
-    # Asynchronous checkpoints: 2 s after their tasks end, the Python worker uploading a state
+        fault = "in-compaction"
+    # A task kills the driver mid-batch, or while a state file uploads (the output streaming on);
+    # asynchronous checkpoints: 2 s after their tasks end, the Python worker uploading a state
     # file dies, or the files appear, or their uploads fail (runtime/task/upload.py, Upload._test_fault).
-    for point in ("worker-dies-mid-upload", "slow-upload", "fail-upload"):
+    for point in ("mid-batch", "mid-upload", "worker-dies-mid-upload", "slow-upload", "fail-upload"):
         if job.fault(point, batch_id):
             fault = point
     policy = job.pipeline.error_policy(step) if job.pipeline else FAIL

@@ -18,12 +18,13 @@ from keyscale.operators.windows import WindowAggregate
 from keyscale.runtime.batch.jobstate import JobState
 from keyscale.runtime.batch.source_plan import source_status
 from keyscale.runtime.task import counters
+from keyscale.runtime.task.report import TaskReports
 from keyscale.state.keygroups import key_group_ranges
 
 log = logging.getLogger("keyscale")
 
 
-def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
+def status(job: JobState, reports: TaskReports | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
     """The status file's content; ``source``: the log source's status, if already read."""
     ops: dict[str, Any] = {}
     logs = {s.uid: s for s in job.pipeline.logs} if job.pipeline else {}
@@ -43,7 +44,8 @@ def status(job: JobState, reports: dict[str, list[dict[str, Any]]] | None = None
         }
         if reports and uid in reports:
             entry["subtasks"] = [
-                {k: r[k] for k in ("subtask", "records", "keys", "state_keys", "busy_seconds", "warm_key_groups", "loaded_key_groups")}
+                {"subtask": r.subtask, "records": r.records, "keys": r.keys, "state_keys": r.state_keys, "busy_seconds": r.busy_seconds,
+                 "warm_key_groups": r.warm_key_groups, "loaded_key_groups": r.loaded_key_groups}
                 for r in reports[uid]
             ]
             op = job.committed.operators.get(uid) if job.committed else None

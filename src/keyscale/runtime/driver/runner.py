@@ -62,7 +62,7 @@ from keyscale.runtime.driver.session import (
 from keyscale.runtime.driver.shipping import ship_user_code, unimportable_module
 from keyscale.runtime.task.arrival import with_file_order
 from keyscale.runtime.task.profiling import profiled
-from keyscale.runtime.task.report import Reports
+from keyscale.runtime.task.report import Reports, TaskReports
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
@@ -163,7 +163,7 @@ class JobRunner:
     _reports: _OfJob[Reports] = _OfJob()
     _mirror: _OfJob[SparkMirror | None] = _OfJob()
     _autoscaler: _OfJob[Autoscaler | None] = _OfJob()
-    _last_reports: _OfJob[dict[str, list[dict[str, Any]]] | None] = _OfJob()
+    _last_reports: _OfJob[TaskReports | None] = _OfJob()
 
     def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None,
                  pipeline: Pipeline | None = None, name: str | None = None):
@@ -298,7 +298,8 @@ class JobRunner:
         self._plan_parallelism(pipeline)
         self.watermark = _watermark_of(self.committed)
         nxt = self.committed.batch + 1 if self.committed else 0
-        interrupted_drain = bool((self.jobdir.read_intent(nxt) or {}).get("drain")) and not self.jobdir.has_manifest(nxt)
+        next_intent = self.jobdir.read_intent(nxt)
+        interrupted_drain = next_intent is not None and next_intent.drain and not self.jobdir.has_manifest(nxt)
         self.lineage = start_lineage(self.jobdir, self.committed, anew=interrupted_drain)
         if pipeline.watermark is not None and self.watermark.watermark_ms > NO_WATERMARK:
             log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
@@ -684,7 +685,7 @@ class JobRunner:
         with profiled("driver-batch"):
             return commit.run_batch(self.job, df, batch_id, drain)
 
-    def _status(self, reports: dict[str, list[dict[str, Any]]] | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _status(self, reports: TaskReports | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
         return status.status(self.job, reports, source)
 
     def _size_executors(self, parallelism: dict[str, int]) -> None:

@@ -1,7 +1,7 @@
 """Counts of records a batch did not process the normal way, per operator, per batch and in total.
 
 A record that is late, too far ahead in event time, dropped or skipped must never vanish
-without a sign. Each subtask's report carries ``"counters": {name: count}`` (a dict of
+without a sign. Each subtask's report carries ``counters``: ``{name: count}`` (a dict of
 named counters, so any operator can add its own: an error policy's skipped records, for
 example). The driver sums them per operator for the batch, adds them to the totals of the
 previous checkpoint and commits the totals in the batch's manifest (``extra["counters"]``):
@@ -26,7 +26,9 @@ Names keyscale itself counts:
 
 Everything here is pure.
 
->>> batch = of_reports({"w": [{"counters": {"late": 2, "dropped": 2}}, {"counters": {"late": 1, "dropped": 1}}], "s": [{}]})
+>>> from keyscale.runtime.task.report import TaskReport
+>>> def sub(**counts): return TaskReport(subtask=0, records=0, busy_seconds=0.0, counters=counts)
+>>> batch = of_reports({"w": [sub(late=2, dropped=2), sub(late=1, dropped=1)], "s": [sub()]})
 >>> batch
 {'w': {'dropped': 3, 'late': 3}}
 >>> add({"w": {"late": 4, "dropped": 4}}, batch)
@@ -37,8 +39,11 @@ Everything here is pure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keyscale.runtime.task.report import TaskReport
 
 LATE = "late"
 TOO_FAR_AHEAD = "too_far_ahead"
@@ -61,13 +66,13 @@ def window_counters(late: int, ahead: int, late_output: bool) -> Counts:
     return {k: v for k, v in out.items() if v}
 
 
-def of_reports(reports: Mapping[str, list[dict[str, Any]]]) -> Counters:
+def of_reports(reports: Mapping[str, Sequence[TaskReport]]) -> Counters:
     """The batch's counts per operator: the sum of its subtasks' ``counters`` (zeros left out)."""
     out: Counters = {}
     for uid, rs in reports.items():
         counts: Counts = {}
         for r in rs:
-            for name, n in (r.get("counters") or {}).items():
+            for name, n in r.counters.items():
                 counts[name] = counts.get(name, 0) + int(n)
         counts = {k: v for k, v in sorted(counts.items()) if v}
         if counts:

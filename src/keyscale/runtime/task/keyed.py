@@ -3,8 +3,9 @@
 The task owns the key groups of its subtask. It gets their state at the last committed
 version, processes the batch's records key by key in arrival order, writes the keys that
 changed as one state file (or, when the restore chain got long, a snapshot of its whole
-range), emits its output rows, and reports what it did to the driver through Spark
-(:mod:`keyscale.runtime.task.report`).
+range), emits its output rows, and reports what it did (a
+:class:`~keyscale.runtime.task.report.TaskReport`, carried to the driver by Spark with the
+task's result).
 
 Where the state is between batches is the state backend's (one interface,
 :class:`~keyscale.runtime.task.backend.TaskStateBackend`): with ``state_backend="memory"``
@@ -19,8 +20,6 @@ the state file's upload, :mod:`keyscale.runtime.task.upload`.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 from collections import namedtuple
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from keyscale._faults import fault_point
 from keyscale.checkpoint.files import encode_state_file, spill_state_file
 from keyscale.checkpoint.manifest import FileKind, StateFile
 from keyscale.operators.keyed import (
@@ -44,13 +44,14 @@ from keyscale.operators.keyed import (
 )
 from keyscale.operators.poison import ErrorCollector, null_event_time_mask, run_guarded
 from keyscale.operators.vectorized import VectorizedKeyedFunction
-from keyscale.operators.windows import WindowAggregate, run_windows
+from keyscale.operators.windows import WindowAggregate, WindowResult, run_windows
 from keyscale.runtime.task import arrival, grouping
 from keyscale.runtime.task import vectorized as vectorized_task
 from keyscale.runtime.task.backend import TaskStateBackend
 from keyscale.runtime.task.counters import window_counters
 from keyscale.runtime.task.grouping import Grouped
 from keyscale.runtime.task.memory import MemoryBackend
+from keyscale.runtime.task.report import TaskReport
 from keyscale.runtime.task.spec import (
     DEAD,
     KG,
@@ -146,7 +147,7 @@ def _empty_input(spec: StageTask) -> pa.Table:
     return spec.input_schema.append(pa.field(SEQ, pa.int64())).append(pa.field(KG, pa.int32())).empty_table()
 
 
-def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
+def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport]:
     """Process one subtask's records; returns (output, report) once its state file is
     stored. Needs no Spark: testable alone."""
     out, report, upload = run_subtask_deferred(spec, batches, subtask)
@@ -155,7 +156,7 @@ def run_subtask(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int
     return out, report
 
 
-def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any], Upload | None]:
+def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport, Upload | None]:
     """``run_subtask`` with the state file's upload still running (wait for it before the report goes)."""
     rng = key_group_range(subtask, spec.max_parallelism, spec.parallelism)
     records = _Records(spec, batches)
@@ -202,22 +203,21 @@ class _Processed:
     late: pa.Table | None = None  # records too late for their windows
     keys: int = 0
     max_event: int | None = None
-    window_stats: dict[str, int] = field(default_factory=dict)
+    windows: WindowResult | None = None  # a window aggregate's result (late, fired, purged)
     counters: dict[str, int] = field(default_factory=dict)  # named counts of records not processed normally (keyscale.runtime.task.counters)
 
 
 def _process(
     spec: StageTask, records_of: _Records, subtask: int, rng: KeyGroupRange, backend: TaskStateBackend,
-) -> tuple[pa.Table, dict[str, Any], Upload | None]:
+) -> tuple[pa.Table, TaskReport, Upload | None]:
     started = time.perf_counter()
     fn = spec.function
     opened = RuntimeContext(spec.uid, subtask, spec.parallelism, spec.max_parallelism)
     fn.open(opened)
     stats = backend.load(records_of)
     load_seconds = time.perf_counter() - started
-    if spec.fault == "kill-driver-mid-batch" and spec.driver_pid:
-        os.kill(spec.driver_pid, signal.SIGKILL)
-        time.sleep(30)
+    if spec.fault == "mid-batch":
+        fault_point("mid-batch", spec.driver_pid)
 
     table = records_of()
     records = grouping.records(spec, table)
@@ -230,28 +230,23 @@ def _process(
     if table.num_rows or len(due_rows) or isinstance(fn, WindowAggregate):
         done = _run_function(fn, spec, subtask, rng, opened, state, table, records, due_rows, errors)
         changed_rows = state.rows_union(changed_rows, done.changed)
-    out, late, max_event, n_keys, window_stats, counters = done.out, done.late, done.max_event, done.keys, done.window_stats, done.counters
+    out, late, max_event, n_keys, windows, counters = done.out, done.late, done.max_event, done.keys, done.windows, done.counters
 
     written, upload = _write_state_file(spec, subtask, rng, backend, changed_rows)
     backend.finish(spec.batch_id)
     state_keys = backend.state_keys()
-    report = {
-        "subtask": subtask,
-        "range": [rng.start, rng.end],
-        "records": records,
-        "max_event_ms": max_event,
-        "timer_keys": len(due_rows),
-        "keys": n_keys,
-        "emitted": out.num_rows,
-        "file": written.to_json() if written else None,
-        "state_keys": state_keys,
-        "busy_seconds": time.perf_counter() - started,
-        "load_seconds": load_seconds,
-        **stats,
-        **window_stats,
-        "counters": {**counters, **errors.counters()},
-        "store_requests": dict(spec.store.requests),  # this task's copy of the store: its own requests
-    }
+    report = TaskReport(
+        subtask=subtask, range=(rng.start, rng.end), records=records, max_event_ms=max_event, timer_keys=len(due_rows), keys=n_keys,
+        emitted=out.num_rows, file=written, state_keys=state_keys, busy_seconds=time.perf_counter() - started,
+        # How the state was loaded (a RocksDB subtask's own load time and fetch too).
+        load_seconds=float(stats.get("load_seconds", load_seconds)), warm_key_groups=int(stats["warm_key_groups"]),
+        loaded_key_groups=int(stats["loaded_key_groups"]), files_read=int(stats["files_read"]),
+        fetched_keys=stats.get("fetched_keys"), copied_from=stats.get("copied_from"),
+        late_records=windows.late_records if windows else None, windows_fired=windows.fired if windows else None,
+        windows_purged=windows.purged if windows else None,
+        counters={**counters, **errors.counters()},
+        store_requests=dict(spec.store.requests),  # this task's copy of the store: its own requests
+    )
     dead = errors.dead_letters() if spec.on_error.on_error == "dead_letter" else None
     if spec.late_output or dead is not None:
         out = with_side_output(out, late if spec.late_output else None, dead)
@@ -288,7 +283,7 @@ def _run_function(
             errors.fail_batch(e, "in a window aggregate (it sees the subtask's whole batch: no single record to set aside)")
             raise
         done.out, done.late, done.changed = res.output, res.late, res.changed_rows
-        done.window_stats = {"late_records": res.late_records, "windows_fired": res.fired, "windows_purged": res.purged}
+        done.windows = res
         done.counters.update(window_counters(res.late_records, res.too_far_ahead, spec.late_output))
     elif isinstance(fn, VectorizedKeyedFunction):
         done.out, done.changed = vectorized_task.run_vectorized_guarded(fn, spec, state, grouped, user, errors, due_rows)
@@ -315,9 +310,8 @@ def _write_state_file(
     if not compact:
         written, data = encode_state_file(name, backend.table.to_arrow(changed_rows), kind, spec.batch_id, rng)
         return written, Upload(spec, name, data)
-    if spec.fault == "kill-driver-in-compaction" and spec.driver_pid:
-        os.kill(spec.driver_pid, signal.SIGKILL)
-        time.sleep(30)
+    if spec.fault == "in-compaction":
+        fault_point("in-compaction", spec.driver_pid)
     # The whole range: written in parts to a spill file, never whole in memory.
     written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), kind, spec.batch_id, rng)
     return written, Upload(spec, name, spilled)

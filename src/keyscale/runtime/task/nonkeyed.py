@@ -16,7 +16,9 @@ from keyscale.errors import JobDefinitionError
 from keyscale.operators.keyed import rows_to_arrow
 from keyscale.operators.nonkeyed import OperatorContext, ProcessFunction
 from keyscale.operators.vectorized import to_frame
+from keyscale.runtime.task.report import TaskReport
 from keyscale.runtime.task.spark import as_spark_task
+from keyscale.runtime.task.spec import TASK_VERSION
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,10 @@ class NonKeyedTask:
     broadcast_state: dict[str, Any] | None = None
     report_to: Any = None  # where the report goes (keyscale.runtime.task.report)
     input_schema: pa.Schema | None = None  # a subtask without records still gets these columns
+    version: int = TASK_VERSION  # the form it was shipped in (runtime/task/spec.py: check_shipped)
 
 
-def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, dict[str, Any]]:
+def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport]:
     """One subtask of a non-keyed stage: restore its lists, process, report the lists back."""
     started = time.perf_counter()
     fn = spec.function
@@ -61,7 +64,7 @@ def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], 
         json.dumps(lists)
     except (TypeError, ValueError) as e:
         raise JobDefinitionError(f"operator '{spec.uid}': list state entries must be JSON values ({e})") from None
-    report = {"subtask": subtask, "records": len(records), "emitted": out.num_rows, "lists": lists, "busy_seconds": time.perf_counter() - started}
+    report = TaskReport(subtask=subtask, records=len(records), emitted=out.num_rows, lists=lists, busy_seconds=time.perf_counter() - started)
     return out, report
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -17,11 +18,13 @@ from keyscale.operators.poison import FAIL, ErrorCollector
 from keyscale.runtime.task import report as reports
 from keyscale.runtime.task.keyed import SEQ, StageTask, run_subtask_deferred
 from keyscale.runtime.task.profiling import profiled
+from keyscale.runtime.task.report import TaskReport
+from keyscale.runtime.task.spec import check_shipped
 from keyscale.runtime.task.upload import Upload
 
 
 def as_spark_task(
-    run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.Table, Any, Upload | None]], spec: Any,
+    run: Callable[[Any, Iterator[pa.RecordBatch], int], tuple[pa.Table, TaskReport, Upload | None]], spec: Any,
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """A ``mapInArrow`` function: partition ``i`` of the stage's input is subtask ``i``.
 
@@ -34,6 +37,8 @@ def as_spark_task(
 
         tc = TaskContext.get()
         subtask = tc.partitionId() if tc is not None else 0
+        with _named_errors(spec, subtask):
+            check_shipped(spec)
         with _named_errors(spec, subtask), profiled(f"task-{spec.uid}"):
             out, report, upload = run(spec, batches, subtask)
         yield from out.to_batches()
@@ -43,7 +48,7 @@ def as_spark_task(
                     upload.detach()  # asynchronous checkpoints: the driver commits once the file exists
                 else:
                     upload.wait()
-                    report["store_requests"] = dict(spec.store.requests)  # with the upload's
+                    report = replace(report, store_requests=dict(spec.store.requests))  # with the upload's
         reports.send(spec.report_to, spec.uid, spec.batch_id, subtask, report)
 
     return stage
@@ -68,7 +73,7 @@ def _named_errors(spec: Any, subtask: int) -> Iterator[None]:
 def make_stage_function(spec: StageTask) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """The function given to ``DataFrame.mapInArrow`` for this keyed stage and batch."""
 
-    def run(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, Any, Upload | None]:
+    def run(spec: StageTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport, Upload | None]:
         return run_subtask_deferred(spec, _without_markers(batches), subtask)
 
     return as_spark_task(run, spec)

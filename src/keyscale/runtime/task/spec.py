@@ -1,7 +1,13 @@
 """What a keyed stage's task is given and what it gives back: its spec (shipped from the
 driver, pickled), the columns it adds to its input rows, the name of the state file an
 attempt writes, and the layout of an output with side outputs (late records, dead letters).
-The task itself is :mod:`keyscale.runtime.task.keyed`."""
+The task itself is :mod:`keyscale.runtime.task.keyed`; its report,
+:class:`~keyscale.runtime.task.report.TaskReport`.
+
+A spec crosses a process boundary: the driver's keyscale pickles it, the executors'
+keyscale (installed there, maybe another version) unpickles it. It carries the version of
+its form (:data:`TASK_VERSION`), and a task refuses a spec of another version by name
+(:func:`check_shipped`) rather than run on fields it does not know."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import pyarrow as pa
 
 from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.manifest import StateFile
+from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.keyed import TIMER_STATES
 from keyscale.operators.poison import FAIL, ErrorPolicy
@@ -21,6 +28,26 @@ from keyscale.storage import Store
 
 SEQ = "__seq"
 KG = "__kg"
+
+#: The version of what tasks are shipped (:class:`StageTask`, ``NonKeyedTask``): a field
+#: added, removed or changed in meaning is a new version.
+TASK_VERSION = 1
+
+
+def check_shipped(spec: Any) -> None:
+    """Refuse a task spec the driver's keyscale shipped in another form than this one reads.
+
+    >>> from types import SimpleNamespace
+    >>> check_shipped(SimpleNamespace(uid="count", batch_id=3, version=TASK_VERSION))
+    >>> check_shipped(SimpleNamespace(uid="count", batch_id=3))
+    Traceback (most recent call last):
+    ...
+    keyscale.errors.KeyscaleError: operator 'count', batch 3: the driver shipped this task in form 0, the executors' keyscale reads form 1: install the driver's keyscale version on the workers
+    """
+    shipped = vars(spec).get("version", 0)  # the instance's own: a spec from before versions has none
+    if shipped != TASK_VERSION:
+        raise KeyscaleError(f"operator '{spec.uid}', batch {spec.batch_id}: the driver shipped this task in form {shipped}, the "
+                            f"executors' keyscale reads form {TASK_VERSION}: install the driver's keyscale version on the workers")
 
 
 @dataclass(frozen=True)
@@ -44,7 +71,7 @@ class StageTask:
     committed: int  # batch whose manifest the state comes from (-1: none yet)
     files: tuple[StateFile, ...]  # the operator's live files at ``committed``
     compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
-    fault: str | None = None  # test-only: "kill-driver-mid-batch" | "kill-driver-in-compaction" | "kill-driver-mid-upload" | ...
+    fault: str | None = None  # test-only: the fault point armed for this task, by its name in keyscale/_faults.py
     driver_pid: int = 0
     watermark_ms: int = NO_WATERMARK  # the watermark this batch runs with
     event_time: str | None = None  # the event-time column whose maximum the task reports
@@ -61,6 +88,7 @@ class StageTask:
     detach_upload: bool = False
     pending: int = -1
     upload_timeout: float = 600.0
+    version: int = TASK_VERSION  # the form it was shipped in (check_shipped)
 
     def await_pending(self, reads: Iterable[tuple[StateFile, Any]]) -> None:
         """Wait for the files of ``reads`` that the pending batch's tasks may still be uploading."""

@@ -9,8 +9,6 @@ it before it reports or, with asynchronous checkpoints, leaves it running past i
 from __future__ import annotations
 
 import ctypes
-import os
-import signal
 import sys
 import threading
 import time
@@ -19,6 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from keyscale._faults import fault_point
 from keyscale.checkpoint.files import put_state_file, record_upload_failure
 from keyscale.runtime.task.spec import StageTask
 from keyscale.storage.scratch import remove_scratch
@@ -97,16 +96,17 @@ class Upload:
             raise self._error
 
     def _test_fault(self, spec: StageTask) -> None:
-        """Test-only faults (``--fault``) in an upload."""
-        if spec.fault == "kill-driver-mid-upload" and spec.driver_pid:
+        """Test-only faults (``--fault``, keyscale/_faults.py) in an upload."""
+        if spec.fault == "mid-upload" and spec.driver_pid:
             if spec.detach_upload:  # the task has ended: the driver is on to the next batch
                 time.sleep(3)
-            os.kill(spec.driver_pid, signal.SIGKILL)
-            time.sleep(30)
+            fault_point("mid-upload", spec.driver_pid)
         if spec.fault in ("worker-dies-mid-upload", "slow-upload", "fail-upload") and spec.detach_upload:
             self._task_over.wait()  # its report on its way to the driver
             time.sleep(2)
             if spec.fault == "worker-dies-mid-upload":
-                os.kill(os.getpid(), signal.SIGKILL)  # this Python worker, its task over
+                fault_point("worker-dies-mid-upload")  # this Python worker, its task over
+            if spec.fault == "slow-upload":
+                fault_point("slow-upload")
             if spec.fault == "fail-upload":
-                raise OSError("the store refused the upload (test fault)")
+                fault_point("fail-upload")

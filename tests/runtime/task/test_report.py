@@ -1,0 +1,85 @@
+"""A task's report crosses the process boundary from executor to driver (a Spark
+accumulator): TaskReport's wire form round-trips, reads today's dict form, and refuses a
+later version naming the operator, batch and subtask."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keyscale.checkpoint.manifest import StateFile
+from keyscale.errors import KeyscaleError
+from keyscale.runtime.task.report import REPORT_VERSION, PartitionRead, Reports, TaskReport, send
+
+small = st.integers(0, 2**40)
+names = st.text(max_size=12)
+files = st.builds(StateFile, path=names, batch=small, kind=st.sampled_from(["delta", "snapshot"]), start=small, end=small,
+                  rows=small, bytes=small, crc32=st.integers(0, 2**32 - 1))
+reads = st.builds(PartitionRead, records=small, start=small, end=small, max_event_ms=st.none() | st.integers(-(2**63), 2**63 - 1),
+                  last_crc=st.none() | st.integers(0, 2**32 - 1))
+counts = st.dictionaries(names, small, max_size=4)
+seconds = st.floats(0, 1e6, allow_nan=False)
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5), lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+reports = st.builds(
+    TaskReport,
+    subtask=st.integers(0, 32_767), records=small, busy_seconds=seconds, emitted=small, counters=counts, store_requests=counts,
+    range=st.none() | st.tuples(small, small), keys=small, timer_keys=small, max_event_ms=st.none() | small, file=st.none() | files,
+    state_keys=small, load_seconds=seconds, warm_key_groups=small, loaded_key_groups=small, files_read=small,
+    late_records=st.none() | small, windows_fired=st.none() | small, windows_purged=st.none() | small,
+    fetched_keys=st.none() | small, copied_from=st.none() | names,
+    lists=st.none() | st.dictionaries(names, st.lists(json_values, max_size=3), max_size=3),
+    partitions=st.none() | st.dictionaries(st.integers(0, 10_000), reads, max_size=4),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(reports)
+def test_a_report_survives_its_wire_form_and_the_accumulator(report: TaskReport) -> None:
+    assert TaskReport.from_wire(report.to_wire()) == report
+    assert TaskReport.from_wire(pickle.loads(pickle.dumps(report.to_wire()))) == report  # as Spark carries it
+    collected = Reports()
+    send(collected.sender, "op", 4, 0, report)
+    assert collected.take("op", 4, 1) == [report]
+
+
+# Today's reports, as the three task kinds sent them before the version was recorded.
+TODAYS_KEYED = {
+    "subtask": 1, "range": [64, 127], "records": 120, "max_event_ms": 1_700_000_000_000, "timer_keys": 0, "keys": 7, "emitted": 7,
+    "file": {"path": "state/count/000000000003-s00001-delta-0123456789ab.arrow", "batch": 3, "kind": "delta", "start": 64, "end": 127,
+             "rows": 7, "bytes": 1234, "crc32": 99},
+    "state_keys": 40, "busy_seconds": 0.25, "load_seconds": 0.01, "warm_key_groups": 64, "loaded_key_groups": 0, "files_read": 0,
+    "late_records": 2, "windows_fired": 3, "windows_purged": 1, "counters": {"late": 2, "dropped": 2}, "store_requests": {"put": 1},
+}
+TODAYS_ROCKSDB_KEYED = {**TODAYS_KEYED, "file": None, "fetched_keys": 7, "copied_from": None}
+TODAYS_NONKEYED = {"subtask": 0, "records": 3, "emitted": 3, "lists": {"seen": [1, 2, 3]}, "busy_seconds": 0.1}
+TODAYS_READER = {
+    "subtask": 0, "partitions": {"0": {"records": 3, "start": 0, "end": 3, "max_event_ms": 9, "last_crc": 77},
+                                 "2": {"records": 0, "start": 5, "end": 5, "max_event_ms": None}},
+    "records": 3, "counters": {"too_far_ahead": 1}, "busy_seconds": 0.02,
+}
+
+
+def test_todays_reports_are_version_1() -> None:
+    keyed = TaskReport.from_wire(TODAYS_KEYED)
+    assert keyed.range == (64, 127) and keyed.file is not None and keyed.file.crc32 == 99 and keyed.windows_fired == 3
+    assert keyed.counters == {"late": 2, "dropped": 2} and keyed.lists is None and keyed.partitions is None
+    assert keyed.to_wire() == {**TODAYS_KEYED, "v": 1}
+    rocks = TaskReport.from_wire(TODAYS_ROCKSDB_KEYED)
+    assert rocks.file is None and rocks.fetched_keys == 7 and rocks.copied_from is None
+    nonkeyed = TaskReport.from_wire(TODAYS_NONKEYED)
+    assert nonkeyed.lists == {"seen": [1, 2, 3]} and nonkeyed.counters == {} and nonkeyed.range is None
+    reader = TaskReport.from_wire(TODAYS_READER)
+    assert reader.partitions == {0: PartitionRead(3, 0, 3, 9, 77), 2: PartitionRead(0, 5, 5)}
+    assert reader.to_wire() == {**TODAYS_READER, "v": 1, "emitted": 0, "store_requests": {}, "keys": 0, "timer_keys": 0, "state_keys": 0,
+                                "load_seconds": 0.0, "warm_key_groups": 0, "loaded_key_groups": 0, "files_read": 0}
+
+
+def test_a_later_version_is_refused_naming_the_subtask() -> None:
+    collected = Reports()
+    collected.sender.add([("count", 3, 1, {**TODAYS_NONKEYED, "v": REPORT_VERSION + 1})])
+    collected.sender.add([("count", 3, 0, TODAYS_NONKEYED)])
+    with pytest.raises(KeyscaleError, match=r"the report of subtask 1 of operator 'count' for batch 3 is of version 2, which this keyscale"):
+        collected.take("count", 3, 2)
