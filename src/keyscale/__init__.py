@@ -9,8 +9,8 @@ exactly-once checkpoints. See docs/ (the docs site) for the model, the guides an
 Agg(kind='count', column=None, fn=None)
 """
 
+from keyscale._jobcontext import JobContext
 from keyscale._pipeline import (
-    JobContext,
     KeyedStream,
     Pipeline,
     Stream,

@@ -29,7 +29,7 @@ from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from keyscale._pipeline import Pipeline
+    from keyscale._steps import JobGraph
     from keyscale.checkpoint.sparkmirror import SparkMirror
     from keyscale.runtime.batch.malformed import Watched
 
@@ -129,7 +129,7 @@ class JobState:
     on_batch: Callable[[BatchRecord], None] | None = None
     name: str = ""
     max_parallelism: int = 0
-    pipeline: Pipeline | None = None
+    pipeline: JobGraph | None = None
     committed: Manifest | None = None  # the last committed batch's manifest (or the pending one's: see ``pending``)
     parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
     watermark: WatermarkState = field(default_factory=WatermarkState)

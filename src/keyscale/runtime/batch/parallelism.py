@@ -25,12 +25,12 @@ from keyscale.scaling.policy import BatchMetrics
 from keyscale.state.keygroups import check_parallelism
 
 if TYPE_CHECKING:
-    from keyscale._pipeline import Pipeline
+    from keyscale._steps import JobGraph
 
 log = logging.getLogger("keyscale")
 
 
-def plan_parallelism(job: JobState, pipeline: Pipeline) -> None:
+def plan_parallelism(job: JobState, pipeline: JobGraph) -> None:
     """Every operator's parallelism at start; refuses a checkpoint the job no longer fits."""
     old = job.committed.operators if job.committed else {}
     uids = {s.uid for s in pipeline.keyed_steps}

@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from keyscale._spark_types import to_arrow_schema
+from keyscale._steps import source_schema
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.batch.jobstate import JobState
 from keyscale.sources import reader
@@ -63,8 +64,6 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
 def read_source(job: JobState, src: LogSource, batch_id: int, plan_json: list[list[list[int]]], batch_time_ms: int,
                 log_ids: dict[str, str | None]) -> DataFrame:
     """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``)."""
-
-    from keyscale._pipeline import source_schema
 
     assert job.pipeline is not None
     plan = reader.plan_from_json(plan_json)

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from keyscale._pipeline import Branch
 from keyscale._spark_types import from_arrow_schema, to_arrow_schema
-from keyscale._steps import KeyedStep, LogInputStep, NonKeyedStep, TransformStep
+from keyscale._steps import Branch, KeyedStep, LogInputStep, NonKeyedStep, TransformStep
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
 from keyscale.errors import JobDefinitionError

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from keyscale._pipeline import Pipeline
+from keyscale._steps import JobGraph
 from keyscale.checkpoint.manifest import Manifest, summarize_operator_state
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.windows import WindowAggregate
@@ -92,7 +92,7 @@ def checkpoint_fields(job: JobState) -> dict[str, int | None]:
     return {"last_checkpoint": m.batch if m else None, "checkpoint_committing": committing(job)}
 
 
-def outputs(pipeline: Pipeline) -> list[dict[str, Any]]:
+def outputs(pipeline: JobGraph) -> list[dict[str, Any]]:
     """Where the job's rows go: each branch's sink after its last stateful stage ("from"),
     then the side outputs (late records, dead letters)."""
     out = [{"from": b.last_stage, "kind": "output", "sink": b.sink.describe()} for b in pipeline.branches]

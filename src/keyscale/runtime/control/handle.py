@@ -21,7 +21,7 @@ from keyscale.runtime.batch.jobstate import RunOptions, RunSummary
 from keyscale.runtime.control.server import request_rescale
 
 if TYPE_CHECKING:
-    from keyscale._pipeline import Pipeline
+    from keyscale._steps import JobGraph
     from keyscale.runtime.driver.runner import JobRunner
 
 __all__ = ["JobHandle", "start_job"]
@@ -29,7 +29,7 @@ __all__ = ["JobHandle", "start_job"]
 _SET_BY_START = {"job_file", "job_dir", "parallelism", "fault"}
 
 
-def start_job(pipeline: Pipeline, job_dir: str, parallelism: int | None = None, name: str | None = None,
+def start_job(pipeline: JobGraph, job_dir: str, parallelism: int | None = None, name: str | None = None,
               startup_timeout: float = 600, **options: Any) -> JobHandle:
     """Start ``pipeline`` (see :meth:`keyscale.Pipeline.start`); returns once its first
     batch may run (state restored, control API up), or raises the set-up's error."""

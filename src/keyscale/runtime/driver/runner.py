@@ -20,7 +20,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
-from keyscale._pipeline import JobArgs, JobContext, Pipeline
+from keyscale._jobcontext import JobArgs, JobContext
+from keyscale._steps import JobGraph
 from keyscale.checkpoint.files import upload_timeout
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage, start_lineage
@@ -154,7 +155,7 @@ class JobRunner:
     summary: _OfJob[RunSummary] = _OfJob()
     name: _OfJob[str] = _OfJob()
     max_parallelism: _OfJob[int] = _OfJob()
-    pipeline: _OfJob[Pipeline | None] = _OfJob()
+    pipeline: _OfJob[JobGraph | None] = _OfJob()
     committed: _OfJob[Manifest | None] = _OfJob()
     parallelism: _OfJob[dict[str, int]] = _OfJob()
     watermark: _OfJob[WatermarkState] = _OfJob()
@@ -166,7 +167,7 @@ class JobRunner:
     _last_reports: _OfJob[dict[str, list[dict[str, Any]]] | None] = _OfJob()
 
     def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None,
-                 pipeline: Pipeline | None = None, name: str | None = None):
+                 pipeline: JobGraph | None = None, name: str | None = None):
         """``pipeline``: a pipeline built by the caller on their own SparkSession (the Python
         API, :meth:`keyscale.Pipeline.start`), run under ``name``; without it the runner loads
         ``opts.job_file`` and builds the pipeline on a session of its own."""
@@ -286,7 +287,7 @@ class JobRunner:
         if build is not None:
             ctx = JobContext(spark, dict(opts.args))
             pipeline = build(ctx)
-            if not isinstance(pipeline, Pipeline):
+            if not isinstance(pipeline, JobGraph):
                 raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
             check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.jobdir))
         self.pipeline = pipeline
@@ -304,7 +305,7 @@ class JobRunner:
             log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
         return spark
 
-    def _restore_savepoint(self, pipeline: Pipeline, savepoint: str) -> None:
+    def _restore_savepoint(self, pipeline: JobGraph, savepoint: str) -> None:
         from keyscale.checkpoint.savepoint import OperatorSpec, restore_savepoint, text_progress
 
         if self.committed is not None:
@@ -335,7 +336,7 @@ class JobRunner:
             "metrics_unauthenticated": o.metrics_unauthenticated,
         }, durable=False)
 
-    def _plan_parallelism(self, pipeline: Pipeline) -> None:
+    def _plan_parallelism(self, pipeline: JobGraph) -> None:
         scaling.plan_parallelism(self.job, pipeline)
 
     # -- running -------------------------------------------------------------------------
