@@ -47,6 +47,7 @@ def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.runtime.control.server import control_api
     from keyscale.runtime.driver.jobargs import parse_sets, resolve_args
     from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
@@ -65,7 +66,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     )
     log = logging.getLogger("keyscale")
     while True:
-        runner = JobRunner(opts)
+        runner = JobRunner(opts, serve=control_api(opts))
 
         def _graceful(signum: int, _frame: Any, runner: JobRunner = runner) -> None:
             log.info("received %s; stopping after the current batch", signal.Signals(signum).name)

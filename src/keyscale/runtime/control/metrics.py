@@ -25,10 +25,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.runtime.batch.jobstate import RunSummary
-from keyscale.runtime.batch.status import last_committed
 
 if TYPE_CHECKING:
-    from keyscale.runtime.driver.runner import JobRunner
+    from keyscale.runtime.control.running import RunningJob
 
 __all__ = ["STATES", "families", "health", "registry_for"]
 
@@ -125,17 +124,17 @@ def families(status: dict[str, Any], committed: Manifest | None, summary: RunSum
 
 
 class _JobCollector(Collector):
-    def __init__(self, runner: JobRunner):
+    def __init__(self, runner: RunningJob):
         self.runner = runner
 
     def collect(self) -> Iterator[Metric]:
         import time
 
         r = self.runner
-        yield from families(r.live_status(), last_committed(r.job), r.summary, int(time.time() * 1000))
+        yield from families(r.live_status(), r.last_committed(), r.summary, int(time.time() * 1000))
 
 
-def registry_for(runner: JobRunner) -> CollectorRegistry:
+def registry_for(runner: RunningJob) -> CollectorRegistry:
     """A registry of its own per job (never Prometheus' global one: one process may run several jobs)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_JobCollector(runner))

@@ -80,7 +80,7 @@ def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
 
         def _graceful(signum: int, _frame: Any) -> None:
             log.info("received %s; stopping after the current batch", signal.Signals(signum).name)
-            job._runner.stop()
+            job._job.stop()
 
         signal.signal(signal.SIGTERM, _graceful)
         signal.signal(signal.SIGINT, _graceful)
