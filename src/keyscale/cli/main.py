@@ -283,7 +283,7 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
 
 def cmd_ui(a: argparse.Namespace) -> int:
     """Serve the folder page until interrupted."""
-    from keyscale.web.folder import FolderServer
+    from keyscale.cli.folder import FolderServer
 
     find_jobs(a.folder)  # a folder that is not one fails now, with its name
     server = FolderServer(a.folder, a.port)
