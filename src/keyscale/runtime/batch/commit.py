@@ -1,7 +1,7 @@
 """The commit protocol of one batch: docs/design.md, "Commit protocol (local disk and object
 stores alike)", step by step.
 
-0. **Epoch.** Claimed at set-up (``JobDir.lock``, from ``driver.py``); checked by every
+0. **Epoch.** Claimed at set-up (``JobDir.lock``, from ``driver/runner.py``); checked by every
    commit, in :meth:`JobDir.commit <keyscale.checkpoint.jobdir.JobDir.commit>` (step 5).
 1. **Skip** (:func:`run_batch`): a batch with a manifest is skipped; the job directory knows
    its committed batches from one listing at start.
@@ -20,11 +20,13 @@ stores alike)", step by step.
    recorded (:func:`record`).
 6. **Post-commit** (:func:`post_commit`): two-phase sinks make the batch visible.
 7. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
-   driver's log loop starts the next batch (``driver.py``).
+   driver's log loop starts the next batch (``driver/runner.py``).
 
-Reads and advances :class:`~keyscale.runtime.batch.jobstate.JobState`. What it persists goes
-through ``job.jobdir`` (intent, manifest, retention, status), ``job.mirror`` (Spark's
-checkpoint) and the pipeline's sinks (the output).
+Runs on the driver, under the batch lock. Reads :class:`~keyscale.runtime.batch.jobstate.JobState`
+and advances ``job.committed`` (at the commit), ``job.batch`` (new each batch) and
+``job.history`` (the batch's record); ``job.scaling`` moves only through ``parallelism.py``.
+What it persists goes through ``job.jobdir`` (intent, manifest, retention, status),
+``job.mirror`` (Spark's checkpoint) and the pipeline's sinks (the output).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@
   in active mode, requests a rescale for the next batch;
 - on a cluster (:func:`size_executors`): executor cores follow parallelism.
 
-Writes ``job.scaling.parallelism`` (and the summary's rescales, the autoscaler's decisions); a
-batch fixes the parallelism it runs with in its intent, so nothing here changes a batch
-that has begun.
+Runs on the driver. Writes ``job.scaling`` (parallelism, the pending rescale cleared, the
+autoscaler's decisions) and ``job.history`` (the summary's rescales, their events); asks
+Spark for executors and appends to the job's event log. A batch fixes the parallelism it
+runs with in its intent, so nothing here changes a batch that has begun.
 """
 
 from __future__ import annotations

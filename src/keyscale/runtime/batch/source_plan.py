@@ -3,8 +3,9 @@
 A batch's source plan (per reader: partition, start and end offset) is fixed in its intent
 (commit protocol step 2), so a replay reads exactly the same records; the offsets after it
 go into the batch's manifest with the state they produced. Rules streams (broadcasts) are
-planned the same way, with one reader. Reads ``job.committed.manifest`` and the log; writes only
-``job.batch.log_ids`` (the logs the plans are for).
+planned the same way, with one reader. Reads ``job.committed.manifest`` and the log; writes
+only ``job.batch.log_ids`` (the logs the plans are for). The reader tasks it makes run on
+the executors (:mod:`keyscale.sources.reader`).
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Per keyed stage: key group and arrival sequence columns, a shuffle to one partit
 subtask (partition ``i`` is subtask ``i``), and ``mapInArrow`` running the subtask
 (:class:`~keyscale.runtime.task.spec.StageTask`); per non-keyed stage a round robin over its
 subtasks (:class:`~keyscale.runtime.task.nonkeyed.NonKeyedTask`); rules streams (broadcasts) are
-applied on the driver. Nothing here runs a Spark action, writes the job directory or
-changes ``JobState``: the sink write runs the plan (commit protocol step 4, ``commit.py``).
+applied on the driver. Runs on the driver; the functions it hands Spark run on the
+executors (:mod:`keyscale.runtime.task`). Nothing here runs a Spark action, writes the job
+directory or changes ``JobState`` (but its marker-row cache, ``job.markers``): the sink
+write runs the plan (commit protocol step 4, ``commit.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Names follow Flink's metrics in spirit (operator parallelism, records in and out
 time, state size per subtask, checkpoint duration and size, source lag), prefixed
 ``keyscale_`` and labelled by ``job``, ``operator`` and ``subtask``. Everything is read
 from the job's status, its last committed manifest and its run summary when Prometheus
-scrapes: nothing is counted twice and the job's hot path does not change.
+scrapes: nothing is counted twice and the job's hot path does not change. Runs on the
+control API's threads (driver process); sees the job only through
+:class:`~keyscale.runtime.control.running.RunningJob`.
 
 :func:`families` is pure (status, manifest, summary in; metric families out), so it is
 tested without Spark:

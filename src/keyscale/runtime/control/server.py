@@ -20,6 +20,11 @@ bodies must be JSON (else 415). The dashboard's
 session (a one-time login link) stands in for the secret, but may not name a path or a file
 (``dest``, ``job_file``: 403). A refused request changes nothing. See
 :mod:`keyscale.runtime.control.auth` for why.
+
+Runs in the job's driver process, on threads of its own; sees the job only through
+:class:`~keyscale.runtime.control.running.RunningJob` and writes nothing but its own
+control files (secret, address) in the job directory. :func:`call` is the client side
+(``keyscale`` commands, the deploy supervisor, ``keyscale ui``).
 """
 
 from __future__ import annotations

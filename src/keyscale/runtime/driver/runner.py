@@ -1,12 +1,17 @@
-"""The driver: a job's lifecycle around its micro-batches.
+"""The driver: a job's lifecycle around its micro-batches (driver process).
 
 Set-up (claim and recover the job directory, build the pipeline, restore a savepoint),
 the run (Spark's ``foreachBatch`` or keyscale's own loop for a log source), stop, drain,
-savepoints and the control API. Each batch is committed exactly once by the commit
-protocol in ``commit.py`` (docs/design.md, "Commit protocol"); the batch's Spark stages
-are in ``stages.py``, a log source's plans in ``source_plan.py``, the scaling decisions in
-``parallelism.py``, the status in ``status.py``. What they share, the job's state between
-batches, is a :class:`~keyscale.runtime.batch.jobstate.JobState` (``JobRunner.job``).
+savepoints, and what the control plane asks of a running job (it implements
+:class:`keyscale.runtime.control.running.RunningJob`; whoever starts the job passes
+``serve``, the control API, which this module never imports). Each batch is committed
+exactly once by the commit protocol in ``batch/commit.py`` (docs/design.md, "Commit
+protocol"); the batch's Spark stages are in ``stages.py``, a log source's plans in
+``source_plan.py``, the scaling decisions in ``parallelism.py``, the status in
+``status.py``. What they share, the job's state between batches, is a
+:class:`~keyscale.runtime.batch.jobstate.JobState` (``JobRunner.job``): this module writes
+its run's own facts (set-up), ``committed`` at set-up, ``scaling.pending_rescale`` (a rescale
+request) and ``history`` (state, error, savepoints).
 """
 
 from __future__ import annotations
