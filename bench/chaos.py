@@ -298,9 +298,11 @@ class Harness:
         g = self.gen
         argv = ["run", str(JOB_FILE), "--job-dir", g.job, "--max-parallelism", str(self.args.max_parallelism),
                 "--trigger-interval", self.args.trigger_interval, "--autoscaler", "off",
-                "--set", f"log={self.log.uri}", "--set", f"output={g.out}", "--set", f"late={g.late}",
+                "--set", f"output={g.out}", "--set", f"late={g.late}",
                 "--set", f"source={self.args.source}", "--set", f"sink={self.args.sink}",
-                *(["--set", f"bootstrap={self.bootstrap}", "--set", "topic=input"] if self.bootstrap else []),
+                # Only the arguments the job reads with these --source/--sink: an unread --set is an error.
+                *(["--set", "topic=input"] if self.args.source == "kafka" else ["--set", f"log={self.log.uri}"]),
+                *(["--set", f"bootstrap={self.bootstrap}"] if self.bootstrap else []),
                 "--set", f"limit={self.args.limit}", "--set", f"size={WINDOW_MS // 1000} seconds",
                 "--master", self.rng.choice(self.masters), *extra]
         if self.args.async_checkpoints:

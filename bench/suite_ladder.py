@@ -13,7 +13,7 @@ suite's **floor** (Spark's own count and sum of the file, no state, written to P
   + aggregate      ... which instead counts and sums per key (pyarrow group_by) and returns
                    a row per key, written to Parquet: a stateless running count in
                    Python, the least such an engine does before it touches any state
-  + keyscale       keyscale's own shuffle (``runtime.stages.routed``: arrival sequence, key
+  + keyscale       keyscale's own shuffle (``runtime.batch.stages.routed``: arrival sequence, key
                    group, routing, marker rows) and the same aggregate, to Parquet
   floor            ``groupBy(key).agg(count, sum)`` to Parquet (Spark aggregates each
                    partition before its shuffle)
@@ -72,7 +72,7 @@ def rungs(spark: Any, file: str, out: Path) -> dict[str, Callable[[], Any]]:
 
     def keyscale_shuffle(p: int = 2, m: int = 128) -> Any:
         df = read()
-        rows, to = routed(df, df.schema, df.columns, ["key"], m, p)  # what runtime.stages.keyed plans
+        rows, to = routed(df, df.schema, df.columns, ["key"], m, p)  # what runtime.batch.stages.keyed plans
         return rows.repartition(p, to).select("key", "value")
 
     return {

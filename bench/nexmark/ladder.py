@@ -11,7 +11,7 @@ plan without streaming or a state store): medians over the repeats of batches 1-
   + columns      the query's own per-record columns (q17's day and price ranges)
   + shuffle      the exact shuffle of every record by the keyed stage's key
   + to Python    ... and every record through Arrow to a Python function that only counts
-  + keyscale     keyscale's own shuffle (``runtime.stages.routed``: arrival sequence, key
+  + keyscale     keyscale's own shuffle (``runtime.batch.stages.routed``: arrival sequence, key
                  group, routing, one marker row per subtask), through Arrow to the same
                  counting function
   Spark query    Spark's native query, the same file read as a batch DataFrame
@@ -65,7 +65,7 @@ def rungs(spark: Any, query: str, file: str) -> dict[str, Callable[[], Any]]:
 
     def keyscale_shuffle(p: int = 2, m: int = 128) -> Any:
         df = columns()
-        rows, to = routed(df, df.schema, df.columns, key, m, p)  # what runtime.stages.keyed plans
+        rows, to = routed(df, df.schema, df.columns, key, m, p)  # what runtime.batch.stages.keyed plans
         return rows.repartition(p, to)
 
     def noop(df: Any) -> None:

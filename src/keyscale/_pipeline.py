@@ -55,6 +55,7 @@ from keyscale.operators.windows import (
 from keyscale.sources.reader import LogSource
 from keyscale.state.backends import check_rocksdb_keys, check_state_backend
 from keyscale.state.types import StateDescriptor, arrow_schema
+from keyscale.state.uids import check_uid
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -245,8 +246,7 @@ class Stream:
 
 
 def _check_uid(uid: str, steps: tuple[Step, ...]) -> None:
-    if not uid or not uid.replace("-", "").replace("_", "").isalnum():
-        raise JobDefinitionError(f"uid {uid!r} must be a non-empty name of letters, digits, '-' and '_'")
+    check_uid(uid)
     if uid in {s.uid for s in steps if not isinstance(s, TransformStep)}:
         raise JobDefinitionError(f"two stages have the uid '{uid}'; each stateful stage needs its own")
 

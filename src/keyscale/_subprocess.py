@@ -1,6 +1,8 @@
-"""Child servers that keyscale starts for tests, examples and benchmarks (SeaweedFS, Tansu):
-each in its own process group, stopped by that group, and killed with the process that
-started it."""
+"""Processes: child servers that keyscale starts for tests, examples and benchmarks
+(SeaweedFS, Tansu), each in its own process group, stopped by that group, and killed with
+the process that started it; and :func:`pid_exists`, the one probe of whether a pid is
+running (the job directory's heartbeat, the cluster's and the deployment supervisor's
+process records use it)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,22 @@ import contextlib
 import os
 import signal
 import subprocess
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists: signal 0 reaches it, or it is another user's
+    (``PermissionError``: alive, only not ours to signal).
+
+    >>> pid_exists(os.getpid())
+    True
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def stop_group(process: subprocess.Popen[bytes], grace: float) -> None:

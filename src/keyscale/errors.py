@@ -10,12 +10,24 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 
 
 class KeyscaleError(Exception):
     """A problem a user can fix; ``str(err)`` is a one-line explanation."""
 
     exit_code = 2
+
+
+def cli_exit(err: KeyscaleError) -> int:
+    """What a ``keyscale`` command does with ``err``: print it as one line on stderr, and
+    return its exit code (every command line, ``keyscale`` and the deployment commands alone).
+
+    >>> cli_exit(JobDirError("no such job directory"))
+    3
+    """
+    print(f"keyscale: error: {err}", file=sys.stderr)
+    return err.exit_code
 
 
 class JobDefinitionError(KeyscaleError):

@@ -12,6 +12,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from keyscale.checkpoint.manifest import (
     Manifest,
     OperatorCheckpoint,
     StateFile,
+    catch_up,
     chain_length,
     files_overlapping,
     latest_snapshot_batches,
@@ -38,7 +40,7 @@ State = dict[int, dict[int, int]]  # key group -> key -> value
 
 
 def needs_full_reload(files: list[StateFile], key_group: int, held_version: int) -> bool:
-    """The catch-up rule the task applies (vectorized in runtime.task.obtain_state)."""
+    """The catch-up rule the task applies (manifest.chain_starts, through catch_up), per key group."""
     snaps = [f.batch for f in files if f.kind == "snapshot" and f.start <= key_group <= f.end]
     return held_version < 0 or (bool(snaps) and max(snaps) > held_version)
 
@@ -171,6 +173,28 @@ def test_restore_chain_after_a_held_version_catches_up(h: History, data: st.Data
                 assert all(f.kind == "delta" and f.batch > held for f in chain)
             elif held >= 0:
                 assert chain and chain[0].kind == "snapshot" and chain[0].batch > held
+
+
+@PROPS
+@given(histories(), st.data())
+def test_catch_up_reads_each_key_groups_restore_chain(h: History, data: st.DataObject) -> None:
+    """One rule: the task's catch-up reads, per key group, exactly its restore_chain (from
+    nothing where the copy is unusable: none, or ahead of the checkpoint)."""
+    m = h.max_parallelism
+    start = data.draw(st.integers(0, m - 1), label="range start")
+    rng = KeyGroupRange(start, data.draw(st.integers(start, m - 1), label="range end"))
+    committed = h.batches - 1
+    held = np.array(data.draw(st.lists(st.integers(-1, h.batches + 1), min_size=len(rng), max_size=len(rng)), label="held"))
+    for files in (h.files, live_files(h.files, m)):
+        full, reads, stats = catch_up(files, rng, held, committed, m)
+        for i, kg in enumerate(rng):
+            usable = 0 <= held[i] <= committed
+            want = restore_chain(files, kg, after=int(held[i]) if usable else None)
+            assert [f for f, r in reads if kg in r] == want
+            assert bool(full[i]) == (not usable or needs_full_reload(files, kg, int(held[i])))
+        assert stats["files_read"] == len({f.path for f, _ in reads})
+        batches = [f.batch for f, _ in reads]
+        assert batches == sorted(batches)
 
 
 @PROPS

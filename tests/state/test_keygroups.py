@@ -19,6 +19,7 @@ from keyscale.state.keygroups import (
     key_group_range,
     key_group_ranges,
     subtask_of,
+    subtask_of_sql,
 )
 
 FAST = settings(max_examples=100, deadline=None)
@@ -54,6 +55,29 @@ def assert_layout(m: int, p: int, every_key_group: bool) -> None:
         for kg in range(m):
             owners = [i for i, r in enumerate(ranges) if kg in r]
             assert owners == [subtask_of(kg, m, p)]
+
+
+def _spark_int_sql(expr: str, **columns: int) -> int:
+    """Evaluate the int SQL :func:`subtask_of_sql` makes as Spark does: ``int(..)`` of an
+    int, ``*`` of ints (which must stay below 2**31, Spark's int would wrap), ``div``
+    truncating towards zero (``//`` for the non-negative ints here). Only those tokens are
+    accepted, so a changed form fails here instead of being evaluated as Python."""
+    import re
+
+    tokens = re.findall(r"\d+|\w+|\S", expr)
+    assert all(t.isdigit() or t in columns or t in ("int", "div", "(", ")", "*") for t in tokens), expr
+    assert all(v >= 0 for v in columns.values())
+    for name, factor in re.findall(r"\((\w+) \* (\d+)\)", expr):
+        assert columns[name] * int(factor) < 2**31
+    return int(eval(expr.replace(" div ", " // "), {"__builtins__": {}, "int": int}, dict(columns)))
+
+
+@FAST
+@given(m_and_p(), st.data())
+def test_subtask_of_sql_is_subtask_of(mp: tuple[int, int], data: st.DataObject) -> None:
+    m, p = mp
+    kg = data.draw(st.integers(0, m - 1), label="key group")
+    assert _spark_int_sql(subtask_of_sql("kg", m, p), kg=kg) == subtask_of(kg, m, p)
 
 
 def test_layout_exhaustive_for_small_max_parallelism() -> None:

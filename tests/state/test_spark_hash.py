@@ -11,12 +11,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keyscale.state.spark_hash as spark_hash_module
 from keyscale.errors import InputDataError, KeyscaleError
+from keyscale.state.keygroups import subtask_of, subtask_of_sql
 from keyscale.state.spark_hash import (
     SPARK_HASH_SEED,
     TYPE_NAMES,
@@ -28,8 +30,12 @@ from keyscale.state.spark_hash import (
     hash_long,
     hash_string,
     key_group_of,
+    key_group_sql,
+    key_groups,
+    route_sql,
     routing_values,
     spark_hash,
+    spark_hashes,
 )
 
 FAST = settings(max_examples=200, deadline=None)
@@ -250,6 +256,75 @@ def test_routing_values_are_memoized_but_not_shared() -> None:
         routing_values(32769)
 
 
+# --- the numpy form is the per-value form ---------------------------------------------------
+
+# Each Spark type the numpy form vectorizes: (name, Arrow type, values as Arrow holds them,
+# the same value as spark_hash takes it).
+_floats32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+ARRAY_COLUMNS: dict[str, tuple[pa.DataType, st.SearchStrategy[Any]]] = {
+    "string": (pa.string(), st.text(max_size=12)),
+    "binary": (pa.binary(), st.binary(max_size=13)),
+    "int": (pa.int32(), ints),
+    "long": (pa.int64(), longs),
+    "short": (pa.int16(), st.integers(-(2**15), 2**15 - 1)),
+    "byte": (pa.int8(), st.integers(-128, 127)),
+    "boolean": (pa.bool_(), st.booleans()),
+    "double": (pa.float64(), st.floats(allow_nan=True, allow_infinity=True)),
+    "float": (pa.float32(), _floats32),
+    "date": (pa.int32(), ints),  # days: as an int column, and as date32 below
+    "timestamp": (pa.int64(), longs),  # micros
+}
+
+
+@st.composite
+def key_tables(draw: st.DrawFn) -> tuple[pa.Table, list[str], list[list[Any]]]:
+    types = draw(st.lists(st.sampled_from(sorted(ARRAY_COLUMNS)), min_size=1, max_size=3), label="key types")
+    n = draw(st.integers(0, 12), label="rows")
+    columns: dict[str, pa.Array] = {}
+    rows: list[list[Any]] = [[] for _ in range(n)]
+    for j, t in enumerate(types):
+        arrow, values = ARRAY_COLUMNS[t]
+        col = draw(st.lists(st.none() | values, min_size=n, max_size=n), label=f"column {j} ({t})")
+        arr = pa.array(col, arrow)
+        if t == "date" and draw(st.booleans(), label="as date32"):
+            arr = pa.array([None if v is None else v % 2_000_000 for v in col], pa.int32()).cast(pa.date32())
+            col = arr.cast(pa.int32()).to_pylist()
+        if t == "string" and draw(st.booleans(), label="large"):
+            arr = arr.cast(pa.large_string())
+        columns[f"c{j}"] = arr
+        for r, v in zip(rows, col, strict=True):
+            r.append(v)
+    return pa.table(columns), types, rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(key_tables(), st.integers(1, 32768))
+def test_numpy_form_is_the_per_value_form(case: tuple[pa.Table, list[str], list[list[Any]]], m: int) -> None:
+    table, types, rows = case
+    names = table.column_names
+    assert spark_hashes(table, names, types).tolist() == [spark_hash(r, types) for r in rows]
+    assert key_groups(table, names, types, m).tolist() == [key_group_of(r, types, m) for r in rows]
+
+
+def test_numpy_form_of_doctests_and_fallback() -> None:
+    table = pa.table({"k": ["a", "bcdef"], "n": [1, None]})
+    assert key_groups(table, ["k", "n"], ["string", "long"], 128).tolist() == [81, 26]
+    # a type without a numpy form goes row by row, through the same rule
+    dec = pa.table({"d": pa.array([1], pa.decimal128(5, 0))})
+    with pytest.raises(KeyscaleError, match="cannot hash Spark type"):
+        spark_hashes(dec, ["d"], ["decimal(5,0)"])
+
+
+def test_sql_forms() -> None:
+    assert key_group_sql(["k"], 128) == "cast(pmod(hash(`k`), 128) as int)"
+    assert key_group_sql(["a`b", "c"], 8) == "cast(pmod(hash(`a``b`, `c`), 8) as int)"
+    assert route_sql("s", 4) == f"element_at(array({', '.join(map(str, routing_values(4)))}), s + 1)"
+    with pytest.raises(KeyscaleError):
+        key_group_sql(["k"], 0)
+    with pytest.raises(KeyscaleError):
+        route_sql("s", 0)
+
+
 def test_doctests() -> None:
     result = doctest.testmod(spark_hash_module)
     assert result.attempted > 0
@@ -422,3 +497,35 @@ def test_routing_values_in_spark(hash_spark: Any) -> None:
         sub = df.where(F.col("p") == p).repartition(p, "x")
         placed = sub.select("i", F.spark_partition_id().alias("pid")).collect()
         assert sorted((r["i"], r["pid"]) for r in placed) == [(i, i) for i in range(p)]
+
+
+@pytest.mark.spark
+def test_sql_forms_in_spark(hash_spark: Any) -> None:
+    """The SQL the stages run (key group, subtask, route) is the Python rule, in Spark."""
+    from pyspark.sql import functions as F
+
+    rng = random.Random(34)
+    rows = [(_random_value(rng, "string"), _random_value(rng, "long")) for _ in range(300)]
+    rows += [(None, 1), ("a", None), (None, None)]
+    df = hash_spark.createDataFrame(rows, "k string, `n.v` bigint")
+    ms = [1, 7, 128, 32768]
+    got = df.select("k", "`n.v`", *[F.expr(key_group_sql(["k", "n.v"], m)).alias(f"kg{m}") for m in ms]).collect()
+    for r in got:
+        for m in ms:
+            assert r[f"kg{m}"] == key_group_of([r["k"], r["n.v"]], ["string", "long"], m)
+
+    # Key group -> subtask -> partition: every key group of every (M, P) below, in one query.
+    pairs = [(1, 1), (10, 3), (128, 4), (128, 7), (100, 100), (32768, 3), (32768, 32768)]
+    kgs = sorted({0, 1, 2, 5, 9, 63, 64, 99, 127, *range(0, 32768, 997), 32767})
+    frame = hash_spark.createDataFrame([(kg,) for kg in kgs], "kg int")
+    # (CASE WHEN keeps a key group >= M away from the expressions, as no stage ever has one)
+    exprs = [F.when(F.col("kg") < m, F.expr(subtask_of_sql("kg", m, p))).alias(f"s{j}") for j, (m, p) in enumerate(pairs)]
+    exprs += [
+        F.when(F.col("kg") < m, F.pmod(F.hash(F.expr(route_sql(subtask_of_sql("kg", m, p), p))), F.lit(p))).alias(f"r{j}")
+        for j, (m, p) in enumerate(pairs)
+    ]
+    for r in frame.select("kg", *exprs).collect():
+        for j, (m, p) in enumerate(pairs):
+            if r["kg"] < m:
+                assert r[f"s{j}"] == subtask_of(r["kg"], m, p)
+                assert r[f"r{j}"] == subtask_of(r["kg"], m, p)  # the row lands on its subtask's partition

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from keyscale._subprocess import pid_exists
 from keyscale.checkpoint import sparklog
 from keyscale.checkpoint.fence import EPOCHS, Fence, epoch_key, resumed_key, superseded
 from keyscale.checkpoint.files import state_size_problem, verify_state_file
@@ -254,12 +255,7 @@ class JobDir:
         if not status.get("running") or time.time() * 1000 - int(status.get("updated_ms", 0)) >= TAKEOVER_AFTER_S * 1000:
             return False
         if status.get("host") == socket.gethostname() and isinstance(status.get("pid"), int):
-            try:
-                os.kill(status["pid"], 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True  # another user's live process
+            return pid_exists(status["pid"])
         return True
 
     def is_running(self) -> bool:

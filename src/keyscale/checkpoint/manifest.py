@@ -5,7 +5,9 @@ a batch exists for keyscale exactly when its manifest does. Per keyed operator (
 names the max parallelism, the parallelism, and the live state files, each covering a
 contiguous key-group range. The state of a key group is its latest snapshot file followed
 by the delta files written after it, in batch order (Flink's key-group-offset idea: each
-file is sorted by key group and indexed, so a reader takes just its slice).
+file is sorted by key group and indexed, so a reader takes just its slice): that rule, the
+restore chain, lives here only (``chain_starts``, ``chain_files``), and every reader of
+state files plans with it.
 
 Everything here is pure: no I/O, so restore planning and garbage collection are tested
 without Spark or files.
@@ -191,71 +193,113 @@ def _checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-# -- planning over state files ---------------------------------------------------------------
+# -- planning over state files: the restore chain --------------------------------------------
+#
+# The restore chain of a key group (which files make its state at a checkpoint) is one rule,
+# here: its latest snapshot, then the deltas after it, in batch order (every delta when it
+# has no snapshot); a reader that already holds the key group at some batch needs only the
+# files after that batch, unless a newer snapshot exists. ``chain_starts`` says where each key
+# group's chain starts, ``chain_files``/``chain_reads`` which files (and runs of key groups in
+# each) that makes. The task's catch-up (``catch_up``), savepoints' and the State Processor's
+# reads (``savepoint.write.restore_key_groups``), ``restore_chain``, the compaction trigger
+# (``chain_length``, ``oldest_chain_file``) and retention (``live_files``) are built on them.
 
 
-def latest_snapshot_batches(files: Iterable[StateFile], max_parallelism: int) -> np.ndarray:
-    """Per key group, the batch of its latest snapshot (-1 where none)."""
-    snap = np.full(max_parallelism, -1, dtype=np.int64)
+def _snapshot_batches_in(files: Iterable[StateFile], rng: KeyGroupRange) -> np.ndarray:
+    """Per key group of ``rng``, the batch of its latest snapshot (-1 where none)."""
+    lo, hi = rng.start, rng.end
+    snap = np.full(hi - lo + 1, -1, dtype=np.int64)
     for f in files:
-        if f.kind == "snapshot":
-            seg = snap[f.start : f.end + 1]
+        if f.kind == "snapshot" and f.start <= hi and f.end >= lo:
+            seg = snap[max(f.start, lo) - lo : min(f.end, hi) - lo + 1]
             np.maximum(seg, f.batch, out=seg)
     return snap
 
 
+def latest_snapshot_batches(files: Iterable[StateFile], max_parallelism: int) -> np.ndarray:
+    """Per key group, the batch of its latest snapshot (-1 where none)."""
+    return _snapshot_batches_in(files, KeyGroupRange(0, max_parallelism - 1))
+
+
+def chain_starts(
+    files: Sequence[StateFile], rng: KeyGroupRange, held: np.ndarray | None = None, usable: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where each key group of ``rng`` starts its restore chain.
+
+    ``held``: per key group, the batch a reader's copy reflects, where ``usable`` (default:
+    everywhere ``held`` is given; nowhere without ``held``) says the copy may be built on.
+    Returns per key group ``full``, whether it is rebuilt from nothing (no usable copy, or a
+    snapshot newer than the copy: from its latest snapshot, or from its first delta when it
+    has none), and the first batch its chain needs (``held + 1`` where it is not full).
+
+    >>> files = [StateFile("a", 0, "delta", 0, 3, 1, 1, 1), StateFile("b", 1, "snapshot", 0, 1, 1, 1, 1)]
+    >>> [x.tolist() for x in chain_starts(files, KeyGroupRange(0, 3))]
+    [[True, True, True, True], [1, 1, -1, -1]]
+    >>> [x.tolist() for x in chain_starts(files, KeyGroupRange(0, 3), np.array([0, 1, 0, 0]))]
+    [[True, False, False, False], [1, 2, 1, 1]]
+    """
+    snap = _snapshot_batches_in(files, rng)
+    if held is None:
+        return np.ones(len(snap), dtype=bool), snap
+    ok = np.ones(len(snap), dtype=bool) if usable is None else np.asarray(usable, dtype=bool)
+    full = ~ok | (snap > held)
+    return full, np.where(full, snap, held + 1)
+
+
+def chain_files(files: Sequence[StateFile], rng: KeyGroupRange, starts: np.ndarray) -> list[tuple[StateFile, list[KeyGroupRange]]]:
+    """The files that make the restore chains of ``rng``, whose key groups start at
+    ``starts`` (from :func:`chain_starts`), each with the runs of key groups it is read for:
+    a file counts for a key group from that key group's start batch on. Files come in batch
+    order (a stable sort: files of one batch keep their order); files no chain needs are left out.
+    """
+    lo, hi = rng.start, rng.end
+    out: list[tuple[StateFile, list[KeyGroupRange]]] = []
+    for f in sorted(files_overlapping(files, rng), key=lambda f: f.batch):
+        a, b = max(f.start, lo), min(f.end, hi)
+        runs = mask_runs(f.batch >= starts[a - lo : b - lo + 1], a)
+        if runs:
+            out.append((f, [KeyGroupRange(ra, rb) for ra, rb in runs]))
+    return out
+
+
+def chain_reads(files: Sequence[StateFile], rng: KeyGroupRange, starts: np.ndarray) -> list[tuple[StateFile, KeyGroupRange]]:
+    """:func:`chain_files` as the (file, run of key groups) slices to read, in batch order."""
+    return [(f, run) for f, runs in chain_files(files, rng, starts) for run in runs]
+
+
 def restore_chain(files: Sequence[StateFile], key_group: int, after: int | None = None) -> list[StateFile]:
-    """The files to apply, in order, to rebuild ``key_group``.
+    """The files to apply, in order, to rebuild ``key_group`` (:func:`chain_starts` and
+    :func:`chain_reads` for one key group).
 
     With nothing held (``after`` None): its latest snapshot and the deltas after it (all
     deltas if it has no snapshot). With ``after`` (a version the reader already holds): only
     newer files, unless a snapshot newer than ``after`` exists: then from that snapshot.
     A restored savepoint without source positions has batch -1.
     """
-    covering = [f for f in files if f.start <= key_group <= f.end]
-    snaps = [f.batch for f in covering if f.kind == "snapshot"]
-    if snaps and (after is None or max(snaps) > after):
-        start = max(snaps)
-    elif after is None:
-        start = min((f.batch for f in covering), default=0)
-    else:
-        start = after + 1
-    return sorted((f for f in covering if f.batch >= start), key=lambda f: f.batch)
+    rng = KeyGroupRange(key_group, key_group)
+    _, starts = chain_starts(files, rng, None if after is None else np.array([after], dtype=np.int64))
+    return [f for f, _ in chain_reads(files, rng, starts)]
 
 
 def live_files(files: Sequence[StateFile], max_parallelism: int) -> list[StateFile]:
-    """The files some key group still needs (its latest snapshot and later deltas)."""
-    snap = latest_snapshot_batches(files, max_parallelism)
-    out = []
-    for f in files:
-        # A file is needed by key group kg when it is not older than kg's latest snapshot.
-        if int(snap[f.start : f.end + 1].min()) <= f.batch:
-            out.append(f)
-    return out
+    """The files some key group still needs (in its restore chain: its latest snapshot and
+    later deltas)."""
+    _, starts = chain_starts(files, KeyGroupRange(0, max_parallelism - 1))
+    # A file is needed by key group kg when it is not older than where kg's chain starts.
+    return [f for f in files if int(starts[f.start : f.end + 1].min()) <= f.batch]
 
 
 def chain_length(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int:
     """Longest restore chain (files to read) over the key groups of ``rng``."""
-    snap = latest_snapshot_batches(files, max_parallelism)
-    counts = np.zeros(max_parallelism, dtype=np.int64)
-    for f in files:
-        lo, hi = max(f.start, rng.start), min(f.end, rng.end)
-        if lo > hi:
-            continue
-        seg = slice(lo, hi + 1)
-        counts[seg] += snap[seg] <= f.batch
-    return int(counts[rng.start : rng.end + 1].max())
+    counts = np.zeros(len(rng), dtype=np.int64)
+    for _, run in chain_reads(files, rng, chain_starts(files, rng)[1]):
+        counts[run.start - rng.start : run.end - rng.start + 1] += 1
+    return int(counts.max())
 
 
 def oldest_chain_file(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int | None:
     """The batch of the oldest file some key group of ``rng`` still needs (None: no file)."""
-    snap = latest_snapshot_batches(files, max_parallelism)
-    oldest: int | None = None
-    for f in files:
-        lo, hi = max(f.start, rng.start), min(f.end, rng.end)
-        if lo <= hi and bool((snap[lo : hi + 1] <= f.batch).any()):
-            oldest = f.batch if oldest is None else min(oldest, f.batch)
-    return oldest
+    return min((f.batch for f, _ in chain_files(files, rng, chain_starts(files, rng)[1])), default=None)
 
 
 def files_overlapping(files: Sequence[StateFile], rng: KeyGroupRange) -> list[StateFile]:
@@ -269,21 +313,13 @@ def catch_up(files: Sequence[StateFile], rng: KeyGroupRange, held: np.ndarray, c
     ``held``: per key group of ``rng``, the batch its warm copy reflects (-1: none). A key
     group is loaded in full (its latest snapshot and the deltas after it) when nothing
     usable is held: no copy, a copy ahead of the checkpoint (a failed attempt's), or one
-    older than a snapshot since; otherwise only the deltas after its copy. Returns the
-    per-group ``full`` mask (those to drop first), the (file, key-group run) slices to
-    read in batch order, and counts for the task's report.
+    older than a snapshot since; otherwise only the deltas after its copy
+    (:func:`chain_starts`). Returns the per-group ``full`` mask (those to drop first), the
+    (file, key-group run) slices to read in batch order (:func:`chain_reads`), and counts
+    for the task's report.
     """
-    lo, hi = rng.start, rng.end
     mine = files_overlapping(files, rng)
-    snap = latest_snapshot_batches(mine, max_parallelism)[lo : hi + 1]
-    full = (held < 0) | (held > committed) | (snap > held)
-    start_at = np.where(full, snap, held + 1)  # first batch each key group still needs
-    reads: list[tuple[StateFile, KeyGroupRange]] = []
-    read_files = 0
-    for f in sorted(mine, key=lambda f: f.batch):
-        a, b = max(f.start, lo), min(f.end, hi)
-        runs = mask_runs(f.batch >= start_at[a - lo : b - lo + 1], a)
-        read_files += bool(runs)
-        reads += [(f, KeyGroupRange(ra, rb)) for ra, rb in runs]
-    stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": read_files}
-    return full, reads, stats
+    full, starts = chain_starts(mine, rng, held, (held >= 0) & (held <= committed))
+    needed = chain_files(mine, rng, starts)
+    stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": len(needed)}
+    return full, [(f, run) for f, runs in needed for run in runs], stats

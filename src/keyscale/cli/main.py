@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from keyscale._logging import configure_logging
-from keyscale.errors import KeyscaleError
+from keyscale.errors import KeyscaleError, cli_exit
 from keyscale.runtime.control.jobstatus import find_jobs, status_dict
 from keyscale.runtime.control.settings import add_control_arguments, control_options
 from keyscale.runtime.driver.session import parse_spark_conf
@@ -533,8 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_storage_options(parse_storage_options(getattr(a, "storage_option", None) or []))
         return int(a.func(a))
     except KeyscaleError as e:
-        print(f"keyscale: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return cli_exit(e)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import socket
 import time
 from pathlib import Path
 
+from keyscale._subprocess import pid_exists
 from keyscale.errors import ClusterError
 
 HOST = "127.0.0.1"
@@ -67,13 +68,7 @@ def alive(pid: int, started: int) -> bool:
     if pid <= 0:
         return False
     if not has_proc():  # pragma: no cover - keyscale targets Linux
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_exists(pid)
     st = proc_stat(pid)
     if st is None:
         return False

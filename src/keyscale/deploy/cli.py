@@ -35,7 +35,7 @@ from keyscale.deploy.plan import Desired, DesiredState, plan_action
 from keyscale.deploy.spec import DeploymentError, DeploymentSpec, load_deployment, state_dir_of
 from keyscale.deploy.store import DeploymentState, DeploymentStatus, DeploymentStore
 from keyscale.deploy.supervisor import Outcome
-from keyscale.errors import KeyscaleError
+from keyscale.errors import KeyscaleError, cli_exit
 
 __all__ = [
     "add_apply_parser",
@@ -322,8 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(a.func(a))
     except KeyscaleError as e:
-        print(f"keyscale: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return cli_exit(e)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keyscale._subprocess import pid_exists
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.deploy.plan import (
     Action,
@@ -75,16 +76,6 @@ class _Job:
     baseline: int = -1  # newest checkpoint when the job became ready
     progressed: bool = False
     expect_exit: bool = False  # the deployment is stopping it
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _now_ms() -> int:
@@ -173,7 +164,7 @@ class Supervisor:
         st = self.status
         if st.job_dir and st.job_pid:
             jd = JobDir(st.job_dir)
-            if jd.is_running() and jd.lock_holder() == st.job_pid and _pid_alive(st.job_pid):
+            if jd.is_running() and jd.lock_holder() == st.job_pid and pid_exists(st.job_pid):
                 logf = self.store.job_log(Path(st.job_dir))
                 size = logf.stat().st_size if logf.exists() else 0
                 self.job = _Job(None, st.job_pid, Path(st.job_dir), logf, size)
@@ -218,7 +209,7 @@ class Supervisor:
             alive = code is None
         else:
             code = None
-            alive = _pid_alive(j.pid) and JobDir(j.job_dir).is_running()
+            alive = pid_exists(j.pid) and JobDir(j.job_dir).is_running()
         if alive:
             if j.ready and not j.progressed:
                 batches = JobDir(j.job_dir).manifest_batches()

@@ -10,6 +10,9 @@ connectors cope with the first; docs/design.md says what the others mean):
 
 - ListOffsets (``get_watermark_offsets(cached=False)``) can report the first offset of the
   partition's last record batch + 1 instead of its end; a fetch reports the true end.
+- Some Fetch requests for an offset inside a record batch are answered with no records and
+  no error (the same offset may be served on the next call); the end probe takes the end
+  such an answer reports (``kafka/client.py: FetchEnds``).
 - Records of an aborted transaction are served to ``read_committed`` consumers (no aborted
   transaction index); records of an open transaction are not (the last stable offset holds).
 - CreatePartitions (adding partitions to a topic) is not supported.

@@ -7,6 +7,7 @@ is an error naming it, never silently replaced.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,15 +63,87 @@ def partition_count(admin_or_consumer: Any, topic: str, bootstrap: str, timeout:
     return len(t.partitions)
 
 
-def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mapping[int, int], timeout: float = 10.0) -> list[int]:
-    """Per partition, the offset after its last readable record (the last stable offset
-    under ``read_committed``), as a fetch reports it.
+class FetchEnds:
+    """librdkafka's statistics callback (``stats_cb``), kept for the end probe: per
+    partition of ``topic``, the end the consumer's latest Fetch response reported.
 
-    ListOffsets is asked first; some brokers (Tansu 0.6) answer it with the first offset
-    of the last record batch + 1, which is never past the true end. A fetch from there
-    (or from the end seen before, if further) reports the true end: an end-of-partition
-    event at it, or the fetch's high watermark once a record arrives. The fetch is capped
-    small; the records it returns are dropped (the readers read them).
+    That end is the response's last stable offset under ``read_committed`` (its high
+    watermark under ``read_uncommitted``, or from a broker that sends no stable offset):
+    librdkafka keeps it as the partition's ``ls_offset``, the offset at which it raises the
+    end-of-partition event, and shows it nowhere but in its statistics.
+    ``get_watermark_offsets(cached=True)`` is no substitute: it is the response's *high
+    watermark*, which under ``read_committed`` can be past an open transaction's records.
+    ``settings()`` go into the consumer's configuration; librdkafka then calls this object
+    every ``interval_ms`` from the consumer's ``consume()``.
+    """
+
+    def __init__(self, topic: str, interval_ms: int = 100) -> None:
+        self.topic = topic
+        self.interval_ms = interval_ms
+        self.ends: dict[int, int] = {}
+        self.reports = 0
+
+    def settings(self) -> dict[str, Any]:
+        return {"statistics.interval.ms": str(self.interval_ms), "stats_cb": self}
+
+    def __call__(self, stats: str) -> None:
+        self.reports += 1
+        try:
+            partitions = json.loads(stats)["topics"][self.topic]["partitions"]
+        except (ValueError, KeyError, TypeError):
+            return  # no fetch of the topic yet (or statistics of another shape): nothing learnt
+        for key, part in partitions.items():
+            end = part.get("ls_offset") if isinstance(part, dict) else None
+            # Negative: no Fetch response for the partition yet (-1001), or librdkafka's
+            # internal partition -1 for messages not yet assigned to one.
+            if isinstance(end, int) and end >= 0 and int(key) >= 0:
+                self.ends[int(key)] = end
+
+    def end(self, partition: int) -> int | None:
+        return self.ends.get(partition)
+
+
+def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mapping[int, int], timeout: float = 10.0,
+              fetch_ends: FetchEnds | None = None) -> list[int]:
+    """Per partition, the offset after its last readable record (the last stable offset
+    under ``read_committed``), as a Fetch response reports it.
+
+    ``consumer`` should be made with ``fetch_ends.settings()`` in its configuration (see
+    :class:`FetchEnds`); without ``fetch_ends`` only the end-of-partition event counts.
+
+    Why a fetch: ListOffsets, asked first, is answered by some brokers (Tansu 0.6) with the
+    first offset of the partition's last record batch + 1, short of the end, and would
+    leave records unread until more arrive. A fetch from there (or from the end seen
+    before, if further) learns the end from the response: librdkafka raises the
+    end-of-partition event when a fetch at the end is answered, and keeps the end each
+    response reports (``fetch_ends``). The first of the two decides. The end-of-partition
+    event alone is not enough on Tansu: it answers some fetches for an offset inside a
+    record batch with no records and no error (docs/reliability.md, run L), so a fetch
+    that starts inside the last batch may never get to the end; and a fetch that starts
+    past the stable offset (Tansu's ListOffsets can answer inside an open transaction's
+    batch) is never at the end either. Records the fetch returns are dropped (the readers
+    read them); a record at offset ``o`` makes the end at least ``o + 1``.
+
+    What the end is for, and why it is never past uncommitted data: it ends the ranges a
+    batch plans (``reader.plan_batch``), written to the batch's intent before any record is
+    read and read again as they are by a replay; a job that starts at ``latest`` starts
+    there; the next start checks the committed positions against it; lag is measured to
+    it. Under ``read_committed`` every record below the last stable offset is decided
+    (committed, or aborted), so a range that ends there holds the same records whenever it
+    is read, which is what a replay relies on, and its read never waits. An end past an
+    open transaction's first record would put undecided records in the range: the read
+    would wait at the stable offset until the transaction ends (and fail after
+    ``READ_TIMEOUT_S``, every time on a broker whose stable offset is stuck, as Tansu's can
+    be), and a job starting there at ``latest`` would never read that transaction's
+    records once committed. So the end is always an end a fetch response reported
+    (librdkafka's ``ls_offset``: the stable offset under ``read_committed``), or a record's
+    offset + 1 under the isolation level the readers use; neither is past the stable
+    offset, and the stable offset never moves back, so an end from an earlier response is
+    at worst short, never past: records below the true end but past it are read by the
+    next batch. Never the high watermark (``get_watermark_offsets(cached=True)``), which is
+    past an open transaction's records. When no response reports an end within
+    ``timeout`` (the broker does not answer fetches), the probe fails naming the topic and
+    partitions: a guess would be worse than no batch.
     """
     from confluent_kafka import KafkaError, TopicPartition
 
@@ -83,23 +156,33 @@ def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mappi
         start[p] = max(int(high), known.get(p, 0), 0)
     consumer.assign([TopicPartition(topic, p, o) for p, o in start.items()])
     ends: dict[int, int] = {}
+    seen: dict[int, int] = {}  # partition -> after the last record the fetch returned
     deadline = time.monotonic() + timeout
     while len(ends) < len(start):
         if time.monotonic() > deadline:
             missing = sorted(set(start) - set(ends))
             raise KafkaConnectorError(f"Kafka topic {topic!r}: no answer on the end of partitions {missing} within {timeout:.0f} s")
-        for m in consumer.consume(num_messages=len(start), timeout=0.2):
+        done: list[int] = []
+        for m in consumer.consume(num_messages=max(len(start), 100), timeout=0.2):
             p = m.partition()
             if p in ends:
                 continue
             err = m.error()
             if err is None:
-                ends[p] = max(int(consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)[1]), m.offset() + 1)
+                seen[p] = max(seen.get(p, 0), int(m.offset()) + 1)
             elif err.code() == KafkaError._PARTITION_EOF:
                 ends[p] = int(m.offset())
+                done.append(p)
             elif not err.retriable():
                 raise KafkaConnectorError(f"Kafka topic {topic!r}, partition {p}: {err.str()}")
-            if p in ends:
-                consumer.incremental_unassign([TopicPartition(topic, p)])
+        # The statistics (served by consume() above) carry the end of the latest response,
+        # whether it held records, none, or the end-of-partition event.
+        for p in start:
+            reported = fetch_ends.end(p) if fetch_ends is not None else None
+            if p not in ends and reported is not None:
+                ends[p] = max(reported, seen.get(p, 0))
+                done.append(p)
+        if done:
+            consumer.incremental_unassign([TopicPartition(topic, p) for p in done])
     consumer.unassign()
     return [ends[p] for p in partitions]

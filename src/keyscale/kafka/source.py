@@ -42,6 +42,7 @@ import pyarrow as pa
 from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError
 from keyscale.kafka.client import (
+    FetchEnds,
     KafkaConnectorError,
     connection_options,
     partition_count,
@@ -231,12 +232,12 @@ class KafkaLog(PartitionedLog):
         self._skipped = 0
 
     @contextmanager
-    def _client(self) -> Iterator[Any]:
+    def _client(self, extra: Mapping[str, Any] | None = None) -> Iterator[Any]:
         """A consumer for one call (closed after it: one left open would keep reconnecting
-        to a broker that is gone once the job ends)."""
+        to a broker that is gone once the job ends); ``extra`` settings over the reader's."""
         from confluent_kafka import Consumer
 
-        c = Consumer(self._config)
+        c = Consumer({**self._config, **(extra or {})})
         try:
             yield c
         finally:
@@ -255,8 +256,9 @@ class KafkaLog(PartitionedLog):
             return partition_count(c, self.topic, self.bootstrap)
 
     def end_offsets(self) -> list[int]:
-        with self._client() as c:
-            ends = true_ends(c, self.topic, range(partition_count(c, self.topic, self.bootstrap)), self._known)
+        fetch_ends = FetchEnds(self.topic)  # the end each fetch response reports (librdkafka's statistics)
+        with self._client(fetch_ends.settings()) as c:
+            ends = true_ends(c, self.topic, range(partition_count(c, self.topic, self.bootstrap)), self._known, fetch_ends=fetch_ends)
         self._known = dict(enumerate(ends))
         return ends
 

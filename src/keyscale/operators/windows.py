@@ -208,7 +208,7 @@ class WindowAggregate:
     @property
     def input_columns(self) -> list[str]:
         """The columns its aggregates read: only these, the keys and the event time cross the
-        shuffle and Arrow to the tasks (``runtime.stages.task_input``)."""
+        shuffle and Arrow to the tasks (``runtime.batch.stages.task_input``)."""
         return sorted({a.column for a in self.aggs.values() if a.column is not None})
 
     @property

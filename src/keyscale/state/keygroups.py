@@ -3,7 +3,9 @@
 A record's key group is ``pmod(hash(key columns), M)`` (see :mod:`keyscale.state.spark_hash`),
 where ``M`` is the max parallelism, fixed for the life of the state. A subtask at parallelism
 ``P`` owns one contiguous range of key groups. Rescaling reassigns ranges; a key never changes
-key group. The arithmetic is Flink's ``KeyGroupRangeAssignment``, so the layouts match.
+key group. The arithmetic is Flink's ``KeyGroupRangeAssignment``, so the layouts match; this
+module is its one home: :func:`subtask_of` (and the ranges it implies), and
+:func:`subtask_of_sql`, the same rule as the Spark SQL the stages route rows with.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "key_group_range",
     "key_group_ranges",
     "subtask_of",
+    "subtask_of_sql",
 ]
 
 #: Smallest default max parallelism: leaves room to scale up small jobs (Flink's value).
@@ -144,6 +147,18 @@ def subtask_of(key_group: int, max_parallelism: int, parallelism: int) -> int:
     if not 0 <= key_group < max_parallelism:
         raise KeyscaleError(f"key group {key_group} is outside 0..{max_parallelism - 1}")
     return key_group * parallelism // max_parallelism
+
+
+def subtask_of_sql(key_group: str, max_parallelism: int, parallelism: int) -> str:
+    """:func:`subtask_of` as a Spark SQL int expression over the SQL int expression
+    ``key_group`` (Spark's ``div`` truncates, which is ``//`` for these non-negative ints,
+    and ``key_group * P`` stays below ``2**30``, inside Spark's int).
+
+    >>> subtask_of_sql("kg", 10, 3)
+    'int((kg * 3) div 10)'
+    """
+    check_parallelism(parallelism, max_parallelism)
+    return f"int(({key_group} * {int(parallelism)}) div {int(max_parallelism)})"
 
 
 def key_group_range(subtask: int, max_parallelism: int, parallelism: int) -> KeyGroupRange:

@@ -1,8 +1,18 @@
-"""Spark SQL's ``hash()`` in pure Python, bit for bit.
+"""Spark SQL's ``hash()``, the key -> key group rule, in each form keyscale runs it.
 
-Key groups are ``pmod(hash(key columns), M)``, computed by Spark in the pipeline. The driver
-and tests need the same number without a JVM, so this module re-implements Spark's
-``Murmur3Hash`` expression (``Murmur3_x86_32``, seed 42) exactly, quirks included:
+Key groups are ``pmod(hash(key columns), M)``, computed by Spark in the pipeline. The driver,
+the State Processor and tests need the same number without a JVM, so this module
+re-implements Spark's ``Murmur3Hash`` expression (``Murmur3_x86_32``, seed 42) exactly, and
+is the one place that rule lives, in three forms:
+
+- per value in pure Python (:func:`spark_hash`, :func:`key_group_of`, :func:`routing_values`);
+- per Arrow column in numpy (:func:`spark_hashes`, :func:`key_groups`), from the same
+  Murmur3 steps (they are written once for Python ints and numpy ``uint32`` arrays);
+- as the Spark SQL the stages and the bootstrap run (:func:`key_group_sql`,
+  :func:`route_sql`; the key group -> subtask part is
+  :func:`keyscale.state.keygroups.subtask_of_sql`).
+
+Spark's quirks, which every form keeps:
 
 - a long is hashed as two ints, low word then high word (``hashLong``);
 - strings and binaries use ``hashUnsafeBytes``: 4-byte little-endian words, then each tail
@@ -26,7 +36,10 @@ import numbers
 import operator
 import struct
 from collections.abc import Callable, Sequence
-from typing import SupportsIndex
+from typing import Any, SupportsIndex
+
+import numpy as np
+import pyarrow as pa
 
 from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.state.keygroups import UPPER_BOUND_MAX_PARALLELISM, check_parallelism
@@ -42,12 +55,18 @@ __all__ = [
     "hash_long",
     "hash_string",
     "key_group_of",
+    "key_group_sql",
+    "key_groups",
+    "route_sql",
     "routing_values",
     "spark_hash",
+    "spark_hashes",
 ]
 
 #: The seed of Spark SQL's ``hash()`` and of ``HashPartitioning``.
 SPARK_HASH_SEED = 42
+
+_PA: Any = pa
 
 _MASK = 0xFFFFFFFF
 _C1 = 0xCC9E2D51
@@ -57,31 +76,33 @@ _LONG_MIN, _LONG_MAX = -(1 << 63), (1 << 63) - 1
 _CANONICAL_NAN_INT_BITS = 0x7FC00000  # Float.floatToIntBits(Float.NaN)
 _CANONICAL_NAN_LONG_BITS = 0x7FF8000000000000  # Double.doubleToLongBits(Double.NaN)
 
+#: A 32-bit word: a Python int in ``0..2**32-1`` (Java's int, reinterpreted), or a numpy
+#: ``uint32`` array of them. The Murmur3 steps below are written once for both: a Python
+#: int is masked after every multiply/add/shift (it never overflows), a ``uint32`` array
+#: wraps by itself and the masks change nothing.
+_Word = Any
 
-# The helpers below work on unsigned 32-bit values (Java's int, reinterpreted), masking after
-# every multiply/add because Python ints never overflow.
 
-
-def _mix_k1(k1: int) -> int:
+def _mix_k1(k1: _Word) -> _Word:
     k1 = (k1 * _C1) & _MASK
     k1 = ((k1 << 15) | (k1 >> 17)) & _MASK
     return (k1 * _C2) & _MASK
 
 
-def _mix_h1(h1: int, k1: int) -> int:
-    h1 ^= k1
+def _mix_h1(h1: _Word, k1: _Word) -> _Word:
+    h1 = h1 ^ k1
     h1 = ((h1 << 13) | (h1 >> 19)) & _MASK
     return (h1 * 5 + 0xE6546B64) & _MASK
 
 
-def _fmix(h1: int, length: int) -> int:
-    h1 ^= length
-    h1 ^= h1 >> 16
+def _fmix(h1: _Word, length: _Word) -> _Word:
+    # No augmented assignment: on an array it would change the caller's.
+    h1 = h1 ^ length
+    h1 = h1 ^ (h1 >> 16)
     h1 = (h1 * 0x85EBCA6B) & _MASK
-    h1 ^= h1 >> 13
+    h1 = h1 ^ (h1 >> 13)
     h1 = (h1 * 0xC2B2AE35) & _MASK
-    h1 ^= h1 >> 16
-    return h1
+    return h1 ^ (h1 >> 16)
 
 
 def _signed(u: int) -> int:
@@ -330,28 +351,174 @@ def _routing_values(parallelism: int) -> tuple[int, ...]:
         raise KeyscaleError(
             f"parallelism {parallelism} must be in 1..{UPPER_BOUND_MAX_PARALLELISM}"
         )
-    found: list[int | None] = [None] * parallelism
-    missing = parallelism
-    x = 0
+    found = np.full(parallelism, -1, dtype=np.int64)
     # hash_int is a bijection on 32-bit ints, so every residue turns up; about P * ln(P)
-    # candidates are needed (coupon collector), so the loop inlines the hash for speed.
-    c1, c2, mask, seed = _C1, _C2, _MASK, SPARK_HASH_SEED
-    while missing:
-        if x > _INT_MAX:  # pragma: no cover - impossible for P <= 32768
+    # candidates are needed (coupon collector): hash them a block at a time, in numpy.
+    block = max(1024, 4 * parallelism)
+    start = 0
+    while (found < 0).any():
+        if start > _INT_MAX:  # pragma: no cover - impossible for P <= 32768
             raise AssertionError("ran out of int routing values")
-        k1 = (x * c1) & mask
-        k1 = (((k1 << 15) | (k1 >> 17)) * c2) & mask
-        h1 = seed ^ k1
-        h1 = ((((h1 << 13) | (h1 >> 19)) & mask) * 5 + 0xE6546B64) & mask
-        h1 ^= 4
-        h1 ^= h1 >> 16
-        h1 = (h1 * 0x85EBCA6B) & mask
-        h1 ^= h1 >> 13
-        h1 = (h1 * 0xC2B2AE35) & mask
-        h1 ^= h1 >> 16
-        i = (h1 - (1 << 32) if h1 & 0x80000000 else h1) % parallelism
-        if found[i] is None:
-            found[i] = x
-            missing -= 1
-        x += 1
-    return tuple(v for v in found if v is not None)
+        xs = np.arange(start, min(start + block, _INT_MAX + 1), dtype=np.int64)
+        residues = _hash_int32(np.full(len(xs), SPARK_HASH_SEED, dtype=np.uint32), xs).view(np.int32).astype(np.int64) % parallelism
+        # np.unique's indices are first occurrences: the smallest x of the block per residue.
+        seen, first = np.unique(residues, return_index=True)
+        new = found[seen] < 0
+        found[seen[new]] = xs[first[new]]
+        start += block
+    return tuple(int(x) for x in found)
+
+
+# -- the same hash over Arrow columns, in numpy ------------------------------------------------
+#
+# The Murmur3 steps above on numpy uint32 arrays (wrapping instead of masking), for a whole
+# column at once: the State Processor and the test harness hash tables of keys this way.
+# tests/state/test_spark_hash.py checks they agree with the per-value functions.
+
+
+def _hash_int32(h: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``hash_int`` of each of ``v`` (any integer dtype, as Java ints), seeded by ``h``."""
+    with np.errstate(over="ignore"):
+        return _fmix(_mix_h1(h, _mix_k1(v.astype(np.int32).view(np.uint32))), 4)  # type: ignore[no-any-return]
+
+
+def _hash_int64(h: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``hash_long`` of each of ``v``: the low word, then the high word."""
+    u = v.astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        h = _mix_h1(h, _mix_k1((u & np.uint64(_MASK)).astype(np.uint32)))
+        h = _mix_h1(h, _mix_k1((u >> np.uint64(32)).astype(np.uint32)))
+        return _fmix(h, 8)  # type: ignore[no-any-return]
+
+
+def _hash_bytes_array(h: np.ndarray, arr: Any) -> np.ndarray:
+    """``hash_bytes`` of each value of a (large) string or binary Arrow array."""
+    n = len(arr)
+    large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int64 if large else np.int32)[arr.offset : arr.offset + n + 1].astype(np.int64)
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.empty(0, np.uint8)
+    starts = offsets[:-1]
+    lens = offsets[1:] - starts
+    words = lens // 4
+    h = h.copy()
+    with np.errstate(over="ignore"):
+        for j in range(int(words.max()) if n else 0):  # the 4-byte little-endian words
+            idx = np.flatnonzero(words > j)
+            p = starts[idx] + 4 * j
+            word = data[p].astype(np.uint32) | (data[p + 1].astype(np.uint32) << 8) | (data[p + 2].astype(np.uint32) << 16) | (data[p + 3].astype(np.uint32) << 24)
+            h[idx] = _mix_h1(h[idx], _mix_k1(word))
+        for t in range(3):  # tail bytes, each sign-extended and mixed on its own
+            idx = np.flatnonzero(lens % 4 > t)
+            p = starts[idx] + 4 * words[idx] + t
+            h[idx] = _mix_h1(h[idx], _mix_k1(data[p].view(np.int8).astype(np.int32).view(np.uint32)))
+        return _fmix(h, lens.astype(np.uint32))  # type: ignore[no-any-return]
+
+
+def _float_bits(v: np.ndarray) -> np.ndarray:
+    """``floatToIntBits`` of float32s, with ``-0.0`` as ``0.0`` (as :func:`hash_float`)."""
+    bits = np.where(v == 0, np.uint32(0), np.where(np.isnan(v), np.uint32(_CANONICAL_NAN_INT_BITS), v.view(np.uint32)))
+    return bits.astype(np.uint32).view(np.int32)
+
+
+def _double_bits(d: np.ndarray) -> np.ndarray:
+    """``doubleToLongBits`` of float64s, with ``-0.0`` as ``0.0`` (as :func:`hash_double`)."""
+    bits = np.where(d == 0, np.uint64(0), np.where(np.isnan(d), np.uint64(_CANONICAL_NAN_LONG_BITS), d.view(np.uint64)))
+    return bits.astype(np.uint64).view(np.int64)
+
+
+_ARRAY_INTS = ("int", "integer", "short", "smallint", "byte", "tinyint", "date", "boolean")
+_ARRAY_LONGS = ("long", "bigint", "timestamp", "timestamp_ntz")
+
+
+def _hash_column(h: np.ndarray, col: Any, spark_type: str) -> np.ndarray | None:
+    """Spark's hash of one Arrow column seeded by ``h``, nulls not yet skipped (None: the
+    type has no numpy form here)."""
+    t = col.type
+    if spark_type in ("string", "binary") and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+        return _hash_bytes_array(h, col)
+    if spark_type in _ARRAY_INTS:
+        if pa.types.is_date32(t) or pa.types.is_boolean(t):
+            col = col.cast(pa.int32())
+        return _hash_int32(h, np.asarray(col.fill_null(0).to_numpy(zero_copy_only=False)))
+    if spark_type in _ARRAY_LONGS:
+        if pa.types.is_timestamp(t):
+            col = col.cast(_PA.timestamp("us", tz=t.tz)).cast(pa.int64())
+        return _hash_int64(h, np.asarray(col.fill_null(0).to_numpy(zero_copy_only=False)))
+    if spark_type == "float":
+        v = np.asarray(col.cast(pa.float32()).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.float32)
+        return _hash_int32(h, _float_bits(v))
+    if spark_type == "double":
+        d = np.asarray(col.cast(pa.float64()).fill_null(0).to_numpy(zero_copy_only=False), dtype=np.float64)
+        return _hash_int64(h, _double_bits(d))
+    return None
+
+
+def spark_hashes(table: pa.Table, key_names: Sequence[str], spark_types: Sequence[str]) -> np.ndarray:
+    """:func:`spark_hash` of every row of ``table``'s ``key_names`` columns (an int32 array).
+
+    Vectorized in numpy for the types keys usually have; other types go row by row through
+    :func:`spark_hash`. A null leaves the running hash unchanged, as in :func:`spark_hash`.
+
+    >>> t = pa.table({"k": ["a", None], "n": [1, 1]})
+    >>> spark_hashes(t, ["k", "n"], ["string", "long"]).tolist() == [spark_hash(["a", 1], ["string", "long"]), hash_long(1)]
+    True
+    """
+    n = table.num_rows
+    h = np.full(n, SPARK_HASH_SEED, dtype=np.uint32)
+    cols = [table.column(k).combine_chunks() if table.column(k).num_chunks != 1 else table.column(k).chunk(0) for k in key_names]
+    for col, st in zip(cols, spark_types, strict=True):
+        new = _hash_column(h, col, st)
+        if new is None:
+            rows = zip(*(c.to_pylist() for c in cols), strict=True)
+            return np.fromiter((spark_hash(list(r), list(spark_types)) for r in rows), dtype=np.int32, count=n)
+        if col.null_count:
+            valid = np.asarray(col.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+            new = np.where(valid, new, h)
+        h = new
+    return h.view(np.int32)
+
+
+def key_groups(table: pa.Table, key_names: Sequence[str], spark_types: Sequence[str], max_parallelism: int) -> np.ndarray:
+    """``pmod(hash(key columns), M)`` of every row, as Spark computes it (int32 array): the
+    numpy form of :func:`key_group_of`.
+
+    ``spark_types`` name each key column's Spark type (``"string"``, ``"long"``, ...): the
+    hash depends on it (``hash(1L) != hash(1)``). Vectorized for the types keys usually
+    have; others go row by row through :func:`key_group_of`.
+
+    >>> t = pa.table({"k": ["a", "bcdef"], "n": [1, None]})
+    >>> key_groups(t, ["k", "n"], ["string", "long"], 128).tolist()
+    [81, 26]
+    >>> [key_group_of(["a", 1], ["string", "long"], 128), key_group_of(["bcdef", None], ["string", "long"], 128)]
+    [81, 26]
+    """
+    check_parallelism(1, max_parallelism)
+    # Python's % on int64 has pmod's sign, as in key_group_of.
+    return (spark_hashes(table, key_names, spark_types).astype(np.int64) % max_parallelism).astype(np.int32)
+
+
+# -- the same rule in Spark SQL ---------------------------------------------------------------
+
+
+def key_group_sql(key_names: Sequence[str], max_parallelism: int) -> str:
+    """The Spark SQL expression of a row's key group (an int): :func:`key_group_of` as Spark
+    runs it in the pipeline, over the columns ``key_names`` (quoted as identifiers).
+
+    >>> key_group_sql(["user", "a`b"], 128)
+    'cast(pmod(hash(`user`, `a``b`), 128) as int)'
+    """
+    check_parallelism(1, max_parallelism)
+    keys = ", ".join("`" + k.replace("`", "``") + "`" for k in key_names)
+    return f"cast(pmod(hash({keys}), {int(max_parallelism)}) as int)"
+
+
+def route_sql(subtask: str, parallelism: int) -> str:
+    """The Spark SQL expression (an int) that makes ``repartition(P, expr)`` put a row on
+    partition ``subtask``: the :func:`routing_values` entry of the SQL int expression
+    ``subtask`` (in ``0..P-1``).
+
+    >>> route_sql("s", 4)
+    'element_at(array(12, 6, 2, 0), s + 1)'
+    """
+    return f"element_at(array({', '.join(str(x) for x in _routing_values(parallelism))}), {subtask} + 1)"

@@ -14,9 +14,10 @@ Savepoints and job directories are local paths, ``file://`` or object store URIs
 (``s3://...``); every function reads and writes through :mod:`keyscale.storage`.
 
 Key groups are Spark's ``pmod(hash(key columns), M)``. :func:`key_groups` computes them
-for an Arrow table in numpy, bit for bit as Spark does (checked against Spark in the tests).
+for an Arrow table in numpy, bit for bit as Spark does (checked against Spark in the tests);
+the rule and all its forms live in :mod:`keyscale.state.spark_hash`.
 
-Modules: :mod:`.keygroups` (Spark's hash, vectorized), :mod:`.read` (state as DataFrames),
+Modules: :mod:`.keygroups` (:func:`key_groups` under its State Processor name), :mod:`.read` (state as DataFrames),
 :mod:`.bootstrap` (savepoints from tables), :mod:`.rekey` (re-keying and inspecting).
 
 >>> import tempfile, pyarrow as pa

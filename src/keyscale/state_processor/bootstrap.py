@@ -30,9 +30,9 @@ from keyscale.checkpoint.savepoint import (
 from keyscale.checkpoint.savepoint.format import sha256_of
 from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.state.keygroups import KeyGroupRange, check_parallelism
-from keyscale.state.spark_hash import routing_values
+from keyscale.state.spark_hash import key_group_sql, key_groups, routing_values
 from keyscale.state.types import StateDescriptor, arrow_type
-from keyscale.state_processor.keygroups import key_groups
+from keyscale.state.uids import check_uid
 from keyscale.state_processor.read import spark_schema
 from keyscale.storage import Store
 
@@ -59,11 +59,6 @@ def _state_descriptor(name: str, spec: str | StateDescriptor) -> StateDescriptor
     if pa.types.is_map(t):
         return StateDescriptor(name, "map", t.item_type, t.key_type)
     return StateDescriptor(name, "value", t)
-
-
-def _check_uid(uid: str) -> None:
-    if not uid or "/" in uid or "\\" in uid or uid in (".", "..") or uid.startswith("."):
-        raise KeyscaleError(f"operator uid {uid!r} cannot name a folder; use letters, digits, '-', '_'")
 
 
 def _normal_key_type(t: pa.DataType) -> pa.DataType:
@@ -280,7 +275,7 @@ def _bootstrap_spark(
             raise KeyscaleError(f"operator '{uid}': key column '{k}' has type {fields[k].simpleString()}, which keyscale cannot key by") from None
     sel = df.select(
         *keys,
-        F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(m)).cast("int").alias(KEY_GROUP_COLUMN),
+        F.expr(key_group_sql(keys, m)).alias(KEY_GROUP_COLUMN),
         *[F.col(d.name).cast(spark_type_name(d.column_type)).alias(d.name) for d in descs],
     )
     counts = np.zeros(m, dtype=np.int64)
@@ -361,7 +356,7 @@ def write_savepoint_from_dataframes(
     with new_savepoint(dest) as store:
         ops: dict[str, SavepointOperator] = {}
         for uid, (data, keys, states) in operators.items():
-            _check_uid(uid)
+            check_uid(uid)  # the pipeline's rule: a savepoint never holds a uid no stage can have
             descs = [_state_descriptor(n, s) for n, s in states.items()]
             keys = list(keys)
             if _is_spark_frame(data):

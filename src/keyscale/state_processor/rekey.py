@@ -30,7 +30,7 @@ from keyscale.checkpoint.savepoint import (
     write_data_file,
 )
 from keyscale.state.keygroups import check_parallelism
-from keyscale.state_processor.keygroups import key_groups
+from keyscale.state.spark_hash import key_groups
 from keyscale.storage import LocalStore, Store
 
 

@@ -24,9 +24,9 @@ from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START, Assigner
 from keyscale.runtime.task import keyed as task
 from keyscale.runtime.task.keyed import KG, LATE, MAIN, SEQ, StageTask, run_subtask
 from keyscale.state.keygroups import key_group_range
+from keyscale.state.spark_hash import key_groups
 from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import arrow_schema
-from keyscale.state_processor.keygroups import key_groups
 from keyscale.storage import LocalStore
 
 Records = Iterable[Mapping[str, Any]] | pd.DataFrame | pa.Table

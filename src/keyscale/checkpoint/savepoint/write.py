@@ -36,8 +36,8 @@ from keyscale.checkpoint.manifest import (
     Manifest,
     OperatorCheckpoint,
     StateFile,
-    files_overlapping,
-    latest_snapshot_batches,
+    chain_files,
+    chain_starts,
 )
 from keyscale.checkpoint.savepoint.format import (
     DATA_PREFIXES,
@@ -58,7 +58,7 @@ from keyscale.checkpoint.savepoint.format import (
 from keyscale.checkpoint.savepoint.progress import Progress, report_progress
 from keyscale.checkpoint.savepoint.schema import descriptor_from, parse_arrow_type
 from keyscale.errors import StateError
-from keyscale.state.keygroups import KeyGroupRange, mask_runs
+from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import LocalStore, Store
@@ -220,11 +220,11 @@ def checkpoint_rows_per_key_group(store: Store | CheckpointFiles, op: OperatorCh
     """Per key group, the rows its restore chain holds (an upper bound of its live keys)."""
     files = _files(store)
     m = op.max_parallelism
-    snap = latest_snapshot_batches(op.files, m)
+    _, starts = chain_starts(op.files, KeyGroupRange(0, m - 1))
     rows = np.zeros(m, dtype=np.int64)
     for f in op.files:
         for kg, _, n in files.index(f):
-            if 0 <= kg < m and f.batch >= snap[kg]:
+            if 0 <= kg < m and f.batch >= starts[kg]:  # f is in kg's restore chain
                 rows[kg] += n
     return rows
 
@@ -239,27 +239,20 @@ def restore_key_groups(
     """The live keys of key groups ``rng`` at the checkpoint, in savepoint form.
 
     Each key group is rebuilt from its restore chain (its latest snapshot, then the later
-    deltas in batch order, as :func:`keyscale.checkpoint.manifest.restore_chain`); columns
+    deltas in batch order: :func:`keyscale.checkpoint.manifest.chain_files`); columns
     are the keys, ``key_group`` and the states, sorted by key group then key. Each state
     file is read once per call (one GET on an object store).
     """
     js = _files(store).store
     names = [k for k, _ in key_columns]
     table = KeyedStateTable(names, [t for _, t in key_columns], states)
-    files = files_overlapping(op.files, rng)
-    snap = latest_snapshot_batches(files, op.max_parallelism)[rng.start : rng.end + 1]
-    for f in sorted(files, key=lambda f: f.batch):
-        a, b = max(f.start, rng.start), min(f.end, rng.end)
-        need = f.batch >= snap[a - rng.start : b - rng.start + 1]
-        runs = list(mask_runs(need, a))
-        if not runs:
-            continue
-        part = read_state_slice(js, f, KeyGroupRange(runs[0][0], runs[-1][1]))
+    for f, runs in chain_files(op.files, rng, chain_starts(op.files, rng)[1]):
+        part = read_state_slice(js, f, KeyGroupRange(runs[0].start, runs[-1].end))
         if len(runs) == 1:
             table.apply(part)
             continue
         kgs = part.column(KG_COLUMN).to_numpy()
-        for ra, rb in runs:
+        for ra, rb in ((r.start, r.end) for r in runs):
             lo, hi = np.searchsorted(kgs, ra, side="left"), np.searchsorted(kgs, rb, side="right")
             table.apply(part.slice(int(lo), int(hi - lo)))
     out = table.to_arrow(table.rows_in_range(rng.start, rng.end, live_only=True))

@@ -50,8 +50,8 @@ from keyscale.runtime.task.spec import (
     side_output_schema,
 )
 from keyscale.state.backends import check_rocksdb_keys
-from keyscale.state.keygroups import key_group_range
-from keyscale.state.spark_hash import routing_values
+from keyscale.state.keygroups import key_group_range, subtask_of_sql
+from keyscale.state.spark_hash import key_group_sql, route_sql
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -271,10 +271,9 @@ def routed(
 
     # The plan is rebuilt every batch, and every Column made in Python is several calls to
     # the JVM (~1 ms each): fixed parts are SQL expressions.
-    keys = ", ".join(_quoted(k) for k in key_names)
-    rows = df.select(*columns, F.monotonically_increasing_id().alias(SEQ), F.expr(f"cast(pmod(hash({keys}), {m}) as int)").alias(KG), *order)
+    rows = df.select(*columns, F.monotonically_increasing_id().alias(SEQ), F.expr(key_group_sql(key_names, m)).alias(KG), *order)
     # Spark places a row on partition pmod(hash(x), p): route subtask i to partition i.
-    to = F.expr(f"element_at(array({', '.join(str(int(x)) for x in routing_values(p))}), int(({KG} * {p}) div {m}) + 1)")
+    to = F.expr(route_sql(subtask_of_sql(KG, m, p), p))
     return rows.unionByName(_markers(df.sparkSession, schema, columns, m, p, {} if cache is None else cache, order)), to
 
 

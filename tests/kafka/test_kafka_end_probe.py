@@ -1,0 +1,295 @@
+"""The Kafka source's end probe (``kafka/client.py: true_ends``, through
+``KafkaLog.end_offsets``) against what Tansu 0.6 answers (issue 32, docs/reliability.md
+run L): Fetch requests for an offset inside a record batch answered with no records and
+no error, ListOffsets answered inside the last batch, and under ``read_committed`` an end
+that must never be past an open transaction.
+
+The unit tests put a stub librdkafka consumer at the seam (``confluent_kafka.Consumer``)
+that answers fetches the way Tansu does; the last tests ask a real Tansu broker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from keyscale.kafka.client import KafkaConnectorError
+from keyscale.kafka.source import KafkaLog
+
+OFFSET_INVALID = -1001  # librdkafka's RD_KAFKA_OFFSET_INVALID: no fetch response seen yet
+
+
+@dataclass
+class StubPartition:
+    """One partition as a Tansu broker holds it: record batches ``(base offset, count)``,
+    an open transaction from ``open_from`` on (None: none open), and the offsets inside a
+    batch whose fetches are answered empty with no error."""
+
+    batches: list[tuple[int, int]]
+    open_from: int | None = None
+    empty_inside: Callable[[int], bool] = lambda offset: True
+    listed: int | None = None  # ListOffsets' answer (None: Tansu's, inside the last batch)
+
+    @property
+    def high(self) -> int:
+        base, count = self.batches[-1]
+        return base + count
+
+    @property
+    def stable(self) -> int:
+        return self.high if self.open_from is None else self.open_from
+
+    def list_offsets(self) -> int:
+        if self.listed is not None:
+            return self.listed
+        return self.batches[-1][0] + 1  # Tansu: the last batch's first offset + 1
+
+    def fetch(self, position: int, read_committed: bool) -> list[int]:
+        """The offsets a fetch at ``position`` serves."""
+        end = self.stable if read_committed else self.high
+        inside = any(base < position < base + count for base, count in self.batches)
+        if inside and self.empty_inside(position):
+            return []
+        return list(range(position, end))
+
+
+@dataclass
+class _Error:
+    code_: int
+
+    def code(self) -> int:
+        return self.code_
+
+    def retriable(self) -> bool:
+        return False
+
+    def str(self) -> str:
+        return "Broker: no more messages"
+
+
+@dataclass
+class _Message:
+    partition_: int
+    offset_: int
+    error_: _Error | None = None
+
+    def partition(self) -> int:
+        return self.partition_
+
+    def offset(self) -> int:
+        return self.offset_
+
+    def error(self) -> _Error | None:
+        return self.error_
+
+
+@dataclass
+class StubConsumer:
+    """librdkafka's consumer as the probe uses it, over :class:`StubPartition`: each
+    ``consume`` is one fetch per assigned partition; the partition-EOF event when a fetch
+    at the partition's end (the stable offset under ``read_committed``) answers; the
+    cached watermark is the last fetch response's high watermark; ``stats_cb`` (with
+    ``statistics.interval.ms``) gets librdkafka's statistics JSON, whose ``ls_offset`` is
+    the end the last fetch response reported (``hi_offset`` the high watermark)."""
+
+    config: dict[str, Any]
+    topic: str
+    partitions: dict[int, StubPartition]
+    answers: bool = True  # False: no fetch is ever answered
+    position: dict[int, int] = field(default_factory=dict)
+    responses: dict[int, tuple[int, int]] = field(default_factory=dict)  # partition -> (high watermark, end) last reported
+    eof_at: dict[int, int] = field(default_factory=dict)
+    fetches: int = 0
+
+    @property
+    def read_committed(self) -> bool:
+        return self.config.get("isolation.level", "read_committed") == "read_committed"
+
+    def list_topics(self, timeout: float = -1) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(topics={self.topic: SimpleNamespace(error=None, partitions=dict.fromkeys(self.partitions))})
+
+    def get_watermark_offsets(self, tp: Any, timeout: float = -1, cached: bool = False) -> tuple[int, int]:
+        if cached:
+            return (0, self.responses[tp.partition][0]) if tp.partition in self.responses else (OFFSET_INVALID, OFFSET_INVALID)
+        return 0, self.partitions[tp.partition].list_offsets()
+
+    def assign(self, tps: list[Any]) -> None:
+        self.position = {tp.partition: tp.offset for tp in tps}
+
+    def incremental_unassign(self, tps: list[Any]) -> None:
+        for tp in tps:
+            self.position.pop(tp.partition, None)
+
+    def unassign(self) -> None:
+        self.position = {}
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[_Message]:
+        out: list[_Message] = []
+        if self.answers:
+            for p, pos in list(self.position.items()):
+                self.fetches += 1
+                part = self.partitions[p]
+                end = part.stable if self.read_committed else part.high
+                self.responses[p] = (part.high, end)
+                served = part.fetch(pos, self.read_committed)
+                if served:
+                    out += [_Message(p, o) for o in served]
+                    self.position[p] = served[-1] + 1
+                elif pos == end and self.eof_at.get(p) != end:
+                    self.eof_at[p] = end
+                    out.append(_Message(p, end, _Error(-191)))  # KafkaError._PARTITION_EOF
+        if self.config.get("stats_cb") and int(self.config.get("statistics.interval.ms", 0)) > 0:
+            parts = {str(p): {"partition": p, "hi_offset": self.responses.get(p, (OFFSET_INVALID,))[0],
+                              "ls_offset": self.responses.get(p, (0, OFFSET_INVALID))[1]} for p in self.partitions}
+            parts["-1"] = {"partition": -1, "hi_offset": -1, "ls_offset": -1}  # librdkafka's unassigned-messages partition
+            self.config["stats_cb"](json.dumps({"topics": {self.topic: {"topic": self.topic, "partitions": parts}}}))
+        if not out:
+            time.sleep(min(max(timeout, 0.0), 0.01))
+        return out[:max(num_messages, len(out))]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def stub(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[StubConsumer]]:
+    """Makes ``confluent_kafka.Consumer`` a :class:`StubConsumer` over the given
+    partitions; returns the consumers made."""
+    import confluent_kafka
+
+    made: list[StubConsumer] = []
+
+    def install(partitions: dict[int, StubPartition], answers: bool = True) -> list[StubConsumer]:
+        def factory(config: dict[str, Any]) -> StubConsumer:
+            made.append(StubConsumer(dict(config), "input", partitions, answers))
+            return made[-1]
+
+        monkeypatch.setattr(confluent_kafka, "Consumer", factory)
+        return made
+
+    return install
+
+
+def test_empty_answers_inside_the_last_batch_still_give_the_end(stub: Callable[..., list[StubConsumer]]) -> None:
+    """Run L's failure: ListOffsets answers inside each partition's last batch and every
+    fetch there is answered empty; the end is still the partition's true end (the end the
+    fetch responses report), at once, not an error after 10 s."""
+    stub({0: StubPartition([(0, 100), (100, 40)]), 1: StubPartition([(0, 309_000), (309_000, 241)]), 2: StubPartition([(0, 5)])})
+    t0 = time.monotonic()
+    assert KafkaLog("b:9092", "input").end_offsets() == [140, 309_241, 5]
+    assert time.monotonic() - t0 < 3
+
+
+def test_the_end_is_never_past_an_open_transaction(stub: Callable[..., list[StubConsumer]]) -> None:
+    """Under read_committed the end is the last stable offset: an open transaction's
+    records (300-309 here, high watermark 310) stay out of the batch's range, whether the
+    probe's fetch lands in the open batch (answered empty), starts before it and gets
+    records (ListOffsets answered 250, as a real Tansu answers below an open transaction),
+    or starts past the stable offset (served nothing, and no end-of-partition event)."""
+    parts = {0: StubPartition([(0, 300), (300, 10)], open_from=300),
+             1: StubPartition([(0, 200), (200, 100), (300, 10)], open_from=300, empty_inside=lambda o: False, listed=250),
+             2: StubPartition([(0, 300), (300, 10)], open_from=300, empty_inside=lambda o: False)}
+    stub(parts)
+    log = KafkaLog("b:9092", "input")
+    assert log.end_offsets() == [300, 300, 300]
+    parts[0].open_from = parts[1].open_from = parts[2].open_from = None  # committed
+    assert log.end_offsets() == [310, 310, 310]
+
+
+def test_read_uncommitted_ends_at_the_high_watermark(stub: Callable[..., list[StubConsumer]]) -> None:
+    stub({0: StubPartition([(0, 300), (300, 10)], open_from=300)})
+    assert KafkaLog("b:9092", "input", options={"isolation.level": "read_uncommitted"}).end_offsets() == [310]
+
+
+def test_no_end_from_any_fetch_is_still_an_error_naming_topic_and_partitions(stub: Callable[..., list[StubConsumer]]) -> None:
+    """A broker that answers no fetch: the statistics come, but with no end in them, and
+    after the bound the probe fails as before, naming the topic and the partitions."""
+    from keyscale.kafka.client import FetchEnds, true_ends
+
+    made = stub({0: StubPartition([(0, 10)]), 1: StubPartition([(0, 10)])}, answers=False)
+    fetch_ends = FetchEnds("input")
+    with KafkaLog("b:9092", "input")._client(fetch_ends.settings()) as c, \
+            pytest.raises(KafkaConnectorError, match=r"Kafka topic 'input': no answer on the end of partitions \[0, 1\] within 1 s"):
+        true_ends(c, "input", [0, 1], {}, timeout=1.0, fetch_ends=fetch_ends)
+    assert made[0].fetches == 0 and fetch_ends.reports > 0 and fetch_ends.ends == {}
+
+
+# -- a real Tansu broker --------------------------------------------------------------------------
+
+
+def _producer(bootstrap: str, **settings: Any) -> Any:
+    from confluent_kafka import Producer
+
+    return Producer({"bootstrap.servers": bootstrap, "log_level": 3, **settings})
+
+
+def test_on_tansu_the_end_stops_at_an_open_transaction(kafka_broker: Any) -> None:
+    """A transaction left open after its records reached the broker: the end under
+    read_committed is where it starts (Tansu's stable offset), not the high watermark
+    (which the probe took once a record arrived, before this fix: 25 here), and moves past
+    it once the transaction commits; read_uncommitted ends at the high watermark."""
+    from conftest import new_topic
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 1, "probe")
+    plain = _producer(b, **{"linger.ms": 20})
+    for i in range(20):
+        plain.produce(topic, partition=0, value=b"committed-%d" % i)
+    plain.flush(30)
+    tx = _producer(b, **{"transactional.id": f"{topic}-tx"})
+    tx.init_transactions(30)
+    tx.begin_transaction()
+    for i in range(5):
+        tx.produce(topic, partition=0, value=b"open-%d" % i)
+    tx.flush(30)  # offsets 20-24 on the broker, the transaction open
+    assert KafkaLog(b, topic).end_offsets() == [20]
+    assert KafkaLog(b, topic, options={"isolation.level": "read_uncommitted"}).end_offsets() == [25]
+    tx.commit_transaction(30)  # its COMMIT marker takes offset 25
+    assert KafkaLog(b, topic).end_offsets() == [26]
+
+
+def test_on_tansu_ends_while_batches_are_appended(kafka_broker: Any) -> None:
+    """Probes while a producer appends record batches to 2 partitions: each end is a real
+    end (between the previous one and what was produced), none fails, and the last, once
+    the producer stops, is every record. Run L's empty answers came with 55k-290k records
+    a partition on a loaded machine; this test does not reproduce them reliably (the stub
+    tests above do)."""
+    import threading
+
+    from conftest import new_topic
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 2, "probe")
+    stop = threading.Event()
+    produced = [0]
+
+    def produce() -> None:
+        p = _producer(b, **{"linger.ms": 5, "enable.idempotence": True})
+        while not stop.is_set():
+            for _ in range(200):
+                p.produce(topic, partition=produced[0] % 2, value=b"x" * 50)
+                produced[0] += 1
+            p.poll(0.01)
+        p.flush(30)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    log = KafkaLog(b, topic)
+    last = [0, 0]
+    try:
+        for _ in range(15):
+            ends = log.end_offsets()
+            assert all(e >= prev for e, prev in zip(ends, last, strict=True)) and sum(ends) <= produced[0], (ends, last, produced[0])
+            last = ends
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(60)
+    assert sum(log.end_offsets()) == produced[0]
