@@ -141,7 +141,7 @@ def _release_free_memory() -> None:
 def table_breakdown(table: Any) -> dict[str, int]:
     """Bytes of a KeyedStateTable by part; also for the table before issue 15 (numpy and
     object key columns, a pandas index), so that one command measures both."""
-    from keyscale.state.table import make_index
+    from keyscale.state.factorize import make_index
 
     if hasattr(table, "memory"):
         parts: dict[str, int] = dict(table.memory())

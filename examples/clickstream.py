@@ -23,11 +23,11 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         .parquet(ctx.arg("input"))
     )
     events = ks.stream(views).with_watermark("ts", ctx.arg("out_of_orderness", "10 seconds"))
-    sessions = events.key_by("user").window(ks.SessionWindows(ctx.arg("gap", "30 seconds"))).aggregate(uid="sessions", views=ks.count())
-    pages = events.key_by("page").aggregate(uid="page_views", views=ks.count())
+    sessions = events.key_by("user").window(ks.windows.SessionWindows(ctx.arg("gap", "30 seconds"))).aggregate(uid="sessions", views=ks.aggregates.count())
+    pages = events.key_by("page").aggregate(uid="page_views", views=ks.aggregates.count())
     return ks.pipeline(
-        sessions.sink(ks.ParquetSink(ctx.arg("sessions"))),
-        pages.sink(ks.ParquetSink(ctx.arg("pages"))),
+        sessions.sink(ks.sinks.ParquetSink(ctx.arg("sessions"))),
+        pages.sink(ks.sinks.ParquetSink(ctx.arg("pages"))),
     )
 
 

@@ -17,17 +17,17 @@ NAME = "kafka_running_count"
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
     bootstrap = ctx.arg("bootstrap")
-    events = ks.kafka_source(
+    events = ks.sources.kafka_source(
         bootstrap, ctx.arg("input"), uid="events",
-        decoder=ks.json_values("key string, value long, ts timestamp"),
+        decoder=ks.sources.json_values("key string, value long, ts timestamp"),
         max_records_per_batch=int(ctx.arg("max_records", "100000")),
         commit_group=ctx.args.get("group"),  # positions also in this consumer group, for lag monitors
     )
     return (
         ks.stream(events)
         .key_by("key")
-        .aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"))
-        .sink(ks.KafkaSink(bootstrap, ctx.arg("output"), key="key"))
+        .aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
+        .sink(ks.sinks.KafkaSink(bootstrap, ctx.arg("output"), key="key"))
     )
 
 

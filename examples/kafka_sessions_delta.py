@@ -18,18 +18,18 @@ NAME = "kafka_sessions_delta"
 
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
-    clicks = ks.kafka_source(
+    clicks = ks.sources.kafka_source(
         ctx.arg("bootstrap"), ctx.arg("input"), uid="clicks",
-        decoder=ks.json_values("key string, value long, ts timestamp"),
+        decoder=ks.sources.json_values("key string, value long, ts timestamp"),
         max_records_per_batch=int(ctx.arg("max_records", "100000")),
     )
     return (
         ks.stream(clicks)
         .with_watermark("ts", ctx.arg("out_of_orderness", "5 seconds"), idleness=ctx.args.get("idleness"))
         .key_by("key")
-        .window(ks.SessionWindows(ctx.arg("gap", "30 seconds")))
-        .aggregate(uid="sessions", events=ks.count(), total=ks.sum("value"))
-        .sink(ks.DeltaSink(ctx.arg("output")))
+        .window(ks.windows.SessionWindows(ctx.arg("gap", "30 seconds")))
+        .aggregate(uid="sessions", events=ks.aggregates.count(), total=ks.aggregates.sum("value"))
+        .sink(ks.sinks.DeltaSink(ctx.arg("output")))
     )
 
 

@@ -17,10 +17,10 @@ NAME = "log_count"
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
     limit = ctx.args.get("max_records_per_batch")
-    source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=int(limit) if limit else None)
+    source = ks.sources.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=int(limit) if limit else None)
     return (
         ks.stream(source)
         .key_by("key")
-        .aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"))
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )

@@ -21,8 +21,8 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
     return (
         ks.stream(events)
         .key_by("key")
-        .aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"))
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )
 
 

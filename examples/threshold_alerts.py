@@ -21,12 +21,12 @@ class RollingSumAlert(ks.KeyedProcessFunction):
         self.threshold = threshold
         self.window = window
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.recent = ctx.list_state("recent", "long")
         self.above = ctx.value_state("above", "boolean")
         self.alerts = ctx.value_state("alerts", "long")
 
-    def process_element(self, row: Any, ctx: ks.Context) -> Any:
+    def process_element(self, row: Any, ctx: ks.state.Context) -> Any:
         recent = [*self.recent.get(), row.value][-self.window :]
         self.recent.update(recent)
         rolling = sum(recent)
@@ -51,5 +51,5 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         ks.stream(events)
         .key_by("key")
         .process(fn, "key string, ts timestamp, rolling_sum long, alert_number long", uid="alerts")
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )

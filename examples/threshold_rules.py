@@ -39,13 +39,13 @@ class Alerts(ks.KeyedProcessFunction):
 
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
-    rules = ks.broadcast(ks.log_source(ctx.arg("rules"), uid="rules"), set_rule)
+    rules = ks.sources.broadcast(ks.sources.log_source(ctx.arg("rules"), uid="rules"), set_rule)
     limit = ctx.args.get("max_records_per_batch")
-    events = ks.log_source(ctx.arg("events"), uid="events", max_records_per_batch=int(limit) if limit else None)
+    events = ks.sources.log_source(ctx.arg("events"), uid="events", max_records_per_batch=int(limit) if limit else None)
     return (
         ks.stream(events)
         .key_by("key")
         .process(Alerts(int(ctx.arg("default_threshold", "100"))), "key string, total long, threshold long, alert boolean, version long",
                  uid="alerts", broadcast=rules)
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )

@@ -27,10 +27,10 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         .with_watermark("ts", ctx.arg("out_of_orderness", "10 seconds"))
         .key_by("key")
         .window(
-            ks.TumblingWindows(ctx.arg("size", "1 minute")),
+            ks.windows.TumblingWindows(ctx.arg("size", "1 minute")),
             allowed_lateness=ctx.arg("lateness", "30 seconds"),
-            late_output=ks.ParquetSink(late) if late else None,
+            late_output=ks.sinks.ParquetSink(late) if late else None,
         )
-        .aggregate(uid="per_minute", count=ks.count(), total=ks.sum("value"))
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .aggregate(uid="per_minute", count=ks.aggregates.count(), total=ks.aggregates.sum("value"))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )

@@ -19,10 +19,10 @@ NAME = "two_stage"
 class TierEntries(ks.KeyedProcessFunction):
     """Per tier: how many users have entered it so far, and which."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.members = ctx.map_state("members", "string", "long")
 
-    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Any:
+    def process(self, key: Any, rows: Any, ctx: ks.state.Context) -> Any:
         new = [r.key for r in rows if not self.members.contains(r.key)]
         for user in new:
             self.members.put(user, ctx.batch_id)
@@ -39,9 +39,9 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
     return (
         ks.stream(events)
         .key_by("key")
-        .aggregate(uid="user_totals", total=ks.sum("value"))
+        .aggregate(uid="user_totals", total=ks.aggregates.sum("value"))
         .transform(lambda df: df.withColumn("tier", F.least(F.floor(F.col("total") / 500), F.lit(9)).cast("int")))
         .key_by("tier")
         .process(TierEntries(), "tier int, members long, entered long", uid="tier_entries")
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )

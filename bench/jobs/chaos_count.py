@@ -43,7 +43,7 @@ class Numbered(ks.VectorizedKeyedFunction):
         return {"n": prev + counts}, out
 
 
-class BatchStampedKafkaSink(ks.KafkaSink):
+class BatchStampedKafkaSink(ks.sinks.KafkaSink):
     """The Kafka sink, each row with its batch number (a projection: the output's split into
     tasks, which the sink's idempotence is keyed on, is unchanged)."""
 
@@ -54,14 +54,14 @@ class BatchStampedKafkaSink(ks.KafkaSink):
 def build(ctx):
     limit = int(ctx.arg("limit", "2000"))
     if ctx.args.get("source", "log") == "kafka":
-        source = ks.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="reader", max_records_per_batch=limit,
-                                 decoder=ks.json_values("key string, value long, ts timestamp"))
+        source = ks.sources.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="reader", max_records_per_batch=limit,
+                                         decoder=ks.sources.json_values("key string, value long, ts timestamp"))
     else:
-        source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=limit)
+        source = ks.sources.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=limit)
     if ctx.args.get("sink", "parquet") == "kafka":
         sink = BatchStampedKafkaSink(ctx.arg("bootstrap"), ctx.arg("output"), key="key")
     else:
-        sink = ks.ParquetSink(ctx.arg("output"))
+        sink = ks.sinks.ParquetSink(ctx.arg("output"))
     late = ctx.args.get("late")
     return (
         ks.stream(source)
@@ -69,8 +69,8 @@ def build(ctx):
         .key_by("key")
         .process(Numbered(), "key string, value long, ts timestamp, n long", uid="seq")
         .key_by("key")
-        .window(ks.TumblingWindows(ctx.arg("size", "10 seconds")), allowed_lateness=ctx.arg("lateness", "1 hour"),
-                late_output=ks.ParquetSink(late) if late else None)
-        .aggregate(uid="windows", count=ks.count(), total=ks.sum("value"), last=ks.max("n"))
+        .window(ks.windows.TumblingWindows(ctx.arg("size", "10 seconds")), allowed_lateness=ctx.arg("lateness", "1 hour"),
+                late_output=ks.sinks.ParquetSink(late) if late else None)
+        .aggregate(uid="windows", count=ks.aggregates.count(), total=ks.aggregates.sum("value"), last=ks.aggregates.max("n"))
         .sink(sink)
     )

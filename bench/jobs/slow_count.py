@@ -33,9 +33,9 @@ class SlowCount(ks.VectorizedKeyedFunction):
 
 
 def build(ctx):
-    source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=int(ctx.arg("limit", "2000")))
+    source = ks.sources.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=int(ctx.arg("limit", "2000")))
     return (
         ks.stream(source).key_by("key")
         .process(SlowCount(float(ctx.arg("cost_ms", "1"))), "key string, count long", uid="totals")
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )

@@ -10,10 +10,10 @@ NAME = "w_count"
 
 
 class RunningCount(ks.KeyedProcessFunction):
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.count = ctx.value_state("count", "long")
 
-    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Any:
+    def process(self, key: Any, rows: Any, ctx: ks.state.Context) -> Any:
         n = (self.count.value() or 0) + sum(r.v for r in rows)
         self.count.update(n)
         return [(key, n)]
@@ -24,8 +24,8 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
     keyed = ks.stream(df).key_by("key")
     mode = ctx.arg("mode", "vectorized")
     if mode in ("vectorized", "combined"):
-        counts = keyed.aggregate(uid="count", combine=mode == "combined", count=ks.sum("v"))
+        counts = keyed.aggregate(uid="count", combine=mode == "combined", count=ks.aggregates.sum("v"))
     else:
         counts = keyed.process(RunningCount(), f"key {ctx.arg('key_type', 'long')}, count long", uid="count")
-    sink = ks.NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.ParquetSink(ctx.arg("output"))
+    sink = ks.sinks.NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.sinks.ParquetSink(ctx.arg("output"))
     return counts.sink(sink)

@@ -16,8 +16,8 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
     df = ctx.spark.readStream.schema("key long, v long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     keyed = ks.stream(df).with_watermark("ts", ctx.arg("out_of_orderness", "10 seconds")).key_by("key")
     if ctx.arg("window", "tumbling") == "session":
-        counts = keyed.window(ks.SessionWindows(ctx.arg("gap", "30 seconds"))).aggregate(uid="sessions", count=ks.count())
+        counts = keyed.window(ks.windows.SessionWindows(ctx.arg("gap", "30 seconds"))).aggregate(uid="sessions", count=ks.aggregates.count())
     else:
-        counts = keyed.window(ks.TumblingWindows(ctx.arg("size", "1 minute"))).aggregate(uid="per_minute", count=ks.count())
-    sink = ks.NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.ParquetSink(ctx.arg("output"))
+        counts = keyed.window(ks.windows.TumblingWindows(ctx.arg("size", "1 minute"))).aggregate(uid="per_minute", count=ks.aggregates.count())
+    sink = ks.sinks.NoopSink() if ctx.arg("sink", "noop") == "noop" else ks.sinks.ParquetSink(ctx.arg("output"))
     return counts.sink(sink)

@@ -177,18 +177,18 @@ class LocalItemSuggestion(ks.KeyedCoProcessFunction):
     """q3: persons (first input, filtered) and their auctions (second, filtered), keyed by
     person id: an auction before its seller waits in state; the seller stays forever."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.person = ctx.list_state("person", "string")  # name, city, state
         self.waiting = ctx.list_state("auctions", "long")
 
-    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+    def process_element1(self, row: dict[str, Any], ctx: ks.state.Context) -> Iterable[Any]:
         self.person.update([row["name"], row["city"], row["state"]])
         waiting = self.waiting.get()
         if waiting:
             self.waiting.clear()
         return [(row["name"], row["city"], row["state"], a) for a in waiting]
 
-    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any] | None:
+    def process_element2(self, row: dict[str, Any], ctx: ks.state.Context) -> Iterable[Any] | None:
         person = self.person.get()
         if not person:
             self.waiting.add(row["id"])
@@ -202,7 +202,7 @@ class ClosingPrice(ks.KeyedCoProcessFunction):
     auction's final price when the watermark passes ``expires``. Bids before their auction
     wait; bids after the auction closed are dropped (they cannot be inside its window)."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.auction = ctx.list_state("auction", "long")  # category, start ms, expires ms
         self.best = ctx.value_state("best", "long")
         self.closed = ctx.value_state("closed", "boolean")
@@ -215,7 +215,7 @@ class ClosingPrice(ks.KeyedCoProcessFunction):
             if best is None or price > best:
                 self.best.update(price)
 
-    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> None:
+    def process_element1(self, row: dict[str, Any], ctx: ks.state.Context) -> None:
         start, expires = _ms(row["date_time"]), _ms(row["expires"])
         self.auction.update([row["category"], start, expires])
         for t, p in zip(self.pending_t.get(), self.pending_p.get(), strict=True):
@@ -224,7 +224,7 @@ class ClosingPrice(ks.KeyedCoProcessFunction):
         self.pending_p.clear()
         ctx.timer_service.register_event_time_timer(expires)
 
-    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> None:
+    def process_element2(self, row: dict[str, Any], ctx: ks.state.Context) -> None:
         if self.closed.value():
             return
         a = self.auction.get()
@@ -234,7 +234,7 @@ class ClosingPrice(ks.KeyedCoProcessFunction):
             return
         self._bid(_ms(row["date_time"]), row["price"], a[1], a[2])
 
-    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.state.Context) -> Iterable[Any]:
         a, best = self.auction.get(), self.best.value()
         self.auction.clear()
         self.best.clear()
@@ -266,7 +266,7 @@ class WinningBid(ks.KeyedCoProcessFunction):
     when the watermark passes ``expires``. Bids before their auction wait; bids after it
     closed are dropped (they cannot be inside its window)."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.auction = ctx.value_state("auction", AUCTION_STRUCT)
         self.best = ctx.value_state("best", BID_STRUCT)
         self.closed = ctx.value_state("closed", "boolean")
@@ -278,14 +278,14 @@ class WinningBid(ks.KeyedCoProcessFunction):
             if best is None or _bid_rank(bid) < _bid_rank(best):
                 self.best.update(bid)
 
-    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> None:
+    def process_element1(self, row: dict[str, Any], ctx: ks.state.Context) -> None:
         self.auction.update(row)
         for bid in self.pending.get():
             self._bid(bid, row)
         self.pending.clear()
         ctx.timer_service.register_event_time_timer(_ms(row["expires"]))
 
-    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> None:
+    def process_element2(self, row: dict[str, Any], ctx: ks.state.Context) -> None:
         if self.closed.value():
             return
         a = self.auction.value()
@@ -294,7 +294,7 @@ class WinningBid(ks.KeyedCoProcessFunction):
         else:
             self._bid(row, a)
 
-    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.state.Context) -> Iterable[Any]:
         a, best = self.auction.value(), self.best.value()
         self.auction.clear()
         self.best.clear()
@@ -315,13 +315,13 @@ class WinningBidBatch(ks.VectorizedKeyedCoProcessFunction):
     pandas_records = False
     event_timers = True
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.auction = ctx.value_state("auction", AUCTION_STRUCT)
         self.best = ctx.value_state("best", BID_STRUCT)
         self.closed = ctx.value_state("closed", "boolean")
         self.pending = ctx.value_state("pending", pa.list_(BID_STRUCT))
 
-    def process_batch(self, b: ks.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+    def process_batch(self, b: ks.state.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
         auctions, bids = b.arrow1, b.arrow2
         assert auctions is not None and bids is not None and b.due is not None
         n, due = len(b.keys), b.due
@@ -377,7 +377,7 @@ class WinningBidBatch(ks.VectorizedKeyedCoProcessFunction):
         timer = pd.Series(end // 1000, dtype="Int64").where(known)  # the window's end, in ms, as WinningBid's timer
         return {"auction": pd.Series(auction, dtype=object), "best": pd.Series(best, dtype=object),
                 "closed": pd.Series(np.where(closed, True, None), dtype=object), "pending": pd.Series(new_pending, dtype=object),
-                ks.TIMER: timer}, fired
+                ks.state.TIMER: timer}, fired
 
 
 def _us_column(table: pa.Table, column: str) -> np.ndarray:
@@ -407,18 +407,18 @@ class AverageSellingPrice(ks.KeyedProcessFunction):
     cut the stream changes nothing (but for an auction that came after the watermark had
     passed its expiry: it closes a batch late, after the others)."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.prices = ctx.list_state("prices", "long")  # the last ten, oldest first
         self.pending = ctx.list_state("pending", CLOSING)
 
-    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+    def process(self, key: Any, rows: Any, ctx: ks.state.Context) -> Iterable[Any]:
         for r in rows:
             expires = _us(r.expires)
             self.pending.add({"expires_us": expires, "auction": r.id, "price": r.price})
             ctx.timer_service.register_event_time_timer(expires // 1000)
         return []
 
-    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.state.Context) -> Iterable[Any]:
         pending = sorted(self.pending.get(), key=lambda c: (c["expires_us"], c["auction"]))
         due = [c for c in pending if c["expires_us"] // 1000 <= timestamp]
         if not due:
@@ -436,10 +436,10 @@ class HotItems(ks.KeyedProcessFunction):
     """q5, second stage: keyed by window start, the (auction, count) rows of a window (all
     in the batch where the window fired); emits those at the window's maximum count."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.max = ctx.value_state("max", "long")
 
-    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+    def process(self, key: Any, rows: Any, ctx: ks.state.Context) -> Iterable[Any]:
         best = max(r.num for r in rows)
         prev = self.max.value()
         if prev is not None and prev > best:
@@ -452,11 +452,11 @@ class HighestBid(ks.KeyedProcessFunction):
     """q7: keyed by 10 s window (start, epoch ms), the bids at the window's highest price so
     far; emitted when the watermark passes the window's end (every bid at the maximum)."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.price = ctx.value_state("price", "long")
         self.bids = ctx.list_state("bids", BID_STRUCT)
 
-    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+    def process(self, key: Any, rows: Any, ctx: ks.state.Context) -> Iterable[Any]:
         best = max(r.price for r in rows)
         prev = self.price.value()
         if prev is None:
@@ -471,7 +471,7 @@ class HighestBid(ks.KeyedProcessFunction):
             self.bids.update(top)
         return []
 
-    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Iterable[Any]:
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.state.Context) -> Iterable[Any]:
         out = [(b["auction"], b["price"], b["bidder"], b["date_time"], b["extra"], _time(key + WINDOW_MS))
                for b in self.bids.get()]
         self.price.clear()
@@ -485,13 +485,13 @@ class NewUsers(ks.KeyedCoProcessFunction):
     A person's state goes when the watermark passes the end of their window; the windows of
     auctions seen before their seller, at the end of each such window."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.name = ctx.value_state("name", "string")
         self.window = ctx.value_state("window", "long")
         self.emitted = ctx.value_state("emitted", "boolean")
         self.auction_windows = ctx.list_state("auction_windows", "long")
 
-    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+    def process_element1(self, row: dict[str, Any], ctx: ks.state.Context) -> Iterable[Any]:
         w = _ms(row["date_time"]) // WINDOW_MS * WINDOW_MS
         self.name.update(row["name"])
         self.window.update(w)
@@ -501,7 +501,7 @@ class NewUsers(ks.KeyedCoProcessFunction):
             return [(row["id"], row["name"], _time(w))]
         return []
 
-    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+    def process_element2(self, row: dict[str, Any], ctx: ks.state.Context) -> Iterable[Any]:
         w = _ms(row["date_time"]) // WINDOW_MS * WINDOW_MS
         mine = self.window.value()
         if mine is None:
@@ -514,7 +514,7 @@ class NewUsers(ks.KeyedCoProcessFunction):
             return [(row["seller"], self.name.value(), _time(w))]
         return []
 
-    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> None:
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.state.Context) -> None:
         ws = self.auction_windows.get()
         if ws:
             self.auction_windows.update([w for w in ws if w + WINDOW_MS - 1 > timestamp])
@@ -540,13 +540,13 @@ class NewUsersBatch(ks.VectorizedKeyedCoProcessFunction):
     input_columns1 = ("id", "name", "date_time")
     input_columns2 = ("seller", "date_time")
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.name = ctx.value_state("name", "string")
         self.window = ctx.value_state("window", "long")
         self.emitted = ctx.value_state("emitted", "boolean")
         self.auction_windows = ctx.value_state("auction_windows", pa.list_(pa.int64()))
 
-    def process_batch(self, b: ks.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+    def process_batch(self, b: ks.state.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
         persons, auctions = b.arrow1, b.arrow2
         assert persons is not None and auctions is not None
         n = len(b.keys)
@@ -588,7 +588,7 @@ class NewUsersBatch(ks.VectorizedKeyedCoProcessFunction):
         has = window >= 0
         return {"name": pd.Series(np.where(has, name, None), dtype=object), "window": pd.Series(window, dtype="Int64").where(has),
                 "emitted": pd.Series(np.where(has & emitted, True, None), dtype=object),
-                "auction_windows": pd.Series([sorted(ws) if ws else None for ws in seen], dtype=object), ks.TIMER: timer}, rows
+                "auction_windows": pd.Series([sorted(ws) if ws else None for ws in seen], dtype=object), ks.state.TIMER: timer}, rows
 
 
 class LastBid(ks.VectorizedKeyedFunction):
@@ -600,7 +600,7 @@ class LastBid(ks.VectorizedKeyedFunction):
     def __init__(self) -> None:
         self.input_columns = ["price", "channel", "url", "date_time", "extra"]
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         ctx.value_state("last_us", "long")
 
     def process_batch(self, batch: Any) -> tuple[dict[str, Any], pa.Table]:
@@ -632,7 +632,7 @@ class NewDistinct(ks.VectorizedKeyedFunction):
         self.group = group
         self.input_columns = ["rank", "minute"]
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         ctx.value_state("seen", "long")
 
     def process_batch(self, batch: Any) -> tuple[dict[str, Any], pd.DataFrame]:
@@ -660,10 +660,10 @@ class TopBids(ks.KeyedProcessFunction):
     """q19: keyed by auction, its ten highest bids; emits the new top ten (with ranks)
     whenever a batch changes it."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.top = ctx.list_state("top", BID_STRUCT)
 
-    def process(self, key: Any, rows: Any, ctx: ks.Context) -> Iterable[Any]:
+    def process(self, key: Any, rows: Any, ctx: ks.state.Context) -> Iterable[Any]:
         old = self.top.get()
         floor = old[-1]["price"] if len(old) >= 10 else -1
         fresh = [r for r in rows if r.price > floor]
@@ -681,7 +681,7 @@ class AuctionBids(ks.KeyedCoProcessFunction):
     category-10 auction, with the auction's columns. A bid before its auction waits; the
     auction stays (a regular join); a bid of another category's auction is dropped."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.auction = ctx.list_state("auction", AUCTION_STRUCT)
         self.other = ctx.value_state("other", "boolean")
         self.waiting = ctx.list_state("waiting", BID_STRUCT)
@@ -692,7 +692,7 @@ class AuctionBids(ks.KeyedCoProcessFunction):
                 a["item_name"], a["description"], a["initial_bid"], a["reserve"], a["date_time"], a["expires"],
                 a["seller"], a["category"], a["extra"])
 
-    def process_element1(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+    def process_element1(self, row: dict[str, Any], ctx: ks.state.Context) -> Iterable[Any]:
         waiting = self.waiting.get()
         self.waiting.clear()
         if row["category"] != 10:
@@ -701,7 +701,7 @@ class AuctionBids(ks.KeyedCoProcessFunction):
         self.auction.update([row])
         return [self._join(b, row) for b in waiting]
 
-    def process_element2(self, row: dict[str, Any], ctx: ks.Context) -> Iterable[Any]:
+    def process_element2(self, row: dict[str, Any], ctx: ks.state.Context) -> Iterable[Any]:
         if self.other.value():
             return []
         a = self.auction.get()
@@ -720,12 +720,12 @@ class AuctionBidsBatch(ks.VectorizedKeyedCoProcessFunction):
 
     pandas_records = False  # every column goes to the output: Arrow take, no pandas
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.auction = ctx.value_state("auction", AUCTION_STRUCT)  # the category-10 auction's row
         self.other = ctx.value_state("other", "boolean")
         self.waiting = ctx.value_state("waiting", pa.list_(BID_STRUCT))
 
-    def process_batch(self, b: ks.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
+    def process_batch(self, b: ks.state.KeyedCoBatch) -> tuple[dict[str, Any], pa.Table]:
         auctions, bids = b.arrow1, b.arrow2
         assert auctions is not None and bids is not None
         n = len(b.keys)
@@ -814,12 +814,12 @@ def _window_ms(col: str) -> Any:
     return (F.unix_millis(F.col(col)) - F.pmod(F.unix_millis(F.col(col)), F.lit(WINDOW_MS))).alias("w")
 
 
-def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = False, per_record: bool = False) -> ks.Stream:
+def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = False, per_record: bool = False) -> ks.streams.Stream:
     """Query ``name`` as a keyscale stream (before its sink); ``combine``: the running
     aggregates of COMBINABLE's queries with ``combine=True`` (measured slower or level on
     them: docs/benchmarks.md); ``per_record``: PER_RECORD's queries with their per-record
     co-process function instead of the batch-at-a-time one."""
-    def stream(s: str) -> ks.Stream:
+    def stream(s: str) -> ks.streams.Stream:
         return ks.stream(_read(spark, data, s)).with_watermark("date_time", WATERMARK)
 
     if name == "q0":
@@ -840,7 +840,7 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
         else:  # q9's winning bid has the highest price in the auction's window: its final price
             closing = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
                 WinningBidBatch(), Q9_SCHEMA, uid="q4_closing").select(F.col("id").alias("auction"), "category", F.col("price").alias("final"))
-        return closing.key_by("category").aggregate(uid="q4_avg", avg_final=ks.mean("final"))
+        return closing.key_by("category").aggregate(uid="q4_avg", avg_final=ks.aggregates.mean("final"))
     if name in ("q6", "q9"):
         winners = stream("auction").connect(stream("bid")).key_by("id", "auction").process(
             WinningBid() if per_record else WinningBidBatch(), Q9_SCHEMA, uid="q9")
@@ -848,8 +848,8 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
             return winners
         return winners.key_by("seller").process(AverageSellingPrice(), "seller long, auction long, avg_price double", uid="q6")
     if name == "q5":
-        counts = stream("bid").key_by("auction").window(ks.SlidingWindows(f"{WINDOW_MS} ms", f"{SLIDE_MS} ms")).aggregate(
-            uid="q5_counts", num=ks.count())
+        counts = stream("bid").key_by("auction").window(ks.windows.SlidingWindows(f"{WINDOW_MS} ms", f"{SLIDE_MS} ms")).aggregate(
+            uid="q5_counts", num=ks.aggregates.count())
         return counts.key_by("window_start").process(
             HotItems(), "auction long, num long, window_start timestamp, window_end timestamp", uid="q5_hot")
     if name == "q7":
@@ -870,22 +870,22 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
         return stream("person").connect(stream("auction")).key_by("id", "seller").process(
             NewUsers() if per_record else NewUsersBatch(), "id long, name string, starttime timestamp", uid="q8")
     if name == "q11":
-        return stream("bid").key_by("bidder").window(ks.SessionWindows(f"{WINDOW_MS} ms")).aggregate(
-            uid="q11", bid_count=ks.count())
+        return stream("bid").key_by("bidder").window(ks.windows.SessionWindows(f"{WINDOW_MS} ms")).aggregate(
+            uid="q11", bid_count=ks.aggregates.count())
     if name in ("q15", "q16"):
         group = ["day"] if name == "q15" else ["channel", "day"]
         schema = ", ".join([*(f"{c} string" for c in group), *(f"{c} long" for c in Q15_COUNTS), "minute long"])
         new = stream("bid").transform(_q15_rows(group)).key_by(*group, "kind", "id").process(
             NewDistinct(group), schema, uid=f"{name}_distinct")
-        sums = {c: ks.sum(c) for c in Q15_COUNTS}
+        sums = {c: ks.aggregates.sum(c) for c in Q15_COUNTS}
         if name == "q16":
-            sums["minute"] = ks.max("minute")
+            sums["minute"] = ks.aggregates.max("minute")
         daily = new.key_by(*group).aggregate(uid=name, combine=combine, **sums)
         return daily.transform(_hh_mm) if name == "q16" else daily
     if name == "q17":
         return stream("bid").transform(_q17_columns).key_by("auction", "day").aggregate(
-            uid="q17", combine=combine, total_bids=ks.count(), rank1_bids=ks.sum("r1"), rank2_bids=ks.sum("r2"), rank3_bids=ks.sum("r3"),
-            min_price=ks.min("price"), max_price=ks.max("price"), avg_price=ks.mean("price"), sum_price=ks.sum("price"))
+            uid="q17", combine=combine, total_bids=ks.aggregates.count(), rank1_bids=ks.aggregates.sum("r1"), rank2_bids=ks.aggregates.sum("r2"), rank3_bids=ks.aggregates.sum("r3"),
+            min_price=ks.aggregates.min("price"), max_price=ks.aggregates.max("price"), avg_price=ks.aggregates.mean("price"), sum_price=ks.aggregates.sum("price"))
     if name == "q18":
         return stream("bid").key_by("bidder", "auction").process(
             LastBid(), "bidder long, auction long, price long, channel string, url string, date_time timestamp, extra string",
@@ -902,14 +902,14 @@ def keyscale_query(spark: Any, name: str, data: str | Path, combine: bool = Fals
     if name == "wj":
         persons = stream("person").select("id", "name", "date_time")
         auctions = stream("auction").select("id", "seller", "date_time")
-        return persons.connect(auctions).key_by("id", "seller").window_join(ks.TumblingWindows(f"{WINDOW_MS} ms"), uid="wj")
+        return persons.connect(auctions).key_by("id", "seller").window_join(ks.windows.TumblingWindows(f"{WINDOW_MS} ms"), uid="wj")
     raise ks.KeyscaleError(f"nexmark: unknown query {name!r} (known: {', '.join(QUERIES)})")
 
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
     out = keyscale_query(ctx.spark, ctx.arg("query"), ctx.arg("data"), ctx.arg("combine", "no") == "yes", ctx.arg("per_record", "no") == "yes")
     where = ctx.arg("output", "noop")
-    return out.sink(ks.NoopSink() if where == "noop" else ks.ParquetSink(where))
+    return out.sink(ks.sinks.NoopSink() if where == "noop" else ks.sinks.ParquetSink(where))
 
 
 # ---------------------------------------------------------------------------- Spark

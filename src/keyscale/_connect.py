@@ -31,7 +31,7 @@ from keyscale.operators.coprocess import (
 )
 from keyscale.operators.eventtime import parse_duration_ms
 from keyscale.operators.windows import SlidingWindows, TumblingWindows
-from keyscale.sources.log import LogError
+from keyscale.sources.partitioned import LogError
 from keyscale.sources.reader import LogSource
 from keyscale.sources.union import UnionLog
 
@@ -98,7 +98,7 @@ def _spark_with_log(a: DataFrame | LogSource, b: DataFrame | LogSource, fns: tup
 
 
 class ConnectedStreams:
-    """Two streams to key alike (see :meth:`keyscale.Stream.connect`)."""
+    """Two streams to key alike (see :meth:`keyscale.streams.Stream.connect`)."""
 
     def __init__(self, first: Stream, second: Stream):
         self.first, self.second = first, second
@@ -222,8 +222,8 @@ class ConnectedKeyedStreams:
 
     def window_join(self, assigner: TumblingWindows | SlidingWindows, uid: str, parallelism: int | None = None,
                     state_backend: str | None = None) -> Stream:
-        """Pairs of rows with equal keys in the same event-time window (``ks.TumblingWindows``
-        or ``ks.SlidingWindows``; each pair once per window both rows fall in), as one row of
+        """Pairs of rows with equal keys in the same event-time window (``ks.windows.TumblingWindows``
+        or ``ks.windows.SlidingWindows``; each pair once per window both rows fall in), as one row of
         both inputs' columns (a name both have gets ``_2`` on the second's) and the window's
         ``window_start`` and ``window_end``. Needs a watermark on both inputs: a row leaves the
         state once its last window has fired, and a row whose windows have all fired is late

@@ -9,8 +9,8 @@ A job file defines ``build(ctx)`` returning a :class:`Pipeline`::
         return (
             ks.stream(events)
             .key_by("key")
-            .aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"))
-            .sink(ks.ParquetSink(ctx.arg("output")))
+            .aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
+            .sink(ks.sinks.ParquetSink(ctx.arg("output")))
         )
 """
 
@@ -227,10 +227,10 @@ class Stream:
             if policy.on_error == "dead_letter" and dead_letter is None:
                 raise JobDefinitionError(
                     f"operator '{uid}' has on_error='dead_letter' but the pipeline has no dead-letter sink: "
-                    "end it with .sink(main_sink, dead_letter=ks.ParquetSink(path))"
+                    "end it with .sink(main_sink, dead_letter=ks.sinks.ParquetSink(path))"
                 )
         if on_error == "dead_letter" and dead_letter is None:
-            raise JobDefinitionError("sink(on_error='dead_letter') needs a dead-letter sink: .sink(main_sink, on_error='dead_letter', dead_letter=ks.ParquetSink(path))")
+            raise JobDefinitionError("sink(on_error='dead_letter') needs a dead-letter sink: .sink(main_sink, on_error='dead_letter', dead_letter=ks.sinks.ParquetSink(path))")
         return _check_sinks(Pipeline(self._source, (Branch(self._steps, sink),), self._watermark, policies, dead_letter,
                                      ErrorPolicy(on_error, max_errors_per_batch)))
 
@@ -238,7 +238,7 @@ class Stream:
         """Refused: a stream starts once it ends in a sink (``.sink(...).start(...)``)."""
         last = next((s.uid for s in reversed(self._steps) if not isinstance(s, TransformStep)), None)
         what = f"the stream after stage '{last}'" if last else "the stream"
-        raise JobDefinitionError(f"{what} has no sink, so it cannot start: end it with .sink(ks.ParquetSink(path)) "
+        raise JobDefinitionError(f"{what} has no sink, so it cannot start: end it with .sink(ks.sinks.ParquetSink(path)) "
                                  "(or another sink), then call .start(...) on what .sink() returns")
 
     def _with(self, step: KeyedStep) -> Stream:
@@ -297,7 +297,7 @@ class KeyedStream:
         """Run a keyed process function (per key) or a vectorized one (per batch).
 
         ``schema`` is the output's Spark DDL, e.g. ``"key string, alert double"``. With
-        ``broadcast`` (:func:`keyscale.broadcast`), every subtask reads the rules stream's
+        ``broadcast`` (:func:`keyscale.sources.broadcast`), every subtask reads the rules stream's
         state as ``ctx.broadcast_state``; a batch's rules apply before its records.
         ``on_error`` ("fail", "skip", "dead_letter") overrides the pipeline's poison-record
         policy for this stage. ``state_backend`` ("memory" or "rocksdb") overrides the job's
@@ -321,7 +321,7 @@ class KeyedStream:
         records within ``allowed_lateness`` update it; records later than that go to
         ``late_output`` (a sink, written exactly-once with the batch) or are dropped.
 
-        ``.key_by("user").window(ks.TumblingWindows("1 minute")).aggregate(uid="per_minute", n=ks.count())``
+        ``.key_by("user").window(ks.windows.TumblingWindows("1 minute")).aggregate(uid="per_minute", n=ks.aggregates.count())``
         """
         if self._stream.watermark is None:
             raise JobDefinitionError("window() needs event time: call with_watermark(column, ...) on the stream first")
@@ -338,7 +338,7 @@ class KeyedStream:
                   combine: bool = False, **aggs: Agg) -> Stream:
         """Vectorized running aggregates per key; emits (key..., aggregates) for every key updated in a batch.
 
-        ``aggregate(uid="totals", count=keyscale.count(), sum=keyscale.sum("value"))``;
+        ``aggregate(uid="totals", count=keyscale.aggregates.count(), sum=keyscale.aggregates.sum("value"))``;
         ``state_backend="rocksdb"`` keeps this stage's state on local disk (default: the job's).
 
         ``combine=True``: Spark aggregates each subtask's records per key in the JVM (after
@@ -396,8 +396,8 @@ def _check_aggs(where: str, aggs: dict[str, Any], options: tuple[str, ...]) -> N
         if not isinstance(agg, Agg):
             if difflib.get_close_matches(name, options, n=1):
                 raise unknown_keyword(where, name, options)
-            raise JobDefinitionError(f"{where}: {name}={agg!r} is not an aggregate: give ks.count(), ks.sum(column), ks.min(column), "
-                                     "ks.max(column), ks.mean(column) or ks.reduce(column, fn)")
+            raise JobDefinitionError(f"{where}: {name}={agg!r} is not an aggregate: give ks.aggregates.count(), ks.aggregates.sum(column), ks.aggregates.min(column), "
+                                     "ks.aggregates.max(column), ks.aggregates.mean(column) or ks.aggregates.reduce(column, fn)")
 
 
 def _session(source: DataFrame | LogSource) -> SparkSession:
@@ -441,7 +441,7 @@ class Pipeline(JobGraph):
 @checked_keywords
 def stream(df: DataFrame | LogSource) -> Stream:
     """Start a pipeline from a Spark streaming DataFrame (``spark.readStream...``) or a
-    partitioned log (:func:`keyscale.log_source`), whose offsets keyscale keeps itself."""
+    partitioned log (:func:`keyscale.sources.log_source`), whose offsets keyscale keeps itself."""
     from pyspark.sql import DataFrame as SparkDataFrame
 
     if isinstance(df, LogSource):
@@ -472,9 +472,9 @@ def pipeline(*branches: Pipeline) -> Pipeline:
     rows to two sinks::
 
         events = ks.stream(df).with_watermark("ts", "10 seconds")
-        sessions = events.key_by("user").window(ks.SessionWindows("30 minutes")).aggregate(uid="sessions", clicks=ks.count())
-        pages = events.key_by("page").aggregate(uid="page_counts", views=ks.count())
-        return ks.pipeline(sessions.sink(ks.ParquetSink(a)), pages.sink(ks.ParquetSink(b)), pages.sink(ks.ConsoleSink()))
+        sessions = events.key_by("user").window(ks.windows.SessionWindows("30 minutes")).aggregate(uid="sessions", clicks=ks.aggregates.count())
+        pages = events.key_by("page").aggregate(uid="page_counts", views=ks.aggregates.count())
+        return ks.pipeline(sessions.sink(ks.sinks.ParquetSink(a)), pages.sink(ks.sinks.ParquetSink(b)), pages.sink(ks.sinks.ConsoleSink()))
     """
     if not branches:
         raise JobDefinitionError("keyscale.pipeline() needs at least one branch: stream.sink(...)")

@@ -66,8 +66,8 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
     inp = tmp_path / "in"
     write_events(inp, files=3, rows=2000, keys=300)
     events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(inp))
-    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count(), total=ks.sum("value"))
-           .sink(ks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="clicks", trigger_interval="300 milliseconds"))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count(), total=ks.aggregates.sum("value"))
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="clicks", trigger_interval="300 milliseconds"))
     jd = JobDir(str(tmp_path / "job"))
     try:
         _wait(lambda: job.status()["last_checkpoint"] == 2, "three batches")
@@ -158,8 +158,8 @@ def test_the_dashboard_follows_the_jobs_parallelism(spark: Any, tmp_path: Path, 
     inp = tmp_path / "in"
     write_events(inp, files=3, rows=30_000, keys=300)  # tens of thousands of records/s: five-digit rates
     events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(inp))
-    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count())
-           .sink(ks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 4, name="wide", trigger_interval="300 milliseconds"))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count())
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 4, name="wide", trigger_interval="300 milliseconds"))
     jd = JobDir(str(tmp_path / "job"))
     field = lambda: browser.find_element(By.ID, "parallelism")  # noqa: E731
     try:

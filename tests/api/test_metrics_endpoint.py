@@ -42,8 +42,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_metrics_match_the_status_of_a_running_job(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=500, keys=40)
     events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
-    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count())
-           .sink(ks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="rc", trigger_interval="200 milliseconds"))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count())
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="rc", trigger_interval="200 milliseconds"))
     try:
         deadline = time.monotonic() + 120
         while job.status()["last_checkpoint"] != 1:

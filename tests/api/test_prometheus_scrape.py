@@ -107,8 +107,8 @@ def test_prometheus_scrapes_a_running_job_with_the_operators_token(spark: Any, t
     wrong.write_text("not-the-token")
     port = _free_port()
     events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
-    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count())
-           .sink(ks.ParquetSink(str(tmp_path / "out")))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count())
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out")))
            .start(str(tmp_path / "job"), 2, name="rc", trigger_interval="200 milliseconds",
                   control_host="0.0.0.0", control_port=port, metrics_token_file=str(token)))
     target = f"{_outside_address()}:{port}"

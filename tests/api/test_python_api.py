@@ -96,7 +96,7 @@ def test_a_failed_job_says_failed_with_its_error(spark: Any, tmp_path: Path, cap
     write_events(tmp_path / "in", files=1, rows=200, keys=10)
     events = spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path / "in"))
     job = (ks.stream(events).key_by("key").process(Boom(), "key string, value long", uid="boom")
-           .sink(ks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, until_idle=True))
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, until_idle=True))
     with pytest.raises(Exception, match="cannot handle k3"):
         job.await_termination(300)
     st = job.status()
@@ -112,7 +112,7 @@ def test_a_failed_job_says_failed_with_its_error(spark: Any, tmp_path: Path, cap
 
 def test_a_bad_start_option_is_named(spark: Any, tmp_path: Path) -> None:
     events = spark.readStream.schema("key string, value long").parquet(str(tmp_path))
-    pipeline = ks.stream(events).key_by("key").aggregate(uid="n", n=ks.count()).sink(ks.NoopSink())
+    pipeline = ks.stream(events).key_by("key").aggregate(uid="n", n=ks.aggregates.count()).sink(ks.sinks.NoopSink())
     with pytest.raises(KeyscaleError, match=r"unknown keyword argument 'paralelism' \(did you mean 'parallelism'\?\)"):
         pipeline.start(str(tmp_path / "job"), paralelism=2)
 
@@ -133,7 +133,7 @@ def test_a_set_up_failure_is_raised_by_start_not_left_in_a_failed_handle(spark: 
 
     monkeypatch.setattr(JobRunner, "_record_failure", slow_record)
     events = spark.readStream.schema("key string, value long").parquet(str(tmp_path))
-    pipeline = ks.stream(events).key_by("key").aggregate(uid="n", n=ks.count()).sink(ks.NoopSink())
+    pipeline = ks.stream(events).key_by("key").aggregate(uid="n", n=ks.aggregates.count()).sink(ks.sinks.NoopSink())
     with pytest.raises(KeyscaleError, match="parallelism 0 must be at least 1"):
         pipeline.start(str(tmp_path / "job"), parallelism=0)
 

@@ -21,8 +21,8 @@ write_events(inp, files=1, rows=2000, keys=50)
 
 events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(inp))
 job = (ks.stream(events).key_by("key")
-       .aggregate(uid="totals", count=ks.count(), total=ks.sum("value"))
-       .sink(ks.ParquetSink(str(out)))
+       .aggregate(uid="totals", count=ks.aggregates.count(), total=ks.aggregates.sum("value"))
+       .sink(ks.sinks.ParquetSink(str(out)))
        .start(job_dir=str(work / "job"), parallelism=2, trigger_interval="200 milliseconds"))
 
 

@@ -46,7 +46,7 @@ def pipeline_of(ctx, fn, doubled):
         .transform(doubled)
         .key_by("key")
         .process(fn, "key string, total long", uid="scaled")
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )
 '''
 

@@ -64,7 +64,7 @@ def test_missing_key_column(spark: Any, tmp_path: Path) -> None:
         "import keyscale as ks\n"
         "def build(ctx):\n"
         "    df = ctx.spark.readStream.schema('key string, value long').parquet(ctx.arg('input'))\n"
-        "    return ks.stream(df).key_by('user').aggregate(uid='a', n=ks.count()).sink(ks.ConsoleSink())\n"
+        "    return ks.stream(df).key_by('user').aggregate(uid='a', n=ks.aggregates.count()).sink(ks.sinks.ConsoleSink())\n"
     )
     (tmp_path / "in").mkdir()
     with pytest.raises(JobDefinitionError, match=r"key column 'user' is not in the stream .columns: key, value."):
@@ -78,7 +78,7 @@ def test_missing_aggregate_column(spark: Any, tmp_path: Path) -> None:
         "import keyscale as ks\n"
         "def build(ctx):\n"
         "    df = ctx.spark.readStream.schema('key string, value long').parquet(ctx.arg('input'))\n"
-        "    return ks.stream(df).key_by('key').aggregate(uid='a', s=ks.sum('amount')).sink(ks.ConsoleSink())\n"
+        "    return ks.stream(df).key_by('key').aggregate(uid='a', s=ks.aggregates.sum('amount')).sink(ks.sinks.ConsoleSink())\n"
     )
     (tmp_path / "in").mkdir()
     with pytest.raises(JobDefinitionError, match="column 'amount' is not in the stream"):

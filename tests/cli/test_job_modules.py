@@ -55,7 +55,7 @@ def test_a_module_the_workers_cannot_import_is_one_line_naming_it(tmp_path: Path
         "def build(ctx):\n"
         "    df = ctx.spark.readStream.schema('key string, value long, ts timestamp').parquet(ctx.arg('input'))\n"
         "    return ks.stream(df).key_by('key').process(Lazy(), 'key string, v long', uid='lazy')"
-        ".sink(ks.ParquetSink(ctx.arg('output')), on_error='skip')\n"
+        ".sink(ks.sinks.ParquetSink(ctx.arg('output')), on_error='skip')\n"
     )
     write_events(tmp_path / "in", files=1, rows=50, keys=5)
     proc = cli("run", str(job), "--job-dir", str(tmp_path / "job"), "--until-idle",

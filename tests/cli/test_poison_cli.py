@@ -42,11 +42,11 @@ def build(ctx):
     events = ctx.spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     kw = {}
     if ctx.arg("on_error", "fail") != "fail":
-        kw = {"on_error": ctx.arg("on_error"), "dead_letter": ks.ParquetSink(ctx.arg("dead"))}
+        kw = {"on_error": ctx.arg("on_error"), "dead_letter": ks.sinks.ParquetSink(ctx.arg("dead"))}
     return (
         ks.stream(events).key_by("key")
         .process(Fragile(ctx.arg("bad", "none")), "key string, total long", uid="alerts")
-        .sink(ks.ParquetSink(ctx.arg("output")), **kw)
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")), **kw)
     )
 '''
 
@@ -140,7 +140,7 @@ NAME = "float_keys"
 
 def build(ctx):
     df = ctx.spark.readStream.schema("key double, value long").parquet(ctx.arg("input"))
-    return ks.stream(df).key_by("key", null_keys=ctx.arg("null_keys")).aggregate(uid="per_key", n=ks.count()).sink(ks.ParquetSink(ctx.arg("output")))
+    return ks.stream(df).key_by("key", null_keys=ctx.arg("null_keys")).aggregate(uid="per_key", n=ks.aggregates.count()).sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

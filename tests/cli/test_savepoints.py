@@ -151,10 +151,10 @@ class FirstSeen(ks.KeyedProcessFunction):
 def build(ctx):
     events = ctx.spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     return (ks.stream(events).key_by("key")
-            .aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"), biggest=ks.max("value"))
+            .aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"), biggest=ks.aggregates.max("value"))
             .transform(lambda df: df.select(F.col("key"), F.col("count"), F.col("sum"), F.col("biggest")))
             .key_by("key").process(FirstSeen(), "key string, first_batch long", uid="first_seen")
-            .sink(ks.ParquetSink(ctx.arg("output"))))
+            .sink(ks.sinks.ParquetSink(ctx.arg("output"))))
 '''
 
 V2_INCOMPATIBLE = '''
@@ -169,7 +169,7 @@ class Totals(ks.KeyedProcessFunction):
 
 def build(ctx):
     events = ctx.spark.readStream.schema("key string, value long, ts timestamp").parquet(ctx.arg("input"))
-    return ks.stream(events).key_by("key").process(Totals(), "key string", uid="totals").sink(ks.ParquetSink(ctx.arg("output")))
+    return ks.stream(events).key_by("key").process(Totals(), "key string", uid="totals").sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

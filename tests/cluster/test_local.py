@@ -27,8 +27,8 @@ from keyscale.cluster import (
     stop_cluster,
     stop_worker,
 )
-from keyscale.cluster.local import _write_state
 from keyscale.cluster.processes import alive, free_ports, group_members, proc_stat
+from keyscale.cluster.statefile import write_state
 from keyscale.errors import ClusterError
 
 
@@ -82,7 +82,7 @@ def test_state_round_trip_and_a_dead_cluster(tmp_path: Path, capsys: pytest.Capt
     w = WorkerInfo("worker-1", dead, 2, "1g", 1, 2, tmp_path / "logs" / "worker-1.log", tmp_path / "work", 5)
     info = ClusterInfo(tmp_path.resolve(), "spark://127.0.0.1:1", "http://127.0.0.1:2", dead, 1, 2,
                        tmp_path / "logs" / "master.log", 5, (w,), 2)  # fmt: skip
-    _write_state(info)
+    write_state(info)
     assert read_cluster(tmp_path) == info
     assert json.loads((tmp_path / "cluster.json").read_text())["workers"][0]["cores"] == 2
     st = cluster_status(tmp_path)
@@ -152,7 +152,7 @@ def test_a_daemon_that_cannot_start_is_a_clear_error_and_leaves_nothing(
     assert (tmp_path / "c" / "logs" / "master.log").exists()
 
 
-@pytest.mark.parametrize("module", ["processes", "records"])
+@pytest.mark.parametrize("module", ["processes", "records", "statefile"])
 def test_the_module_examples_run(module: str) -> None:
     import doctest
     import importlib

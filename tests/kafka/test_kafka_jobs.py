@@ -18,7 +18,7 @@ from conftest import EXAMPLES, cli, new_topic, produce_events, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.kafka.sink import read_committed
 from keyscale.kafka.source import KafkaLog, json_values
-from keyscale.sources.log import LogError
+from keyscale.sources.partitioned import LogError
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -260,11 +260,11 @@ class Enrich(ks.KeyedCoProcessFunction):
             yield (ctx.key, self.name.value(), row["value"])
 
 def build(ctx):
-    names = ks.stream(ks.log_source(ctx.arg("names"), uid="names", max_records_per_batch=7))
-    events = ks.stream(ks.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="events", max_records_per_batch=30,
-                                       decoder=ks.json_values("key string, value long, ts timestamp")))
+    names = ks.stream(ks.sources.log_source(ctx.arg("names"), uid="names", max_records_per_batch=7))
+    events = ks.stream(ks.sources.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="events", max_records_per_batch=30,
+                                               decoder=ks.sources.json_values("key string, value long, ts timestamp")))
     out = names.connect(events).key_by("key", "key").process(Enrich(), "key string, name string, value long", uid="enrich")
-    return out.sink(ks.ParquetSink(ctx.arg("output")))
+    return out.sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

@@ -35,9 +35,9 @@ def build(ctx):
     return (
         ks.stream(events.withColumn("x", x)).with_watermark("ts", "10 seconds", max_ahead="1 hour")
         .key_by("key", null_keys="drop")
-        .aggregate(uid="totals", combine=ctx.arg("combine") == "yes", n=ks.count(), total=ks.sum("value"), lo=ks.min("value"),
-                   hi=ks.max("value"), avg=ks.mean("value"), nx=ks.count("x"), lx=ks.min("x"), hx=ks.max("x"))
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .aggregate(uid="totals", combine=ctx.arg("combine") == "yes", n=ks.aggregates.count(), total=ks.aggregates.sum("value"), lo=ks.aggregates.min("value"),
+                   hi=ks.aggregates.max("value"), avg=ks.aggregates.mean("value"), nx=ks.aggregates.count("x"), lx=ks.aggregates.min("x"), hx=ks.aggregates.max("x"))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )
 '''
 

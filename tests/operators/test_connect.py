@@ -74,10 +74,10 @@ def build(ctx):
         fn = Enrich() if ctx.arg("mode") == "enrich" else VEnrich()
         out = users.connect(clicks).key_by("id", "user").process(fn, "user string, name string, page string", uid="enrich")
     elif ctx.arg("mode") == "window":
-        out = users.connect(clicks).key_by("id", "user").window_join(ks.TumblingWindows("1 minute"), uid="wjoin")
+        out = users.connect(clicks).key_by("id", "user").window_join(ks.windows.TumblingWindows("1 minute"), uid="wjoin")
     else:
         out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
-    return out.sink(ks.ParquetSink(ctx.arg("output")))
+    return out.sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -243,11 +243,11 @@ NAME = "connected_logs"
 
 def build(ctx):
     cap = int(ctx.arg("cap"))
-    users = ks.stream(ks.log_source(ctx.arg("users"), uid="users", max_records_per_batch=cap)).with_watermark("ts", "1 hour")
-    clicks = ks.stream(ks.log_source(ctx.arg("clicks"), uid="clicks", max_records_per_batch=cap)).with_watermark("ts", "1 hour")
+    users = ks.stream(ks.sources.log_source(ctx.arg("users"), uid="users", max_records_per_batch=cap)).with_watermark("ts", "1 hour")
+    clicks = ks.stream(ks.sources.log_source(ctx.arg("clicks"), uid="clicks", max_records_per_batch=cap)).with_watermark("ts", "1 hour")
     clicks = clicks.filter("page != 'p0-0'")  # each input keeps its own steps
     out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
-    return out.sink(ks.ParquetSink(ctx.arg("output")))
+    return out.sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

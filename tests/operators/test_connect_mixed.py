@@ -25,7 +25,7 @@ NAME = "connected_mixed"
 
 def build(ctx):
     files = lambda name, schema: ks.stream(ctx.spark.readStream.schema(schema).option("maxFilesPerTrigger", int(ctx.arg("files_per_batch", "1"))).parquet(ctx.arg(name)))
-    log = lambda name: ks.stream(ks.log_source(ctx.arg(name), uid=name, max_records_per_batch=int(ctx.arg("cap"))))
+    log = lambda name: ks.stream(ks.sources.log_source(ctx.arg(name), uid=name, max_records_per_batch=int(ctx.arg("cap"))))
     if ctx.arg("users_from") == "spark":
         users, clicks = files("users", "id string, name string, ts timestamp"), log("clicks")
     else:
@@ -34,7 +34,7 @@ def build(ctx):
     users, clicks = users.with_watermark("ts", "1 hour", idleness=idle), clicks.with_watermark("ts", "1 hour", idleness=idle)
     clicks = clicks.filter("page != 'p0-0'")
     out = users.connect(clicks).key_by("id", "user").interval_join("-30 seconds", "1 minute", uid="join")
-    return out.sink(ks.ParquetSink(ctx.arg("output")))
+    return out.sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

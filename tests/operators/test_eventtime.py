@@ -125,7 +125,7 @@ def test_with_watermark_takes_max_ahead(tmp_path: Path) -> None:
     import keyscale as ks
     from keyscale.sources import create_log
 
-    df = ks.log_source(create_log(tmp_path / "log", "key string, ts timestamp", 1))
+    df = ks.sources.log_source(create_log(tmp_path / "log", "key string, ts timestamp", 1))
     assert ks.stream(df).with_watermark("ts", "1 s").watermark.max_ahead_ms == 3_600_000  # type: ignore[union-attr]
     assert ks.stream(df).with_watermark("ts", "1 s", max_ahead="1 day").watermark.max_ahead_ms == 86_400_000  # type: ignore[union-attr]
     assert ks.stream(df).with_watermark("ts", "1 s", max_ahead=None).watermark.max_ahead_ms is None  # type: ignore[union-attr]

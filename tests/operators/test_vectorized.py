@@ -352,8 +352,8 @@ def test_a_last_seen_column_through_spark(spark: Any, tmp_path: Any) -> None:
         "import keyscale as ks\n"
         "def build(ctx):\n"
         "    df = ctx.spark.readStream.schema('key string, value long, ts timestamp').option('maxFilesPerTrigger', 1).parquet(ctx.arg('input'))\n"
-        "    return (ks.stream(df).key_by('key').aggregate(uid='seen', first_seen=ks.first('ts'), last_seen=ks.last('ts'),\n"
-        "            lo=ks.min('ts'), hi=ks.max('ts'), last_value=ks.last('value')).sink(ks.ParquetSink(ctx.arg('output'))))\n"
+        "    return (ks.stream(df).key_by('key').aggregate(uid='seen', first_seen=ks.aggregates.first('ts'), last_seen=ks.aggregates.last('ts'),\n"
+        "            lo=ks.aggregates.min('ts'), hi=ks.aggregates.max('ts'), last_value=ks.aggregates.last('value')).sink(ks.sinks.ParquetSink(ctx.arg('output'))))\n"
     )
     run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
     out = read_output(tmp_path / "out").sort_values("batch").groupby("key").last()
@@ -378,8 +378,8 @@ def test_min_max_of_a_timestamp_with_combine(spark: Any, tmp_path: Any) -> None:
         "import keyscale as ks\n"
         "def build(ctx):\n"
         "    df = ctx.spark.readStream.schema('key string, value long, ts timestamp').option('maxFilesPerTrigger', 1).parquet(ctx.arg('input'))\n"
-        "    return (ks.stream(df).key_by('key').aggregate(uid='span', combine=True, lo=ks.min('ts'), hi=ks.max('ts'))\n"
-        "            .sink(ks.ParquetSink(ctx.arg('output'))))\n"
+        "    return (ks.stream(df).key_by('key').aggregate(uid='span', combine=True, lo=ks.aggregates.min('ts'), hi=ks.aggregates.max('ts'))\n"
+        "            .sink(ks.sinks.ParquetSink(ctx.arg('output'))))\n"
     )
     run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
     out = read_output(tmp_path / "out").sort_values("batch").groupby("key").last()

@@ -28,11 +28,11 @@ class SessionEndPerRecord(ks.KeyedProcessFunction):
     """Per record: count a key's records; one timer at the latest time seen + GAP; its firing
     emits the count and forgets the key."""
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.n = ctx.value_state("n", "long")
         self.last = ctx.value_state("last", "long")
 
-    def process_element(self, row: Any, ctx: ks.Context) -> Any:
+    def process_element(self, row: Any, ctx: ks.state.Context) -> Any:
         last = self.last.value()
         if last is None or row.t > last:
             if last is not None:
@@ -42,7 +42,7 @@ class SessionEndPerRecord(ks.KeyedProcessFunction):
         self.n.update((self.n.value() or 0) + 1)
         return []
 
-    def on_timer(self, key: Any, timestamp: int, ctx: ks.Context) -> Any:
+    def on_timer(self, key: Any, timestamp: int, ctx: ks.state.Context) -> Any:
         yield (key, self.n.value(), timestamp)
         self.n.clear()
         self.last.clear()
@@ -54,11 +54,11 @@ class SessionEnd(ks.VectorizedKeyedFunction):
 
     event_timers = True
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         self.n = ctx.value_state("n", "long")
         self.last = ctx.value_state("last", "long")
 
-    def process_batch(self, b: ks.KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame]:
+    def process_batch(self, b: ks.state.KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame]:
         assert b.due is not None and b.timer is not None
         due = b.due
         fired = pd.DataFrame({"k": b.keys["k"][due], "n": b.state["n"][due], "fired": b.timer[due]})
@@ -70,7 +70,7 @@ class SessionEnd(ks.VectorizedKeyedFunction):
         def where_live(values: np.ndarray) -> pd.Series:
             return pd.Series(np.where(live, values, 0), dtype="Int64").where(live)
 
-        return {"n": where_live(n), "last": where_live(last), ks.TIMER: where_live(last + GAP)}, fired
+        return {"n": where_live(n), "last": where_live(last), ks.state.TIMER: where_live(last + GAP)}, fired
 
 
 batches = st.lists(
@@ -120,12 +120,12 @@ class Remind(ks.VectorizedKeyedFunction):
 
     event_timers = True
 
-    def process_batch(self, b: ks.KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame]:
+    def process_batch(self, b: ks.state.KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame]:
         assert b.due is not None and b.timer is not None
         fired = pd.DataFrame({"k": b.keys["k"][b.due], "n": 0, "fired": b.timer[b.due]})
         if not len(b.records):
             return {}, fired  # no TIMER: the due timers are spent, the others kept
-        return {ks.TIMER: pd.Series(b.reduce("t", "min") + GAP, dtype="Int64")}, fired
+        return {ks.state.TIMER: pd.Series(b.reduce("t", "min") + GAP, dtype="Int64")}, fired
 
 
 def test_due_timers_are_spent_when_the_function_sets_none() -> None:
@@ -140,9 +140,9 @@ def test_due_timers_are_spent_when_the_function_sets_none() -> None:
 
 
 def test_reduce_gives_keys_without_records_the_identity() -> None:
-    b = ks.KeyedBatch(records=pd.DataFrame({"v": [5, 7, 1]}), codes=np.array([0, 2, 0]), keys=pd.DataFrame({"k": ["a", "b", "c", "d"]}),
-                      state=pd.DataFrame(index=range(4)), order=np.array([0, 2, 1]), starts=np.array([0, 2, 2, 3, 3]), batch_id=0,
-                      processing_time=0)
+    b = ks.state.KeyedBatch(records=pd.DataFrame({"v": [5, 7, 1]}), codes=np.array([0, 2, 0]), keys=pd.DataFrame({"k": ["a", "b", "c", "d"]}),
+                            state=pd.DataFrame(index=range(4)), order=np.array([0, 2, 1]), starts=np.array([0, 2, 2, 3, 3]), batch_id=0,
+                            processing_time=0)
     assert b.reduce("v", "sum").tolist() == [6, 0, 7, 0]
     assert b.reduce("v", "max").tolist() == [5, np.iinfo(np.int64).min, 7, np.iinfo(np.int64).min]
     assert b.count("v").tolist() == [2, 0, 1, 0] and b.count().tolist() == [2, 0, 1, 0]

@@ -42,8 +42,8 @@ def _sorted(df: pd.DataFrame) -> pd.DataFrame:
 @given(seed=st.integers(0, 10_000), lateness=st.sampled_from([0, 3_000, 30_000]), sliding=st.booleans())
 def test_fixed_windows_equal_the_model(seed: int, lateness: int, sliding: bool) -> None:
     data = batches(seed)
-    assigner = ks.SlidingWindows(10, 5) if sliding else ks.TumblingWindows(10)
-    out, late, table = run(assigner, data, 2000, lateness, {"count": ks.count(), "total": ks.sum("value")})
+    assigner = ks.windows.SlidingWindows(10, 5) if sliding else ks.windows.TumblingWindows(10)
+    out, late, table = run(assigner, data, 2000, lateness, {"count": ks.aggregates.count(), "total": ks.aggregates.sum("value")})
     want, want_late = fixed_windows(data, 2000, lateness, 10_000, 5_000 if sliding else None)
     got = last_rows(out, ["key", "window_start"])
     assert_frame = pd.testing.assert_frame_equal
@@ -56,7 +56,7 @@ def test_fixed_windows_equal_the_model(seed: int, lateness: int, sliding: bool) 
 @given(seed=st.integers(0, 10_000), lateness=st.sampled_from([0, 5_000]))
 def test_sessions_equal_the_model(seed: int, lateness: int) -> None:
     data = batches(seed, span=9_000)
-    out, late, _ = run(ks.SessionWindows(2.999), data, 2000, lateness, {"events": ks.count(), "total": ks.sum("value")})
+    out, late, _ = run(ks.windows.SessionWindows(2.999), data, 2000, lateness, {"events": ks.aggregates.count(), "total": ks.aggregates.sum("value")})
     want, want_late = sessions(data, 2000, lateness, 2999)
     got = last_rows(out, ["key", "window_start"]).set_index(["key", "window_start"])
     for r in want.itertuples(index=False):
@@ -76,7 +76,7 @@ def test_a_window_fires_once_on_time_and_again_per_late_update() -> None:
     on_time = pd.DataFrame({"key": ["a", "a"], "value": [1, 2], "ts": [1_000, 9_000]})
     advance = pd.DataFrame({"key": ["b"], "value": [0], "ts": [30_000]})
     late = pd.DataFrame({"key": ["a"], "value": [5], "ts": [4_000]})
-    out, dropped, _ = run(ks.TumblingWindows(10), [on_time, advance, late, late.assign(ts=2_000)], 0, 25_000, {"n": ks.count(), "s": ks.sum("value")})
+    out, dropped, _ = run(ks.windows.TumblingWindows(10), [on_time, advance, late, late.assign(ts=2_000)], 0, 25_000, {"n": ks.aggregates.count(), "s": ks.aggregates.sum("value")})
     a = out[out.key == "a"].sort_values("batch")
     # Batch 2 runs with W = 29,999: [0, 10 s) fires, with that batch's late record in it;
     # batch 3's late record (within the lateness) makes it fire again, once.
@@ -86,16 +86,16 @@ def test_a_window_fires_once_on_time_and_again_per_late_update() -> None:
 
 def test_all_aggregates_and_nulls() -> None:
     df = pd.DataFrame({"key": ["a", "a", "a"], "value": pd.array([4, None, 2], dtype="Int64"), "ts": [1, 2, 3]})
-    aggs = {"n": ks.count(), "nv": ks.count("value"), "s": ks.sum("value"), "lo": ks.min("value"), "hi": ks.max("value"),
-            "avg": ks.mean("value"), "product": ks.reduce("value", lambda x, y: x * y)}
-    out, _, _ = run(ks.TumblingWindows(1), [df], 0, 0, aggs)
+    aggs = {"n": ks.aggregates.count(), "nv": ks.aggregates.count("value"), "s": ks.aggregates.sum("value"), "lo": ks.aggregates.min("value"), "hi": ks.aggregates.max("value"),
+            "avg": ks.aggregates.mean("value"), "product": ks.aggregates.reduce("value", lambda x, y: x * y)}
+    out, _, _ = run(ks.windows.TumblingWindows(1), [df], 0, 0, aggs)
     row = out.iloc[0]
     assert (row.n, row.nv, row.s, row.lo, row.hi, row.avg, row["product"]) == (3, 2, 6, 2, 4, 3.0, 8)
 
 
 def test_nothing_fires_before_the_watermark() -> None:
     df = pd.DataFrame({"key": ["a"], "value": [1], "ts": [5]})
-    op = WindowAggregate(ks.TumblingWindows(1), {"n": ks.count()}, ["key"], TYPES, "ts")
+    op = WindowAggregate(ks.windows.TumblingWindows(1), {"n": ks.aggregates.count()}, ["key"], TYPES, "ts")
     schema = pa.schema([pa.field("key", pa.string()), *op.output_fields()])
     table = KeyedStateTable(["key", WINDOW_START], [pa.string(), pa.int64()], op.state_descriptors())
     res = run_windows(op, table, 0, 127, pa.Table.from_pandas(df), [np.array(["a"], dtype=object)], np.zeros(1, np.int32), NO_WATERMARK, schema)
@@ -109,19 +109,19 @@ def test_nothing_fires_before_the_watermark() -> None:
 @pytest.mark.parametrize("bad", ["0 s", "ten seconds", "-5 s"])
 def test_bad_window_sizes_are_named(bad: str) -> None:
     with pytest.raises(JobDefinitionError, match=r"window size|duration|negative|positive"):
-        ks.TumblingWindows(bad)
+        ks.windows.TumblingWindows(bad)
 
 
 def test_aggregate_errors_name_the_column() -> None:
     with pytest.raises(JobDefinitionError, match="column 'nope'"):
-        WindowAggregate(ks.TumblingWindows(1), {"s": ks.sum("nope")}, ["key"], TYPES, "ts")
+        WindowAggregate(ks.windows.TumblingWindows(1), {"s": ks.aggregates.sum("nope")}, ["key"], TYPES, "ts")
     with pytest.raises(JobDefinitionError, match="'key' has type string"):
-        WindowAggregate(ks.TumblingWindows(1), {"s": ks.sum("key")}, ["key"], TYPES, "ts")
+        WindowAggregate(ks.windows.TumblingWindows(1), {"s": ks.aggregates.sum("key")}, ["key"], TYPES, "ts")
 
 
 def test_a_far_future_record_goes_to_the_late_output_and_opens_no_window() -> None:
     """Issue 10, case 7: event times beyond the batch's bound are late, counted apart."""
-    op = WindowAggregate(ks.TumblingWindows(1), {"n": ks.count()}, ["key"], TYPES, "ts")
+    op = WindowAggregate(ks.windows.TumblingWindows(1), {"n": ks.aggregates.count()}, ["key"], TYPES, "ts")
     schema = pa.schema([pa.field("key", pa.string()), *op.output_fields()])
     table = KeyedStateTable(["key", WINDOW_START], [pa.string(), pa.int64()], op.state_descriptors())
     df = pd.DataFrame({"key": ["a", "a", "b"], "value": [1, 2, 3], "ts": [5_000, 253_402_300_799_000, 1_000]})

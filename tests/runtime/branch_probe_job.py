@@ -15,10 +15,10 @@ class CountingProbe(ks.VectorizedKeyedFunction):
     def __init__(self, notes: str):
         self.notes = notes
 
-    def open(self, ctx: ks.RuntimeContext) -> None:
+    def open(self, ctx: ks.state.RuntimeContext) -> None:
         ctx.value_state("n", "long")
 
-    def process_batch(self, batch: ks.KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame]:
+    def process_batch(self, batch: ks.state.KeyedBatch) -> tuple[dict[str, Any], pd.DataFrame]:
         with open(os.path.join(self.notes, f"{os.getpid()}-{id(batch)}"), "a") as f:
             f.write(f"{batch.batch_id} {len(batch.records)}\n")
         n = batch.state["n"].fillna(0).to_numpy() + batch.count()
@@ -28,4 +28,4 @@ class CountingProbe(ks.VectorizedKeyedFunction):
 def build(ctx: ks.JobContext) -> ks.Pipeline:
     events = ctx.spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     counted = ks.stream(events).key_by("key").process(CountingProbe(ctx.arg("notes")), "key string, n long", uid="probe")
-    return ks.pipeline(counted.sink(ks.ParquetSink(ctx.arg("a"))), counted.sink(ks.ParquetSink(ctx.arg("b"))))
+    return ks.pipeline(counted.sink(ks.sinks.ParquetSink(ctx.arg("a"))), counted.sink(ks.sinks.ParquetSink(ctx.arg("b"))))

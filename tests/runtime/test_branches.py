@@ -99,25 +99,25 @@ def test_a_stage_read_by_two_sinks_runs_once_per_batch(spark: Any, tmp_path: Pat
 
 
 def test_branches_must_share_one_stream_and_each_need_their_own_sink(spark: Any, tmp_path: Path) -> None:
-    def source() -> ks.Stream:
+    def source() -> ks.streams.Stream:
         return ks.stream(spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path)))
 
     events = source()
-    counts = events.key_by("key").aggregate(uid="counts", n=ks.count())
-    sums = events.key_by("key").aggregate(uid="sums", total=ks.sum("value"))
-    out = ks.pipeline(counts.sink(ks.ParquetSink(str(tmp_path / "a"))), sums.sink(ks.ParquetSink(str(tmp_path / "b"))))
+    counts = events.key_by("key").aggregate(uid="counts", n=ks.aggregates.count())
+    sums = events.key_by("key").aggregate(uid="sums", total=ks.aggregates.sum("value"))
+    out = ks.pipeline(counts.sink(ks.sinks.ParquetSink(str(tmp_path / "a"))), sums.sink(ks.sinks.ParquetSink(str(tmp_path / "b"))))
     assert [s.uid for s in out.steps] == ["counts", "sums"] and out.output_uids == ["counts", "sums"]
 
     with pytest.raises(JobDefinitionError, match="each needs a sink of its own"):
-        ks.pipeline(counts.sink(ks.ParquetSink(str(tmp_path / "a"))), sums.sink(ks.ParquetSink(str(tmp_path / "a"))))
+        ks.pipeline(counts.sink(ks.sinks.ParquetSink(str(tmp_path / "a"))), sums.sink(ks.sinks.ParquetSink(str(tmp_path / "a"))))
     with pytest.raises(JobDefinitionError, match="different streams"):
-        other = source().key_by("key").aggregate(uid="other", n=ks.count())
-        ks.pipeline(counts.sink(ks.ParquetSink(str(tmp_path / "a"))), other.sink(ks.ParquetSink(str(tmp_path / "b"))))
+        other = source().key_by("key").aggregate(uid="other", n=ks.aggregates.count())
+        ks.pipeline(counts.sink(ks.sinks.ParquetSink(str(tmp_path / "a"))), other.sink(ks.sinks.ParquetSink(str(tmp_path / "b"))))
     with pytest.raises(JobDefinitionError, match="two stages have the uid 'counts'"):
-        clash = events.key_by("value").aggregate(uid="counts", n=ks.count())
-        ks.pipeline(counts.sink(ks.ParquetSink(str(tmp_path / "a"))), clash.sink(ks.ParquetSink(str(tmp_path / "b"))))
+        clash = events.key_by("value").aggregate(uid="counts", n=ks.aggregates.count())
+        ks.pipeline(counts.sink(ks.sinks.ParquetSink(str(tmp_path / "a"))), clash.sink(ks.sinks.ParquetSink(str(tmp_path / "b"))))
     with pytest.raises(JobDefinitionError, match="'counts' is in two branches"):
-        ks.pipeline(counts.sink(ks.ParquetSink(str(tmp_path / "a")), on_error="skip"), counts.sink(ks.ParquetSink(str(tmp_path / "b"))))
+        ks.pipeline(counts.sink(ks.sinks.ParquetSink(str(tmp_path / "a")), on_error="skip"), counts.sink(ks.sinks.ParquetSink(str(tmp_path / "b"))))
     with pytest.raises(JobDefinitionError, match="branches ending in"):
         ks.pipeline(counts)  # type: ignore[arg-type]
 
@@ -126,8 +126,8 @@ def test_a_stage_gets_only_the_columns_its_function_reads(spark: Any, tmp_path: 
     from keyscale.runtime.batch.stages import task_input
 
     events = ks.stream(spark.readStream.schema("key string, value long, ts timestamp, note string").parquet(str(tmp_path)))
-    totals = events.key_by("key").aggregate(uid="totals", n=ks.count(), total=ks.sum("value"))
-    step = totals.sink(ks.ParquetSink(str(tmp_path / "a"))).keyed_steps[0]
+    totals = events.key_by("key").aggregate(uid="totals", n=ks.aggregates.count(), total=ks.aggregates.sum("value"))
+    step = totals.sink(ks.sinks.ParquetSink(str(tmp_path / "a"))).keyed_steps[0]
     assert task_input(step, dead_letters=False).names == ["key", "value"]  # ts and note never cross the shuffle
     assert task_input(step, dead_letters=True).names == ["key", "value", "ts", "note"]  # a dead letter is the whole record
 
@@ -136,12 +136,12 @@ def test_a_stage_gets_only_the_columns_its_function_reads(spark: Any, tmp_path: 
             self.input_columns = ["note"]
 
     timed = events.with_watermark("ts", "1 second").key_by("key").process(Declared(), "key string", uid="declared")
-    assert task_input(timed.sink(ks.ParquetSink(str(tmp_path / "b"))).keyed_steps[0], False).names == ["key", "ts", "note"]
+    assert task_input(timed.sink(ks.sinks.ParquetSink(str(tmp_path / "b"))).keyed_steps[0], False).names == ["key", "ts", "note"]
     undeclared = events.key_by("key").process(ks.VectorizedKeyedFunction(), "key string", uid="all")
-    assert task_input(undeclared.sink(ks.ParquetSink(str(tmp_path / "c"))).keyed_steps[0], False).names == ["key", "value", "ts", "note"]
+    assert task_input(undeclared.sink(ks.sinks.ParquetSink(str(tmp_path / "c"))).keyed_steps[0], False).names == ["key", "value", "ts", "note"]
     # A window aggregate reads its aggregates' columns, its keys and its event time.
-    windowed = events.with_watermark("ts", "1 second").key_by("key").window(ks.SessionWindows("10 seconds"))
-    counted = windowed.aggregate(uid="sessions", n=ks.count()).sink(ks.ParquetSink(str(tmp_path / "d"))).keyed_steps[0]
+    windowed = events.with_watermark("ts", "1 second").key_by("key").window(ks.windows.SessionWindows("10 seconds"))
+    counted = windowed.aggregate(uid="sessions", n=ks.aggregates.count()).sink(ks.sinks.ParquetSink(str(tmp_path / "d"))).keyed_steps[0]
     assert task_input(counted, False).names == ["key", "ts"]
-    summed = windowed.aggregate(uid="sums", total=ks.sum("value")).sink(ks.ParquetSink(str(tmp_path / "e")))
+    summed = windowed.aggregate(uid="sums", total=ks.aggregates.sum("value")).sink(ks.sinks.ParquetSink(str(tmp_path / "e")))
     assert task_input(summed.keyed_steps[0], False).names == ["key", "value", "ts"]

@@ -146,7 +146,7 @@ def build(ctx):
     return (
         ks.stream(events).with_watermark("ts", "2 seconds").key_by("key")
         .process(Reminders(), "key string, at long, n long", uid="reminders")
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )
 '''
 

@@ -148,12 +148,12 @@ NAME = "idle"
 def build(ctx):
     idleness = ctx.args.get("idleness")
     return (
-        ks.stream(ks.log_source(ctx.arg("log"), uid="reader"))
+        ks.stream(ks.sources.log_source(ctx.arg("log"), uid="reader"))
         .with_watermark("ts", "0 seconds", idleness=idleness or None)
         .key_by("key")
-        .window(ks.TumblingWindows("10 seconds"))
-        .aggregate(uid="counts", n=ks.count())
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .window(ks.windows.TumblingWindows("10 seconds"))
+        .aggregate(uid="counts", n=ks.aggregates.count())
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )
 '''
 

@@ -39,11 +39,11 @@ class Count(ks.ProcessFunction):
 
 
 def build(ctx):
-    source = ks.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=100)
+    source = ks.sources.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=100)
     return (
         ks.stream(source)
         .process(Count(), "subtask int, parallelism int, seen long, entries int, members array<int>", uid="count")
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )
 '''
 

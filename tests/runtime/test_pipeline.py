@@ -74,13 +74,13 @@ def test_event_time_mistakes_are_named(spark: Any, tmp_path: Path) -> None:
     with pytest.raises(JobDefinitionError, match="event-time column 'key' has type string"):
         s.with_watermark("key")
     with pytest.raises(JobDefinitionError, match="window\\(\\) needs event time"):
-        s.key_by("key").window(ks.TumblingWindows("1 minute"))
+        s.key_by("key").window(ks.windows.TumblingWindows("1 minute"))
     with pytest.raises(JobDefinitionError, match="max_out_of_orderness 'soon'"):
         s.with_watermark("ts", "soon")
     timed = s.with_watermark("ts", "5 seconds")
     with pytest.raises(JobDefinitionError, match="already has a watermark"):
         timed.with_watermark("ts")
     with pytest.raises(JobDefinitionError, match="column 'nope' is not in the stream"):
-        timed.key_by("key").window(ks.TumblingWindows("1 minute")).aggregate(uid="w", s=ks.sum("nope"))
+        timed.key_by("key").window(ks.windows.TumblingWindows("1 minute")).aggregate(uid="w", s=ks.aggregates.sum("nope"))
     with pytest.raises(JobDefinitionError, match="is not a ProcessFunction"):
         timed.process(object(), "n long", uid="x")  # type: ignore[arg-type]

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from keyscale import DeltaSink, IcebergSink
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.errors import FencedError
+from keyscale.sinks import DeltaSink, IcebergSink
 from keyscale.sinks.base import SinkContext
 from keyscale.sinks.parquet import ParquetSink, read_output
 

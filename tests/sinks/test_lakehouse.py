@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import cli, write_events
-from keyscale import DeltaSink, IcebergSink
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.errors import OutputError, StorageError
+from keyscale.sinks import DeltaSink, IcebergSink
 from keyscale.sinks import delta as delta_module
 from keyscale.sinks import iceberg as iceberg_module
 from keyscale.sinks.base import SinkContext
@@ -301,13 +301,13 @@ NAME = "lakehouse_count"
 def build(ctx):
     events = (ctx.spark.readStream.schema("key string, value long, ts timestamp")
               .option("maxFilesPerTrigger", 1).parquet(ctx.arg("input")))
-    counts = ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"))
+    counts = ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
     catalog = {"type": "sql", "uri": ctx.arg("catalog"), "warehouse": ctx.arg("warehouse")}
     return ks.pipeline(
-        counts.sink(ks.DeltaSink(ctx.arg("delta") + "/totals", mode="upsert", keys=["key"])),
-        counts.sink(ks.DeltaSink(ctx.arg("delta") + "/updates")),
-        counts.sink(ks.IcebergSink(catalog, "lake.totals", mode="upsert", keys=["key"])),
-        counts.sink(ks.IcebergSink(catalog, "lake.updates")),
+        counts.sink(ks.sinks.DeltaSink(ctx.arg("delta") + "/totals", mode="upsert", keys=["key"])),
+        counts.sink(ks.sinks.DeltaSink(ctx.arg("delta") + "/updates")),
+        counts.sink(ks.sinks.IcebergSink(catalog, "lake.totals", mode="upsert", keys=["key"])),
+        counts.sink(ks.sinks.IcebergSink(catalog, "lake.updates")),
     )
 '''
 

@@ -33,8 +33,8 @@ def build(ctx):
               .option("maxFilesPerTrigger", 1).parquet(ctx.arg("input")))
     factor = int(ctx.arg("factor", "1"))
     return (ks.stream(events).transform(lambda df: df.withColumn("value", F.col("value") * factor))
-            .key_by("key").aggregate(uid="totals", count=ks.count(), sum=ks.sum("value"))
-            .sink(ks.ParquetSink(ctx.arg("output"))))
+            .key_by("key").aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
+            .sink(ks.sinks.ParquetSink(ctx.arg("output"))))
 '''
 
 

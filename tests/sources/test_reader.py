@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -99,7 +101,7 @@ def test_offsets_of_another_or_a_shorter_log_stop_the_job() -> None:
     offset and the end found, and says what to do."""
     import pytest
 
-    from keyscale.sources.log import LogError
+    from keyscale.sources.partitioned import LogError
     from keyscale.sources.reader import check_positions, log_id_of
 
     committed = [[(0, 50), (1, 7)], [(2, 0)]]
@@ -156,7 +158,7 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
 
     from keyscale.runtime.task.report import Reports
     from keyscale.sources import create_log
-    from keyscale.sources.log import LogError
+    from keyscale.sources.partitioned import LogError
     from keyscale.sources.reader import (
         check_last_records,
         last_records_after,
@@ -185,3 +187,18 @@ def test_a_partition_that_lost_records_and_got_others_is_caught_by_its_last_reco
     log.append(0, pa.table({"key": ["x", "y"]}))  # ...and get others in their place
     with pytest.raises(LogError, match=r"partition 0 of log .* holds another record at offset 2 than the job read there"):
         check_last_records("reader", log, committed, last)
+
+
+def test_broadcast_takes_a_log_source_and_a_function(tmp_path: Path) -> None:
+    from keyscale.errors import JobDefinitionError
+    from keyscale.operators.nonkeyed import BroadcastStream
+    from keyscale.sources import create_log
+    from keyscale.sources.reader import broadcast, log_source
+
+    rules = log_source(create_log(tmp_path / "rules", "key string", partitions=1), uid="rules")
+    stream = broadcast(rules, lambda state, row: None)
+    assert isinstance(stream, BroadcastStream) and stream.uid == "rules"
+    with pytest.raises(JobDefinitionError, match="takes a log_source"):
+        broadcast("not a source", lambda state, row: None)  # type: ignore[arg-type]
+    with pytest.raises(JobDefinitionError, match="apply must be a function"):
+        broadcast(rules, None)  # type: ignore[arg-type]

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyscale.sources.log import LogError, PartitionedLog, create_log
+from keyscale.sources.log import create_log
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.sources.union import UnionLog
 
 

@@ -30,7 +30,7 @@ def pipeline_refusal(uid: str) -> tuple[type, str] | None:
     """What a pipeline says to a stage with this uid (None: accepted). No Spark: the stream
     is given its schema."""
     try:
-        Stream(None, schema=SCHEMA).key_by("k").aggregate(uid=uid, n=ks.count())  # type: ignore[arg-type]
+        Stream(None, schema=SCHEMA).key_by("k").aggregate(uid=uid, n=ks.aggregates.count())  # type: ignore[arg-type]
     except KeyscaleError as e:
         return type(e), str(e)
     return None

@@ -46,7 +46,7 @@ def test_an_aggregate_gives_the_same_output_at_any_parallelism_and_across_a_rest
 ) -> None:
     def harness(parallelism: int) -> KeyedHarness:
         return KeyedHarness.aggregate(key_by=["k"], input_schema="k string, v long", parallelism=parallelism,
-                                      n=ks.count(), total=ks.sum("v"), top=ks.max("v"))
+                                      n=ks.aggregates.count(), total=ks.aggregates.sum("v"), top=ks.aggregates.max("v"))
 
     one, other = harness(1), harness(p)
     for i, rows in enumerate(data):
@@ -92,8 +92,8 @@ def test_processing_time_timers_fire_when_the_clock_moves_also_after_a_restore_e
 @pytest.mark.usefixtures("state_backend")
 def test_a_tumbling_window_fires_at_the_watermark_and_sends_late_records_aside() -> None:
     def run(restore: bool) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
-        h = KeyedHarness.window(ks.TumblingWindows("1 minute"), key_by=["user"], input_schema="user string, ts long, v long",
-                                event_time="ts", parallelism=2, clicks=ks.count(), total=ks.sum("v"))
+        h = KeyedHarness.window(ks.windows.TumblingWindows("1 minute"), key_by=["user"], input_schema="user string, ts long, v long",
+                                event_time="ts", parallelism=2, clicks=ks.aggregates.count(), total=ks.aggregates.sum("v"))
         out = [h.process([{"user": "ann", "ts": T0 + 1_000, "v": 1}, {"user": "bob", "ts": T0 + 2_000, "v": 2},
                           {"user": "ann", "ts": T0 + MINUTE + 5, "v": 4}])]
         assert h.state("ann") == {T0: {"clicks": 1, "total": 1}, T0 + MINUTE: {"clicks": 1, "total": 4}}
@@ -177,8 +177,8 @@ def test_advance_watermark_takes_a_datetime_as_the_event_time_column_holds_it() 
     from keyscale.errors import JobDefinitionError
 
     def fired(to: Any) -> list[dict[str, Any]]:
-        h = KeyedHarness.window(ks.TumblingWindows("1 minute"), key_by=["user"], input_schema="user string, ts timestamp",
-                                event_time="ts", clicks=ks.count())
+        h = KeyedHarness.window(ks.windows.TumblingWindows("1 minute"), key_by=["user"], input_schema="user string, ts timestamp",
+                                event_time="ts", clicks=ks.aggregates.count())
         h.process([{"user": "ann", "ts": dt.datetime(2026, 1, 1, 0, 0, 30)}])
         h.advance_watermark(to)
         return h.process()
@@ -188,7 +188,7 @@ def test_advance_watermark_takes_a_datetime_as_the_event_time_column_holds_it() 
     for done in (dt.datetime(2026, 1, 1, 0, 1), dt.datetime(2026, 1, 1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=1))),
                  pd.Timestamp("2026-01-01T00:01Z"), np.datetime64("2026-01-01T00:01"), T0 + MINUTE):
         assert [r["clicks"] for r in fired(done)] == [1], done
-    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k string", n=ks.count())
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k string", n=ks.aggregates.count())
     for wrong in ("2026-01-01", dt.date(2026, 1, 1), 1.5e12):
         with pytest.raises(JobDefinitionError, match=r"watermark .* is not an event time: give epoch milliseconds"):
             h.advance_watermark(wrong)

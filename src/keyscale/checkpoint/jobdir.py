@@ -19,6 +19,12 @@ Layout (keys of the job directory's store: a local folder or an object store pre
 
 Every object is written whole; nothing is renamed or locked on an object store (see
 docs/design.md, "Commit protocol").
+
+The module's size is earned: :class:`JobDir` is the one interface to the files above,
+each method one file's protocol under the same epoch fence and store rules, and what is
+pure already lives apart (:mod:`~keyscale.checkpoint.manifest`,
+:mod:`~keyscale.checkpoint.fence`, :mod:`~keyscale.checkpoint.retention`,
+:mod:`~keyscale.checkpoint.lineage`).
 """
 
 from __future__ import annotations

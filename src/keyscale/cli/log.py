@@ -32,7 +32,8 @@ import pyarrow as pa
 
 from keyscale.errors import InputDataError
 from keyscale.sources.generator import GENERATOR_DDL, RateSchedule, generate
-from keyscale.sources.log import LogError, LogWriter, PartitionedLog, create_log, open_log
+from keyscale.sources.log import LogWriter, create_log, open_log
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.state.types import arrow_schema
 
 __all__ = [

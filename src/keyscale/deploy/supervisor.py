@@ -7,6 +7,11 @@ asks :func:`keyscale.deploy.plan.plan_action` what to do, does it, and records i
 ``status.json`` and ``events.jsonl``. It ends when the deployment is STOPPED or FAILED.
 SIGTERM or SIGINT cancel the job (no savepoint) and end the supervisor.
 
+The module's size is earned: it is one reconciliation loop whose handlers share the job
+process and the status they record; what it decides is pure and apart
+(:mod:`keyscale.deploy.plan`), as are the spec (:mod:`~keyscale.deploy.spec`), the state
+folder (:mod:`~keyscale.deploy.store`) and the launcher (:mod:`~keyscale.deploy.launch`).
+
     python -m keyscale.deploy.supervisor STATE_DIR [--detach]
 
 >>> s = Supervisor("/tmp/nonexistent-deployment")

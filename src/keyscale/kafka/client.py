@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from keyscale.sources.log import LogError
+from keyscale.sources.partitioned import LogError
 
 # Settings keyscale's readers need: without them a reader cannot tell the end of a
 # partition (EOF events) and would commit offsets the manifest does not know about.

@@ -3,7 +3,7 @@
 Spark's Kafka source is not in the pyspark wheel (its jars come only from Maven), and
 its offsets live in Spark's checkpoint, which keyscale does not rescale. keyscale reads
 Kafka itself, as it reads its partitioned log: :class:`KafkaLog` is a
-:class:`~keyscale.sources.log.PartitionedLog` over one topic, so everything the log
+:class:`~keyscale.sources.partitioned.PartitionedLog` over one topic, so everything the log
 source does holds for Kafka (see :mod:`keyscale.sources.reader`):
 
 - the (partition, offset) entries are split/merge operator state in keyscale's manifest,
@@ -49,7 +49,7 @@ from keyscale.kafka.client import (
     reader_config,
     true_ends,
 )
-from keyscale.sources.log import LogError, PartitionedLog
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.sources.reader import LogSource
 from keyscale.state.types import arrow_schema
 
@@ -388,7 +388,7 @@ class KafkaLog(PartitionedLog):
         )
 
     def append(self, partition: int, table: pa.Table) -> tuple[int, int]:
-        raise LogError(f"{self.uri}: keyscale reads Kafka topics; produce to them with a Kafka producer (or write with ks.KafkaSink)")
+        raise LogError(f"{self.uri}: keyscale reads Kafka topics; produce to them with a Kafka producer (or write with ks.sinks.KafkaSink)")
 
     def add_partitions(self, n: int) -> int:
         from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
@@ -427,7 +427,7 @@ def kafka_source(
     consumer group's. ``commit_group``: also commit them to this consumer group after
     each checkpoint, for monitoring tools that read group offsets (never read back).
 
-    ``ks.stream(ks.kafka_source("broker:9092", "clicks", uid="clicks", decoder=ks.json_values("user string, ts timestamp")))``
+    ``ks.stream(ks.sources.kafka_source("broker:9092", "clicks", uid="clicks", decoder=ks.sources.json_values("user string, ts timestamp")))``
     """
     if isinstance(topic, list | tuple):
         if len(topic) != 1:

@@ -91,13 +91,13 @@ class KeyedCoBatch:
     """What a :class:`VectorizedKeyedCoProcessFunction` gets for one subtask and batch.
 
     ``keys`` are the batch's distinct keys (of either input) and ``state`` each declared
-    state per key (missing where a key has none yet), as in :class:`keyscale.KeyedBatch`.
+    state per key (missing where a key has none yet), as in :class:`keyscale.state.KeyedBatch`.
     ``records1`` are the first input's records in arrival order (pandas, the columns of
     ``input_columns1``), ``codes1[i]`` the index in ``keys`` of record i's key, and
     ``positions1[i]`` its position in the batch's arrival order across both inputs (to
     tell which of two records came first); the same for the second input. ``arrow1`` and
     ``arrow2`` are the same records as Arrow. ``watermark``, ``timer`` and ``due`` as in
-    :class:`keyscale.KeyedBatch`.
+    :class:`keyscale.state.KeyedBatch`.
     """
 
     keys: pd.DataFrame
@@ -113,7 +113,7 @@ class KeyedCoBatch:
     arrow1: pa.Table | None = None
     arrow2: pa.Table | None = None
     #: The watermark, and with ``event_timers`` each key's timer and whether it is due, as in
-    #: :class:`keyscale.KeyedBatch`.
+    #: :class:`keyscale.state.KeyedBatch`.
     watermark: int | None = None
     timer: pd.Series | None = None
     due: np.ndarray | None = None
@@ -129,7 +129,7 @@ class VectorizedKeyedCoProcessFunction:
     each input it reads (None: all); ``pandas_records = False``: it reads ``arrow1``/``arrow2``
     only (no conversion to pandas); ``event_timers = True``: one event-time timer per key,
     as for :class:`keyscale.VectorizedKeyedFunction` (``batch.timer``, ``batch.due``, and
-    the returned state's :data:`keyscale.TIMER`).
+    the returned state's :data:`keyscale.state.TIMER`).
 
     >>> import numpy as np, pandas as pd
     >>> class Enrich(VectorizedKeyedCoProcessFunction):   # users (first) name their clicks (second)

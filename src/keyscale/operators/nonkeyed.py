@@ -9,7 +9,7 @@ redistributed when the parallelism changes by the rule each list declares:
 - ``"union"``: every new subtask gets every entry and keeps what it needs.
 
 Broadcast state is a map every subtask holds identically. It is fed by a low-volume rules
-stream (:func:`keyscale.broadcast`): per batch, the stream's new records are applied to the
+stream (:func:`keyscale.sources.broadcast`): per batch, the stream's new records are applied to the
 map on the driver, in log order, *before* the main stream's records of that batch are
 processed; every subtask of the operator then reads the same map (``ctx.broadcast_state``).
 
@@ -137,31 +137,12 @@ def lists_state(modes: Mapping[str, str], per_subtask: list[dict[str, list[Any]]
 class BroadcastStream:
     """A rules stream applied to a broadcast state (see :func:`broadcast`)."""
 
-    source: Any  # keyscale.sources.reader.LogSource
+    source: Any  # a log source (keyscale.sources.reader.LogSource, which checks it: broadcast())
     apply: Callable[[dict[str, Any], Any], None]
 
     @property
     def uid(self) -> str:
         return str(self.source.uid)
-
-
-def broadcast(source: Any, apply: Callable[[dict[str, Any], Any], None]) -> BroadcastStream:
-    """A low-volume stream (a :func:`keyscale.log_source`) of rules or configuration,
-    delivered to every subtask of a stage as broadcast state.
-
-    ``apply(state, row)`` updates the state (a dict of JSON-serialisable values) with one
-    rules record; it runs on the driver, records in partition then offset order, before the
-    main stream's records of the same batch.
-
-    ``ks.broadcast(ks.log_source(ctx.arg("rules"), uid="rules"), lambda s, r: s.__setitem__(r.key, r.threshold))``
-    """
-    from keyscale.sources.reader import LogSource
-
-    if not isinstance(source, LogSource):
-        raise JobDefinitionError(f"broadcast() takes a log_source(), not {type(source).__name__}")
-    if not callable(apply):
-        raise JobDefinitionError("broadcast(): apply must be a function (state, row) -> None")
-    return BroadcastStream(source, apply)
 
 
 def broadcast_to_json(state: Mapping[str, Any]) -> list[list[Any]]:

@@ -293,7 +293,7 @@ class RunningAggregate(VectorizedKeyedFunction):
 
     def __init__(self, aggs: dict[str, Agg], key_names: list[str], input_types: dict[str, pa.DataType], merging: bool = False):
         if not aggs:
-            raise JobDefinitionError("aggregate() needs at least one aggregate, e.g. aggregate(uid='counts', n=keyscale.count())")
+            raise JobDefinitionError("aggregate() needs at least one aggregate, e.g. aggregate(uid='counts', n=keyscale.aggregates.count())")
         self.aggs = aggs
         self.key_names = key_names
         self.input_types = input_types

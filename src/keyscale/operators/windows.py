@@ -48,7 +48,8 @@ from keyscale.operators.eventtime import (
     too_far_ahead,
 )
 from keyscale.operators.vectorized import Agg, result_type
-from keyscale.state.table import KeyedStateTable, factorize_keys, make_index
+from keyscale.state.factorize import factorize_keys, make_index
+from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor
 
 WINDOW_START = "window_start"
@@ -196,7 +197,7 @@ class WindowAggregate:
 
     def __post_init__(self) -> None:
         if not self.aggs:
-            raise JobDefinitionError("a window needs at least one aggregate, e.g. aggregate(uid='per_minute', n=keyscale.count())")
+            raise JobDefinitionError("a window needs at least one aggregate, e.g. aggregate(uid='per_minute', n=keyscale.aggregates.count())")
         for name, agg in self.aggs.items():
             if name in (*self.key_names, WINDOW_START, WINDOW_END):
                 raise JobDefinitionError(f"window aggregate '{name}' has the name of a key or window column")

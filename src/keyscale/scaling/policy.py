@@ -5,6 +5,13 @@ harness in :mod:`keyscale.scaling.simulate`) feeds it one :class:`BatchMetrics` 
 keyed operator per micro-batch and gets a :class:`Decision` back, with the inputs
 it used and a sentence explaining it.
 
+It is three pieces, each pure and tested alone, that this module runs in turn per batch
+and keeps the state of (the metrics window, the last change, a pending scale-down):
+:mod:`keyscale.scaling.load` (what the batches measured: input rate, backlog, the target
+rate), :mod:`keyscale.scaling.capacity` (what one subtask processes, so what each
+parallelism can do) and :mod:`keyscale.scaling.decision` (the rule that picks, as a table
+of cases, with its reason in words).
+
 The policy follows the ideas of Flink's Kubernetes operator autoscaler
 (``ScalingMetricEvaluator`` / ``JobVertexScaler``), adapted to micro-batches that
 can be rescaled live, between two batches, at near-zero cost:
@@ -88,10 +95,19 @@ scale up 2 -> 8: utilisation 2.17 vs band 0.50-0.90; input 4,000 rec/s + backlog
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from keyscale.scaling.capacity import Unmeasured, measure_capacity, needed_parallelism
+from keyscale.scaling.decision import (
+    Case,
+    PendingDown,
+    decide,
+    nearest_in_bounds,
+    sized_target,
+    stabilising,
+)
+from keyscale.scaling.load import Sample, arrival_period, batch_sample, measure_load
 from keyscale.scaling.model import MODES, Action, AutoscalerConfig, BatchMetrics, Decision, Mode
 
 # Re-exported: the autoscaler's key-group alignment is the key-group module's rule.
@@ -109,18 +125,6 @@ __all__ = [
 ]
 
 
-
-@dataclass(frozen=True)
-class _Sample:
-    time: float
-    period: float  # seconds the input of this batch arrived over
-    input_rate: float
-    records: int  # sum over subtasks
-    busy_total: float  # sum over subtasks
-    busy_hot: float  # busiest subtask
-    warmup: bool
-
-
 @dataclass
 class _OperatorState:
     parallelism: int = 0
@@ -128,14 +132,9 @@ class _OperatorState:
     change_time: float = 0.0
     last_action_time: float | None = None
     batches_since_change: int = 0
-    window: deque[_Sample] = field(default_factory=deque)
+    window: deque[Sample] = field(default_factory=deque)
     known_rate_per_subtask: float | None = None
-    down_since: float | None = None
-    down_target: int | None = None
-
-
-def _fmt(x: float) -> str:
-    return f"{x:,.0f}"
+    pending_down: PendingDown | None = None
 
 
 class Autoscaler:
@@ -198,10 +197,16 @@ class Autoscaler:
             # (A change from outside the bounds always lands within them, moving inwards.)
             return d
         st = self._ops[m.uid]
-        since = st.change_time if st.last_action_time is None else max(st.change_time, st.last_action_time)
+        since = (
+            st.change_time
+            if st.last_action_time is None
+            else max(st.change_time, st.last_action_time)
+        )
         if d.time - since < self.config.stabilization_seconds:
             return d
-        target, aligned = self._nearest_in_bounds(P, m.max_parallelism, lower, upper)
+        target, aligned = nearest_in_bounds(
+            P, m.max_parallelism, lower, upper, self.config.align_to_key_groups
+        )
         below = m.parallelism < lower
         plain = lower if below else upper
         action: Action = "scale_up" if below else "scale_down"
@@ -209,64 +214,23 @@ class Autoscaler:
             f"scale {'up' if below else 'down'} {P} -> {target}: parallelism {P} is "
             f"{'below the lower' if below else 'above the upper'} bound {plain}, so it goes to "
             f"the nearest parallelism within [{lower}, {upper}]"
-            + (f", aligned to {target} (divides {m.max_parallelism})" if aligned and target != plain else "")
+            + (
+                f", aligned to {target} (divides {m.max_parallelism})"
+                if aligned and target != plain
+                else ""
+            )
             + f"; by load alone: {d.reason}"
         )
-        st.down_since = st.down_target = None
+        st.pending_down = None
         st.last_action_time = d.time
         inputs = dict(d.inputs, lower_bound=float(lower), upper_bound=float(upper))
         return Decision(d.time, m.uid, P, target, action, reason, inputs)
 
-    def _nearest_in_bounds(self, p: int, key_groups: int, lower: int, upper: int) -> tuple[int, bool]:
-        """The parallelism in ``[lower, upper]`` nearest to ``p`` (outside them), aligned if
-        possible; and whether it divides ``key_groups`` (with alignment on)."""
-        align = self.config.align_to_key_groups
-        if p < lower:
-            target = aligned_parallelism(lower, key_groups, lower, upper) if align else lower
-        else:
-            divisors = [q for q in range(upper, lower - 1, -1) if key_groups % q == 0] if align else []
-            target = divisors[0] if divisors else upper
-        return target, align and key_groups % target == 0
-
     def _evaluate(self, m: BatchMetrics) -> Decision:
-        """The decision by load (bounds clamp its target, but an out-of-bounds P may stay)."""
+        """The decision by load (bounds clamp its target, but an out-of-bounds P may stay):
+        the window updated, then load, capacity and the decision's table in turn."""
         cfg = self.config
-        st = self._ops.get(m.uid)
-        if st is None:
-            st = self._ops[m.uid] = _OperatorState()
-        if st.last_time is not None and m.time < st.last_time:
-            raise ValueError(
-                f"metrics for {m.uid!r} went back in time: {m.time} after {st.last_time}"
-            )
-
-        period = self._period(m, st.last_time)
-        if st.last_time is None or m.parallelism != st.parallelism:
-            # A change took effect (or the job started): metrics from before it
-            # describe another parallelism, and a pending scale-down is void.
-            st.parallelism = m.parallelism
-            st.change_time = m.time
-            st.batches_since_change = 0
-            st.window.clear()
-            st.down_since = st.down_target = None
-        st.last_time = m.time
-        st.batches_since_change += 1
-
-        input_rate = (
-            m.input_rate
-            if m.input_rate is not None
-            else (m.input_records / period if period > 0 else 0.0)
-        )
-        st.window.append(
-            _Sample(
-                time=m.time,
-                period=period,
-                input_rate=input_rate,
-                records=sum(m.records),
-                busy_total=sum(m.busy_seconds),
-                busy_hot=max(m.busy_seconds),
-                warmup=st.batches_since_change <= cfg.warmup_batches,
-            )
-        )
+        st, sample = self._record(m)
         # Decisions are made when the batch's metrics are complete: at its end.
         now = m.time + m.batch_seconds
         # Keep at least the latest batch, however long it ran.
@@ -274,201 +238,86 @@ class Autoscaler:
             st.window.popleft()
         P = m.parallelism
         lower, upper = cfg.bounds(m.max_parallelism)
-        since = st.change_time
-        if st.last_action_time is not None:
-            since = max(since, st.last_action_time)
+        since = (
+            st.change_time
+            if st.last_action_time is None
+            else max(st.change_time, st.last_action_time)
+        )
         inputs: dict[str, float] = {
             "seconds_since_change": now - since,
             "window_batches": float(len(st.window)),
         }
+        waiting = stabilising(now, since, st.change_time, P, cfg)
+        if waiting is not None:
+            return Decision(now, m.uid, P, P, "none", waiting, inputs)
 
-        def none(reason: str) -> Decision:
-            return Decision(now, m.uid, P, P, "none", reason, inputs)
-
-        if now - since < cfg.stabilization_seconds:
-            what = (
-                f"parallelism {P} took effect"
-                if since == st.change_time
-                else "the last scaling decision"
-            )
-            return none(
-                f"stabilising: {now - since:.0f} s since {what}, "
-                f"no decision before {cfg.stabilization_seconds:.0f} s"
-            )
-
-        # --- load: input rate, backlog, target rate -----------------------------
-        total_period = sum(s.period for s in st.window)
-        rate_window = (
-            sum(s.input_rate * s.period for s in st.window) / total_period
-            if total_period > 0
-            else input_rate
-        )
-        # Size for the load of the latest batch, not the window's average: a scale-up
-        # should follow a load step at once (a live rescale costs almost nothing),
-        # and a scale-down needs the lower target to hold for the whole scale-down
-        # delay and then goes to the highest target seen meanwhile, which smooths
-        # more robustly than an average would. The window average is reported.
-        rate = input_rate
-        backlog = float(m.backlog_records or 0)
-        if m.trigger_interval_seconds is not None:
-            # A batch that overran its trigger interval leaves the records that
-            # arrived during the overrun for the next batch, on top of the one
-            # interval's worth that is normal for micro-batches.
-            backlog += input_rate * max(0.0, m.batch_seconds - m.trigger_interval_seconds)
-        catch_up_rate = (backlog + rate * cfg.restart_seconds) / cfg.catch_up_seconds
-        target_rate = rate + catch_up_rate
-        inputs.update(
-            input_rate=rate,
-            input_rate_window=rate_window,
-            input_rate_recent=input_rate,
-            backlog=backlog,
-            catch_up_rate=catch_up_rate,
-            target_rate=target_rate,
-        )
-
-        # --- capacity: true processing rate per subtask -------------------------
-        measured = [s for s in st.window if not s.warmup]
-        records = sum(s.records for s in measured)
-        busy_hot = sum(s.busy_hot for s in measured)
-        busy_total = sum(s.busy_total for s in measured)
-        from_history = False
-        if records > 0 and busy_hot >= cfg.min_busy_seconds:
-            # The batch waits for its slowest task, so the job's throughput at P is
-            # bounded by the busiest subtask: all records / the hottest subtask's
-            # busy time. Per subtask that is divided by P. Without skew this is the
-            # plain mean rate; with skew it is lower by the skew factor, and sizing
-            # with it keeps the hottest subtask at the target utilisation (assuming
-            # the skew persists at the new parallelism).
-            rate_per_subtask = records / busy_hot / P
-            mean_rate = records / busy_total if busy_total > 0 else rate_per_subtask
-            inputs["mean_rate_per_subtask"] = mean_rate
-            inputs["skew"] = mean_rate / rate_per_subtask
-            st.known_rate_per_subtask = rate_per_subtask
-        elif st.known_rate_per_subtask is not None:
-            rate_per_subtask = st.known_rate_per_subtask
-            from_history = True
-            inputs["rate_from_history"] = 1.0
-        else:
-            return none(
-                f"no reliable processing-rate measurement yet ({records:,} records, "
-                f"{busy_hot:.2f} s busy time in the window): keeping {P} rather than guessing"
-            )
-
-        # How busy the hottest subtask was in the latest batch's slot (the trigger
-        # interval, or the batch's duration when it overran).
+        load = measure_load(m, st.window, sample.input_rate, cfg)
+        inputs.update(load.inputs())
         slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
-        busy_ratio = max(m.busy_seconds) / slot if slot > 0 else 0.0
-        inputs["busy_ratio"] = busy_ratio
-        capacity = rate_per_subtask * P
-        utilization = target_rate / capacity
-        inputs.update(
-            true_rate_per_subtask=rate_per_subtask,
-            capacity=capacity,
-            utilization=utilization,
+        capacity = measure_capacity(
+            st.window, P, max(m.busy_seconds), slot, st.known_rate_per_subtask, cfg.min_busy_seconds
         )
+        if isinstance(capacity, Unmeasured):
+            return Decision(now, m.uid, P, P, "none", (
+                f"no reliable processing-rate measurement yet ({capacity.records:,} records, "
+                f"{capacity.busy_hot:.2f} s busy time in the window): keeping {P} rather than guessing"
+            ), inputs)  # fmt: skip
+        st.known_rate_per_subtask = capacity.rate_per_subtask
+        inputs.update(capacity.inputs(load.target_rate))
+        utilization = capacity.utilization(load.target_rate)
         U = cfg.target_utilization
-        raw = math.ceil(target_rate / (rate_per_subtask * U)) if target_rate > 0 else lower
-        raw = max(raw, 1)
+        raw = needed_parallelism(load.target_rate, capacity.rate_per_subtask, U, lower)
         inputs["raw_target_parallelism"] = float(raw)
 
-        load_text = f"input {_fmt(rate)} rec/s"
-        if catch_up_rate > 0:
-            load_text += (
-                f" + backlog {_fmt(backlog)}"
-                + (f" (+{cfg.restart_seconds:.0f} s restart)" if cfg.restart_seconds else "")
-                + f" over {cfg.catch_up_seconds:.0f} s catch-up needs {_fmt(target_rate)} rec/s"
-            )
-        else:
-            load_text += " needs " + _fmt(target_rate) + " rec/s"
-        skew = inputs.get("skew", 1.0)
-        rate_text = (
-            f"one subtask processes {_fmt(rate_per_subtask)} rec/s"
-            + (" (measured earlier)" if from_history else "")
-            + (f" (hottest subtask, skew {skew:.2f}x)" if skew > 1.05 else "")
-        )
-        util_text = (
-            f"utilisation {utilization:.2f} vs band "
-            f"{cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
-        )
-
-        if cfg.scale_down_threshold <= utilization <= cfg.scale_up_threshold:
-            st.down_since = st.down_target = None
-            return none(f"keep {P}: {util_text}; {load_text}; capacity {_fmt(capacity)} rec/s")
-
         up = utilization > cfg.scale_up_threshold
-        target = max(lower, min(raw, upper))
-        steps: list[str] = []
-        if up:
-            cap = max(P + 1, math.floor(P * cfg.scale_up_max_factor))
-            if target > cap:
-                steps.append(f"capped at {cfg.scale_up_max_factor:g}x step to {cap}")
-                target = cap
-        else:
-            cap = max(1, math.ceil(P / cfg.scale_down_max_factor))
-            if target < cap:
-                steps.append(f"limited to a {cfg.scale_down_max_factor:g}x step down to {cap}")
-                target = cap
-        if cfg.align_to_key_groups:
-            aligned = aligned_parallelism(target, m.max_parallelism, lower, upper)
-            if aligned != target:
-                steps.append(f"aligned to {aligned} (divides {m.max_parallelism})")
-            target = aligned
-        target = max(lower, min(target, upper))
-        if target != raw and not steps:
-            steps.append(f"bounded to [{lower}, {upper}]")
-        sizing = f"{load_text}; {rate_text} at {U:.0%} target utilisation -> {raw} subtasks" + (
-            "".join(", " + s for s in steps)
+        target, steps = sized_target(raw, P, up, m.max_parallelism, (lower, upper), cfg)
+        load_text = load.text(cfg)
+        sizing = (
+            f"{load_text}; {capacity.text()} at {U:.0%} target utilisation -> {raw} subtasks"
+            + ("".join(", " + s for s in steps))
         )
-
-        if up:
-            st.down_since = st.down_target = None
-            if busy_ratio < cfg.scale_down_threshold:
-                # Behind, yet the busiest subtask mostly idles: something other than
-                # parallelism bounds throughput (typically a per-batch read limit
-                # such as maxOffsetsPerTrigger). More subtasks would not help.
-                return none(
-                    f"keep {P}: {util_text}, but the busiest subtask was only "
-                    f"{busy_ratio:.0%} busy in the last batch, so parallelism is not what "
-                    f"limits throughput (check the source's per-batch limit, e.g. "
-                    f"maxOffsetsPerTrigger); {load_text}"
-                )
-            if target <= P:
-                return none(f"keep {P}: {util_text} but {P} is the upper bound; {sizing}")
+        util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
+        case = Case(
+            P,
+            utilization,
+            capacity.busy_ratio,
+            target,
+            now,
+            util_text,
+            load_text,
+            sizing,
+            capacity.total,
+        )
+        v = decide(case, st.pending_down, cfg)
+        st.pending_down = v.pending
+        if v.pending_since is not None:
+            inputs["scale_down_pending_since"] = v.pending_since
+        if v.action != "none":
             st.last_action_time = now
-            return Decision(
-                now, m.uid, P, target, "scale_up",
-                f"scale up {P} -> {target}: {util_text}; {sizing}", inputs,
-            )  # fmt: skip
+        return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs)
 
-        if target >= P:
-            st.down_since = st.down_target = None
-            return none(f"keep {P}: {util_text} but no smaller parallelism fits; {sizing}")
-        if st.down_since is None or st.down_target is None:
-            st.down_since, st.down_target = now, target
-        else:
-            st.down_target = max(st.down_target, target)
-        inputs["scale_down_pending_since"] = st.down_since
-        held = now - st.down_since
-        if held < cfg.scale_down_delay_seconds:
-            return none(
-                f"keep {P} for now: a lower target ({st.down_target}) has held {held:.0f} s "
-                f"of the {cfg.scale_down_delay_seconds:.0f} s scale-down delay; {util_text}; "
-                f"{sizing}"
+    def _record(self, m: BatchMetrics) -> tuple[_OperatorState, Sample]:
+        """Take batch ``m`` into its operator's state and window: a parallelism change (or
+        the job's start) empties the window and voids a pending scale-down."""
+        st = self._ops.get(m.uid)
+        if st is None:
+            st = self._ops[m.uid] = _OperatorState()
+        if st.last_time is not None and m.time < st.last_time:
+            raise ValueError(
+                f"metrics for {m.uid!r} went back in time: {m.time} after {st.last_time}"
             )
-        target = st.down_target
-        st.down_since = st.down_target = None
-        st.last_action_time = now
-        return Decision(
-            now, m.uid, P, target, "scale_down",
-            f"scale down {P} -> {target}: below band for {held:.0f} s "
-            f"(delay {cfg.scale_down_delay_seconds:.0f} s), highest target in that time "
-            f"{target}; {util_text}; {sizing}",
-            inputs,
-        )  # fmt: skip
-
-    @staticmethod
-    def _period(m: BatchMetrics, last_time: float | None) -> float:
-        """Seconds over which this batch's input arrived."""
-        if last_time is not None and m.time > last_time:
-            return m.time - last_time
-        return max(m.batch_seconds, m.trigger_interval_seconds or 0.0)
+        period = arrival_period(m, st.last_time)
+        if st.last_time is None or m.parallelism != st.parallelism:
+            # Metrics from before the change describe another parallelism.
+            st.parallelism = m.parallelism
+            st.change_time = m.time
+            st.batches_since_change = 0
+            st.window.clear()
+            st.pending_down = None
+        st.last_time = m.time
+        st.batches_since_change += 1
+        sample = batch_sample(
+            m, period, warmup=st.batches_since_change <= self.config.warmup_batches
+        )
+        st.window.append(sample)
+        return st, sample

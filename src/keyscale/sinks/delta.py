@@ -97,13 +97,13 @@ class DeltaSink(TableSink["DeltaTable"]):
 
         def build(ctx):
             events = ctx.spark.readStream.schema("key string, value long").parquet(ctx.arg("input"))
-            return (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count())
-                    .sink(ks.DeltaSink(ctx.arg("output"), mode="upsert", keys=["key"])))
+            return (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count())
+                    .sink(ks.sinks.DeltaSink(ctx.arg("output"), mode="upsert", keys=["key"])))
 
     >>> import keyscale as ks
-    >>> ks.DeltaSink("s3://lake/counts", mode="upsert", keys=["key"]).describe()
+    >>> ks.sinks.DeltaSink("s3://lake/counts", mode="upsert", keys=["key"]).describe()
     'Delta table s3://lake/counts'
-    >>> ks.DeltaSink("hdfs://lake/counts")  # doctest: +ELLIPSIS
+    >>> ks.sinks.DeltaSink("hdfs://lake/counts")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     keyscale.errors.OutputError: Delta sink: cannot write a table at hdfs://lake/counts: ...

@@ -91,14 +91,14 @@ class IcebergSink(TableSink["Table"]):
         def build(ctx):
             events = ctx.spark.readStream.schema("key string, value long").parquet(ctx.arg("input"))
             catalog = {"type": "sql", "uri": ctx.arg("catalog"), "warehouse": ctx.arg("warehouse")}
-            return (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.count())
-                    .sink(ks.IcebergSink(catalog, "analytics.counts", mode="upsert", keys=["key"])))
+            return (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count())
+                    .sink(ks.sinks.IcebergSink(catalog, "analytics.counts", mode="upsert", keys=["key"])))
 
     >>> import keyscale as ks
     >>> catalog = {"type": "sql", "uri": "sqlite:////tmp/catalog.db", "warehouse": "file:///tmp/warehouse"}
-    >>> ks.IcebergSink(catalog, "analytics.counts").describe()
+    >>> ks.sinks.IcebergSink(catalog, "analytics.counts").describe()
     "Iceberg table analytics.counts (catalog 'default' at sqlite:////tmp/catalog.db)"
-    >>> ks.IcebergSink(catalog, "analytics.counts", mode="upsert")  # doctest: +ELLIPSIS
+    >>> ks.sinks.IcebergSink(catalog, "analytics.counts", mode="upsert")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     keyscale.errors.OutputError: Iceberg sink for analytics.counts: mode='upsert' needs keys=[...], ...

@@ -1,4 +1,15 @@
-"""Where jobs read from: partitioned append-only logs and a rate-scheduled load generator.
+"""Where jobs read from: partitioned logs and Kafka topics whose offsets keyscale keeps,
+broadcast rules streams, and the tools that write logs.
+
+A job's source (give it to ``ks.stream``; a Spark streaming DataFrame works as well):
+
+- :func:`log_source`: a partitioned log (a folder, or Redis streams) as a :class:`LogSource`;
+- :func:`kafka_source`: a Kafka topic, its values decoded by :func:`json_values` or your own
+  :func:`kafka_decoder`;
+- :func:`broadcast`: a low-volume log of rules applied to every subtask's broadcast state
+  (a :class:`BroadcastStream`, given to ``process(..., broadcast=...)``).
+
+Writing logs (tests, benchmarks, demos):
 
 - :func:`open_log` / :func:`create_log`: a :class:`PartitionedLog` in a local folder
   (:class:`LocalLog`) or in Redis streams (:class:`RedisLog`, ``redis://host:port/db?name=NAME``);
@@ -6,13 +17,21 @@
 - :class:`RateSchedule` and :func:`generate`: write records at a scheduled rate.
 
 >>> import tempfile
+>>> import keyscale as ks
 >>> from keyscale.sources import create_log, generate
 >>> log = create_log(tempfile.mkdtemp() + "/events", "key string, value long, ts timestamp", partitions=2)
 >>> now = [0.0]
 >>> generate(log, "50/s for 2s", keys=10, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s)).records
 100
+>>> ks.sources.log_source(log, uid="events").schema.names
+['key', 'value', 'ts']
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from keyscale import _lazy
 from keyscale.sources.generator import (
     GENERATOR_DDL,
     GENERATOR_SCHEMA,
@@ -26,33 +45,58 @@ from keyscale.sources.generator import (
     start_generator,
 )
 from keyscale.sources.local_log import LocalLog
-from keyscale.sources.log import (
-    LogError,
-    LogWriter,
-    PartitionedLog,
-    create_log,
-    open_log,
-    partition_of,
-)
+from keyscale.sources.log import LogWriter, create_log, open_log, partition_of
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.sources.redis_log import RedisLog
+
+if TYPE_CHECKING:
+    from keyscale.kafka.source import json_values, kafka_decoder, kafka_source
+    from keyscale.operators.nonkeyed import BroadcastStream
+    from keyscale.sources.reader import LogSource, broadcast, log_source
+
+# Imported on first use: the modules that define these import this package's modules.
+_EXPORTS = {
+    "BroadcastStream": "keyscale.operators.nonkeyed",
+    "LogSource": "keyscale.sources.reader",
+    "broadcast": "keyscale.sources.reader",
+    "json_values": "keyscale.kafka.source",
+    "kafka_decoder": "keyscale.kafka.source",
+    "kafka_source": "keyscale.kafka.source",
+    "log_source": "keyscale.sources.reader",
+}
 
 __all__ = [
     "GENERATOR_DDL",
     "GENERATOR_SCHEMA",
+    "BroadcastStream",
     "GenerateResult",
     "GeneratorThread",
     "LocalLog",
     "LogError",
+    "LogSource",
     "LogWriter",
     "PartitionedLog",
     "RateSchedule",
     "RedisLog",
     "ScheduleError",
     "Segment",
+    "broadcast",
     "create_log",
     "generate",
     "generated_records",
+    "json_values",
+    "kafka_decoder",
+    "kafka_source",
+    "log_source",
     "open_log",
     "partition_of",
     "start_generator",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return _lazy.load(__name__, _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -36,7 +36,8 @@ import numpy as np
 import pyarrow as pa
 
 from keyscale.errors import KeyscaleError
-from keyscale.sources.log import LogError, LogWriter, PartitionedLog
+from keyscale.sources.log import LogWriter
+from keyscale.sources.partitioned import LogError, PartitionedLog
 
 __all__ = [
     "GENERATOR_DDL",

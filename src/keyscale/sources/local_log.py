@@ -2,8 +2,8 @@
 and, per partition, immutable Arrow segment files named by their first offset and count.
 
 Appends write a whole segment under a temporary name and rename it in, under the
-partition's lock, so readers see whole segments only; see :mod:`keyscale.sources.log` for
-the interface and ``open_log``/``create_log``::
+partition's lock, so readers see whole segments only; see :mod:`keyscale.sources.partitioned`
+for the interface and :mod:`keyscale.sources.log` for ``open_log``/``create_log``::
 
     >>> import tempfile, pyarrow as pa
     >>> from keyscale.sources.local_log import LocalLog
@@ -32,14 +32,14 @@ import numpy as np
 import pyarrow as pa
 
 from keyscale.errors import StateError
-from keyscale.sources.log import (
+from keyscale.sources.partitioned import (
     FORMAT,
     LogError,
     PartitionedLog,
-    _check_count,
-    _check_schema,
-    _ddl,
-    _first_line,
+    check_count,
+    check_schema,
+    ddl,
+    first_line,
     schema_from_bytes,
     schema_to_bytes,
 )
@@ -136,8 +136,8 @@ class LocalLog(PartitionedLog):
         >>> LocalLog.create(tempfile.mkdtemp() + "/l", "k string", 2).num_partitions()
         2
         """
-        s = _check_schema(schema)
-        _check_count("the number of partitions", partitions, 1)
+        s = check_schema(schema)
+        check_count("the number of partitions", partitions, 1)
         p = Path(path).absolute()
         if (p / META_FILE).exists():
             raise LogError(f"{p} is already a log; open it with open_log, or pick another folder")
@@ -275,7 +275,7 @@ class LocalLog(PartitionedLog):
         except FileNotFoundError:
             raise StateError(f"partition {partition} of log {self._path} is damaged: segment {path.name} disappeared") from None
         except pa.ArrowInvalid as e:
-            raise StateError(f"segment {path} of log {self._path} is damaged: {_first_line(e)}") from None
+            raise StateError(f"segment {path} of log {self._path} is damaged: {first_line(e)}") from None
         if t.num_rows != count or not t.schema.equals(self.schema):
             raise StateError(f"segment {path} of log {self._path} does not hold the {count} records its name says")
         return t
@@ -300,7 +300,7 @@ class LocalLog(PartitionedLog):
         return start, start + t.num_rows
 
     def add_partitions(self, n: int) -> int:
-        _check_count("the number of partitions to add", n, 0)
+        check_count("the number of partitions to add", n, 0)
         with _flocked(self._path / ".lock"):
             meta = self._read_meta()
             old = int(meta["partitions"])
@@ -318,7 +318,7 @@ class LocalLog(PartitionedLog):
         segs = sum(len(self._segments.get(p, [])) for p in range(len(ends)))
         lines = [
             f"log {self._path} (local folder): {len(ends)} partitions, {sum(ends):,} records in {segs:,} segments",
-            f"  schema: {_ddl(self.schema)}",
+            f"  schema: {ddl(self.schema)}",
         ]
         lines += [f"  partition {p}: end offset {e:,}" for p, e in enumerate(ends)]
         return "\n".join(lines)
@@ -335,6 +335,6 @@ def _meta_bytes(schema: pa.Schema, partitions: int) -> bytes:
         "log_id": uuid.uuid4().hex,  # a log created again at the same place is another log
         "partitions": partitions,
         "schema": base64.b64encode(schema_to_bytes(schema)).decode(),
-        "schema_text": _ddl(schema),
+        "schema_text": ddl(schema),
     }
     return json.dumps(meta, indent=1).encode()

@@ -1,5 +1,9 @@
 """Reading a partitioned log as a job's source: offsets as split/merge operator state.
 
+:func:`log_source` makes a log a job's source and :func:`broadcast` a stage's broadcast
+input (:class:`~keyscale.operators.nonkeyed.BroadcastStream`: the operators know the
+stream as data and never import the sources).
+
 The source is a non-keyed operator with ``parallelism`` reader subtasks. Its state is one
 list state, ``offsets``: entries ``(partition, next offset)``, each held by one reader
 (FLIP-8's example). On a change of parallelism the entries are pooled and split evenly
@@ -35,8 +39,10 @@ import pyarrow as pa
 from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError, encode_error
 from keyscale.operators.eventtime import event_time_ms, max_event_within
+from keyscale.operators.nonkeyed import BroadcastStream
 from keyscale.runtime.task import report as reports
-from keyscale.sources.log import LogError, PartitionedLog, open_log
+from keyscale.sources.log import open_log
+from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.state.redistribution import split_merge
 
 Assignment = list[list[tuple[int, int]]]  # per reader: (partition, next offset)
@@ -49,7 +55,7 @@ LAST_RECORDS = "last_records"
 
 @dataclass(frozen=True)
 class LogSource:
-    """A partitioned log read by ``parallelism`` readers (see :func:`keyscale.log_source`)."""
+    """A partitioned log read by ``parallelism`` readers (see :func:`keyscale.sources.log_source`)."""
 
     log: PartitionedLog
     uid: str
@@ -68,12 +74,29 @@ def log_source(log: PartitionedLog | str, uid: str = "source", parallelism: int 
     ``log``: a :class:`PartitionedLog` or its URI (a folder, or ``redis://host:port/db?name=N``).
     ``max_records_per_batch`` caps what one batch reads from each partition.
 
-    ``ks.stream(ks.log_source(ctx.arg("log"), uid="events")).key_by("key")...``
+    ``ks.stream(ks.sources.log_source(ctx.arg("log"), uid="events")).key_by("key")...``
     """
     opened = open_log(log) if isinstance(log, str) else log
     if max_records_per_batch is not None and max_records_per_batch < 1:
         raise JobDefinitionError(f"source '{uid}': max_records_per_batch must be at least 1")
     return LogSource(opened, uid, parallelism, max_records_per_batch)
+
+
+def broadcast(source: LogSource, apply: Callable[[dict[str, Any], Any], None]) -> BroadcastStream:
+    """A low-volume stream (a :func:`keyscale.sources.log_source`) of rules or configuration,
+    delivered to every subtask of a stage as broadcast state.
+
+    ``apply(state, row)`` updates the state (a dict of JSON-serialisable values) with one
+    rules record; it runs on the driver, records in partition then offset order, before the
+    main stream's records of the same batch.
+
+    ``ks.sources.broadcast(ks.sources.log_source(ctx.arg("rules"), uid="rules"), lambda s, r: s.__setitem__(r.key, r.threshold))``
+    """
+    if not isinstance(source, LogSource):
+        raise JobDefinitionError(f"broadcast() takes a log_source(), not {type(source).__name__}")
+    if not callable(apply):
+        raise JobDefinitionError("broadcast(): apply must be a function (state, row) -> None")
+    return BroadcastStream(source, apply)
 
 
 # -- pure planning -----------------------------------------------------------------------------
@@ -204,7 +227,7 @@ def check_positions(uid: str, log_uri: str, committed: Assignment, ends: Sequenc
     >>> check_positions("reader", "/logs/l", [[(0, 5)]], [3], "a", "a")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    keyscale.sources.log.LogError: source 'reader': partition 0 of log /logs/l ends at offset 3, but the job has committed offset 5 ...
+    keyscale.sources.partitioned.LogError: source 'reader': partition 0 of log /logs/l ends at offset 3, but the job has committed offset 5 ...
     """
     if committed_id is not None and current_id != committed_id:
         raise LogError(

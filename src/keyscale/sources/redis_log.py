@@ -1,4 +1,4 @@
-"""The Redis backend of :class:`~keyscale.sources.log.PartitionedLog`: one Redis stream per partition.
+"""The Redis backend of :class:`~keyscale.sources.partitioned.PartitionedLog`: one Redis stream per partition.
 
 URI: ``redis://[[user]:password@]host[:port][/db]?name=NAME`` (``rediss://`` for TLS); other
 query parameters go to the client as in ``redis.Redis.from_url`` (``socket_timeout=5``...).
@@ -40,13 +40,13 @@ import redis
 import redis.exceptions
 
 from keyscale.errors import StateError
-from keyscale.sources.log import (
+from keyscale.sources.partitioned import (
     FORMAT,
     LogError,
     PartitionedLog,
-    _check_count,
-    _check_schema,
-    _ddl,
+    check_count,
+    check_schema,
+    ddl,
     schema_from_bytes,
     schema_to_bytes,
 )
@@ -146,10 +146,10 @@ class RedisLog(PartitionedLog):
     @classmethod
     def create(cls, uri: str, schema: str | pa.Schema, partitions: int) -> RedisLog:
         """Create the log named in ``uri``; a :class:`LogError` if one of that name exists."""
-        s = _check_schema(schema)
-        _check_count("the number of partitions", partitions, 1)
+        s = check_schema(schema)
+        check_count("the number of partitions", partitions, 1)
         url, name = _parse_uri(uri)
-        meta = {"format": FORMAT, "version": "1", "log_id": uuid.uuid4().hex, "partitions": str(partitions), "schema": schema_to_bytes(s), "schema_text": _ddl(s)}
+        meta = {"format": FORMAT, "version": "1", "log_id": uuid.uuid4().hex, "partitions": str(partitions), "schema": schema_to_bytes(s), "schema_text": ddl(s)}
         args: list[Any] = [x for kv in meta.items() for x in kv]
         client = _connect(url)
         with _errors(uri):
@@ -277,7 +277,7 @@ class RedisLog(PartitionedLog):
         return first, first + len(records)
 
     def add_partitions(self, n: int) -> int:
-        _check_count("the number of partitions to add", n, 0)
+        check_count("the number of partitions to add", n, 0)
         self.num_partitions()  # the log exists
         with _errors(self._uri):
             new = int(self._redis().hincrby(_meta_key(self._name), "partitions", n))
@@ -288,7 +288,7 @@ class RedisLog(PartitionedLog):
         ends = self.end_offsets()
         lines = [
             f"log {self._name} at {self.uri} (Redis streams keyscale:{{{self._name}}}:P): {len(ends)} partitions, {sum(ends):,} records",
-            f"  schema: {_ddl(self.schema)}",
+            f"  schema: {ddl(self.schema)}",
         ]
         lines += [f"  partition {p}: end offset {e:,}" for p, e in enumerate(ends)]
         return "\n".join(lines)

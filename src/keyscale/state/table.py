@@ -24,6 +24,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+# Re-exported: runtime/task/grouping.py and runtime/task/vectorized.py import them from here.
+from keyscale.state.factorize import factorize_keys as factorize_keys
+from keyscale.state.factorize import make_index as make_index
 from keyscale.state.keyindex import KeyIndex, key_hash
 from keyscale.state.types import StateDescriptor, is_numeric
 
@@ -56,44 +59,6 @@ def numpy_to_arrow(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> Any
     else:
         items = [v if ok else None for v, ok in zip(items, valid, strict=True)]
     return pa.array(items, type=t)
-
-
-def make_index(key_arrays: Sequence[np.ndarray]) -> pd.Index:
-    """A lookup index over one or more key columns."""
-    if len(key_arrays) == 1:
-        single: pd.Index = pd.Index(key_arrays[0])
-        return single
-    # Levels in first-appearance order: from_arrays sorts each level, which for strings
-    # costs more than everything else a batch does with its keys.
-    codes, levels = zip(*(pd.factorize(k) for k in key_arrays), strict=True)
-    index: pd.Index = pd.MultiIndex(levels=levels, codes=codes, verify_integrity=False)
-    return index
-
-
-def factorize_keys(key_arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, pd.Index, list[np.ndarray]]:
-    """Group rows by their key (one or more columns), by hashing, never sorting: each
-    row's group (groups in first-appearance order), the groups' keys as a lookup index,
-    and as one array per column."""
-    if len(key_arrays) == 1:
-        codes, uniques = pd.factorize(key_arrays[0])
-        return np.asarray(codes, dtype=np.int64), pd.Index(uniques), [np.asarray(uniques)]
-    level_codes, levels = zip(*(pd.factorize(k) for k in key_arrays), strict=True)
-    sizes = [max(len(lv), 1) for lv in levels]
-    if float(np.prod(sizes, dtype=np.float64)) >= 2.0**62:  # the combined code would overflow: pandas' way
-        codes, uniq = pd.MultiIndex.from_arrays(list(key_arrays)).factorize()
-        assert isinstance(uniq, pd.MultiIndex)
-        return np.asarray(codes, dtype=np.int64), uniq, [np.asarray(uniq.get_level_values(i)) for i in range(len(key_arrays))]
-    combined = np.zeros(len(level_codes[0]), dtype=np.int64)
-    for lc, n in zip(level_codes, sizes, strict=True):
-        combined = combined * n + lc
-    codes, _ = pd.factorize(combined)
-    ungroupable = np.logical_or.reduce([np.asarray(lc) < 0 for lc in level_codes])  # null or NaN in a column
-    if ungroupable.any():
-        codes[ungroupable] = -1  # the caller names the key
-    _, first = np.unique(codes, return_index=True)
-    group_codes = [np.asarray(lc)[first] for lc in level_codes]
-    index = pd.MultiIndex(levels=levels, codes=group_codes, verify_integrity=False)  # type: ignore[arg-type]
-    return np.asarray(codes, dtype=np.int64), index, [np.asarray(lv)[gc] for lv, gc in zip(levels, group_codes, strict=True)]
 
 
 def _columns(index: pd.Index) -> list[np.ndarray]:

@@ -16,7 +16,7 @@ the parallelism, state that survives a restore.
 >>> import keyscale as ks
 >>> from keyscale.testing import KeyedHarness
 >>> h = KeyedHarness.aggregate(key_by=["user"], input_schema="user string, clicks long", parallelism=2,
-...                            n=ks.count(), total=ks.sum("clicks"))
+...                            n=ks.aggregates.count(), total=ks.aggregates.sum("clicks"))
 >>> h.process([{"user": "ann", "clicks": 2}, {"user": "bob", "clicks": 1}, {"user": "ann", "clicks": 3}])
 [{'user': 'ann', 'n': 2, 'total': 5}, {'user': 'bob', 'n': 1, 'total': 1}]
 >>> h.state("ann")

@@ -25,7 +25,7 @@ def build(ctx):
         .option("cleanSource", "archive").option("sourceArchiveDir", ctx.arg("archive"))
         .parquet(ctx.arg("input"))
     )
-    return ks.stream(events).key_by("key").aggregate(uid="totals", n=ks.count()).sink(ks.ParquetSink(ctx.arg("output")))
+    return ks.stream(events).key_by("key").aggregate(uid="totals", n=ks.aggregates.count()).sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

@@ -26,7 +26,7 @@ def build(ctx):
     df = ctx.spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(ctx.arg("input"))
     # Each batch summed per key in Spark first (a per-batch transform), then kept running.
     per_batch = ks.stream(df).transform(lambda d: d.groupBy("key").agg(F.sum("value").alias("value")))
-    return per_batch.key_by("key").aggregate(uid="totals", total=ks.sum("value")).sink(ks.ParquetSink(ctx.arg("output")))
+    return per_batch.key_by("key").aggregate(uid="totals", total=ks.aggregates.sum("value")).sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

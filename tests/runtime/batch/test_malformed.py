@@ -28,9 +28,9 @@ def build(ctx):
         if name.startswith("opt_"):
             reader = reader.option(name[4:], value)
     events = reader.format(ctx.arg("format")).load(ctx.arg("input"))
-    dead = ks.ParquetSink(ctx.arg("dead")) if ctx.arg("on_error", "fail") == "dead_letter" else None
-    return (ks.stream(events).key_by("user").aggregate(uid="counts", n=ks.count(), total=ks.sum("v"))
-            .sink(ks.ParquetSink(ctx.arg("output")), on_error=ctx.arg("on_error", "fail"), dead_letter=dead))
+    dead = ks.sinks.ParquetSink(ctx.arg("dead")) if ctx.arg("on_error", "fail") == "dead_letter" else None
+    return (ks.stream(events).key_by("user").aggregate(uid="counts", n=ks.aggregates.count(), total=ks.aggregates.sum("v"))
+            .sink(ks.sinks.ParquetSink(ctx.arg("output")), on_error=ctx.arg("on_error", "fail"), dead_letter=dead))
 '''
 JSON_LINES = '{"user": "ann", "v": 1}\n{"user": "bob", "v": 2\n{"user": "ann", "v": 4}\n'  # line 2 lacks its brace
 CSV_LINES = "user,v\nann,1\nbob,two\nann,4\n"  # "two" is not a long

@@ -15,7 +15,7 @@ from conftest import write_events
 
 def build(ctx: Any) -> Any:
     events = ctx.spark.readStream.schema("key string, value long, ts timestamp").parquet(ctx.arg("input"))
-    return ks.stream(events).key_by("key").aggregate(uid="n", n=ks.count()).sink(ks.NoopSink())
+    return ks.stream(events).key_by("key").aggregate(uid="n", n=ks.aggregates.count()).sink(ks.sinks.NoopSink())
 
 
 @pytest.mark.spark

@@ -37,7 +37,7 @@ class Check(ks.KeyedProcessFunction):
 def build(ctx):
     df = ctx.spark.readStream.schema("key string, value long, ts timestamp").parquet(ctx.arg("input"))
     limit = int(ctx.arg("limit", "1000"))
-    return ks.stream(df).key_by("key").process(Check(limit), "key string, value long", uid="check").sink(ks.ParquetSink(ctx.arg("output")))
+    return ks.stream(df).key_by("key").process(Check(limit), "key string, value long", uid="check").sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''
 
 

@@ -38,7 +38,7 @@ def build(ctx):
         .filter("value >= 0")
         .key_by("key")
         .process(Positions(), "key string, value long, n long", uid="positions")
-        .sink(ks.ParquetSink(ctx.arg("output")))
+        .sink(ks.sinks.ParquetSink(ctx.arg("output")))
     )
 '''
 
@@ -92,10 +92,10 @@ def build(ctx):
     events = ctx.spark.readStream.schema("key string, value long, ts timestamp").parquet(ctx.arg("input"))
     s = ks.stream(events)
     return ks.pipeline(
-        s.select("*").sink(ks.ParquetSink(ctx.arg("star"))),
-        s.filter("value > 0").sink(ks.ParquetSink(ctx.arg("filtered"))),
-        s.transform(lambda df: df.withColumn("seen", F.lit(",".join(df.columns)))).sink(ks.ParquetSink(ctx.arg("seen"))),
-        s.filter("value > 0").key_by("key").aggregate(uid="n", n=ks.count()).sink(ks.ParquetSink(ctx.arg("counts"))),
+        s.select("*").sink(ks.sinks.ParquetSink(ctx.arg("star"))),
+        s.filter("value > 0").sink(ks.sinks.ParquetSink(ctx.arg("filtered"))),
+        s.transform(lambda df: df.withColumn("seen", F.lit(",".join(df.columns)))).sink(ks.sinks.ParquetSink(ctx.arg("seen"))),
+        s.filter("value > 0").key_by("key").aggregate(uid="n", n=ks.aggregates.count()).sink(ks.sinks.ParquetSink(ctx.arg("counts"))),
     )
 '''
 

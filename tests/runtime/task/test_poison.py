@@ -423,14 +423,14 @@ def test_pipeline_policies_are_checked_when_the_job_is_built(spark: Any, tmp_pat
     events = spark.readStream.schema("key string, value long, id long").parquet(str(tmp_path))
     keyed = ks.stream(events).key_by("key")
     with pytest.raises(JobDefinitionError, match=r"operator 'alerts' has on_error='dead_letter' but the pipeline has no dead-letter sink"):
-        keyed.process(Tracker(), TRACKER_OUT, uid="alerts", on_error="dead_letter").sink(ks.ConsoleSink())
+        keyed.process(Tracker(), TRACKER_OUT, uid="alerts", on_error="dead_letter").sink(ks.sinks.ConsoleSink())
     with pytest.raises(JobDefinitionError, match=r"operator 'counts': on_error must be one of"):
-        keyed.aggregate(uid="counts", on_error="ignore", n=ks.count())  # type: ignore[arg-type]
-    dead = ks.ParquetSink(tmp_path / "dead")
-    p = keyed.process(Tracker(), TRACKER_OUT, uid="alerts", on_error="skip").sink(ks.ConsoleSink(), on_error="dead_letter", dead_letter=dead,
+        keyed.aggregate(uid="counts", on_error="ignore", n=ks.aggregates.count())  # type: ignore[arg-type]
+    dead = ks.sinks.ParquetSink(tmp_path / "dead")
+    p = keyed.process(Tracker(), TRACKER_OUT, uid="alerts", on_error="skip").sink(ks.sinks.ConsoleSink(), on_error="dead_letter", dead_letter=dead,
                                                                                max_errors_per_batch=5)
     assert p.error_policy(p.keyed_steps[0]) == ErrorPolicy("skip", 5) and p.sinks[-1] is dead
-    p = keyed.aggregate(uid="counts", n=ks.count()).sink(ks.ConsoleSink())
+    p = keyed.aggregate(uid="counts", n=ks.aggregates.count()).sink(ks.sinks.ConsoleSink())
     assert p.error_policy(p.keyed_steps[0]) == ErrorPolicy("fail", 1000)
 
 
@@ -469,12 +469,12 @@ def test_the_jobs_own_policy_for_malformed_input_is_the_sinks_and_the_strictest_
     from keyscale.errors import JobDefinitionError
 
     events = ks.stream(spark.readStream.schema("key string, value long, id long").parquet(str(tmp_path)))
-    counts = events.key_by("key").aggregate(uid="counts", on_error="fail", n=ks.count())
-    dead = ks.ParquetSink(tmp_path / "dead")
+    counts = events.key_by("key").aggregate(uid="counts", on_error="fail", n=ks.aggregates.count())
+    dead = ks.sinks.ParquetSink(tmp_path / "dead")
     with pytest.raises(JobDefinitionError, match=r"sink\(on_error='dead_letter'\) needs a dead-letter sink"):
-        counts.sink(ks.ConsoleSink(), on_error="dead_letter")  # no operator uses it, the job's input does
-    p = counts.sink(ks.ConsoleSink(), on_error="dead_letter", dead_letter=dead, max_errors_per_batch=7)
+        counts.sink(ks.sinks.ConsoleSink(), on_error="dead_letter")  # no operator uses it, the job's input does
+    p = counts.sink(ks.sinks.ConsoleSink(), on_error="dead_letter", dead_letter=dead, max_errors_per_batch=7)
     assert p.input_policy == ErrorPolicy("dead_letter", 7) and p.error_policy(p.keyed_steps[0]) == ErrorPolicy("fail", 7)
-    sums = events.key_by("key").aggregate(uid="sums", total=ks.sum("value"))
-    both = ks.pipeline(counts.sink(ks.ParquetSink(tmp_path / "a"), on_error="skip"), sums.sink(ks.ParquetSink(tmp_path / "b")))
+    sums = events.key_by("key").aggregate(uid="sums", total=ks.aggregates.sum("value"))
+    both = ks.pipeline(counts.sink(ks.sinks.ParquetSink(tmp_path / "a"), on_error="skip"), sums.sink(ks.sinks.ParquetSink(tmp_path / "b")))
     assert both.input_policy.on_error == "fail"  # the strictest: a malformed record is never skipped for a branch that fails

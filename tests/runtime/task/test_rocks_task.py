@@ -96,11 +96,11 @@ def test_value_list_map_ttl_and_timers_give_the_same_output_on_rocksdb(seed: int
 def _windows(assigner: Any) -> Callable[[int, str], KeyedHarness]:
     def make(p: int, backend: str) -> KeyedHarness:
         return KeyedHarness.window(assigner, key_by=["k"], input_schema="k string, v long, ts long", event_time="ts", parallelism=p,
-                                   allowed_lateness="5 seconds", n=ks.count(), total=ks.sum("v"), state_backend=backend)
+                                   allowed_lateness="5 seconds", n=ks.aggregates.count(), total=ks.aggregates.sum("v"), state_backend=backend)
     return make
 
 
-@pytest.mark.parametrize("assigner", [ks.TumblingWindows("10 seconds"), ks.SlidingWindows("10 seconds", "5 seconds"), ks.SessionWindows("3 seconds")],
+@pytest.mark.parametrize("assigner", [ks.windows.TumblingWindows("10 seconds"), ks.windows.SlidingWindows("10 seconds", "5 seconds"), ks.windows.SessionWindows("3 seconds")],
                          ids=["tumbling", "sliding", "session"])
 def test_windows_give_the_same_output_on_rocksdb(assigner: Any) -> None:
     data = _records(5, 12, 6)
@@ -147,7 +147,7 @@ def test_a_failed_attempt_leaves_nothing_the_retry_sees() -> None:
 def test_a_database_ahead_of_the_committed_checkpoint_is_reloaded_not_reused() -> None:
     """An attempt whose batch did not commit leaves a database at that batch: the next
     run of the batch (from the checkpoint before it) must not see its writes."""
-    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", n=ks.count(), state_backend="rocksdb")
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", n=ks.aggregates.count(), state_backend="rocksdb")
     h.process([{"k": 1}, {"k": 2}])
     before = h.snapshot()
     assert h.process([{"k": 1}]) == [{"k": 1, "n": 2}]  # batch 1 ran: the database is at batch 1
@@ -162,7 +162,7 @@ def test_a_task_killed_after_writing_its_rows_but_before_recording_its_batch_is_
 ) -> None:
     """The database has the failed attempt's rows but its range is marked unusable: the
     retry reloads from the files instead of counting the attempt's records twice."""
-    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", parallelism=2, n=ks.count(), state_backend="rocksdb")
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", parallelism=2, n=ks.aggregates.count(), state_backend="rocksdb")
     h.snapshot_every = snapshot_every
     h.process([{"k": k} for k in range(6)])
     finish = rocks_task.RocksSession.finish
@@ -185,7 +185,7 @@ def test_a_subtask_whose_database_another_attempt_holds_uses_a_private_copy() ->
     from keyscale.storage import LocalStore
     from keyscale.storage.scratch import scratch_children, scratch_dir
 
-    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", n=ks.count(), state_backend="rocksdb")
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", n=ks.aggregates.count(), state_backend="rocksdb")
     h.process([{"k": 1}, {"k": 2}])
     run = scratch_dir(rocks_task._plain(LocalStore(h._folder.path).uri), rocks_task._plain("harness"), "harness")
     holder = RocksState(run / "s0-of-1", ["k"], [], [], 128)  # opened by "another attempt"
@@ -208,7 +208,7 @@ def test_a_rescale_copies_the_old_databases_instead_of_loading_the_files(monkeyp
     from keyscale.storage import LocalStore
     from keyscale.storage.scratch import scratch_children, scratch_dir
 
-    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", parallelism=2, n=ks.count(), state_backend="rocksdb")
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k long", parallelism=2, n=ks.aggregates.count(), state_backend="rocksdb")
     h.process([{"k": k} for k in range(200)])
     loads: list[Any] = []
     copies: list[str | None] = []

@@ -4,7 +4,7 @@ checked, state schemas evolved (added, dropped and widened states)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,34 +205,20 @@ def restore_savepoint(
     # continue at the next batch; without any the job starts its input from scratch.
     ck_extra = info.extra.get("checkpoint", {})
     has_positions = info.source is not None or bool(ck_extra.get("source_positions"))
-    event_time, resumed_ms = restored_event_time(ck_extra)  # a drained one: the watermark before its drain
     batch = info.batch if has_positions else -1
     total = sum(len(op.files) for _, op, _ in plans) + 1
-    done = 0
-    report_progress(progress, "restore", done, total)
+    done = [0]
+
+    def tick() -> None:
+        report_progress(progress, "restore", done[0], total)
+        done[0] += 1
+
+    tick()
     written: list[str] = []
     spark = LocalStore(job_dir.spark_checkpoint)
     copied = pushed = False
     try:
-        ops: dict[str, OperatorCheckpoint] = {}
-        for uid, op, spec in plans:
-            files: list[StateFile] = []
-            for f in op.files:
-                table = _to_state_table(uid, op, spec, read_data_file(info, f, uid), f, info.store.url(f.path))
-                if table.num_rows:
-                    # named by batch >= 0 so retention can parse (and in time delete) it
-                    rel = f"state/{uid}/{max(batch, 0):012d}-restore-{len(files):05d}-snapshot.arrow"
-                    written.append(rel)
-                    files.append(write_state_file(job_dir.store, rel, table, "snapshot", batch, f.range))
-                done += 1
-                report_progress(progress, "restore", done, total)
-            par = op.parallelism if op.parallelism is not None and 1 <= op.parallelism <= op.max_parallelism else 1
-            ops[uid] = OperatorCheckpoint(
-                uid=uid, max_parallelism=op.max_parallelism, parallelism=par,
-                key_columns=tuple((k, str(t)) for k, t in spec.key_columns),
-                states=tuple(d.to_json() for d in spec.states), files=tuple(files),
-                operator_state=dict(op.operator_state),
-            )
+        ops = {uid: _restore_operator(info, job_dir, uid, op, spec, batch, written, tick) for uid, op, spec in plans}
         if info.source is not None:
             # Spark reads its checkpoint from local disk only; on an object store the job
             # directory keeps it as mirror bundles, the first one written here.
@@ -243,19 +229,7 @@ def restore_savepoint(
             if not job_dir.is_local:
                 pushed = True
                 SparkMirror(job_dir.store, job_dir.spark_checkpoint, job_dir.fence).push(batch)
-        manifest = Manifest(
-            job=job_name, batch=batch, batch_time_ms=info.batch_time_ms, operators=ops,
-            watermark_ms=resumed_ms if ck_extra.get("drained") else info.watermark_ms, created_ms=int(time.time() * 1000),
-            extra={
-                "restored_from": {"savepoint": info.path, "job": info.job, "batch": info.batch, "drained": bool(ck_extra.get("drained"))},
-                # event time, source positions and the counts of late or dropped records travel with the savepoint
-                **event_time,
-                **{k: v for k, v in ck_extra.items() if k in ("source_positions", "counters")},
-                # a new lineage, descending from the savepoint's at the restored batch
-                "lineage": restored_lineage(ck_extra, batch).to_json(),
-            },
-        )
-        manifest = job_dir.commit(manifest)
+        manifest = job_dir.commit(_restored_manifest(info, job_name, batch, ops))
     except BaseException:
         job_dir.store.delete_many(written)
         if copied:
@@ -265,3 +239,52 @@ def restore_savepoint(
         raise
     report_progress(progress, "restore", total, total)
     return manifest
+
+
+def _restore_operator(
+    info: SavepointInfo,
+    job_dir: JobDir,
+    uid: str,
+    op: SavepointOperator,
+    spec: OperatorSpec,
+    batch: int,
+    written: list[str],
+    tick: Callable[[], None],
+) -> OperatorCheckpoint:
+    """One operator's data files as snapshot files of ``job_dir`` (each one's path added to
+    ``written`` before it is written, ``tick`` after), and its checkpoint entry."""
+    files: list[StateFile] = []
+    for f in op.files:
+        table = _to_state_table(uid, op, spec, read_data_file(info, f, uid), f, info.store.url(f.path))
+        if table.num_rows:
+            # named by batch >= 0 so retention can parse (and in time delete) it
+            rel = f"state/{uid}/{max(batch, 0):012d}-restore-{len(files):05d}-snapshot.arrow"
+            written.append(rel)
+            files.append(write_state_file(job_dir.store, rel, table, "snapshot", batch, f.range))
+        tick()
+    par = op.parallelism if op.parallelism is not None and 1 <= op.parallelism <= op.max_parallelism else 1
+    return OperatorCheckpoint(
+        uid=uid, max_parallelism=op.max_parallelism, parallelism=par,
+        key_columns=tuple((k, str(t)) for k, t in spec.key_columns),
+        states=tuple(d.to_json() for d in spec.states), files=tuple(files),
+        operator_state=dict(op.operator_state),
+    )  # fmt: skip
+
+
+def _restored_manifest(info: SavepointInfo, job_name: str, batch: int, ops: dict[str, OperatorCheckpoint]) -> Manifest:
+    """The new job directory's first manifest: the restored operators at ``batch``, with the
+    savepoint's event time, source positions and counters, and a lineage descending from it."""
+    ck_extra = info.extra.get("checkpoint", {})
+    event_time, resumed_ms = restored_event_time(ck_extra)  # a drained one: the watermark before its drain
+    return Manifest(
+        job=job_name, batch=batch, batch_time_ms=info.batch_time_ms, operators=ops,
+        watermark_ms=resumed_ms if ck_extra.get("drained") else info.watermark_ms, created_ms=int(time.time() * 1000),
+        extra={
+            "restored_from": {"savepoint": info.path, "job": info.job, "batch": info.batch, "drained": bool(ck_extra.get("drained"))},
+            # event time, source positions and the counts of late or dropped records travel with the savepoint
+            **event_time,
+            **{k: v for k, v in ck_extra.items() if k in ("source_positions", "counters")},
+            # a new lineage, descending from the savepoint's at the restored batch
+            "lineage": restored_lineage(ck_extra, batch).to_json(),
+        },
+    )  # fmt: skip

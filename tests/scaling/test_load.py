@@ -1,0 +1,94 @@
+"""The autoscaler's load (keyscale.scaling.load): pure functions of the batches' metrics."""
+
+from __future__ import annotations
+
+import doctest
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import keyscale.scaling.load as load_module
+from keyscale.scaling.load import Sample, arrival_period, batch_sample, measure_load
+from keyscale.scaling.model import AutoscalerConfig, BatchMetrics
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(load_module)
+    assert result.failed == 0 and result.attempted >= 3
+
+
+def _metrics(
+    records: int, batch_seconds: float, trigger: float | None, backlog: int | None
+) -> BatchMetrics:
+    return BatchMetrics(
+        time=10.0, uid="op", parallelism=1, max_parallelism=8, input_records=records,
+        batch_seconds=batch_seconds, trigger_interval_seconds=trigger, busy_seconds=(batch_seconds,),
+        records=(records,), backlog_records=backlog,
+    )  # fmt: skip
+
+
+def test_the_source_s_input_rate_wins_over_records_per_period() -> None:
+    m = BatchMetrics(time=0.0, uid="op", parallelism=1, max_parallelism=1, input_records=50,
+                     batch_seconds=1.0, trigger_interval_seconds=None, busy_seconds=(1.0,),
+                     records=(50,), input_rate=7.0)  # fmt: skip
+    assert batch_sample(m, period=5.0, warmup=False).input_rate == 7.0
+    assert batch_sample(_metrics(50, 1.0, None, None), period=5.0, warmup=True).input_rate == 10.0
+    assert batch_sample(_metrics(50, 0.0, None, None), period=0.0, warmup=True).input_rate == 0.0
+
+
+def test_an_overrun_adds_what_arrived_meanwhile_to_the_backlog() -> None:
+    m = _metrics(1_000, 8.0, 5.0, 100)
+    load = measure_load(m, [], 100.0, AutoscalerConfig(catch_up_seconds=10.0))
+    assert load.backlog == 100 + 100.0 * 3.0
+    assert load.target_rate == 100.0 + 40.0
+    assert "backlog 400 over 10 s catch-up" in load.text(AutoscalerConfig(catch_up_seconds=10.0))
+
+
+def test_arrival_period_is_the_time_since_the_previous_batch() -> None:
+    m = _metrics(0, 2.0, None, None)
+    assert arrival_period(m, 4.0) == 6.0
+    assert arrival_period(m, 10.0) == 2.0  # the same start: the batch's own duration
+
+
+rates = st.floats(min_value=0.0, max_value=1e7, allow_nan=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rate=rates,
+    backlog=st.one_of(st.none(), st.integers(min_value=0, max_value=10**9)),
+    batch_seconds=st.floats(min_value=0.0, max_value=600.0),
+    trigger=st.one_of(st.none(), st.floats(min_value=0.1, max_value=600.0)),
+    restart=st.floats(min_value=0.0, max_value=600.0),
+)
+def test_the_target_rate_is_the_input_plus_a_catch_up_that_is_never_negative(
+    rate: float, backlog: int | None, batch_seconds: float, trigger: float | None, restart: float
+) -> None:
+    cfg = AutoscalerConfig(restart_seconds=restart)
+    load = measure_load(_metrics(0, batch_seconds, trigger, backlog), [], rate, cfg)
+    assert load.rate == rate
+    assert load.catch_up_rate >= 0.0
+    assert load.target_rate >= rate
+    if not backlog and not restart and (trigger is None or batch_seconds <= trigger):
+        assert load.target_rate == rate and load.text(cfg).endswith(
+            " needs " + load_module.fmt(rate) + " rec/s"
+        )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(rates, st.floats(min_value=0.0, max_value=100.0)), min_size=1, max_size=12)
+)
+def test_the_window_rate_is_a_weighted_mean_of_the_samples(
+    samples: list[tuple[float, float]],
+) -> None:
+    window = [
+        Sample(float(i), period, rate, 0, 0.0, 0.0, False)
+        for i, (rate, period) in enumerate(samples)
+    ]
+    load = measure_load(_metrics(0, 1.0, None, None), window, 42.0, AutoscalerConfig())
+    if sum(p for _, p in samples) > 0:
+        lo, hi = min(r for r, p in samples if p > 0), max(r for r, p in samples if p > 0)
+        assert lo * (1 - 1e-9) <= load.rate_window <= hi * (1 + 1e-9)
+    else:
+        assert load.rate_window == 42.0
