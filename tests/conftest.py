@@ -346,10 +346,11 @@ def run_job(
     on_batch: Callable[[Any], None] | None = None,
     **kw: Any,
 ) -> Any:
+    from keyscale.runtime.control.server import control_api
     from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
     opts = RunOptions(job_file=str(job_file), job_dir=str(job_dir), parallelism=parallelism, until_idle=True, args=args, **kw)
-    return JobRunner(opts, on_batch).run()
+    return JobRunner(opts, on_batch, serve=control_api(opts)).run()
 
 
 @marks_callers("spark")

@@ -43,7 +43,8 @@ from keyscale import sources as sources
 from keyscale import state as state
 from keyscale import streams as streams
 from keyscale import windows as windows
-from keyscale._pipeline import JobContext, Pipeline, pipeline, stream
+from keyscale._jobcontext import JobContext
+from keyscale._pipeline import Pipeline, pipeline, stream
 from keyscale.errors import KeyscaleError
 from keyscale.operators.coprocess import KeyedCoProcessFunction, VectorizedKeyedCoProcessFunction
 from keyscale.operators.keyed import KeyedProcessFunction

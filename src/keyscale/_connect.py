@@ -74,8 +74,8 @@ def _spark_with_log(a: DataFrame | LogSource, b: DataFrame | LogSource, fns: tup
     from pyspark.sql import DataFrame as SparkDataFrame
     from pyspark.sql import functions as F
 
-    from keyscale._pipeline import Stream, source_schema
-    from keyscale._steps import LogInputStep
+    from keyscale._pipeline import Stream
+    from keyscale._steps import LogInputStep, source_schema
 
     spark_first = isinstance(a, SparkDataFrame)
     spark_df, log = (a, b) if spark_first else (b, a)

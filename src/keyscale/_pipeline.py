@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pyarrow as pa
@@ -27,13 +27,15 @@ import pyarrow as pa
 from keyscale._keywords import checked_keywords, unknown_keyword
 from keyscale._spark_types import from_arrow_schema, to_arrow_schema
 from keyscale._steps import (
+    Branch,
+    JobGraph,
     KeyedStep,
-    LogInputStep,
     NonKeyedStep,
     NullKeys,
     OnError,
     Step,
     TransformStep,
+    source_schema,
 )
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import Duration, WatermarkSpec, parse_duration_ms
@@ -64,85 +66,6 @@ if TYPE_CHECKING:
     from keyscale.sinks.base import Sink
 
 log = logging.getLogger("keyscale")
-
-
-class JobArgs(dict[str, str]):
-    """The job's arguments (``ctx.args``), remembering the names the job looks up, so that a
-    ``--set`` the job never reads is flagged (keyscale.runtime.driver.jobargs.check_args_read)."""
-
-    def __init__(self, args: Mapping[str, str] | None = None) -> None:
-        super().__init__(args or {})
-        self._looked_up: set[str] = set()
-        self._listed = False
-
-    def __getitem__(self, name: str) -> str:
-        self._looked_up.add(name)
-        return super().__getitem__(name)
-
-    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
-        self._looked_up.add(name)
-        return super().get(name, default)
-
-    def setdefault(self, name: str, default: str = "") -> str:  # type: ignore[override]
-        self._looked_up.add(name)
-        return super().setdefault(name, default)
-
-    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
-        self._looked_up.add(name)
-        return super().pop(name, *default)
-
-    def __contains__(self, name: object) -> bool:
-        if isinstance(name, str):
-            self._looked_up.add(name)
-        return super().__contains__(name)
-
-    # A job that lists its arguments (passes them all on, say) reads every one of them.
-    def __iter__(self) -> Iterator[str]:
-        self._listed = True
-        return super().__iter__()
-
-    def keys(self) -> Any:
-        self._listed = True
-        return super().keys()
-
-    def items(self) -> Any:
-        self._listed = True
-        return super().items()
-
-    def values(self) -> Any:
-        self._listed = True
-        return super().values()
-
-    def copy(self) -> dict[str, str]:
-        self._listed = True
-        return dict(super().items())
-
-    @property
-    def read(self) -> set[str] | None:
-        """The names the job looked up; None when it listed them all."""
-        return None if self._listed else set(self._looked_up)
-
-
-@dataclass
-class JobContext:
-    """What ``build`` gets: the Spark session and the job's ``--set`` arguments."""
-
-    spark: SparkSession
-    args: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.args, JobArgs):
-            self.args = JobArgs(self.args)
-
-    def arg(self, name: str, default: str | None = None) -> str:
-        """The ``--set NAME=VALUE`` argument ``name`` (or ``default``; missing and no default is an error)."""
-        if name in self.args:
-            return self.args[name]
-        if default is None:
-            close = difflib.get_close_matches(name, list(dict.keys(self.args)), n=1)  # dict.keys: not a listing by the job
-            hint = f" (--set {close[0]}=... was given: misspelt?)" if close else ""
-            raise JobDefinitionError(f"the job needs the argument '{name}': pass --set {name}=VALUE{hint}")
-        return default
 
 
 def _to_arrow_schema(schema: StructType) -> pa.Schema:
@@ -477,13 +400,6 @@ def _check_aggs(where: str, aggs: dict[str, Any], options: tuple[str, ...]) -> N
                                      "ks.aggregates.max(column), ks.aggregates.mean(column) or ks.aggregates.reduce(column, fn)")
 
 
-def source_schema(source: DataFrame | LogSource) -> StructType:
-    """The Spark schema of a source's records."""
-    if isinstance(source, LogSource):
-        return _to_spark_schema(source.schema)
-    return source.schema
-
-
 def _session(source: DataFrame | LogSource) -> SparkSession:
     if isinstance(source, LogSource):
         from pyspark.sql import SparkSession
@@ -496,100 +412,9 @@ def _session(source: DataFrame | LogSource) -> SparkSession:
 
 
 @dataclass(frozen=True)
-class Branch:
-    """One path of a pipeline: the stages a sink's rows go through, from the source on.
-    Branches of one pipeline share the stages they have in common (the same objects)."""
-
-    steps: tuple[Step, ...]
-    sink: Sink
-
-    @property
-    def last_stage(self) -> str | None:
-        """The uid of the last stateful stage whose rows the sink gets (None: none)."""
-        return next((s.uid for s in reversed(self.steps) if not isinstance(s, TransformStep)), None)
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """A complete job: one source, its stages, and one sink per branch."""
-
-    source: DataFrame | LogSource
-    branches: tuple[Branch, ...]
-    watermark: WatermarkSpec | None = None
-    policies: dict[str, ErrorPolicy] = field(default_factory=dict)  # each keyed stage's poison-record policy
-    dead_letter: Sink | None = None
-    # The job's own policy (``sink(on_error=)``): for records no operator owns, such as a
-    # file source's malformed records (runtime/batch/malformed.py).
-    input_policy: ErrorPolicy = field(default_factory=ErrorPolicy)
-
-    def error_policy(self, step: KeyedStep) -> ErrorPolicy:
-        """A keyed stage's effective poison-record policy: its own, else its branch's ``sink(on_error=)``."""
-        return self.policies.get(step.uid) or ErrorPolicy(step.on_error or "fail")
-
-    @property
-    def steps(self) -> tuple[Step, ...]:
-        """Every stage once, each after the stages it reads from."""
-        seen: dict[int, Step] = {}
-        for b in self.branches:
-            for s in b.steps:
-                seen.setdefault(id(s), s)
-        return tuple(seen.values())
-
-    @property
-    @checked_keywords
-    def sink(self) -> Sink:
-        """The first branch's sink."""
-        return self.branches[0].sink
-
-    @property
-    def output_uids(self) -> list[str]:
-        """The last stateful stage of each branch (whose rows its sink gets), once each."""
-        return list(dict.fromkeys(b.last_stage for b in self.branches if b.last_stage is not None))
-
-    @property
-    def keyed_steps(self) -> list[KeyedStep]:
-        return [s for s in self.steps if isinstance(s, KeyedStep)]
-
-    @property
-    def nonkeyed_steps(self) -> list[NonKeyedStep]:
-        return [s for s in self.steps if isinstance(s, NonKeyedStep)]
-
-    @property
-    def broadcasts(self) -> dict[str, BroadcastStream]:
-        """The rules streams of the pipeline's stages, by uid."""
-        out: dict[str, BroadcastStream] = {}
-        for s in self.steps:
-            b = getattr(s, "broadcast", None)
-            if b is not None:
-                out[b.uid] = b
-        return out
-
-    @property
-    def source_schema(self) -> StructType:
-        return source_schema(self.source)
-
-    @property
-    def log_source(self) -> LogSource | None:
-        """The log whose records drive the batches (the job's source is a log)."""
-        return self.source if isinstance(self.source, LogSource) else None
-
-    @property
-    def side_log(self) -> LogSource | None:
-        """The log read beside a Spark source, each batch (a stage connects the two)."""
-        return next((s.log for s in self.steps if isinstance(s, LogInputStep)), None)
-
-    @property
-    def logs(self) -> tuple[LogSource, ...]:
-        """Every log the job reads, whose offsets its checkpoints keep."""
-        return tuple(src for src in (self.log_source, self.side_log) if src is not None)
-
-    @property
-    def sinks(self) -> list[Sink]:
-        """Each branch's sink and every side-output sink (late records, dead letters)."""
-        return [
-            *(b.sink for b in self.branches), *(s.late_sink for s in self.keyed_steps if s.late_sink is not None),
-            *([self.dead_letter] if self.dead_letter else []),
-        ]
+class Pipeline(JobGraph):
+    """A complete job: one source, its stages, and one sink per branch (the job graph,
+    :class:`keyscale._steps.JobGraph`, which the runtime runs), and :meth:`start`."""
 
     def start(self, job_dir: str, parallelism: int | None = None, *, name: str | None = None, **options: Any) -> JobHandle:
         """Run this pipeline on the SparkSession it was built on, in a background thread of

@@ -20,10 +20,10 @@ import pytest
 import keyscale as ks
 from conftest import write_events
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.cli.folder import FolderServer, folder_rows
 from keyscale.runtime.control.auth import check_request
 from keyscale.runtime.control.server import ADDRESS, call
 from keyscale.web import Logins, static_file
-from keyscale.web.folder import FolderServer, folder_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"

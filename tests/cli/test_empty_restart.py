@@ -4,6 +4,7 @@ with a non-zero exit naming the damaged file and the flag that accepts an empty 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -50,7 +51,7 @@ def test_the_flag_reaches_run_options(tmp_path: Path, monkeypatch: pytest.Monkey
     seen = {}
 
     class Runner:
-        def __init__(self, opts: driver.RunOptions) -> None:
+        def __init__(self, opts: driver.RunOptions, serve: Any = None) -> None:
             seen["opts"] = opts
 
         def run(self) -> None:

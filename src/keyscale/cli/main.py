@@ -50,6 +50,7 @@ def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
 
 def cmd_run(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.runtime.control.server import control_api
     from keyscale.runtime.driver.jobargs import parse_sets, resolve_args
     from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
@@ -68,7 +69,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     )
     log = logging.getLogger("keyscale")
     while True:
-        runner = JobRunner(opts)
+        runner = JobRunner(opts, serve=control_api(opts))
 
         def _graceful(signum: int, _frame: Any, runner: JobRunner = runner) -> None:
             log.info("received %s; stopping after the current batch", signal.Signals(signum).name)
@@ -285,7 +286,7 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
 
 def cmd_ui(a: argparse.Namespace) -> int:
     """Serve the folder page until interrupted."""
-    from keyscale.web.folder import FolderServer
+    from keyscale.cli.folder import FolderServer
 
     find_jobs(a.folder)  # a folder that is not one fails now, with its name
     server = FolderServer(a.folder, a.port)

@@ -59,6 +59,7 @@ def run_job_file(
     import pyarrow.parquet as pq
 
     from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.runtime.control.server import control_api
     from keyscale.runtime.driver.runner import BatchRecord, JobRunner, RunOptions
     from keyscale.sinks.parquet import read_output
 
@@ -86,7 +87,7 @@ def run_job_file(
             if rec.batch in (rescales or {}):
                 job_dir.request_rescale((rescales or {})[rec.batch])
 
-        summary = JobRunner(opts, on_batch).run()
+        summary = JobRunner(opts, on_batch, serve=control_api(opts)).run()
         n = max([len(batches), *(b.batch + 1 for b in summary.batches)])
         result: dict[str, list[list[dict[str, Any]]]] = {}
         for name, folder in folders.items():

@@ -6,6 +6,10 @@ CLI. A browser cannot send the control secret, so ``keyscale dashboard DIR`` ask
 (with the secret) for a one-time login link: opening it within two minutes sets an
 HttpOnly, SameSite=Strict session cookie for this run (see
 :mod:`keyscale.runtime.control.auth` for the rules a request must pass).
+
+Below the control plane: the pages, their files and the login links, served by a job's
+control API (:mod:`keyscale.runtime.control.server`, in the job's driver) and by
+``keyscale ui`` (:mod:`keyscale.cli.folder`); imports nothing of keyscale.
 """
 
 from __future__ import annotations

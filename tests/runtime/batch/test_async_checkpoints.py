@@ -132,14 +132,20 @@ def test_status_and_metrics_name_the_last_committed_checkpoint_while_one_commits
     from concurrent.futures import Future
 
     from keyscale.checkpoint.manifest import Manifest
-    from keyscale.runtime.batch.jobstate import JobState, PendingCommit, RunOptions, RunSummary
+    from keyscale.runtime.batch.jobstate import (
+        History,
+        JobState,
+        PendingCommit,
+        RunOptions,
+        RunSummary,
+    )
     from keyscale.runtime.batch.status import checkpoint_fields, last_committed
 
     jd = JobDir(tmp_path / "job")
     m1, m2 = (Manifest(job="j", batch=b, batch_time_ms=0, operators={}, created_ms=b) for b in (1, 2))
     jd.store.put(jd.manifest_key(1), m1.dumps().encode())
-    job = JobState(RunOptions("", str(tmp_path / "job"), async_checkpoints=True), jd, "run", RunSummary("j", jd.uri))
-    job.committed, job.pending = m2, PendingCommit(2, m2, Future(), m1)  # batch 2 ran; its manifest commits
+    job = JobState(RunOptions("", str(tmp_path / "job"), async_checkpoints=True), jd, "run", History(RunSummary("j", jd.uri)))
+    job.committed.manifest, job.committed.pending = m2, PendingCommit(2, m2, Future(), m1)  # batch 2 ran; its manifest commits
     assert checkpoint_fields(job) == {"last_checkpoint": 1, "checkpoint_committing": 2}
     assert last_committed(job) is m1
     jd.store.put(jd.manifest_key(2), m2.dumps().encode())  # committed by the background thread
@@ -165,7 +171,7 @@ def test_a_savepoint_asked_for_while_the_last_checkpoint_commits_waits_for_it(sp
     settle, commit_in_background = commit.settle, commit._commit_in_background
 
     def settling(job: Any) -> int:
-        if job.pending is not None and job.pending.batch == last and threading.current_thread() is run_thread:
+        if job.committed.pending is not None and job.committed.pending.batch == last and threading.current_thread() is run_thread:
             final_settle.set()  # the run's own settle of its last checkpoint (not a savepoint's)
         return settle(job)
 
@@ -204,10 +210,10 @@ def test_a_savepoint_asked_for_while_the_last_checkpoint_commits_waits_for_it(sp
 
 def test_settle_refuses_to_run_without_the_batch_lock(tmp_path: Path) -> None:
     from keyscale.runtime.batch import commit
-    from keyscale.runtime.batch.jobstate import JobState, RunOptions, RunSummary
+    from keyscale.runtime.batch.jobstate import History, JobState, RunOptions, RunSummary
 
     jd = JobDir(tmp_path / "job")
-    job = JobState(RunOptions("", str(tmp_path / "job"), async_checkpoints=True), jd, "run", RunSummary("j", jd.uri))
+    job = JobState(RunOptions("", str(tmp_path / "job"), async_checkpoints=True), jd, "run", History(RunSummary("j", jd.uri)))
     with pytest.raises(RuntimeError, match="without the batch lock"):
         commit.settle(job)
     with job.batch_lock:

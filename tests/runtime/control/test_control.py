@@ -16,6 +16,7 @@ from conftest import RUNNING_COUNT, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.savepoint import read_savepoint
 from keyscale.runtime.control.auth import read_secret
+from keyscale.runtime.control.server import control_api
 from keyscale.runtime.driver.runner import JobRunner, RunOptions
 
 
@@ -33,7 +34,7 @@ def test_status_rescale_savepoint_stop_over_http(spark: Any, tmp_path: Path) -> 
     write_events(tmp_path / "in", files=2, rows=300, keys=30)
     opts = RunOptions(job_file=str(RUNNING_COUNT), job_dir=str(tmp_path / "job"), parallelism=2, trigger_interval="100 milliseconds",
                       args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
-    runner = JobRunner(opts)
+    runner = JobRunner(opts, serve=control_api(opts))
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.setdefault("summary", runner.run()), daemon=True)
     thread.start()
@@ -112,7 +113,7 @@ def test_a_fenced_run_leaves_the_live_runs_control_files_and_status(asynchronous
 
     opts = RunOptions(job_file=str(RUNNING_COUNT), job_dir=str(tmp_path / "job"), parallelism=2, until_idle=True,
                       async_checkpoints=asynchronous, args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
-    runner = JobRunner(opts, on_batch=take_over)
+    runner = JobRunner(opts, on_batch=take_over, serve=control_api(opts))
     with pytest.raises(FencedError, match="a newer run took over"):
         runner.run()  # the next commit finds the newer epoch
     assert newer, "the job never ran batch 0"

@@ -14,7 +14,6 @@ import stat
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,6 +30,7 @@ from keyscale.runtime.control.auth import (
     secret_path,
 )
 from keyscale.runtime.control.server import ControlServer, call
+from keyscale.state.keygroups import check_parallelism
 from keyscale.storage import LocalStore
 
 
@@ -39,10 +39,12 @@ class FakeRunner:
 
     def __init__(self, jobdir: JobDir):
         self.jobdir = jobdir
-        self.max_parallelism = 8
-        self.parallelism = {"totals": 2}
         self.actions: list[str] = []
-        self.job = SimpleNamespace(pending_rescale=None, state="running")
+        self.state = "running"
+
+    def request_rescale(self, parallelism: int, operator: str | None = None) -> None:
+        check_parallelism(parallelism, 8)  # as JobRunner: the request reaches the job directory
+        self.jobdir.request_rescale(parallelism, operator)
 
     def live_status(self) -> dict[str, Any]:
         self.actions.append("status")

@@ -17,7 +17,6 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -54,19 +53,21 @@ class Runner:
 
     def __init__(self, jobdir: JobDir):
         self.jobdir = jobdir
-        self.max_parallelism, self.parallelism = 8, {"totals": 2}
         self.actions: list[str] = []
-        committed = Manifest(job="rc", batch=4, batch_time_ms=1, operators={}, created_ms=1)
-        self.job = SimpleNamespace(state="running", pending=None, committed=committed, pending_rescale=None)
+        self.state = "running"
+        self.committed = Manifest(job="rc", batch=4, batch_time_ms=1, operators={}, created_ms=1)
         self.summary = RunSummary("rc", str(jobdir.uri))
         self.stopping = False
 
+    def last_committed(self) -> Manifest:
+        return self.committed
+
     def live_status(self) -> dict[str, Any]:
         self.actions.append("status")
-        return {"job": "rc", "state": self.job.state, "operators": {"totals": {"parallelism": 2}}}
+        return {"job": "rc", "state": self.state, "operators": {"totals": {"parallelism": 2}}}
 
     def query_active(self) -> bool:
-        return self.job.state == "running"
+        return self.state == "running"
 
     def stop_requested(self) -> bool:
         return self.stopping
@@ -186,7 +187,7 @@ def test_health_codes_for_probes(jobdir: JobDir) -> None:
         code, body = _get(srv.url + "/health")
         assert code == 200 and json.loads(body)["state"] == "stopping"
         runner.stopping = False
-        runner.job.state = "failed"
+        runner.state = "failed"
         code, body = _get(srv.url + "/health")
         assert code == 503 and json.loads(body)["reason"] == "the job is failed"
 

@@ -11,7 +11,7 @@ import pytest
 
 import keyscale.runtime.driver.jobargs as jobargs_module
 from conftest import read_output, run_job, write_events
-from keyscale._pipeline import JobContext
+from keyscale._jobcontext import JobContext
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import build_parser
 from keyscale.errors import JobDefinitionError, KeyscaleError, RecordError

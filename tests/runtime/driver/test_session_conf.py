@@ -93,7 +93,7 @@ def test_run_passes_conf_to_the_job(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     seen: dict[str, Any] = {}
 
     class Runner:
-        def __init__(self, opts: Any) -> None:
+        def __init__(self, opts: Any, serve: Any = None) -> None:
             seen["conf"] = opts.spark_conf
             raise KeyscaleError("stop here")
 

@@ -14,7 +14,7 @@ import pytest
 from tests.cli.job_project import expected_totals, final_totals, write_project
 
 from conftest import read_output, write_events
-from keyscale._pipeline import JobContext
+from keyscale._jobcontext import JobContext
 from keyscale.runtime.driver.shipping import unimportable_module
 
 

@@ -1,7 +1,7 @@
 """The commit protocol of one batch: docs/design.md, "Commit protocol (local disk and object
 stores alike)", step by step.
 
-0. **Epoch.** Claimed at set-up (``JobDir.lock``, from ``driver.py``); checked by every
+0. **Epoch.** Claimed at set-up (``JobDir.lock``, from ``driver/runner.py``); checked by every
    commit, in :meth:`JobDir.commit <keyscale.checkpoint.jobdir.JobDir.commit>` (step 5).
 1. **Skip** (:func:`run_batch`): a batch with a manifest is skipped; the job directory knows
    its committed batches from one listing at start.
@@ -20,11 +20,13 @@ stores alike)", step by step.
    recorded (:func:`record`).
 6. **Post-commit** (:func:`post_commit`): log sources hear the positions the batch committed.
 7. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
-   driver's log loop starts the next batch (``driver.py``).
+   driver's log loop starts the next batch (``driver/runner.py``).
 
-Reads and advances :class:`~keyscale.runtime.batch.jobstate.JobState`. What it persists goes
-through ``job.jobdir`` (intent, manifest, retention, status), ``job.mirror`` (Spark's
-checkpoint) and the pipeline's sinks (the output).
+Runs on the driver, under the batch lock. Reads :class:`~keyscale.runtime.batch.jobstate.JobState`
+and advances ``job.committed`` (at the commit), ``job.batch`` (new each batch) and
+``job.history`` (the batch's record); ``job.scaling`` moves only through ``parallelism.py``.
+What it persists goes through ``job.jobdir`` (intent, manifest, retention, status),
+``job.mirror`` (Spark's checkpoint) and the pipeline's sinks (the output).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.nonkeyed import broadcast_to_json, lists_state
 from keyscale.runtime.batch import malformed, parallelism, stages
 from keyscale.runtime.batch import poison as poison_batch
-from keyscale.runtime.batch.jobstate import BatchRecord, JobState, PendingCommit
+from keyscale.runtime.batch.jobstate import BatchRecord, BatchScratch, JobState, PendingCommit
 from keyscale.runtime.batch.source_plan import plan_source, read_source, source_status
 from keyscale.runtime.batch.status import checkpoint_fields, report_counts, status
 from keyscale.runtime.task import counters
@@ -80,14 +82,15 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     # 1. Skip.
     if job.jobdir.has_manifest(batch_id):
         log.info("batch %d is already committed; skipping its replay", batch_id)
-        job.summary.skipped.append(batch_id)
+        job.history.summary.skipped.append(batch_id)
         return 0
     clock = _Clock(time.perf_counter(), time.time(), Counter(job.jobdir.store.requests))
+    job.batch = BatchScratch()
     # 2. Intent.
     intent, replayed = fix_intent(job, df, batch_id, drain)
     # 3. Tasks: the batch's Spark plan, run by the sink write.
     par: dict[str, int] = dict(intent.parallelism)
-    watermark_ms = job.watermark.watermark_ms if intent.watermark_ms is None else intent.watermark_ms
+    watermark_ms = job.committed.watermark.watermark_ms if intent.watermark_ms is None else intent.watermark_ms
     batch_time_ms = intent.batch_time_ms
     src, side = job.pipeline.log_source, job.pipeline.side_log
     if df is None:
@@ -98,11 +101,11 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         assert intent.side_plan is not None
         side_df = read_source(job, side, batch_id, intent.side_plan, batch_time_ms, intent.log_ids)
     rules = stages.apply_broadcasts(job, intent.broadcast_plans)
-    job.input_counts, malformed_letters = {}, None
+    malformed_letters = None
     if job.malformed is not None and df is not None:
         # Before any stage: a malformed record must not reach one as a row of nulls (a null key).
         df, malformed_letters, bad = malformed.split_malformed(df, job.malformed, job.pipeline.input_policy, batch_id)
-        job.input_counts = {malformed.INPUT: bad} if bad else {}
+        job.batch.input_counts = {malformed.INPUT: bad} if bad else {}
     plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df, malformed_letters)
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
@@ -127,17 +130,17 @@ def settle(job: JobState) -> int:
     commit's error (a file never stored, a newer run's fence). Returns the old state files
     retention removed. Called before the next batch's commit, a savepoint and the run's end.
 
-    The caller holds ``job.batch_lock``: between taking ``job.pending`` and its commit, the
+    The caller holds ``job.batch_lock``: between taking ``job.committed.pending`` and its commit, the
     job's ``committed`` is a manifest that is not committed yet, and a savepoint (which
     settles, then reads ``committed``, under the lock) must not see that in between, nor
     read files that this settle's retention deletes. A ``threading.Lock`` has no owner, so
     what is checked is that someone holds it: every caller takes it around the call."""
     if not job.batch_lock.locked():
         raise RuntimeError("commit.settle called without the batch lock (a keyscale bug: it would race a savepoint)")
-    pending = job.pending
+    pending = job.committed.pending
     if pending is None:
         return 0
-    job.pending = None
+    job.committed.pending = None
     pending.future.result()
     post_commit(job, pending.batch)
     return job.jobdir.retain(job.opts.retain)
@@ -157,13 +160,13 @@ def fix_intent(job: JobState, df: DataFrame | None, batch_id: int, drain: bool) 
     parallelism.apply_rescale_requests(job, batch_id)
     batch_time_ms = int(time.time() * 1000)
     src, side = job.pipeline.log_source, job.pipeline.side_log
-    plans = [plan_source(job, s, batch_id, job.parallelism[s.uid], read=not drain) if s is not None else None for s in (src, side)]
+    plans = [plan_source(job, s, batch_id, job.scaling.parallelism[s.uid], read=not drain) if s is not None else None for s in (src, side)]
     intent = BatchIntent(
-        batch_time_ms=batch_time_ms, parallelism=dict(job.parallelism),
-        watermark_ms=END_OF_TIME if drain else job.watermark.watermark_ms, drain=drain, source_plan=plans[0], side_plan=plans[1],
+        batch_time_ms=batch_time_ms, parallelism=dict(job.scaling.parallelism),
+        watermark_ms=END_OF_TIME if drain else job.committed.watermark.watermark_ms, drain=drain, source_plan=plans[0], side_plan=plans[1],
         # Rules streams: what this batch applies is fixed here, so a replay applies the same.
         broadcast_plans={uid: plan_source(job, b.source, batch_id, 1) for uid, b in job.pipeline.broadcasts.items()},
-        log_ids=dict(job.log_ids),  # the logs the plans are for: their ids go into the manifest
+        log_ids=dict(job.batch.log_ids),  # the logs the plans are for: their ids go into the manifest
     )
     if job.mirror is not None and df is not None:
         job.mirror.push(batch_id)  # Spark's offsets of this batch are in the job directory before anything of it
@@ -220,10 +223,10 @@ def post_commit(job: JobState, batch_id: int) -> None:
     write (step 4), before the manifest, and a replay keeps it."""
     assert job.pipeline is not None
     for src in job.pipeline.logs:
-        if job.committed is not None and src.uid in job.committed.operators:
+        if job.committed.manifest is not None and src.uid in job.committed.manifest.operators:
             # For monitoring tools only (a Kafka consumer group's offsets): the job's own
             # positions are the manifest's.
-            positions = reader.from_state(job.committed.operators[src.uid].operator_state) or []
+            positions = reader.from_state(job.committed.manifest.operators[src.uid].operator_state) or []
             src.log.positions_committed({p: o for entries in positions for p, o in entries})
 
 
@@ -235,26 +238,27 @@ def commit_manifest(
     the job's state on to it. Returns the batch's records in, rows out and task reports.
 
     With ``background`` the commit runs in a thread once the state files are stored
-    (``job.pending``), and the job's state moves on now: the next batch runs on it."""
+    (``job.committed.pending``), and the job's state moves on now: the next batch runs on it."""
     assert job.pipeline is not None
     batch_time_ms = intent.batch_time_ms
     manifest, records, emitted, reports = build_manifest(
         job, batch_id, batch_time_ms, par, intent.source_plan, intent.broadcast_plans, rules, intent.log_ids, intent.side_plan)
     wm = next_watermark(job, reports, batch_time_ms, watermark_ms)
-    counts = {**counters.of_reports(reports), **job.input_counts}  # late, too far ahead, dropped...: totals survive retention and restarts
-    totals = counters.add(counters.from_extra(job.committed.extra if job.committed else None), counts)
+    counts = {**counters.of_reports(reports), **job.batch.input_counts}  # late, too far ahead, dropped...: totals survive retention and restarts
+    totals = counters.add(counters.from_extra(job.committed.manifest.extra if job.committed.manifest else None), counts)
     manifest = replace(manifest, watermark_ms=wm.watermark_ms, extra={
         **manifest.extra, "watermark": wm.to_json(), counters.MANIFEST_KEY: totals, "lineage": job.lineage.to_json(),
-        **(drain_extra(job.watermark.to_json(), batch_id) if drain else {})})
+        **(drain_extra(job.committed.watermark.to_json(), batch_id) if drain else {})})
     if background:
-        job.pending = PendingCommit(batch_id, manifest, _in_background(_commit_in_background, job, manifest), job.committed)
+        job.committed.pending = PendingCommit(batch_id, manifest, _in_background(_commit_in_background, job, manifest), job.committed.manifest)
     else:
         _commit_stored(job, manifest)
     job.reports.forget(batch_id)
-    job.committed = manifest
-    if wm.watermark_ms != job.watermark.watermark_ms and job.pipeline.watermark is not None:
+    job.committed.manifest = manifest
+    if wm.watermark_ms != job.committed.watermark.watermark_ms and job.pipeline.watermark is not None:
         log.info("batch %d: watermark advanced to %s", batch_id, describe_watermark(wm.watermark_ms))
-    job.watermark = wm
+    job.committed.watermark = wm
+    job.committed.counts = counts
     report_counts(job, batch_id, counts)
     return records, emitted, reports
 
@@ -270,8 +274,8 @@ def _commit_stored(job: JobState, manifest: Manifest) -> None:
 
 def _commit_in_background(job: JobState, manifest: Manifest) -> None:
     _commit_stored(job, manifest)
-    if job.jobdir.is_local and job.committed_status is not None:  # elsewhere the heartbeat writes it
-        job.jobdir.write_status({**job.committed_status, **checkpoint_fields(job), "running": True})
+    if job.jobdir.is_local and job.committed.status is not None:  # elsewhere the heartbeat writes it
+        job.jobdir.write_status({**job.committed.status, **checkpoint_fields(job), "running": True})
 
 
 def _in_background(fn: Callable[..., None], *args: Any) -> Future[None]:
@@ -303,28 +307,28 @@ def record(
         for r in rs:
             requests.update(r.store_requests)
     rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests))
-    job.summary.batches.append(rec)
-    job.summary.parallelism = dict(job.parallelism)
-    job.last_reports = reports
+    job.history.summary.batches.append(rec)
+    job.history.summary.parallelism = dict(job.scaling.parallelism)
+    job.committed.task_reports = reports
     src = job.pipeline.log_source
     source = source_status(job, src) if src is not None else None  # one read of the log's end per batch
     backlog = source.get("lag") if source else None
-    job.history.append({
+    job.history.batches.append({
         "batch": batch_id, "time_ms": int(time.time() * 1000), "seconds": round(seconds, 4), "records": records, "emitted": emitted,
         "parallelism": dict(par), "backlog": backlog, "replayed": replayed,
-        "checkpoint_bytes": sum(f.bytes for op in job.committed.operators.values() for f in op.files) if job.committed else None,
+        "checkpoint_bytes": sum(f.bytes for op in job.committed.manifest.operators.values() for f in op.files) if job.committed.manifest else None,
     })
     if job.autoscaler is not None:
         parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, backlog)
-    job.committed_status = status(job, reports, source)
+    job.committed.status = status(job, reports, source)
     if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
-        job.jobdir.write_status({**job.committed_status, **checkpoint_fields(job), "running": True})
+        job.jobdir.write_status({**job.committed.status, **checkpoint_fields(job), "running": True})
     # Records are counted by the log's readers or the first keyed stage; a job with neither
     # (stateless on a Spark source) would print zeros for rows it did move.
     counted = job.pipeline.log_source is not None or bool(job.pipeline.keyed_steps)
     log.info(
         "batch %d %s in %.2f s (Spark job %.2f s%s): %s; %s%s",
-        batch_id, "run" if job.pending else "committed", seconds, spark_seconds, "; its checkpoint commits in the background" if job.pending else "",
+        batch_id, "run" if job.committed.pending else "committed", seconds, spark_seconds, "; its checkpoint commits in the background" if job.committed.pending else "",
         f"{records:,} records in, {emitted:,} rows out" if counted else "no stateful stage, so no record counts (Spark's progress has them)",
         ", ".join(f"'{u}' p={p}" for u, p in par.items()),
         f"; {removed} old state files removed" if removed else "",
@@ -354,7 +358,7 @@ def build_manifest(
         all_reports[log_src.uid] = job.reports.take(log_src.uid, batch_id, p)
         # The offsets advance in the same manifest as the state they produced.
         after = reader.advance(plan)
-        prev_src = job.committed.operators.get(log_src.uid) if job.committed else None
+        prev_src = job.committed.manifest.operators.get(log_src.uid) if job.committed.manifest else None
         reads = [(part, r.start, r.end, r.last_crc) for report in all_reports[log_src.uid] for part, r in (report.partitions or {}).items()]
         last = reader.last_records_after(prev_src.operator_state if prev_src else None, reads)
         ops[log_src.uid] = OperatorCheckpoint(
@@ -367,7 +371,7 @@ def build_manifest(
         all_reports[step.uid] = reports
         if i == 0 and src is None:
             records = sum(r.records for r in reports)
-        prev = job.committed.operators.get(step.uid) if job.committed else None
+        prev = job.committed.manifest.operators.get(step.uid) if job.committed.manifest else None
         new = [r.file for r in reports if r.file is not None]
         files = live_files([*(prev.files if prev else ()), *new], job.max_parallelism)
         ops[step.uid] = OperatorCheckpoint(
@@ -402,7 +406,7 @@ def build_manifest(
 def next_watermark(job: JobState, reports: TaskReports, batch_time_ms: int, ran_with: int) -> WatermarkState:
     """The watermark after this batch, from the event times its first event-time stage saw."""
     spec = job.pipeline.watermark if job.pipeline else None
-    now = replace(job.watermark, watermark_ms=max(job.watermark.watermark_ms, ran_with))
+    now = replace(job.committed.watermark, watermark_ms=max(job.committed.watermark.watermark_ms, ran_with))
     if spec is None or ran_with >= END_OF_TIME:
         return now
     assert job.pipeline is not None

@@ -1,11 +1,21 @@
-"""What a running job knows between batches, shared by the driver's modules.
+"""What a running job knows between batches, shared by the driver's modules (driver process).
 
-:class:`JobState` is a plain record: the run's options and job directory, the pipeline, the
-last committed manifest, each operator's parallelism, the watermark, the tasks' report
-collector. The driver (``driver.py``: set-up, run, stop, savepoints) fills it in; one batch
-(``commit.py``) reads it and advances it at its commit; the stage plumbing
-(``stages.py``), the source planning (``source_plan.py``), the parallelism decisions
-(``parallelism.py``) and the status (``status.py``) read what they need from it.
+:class:`JobState` holds the run's own facts, fixed once set-up is done (options, job
+directory, job graph, Spark session, the tasks' report collector: written by
+``driver/runner.py`` only), and its changing state in four parts, split by how long what
+they hold lives:
+
+- :class:`Committed`: what the last committed checkpoint says (manifest, watermark);
+  written by ``batch/commit.py`` at each commit, and by ``driver/runner.py`` at set-up;
+- :class:`Scaling`: each operator's parallelism for the next batch, a rescale pending;
+  written by ``batch/parallelism.py``, and by ``driver/runner.py`` for a rescale request;
+- :class:`BatchScratch`: the running batch's scratch, new each batch; written by
+  ``batch/commit.py`` and ``batch/source_plan.py``;
+- :class:`History`: what the status and dashboard show of the run (state, error, summary,
+  timelines); written by ``driver/runner.py``, ``batch/commit.py``, ``batch/parallelism.py``.
+
+``stages.py`` and ``status.py`` only read it. Plain records: no I/O, nothing of Spark's
+but the session's type.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from keyscale._pipeline import Pipeline
+    from keyscale._steps import JobGraph
     from keyscale.checkpoint.sparkmirror import SparkMirror
     from keyscale.runtime.batch.malformed import Watched
 
@@ -117,57 +127,104 @@ class PendingCommit:
     previous: Manifest | None  # the manifest committed before it
 
 
+@dataclass
+class Committed:
+    """What the last committed checkpoint says, and what moves on with each commit: its
+    manifest, the watermark, the status and task reports as of that commit.
+
+    Written by ``batch/commit.py`` at each commit (and ``settle``), and by
+    ``driver/runner.py`` at set-up (the recovered or restored manifest and its watermark).
+    Every other module reads it."""
+
+    # The last committed batch's manifest (or the pending one's: see ``pending``).
+    manifest: Manifest | None = None
+    watermark: WatermarkState = field(default_factory=WatermarkState)
+    # Asynchronous checkpoints: the batch whose manifest commits in the background (at most one).
+    pending: PendingCommit | None = None
+    status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
+    task_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
+    counts: counters.Counters = field(default_factory=dict)  # the last batch's counts of records not processed normally
+
+
+@dataclass
+class Scaling:
+    """Each operator's parallelism for the next batch, and what asks to change it.
+
+    Written by ``batch/parallelism.py`` (at start; live rescale requests applied before a
+    batch's intent; the autoscaler's decisions) and by ``driver/runner.py`` (a live rescale
+    asked for through the control API or a JobHandle, pending until the next batch)."""
+
+    parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
+    pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
+    decisions: dict[str, dict[str, Any]] = field(default_factory=dict)  # the autoscaler's last, per operator
+
+
+@dataclass
+class BatchScratch:
+    """The running batch's scratch: new for each batch (``batch/commit.py``, ``run_batch``).
+
+    Written by ``batch/commit.py`` (the malformed records the driver counted) and
+    ``batch/source_plan.py`` (the logs its plans are for)."""
+
+    input_counts: counters.Counters = field(default_factory=dict)  # the batch's malformed records, counted by the driver
+    log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its plan is for
+
+
+@dataclass
+class History:
+    """What the status and the dashboard show of this run: its state, its error, the run's
+    summary, and the recent batches, events and savepoints (``GET /history``; bounded, this
+    run only: events.jsonl keeps everything).
+
+    Written by ``driver/runner.py`` (state, error, savepoints, the summary's set-up facts),
+    ``batch/commit.py`` (each batch's record) and ``batch/parallelism.py`` (rescales and
+    the autoscaler's decisions, as events)."""
+
+    summary: RunSummary
+    state: str = "starting"  # "starting" | "running" | "draining" | "restarting" | "stopped" | "failed" (status.json, GET /status)
+    last_error: dict[str, Any] | None = None  # why the job failed: message, traceback, batch, time_ms
+    batches: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    savepoints: list[dict[str, Any]] = field(default_factory=list)
+
+    def note(self, batch: int, kind: str, reason: str, **details: Any) -> None:
+        """An event the dashboard marks on its timelines (a rescale, an autoscaler decision)."""
+        self.events.append({"batch": batch, "time_ms": int(time.time() * 1000), "type": kind, "reason": reason, **details})
+
+
 @dataclass(eq=False)
 class JobState:
-    """One running job's state between batches (see the module docstring for who writes what)."""
+    """One running job's state between batches: the run's own facts, fixed once set-up is
+    done (written by ``driver/runner.py`` only), and four parts by lifetime, each saying who
+    writes it: :class:`Committed`, :class:`Scaling`, :class:`BatchScratch`, :class:`History`."""
 
     opts: RunOptions
     jobdir: JobDir
     run_id: str
-    summary: RunSummary
+    history: History
     # Called after each batch, before the next one starts: committed, or with asynchronous
     # checkpoints run and committing (a rescale it asks for applies at the next batch either way).
     on_batch: Callable[[BatchRecord], None] | None = None
     name: str = ""
     max_parallelism: int = 0
-    pipeline: Pipeline | None = None
-    committed: Manifest | None = None  # the last committed batch's manifest (or the pending one's: see ``pending``)
-    parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
-    watermark: WatermarkState = field(default_factory=WatermarkState)
+    pipeline: JobGraph | None = None
     lineage: Lineage = field(default_factory=lambda: Lineage(""))  # the job's lineage (sinks' output belongs to it)
     spark: SparkSession = None  # type: ignore[assignment]  # set at set-up
     reports: Reports = field(default_factory=Reports)  # tasks' reports: through Spark once the session is there
     mirror: SparkMirror | None = None  # Spark's checkpoint mirrored into a job directory on an object store
     autoscaler: Autoscaler | None = None
-    decisions: dict[str, dict[str, Any]] = field(default_factory=dict)  # the autoscaler's last, per operator
-    counts: counters.Counters = field(default_factory=dict)  # the last batch's counts of records not processed normally
     malformed: Watched | None = None  # the corrupt-record column of a JSON/CSV source, whose rows on_error handles
-    input_counts: counters.Counters = field(default_factory=dict)  # the running batch's malformed records, counted by the driver
-    log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its last plan is for
-    last_reports: TaskReports | None = None  # the last batch's task reports, per operator
-    committed_status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
-    state: str = "starting"  # "starting" | "running" | "draining" | "stopped" | "failed" (status.json, GET /status)
-    last_error: dict[str, Any] | None = None  # why the job failed: message, traceback, batch, time_ms
-    pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
-    # What the dashboard draws (GET /history): the recent batches, rescales and decisions with
-    # their reasons, savepoints; bounded, this run only (events.jsonl keeps everything).
-    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    savepoints: list[dict[str, Any]] = field(default_factory=list)
-    # Per keyed stage, its marker rows in the query's Spark session (stages.routed): the same every batch.
+    # Per keyed stage, its marker rows in the query's Spark session (stages.routed): a cache, the same every batch.
     markers: dict[str, dict[Any, Any]] = field(default_factory=dict)
-    # Asynchronous checkpoints: the batch whose manifest commits in the background (at most one),
-    # and how long its files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
-    pending: PendingCommit | None = None
+    # Asynchronous checkpoints: how long a batch's files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
     upload_timeout: float = 600.0
     # Held while a batch runs, a savepoint is taken or a pending commit settles (JobRunner's
     # batch lock): savepoints are taken between batches, of committed batches only, and
     # retention never deletes files a savepoint is still reading.
     batch_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def note(self, batch: int, kind: str, reason: str, **details: Any) -> None:
-        """An event the dashboard marks on its timelines (a rescale, an autoscaler decision)."""
-        self.events.append({"batch": batch, "time_ms": int(time.time() * 1000), "type": kind, "reason": reason, **details})
+    committed: Committed = field(default_factory=Committed)
+    scaling: Scaling = field(default_factory=Scaling)
+    batch: BatchScratch = field(default_factory=BatchScratch)
 
     def fault(self, point: str, batch_id: int) -> bool:
         """Whether the test-only fault ``--fault <point>:<batch>`` is asked for here (keyscale/_faults.py)."""

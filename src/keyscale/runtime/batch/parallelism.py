@@ -8,9 +8,10 @@
   in active mode, requests a rescale for the next batch;
 - on a cluster (:func:`size_executors`): executor cores follow parallelism.
 
-Writes ``job.parallelism`` (and the summary's rescales, the autoscaler's decisions); a
-batch fixes the parallelism it runs with in its intent, so nothing here changes a batch
-that has begun.
+Runs on the driver. Writes ``job.scaling`` (parallelism, the pending rescale cleared, the
+autoscaler's decisions) and ``job.history`` (the summary's rescales, their events); asks
+Spark for executors and appends to the job's event log. A batch fixes the parallelism it
+runs with in its intent, so nothing here changes a batch that has begun.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from keyscale.scaling.policy import BatchMetrics
 from keyscale.state.keygroups import check_parallelism
 
 if TYPE_CHECKING:
-    from keyscale._pipeline import Pipeline
+    from keyscale._steps import JobGraph
 
 log = logging.getLogger("keyscale")
 
 
-def plan_parallelism(job: JobState, pipeline: Pipeline) -> None:
+def plan_parallelism(job: JobState, pipeline: JobGraph) -> None:
     """Every operator's parallelism at start; refuses a checkpoint the job no longer fits."""
-    old = job.committed.operators if job.committed else {}
+    old = job.committed.manifest.operators if job.committed.manifest else {}
     uids = {s.uid for s in pipeline.keyed_steps}
     for src in pipeline.logs:
         if src.uid in uids:
@@ -50,7 +51,7 @@ def plan_parallelism(job: JobState, pipeline: Pipeline) -> None:
     orphaned = sorted(set(old) - uids)
     if orphaned and not job.opts.allow_non_restored_state:
         raise StateError(
-            f"checkpoint {job.committed.batch if job.committed else '?'} has state of operator '{orphaned[0]}', which the job no longer has; "
+            f"checkpoint {job.committed.manifest.batch if job.committed.manifest else '?'} has state of operator '{orphaned[0]}', which the job no longer has; "
             "pass --allow-non-restored-state (Pipeline.start: allow_non_restored_state=True) to drop it"
         )
     for step in pipeline.keyed_steps:
@@ -72,14 +73,14 @@ def plan_parallelism(job: JobState, pipeline: Pipeline) -> None:
         p = start_parallelism(job, step.uid, prev, step.parallelism)
         if prev is not None and prev.parallelism != p:
             log.info("operator '%s': restarting at parallelism %d (was %d); key groups are reassigned, no state is rewritten", step.uid, p, prev.parallelism)
-    job.summary.parallelism = dict(job.parallelism)
+    job.history.summary.parallelism = dict(job.scaling.parallelism)
 
 
 def start_parallelism(job: JobState, uid: str, prev: OperatorCheckpoint | None, own: int | None) -> int:
     """An operator's parallelism at start: -p, else as checkpointed, else its own default, else 1."""
     p = job.opts.parallelism or (prev.parallelism if prev else None) or own or 1
     check_parallelism(p, job.max_parallelism)
-    job.parallelism[uid] = p
+    job.scaling.parallelism[uid] = p
     return p
 
 
@@ -92,16 +93,16 @@ def follow_cores(job: JobState, batch_id: int) -> None:
     cores = executor_cores(job.spark)
     hi = job.opts.scaling_max or job.max_parallelism
     target = reactive_parallelism(cores, job.opts.scaling_min, min(hi, job.max_parallelism), job.max_parallelism)
-    changed = {u: p for u, p in job.parallelism.items() if p != target}
+    changed = {u: p for u, p in job.scaling.parallelism.items() if p != target}
     if not changed:
         return
     log.info("batch %d: reactive: the job has %d executor cores; parallelism %s -> %d", batch_id, cores,
              "/".join(str(p) for p in sorted(set(changed.values()))), target)
     job.jobdir.append_event({"type": "reactive", "batch": batch_id, "executor_cores": cores, "from": changed, "to": target})
     for uid, p in changed.items():
-        job.summary.rescales.append((batch_id, uid, p, target))
-        job.note(batch_id, "rescale", f"reactive: the job has {cores} executor cores", operator=uid, **{"from": p, "to": target})
-        job.parallelism[uid] = target
+        job.history.summary.rescales.append((batch_id, uid, p, target))
+        job.history.note(batch_id, "rescale", f"reactive: the job has {cores} executor cores", operator=uid, **{"from": p, "to": target})
+        job.scaling.parallelism[uid] = target
 
 
 def apply_rescale_requests(job: JobState, batch_id: int) -> None:
@@ -112,21 +113,21 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
     if not reqs:
         return
     job.jobdir.clear_rescale_requests()
-    job.pending_rescale = None
-    for uid in list(job.parallelism):
+    job.scaling.pending_rescale = None
+    for uid in list(job.scaling.parallelism):
         want = reqs.get(uid, reqs.get("*"))
-        if want is None or want == job.parallelism[uid]:
+        if want is None or want == job.scaling.parallelism[uid]:
             continue
         try:
             check_parallelism(want, job.max_parallelism)
         except KeyscaleError as e:
             log.error("rescale of '%s' refused: %s", uid, e)
             continue
-        log.info("batch %d: rescaling '%s' live from %d to %d subtasks (no restart; key groups reassigned)", batch_id, uid, job.parallelism[uid], want)
-        job.summary.rescales.append((batch_id, uid, job.parallelism[uid], want))
-        job.note(batch_id, "rescale", "requested (control API, keyscale rescale or the active autoscaler)", operator=uid,
-                 **{"from": job.parallelism[uid], "to": want})
-        job.parallelism[uid] = want
+        log.info("batch %d: rescaling '%s' live from %d to %d subtasks (no restart; key groups reassigned)", batch_id, uid, job.scaling.parallelism[uid], want)
+        job.history.summary.rescales.append((batch_id, uid, job.scaling.parallelism[uid], want))
+        job.history.note(batch_id, "rescale", "requested (control API, keyscale rescale or the active autoscaler)", operator=uid,
+                 **{"from": job.scaling.parallelism[uid], "to": want})
+        job.scaling.parallelism[uid] = want
 
 
 def autoscale(
@@ -145,15 +146,15 @@ def autoscale(
         )
         d = job.autoscaler.observe(m)
         event = {"type": "autoscaler", "mode": mode, "batch": batch_id, **d.to_dict()}
-        job.decisions[uid] = event
+        job.scaling.decisions[uid] = event
         job.jobdir.append_event(event)
         if d.changes:
-            job.note(batch_id, "autoscaler", d.reason, operator=uid, mode=mode, **{"from": d.current_parallelism, "to": d.target_parallelism})
+            job.history.note(batch_id, "autoscaler", d.reason, operator=uid, mode=mode, **{"from": d.current_parallelism, "to": d.target_parallelism})
         if d.changes:
             if mode == "active":
                 log.info("autoscaler: %s", d.reason)
                 job.jobdir.request_rescale(d.target_parallelism, uid)
-                size_executors(job, {**job.parallelism, uid: d.target_parallelism})
+                size_executors(job, {**job.scaling.parallelism, uid: d.target_parallelism})
             else:
                 log.info("autoscaler recommends (not applied): %s", d.reason)
 

@@ -3,8 +3,9 @@
 A batch's source plan (per reader: partition, start and end offset) is fixed in its intent
 (commit protocol step 2), so a replay reads exactly the same records; the offsets after it
 go into the batch's manifest with the state they produced. Rules streams (broadcasts) are
-planned the same way, with one reader. Reads ``job.committed`` and the log; writes only
-``job.log_ids`` (the logs the plans are for).
+planned the same way, with one reader. Reads ``job.committed.manifest`` and the log; writes
+only ``job.batch.log_ids`` (the logs the plans are for). The reader tasks it makes run on
+the executors (:mod:`keyscale.sources.reader`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from keyscale._spark_types import to_arrow_schema
+from keyscale._steps import source_schema
 from keyscale.checkpoint.intent import SourcePlan, source_plan
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.batch.jobstate import JobState
@@ -33,7 +35,7 @@ def describe_assignment(a: reader.Assignment) -> str:
 
 def committed_assignment(job: JobState, src: LogSource) -> reader.Assignment | None:
     """The readers' committed partitions and offsets (None before the source's first batch)."""
-    prev = job.committed.operators.get(src.uid) if job.committed else None
+    prev = job.committed.manifest.operators.get(src.uid) if job.committed.manifest else None
     return reader.from_state(prev.operator_state) if prev is not None else None
 
 
@@ -44,10 +46,10 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
     ends = src.log.end_offsets()
     log_id = src.log.identity()
     if current is not None:  # a log that shrank or was recreated would be read from the wrong offsets
-        state = job.committed.operators[src.uid].operator_state if job.committed else None
+        state = job.committed.manifest.operators[src.uid].operator_state if job.committed.manifest else None
         reader.check_positions(src.uid, src.log.uri, current, ends, reader.log_id_of(state), log_id)
         reader.check_last_records(src.uid, src.log, current, reader.last_records_of(state))
-    job.log_ids[src.uid] = log_id
+    job.batch.log_ids[src.uid] = log_id
     firsts = src.log.first_offsets() if current is None or len(ends) > sum(len(e) for e in current) else None
     if current is None:
         current = reader.initial_assignment(len(ends), p, firsts)
@@ -68,8 +70,6 @@ def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, 
     """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``,
     :mod:`keyscale.runtime.task.reader`)."""
 
-    from keyscale._pipeline import source_schema
-
     assert job.pipeline is not None
     spark = job.spark
     schema = source_schema(src)
@@ -86,14 +86,14 @@ def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, 
 
 def source_status(job: JobState, src: LogSource) -> dict[str, Any]:
     """Readers, their partitions and offsets, and the lag behind the log's end."""
-    assignment = committed_assignment(job, src) or [[] for _ in range(job.parallelism[src.uid])]
+    assignment = committed_assignment(job, src) or [[] for _ in range(job.scaling.parallelism[src.uid])]
     try:
         ends = src.log.end_offsets()
     except KeyscaleError as e:
         return {"kind": "log", "log": src.log.describe(), "error": str(e)}
     lag = reader.lag(assignment, ends)
     return {
-        "kind": "log", "log": src.log.describe(), "parallelism": job.parallelism[src.uid],
+        "kind": "log", "log": src.log.describe(), "parallelism": job.scaling.parallelism[src.uid],
         "readers": [{"subtask": i, "partitions": {str(p): {"offset": o, "end": ends[p] if p < len(ends) else None, "lag": lag.get(p)} for p, o in e}}
                     for i, e in enumerate(assignment)],
         "unassigned_partitions": [p for p in range(len(ends)) if p not in lag],

@@ -4,8 +4,10 @@ Per keyed stage: key group and arrival sequence columns, a shuffle to one partit
 subtask (partition ``i`` is subtask ``i``), and ``mapInArrow`` running the subtask
 (:class:`~keyscale.runtime.task.spec.StageTask`); per non-keyed stage a round robin over its
 subtasks (:class:`~keyscale.runtime.task.nonkeyed.NonKeyedTask`); rules streams (broadcasts) are
-applied on the driver. Nothing here runs a Spark action, writes the job directory or
-changes ``JobState``: the sink write runs the plan (commit protocol step 4, ``commit.py``).
+applied on the driver. Runs on the driver; the functions it hands Spark run on the
+executors (:mod:`keyscale.runtime.task`). Nothing here runs a Spark action, writes the job
+directory or changes ``JobState`` (but its marker-row cache, ``job.markers``): the sink
+write runs the plan (commit protocol step 4, ``commit.py``).
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from keyscale._pipeline import Branch
 from keyscale._spark_types import from_arrow_schema, to_arrow_schema
-from keyscale._steps import KeyedStep, LogInputStep, NonKeyedStep, TransformStep
+from keyscale._steps import Branch, KeyedStep, LogInputStep, NonKeyedStep, TransformStep
 from keyscale.checkpoint.intent import SourcePlan
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
@@ -167,7 +168,7 @@ def apply_broadcasts(job: JobState, plans: Mapping[str, SourcePlan]) -> dict[str
     assert job.pipeline is not None
     out = {}
     for uid, b in job.pipeline.broadcasts.items():
-        prev = job.committed.operators.get(uid) if job.committed else None
+        prev = job.committed.manifest.operators.get(uid) if job.committed.manifest else None
         state = broadcast_from_json(prev.operator_state.get("broadcast") if prev else None)
         for ranges in plans.get(uid, []):
             for part, start, end in sorted(ranges):
@@ -185,7 +186,7 @@ def apply_broadcasts(job: JobState, plans: Mapping[str, SourcePlan]) -> dict[str
 def nonkeyed(job: JobState, df: DataFrame, step: NonKeyedStep, batch_id: int, batch_time_ms: int, p: int, rules: dict[str, dict[str, Any]]) -> DataFrame:
     """A non-keyed stage at parallelism ``p``: its lists from the committed manifest."""
 
-    prev = job.committed.operators.get(step.uid) if job.committed else None
+    prev = job.committed.manifest.operators.get(step.uid) if job.committed.manifest else None
     lists = lists_for(prev.operator_state if prev else {}, step.lists, p, step.uid)
     spec = NonKeyedTask(
         uid=step.uid, function=step.function, output_schema=step.output_schema, parallelism=p,
@@ -206,7 +207,7 @@ def keyed(
     the arrival-order columns ``df`` carries (``arrival.ORDER``, or none)."""
 
     m = job.max_parallelism
-    prev = job.committed.operators.get(step.uid) if job.committed else None
+    prev = job.committed.manifest.operators.get(step.uid) if job.committed.manifest else None
     files: tuple[StateFile, ...] = prev.files if prev else ()
     ranges = [key_group_range(s, m, p) for s in range(p)]
     compact = tuple(
@@ -232,12 +233,12 @@ def keyed(
         key_names=step.key_names, key_types=step.key_types, input_schema=task_input(step, policy.on_error == "dead_letter"),
         output_schema=step.output_schema, states=step.states, null_keys=step.null_keys,
         max_parallelism=m, parallelism=p, batch_id=batch_id, batch_time_ms=batch_time_ms,
-        committed=job.committed.batch if job.committed else -1, files=files, compact=compact,
+        committed=job.committed.manifest.batch if job.committed.manifest else -1, files=files, compact=compact,
         fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
         extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),
         on_error=policy, report_to=job.reports.sender, state_backend=backend,
-        detach_upload=job.opts.async_checkpoints, pending=job.pending.batch if job.pending else -1, upload_timeout=job.upload_timeout,
+        detach_upload=job.opts.async_checkpoints, pending=job.committed.pending.batch if job.committed.pending else -1, upload_timeout=job.upload_timeout,
     )
     # The schema is read once (each read is a call to the JVM).
     spark_schema = df.schema

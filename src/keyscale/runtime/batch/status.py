@@ -1,7 +1,7 @@
 """What a running job tells: its status (``status.json``, ``GET /status``), the counts of
 records a batch did not process normally, and its parallelism in one line.
 
-Reads ``JobState``; writes nothing but ``job.counts`` and the job's event log.
+Runs on the driver. Reads ``JobState`` and writes nothing of it; appends to the job's event log.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from keyscale._pipeline import Pipeline
+from keyscale._steps import JobGraph
 from keyscale.checkpoint.manifest import Manifest, summarize_operator_state
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.windows import WindowAggregate
@@ -29,7 +29,7 @@ def status(job: JobState, reports: TaskReports | None = None, source: dict[str, 
     ops: dict[str, Any] = {}
     logs = {s.uid: s for s in job.pipeline.logs} if job.pipeline else {}
     operator_state_only = {s.uid for s in job.pipeline.nonkeyed_steps} | set(job.pipeline.broadcasts) if job.pipeline else set()
-    for uid, p in job.parallelism.items():
+    for uid, p in job.scaling.parallelism.items():
         if uid in logs:
             driving = job.pipeline is not None and logs[uid] is job.pipeline.log_source
             ops[uid] = source if source is not None and driving else source_status(job, logs[uid])
@@ -48,44 +48,44 @@ def status(job: JobState, reports: TaskReports | None = None, source: dict[str, 
                  "warm_key_groups": r.warm_key_groups, "loaded_key_groups": r.loaded_key_groups}
                 for r in reports[uid]
             ]
-            op = job.committed.operators.get(uid) if job.committed else None
+            op = job.committed.manifest.operators.get(uid) if job.committed.manifest else None
             if op is not None and op.parallelism == len(entry["subtasks"]):  # the checkpoint's bytes per subtask's range
                 for sub, nbytes in zip(entry["subtasks"], op.state_bytes_per_subtask(), strict=True):
                     sub["state_bytes"] = nbytes
         ops[uid] = entry
     for uid in sorted(operator_state_only):
-        committed = job.committed.operators.get(uid) if job.committed else None
-        ops[uid] = {"parallelism": job.parallelism.get(uid, 1),  # a broadcast stream is applied by the driver: 1
+        committed = job.committed.manifest.operators.get(uid) if job.committed.manifest else None
+        ops[uid] = {"parallelism": job.scaling.parallelism.get(uid, 1),  # a broadcast stream is applied by the driver: 1
                     "operator_state": summarize_operator_state(committed.operator_state) if committed else {}}
     return {
         "job": job.name,
         "pid": os.getpid(),
-        "state": job.state,
-        "last_error": job.last_error,
-        "pending_rescale": job.pending_rescale,
+        "state": job.history.state,
+        "last_error": job.history.last_error,
+        "pending_rescale": job.scaling.pending_rescale,
         "spark": _spark_of(job),
         "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
-                    "last_decisions": job.decisions},
+                    "last_decisions": job.scaling.decisions},
         **checkpoint_fields(job),
-        "watermark": describe_watermark(job.watermark.watermark_ms) if job.pipeline and job.pipeline.watermark else None,
-        "watermark_ms": job.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
+        "watermark": describe_watermark(job.committed.watermark.watermark_ms) if job.pipeline and job.pipeline.watermark else None,
+        "watermark_ms": job.committed.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
         "updated_ms": int(time.time() * 1000),
         "operators": ops,
         "outputs": outputs(job.pipeline) if job.pipeline else [],
-        "counters": {"last_batch": job.counts, "total": counters.from_extra(job.committed.extra if job.committed else None)},
+        "counters": {"last_batch": job.committed.counts, "total": counters.from_extra(job.committed.manifest.extra if job.committed.manifest else None)},
     }
 
 
 def committing(job: JobState) -> int | None:
     """With asynchronous checkpoints, the batch whose checkpoint is being committed, if any."""
-    p = job.pending
+    p = job.committed.pending
     return p.batch if p is not None and p.batch not in job.jobdir.manifest_batches() else None
 
 
 def last_committed(job: JobState) -> Manifest | None:
-    """The newest committed manifest: ``job.committed``, or the one before it while that one
+    """The newest committed manifest: ``job.committed.manifest``, or the one before it while that one
     commits in the background."""
-    return job.pending.previous if committing(job) is not None and job.pending else job.committed
+    return job.committed.pending.previous if committing(job) is not None and job.committed.pending else job.committed.manifest
 
 
 def checkpoint_fields(job: JobState) -> dict[str, int | None]:
@@ -94,7 +94,7 @@ def checkpoint_fields(job: JobState) -> dict[str, int | None]:
     return {"last_checkpoint": m.batch if m else None, "checkpoint_committing": committing(job)}
 
 
-def outputs(pipeline: Pipeline) -> list[dict[str, Any]]:
+def outputs(pipeline: JobGraph) -> list[dict[str, Any]]:
     """Where the job's rows go: each branch's sink after its last stateful stage ("from"),
     then the side outputs (late records, dead letters)."""
     out = [{"from": b.last_stage, "kind": "output", "sink": b.sink.describe()} for b in pipeline.branches]
@@ -114,7 +114,6 @@ def _spark_of(job: JobState) -> dict[str, Any] | None:
 
 def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> None:
     """Records a batch diverted, dropped or did not believe: a log line per operator and an event."""
-    job.counts = counts
     if not counts or job.pipeline is None:
         return
     job.jobdir.append_event(counters.event(batch_id, counts))
@@ -127,4 +126,4 @@ def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> No
 
 def describe_parallelism(job: JobState) -> str:
     """Each operator's parallelism, for the log line a run starts with."""
-    return ", ".join(f"'{u}' at parallelism {p} of {job.max_parallelism} key groups" for u, p in job.parallelism.items())
+    return ", ".join(f"'{u}' at parallelism {p} of {job.max_parallelism} key groups" for u, p in job.scaling.parallelism.items())

@@ -1,10 +1,14 @@
-"""A job started from Python on the caller's own SparkSession, and the handle that controls it.
+"""A job started from Python on the caller's own SparkSession, and the handle that controls it
+(driver process, the caller's).
 
-:meth:`keyscale.Pipeline.start` builds a :class:`~keyscale.runtime.driver.runner.JobRunner` for
-a pipeline the caller built (no job file, no session of keyscale's own) and runs it in a
-background thread of the caller's process; the returned :class:`JobHandle` does what the
-control API does, in-process. The control API runs as well, so ``keyscale status``,
-``keyscale rescale`` and ``keyscale stop`` work on such a job from a terminal.
+:meth:`keyscale.Pipeline.start` calls :func:`start_job`, which builds a
+:class:`~keyscale.runtime.driver.runner.JobRunner` for a pipeline the caller built (no job
+file, no session of keyscale's own), served by the control API (:func:`.server.control_api`),
+and runs it in a background thread of the caller's process; the returned :class:`JobHandle`
+does what the control API does, in-process, through the same protocol
+(:class:`.running.RunningJob`). The control API runs as well, so ``keyscale status``,
+``keyscale rescale`` and ``keyscale stop`` work on such a job from a terminal. Only
+:func:`start_job` names the runner: it wires the floors below together.
 """
 
 from __future__ import annotations
@@ -18,18 +22,18 @@ from typing import TYPE_CHECKING, Any
 from keyscale._keywords import unknown_keyword
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.batch.jobstate import RunOptions, RunSummary
-from keyscale.runtime.control.server import request_rescale
+from keyscale.runtime.control.server import control_api
 
 if TYPE_CHECKING:
-    from keyscale._pipeline import Pipeline
-    from keyscale.runtime.driver.runner import JobRunner
+    from keyscale._steps import JobGraph
+    from keyscale.runtime.control.running import RunningJob
 
 __all__ = ["JobHandle", "start_job"]
 
 _SET_BY_START = {"job_file", "job_dir", "parallelism", "fault"}
 
 
-def start_job(pipeline: Pipeline, job_dir: str, parallelism: int | None = None, name: str | None = None,
+def start_job(pipeline: JobGraph, job_dir: str, parallelism: int | None = None, name: str | None = None,
               startup_timeout: float = 600, **options: Any) -> JobHandle:
     """Start ``pipeline`` (see :meth:`keyscale.Pipeline.start`); returns once its first
     batch may run (state restored, control API up), or raises the set-up's error."""
@@ -41,7 +45,7 @@ def start_job(pipeline: Pipeline, job_dir: str, parallelism: int | None = None, 
         raise unknown_keyword("Pipeline.start()", unknown[0], [*sorted(known), "parallelism", "name"])
     opts = RunOptions(job_file="", job_dir=str(job_dir), parallelism=parallelism, **options)
     job_name = name or PurePosixPath(str(job_dir).rstrip("/")).name or "job"
-    handle = JobHandle(JobRunner(opts, pipeline=pipeline, name=job_name))
+    handle = JobHandle(JobRunner(opts, pipeline=pipeline, name=job_name, serve=control_api(opts)), f"keyscale-job-{opts.job_dir}")
     handle._wait_started(startup_timeout)
     return handle
 
@@ -54,26 +58,26 @@ class JobHandle:
     ['status', 'rescale', 'savepoint', 'stop', 'await_termination']
     """
 
-    def __init__(self, runner: JobRunner):
-        self._runner = runner
+    def __init__(self, job: RunningJob, thread_name: str = "keyscale-job"):
+        self._job = job
         self._summary: RunSummary | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"keyscale-job-{runner.opts.job_dir}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self._summary = self._runner.run()
+            self._summary = self._job.run()
         except BaseException as e:  # kept for await_termination / stop, which raise it in the caller's thread
             self._error = e
 
     def _wait_started(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self._runner.job.state == "starting" and self._thread.is_alive():
+        while self._job.state == "starting" and self._thread.is_alive():
             if time.monotonic() > deadline:
                 raise KeyscaleError(f"the job in {self.job_dir} did not start within {timeout:.0f} s")
             time.sleep(0.05)
-        if self._runner.job.state == "failed":
+        if self._job.state == "failed":
             # The run says "failed" before its error has unwound to this handle's thread.
             self._thread.join(max(1.0, deadline - time.monotonic()))
         if self._error is not None:
@@ -82,11 +86,11 @@ class JobHandle:
     # -- what it is ----------------------------------------------------------------------
     @property
     def name(self) -> str:
-        return self._runner.name
+        return self._job.name
 
     @property
     def job_dir(self) -> str:
-        return self._runner.jobdir.uri
+        return self._job.jobdir.uri
 
     @property
     def is_active(self) -> bool:
@@ -96,26 +100,26 @@ class JobHandle:
     @property
     def summary(self) -> RunSummary:
         """Batches run so far (their records, parallelism, rescales)."""
-        return self._summary or self._runner.summary
+        return self._summary or self._job.summary
 
     def status(self) -> dict[str, Any]:
         """What ``keyscale status --json`` / ``GET /status`` say: ``state`` (running, draining,
         stopped, failed), ``last_error``, ``pending_rescale``, operators, checkpoint, watermark."""
         if self.is_active:
-            return self._runner.live_status()
-        return {**self._runner._status(self._runner._last_reports), "running": False}
+            return self._job.live_status()
+        return {**self._job.last_status(), "running": False}
 
     # -- control -------------------------------------------------------------------------
     def rescale(self, parallelism: int, operator: str | None = None) -> None:
         """Rescale live at the next batch (every keyed operator, or ``operator``); returns at
         once (the status shows it pending until the batch applies it)."""
         self._require_active("rescale")
-        request_rescale(self._runner, parallelism, operator)
+        self._job.request_rescale(parallelism, operator)
 
     def savepoint(self, dest: str | None = None) -> str:
         """A savepoint of the last committed batch, taken between two batches; its path."""
         self._require_active("take a savepoint of")
-        return self._runner.take_savepoint(dest)
+        return self._job.take_savepoint(dest)
 
     def stop(self, savepoint: bool = False, dest: str | None = None, timeout: float | None = None) -> str | None:
         """Stop after the current batch (with ``savepoint``: after a final savepoint, whose
@@ -123,9 +127,9 @@ class JobHandle:
         path = None
         if self.is_active:
             if savepoint:
-                path = self._runner.take_savepoint(dest, then_stop=True)
+                path = self._job.take_savepoint(dest, then_stop=True)
             else:
-                self._runner.stop()
+                self._job.stop()
         self.await_termination(timeout)
         return path
 
@@ -142,4 +146,4 @@ class JobHandle:
             raise KeyscaleError(f"cannot {what} job '{self.name}': it is not running ({self.status().get('state')})")
 
     def __repr__(self) -> str:
-        return f"JobHandle(name={self.name!r}, job_dir={self.job_dir!r}, state={self._runner.job.state!r})"
+        return f"JobHandle(name={self.name!r}, job_dir={self.job_dir!r}, state={self._job.state!r})"

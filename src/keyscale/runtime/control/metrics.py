@@ -4,7 +4,9 @@ Names follow Flink's metrics in spirit (operator parallelism, records in and out
 time, state size per subtask, checkpoint duration and size, source lag), prefixed
 ``keyscale_`` and labelled by ``job``, ``operator`` and ``subtask``. Everything is read
 from the job's status, its last committed manifest and its run summary when Prometheus
-scrapes: nothing is counted twice and the job's hot path does not change.
+scrapes: nothing is counted twice and the job's hot path does not change. Runs on the
+control API's threads (driver process); sees the job only through
+:class:`~keyscale.runtime.control.running.RunningJob`.
 
 :func:`families` is pure (status, manifest, summary in; metric families out), so it is
 tested without Spark:
@@ -25,10 +27,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.runtime.batch.jobstate import RunSummary
-from keyscale.runtime.batch.status import last_committed
 
 if TYPE_CHECKING:
-    from keyscale.runtime.driver.runner import JobRunner
+    from keyscale.runtime.control.running import RunningJob
 
 __all__ = ["STATES", "families", "health", "registry_for"]
 
@@ -125,17 +126,17 @@ def families(status: dict[str, Any], committed: Manifest | None, summary: RunSum
 
 
 class _JobCollector(Collector):
-    def __init__(self, runner: JobRunner):
+    def __init__(self, runner: RunningJob):
         self.runner = runner
 
     def collect(self) -> Iterator[Metric]:
         import time
 
         r = self.runner
-        yield from families(r.live_status(), last_committed(r.job), r.summary, int(time.time() * 1000))
+        yield from families(r.live_status(), r.last_committed(), r.summary, int(time.time() * 1000))
 
 
-def registry_for(runner: JobRunner) -> CollectorRegistry:
+def registry_for(runner: RunningJob) -> CollectorRegistry:
     """A registry of its own per job (never Prometheus' global one: one process may run several jobs)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_JobCollector(runner))

@@ -20,6 +20,11 @@ bodies must be JSON (else 415). The dashboard's
 session (a one-time login link) stands in for the secret, but may not name a path or a file
 (``dest``, ``job_file``: 403). A refused request changes nothing. See
 :mod:`keyscale.runtime.control.auth` for why.
+
+Runs in the job's driver process, on threads of its own; sees the job only through
+:class:`~keyscale.runtime.control.running.RunningJob` and writes nothing but its own
+control files (secret, address) in the job directory. :func:`call` is the client side
+(``keyscale`` commands, the deploy supervisor, ``keyscale ui``).
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from urllib.parse import parse_qs, urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from keyscale.errors import KeyscaleError
-from keyscale.runtime.batch.status import last_committed
 from keyscale.runtime.control.auth import (
     CSRF_HEADER,
     SECRET,
@@ -54,23 +58,33 @@ from keyscale.runtime.control.auth import (
     read_secret,
 )
 from keyscale.runtime.control.metrics import health, registry_for
-from keyscale.runtime.control.settings import ControlSettings
-from keyscale.state.keygroups import check_parallelism
+from keyscale.runtime.control.running import RunningJob
+from keyscale.runtime.control.settings import ControlSettings, control_settings
 from keyscale.web import LOGIN_TTL_SECONDS, Logins, static_file
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from keyscale.checkpoint.jobdir import JobDir
-    from keyscale.runtime.driver.runner import JobRunner
+    from keyscale.runtime.batch.jobstate import RunOptions
 
 log = logging.getLogger("keyscale")
 
 ADDRESS = "control/http.json"  # where a client finds the running job's control API
 
 
-class ControlServer:
-    """Serves one :class:`JobRunner` until :meth:`close`."""
+def control_api(opts: RunOptions) -> Callable[[RunningJob], ControlServer]:
+    """What serves a job's control API once it is set up (``JobRunner(serve=...)``), with
+    the settings of ``opts``: read now (a token file too), so a setting the control API
+    cannot serve fails the start, before Spark."""
+    settings = control_settings(opts)
+    return lambda job: ControlServer(job, settings)
 
-    def __init__(self, runner: JobRunner, settings: ControlSettings | None = None):
+
+class ControlServer:
+    """Serves one :class:`~keyscale.runtime.control.running.RunningJob` until :meth:`close`."""
+
+    def __init__(self, runner: RunningJob, settings: ControlSettings | None = None):
         self.runner = runner
         settings = settings or ControlSettings()
         # reassert (the heartbeat's thread) and close: no file written again once close deleted it.
@@ -170,21 +184,8 @@ def _url_host(bound: str) -> str:
     return f"[{bound}]" if ip.version == 6 else bound
 
 
-def request_rescale(runner: JobRunner, parallelism: int, operator: str | None = None) -> None:
-    """Ask a running job to rescale at its next batch (all operators, or ``operator``); it
-    shows as pending in the status until then. A parallelism the job cannot take, or an
-    operator it does not have, is a KeyscaleError and changes nothing."""
-    check_parallelism(parallelism, runner.max_parallelism)
-    if operator is not None and operator not in runner.parallelism:
-        raise KeyscaleError(f"the job has no keyed operator '{operator}' (it has {', '.join(runner.parallelism)})")
-    runner.jobdir.request_rescale(parallelism, operator)
-    pending = dict((runner.job.pending_rescale or {}).get("parallelism", {}))
-    pending[operator or "*"] = parallelism
-    runner.job.pending_rescale = {"parallelism": pending, "requested_ms": int(time.time() * 1000)}
-
-
 class _Handler(BaseHTTPRequestHandler):
-    runner: JobRunner
+    runner: RunningJob
     secret: str
     port: int
     registry: CollectorRegistry
@@ -247,8 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/status":
             self._reply(200, self.runner.live_status())
         elif self.path == "/history":
-            job = self.runner.job
-            self._reply(200, {"batches": list(job.history), "events": list(job.events), "savepoints": job.savepoints})
+            self._reply(200, self.runner.history())
         elif self.path.startswith("/ui/login?"):
             token = parse_qs(urlsplit(self.path).query).get("token", [""])[0]
             session = self.logins.redeem(token)
@@ -275,7 +275,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         elif self.path == "/health":
             r = self.runner
-            code, body = health(r.job.state, r.query_active(), last_committed(r.job), int(time.time() * 1000), r.stop_requested())
+            code, body = health(r.state, r.query_active(), r.last_committed(), int(time.time() * 1000), r.stop_requested())
             self._reply(code, body)
         elif self.path == "/metrics":
             data = generate_latest(self.registry)
@@ -309,7 +309,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if self.path == "/rescale":
                 p, op = int(body["parallelism"]), body.get("operator")
-                request_rescale(r, p, op)
+                r.request_rescale(p, op)
                 self._reply(202, {"accepted": True, "parallelism": p, "operator": op})
             elif self.path == "/restart":
                 want = body.get("parallelism")

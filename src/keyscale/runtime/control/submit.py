@@ -54,7 +54,9 @@ def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
     """
     from pyspark.sql import SparkSession
 
-    from keyscale._pipeline import JobArgs, JobContext, Pipeline
+    from keyscale._jobcontext import JobArgs, JobContext
+    from keyscale._steps import JobGraph
+    from keyscale.runtime.control.handle import start_job
     from keyscale.runtime.driver.jobargs import check_args_read, parse_sets
 
     code = getattr(build, "__code__", None)
@@ -68,17 +70,17 @@ def main(build: Callable[[Any], Any], argv: Sequence[str] | None = None) -> int:
         args = parse_sets(a.set)
         ctx = JobContext(spark, dict(args))
         pipeline = build(ctx)
-        if not isinstance(pipeline, Pipeline):
+        if not isinstance(pipeline, JobGraph):
             raise KeyscaleError(f"build() in {module_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
         # Every argument is given on this command line (ks.main reuses none a job directory keeps): one the job does not read is an error.
         check_args_read(args, cast(JobArgs, ctx.args).read, {})
-        job = pipeline.start(a.job_dir, a.parallelism, name=name, until_idle=a.until_idle, trigger_interval=a.trigger_interval,
+        job = start_job(pipeline, a.job_dir, a.parallelism, name=name, until_idle=a.until_idle, trigger_interval=a.trigger_interval,
                              from_savepoint=a.from_savepoint, max_parallelism=a.max_parallelism, args=args,
                              **control_options(a))
 
         def _graceful(signum: int, _frame: Any) -> None:
             log.info("received %s; stopping after the current batch", signal.Signals(signum).name)
-            job._runner.stop()
+            job._job.stop()
 
         signal.signal(signal.SIGTERM, _graceful)
         signal.signal(signal.SIGINT, _graceful)

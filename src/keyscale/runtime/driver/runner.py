@@ -1,12 +1,17 @@
-"""The driver: a job's lifecycle around its micro-batches.
+"""The driver: a job's lifecycle around its micro-batches (driver process).
 
 Set-up (claim and recover the job directory, build the pipeline, restore a savepoint),
 the run (Spark's ``foreachBatch`` or keyscale's own loop for a log source), stop, drain,
-savepoints and the control API. Each batch is committed exactly once by the commit
-protocol in ``commit.py`` (docs/design.md, "Commit protocol"); the batch's Spark stages
-are in ``stages.py``, a log source's plans in ``source_plan.py``, the scaling decisions in
-``parallelism.py``, the status in ``status.py``. What they share, the job's state between
-batches, is a :class:`~keyscale.runtime.batch.jobstate.JobState` (``JobRunner.job``).
+savepoints, and what the control plane asks of a running job (it implements
+:class:`keyscale.runtime.control.running.RunningJob`; whoever starts the job passes
+``serve``, the control API, which this module never imports). Each batch is committed
+exactly once by the commit protocol in ``batch/commit.py`` (docs/design.md, "Commit
+protocol"); the batch's Spark stages are in ``stages.py``, a log source's plans in
+``source_plan.py``, the scaling decisions in ``parallelism.py``, the status in
+``status.py``. What they share, the job's state between batches, is a
+:class:`~keyscale.runtime.batch.jobstate.JobState` (``JobRunner.job``): this module writes
+its run's own facts (set-up), ``committed`` at set-up, ``scaling.pending_rescale`` (a rescale
+request) and ``history`` (state, error, savepoints).
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from keyscale._pipeline import JobArgs, JobContext, Pipeline
+from keyscale._jobcontext import JobArgs, JobContext
+from keyscale._steps import JobGraph
 from keyscale.checkpoint.files import upload_timeout
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.checkpoint.lineage import Lineage, start_lineage
+from keyscale.checkpoint.lineage import start_lineage
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import (
@@ -36,19 +42,17 @@ from keyscale.errors import (
     StateError,
     decode_error,
 )
-from keyscale.operators.eventtime import NO_WATERMARK, WatermarkState
+from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.poison import input_error
 from keyscale.runtime.batch import commit, malformed, status
 from keyscale.runtime.batch import parallelism as scaling
 from keyscale.runtime.batch import poison as poison_batch
-from keyscale.runtime.batch.jobstate import BatchRecord, JobState, RunOptions, RunSummary
+from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
 from keyscale.runtime.batch.jobstate import seconds as _seconds
 from keyscale.runtime.batch.jobstate import watermark_of as _watermark_of
 from keyscale.runtime.batch.malformed import check_malformed_modes
 from keyscale.runtime.batch.spark_source import explain_missing_key
-from keyscale.runtime.control.server import ControlServer
-from keyscale.runtime.control.settings import control_settings
 from keyscale.runtime.driver.heartbeat import Heartbeat
 from keyscale.runtime.driver.jobargs import check_args_read, keep_args, kept_args
 from keyscale.runtime.driver.jobfile import load_job
@@ -81,7 +85,6 @@ __all__ = ["BatchRecord", "JobRunner", "RunOptions", "RunSummary"]
 
 log = logging.getLogger("keyscale")
 
-T = TypeVar("T")
 
 
 class _StopRequested(Exception):
@@ -123,58 +126,38 @@ def _python_of_workers() -> str:
     return str(sc.pythonExec) if sc is not None else "python3"
 
 
-class _OfJob(Generic[T]):
-    """A JobRunner attribute that is the same-named field of its JobState (``runner.job``,
-    leading underscore dropped): set-up and savepoints read and assign it on the runner,
-    the batch modules on the state; one value."""
+class Served(Protocol):
+    """What serves a job while it runs (the control API, made by whoever starts the job:
+    ``keyscale run``, :func:`~keyscale.runtime.control.handle.start_job`)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.field = name.lstrip("_")
+    def reassert(self) -> None:
+        """Called by the heartbeat (object stores) once it found this run current."""
 
-    @overload
-    def __get__(self, runner: None, owner: type) -> _OfJob[T]: ...
-    @overload
-    def __get__(self, runner: JobRunner, owner: type | None = None) -> T: ...
-    def __get__(self, runner: JobRunner | None, owner: type | None = None) -> T | _OfJob[T]:
-        if runner is None:  # on the class (introspection, mocks with spec=JobRunner)
-            return self
-        return cast(T, getattr(runner.job, self.field))
-
-    def __set__(self, runner: JobRunner, value: T) -> None:
-        setattr(runner.job, self.field, value)
+    def close(self) -> None:
+        """Called once when the run ends, whatever the way."""
 
 
 class JobRunner:
-    """Runs one job in one job directory until idle, stopped, or failed."""
+    """Runs one job in one job directory until idle, stopped, or failed.
 
-    # The job's state between batches (see keyscale.runtime.batch.jobstate), under its runner's names.
-    opts: _OfJob[RunOptions] = _OfJob()
-    jobdir: _OfJob[JobDir] = _OfJob()
-    run_id: _OfJob[str] = _OfJob()
-    summary: _OfJob[RunSummary] = _OfJob()
-    name: _OfJob[str] = _OfJob()
-    max_parallelism: _OfJob[int] = _OfJob()
-    pipeline: _OfJob[Pipeline | None] = _OfJob()
-    committed: _OfJob[Manifest | None] = _OfJob()
-    parallelism: _OfJob[dict[str, int]] = _OfJob()
-    watermark: _OfJob[WatermarkState] = _OfJob()
-    lineage: _OfJob[Lineage] = _OfJob()  # set by _prepare: the job's lineage (sinks' output belongs to it)
-    _spark: _OfJob[SparkSession] = _OfJob()  # set by _prepare
-    _reports: _OfJob[Reports] = _OfJob()
-    _mirror: _OfJob[SparkMirror | None] = _OfJob()
-    _autoscaler: _OfJob[Autoscaler | None] = _OfJob()
-    _last_reports: _OfJob[TaskReports | None] = _OfJob()
+    Besides :meth:`run`, what a running job answers to its control API and to a
+    :class:`~keyscale.runtime.control.handle.JobHandle` (the protocol
+    :class:`keyscale.runtime.control.running.RunningJob`): status, history, liveness,
+    rescale, savepoint, drain, restart and stop, each safe from any thread."""
 
     def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None,
-                 pipeline: Pipeline | None = None, name: str | None = None):
+                 pipeline: JobGraph | None = None, name: str | None = None, serve: Callable[[JobRunner], Served] | None = None):
         """``pipeline``: a pipeline built by the caller on their own SparkSession (the Python
         API, :meth:`keyscale.Pipeline.start`), run under ``name``; without it the runner loads
-        ``opts.job_file`` and builds the pipeline on a session of its own."""
+        ``opts.job_file`` and builds the pipeline on a session of its own. ``serve``: what
+        serves the job while it runs (the control API: ``control.server.control_api``), made
+        once set-up is done and closed when the run ends; None serves nothing."""
         jobdir = JobDir(opts.job_dir)
         self._given = (pipeline, name) if pipeline is not None else None
         # What the batch modules share (commit, stages, source_plan, parallelism, status).
-        self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, summary=RunSummary(job="", job_dir=jobdir.uri),
+        self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, history=History(RunSummary(job="", job_dir=jobdir.uri)),
                             on_batch=self._batch_recorded)
+        self._serve = serve
         self._user_on_batch = on_batch
         self._args_kept = False
         self._error: BaseException | None = None
@@ -189,12 +172,10 @@ class JobRunner:
         if opts.scaling == "auto" and opts.autoscaler_mode != "off":
             if opts.autoscaler_mode not in ("recommend", "active"):
                 raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
-            self._autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max))
+            self.job.autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max))
         elif opts.scaling not in ("fixed", "auto", "reactive"):
             raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
         check_state_backend(opts.state_backend, "the job's option")
-        # Read now (a token file too): a setting the control API cannot serve fails the start, before Spark.
-        self._control_settings = control_settings(opts)
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[str | None] = Future()
@@ -214,22 +195,22 @@ class JobRunner:
         """This start's arguments become the ones a later ``keyscale run`` reuses, once the
         start is a success: its first batch committed, or it ended without an error
         (keyscale.runtime.driver.jobargs). Never for a start that failed."""
-        if self._args_kept or self.job.state == "failed":
+        if self._args_kept or self.job.history.state == "failed":
             return
         self._args_kept = True
         try:
-            keep_args(self.jobdir, self.opts.args)
+            keep_args(self.job.jobdir, self.job.opts.args)
         except (KeyscaleError, OSError) as e:  # the batch is committed: this must not fail it
             log.warning("could not keep this start's arguments for the next run (%s): give them with --set next time", e)
 
     # -- set-up --------------------------------------------------------------------------
     def _prepare(self) -> SparkSession:
-        opts = self.opts
+        opts = self.job.opts
         if self._given is not None:
-            self.name, build = self._given[1] or "job", None
+            self.job.name, build = self._given[1] or "job", None
         else:
-            self.name, build, _ = load_job(opts.job_file)
-        self.summary.job = self.name
+            self.job.name, build, _ = load_job(opts.job_file)
+        self.job.history.summary.job = self.job.name
         if opts.parallelism is not None and opts.parallelism < 1:
             raise KeyscaleError(f"parallelism {opts.parallelism} must be at least 1")
         if opts.async_checkpoints:
@@ -242,75 +223,75 @@ class JobRunner:
             default_m = read_savepoint(opts.from_savepoint, verify=False).max_parallelism or default_m
         if opts.max_parallelism is not None:
             check_parallelism(opts.parallelism or 1, opts.max_parallelism)
-        ident = self.jobdir.claim(self.name, opts.max_parallelism, default_m)
-        self.max_parallelism = ident.max_parallelism
+        ident = self.job.jobdir.claim(self.job.name, opts.max_parallelism, default_m)
+        self.job.max_parallelism = ident.max_parallelism
         if opts.parallelism is not None:
-            check_parallelism(opts.parallelism, self.max_parallelism)
-        self.jobdir.lock()
+            check_parallelism(opts.parallelism, self.job.max_parallelism)
+        self.job.jobdir.lock()
         self._locked = True
-        if not self.jobdir.is_local:  # Spark's checkpoint is local: rebuild it from the job directory
-            self._mirror = SparkMirror(self.jobdir.store, self.jobdir.spark_checkpoint, self.jobdir.fence)
-            self._mirror.pull()
+        if not self.job.jobdir.is_local:  # Spark's checkpoint is local: rebuild it from the job directory
+            self.job.mirror = SparkMirror(self.job.jobdir.store, self.job.jobdir.spark_checkpoint, self.job.jobdir.fence)
+            self.job.mirror.pull()
         self._record_run_options()
-        rec = self.jobdir.recover(allow_empty_restart=opts.allow_empty_restart)
+        rec = self.job.jobdir.recover(allow_empty_restart=opts.allow_empty_restart)
         for why in rec.discarded:
             log.warning("%s; set it aside", why)
         if rec.empty_restart:
             log.warning(
                 "no intact checkpoint is left: --allow-empty-restart given, so job '%s' starts again with empty state and reads "
-                "its input again from the beginning%s", self.name, f" (Spark's old checkpoint is kept as {rec.spark_set_aside})" if rec.spark_set_aside else "",
+                "its input again from the beginning%s", self.job.name, f" (Spark's old checkpoint is kept as {rec.spark_set_aside})" if rec.spark_set_aside else "",
             )
-        self.committed = rec.manifest
-        self.summary.discarded = rec.discarded
+        self.job.committed.manifest = rec.manifest
+        self.job.history.summary.discarded = rec.discarded
         if rec.manifest is not None and rec.manifest.extra.get("drained"):
             raise JobDirError(
-                f"job '{self.name}' in {self.jobdir.uri} was drained (stopped with --drain): its event time is at the end, "
+                f"job '{self.job.name}' in {self.job.jobdir.uri} was drained (stopped with --drain): its event time is at the end, "
                 "so it cannot resume; start a new job directory from its savepoint with --from-savepoint"
             )
         if rec.manifest is not None:
-            self.summary.recovered_from = rec.manifest.batch
+            self.job.history.summary.recovered_from = rec.manifest.batch
             fell_back = " (the newer ones were damaged)" if rec.discarded else ""
-            log.info("resuming job '%s' from checkpoint %d%s", self.name, rec.manifest.batch, fell_back)
+            log.info("resuming job '%s' from checkpoint %d%s", self.job.name, rec.manifest.batch, fell_back)
         else:
-            log.info("starting job '%s' with empty state in %s", self.name, self.jobdir.uri)
+            log.info("starting job '%s' with empty state in %s", self.job.name, self.job.jobdir.uri)
         if build is None:  # the caller's pipeline, on the caller's session: its settings are theirs
             assert self._given is not None
             pipeline = self._given[0]
             spark = user_session(pipeline)
         else:
             # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
-            spark = spark_session(opts.master, f"keyscale-{self.name}", opts.spark_conf)
-        self._reports = Reports(spark)
+            spark = spark_session(opts.master, f"keyscale-{self.job.name}", opts.spark_conf)
+        self.job.reports = Reports(spark)
         poison_batch.quiet_task_failures(spark)
-        self._spark = spark
+        self.job.spark = spark
         if build is not None:
             ctx = JobContext(spark, dict(opts.args))
             pipeline = build(ctx)
-            if not isinstance(pipeline, Pipeline):
+            if not isinstance(pipeline, JobGraph):
                 raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
-            check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.jobdir))
-        self.pipeline = pipeline
+            check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.job.jobdir))
+        self.job.pipeline = pipeline
         # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
         shipped = ship_user_code()
         log.debug("the job's own modules, shipped to the workers by value: %s", ", ".join(shipped) or "none")
         if opts.from_savepoint:
             self._restore_savepoint(pipeline, opts.from_savepoint)
-        self._plan_parallelism(pipeline)
-        self.watermark = _watermark_of(self.committed)
-        nxt = self.committed.batch + 1 if self.committed else 0
-        next_intent = self.jobdir.read_intent(nxt)
-        interrupted_drain = next_intent is not None and next_intent.drain and not self.jobdir.has_manifest(nxt)
-        self.lineage = start_lineage(self.jobdir, self.committed, anew=interrupted_drain)
-        if pipeline.watermark is not None and self.watermark.watermark_ms > NO_WATERMARK:
-            log.info("event time resumes at watermark %s", describe_watermark(self.watermark.watermark_ms))
+        scaling.plan_parallelism(self.job, pipeline)
+        self.job.committed.watermark = _watermark_of(self.job.committed.manifest)
+        nxt = self.job.committed.manifest.batch + 1 if self.job.committed.manifest else 0
+        next_intent = self.job.jobdir.read_intent(nxt)
+        interrupted_drain = next_intent is not None and next_intent.drain and not self.job.jobdir.has_manifest(nxt)
+        self.job.lineage = start_lineage(self.job.jobdir, self.job.committed.manifest, anew=interrupted_drain)
+        if pipeline.watermark is not None and self.job.committed.watermark.watermark_ms > NO_WATERMARK:
+            log.info("event time resumes at watermark %s", describe_watermark(self.job.committed.watermark.watermark_ms))
         return spark
 
-    def _restore_savepoint(self, pipeline: Pipeline, savepoint: str) -> None:
+    def _restore_savepoint(self, pipeline: JobGraph, savepoint: str) -> None:
         from keyscale.checkpoint.savepoint import OperatorSpec, restore_savepoint, text_progress
 
-        if self.committed is not None:
+        if self.job.committed.manifest is not None:
             raise JobDirError(
-                f"job directory {self.jobdir.uri} already has checkpoint {self.committed.batch}; "
+                f"job directory {self.job.jobdir.uri} already has checkpoint {self.job.committed.manifest.batch}; "
                 "--from-savepoint starts a new job directory (or drop the flag to resume from the checkpoint)"
             )
         specs = {s.uid: OperatorSpec(s.state_key_columns, s.states) for s in pipeline.keyed_steps}
@@ -318,17 +299,17 @@ class JobRunner:
         for uid in [*(s.uid for s in pipeline.nonkeyed_steps), *pipeline.broadcasts, *(src.uid for src in pipeline.logs)]:
             specs[uid] = OperatorSpec((), ())
         log.info("restoring from savepoint %s", savepoint)
-        self.committed = restore_savepoint(
-            savepoint, self.jobdir, self.name, specs,
-            allow_non_restored_state=self.opts.allow_non_restored_state, progress=text_progress("restore"),
+        self.job.committed.manifest = restore_savepoint(
+            savepoint, self.job.jobdir, self.job.name, specs,
+            allow_non_restored_state=self.job.opts.allow_non_restored_state, progress=text_progress("restore"),
         )
-        self.summary.recovered_from = self.committed.batch
-        log.info("restored savepoint of batch %d: operators %s", self.committed.batch, ", ".join(sorted(self.committed.operators)) or "none")
+        self.job.history.summary.recovered_from = self.job.committed.manifest.batch
+        log.info("restored savepoint of batch %d: operators %s", self.job.committed.manifest.batch, ", ".join(sorted(self.job.committed.manifest.operators)) or "none")
 
     def _record_run_options(self) -> None:
         """How this job was started, so that `keyscale rescale --restart` can start it again."""
-        o = self.opts
-        self.jobdir.write_json("run.json", {
+        o = self.job.opts
+        self.job.jobdir.write_json("run.json", {
             "job_file": str(Path(o.job_file).absolute()) if o.job_file else None, "args": o.args, "master": o.master, "until_idle": o.until_idle,
             "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
             "spark_conf": o.spark_conf, "state_backend": o.state_backend, "async_checkpoints": o.async_checkpoints,
@@ -336,17 +317,15 @@ class JobRunner:
             "metrics_unauthenticated": o.metrics_unauthenticated,
         }, durable=False)
 
-    def _plan_parallelism(self, pipeline: Pipeline) -> None:
-        scaling.plan_parallelism(self.job, pipeline)
 
     # -- running -------------------------------------------------------------------------
-    def _open_sinks(self, pipeline: Pipeline) -> None:
+    def _open_sinks(self, pipeline: JobGraph) -> None:
         """Sinks with an ``open(ctx)`` (the optional hook of sinks/base.py's ``Sink``) learn the
         job's lineage before the first batch: output of another lineage is refused now, not at
         its batch."""
         ctx = SinkContext(
-            self.lineage, self.name, self.jobdir.uri, self.run_id, self.committed.batch if self.committed else -1, self.opts.fault or "",
-            self.jobdir.fence)
+            self.job.lineage, self.job.name, self.job.jobdir.uri, self.job.run_id,
+            self.job.committed.manifest.batch if self.job.committed.manifest else -1, self.job.opts.fault or "", self.job.jobdir.fence)
         for sink in pipeline.sinks:
             sink_open = getattr(sink, "open", None)
             if callable(sink_open):
@@ -356,32 +335,32 @@ class JobRunner:
         """Run until idle (``until_idle``) or until :meth:`stop`; raise on failure."""
         try:
             spark = self._prepare()
-            assert self.pipeline is not None
-            self._open_sinks(self.pipeline)
-            outputs = [b.sink for b in self.pipeline.branches]
-            log.info("running '%s': %s; output to %s", self.name, self._describe_parallelism(), ", ".join(s.describe() for s in outputs))
-            for sink in self.pipeline.sinks:
+            assert self.job.pipeline is not None
+            self._open_sinks(self.job.pipeline)
+            outputs = [b.sink for b in self.job.pipeline.branches]
+            log.info("running '%s': %s; output to %s", self.job.name, status.describe_parallelism(self.job), ", ".join(s.describe() for s in outputs))
+            for sink in self.job.pipeline.sinks:
                 if not sink.exactly_once:
                     log.warning("%s is not exactly-once: a batch replayed after a crash writes its output again", sink.describe())
-            if not self.jobdir.is_local:
+            if not self.job.jobdir.is_local:
                 # Before the control API: a client that finds its address must find the job running too.
-                self._heartbeat = Heartbeat(self.jobdir, self._heartbeat_status)
-            control = ControlServer(self, self._control_settings)
-            if self._heartbeat is not None:  # a fenced run's late delete of the control files is undone within a beat
-                self._heartbeat.also = control.reassert
-            self.job.state = "running"
-            if self._autoscaler is not None and self.opts.autoscaler_mode == "active":
-                self._size_executors(self.parallelism)  # from the start: cores follow parallelism
+                self._heartbeat = Heartbeat(self.job.jobdir, self._heartbeat_status)
+            served = self._serve(self) if self._serve is not None else None
+            if self._heartbeat is not None and served is not None:  # a fenced run's late delete of the control files is undone within a beat
+                self._heartbeat.also = served.reassert
+            self.job.history.state = "running"
+            if self.job.autoscaler is not None and self.job.opts.autoscaler_mode == "active":
+                scaling.size_executors(self.job, self.job.scaling.parallelism)  # from the start: cores follow parallelism
             try:
-                if self.pipeline.log_source is not None:
+                if self.job.pipeline.log_source is not None:
                     self._run_log_loop()
                 else:
-                    replay_spark_batches(self.jobdir, self.committed.batch if self.committed else -1, self._run_spark_once, self._stop.is_set)
+                    replay_spark_batches(self.job.jobdir, self.job.committed.manifest.batch if self.job.committed.manifest else -1, self._run_spark_once, self._stop.is_set)
                     if not self._stop.is_set():
                         self._query = self._spark_writer().start()
                         self._wait()
-                if self._drain.is_set() or (self.opts.drain_at_end and self._error is None):
-                    self.job.state = "draining"
+                if self._drain.is_set() or (self.job.opts.drain_at_end and self._error is None):
+                    self.job.history.state = "draining"
                     self._run_drain(spark)
                 with self._batch_lock:  # a savepoint asked for now waits for this commit
                     commit.settle(self.job)  # the last batch's checkpoint, committing in the background
@@ -392,37 +371,38 @@ class JobRunner:
                 self._record_failure(e)
                 if not self._drained.done():
                     self._drained.set_exception(e)
-                if isinstance(e, StateError) and str(e).startswith("state file ") and not self.jobdir.is_local:
+                if isinstance(e, StateError) and str(e).startswith("state file ") and not self.job.jobdir.is_local:
                     # A task found a state file damaged in place (recovery on an object store checks
                     # sizes only): the restart checks every state file in full, so it falls back to
                     # the newest intact checkpoint (or refuses) instead of failing on the same file again.
                     try:
-                        self.jobdir.report_damage(str(e))
+                        self.job.jobdir.report_damage(str(e))
                         log.warning("the next start checks every state file of the checkpoints in full and resumes from the newest intact one")
                     except Exception as report_failed:  # the store failing now: the job's own error is what to report
                         log.warning("could not record the damage for the next start (%s)", report_failed)
                 raise
             finally:
-                control.close()
+                if served is not None:
+                    served.close()
         except BaseException as e:
-            if self.job.last_error is None:  # failed before the first batch (set-up, the sink's checks)
+            if self.job.history.last_error is None:  # failed before the first batch (set-up, the sink's checks)
                 self._record_failure(e)
             raise
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.close()
-            if self.job.state not in ("failed", "restarting"):
-                self.job.state = "stopped"
+            if self.job.history.state not in ("failed", "restarting"):
+                self.job.history.state = "stopped"
             if self._locked:
                 try:
                     # Shared with the run that took over, if one did: then not written (FencedError).
-                    self.jobdir.write_status({**self._status(self._last_reports), "running": False})
+                    self.job.jobdir.write_status({**self.last_status(), "running": False})
                 except FencedError as e:
                     log.warning("%s", e)
                 finally:
-                    self.jobdir.unlock()
+                    self.job.jobdir.unlock()
                     self._locked = False
-        return self.summary
+        return self.job.history.summary
 
     def _settle_after_failure(self) -> None:
         """A batch failed while the one before it commits in the background: let that commit
@@ -431,12 +411,12 @@ class JobRunner:
         # still running after Ctrl-C) settles the pending commit itself before it goes on:
         # waiting here briefly is enough, and never for a whole batch.
         if not self._batch_lock.acquire(timeout=5):
-            waiting = self.job.pending  # read once: the holder may take it meanwhile
+            waiting = self.job.committed.pending  # read once: the holder may take it meanwhile
             if waiting is not None:
                 log.info("the checkpoint of batch %d commits in the batch or savepoint still running (else the next start replays it)",
                          waiting.batch)
             return
-        pending = self.job.pending
+        pending = self.job.committed.pending
         try:
             commit.settle(self.job)
         except Exception:  # the job's own error is what to report
@@ -451,11 +431,11 @@ class JobRunner:
 
         if isinstance(exc, _StopRequested | KeyboardInterrupt):
             return
-        self.job.state = "failed"
-        self.job.last_error = {
+        self.job.history.state = "failed"
+        self.job.history.last_error = {
             "message": f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyscaleError) else str(exc),
             "traceback": "".join(traceback.format_exception(exc)),
-            "batch": self.committed.batch + 1 if self.committed else 0,
+            "batch": self.job.committed.manifest.batch + 1 if self.job.committed.manifest else 0,
             "time_ms": int(time.time() * 1000),
         }
 
@@ -468,8 +448,8 @@ class JobRunner:
             commit.settle(self.job)
 
     def _spark_writer(self, once: bool = False) -> Any:
-        assert self.pipeline is not None
-        source = self.pipeline.source
+        assert self.job.pipeline is not None
+        source = self.job.pipeline.source
         assert not isinstance(source, LogSource)
         # A file source's rows carry their file and split (arrival.py): a batch's order is
         # then the files' whatever Spark's split, so a replay elsewhere sees it again.
@@ -480,37 +460,37 @@ class JobRunner:
                      "mapInPandas): within a batch, keyed stages get their records in Spark's order, by partition (docs/guides/job.md, \"Arrival order\")")
         writer = (
             query.writeStream.foreachBatch(self._on_batch)
-            .option("checkpointLocation", str(self.jobdir.spark_checkpoint))
-            .queryName(f"keyscale_{self.name}_{self.run_id[:6]}")
+            .option("checkpointLocation", str(self.job.jobdir.spark_checkpoint))
+            .queryName(f"keyscale_{self.job.name}_{self.job.run_id[:6]}")
         )
         if once:
             return writer.trigger(once=True)
-        if self.opts.until_idle and self.pipeline.side_log is None:
+        if self.job.opts.until_idle and self.job.pipeline.side_log is None:
             return writer.trigger(availableNow=True)
         # With a log beside the Spark source, "available now" would end before the log is
         # read: batches run every trigger interval, and the job ends on its first idle one.
-        return writer.trigger(processingTime=self.opts.trigger_interval)
+        return writer.trigger(processingTime=self.job.opts.trigger_interval)
 
     def _run_log_loop(self) -> None:
         """Micro-batches driven by keyscale: one every trigger interval, also without new
         records (timers, idleness and windows move with time); until idle with ``until_idle``."""
-        interval = _seconds(self.opts.trigger_interval) or 1.0
+        interval = _seconds(self.job.opts.trigger_interval) or 1.0
         while not self._stop.is_set():
             started = time.monotonic()
-            before = self.watermark.watermark_ms
+            before = self.job.committed.watermark.watermark_ms
             with self._batch_lock:
                 if self._stop.is_set():
                     break
-                batch_id = self.committed.batch + 1 if self.committed else 0
+                batch_id = self.job.committed.manifest.batch + 1 if self.job.committed.manifest else 0
                 try:
                     records = self._run_batch_locked(None, batch_id)
                 except BaseException as e:
-                    poison_batch.keep_trace(self.jobdir, e)
+                    poison_batch.keep_trace(self.job.jobdir, e)
                     raise _translate(e) from None
-            replayed = bool(self.summary.batches) and self.summary.batches[-1].replayed  # its intent fixed its input
-            if self.opts.until_idle and not replayed and self._input_read(records, before):
+            replayed = bool(self.job.history.summary.batches) and self.job.history.summary.batches[-1].replayed  # its intent fixed its input
+            if self.job.opts.until_idle and not replayed and self._input_read(records, before):
                 break
-            if not self.opts.until_idle:
+            if not self.job.opts.until_idle:
                 self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
 
     def _wait(self) -> None:
@@ -531,7 +511,7 @@ class JobRunner:
             if not (self._stop.is_set() and self._error is None):
                 raise (self._error or _translate(e)) from None
             # else: a batch refused to start after the stop request; a clean stop
-        self.summary.trigger_seconds = [
+        self.job.history.summary.trigger_seconds = [
             p.durationMs.get("triggerExecution", 0) / 1000 for p in sorted(q.recentProgress, key=lambda p: p.batchId) if p.numInputRows > 0
         ]
         if self._error is not None:
@@ -553,15 +533,15 @@ class JobRunner:
         batches; the process that runs it (``keyscale run``) starts the job again in the same
         Spark application at ``parallelism`` with ``job_file`` (reloaded: new code). Returns
         the savepoint's path. Only for a job started from a job file."""
-        if not self.opts.job_file:
+        if not self.job.opts.job_file:
             raise KeyscaleError("a job started from Python restarts from Python: handle.stop(), then start it again")
         if parallelism is not None:
-            check_parallelism(parallelism, self.max_parallelism)
+            check_parallelism(parallelism, self.job.max_parallelism)
         if job_file is not None:
             load_job(job_file)  # a file that does not load is refused now, while the job still runs
         path = self.take_savepoint(None, then_stop=True)
         self.restart_request = {"parallelism": parallelism, "job_file": job_file, "savepoint": path}
-        self.job.state = "restarting"
+        self.job.history.state = "restarting"
         log.info("restarting in the same Spark application%s%s after the current batch (savepoint %s)",
                  f" at parallelism {parallelism}" if parallelism else "", f" with {job_file}" if job_file else "", path)
         return path
@@ -580,10 +560,10 @@ class JobRunner:
         return path
 
     def _run_drain(self, spark: SparkSession) -> None:
-        assert self.pipeline is not None
-        batch_id = self.committed.batch + 1 if self.committed else 0
+        assert self.job.pipeline is not None
+        batch_id = self.job.committed.manifest.batch + 1 if self.job.committed.manifest else 0
         log.info("draining: batch %d runs with the watermark at the end of time, so every event-time timer and window fires", batch_id)
-        empty = None if self.pipeline.log_source else spark.createDataFrame([], self.pipeline.source_schema)
+        empty = None if self.job.pipeline.log_source else spark.createDataFrame([], self.job.pipeline.source_schema)
         with self._batch_lock:
             self._run_batch_locked(empty, batch_id, drain=True)
         path: str | None = None
@@ -601,19 +581,19 @@ class JobRunner:
 
         with self._batch_lock:
             commit.settle(self.job)  # a savepoint of a committed batch only
-            m = self.committed
+            m = self.job.committed.manifest
             if m is None:
                 raise StateError("the job has not committed a batch yet; nothing to save")
             default = f"savepoints/savepoint-{m.batch:012d}-{int(time.time() * 1000)}"  # ms: two in one second must not collide
-            target = open_store(dest, "savepoint destination") if dest else self.jobdir.store.sub(default)
+            target = open_store(dest, "savepoint destination") if dest else self.job.jobdir.store.sub(default)
             log.info("taking a savepoint of batch %d into %s", m.batch, target.url())
             try:
-                path = write_savepoint(self.jobdir, m, target, progress=text_progress("savepoint"))
+                path = write_savepoint(self.job.jobdir, m, target, progress=text_progress("savepoint"))
             except OSError as e:
                 raise StateError(f"savepoint into {target.url()} failed: {e}") from None
             if then_stop:
                 self._stop.set()
-        self.job.savepoints.append({"batch": m.batch, "path": str(path), "time_ms": int(time.time() * 1000)})
+        self.job.history.savepoints.append({"batch": m.batch, "path": str(path), "time_ms": int(time.time() * 1000)})
         log.info("savepoint of batch %d complete: %s", m.batch, path)
         return path
 
@@ -622,9 +602,9 @@ class JobRunner:
         (written after each commit), with the time of the heartbeat. A status computed
         while a batch runs would pair that batch's new parallelism (a rescale applies at its
         start) with the readers' partitions of the last commit."""
-        committed = self.job.committed_status
+        committed = self.job.committed.status
         if committed is None:
-            return self._status(self._last_reports)
+            return self.last_status()
         return {**committed, **status.checkpoint_fields(self.job), "updated_ms": int(time.time() * 1000)}
 
     def query_active(self) -> bool | None:
@@ -634,10 +614,52 @@ class JobRunner:
 
     def live_status(self) -> dict[str, Any]:
         """What ``GET /status`` answers: the status file's content, current."""
-        return {**self._status(self._last_reports), "running": True}
+        return {**self.last_status(), "running": True}
 
-    def _describe_parallelism(self) -> str:
-        return status.describe_parallelism(self.job)
+    def last_status(self) -> dict[str, Any]:
+        """The status with the last batch's task reports (without ``running``)."""
+        return status.status(self.job, self.job.committed.task_reports)
+
+    # -- what the control API and a JobHandle read (control.running.RunningJob) ----------
+    @property
+    def jobdir(self) -> JobDir:
+        return self.job.jobdir
+
+    @property
+    def name(self) -> str:
+        return self.job.name
+
+    @property
+    def state(self) -> str:
+        """``starting``, ``running``, ``draining``, ``restarting``, ``stopped`` or ``failed``."""
+        return self.job.history.state
+
+    @property
+    def summary(self) -> RunSummary:
+        return self.job.history.summary
+
+    def history(self) -> dict[str, Any]:
+        """What ``GET /history`` answers: the recent batches, events and savepoints."""
+        h = self.job.history
+        return {"batches": list(h.batches), "events": list(h.events), "savepoints": h.savepoints}
+
+    def last_committed(self) -> Manifest | None:
+        """The newest committed manifest (not one still committing in the background)."""
+        return status.last_committed(self.job)
+
+    def request_rescale(self, parallelism: int, operator: str | None = None) -> None:
+        """Ask the job to rescale at its next batch (all operators, or ``operator``); it
+        shows as pending in the status until then. A parallelism the job cannot take, or an
+        operator it does not have, is a KeyscaleError and changes nothing."""
+        job = self.job
+        check_parallelism(parallelism, job.max_parallelism)
+        if operator is not None and operator not in job.scaling.parallelism:
+            raise KeyscaleError(f"the job has no keyed operator '{operator}' (it has {', '.join(job.scaling.parallelism)})")
+        job.jobdir.request_rescale(parallelism, operator)
+        pending = dict((job.scaling.pending_rescale or {}).get("parallelism", {}))
+        pending[operator or "*"] = parallelism
+        job.scaling.pending_rescale = {"parallelism": pending, "requested_ms": int(time.time() * 1000)}
+
 
     # -- one batch -----------------------------------------------------------------------
     def _on_batch(self, df: DataFrame, batch_id: int) -> None:
@@ -646,13 +668,13 @@ class JobRunner:
         except _StopRequested:
             raise  # Spark does not commit the batch; the next run replays it
         except BaseException as e:
-            poison_batch.keep_trace(self.jobdir, e)
+            poison_batch.keep_trace(self.job.jobdir, e)
             self._error = _translate(e)
-            if isinstance(self._error, KeyColumnMissingError) and self.pipeline is not None and not isinstance(self.pipeline.source, LogSource):
+            if isinstance(self._error, KeyColumnMissingError) and self.job.pipeline is not None and not isinstance(self.job.pipeline.source, LogSource):
                 # Only now, on the way out: the batch, and the input files' own columns, say whether the column is missing.
-                self._error = KeyColumnMissingError(explain_missing_key(df, self.pipeline.source, str(self._error)))
-            elif type(self._error) is InputDataError and self.pipeline is not None and not isinstance(self.pipeline.source, LogSource):
-                self._error = InputDataError(malformed.explain_failfast(self.pipeline.source, str(self._error)))
+                self._error = KeyColumnMissingError(explain_missing_key(df, self.job.pipeline.source, str(self._error)))
+            elif type(self._error) is InputDataError and self.job.pipeline is not None and not isinstance(self.job.pipeline.source, LogSource):
+                self._error = InputDataError(malformed.explain_failfast(self.job.pipeline.source, str(self._error)))
             raise
 
     def _run_batch(self, df: DataFrame, batch_id: int) -> None:
@@ -660,10 +682,10 @@ class JobRunner:
             if self._stop.is_set():
                 log.info("batch %d not started: the job is stopping (it runs at the next start)", batch_id)
                 raise _StopRequested(batch_id)
-            before = self.watermark.watermark_ms
+            before = self.job.committed.watermark.watermark_ms
             records = self._run_batch_locked(df, batch_id)
-            if self.opts.until_idle and self.pipeline is not None and self.pipeline.side_log is not None:
-                last = self.summary.batches[-1] if self.summary.batches else None
+            if self.job.opts.until_idle and self.job.pipeline is not None and self.job.pipeline.side_log is not None:
+                last = self.job.history.summary.batches[-1] if self.job.history.summary.batches else None
                 ran = last is not None and last.batch == batch_id and not last.replayed  # not a skipped or replayed batch
                 if ran and self._input_read(records, before):
                     log.info("batch %d read nothing new from either input: the input is read", batch_id)
@@ -677,7 +699,7 @@ class JobRunner:
         idle the watermark follows the clock and moves on every batch; one such batch fired
         what the clock could fire, and waiting for more would never end."""
         empty_before, self._empty_batch = self._empty_batch, records == 0
-        return records == 0 and (self.watermark.watermark_ms == watermark_before or empty_before)
+        return records == 0 and (self.job.committed.watermark.watermark_ms == watermark_before or empty_before)
 
     def _run_batch_locked(self, df: DataFrame | None, batch_id: int, drain: bool = False) -> int:
         """Run and commit one batch (``commit.run_batch``; the caller holds the batch lock);
@@ -685,8 +707,3 @@ class JobRunner:
         with profiled("driver-batch"):
             return commit.run_batch(self.job, df, batch_id, drain)
 
-    def _status(self, reports: TaskReports | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
-        return status.status(self.job, reports, source)
-
-    def _size_executors(self, parallelism: dict[str, int]) -> None:
-        scaling.size_executors(self.job, parallelism)

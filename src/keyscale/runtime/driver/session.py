@@ -25,7 +25,7 @@ from keyscale.errors import KeyscaleError
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from keyscale._pipeline import Pipeline
+    from keyscale._steps import JobGraph
 
 log = logging.getLogger("keyscale")
 
@@ -126,7 +126,7 @@ def check_classic(obj: object) -> None:
             "or run the job with `keyscale run`")
 
 
-def user_session(pipeline: Pipeline) -> SparkSession:
+def user_session(pipeline: JobGraph) -> SparkSession:
     """The caller's own session, for a pipeline built on it (the Python API).
 
     keyscale changes none of its settings. One thing it fills in when the user left it

@@ -1,5 +1,9 @@
 """``keyscale ui FOLDER``: one page for every job under a folder, with a link to each
-running job's dashboard.
+running job's dashboard (the process of ``keyscale ui``, not a job's).
+
+Above the control plane: it reads job directories' status (:mod:`keyscale.runtime.control.jobstatus`),
+checks requests with the control API's rules and calls each job's control API; its page
+is one of :mod:`keyscale.web`'s files.
 
 The server runs as the user who starts it and listens on 127.0.0.1. It is opened like a
 job's dashboard, by a one-time link it prints (session cookie, Host check: see
