@@ -142,7 +142,7 @@ class Committed:
     # Asynchronous checkpoints: the batch whose manifest commits in the background (at most one).
     pending: PendingCommit | None = None
     status: dict[str, Any] | None = None  # the status as of the last commit (what a heartbeat writes)
-    task_reports: dict[str, list[dict[str, Any]]] | None = None  # the last batch's task reports, per operator
+    task_reports: TaskReports | None = None  # the last batch's task reports, per operator
     counts: counters.Counters = field(default_factory=dict)  # the last batch's counts of records not processed normally
 
 

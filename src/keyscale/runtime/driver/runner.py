@@ -66,7 +66,7 @@ from keyscale.runtime.driver.session import (
 from keyscale.runtime.driver.shipping import ship_user_code, unimportable_module
 from keyscale.runtime.task.arrival import with_file_order
 from keyscale.runtime.task.profiling import profiled
-from keyscale.runtime.task.report import Reports, TaskReports
+from keyscale.runtime.task.report import Reports
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
