@@ -17,9 +17,9 @@ NAME = "kafka_running_count"
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
     bootstrap = ctx.arg("bootstrap")
-    events = ks.sources.kafka_source(
+    events = ks.kafka.kafka_source(
         bootstrap, ctx.arg("input"), uid="events",
-        decoder=ks.sources.json_values("key string, value long, ts timestamp"),
+        decoder=ks.kafka.json_values("key string, value long, ts timestamp"),
         max_records_per_batch=int(ctx.arg("max_records", "100000")),
         commit_group=ctx.args.get("group"),  # positions also in this consumer group, for lag monitors
     )
@@ -27,7 +27,7 @@ def build(ctx: ks.JobContext) -> ks.Pipeline:
         ks.stream(events)
         .key_by("key")
         .aggregate(uid="totals", count=ks.aggregates.count(), sum=ks.aggregates.sum("value"))
-        .sink(ks.sinks.KafkaSink(bootstrap, ctx.arg("output"), key="key"))
+        .sink(ks.kafka.KafkaSink(bootstrap, ctx.arg("output"), key="key"))
     )
 
 

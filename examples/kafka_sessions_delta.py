@@ -18,9 +18,9 @@ NAME = "kafka_sessions_delta"
 
 
 def build(ctx: ks.JobContext) -> ks.Pipeline:
-    clicks = ks.sources.kafka_source(
+    clicks = ks.kafka.kafka_source(
         ctx.arg("bootstrap"), ctx.arg("input"), uid="clicks",
-        decoder=ks.sources.json_values("key string, value long, ts timestamp"),
+        decoder=ks.kafka.json_values("key string, value long, ts timestamp"),
         max_records_per_batch=int(ctx.arg("max_records", "100000")),
     )
     return (

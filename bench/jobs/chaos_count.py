@@ -43,7 +43,7 @@ class Numbered(ks.VectorizedKeyedFunction):
         return {"n": prev + counts}, out
 
 
-class BatchStampedKafkaSink(ks.sinks.KafkaSink):
+class BatchStampedKafkaSink(ks.kafka.KafkaSink):
     """The Kafka sink, each row with its batch number (a projection: the output's split into
     tasks, which the sink's idempotence is keyed on, is unchanged)."""
 
@@ -54,8 +54,8 @@ class BatchStampedKafkaSink(ks.sinks.KafkaSink):
 def build(ctx):
     limit = int(ctx.arg("limit", "2000"))
     if ctx.args.get("source", "log") == "kafka":
-        source = ks.sources.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="reader", max_records_per_batch=limit,
-                                         decoder=ks.sources.json_values("key string, value long, ts timestamp"))
+        source = ks.kafka.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="reader", max_records_per_batch=limit,
+                                         decoder=ks.kafka.json_values("key string, value long, ts timestamp"))
     else:
         source = ks.sources.log_source(ctx.arg("log"), uid="reader", max_records_per_batch=limit)
     if ctx.args.get("sink", "parquet") == "kafka":

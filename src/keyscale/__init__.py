@@ -17,7 +17,7 @@ The top level holds what every job file is written with, and nothing else:
 The rest lives in named modules, read through the module (``ks.aggregates.sum``), so no
 name a job uses shadows a builtin (``sum``, ``min``, ``max``) or reads ambiguously
 (``Context``): :mod:`keyscale.aggregates`, :mod:`keyscale.windows`,
-:mod:`keyscale.sources`, :mod:`keyscale.sinks`, :mod:`keyscale.state` (contexts, state,
+:mod:`keyscale.sources`, :mod:`keyscale.sinks`, :mod:`keyscale.kafka` (Kafka in and out), :mod:`keyscale.state` (contexts, state,
 batches), :mod:`keyscale.streams` (the stream types, for annotations), and
 :mod:`keyscale.testing`. The stream types stay off the top level because a job gets them
 from ``stream()`` and ``key_by()`` and never makes one.
@@ -38,6 +38,7 @@ from typing import Any
 
 # The public modules, bound here so ``ks.aggregates.sum`` works after ``import keyscale as ks``.
 from keyscale import aggregates as aggregates
+from keyscale import kafka as kafka
 from keyscale import sinks as sinks
 from keyscale import sources as sources
 from keyscale import state as state
@@ -72,7 +73,7 @@ __all__ = [
 
 #: The public modules ``dir(keyscale)`` shows beside ``__all__`` (``testing`` and
 #: ``state_processor`` are imported when first named: they need more than a job does).
-_SUBMODULES = ("aggregates", "sinks", "sources", "state", "state_processor", "streams", "testing", "windows")
+_SUBMODULES = ("aggregates", "kafka", "sinks", "sources", "state", "state_processor", "streams", "testing", "windows")
 _ON_FIRST_USE = ("state_processor", "testing")
 
 #: Where each name that left the top level lives now: ``keyscale.NAME`` is ``keyscale.MODULE.NAME``.
@@ -80,9 +81,9 @@ _MOVED = {
     **dict.fromkeys(["count", "first", "last", "max", "mean", "min", "reduce", "sum"], "aggregates"),
     **dict.fromkeys(["SessionWindows", "SlidingWindows", "TumblingWindows"], "windows"),
     **dict.fromkeys(["KeyedStream", "Stream", "WindowedStream"], "streams"),
-    **dict.fromkeys(["ConsoleSink", "DeltaSink", "IcebergSink", "KafkaSink", "NoopSink", "ParquetSink"], "sinks"),
-    **dict.fromkeys(["BroadcastStream", "LogSource", "broadcast", "json_values", "kafka_decoder", "kafka_source",
-                     "log_source"], "sources"),
+    **dict.fromkeys(["ConsoleSink", "DeltaSink", "IcebergSink", "NoopSink", "ParquetSink"], "sinks"),
+    **dict.fromkeys(["KafkaSink", "json_values", "kafka_decoder", "kafka_source"], "kafka"),
+    **dict.fromkeys(["BroadcastStream", "LogSource", "broadcast", "log_source"], "sources"),
     **dict.fromkeys(["TIMER", "Context", "KeyedBatch", "KeyedCoBatch", "ListState", "MapState", "OperatorContext",
                      "OperatorListState", "RuntimeContext", "TimerService", "ValueState"], "state"),
 }

@@ -261,8 +261,8 @@ class Enrich(ks.KeyedCoProcessFunction):
 
 def build(ctx):
     names = ks.stream(ks.sources.log_source(ctx.arg("names"), uid="names", max_records_per_batch=7))
-    events = ks.stream(ks.sources.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="events", max_records_per_batch=30,
-                                               decoder=ks.sources.json_values("key string, value long, ts timestamp")))
+    events = ks.stream(ks.kafka.kafka_source(ctx.arg("bootstrap"), ctx.arg("topic"), uid="events", max_records_per_batch=30,
+                                               decoder=ks.kafka.json_values("key string, value long, ts timestamp")))
     out = names.connect(events).key_by("key", "key").process(Enrich(), "key string, name string, value long", uid="enrich")
     return out.sink(ks.sinks.ParquetSink(ctx.arg("output")))
 '''

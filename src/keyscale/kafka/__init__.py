@@ -2,13 +2,13 @@
 :class:`KafkaSink` writes a topic in transactions; :mod:`keyscale.kafka.broker` starts a
 private broker for tests and examples.
 
-A job names them as ``ks.sources.kafka_source`` and ``ks.sinks.KafkaSink`` (the same
-objects as here), beside the other sources and sinks.
+A connector of its own (as a connector package is in bytewax): a job names these
+``ks.kafka.kafka_source``, ``ks.kafka.json_values``, ``ks.kafka.KafkaSink``. They sit above
+:mod:`keyscale.sources` and :mod:`keyscale.sinks`, whose interfaces they implement.
 
 >>> import keyscale as ks
->>> from keyscale import kafka
->>> kafka.kafka_source is ks.sources.kafka_source and kafka.KafkaSink is ks.sinks.KafkaSink
-True
+>>> ks.kafka.KafkaSink("localhost:9092", "counts").describe()
+"Kafka topic 'counts' on localhost:9092 (transactions)"
 """
 
 from __future__ import annotations

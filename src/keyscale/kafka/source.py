@@ -388,7 +388,7 @@ class KafkaLog(PartitionedLog):
         )
 
     def append(self, partition: int, table: pa.Table) -> tuple[int, int]:
-        raise LogError(f"{self.uri}: keyscale reads Kafka topics; produce to them with a Kafka producer (or write with ks.sinks.KafkaSink)")
+        raise LogError(f"{self.uri}: keyscale reads Kafka topics; produce to them with a Kafka producer (or write with ks.kafka.KafkaSink)")
 
     def add_partitions(self, n: int) -> int:
         from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
@@ -427,7 +427,7 @@ def kafka_source(
     consumer group's. ``commit_group``: also commit them to this consumer group after
     each checkpoint, for monitoring tools that read group offsets (never read back).
 
-    ``ks.stream(ks.sources.kafka_source("broker:9092", "clicks", uid="clicks", decoder=ks.sources.json_values("user string, ts timestamp")))``
+    ``ks.stream(ks.kafka.kafka_source("broker:9092", "clicks", uid="clicks", decoder=ks.kafka.json_values("user string, ts timestamp")))``
     """
     if isinstance(topic, list | tuple):
         if len(topic) != 1:

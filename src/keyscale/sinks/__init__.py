@@ -2,10 +2,11 @@
 
 - :class:`ParquetSink`: Parquet files in a folder (local or object storage), exactly once;
 - :class:`DeltaSink` and :class:`IcebergSink`: a lakehouse table, appended or upserted;
-- :class:`KafkaSink`: a Kafka topic, in transactions;
 - :class:`ConsoleSink`: rows printed on the driver, to look at; :class:`NoopSink`: none.
 
-Each is imported on first use (the Kafka and lakehouse libraries only when asked for).
+Kafka's sink is the Kafka connector's: :class:`keyscale.kafka.KafkaSink`.
+
+Each is imported on first use (the lakehouse libraries only when asked for).
 
 >>> import keyscale as ks
 >>> ks.sinks.DeltaSink("s3://lake/counts", mode="upsert", keys=["key"]).describe()
@@ -19,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from keyscale import _lazy
 
 if TYPE_CHECKING:
-    from keyscale.kafka.sink import KafkaSink
     from keyscale.sinks.console import ConsoleSink
     from keyscale.sinks.delta import DeltaSink
     from keyscale.sinks.iceberg import IcebergSink
@@ -30,12 +30,11 @@ _EXPORTS = {
     "ConsoleSink": "keyscale.sinks.console",
     "DeltaSink": "keyscale.sinks.delta",
     "IcebergSink": "keyscale.sinks.iceberg",
-    "KafkaSink": "keyscale.kafka.sink",
     "NoopSink": "keyscale.sinks.noop",
     "ParquetSink": "keyscale.sinks.parquet",
 }
 
-__all__ = ["ConsoleSink", "DeltaSink", "IcebergSink", "KafkaSink", "NoopSink", "ParquetSink"]
+__all__ = ["ConsoleSink", "DeltaSink", "IcebergSink", "NoopSink", "ParquetSink"]
 
 
 def __getattr__(name: str) -> Any:

@@ -50,7 +50,6 @@ from keyscale.sources.partitioned import LogError, PartitionedLog
 from keyscale.sources.redis_log import RedisLog
 
 if TYPE_CHECKING:
-    from keyscale.kafka.source import json_values, kafka_decoder, kafka_source
     from keyscale.operators.nonkeyed import BroadcastStream
     from keyscale.sources.reader import LogSource, broadcast, log_source
 
@@ -59,9 +58,6 @@ _EXPORTS = {
     "BroadcastStream": "keyscale.operators.nonkeyed",
     "LogSource": "keyscale.sources.reader",
     "broadcast": "keyscale.sources.reader",
-    "json_values": "keyscale.kafka.source",
-    "kafka_decoder": "keyscale.kafka.source",
-    "kafka_source": "keyscale.kafka.source",
     "log_source": "keyscale.sources.reader",
 }
 
@@ -84,9 +80,6 @@ __all__ = [
     "create_log",
     "generate",
     "generated_records",
-    "json_values",
-    "kafka_decoder",
-    "kafka_source",
     "log_source",
     "open_log",
     "partition_of",

@@ -1,6 +1,6 @@
 """Two partitioned logs read as one: the input of a two-input stage over logs or Kafka topics.
 
-``a.connect(b)`` over two log sources (:func:`keyscale.sources.log_source`, :func:`keyscale.sources.kafka_source`)
+``a.connect(b)`` over two log sources (:func:`keyscale.sources.log_source`, :func:`keyscale.kafka.kafka_source`)
 becomes one job source whose readers, offsets and rescaling are those of any log: partition
 ``2*i`` of the union is partition ``i`` of the first log, ``2*i + 1`` partition ``i`` of the
 second. Interleaving keeps every number stable when either log gets partitions later (the

@@ -176,7 +176,7 @@ function render(status, history) {
   // (files, a table, Spark's Kafka reader) does not report it, so every batch has null.
   if (batches.length && batches.every((b) => b.backlog == null)) {
     noChart("chart-backlog", "Backlog", "n/a: this job's source does not tell how much input is waiting (Spark's file, "
-      + "table and Kafka sources do not). keyscale measures the backlog of its own sources: ks.sources.kafka_source and ks.sources.log_source.");
+      + "table and Kafka sources do not). keyscale measures the backlog of its own sources: ks.kafka.kafka_source and ks.sources.log_source.");
   } else {
     chart("chart-backlog", "Backlog", "records", [t, batches.map((b) => b.backlog)], events, fmtCompact);
   }
