@@ -2,13 +2,15 @@
 
 - at start (:func:`plan_parallelism`): ``-p``, else as checkpointed, else the operator's own,
   after checking the checkpoint's operators and state still fit the job;
+- a live rescale asked for (:func:`request_rescale`: the control API, ``JobHandle.rescale``),
+  checked and recorded;
 - before a batch's intent (:func:`apply_rescale_requests`): live rescale requests (the
   control API, ``keyscale rescale``, the active autoscaler) and reactive mode;
 - after a batch (:func:`autoscale`): the autoscaler observes it, records its decision and,
   in active mode, requests a rescale for the next batch;
 - on a cluster (:func:`size_executors`): executor cores follow parallelism.
 
-Runs on the driver. Writes ``job.scaling`` (parallelism, the pending rescale cleared, the
+Runs on the driver. Writes ``job.scaling`` (parallelism, the pending rescale set and cleared, the
 autoscaler's decisions) and ``job.history`` (the summary's rescales, their events); asks
 Spark for executors and appends to the job's event log. A batch fixes the parallelism it
 runs with in its intent, so nothing here changes a batch that has begun.
@@ -17,6 +19,7 @@ runs with in its intent, so nothing here changes a batch that has begun.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from keyscale.checkpoint.manifest import OperatorCheckpoint
@@ -103,6 +106,20 @@ def follow_cores(job: JobState, batch_id: int) -> None:
         job.history.summary.rescales.append((batch_id, uid, p, target))
         job.history.note(batch_id, "rescale", f"reactive: the job has {cores} executor cores", operator=uid, **{"from": p, "to": target})
         job.scaling.parallelism[uid] = target
+
+
+def request_rescale(job: JobState, parallelism: int, operator: str | None = None) -> None:
+    """A live rescale asked for (the control API, ``JobHandle.rescale``): recorded in the job
+    directory (where ``keyscale rescale`` leaves its requests too) and shown as pending until
+    :func:`apply_rescale_requests` applies it before the next batch's intent. A parallelism
+    the job cannot take, or an operator it does not have, is a KeyscaleError and changes nothing."""
+    check_parallelism(parallelism, job.max_parallelism)
+    if operator is not None and operator not in job.scaling.parallelism:
+        raise KeyscaleError(f"the job has no keyed operator '{operator}' (it has {', '.join(job.scaling.parallelism)})")
+    job.jobdir.request_rescale(parallelism, operator)
+    pending = dict((job.scaling.pending_rescale or {}).get("parallelism", {}))
+    pending[operator or "*"] = parallelism
+    job.scaling.pending_rescale = {"parallelism": pending, "requested_ms": int(time.time() * 1000)}
 
 
 def apply_rescale_requests(job: JobState, batch_id: int) -> None:

@@ -651,14 +651,7 @@ class JobRunner:
         """Ask the job to rescale at its next batch (all operators, or ``operator``); it
         shows as pending in the status until then. A parallelism the job cannot take, or an
         operator it does not have, is a KeyscaleError and changes nothing."""
-        job = self.job
-        check_parallelism(parallelism, job.max_parallelism)
-        if operator is not None and operator not in job.scaling.parallelism:
-            raise KeyscaleError(f"the job has no keyed operator '{operator}' (it has {', '.join(job.scaling.parallelism)})")
-        job.jobdir.request_rescale(parallelism, operator)
-        pending = dict((job.scaling.pending_rescale or {}).get("parallelism", {}))
-        pending[operator or "*"] = parallelism
-        job.scaling.pending_rescale = {"parallelism": pending, "requested_ms": int(time.time() * 1000)}
+        scaling.request_rescale(self.job, parallelism, operator)
 
 
     # -- one batch -----------------------------------------------------------------------
