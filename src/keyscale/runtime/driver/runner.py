@@ -1,7 +1,7 @@
 """The driver: a job's lifecycle around its micro-batches (driver process).
 
-Set-up (claim and recover the job directory, build the pipeline, restore a savepoint),
-the run (Spark's ``foreachBatch`` or keyscale's own loop for a log source), stop, drain,
+Set-up (the pipeline built on its Spark session; claiming and recovering the job directory,
+a savepoint restored, the resume point: ``setup.py``), the run (Spark's ``foreachBatch`` or keyscale's own loop for a log source), stop, drain,
 savepoints, and what the control plane asks of a running job (it implements
 :class:`keyscale.runtime.control.running.RunningJob`; whoever starts the job passes
 ``serve``, the control API, which this module never imports). Each batch is committed
@@ -22,37 +22,31 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from keyscale._jobcontext import JobArgs, JobContext
 from keyscale._steps import JobGraph
 from keyscale.checkpoint.files import upload_timeout
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.checkpoint.lineage import start_lineage
 from keyscale.checkpoint.manifest import Manifest
-from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import (
     FencedError,
     InputDataError,
     JobDefinitionError,
-    JobDirError,
     KeyColumnMissingError,
     KeyscaleError,
     StateError,
     decode_error,
 )
-from keyscale.operators.eventtime import NO_WATERMARK
-from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.poison import input_error
 from keyscale.runtime.batch import commit, malformed, status
 from keyscale.runtime.batch import parallelism as scaling
 from keyscale.runtime.batch import poison as poison_batch
 from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
 from keyscale.runtime.batch.jobstate import seconds as _seconds
-from keyscale.runtime.batch.jobstate import watermark_of as _watermark_of
 from keyscale.runtime.batch.malformed import check_malformed_modes
 from keyscale.runtime.batch.spark_source import explain_missing_key
+from keyscale.runtime.driver import setup
 from keyscale.runtime.driver.heartbeat import Heartbeat
 from keyscale.runtime.driver.jobargs import check_args_read, keep_args, kept_args
 from keyscale.runtime.driver.jobfile import load_job
@@ -68,12 +62,10 @@ from keyscale.runtime.task.arrival import with_file_order
 from keyscale.runtime.task.profiling import profiled
 from keyscale.runtime.task.report import Reports
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
-from keyscale.sinks.base import SinkContext
 from keyscale.sources.reader import LogSource
 from keyscale.state.backends import check_state_backend
 from keyscale.state.keygroups import (
     check_parallelism,
-    default_max_parallelism,
 )
 from keyscale.storage import open_store
 
@@ -215,45 +207,10 @@ class JobRunner:
             raise KeyscaleError(f"parallelism {opts.parallelism} must be at least 1")
         if opts.async_checkpoints:
             self.job.upload_timeout = upload_timeout()  # a bad KEYSCALE_UPLOAD_TIMEOUT is refused before anything runs
-        default_m = default_max_parallelism(opts.parallelism or 1)
-        if opts.from_savepoint and opts.max_parallelism is None:
-            # A job restored from a savepoint keeps the savepoint's key groups.
-            from keyscale.checkpoint.savepoint import read_savepoint
-
-            default_m = read_savepoint(opts.from_savepoint, verify=False).max_parallelism or default_m
-        if opts.max_parallelism is not None:
-            check_parallelism(opts.parallelism or 1, opts.max_parallelism)
-        ident = self.job.jobdir.claim(self.job.name, opts.max_parallelism, default_m)
-        self.job.max_parallelism = ident.max_parallelism
-        if opts.parallelism is not None:
-            check_parallelism(opts.parallelism, self.job.max_parallelism)
+        setup.claim(self.job)
         self.job.jobdir.lock()
         self._locked = True
-        if not self.job.jobdir.is_local:  # Spark's checkpoint is local: rebuild it from the job directory
-            self.job.mirror = SparkMirror(self.job.jobdir.store, self.job.jobdir.spark_checkpoint, self.job.jobdir.fence)
-            self.job.mirror.pull()
-        self._record_run_options()
-        rec = self.job.jobdir.recover(allow_empty_restart=opts.allow_empty_restart)
-        for why in rec.discarded:
-            log.warning("%s; set it aside", why)
-        if rec.empty_restart:
-            log.warning(
-                "no intact checkpoint is left: --allow-empty-restart given, so job '%s' starts again with empty state and reads "
-                "its input again from the beginning%s", self.job.name, f" (Spark's old checkpoint is kept as {rec.spark_set_aside})" if rec.spark_set_aside else "",
-            )
-        self.job.committed.manifest = rec.manifest
-        self.job.history.summary.discarded = rec.discarded
-        if rec.manifest is not None and rec.manifest.extra.get("drained"):
-            raise JobDirError(
-                f"job '{self.job.name}' in {self.job.jobdir.uri} was drained (stopped with --drain): its event time is at the end, "
-                "so it cannot resume; start a new job directory from its savepoint with --from-savepoint"
-            )
-        if rec.manifest is not None:
-            self.job.history.summary.recovered_from = rec.manifest.batch
-            fell_back = " (the newer ones were damaged)" if rec.discarded else ""
-            log.info("resuming job '%s' from checkpoint %d%s", self.job.name, rec.manifest.batch, fell_back)
-        else:
-            log.info("starting job '%s' with empty state in %s", self.job.name, self.job.jobdir.uri)
+        setup.recover(self.job)
         if build is None:  # the caller's pipeline, on the caller's session: its settings are theirs
             assert self._given is not None
             pipeline = self._given[0]
@@ -275,68 +232,17 @@ class JobRunner:
         shipped = ship_user_code()
         log.debug("the job's own modules, shipped to the workers by value: %s", ", ".join(shipped) or "none")
         if opts.from_savepoint:
-            self._restore_savepoint(pipeline, opts.from_savepoint)
-        scaling.plan_parallelism(self.job, pipeline)
-        self.job.committed.watermark = _watermark_of(self.job.committed.manifest)
-        nxt = self.job.committed.manifest.batch + 1 if self.job.committed.manifest else 0
-        next_intent = self.job.jobdir.read_intent(nxt)
-        interrupted_drain = next_intent is not None and next_intent.drain and not self.job.jobdir.has_manifest(nxt)
-        self.job.lineage = start_lineage(self.job.jobdir, self.job.committed.manifest, anew=interrupted_drain)
-        if pipeline.watermark is not None and self.job.committed.watermark.watermark_ms > NO_WATERMARK:
-            log.info("event time resumes at watermark %s", describe_watermark(self.job.committed.watermark.watermark_ms))
+            setup.restore_savepoint(self.job, pipeline, opts.from_savepoint)
+        setup.resume(self.job, pipeline)
         return spark
 
-    def _restore_savepoint(self, pipeline: JobGraph, savepoint: str) -> None:
-        from keyscale.checkpoint.savepoint import OperatorSpec, restore_savepoint, text_progress
-
-        if self.job.committed.manifest is not None:
-            raise JobDirError(
-                f"job directory {self.job.jobdir.uri} already has checkpoint {self.job.committed.manifest.batch}; "
-                "--from-savepoint starts a new job directory (or drop the flag to resume from the checkpoint)"
-            )
-        specs = {s.uid: OperatorSpec(s.state_key_columns, s.states) for s in pipeline.keyed_steps}
-        # Operators with operator state only: the source's offsets, lists, broadcast state.
-        for uid in [*(s.uid for s in pipeline.nonkeyed_steps), *pipeline.broadcasts, *(src.uid for src in pipeline.logs)]:
-            specs[uid] = OperatorSpec((), ())
-        log.info("restoring from savepoint %s", savepoint)
-        self.job.committed.manifest = restore_savepoint(
-            savepoint, self.job.jobdir, self.job.name, specs,
-            allow_non_restored_state=self.job.opts.allow_non_restored_state, progress=text_progress("restore"),
-        )
-        self.job.history.summary.recovered_from = self.job.committed.manifest.batch
-        log.info("restored savepoint of batch %d: operators %s", self.job.committed.manifest.batch, ", ".join(sorted(self.job.committed.manifest.operators)) or "none")
-
-    def _record_run_options(self) -> None:
-        """How this job was started, so that `keyscale rescale --restart` can start it again."""
-        o = self.job.opts
-        self.job.jobdir.write_json("run.json", {
-            "job_file": str(Path(o.job_file).absolute()) if o.job_file else None, "args": o.args, "master": o.master, "until_idle": o.until_idle,
-            "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
-            "spark_conf": o.spark_conf, "state_backend": o.state_backend, "async_checkpoints": o.async_checkpoints,
-            "control_host": o.control_host, "control_port": o.control_port, "metrics_token_file": o.metrics_token_file,
-            "metrics_unauthenticated": o.metrics_unauthenticated,
-        }, durable=False)
-
-
     # -- running -------------------------------------------------------------------------
-    def _open_sinks(self, pipeline: JobGraph) -> None:
-        """Sinks with an ``open(ctx)`` (the optional hook of sinks/base.py's ``Sink``) learn the
-        job's lineage before the first batch: output of another lineage is refused now, not at
-        its batch."""
-        ctx = SinkContext(
-            self.job.lineage, self.job.name, self.job.jobdir.uri, self.job.run_id,
-            self.job.committed.manifest.batch if self.job.committed.manifest else -1, self.job.opts.fault or "", self.job.jobdir.fence)
-        for sink in pipeline.sinks:
-            sink_open = getattr(sink, "open", None)
-            if callable(sink_open):
-                sink_open(ctx)
-
     def run(self) -> RunSummary:
         """Run until idle (``until_idle``) or until :meth:`stop`; raise on failure."""
         try:
             spark = self._prepare()
             assert self.job.pipeline is not None
-            self._open_sinks(self.job.pipeline)
+            setup.open_sinks(self.job, self.job.pipeline)
             outputs = [b.sink for b in self.job.pipeline.branches]
             log.info("running '%s': %s; output to %s", self.job.name, status.describe_parallelism(self.job), ", ".join(s.describe() for s in outputs))
             for sink in self.job.pipeline.sinks:
