@@ -12,6 +12,10 @@ protocol"); the batch's Spark stages are in ``stages.py``, a log source's plans 
 :class:`~keyscale.runtime.batch.jobstate.JobState` (``JobRunner.job``): this module writes
 its run's own facts (set-up), ``committed`` at set-up, ``scaling.pending_rescale`` (a rescale
 request) and ``history`` (state, error, savepoints).
+
+At ~600 lines it is longer than the others, and that is the lifecycle's: the query, the
+heartbeat and the control API's requests run on their own threads and share the batch
+lock and the stop and drain events, which stay with the one class that owns them.
 """
 
 from __future__ import annotations
