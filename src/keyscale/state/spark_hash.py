@@ -25,6 +25,9 @@ Spark's quirks, which every form keeps:
   leaves the running hash unchanged (so ``hash(1, null) == hash(1)``).
 
 All results are signed 32-bit ints, as Spark returns them.
+
+At ~520 lines it is longer than most modules, and that is the point of it: one rule in
+every form keyscale runs it, so that no second copy of the constants or the quirks exists.
 """
 
 from __future__ import annotations
