@@ -14,11 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keyscale.state import table as table_module
+from keyscale.state.factorize import factorize_keys, make_index
 from keyscale.state.table import (
     KG_COLUMN,
     KeyedStateTable,
-    factorize_keys,
-    make_index,
     numpy_to_arrow,
 )
 from keyscale.state.types import StateDescriptor

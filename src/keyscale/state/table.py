@@ -24,9 +24,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# Re-exported: runtime/task/grouping.py and runtime/task/vectorized.py import them from here.
-from keyscale.state.factorize import factorize_keys as factorize_keys
-from keyscale.state.factorize import make_index as make_index
 from keyscale.state.keyindex import KeyIndex, key_hash
 from keyscale.state.types import StateDescriptor, is_numeric
 
@@ -183,7 +180,7 @@ class KeyedStateTable:
 
     def key_values(self, rows: np.ndarray) -> list[np.ndarray]:
         """The keys at ``rows``, one numpy array per key column (Python objects for
-        non-numeric columns, as :func:`factorize_keys` gives them)."""
+        non-numeric columns, as :func:`keyscale.state.factorize.factorize_keys` gives them)."""
         out = []
         for k in self._keys:
             if isinstance(k, np.ndarray):

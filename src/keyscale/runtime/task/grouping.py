@@ -33,7 +33,7 @@ from keyscale.runtime.task.spec import (
     KG,
     StageTask,
 )
-from keyscale.state.table import factorize_keys
+from keyscale.state.factorize import factorize_keys
 from keyscale.state.types import is_numeric
 
 

@@ -25,7 +25,8 @@ from keyscale.operators.vectorized import (
 )
 from keyscale.runtime.task.grouping import Grouped
 from keyscale.runtime.task.spec import StageTask
-from keyscale.state.table import KeyedStateTable, make_index
+from keyscale.state.factorize import make_index
+from keyscale.state.table import KeyedStateTable
 
 TIMER_COLUMNS = frozenset(c for pair in TIMER_STATES.values() for c in pair)  # kept by keyscale, not the function's
 
