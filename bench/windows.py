@@ -252,32 +252,12 @@ def keyscale_windows(data: Path, kind: str, parallelism: int = 2, extra: dict[st
         t = time.perf_counter()
         s = JobRunner(opts).run()
         wall = time.perf_counter() - t
-        reports = _reports(tmp / "job", "per_minute" if kind == "tumbling" else "sessions", len(s.batches), parallelism)
         return {
             "batch_seconds": s.trigger_seconds, "driver_batch_seconds": [b.seconds for b in s.batches],
-            "emitted": [b.emitted for b in s.batches], "wall_seconds": wall, "rows": s.records, "subtask_reports": reports,
+            "emitted": [b.emitted for b in s.batches], "wall_seconds": wall, "rows": s.records,
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _reports(job_dir: Path, uid: str, batches: int, p: int) -> list[list[dict[str, Any]]]:
-    """The subtasks' reports (busy seconds, windows fired, ...) from the per-subtask JSON files
-    older keyscale versions wrote beside the state. Reports travel to the driver in a Spark
-    accumulator now (``TaskReport``, runtime/task/report.py), so with today's keyscale there
-    are none here and the rows stay empty (``bench_windows`` results before that change have them)."""
-    out = []
-    for b in range(batches):
-        row = []
-        for s in range(p):
-            f = job_dir / "state" / uid / f"{b:012d}-s{s:05d}.json"
-            if f.exists():
-                r = json.loads(f.read_text())
-                row.append({k: r.get(k) for k in ("records", "keys", "state_keys", "busy_seconds", "load_seconds", "files_read",
-                                                  "warm_key_groups", "loaded_key_groups", "windows_fired", "windows_purged",
-                                                  "late_records", "emitted")})
-        out.append(row)
-    return out
 
 
 # --------------------------------------------------------------------------- verification
