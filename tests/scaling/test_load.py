@@ -43,7 +43,9 @@ def test_arrival_period_is_the_time_since_the_previous_batch() -> None:
     assert arrival_period(m, 10.0) == 2.0  # the same start: the batch's own duration
 
 
-rates = st.floats(min_value=0.0, max_value=1e7, allow_nan=False)
+# A rate is 0 or at least a record per ~12 days: a subnormal rate (hypothesis found
+# 5e-324) underflows rate * period to 0, a number no batch measures.
+rates = st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=1e7))
 
 
 @settings(max_examples=100, deadline=None)
