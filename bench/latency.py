@@ -1,0 +1,646 @@
+"""Latency side by side: Kafka -> keyed count and sum -> Kafka (issue 35, item 5).
+
+    PYTHONPATH=src .venv/bin/python bench/latency.py --repeats 1 --out bench/out/latency.json
+    PYTHONPATH=src .venv/bin/python bench/latency.py --quick          # a smoke check (~5 min)
+
+Three engines on the same input, measured the same way, each in its own process with a
+private Tansu broker (keyscale.kafka.broker, in memory) and fresh topics (4 partitions in,
+4 out), local[2], parallelism / shuffle partitions 2:
+
+- ``keyscale``: ``examples/kafka_running_count.py`` (Kafka source -> keyed count and sum ->
+  ``KafkaSink``, one transaction per task and batch, exactly once), batches back to back
+  (trigger interval 1 ms; ``--trigger`` to change it). After the rates, a last phase at
+  ``--rescale-rate`` asks for parallelism 3 (``keyscale rescale``) in its middle.
+- ``spark``: Spark's own stateful streaming aggregation, ``groupBy(key).agg(count, sum)`` in
+  update mode, the default trigger (processingTime 0: batches back to back), its default
+  state store (HDFS-backed; ``--spark-rocksdb`` for RocksDB). Spark's Kafka connector is
+  Maven-only and not here, so the source is a Python streaming data source
+  (``pyspark.sql.datasource.DataSourceStreamReader``): offsets per partition, the end of each
+  partition found by keyscale's own end probe (``kafka.client.true_ends``) and a partition's
+  range read and JSON-decoded by keyscale's own reader (``KafkaLog.read`` with
+  ``json_values``), one Spark task per Kafka partition, so both engines read Kafka with the
+  same code. The sink is ``foreachBatch``: the batch's updated rows, as JSON
+  ``{key, count, sum}``, go to the output topic in one Kafka transaction per batch (a
+  transactional confluent-kafka producer in the driver; not fenced by batch id, so a batch
+  replayed after a crash would be written again: cheaper than keyscale's exactly-once).
+- ``stateless``: keyscale's floor, ``bench/jobs/kafka_passthrough.py``: the same source and
+  sink with no state, each record mapped to an output record ``{key, seq}``.
+
+Input: a producer process sends JSON ``{key, value, ts, seq}`` with string keys ``user-<n>``
+(``--keys``, default 10,000) at a steady rate. Each run primes the engine first (5 records/s
+until its first output arrives: the JVM and Python workers started), then goes through
+phases: an almost empty one (5 records/s, ``--empty-seconds``) and an empty one (no input),
+for the fixed cost of a batch; then each rate of ``--rates`` for ``--warmup`` + ``--seconds``
+s. Between phases the harness waits until every record produced is in the output (or
+``--drain`` s passed).
+
+Latency, the way users feel it: a record's latency is from its produce call to the
+arrival, at a ``read_committed`` consumer of the output topic, of the first update of its
+key whose count includes it (the stateless floor: of its own output record); p50, p99,
+max over the records produced in the measured ``--seconds`` of the phase (not the
+warm-up). Records not in the output when the phase drained count with the time they
+waited until then (``unmatched``). Whether lag grows: the median latency of the measured
+window's last quarter against its first (grows: > 1.5x and > 0.25 s more), and the
+drain, from the last record produced to the last update that includes it.
+Batches: each engine's own time per batch (keyscale: ``BatchRecord.seconds``; Spark:
+``durationMs.triggerExecution``) in the window, median.
+
+The machine is shared: the load average (``uptime``) is recorded beside every phase.
+Output: a markdown table on stdout, JSON with everything (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+KEYED_JOB = ROOT / "examples" / "kafka_running_count.py"
+STATELESS_JOB = HERE / "jobs" / "kafka_passthrough.py"
+ENGINES = ("keyscale", "spark", "stateless")
+PARTITIONS = 4
+PRIME_RATE = 5.0
+SPARK_SOURCE_SCHEMA = "key string, value long, seq long"
+
+
+def _key_id(i: int, keys: int) -> int:
+    return (i * 7919) % keys  # a permutation of the residues mod keys (7919 is prime)
+
+
+# --------------------------------------------------------------------------- producer (own process)
+
+
+def _producer_main(cfg: dict[str, Any], go: Any, phase_done: Any, produced: Any, out_path: str) -> None:
+    """Prime at PRIME_RATE until ``go`` is set, then for each phase: wait for ``go``, send
+    ``rate`` records/s for ``seconds``, set ``phase_done``. Writes the produce time (wall
+    clock) of every record, by sequence number, and the phases' bounds to ``out_path``."""
+    import numpy as np
+    from confluent_kafka import Producer
+
+    keys, topic = cfg["keys"], cfg["input"]
+    names = [f"user-{k:05d}".encode() for k in range(keys)]
+    total = int(cfg["prime_timeout"] * PRIME_RATE) + sum(int(r * s) + 1000 for r, s in cfg["phases"]) + 1000
+    times = np.zeros(total, dtype=np.float64)
+    p = Producer({"bootstrap.servers": cfg["bootstrap"], "linger.ms": 5, "partitioner": "murmur2_random", "log_level": 3})
+    i = 0
+
+    def send(n: int) -> None:
+        nonlocal i
+        while i < n:
+            k = names[_key_id(i, keys)]
+            v = b'{"key":"%s","value":%d,"ts":"2026-01-01T00:00:00Z","seq":%d}' % (k, i % 100, i)
+            times[i] = time.time()
+            while True:
+                try:
+                    p.produce(topic, key=k, value=v)
+                    break
+                except BufferError:
+                    p.poll(0.005)
+            i += 1
+        produced.value = i
+
+    bounds: list[dict[str, float]] = []
+    t0 = time.perf_counter()
+    while not go.wait(0):
+        if time.perf_counter() - t0 > cfg["prime_timeout"]:
+            break
+        send(i + 1)
+        p.poll(0)
+        time.sleep(1 / PRIME_RATE)
+    for rate, seconds in cfg["phases"]:
+        go.wait()
+        go.clear()
+        first, start, t0 = i, time.time(), time.perf_counter()
+        while (el := time.perf_counter() - t0) < seconds:
+            send(first + int(el * rate))
+            p.poll(0)
+            time.sleep(0.002)
+        p.flush(60)
+        bounds.append({"rate": rate, "start": start, "end": time.time(), "first": first, "last": i})
+        phase_done.set()
+    p.flush(60)
+    np.save(out_path + ".npy", times[:i])
+    Path(out_path + ".json").write_text(json.dumps({"records": i, "phases": bounds}))
+
+
+# --------------------------------------------------------------------------- consumer (thread)
+
+
+class Outputs:
+    """Reads the output topic with read_committed; keeps (key, count, arrival) per update,
+    or (seq, arrival) per record for the stateless floor."""
+
+    COUNT = re.compile(rb'"count":\s*(\d+)')
+    SEQ = re.compile(rb'"seq":\s*(\d+)')
+
+    def __init__(self, bootstrap: str, topic: str, keys: int, stateless: bool) -> None:
+        import numpy as np
+
+        self.stateless = stateless
+        self.keys = keys
+        self.ids, self.counts, self.arrivals = array("q"), array("q"), array("d")
+        self.max_count = np.zeros(keys, dtype=np.int64)
+        self.received = 0
+        self.first = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, args=(bootstrap, topic), daemon=True)
+        self._t.start()
+
+    def _run(self, bootstrap: str, topic: str) -> None:
+        from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+        try:
+            c = Consumer({"bootstrap.servers": bootstrap, "group.id": "latency-bench", "isolation.level": "read_committed",
+                          "enable.auto.commit": False, "fetch.wait.max.ms": 10, "log_level": 3})
+            c.assign([TopicPartition(topic, p, 0) for p in range(PARTITIONS)])
+            pattern = self.SEQ if self.stateless else self.COUNT
+            while not self._stop.is_set():
+                msgs = c.consume(num_messages=10_000, timeout=0.05)
+                now = time.time()
+                for m in msgs:
+                    if m.error() is not None:
+                        if m.error().code() != KafkaError._PARTITION_EOF:
+                            raise RuntimeError(m.error().str())
+                        continue
+                    found = pattern.search(m.value())
+                    if found is None:
+                        continue
+                    n = int(found.group(1))
+                    if self.stateless:
+                        self.ids.append(n)
+                    else:
+                        k = int(m.key()[5:])
+                        self.ids.append(k)
+                        self.counts.append(n)
+                        if n > self.max_count[k]:
+                            self.max_count[k] = n
+                    self.arrivals.append(now)
+                    self.received += 1
+                if msgs and self.received:
+                    self.first.set()
+            c.close()
+        except BaseException as e:  # reported by covered()
+            self._error = e
+
+    def covered(self, n: int) -> bool:
+        """Whether the output includes every one of the first ``n`` records."""
+        import numpy as np
+
+        if self._error is not None:
+            raise RuntimeError(f"output consumer failed: {self._error}")
+        if self.stateless:
+            return self.received >= n
+        r = np.arange(self.keys)
+        need = np.zeros(self.keys, dtype=np.int64)
+        need[(r * 7919) % self.keys] = n // self.keys + (r < n % self.keys)
+        return bool(np.all(self.max_count >= need))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(10)
+
+    def arrival_per_record(self, n: int) -> Any:
+        """Per record 0..n-1: when the first output including it arrived (inf: never)."""
+        import numpy as np
+
+        arr = np.frombuffer(self.arrivals, dtype=np.float64).copy() if len(self.arrivals) else np.zeros(0)
+        out = np.full(n, np.inf)
+        if not len(arr):
+            return out
+        ids = np.frombuffer(self.ids, dtype=np.int64).copy()
+        if self.stateless:
+            ok = ids < n
+            np.minimum.at(out, ids[ok], arr[ok])
+            return out
+        counts = np.frombuffer(self.counts, dtype=np.int64).copy()
+        base = float(arr.min())
+        rel = arr - base
+        big = float(rel.max()) + 10.0
+        order = np.lexsort((counts, ids))  # by key, then count
+        k, c, a = ids[order], counts[order], rel[order]
+        # suffix minimum of arrival within each key (over counts >= this one)
+        shifted = (a + k * big)[::-1]
+        suffix = np.minimum.accumulate(shifted)[::-1] - k * big
+        composite = k * (1 << 32) + c
+        seq = np.arange(n, dtype=np.int64)
+        rk = (seq * 7919) % self.keys
+        rn = seq // self.keys + 1
+        pos = np.searchsorted(composite, rk * (1 << 32) + rn, side="left")
+        inside = pos < len(composite)
+        hit = np.zeros(n, dtype=bool)
+        hit[inside] = k[pos[inside]] == rk[inside]
+        out[hit] = suffix[pos[hit]] + base
+        return out
+
+
+# --------------------------------------------------------------------------- engines (own process)
+
+
+def _engine_main(cfg: dict[str, Any]) -> int:
+    """Run one engine until the stop file appears; write its batches to cfg["result"]."""
+    stop_file = Path(cfg["stop"])
+    batches: list[dict[str, Any]] = []
+    if cfg["engine"] in ("keyscale", "stateless"):
+        from keyscale.runtime.driver.runner import JobRunner, RunOptions
+
+        def on_batch(rec: Any) -> None:
+            end = time.time()
+            batches.append({"start": end - rec.seconds, "end": end, "seconds": rec.seconds, "records": rec.records,
+                            "parallelism": max(rec.parallelism.values()) if rec.parallelism else 0})
+
+        job = KEYED_JOB if cfg["engine"] == "keyscale" else STATELESS_JOB
+        opts = RunOptions(job_file=str(job), job_dir=cfg["dir"], parallelism=cfg["parallelism"], trigger_interval=cfg["trigger"],
+                          args={"bootstrap": cfg["bootstrap"], "input": cfg["input"], "output": cfg["output"]})
+        runner = JobRunner(opts, on_batch)
+
+        def watch() -> None:
+            while not stop_file.exists():
+                time.sleep(0.2)
+            runner.stop()
+
+        threading.Thread(target=watch, daemon=True).start()
+        summary = runner.run()
+        result = {"batches": batches, "rescales": [list(r) for r in summary.rescales]}
+    else:
+        result = _spark_engine(cfg, stop_file)
+    Path(cfg["result"]).write_text(json.dumps(result))
+    return 0
+
+
+def _spark_engine(cfg: dict[str, Any], stop_file: Path) -> dict[str, Any]:
+    import datetime as dt
+    import uuid
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from confluent_kafka import Producer
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+    from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+
+    class KafkaRange(InputPartition):
+        def __init__(self, partition: int, start: int, end: int) -> None:
+            self.partition, self.start, self.end = partition, start, end
+
+    class KafkaStreamReader(DataSourceStreamReader):
+        def __init__(self, options: dict[str, str]) -> None:
+            self.bootstrap, self.topic = options["bootstrap"], options["topic"]
+            self._log: Any = None
+
+        def __getstate__(self) -> dict[str, Any]:
+            return {"bootstrap": self.bootstrap, "topic": self.topic, "_log": None}
+
+        def _kafka(self) -> Any:
+            if self._log is None:
+                from keyscale.kafka.source import KafkaLog, json_values
+
+                self._log = KafkaLog(self.bootstrap, self.topic, json_values(SPARK_SOURCE_SCHEMA), None, "earliest", None)
+            return self._log
+
+        def initialOffset(self) -> dict:
+            return {str(p): o for p, o in enumerate(self._kafka().first_offsets())}
+
+        def latestOffset(self, start: dict | None = None, limit: Any = None) -> dict:
+            return {str(p): o for p, o in enumerate(self._kafka().end_offsets())}
+
+        def partitions(self, start: dict, end: dict) -> list[KafkaRange]:
+            return [KafkaRange(int(p), int(start.get(p, 0)), int(e)) for p, e in end.items() if int(e) > int(start.get(p, 0))]
+
+        def read(self, partition: KafkaRange) -> Any:
+            table = self._kafka().read(partition.partition, partition.start, partition.end)
+            yield from table.select(["key", "value", "seq"]).to_batches()
+
+    class KafkaJsonSource(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "bench_kafka_json"
+
+        def schema(self) -> str:
+            return SPARK_SOURCE_SCHEMA
+
+        def streamReader(self, schema: Any) -> KafkaStreamReader:
+            return KafkaStreamReader(self.options)
+
+    builder = (SparkSession.builder.master("local[2]").appName("latency-spark")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", str(cfg["parallelism"]))
+               .config("spark.sql.streaming.numRecentProgressUpdates", "100000"))
+    if cfg.get("rocksdb"):
+        builder = builder.config("spark.sql.streaming.stateStore.providerClass",
+                                 "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.dataSource.register(KafkaJsonSource)
+    events = spark.readStream.format("bench_kafka_json").option("bootstrap", cfg["bootstrap"]).option("topic", cfg["input"]).load()
+    totals = events.groupBy("key").agg(F.count(F.lit(1)).alias("count"), F.sum("value").alias("sum"))
+    producer = Producer({"bootstrap.servers": cfg["bootstrap"], "transactional.id": f"latency-spark-{uuid.uuid4().hex[:8]}",
+                         "linger.ms": 5, "log_level": 3})
+    producer.init_transactions(30)
+    out = cfg["output"]
+
+    def sink(batch: Any, batch_id: int) -> None:
+        rows = batch.select(F.col("key"), F.to_json(F.struct("key", "count", "sum")).alias("v")).toArrow()
+        producer.begin_transaction()
+        for k, v in zip(rows.column(0).to_pylist(), rows.column(1).to_pylist(), strict=True):
+            while True:
+                try:
+                    producer.produce(out, key=k.encode(), value=v.encode())
+                    break
+                except BufferError:
+                    producer.poll(0.005)
+        producer.commit_transaction(60)
+
+    q = (totals.writeStream.outputMode("update").foreachBatch(sink)
+         .option("checkpointLocation", cfg["dir"]).start())  # the default trigger: processingTime 0
+    while not stop_file.exists():
+        if q.exception() is not None:
+            raise RuntimeError(str(q.exception()))
+        time.sleep(0.2)
+    progress = q.recentProgress
+    q.stop()
+    batches = []
+    for pr in progress:
+        if pr.numInputRows <= 0:
+            continue  # Spark runs no batch without new input (its progress events then are status only)
+        start = dt.datetime.fromisoformat(pr.timestamp.replace("Z", "+00:00")).timestamp()
+        seconds = pr.durationMs.get("triggerExecution", 0) / 1000
+        batches.append({"start": start, "end": start + seconds, "seconds": seconds, "records": pr.numInputRows,
+                        "parallelism": cfg["parallelism"],
+                        "phases_ms": {k: v for k, v in pr.durationMs.items() if k != "triggerExecution"}})
+    return {"batches": batches, "rescales": []}
+
+
+# --------------------------------------------------------------------------- one engine's run
+
+
+def _topic(bootstrap: str, name: str) -> str:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    AdminClient({"bootstrap.servers": bootstrap}).create_topics([NewTopic(name, PARTITIONS)])[name].result(timeout=30)
+    return name
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _pct(xs: Any, q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
+    """One engine through every phase on its own broker; the phases' figures."""
+    import numpy as np
+
+    from keyscale.checkpoint.jobdir import JobDir
+    from keyscale.kafka.broker import start_tansu
+
+    phases: list[tuple[str, float, float]] = []  # (name, rate, seconds)
+    if a.empty_seconds > 0:
+        phases += [("almost empty", PRIME_RATE, a.warmup / 2 + a.empty_seconds), ("empty", 0.0, a.empty_seconds)]
+    phases += [(f"{r:,}/s", float(r), a.warmup + a.seconds) for r in a.rates]
+    rescale_phase = engine == "keyscale" and a.rescale_seconds > 0
+    if rescale_phase:
+        phases.append((f"{a.rescale_rate:,}/s + rescale 2->3", float(a.rescale_rate), a.warmup + a.rescale_seconds))
+    broker = start_tansu()
+    run_dir = tmp / f"{engine}-{tag}"
+    run_dir.mkdir(parents=True)
+    ctx = mp.get_context("spawn")
+    go, phase_done, produced = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+    engine_proc = prod = None
+    outputs: Outputs | None = None
+    try:
+        inp, out = _topic(broker.bootstrap, "events"), _topic(broker.bootstrap, "updates")
+        outputs = Outputs(broker.bootstrap, out, a.keys, stateless=engine == "stateless")
+        cfg = {"engine": engine, "bootstrap": broker.bootstrap, "input": inp, "output": out, "dir": str(run_dir / "job"),
+               "parallelism": a.parallelism, "trigger": a.trigger, "stop": str(run_dir / "stop"), "result": str(run_dir / "result.json"),
+               "rocksdb": a.spark_rocksdb}
+        log = open(run_dir / "engine.log", "wb")  # noqa: SIM115 (closed with the process)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+        env.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")  # Tansu needs it (bench/kafka.py)
+        engine_proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--engine-run", json.dumps(cfg)],
+                                       stdout=log, stderr=subprocess.STDOUT, env=env)
+        pcfg = {"keys": a.keys, "input": inp, "bootstrap": broker.bootstrap, "prime_timeout": a.start_timeout,
+                "phases": [(r, s) for _, r, s in phases]}
+        prod = ctx.Process(target=_producer_main, args=(pcfg, go, phase_done, produced, str(run_dir / "produced")))
+        prod.start()
+        started = time.time()
+        while not outputs.first.wait(0.5):
+            if engine_proc.poll() is not None or time.time() - started > a.start_timeout:
+                raise RuntimeError(f"{engine} produced no output (exit {engine_proc.poll()}); see {run_dir / 'engine.log'}")
+        print(f"  {engine}: first output {time.time() - started:.1f} s after start; load {_load()}", flush=True)
+        # every record produced while priming in the output, then the phases
+        while not outputs.covered(produced.value) and time.time() - started < a.start_timeout:
+            time.sleep(0.2)
+        loads: list[str] = []
+        drains: list[float] = []
+        rescale_at: float | None = None
+        for name, _, _ in phases:
+            phase_done.clear()
+            go.set()
+            t_phase = time.time()
+            while not phase_done.wait(0.2):
+                if engine_proc.poll() is not None:
+                    raise RuntimeError(f"{engine} ended during phase {name}; see {run_dir / 'engine.log'}")
+                if name.endswith("rescale 2->3") and rescale_at is None and time.time() - t_phase > a.warmup + a.rescale_seconds / 2:
+                    rescale_at = time.time()
+                    JobDir(cfg["dir"]).request_rescale(3)
+            loads.append(_load())
+            t_end = time.time()
+            while not outputs.covered(produced.value) and time.time() - t_end < a.drain:
+                time.sleep(0.1)
+            drains.append(time.time() - t_end)
+            print(f"    {engine} {name}: done, drained in {drains[-1]:.1f} s, load {loads[-1]}", flush=True)
+        prod.join(120)  # it writes the produce times after its last phase
+    finally:
+        if engine_proc is not None:
+            (run_dir / "stop").touch()
+            try:
+                engine_proc.wait(120)
+            except subprocess.TimeoutExpired:
+                engine_proc.kill()
+                engine_proc.wait()
+        if prod is not None and prod.is_alive():
+            prod.kill()  # failed mid-run
+        if outputs is not None:
+            outputs.stop()
+        broker.stop()
+    result = json.loads(Path(cfg["result"]).read_text()) if Path(cfg["result"]).exists() else {"batches": [], "rescales": []}
+    times = np.load(run_dir / "produced.npy")
+    meta = json.loads((run_dir / "produced.json").read_text())
+    arrival = outputs.arrival_per_record(len(times))
+    rows = []
+    for (name, rate, _), bounds, load, drain in zip(phases, meta["phases"], loads, drains, strict=True):
+        m0 = bounds["start"] + {"almost empty": a.warmup / 2, "empty": 2.0}.get(name, a.warmup)
+        seqs = np.arange(bounds["first"], bounds["last"])
+        measured = seqs[times[seqs] >= m0]
+        lat = arrival[measured] - times[measured]
+        unmatched = int(np.isinf(lat).sum())
+        deadline = bounds["end"] + drain
+        lat = np.where(np.isinf(lat), deadline - times[measured], lat)
+        batches = [b for b in result["batches"] if m0 <= b["start"] and b["end"] <= bounds["end"]]
+        row: dict[str, Any] = {"engine": engine, "phase": name, "rate": rate, "records": len(measured), "unmatched": unmatched,
+                               "p50_s": _pct(lat, 50), "p99_s": _pct(lat, 99), "max_s": float(lat.max()) if len(lat) else float("nan"),
+                               "drain_s": drain, "load": load, "batches": len(batches),
+                               "median_batch_s": statistics.median(b["seconds"] for b in batches) if batches else float("nan"),
+                               "median_batch_records": statistics.median(b["records"] for b in batches) if batches else float("nan"),
+                               "empty_batches": sum(1 for b in batches if b["records"] == 0)}
+        with_input = [b["seconds"] for b in batches if b["records"] > 0]
+        without = [b["seconds"] for b in batches if b["records"] == 0]
+        row["median_batch_with_input_s"] = statistics.median(with_input) if with_input else float("nan")
+        row["median_empty_batch_s"] = statistics.median(without) if without else float("nan")
+        if len(lat) >= 8:
+            order = np.argsort(times[measured])
+            quarters = np.array_split(lat[order], 4)
+            q1, q4 = float(np.median(quarters[0])), float(np.median(quarters[-1]))
+            row.update(first_quarter_p50_s=q1, last_quarter_p50_s=q4, lag_grows=bool(q4 > 1.5 * q1 and q4 > q1 + 0.25) or unmatched > 0)
+        if name.endswith("rescale 2->3") and rescale_at is not None:
+            t = times[measured]
+            around = lat[(t >= rescale_at - 30) & (t <= rescale_at + 30)]
+            after = lat[(t >= rescale_at) & (t <= rescale_at + 10)]
+            row.update(rescale_at=rescale_at, p99_minute_around_rescale_s=_pct(around, 99), p99_10s_after_rescale_s=_pct(after, 99),
+                       rescales=result["rescales"],
+                       batches_around_rescale=[b for b in result["batches"] if rescale_at - 5 <= b["start"] <= rescale_at + 15])
+        if engine == "spark" and batches:
+            phases_ms: dict[str, list[float]] = {}
+            for b in batches:
+                for k, v in b.get("phases_ms", {}).items():
+                    phases_ms.setdefault(k, []).append(v)
+            row["spark_median_ms"] = {k: statistics.median(v) for k, v in phases_ms.items()}
+        rows.append(row)
+    return {"engine": engine, "phases": rows, "dir": str(run_dir)}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x: Any, unit: str = " s") -> str:
+    if x is None or (isinstance(x, float) and x != x):
+        return "-"
+    return f"{x:.2f}{unit}" if isinstance(x, float) else str(x)
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Medians over repeats, per (engine, phase)."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        for row in r["phases"]:
+            by.setdefault((row["engine"], row["phase"]), []).append(row)
+    out = []
+    for (engine, phase), rows in by.items():
+        med: dict[str, Any] = {"engine": engine, "phase": phase, "repeats": len(rows), "rate": rows[0]["rate"],
+                               "loads": [r["load"] for r in rows], "lag_grows": [r.get("lag_grows") for r in rows]}
+        for k, v in rows[0].items():
+            if isinstance(v, float | int) and not isinstance(v, bool) and k != "rate":
+                vals = [r[k] for r in rows if isinstance(r.get(k), float | int) and r[k] == r[k]]
+                med[k] = statistics.median(vals) if vals else float("nan")
+        out.append(med)
+    return out
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    get = {(s["engine"], s["phase"]): s for s in summary}
+    lines = ["| input | engine | p50 | p99 | max | lag grows | drain | median batch (records) | p99 vs keyscale | load (1/5/15 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    phases = list(dict.fromkeys(s["phase"] for s in summary if s["phase"] not in ("almost empty", "empty")))
+    for phase in phases:
+        ks = get.get(("keyscale", phase))
+        for engine in ENGINES:
+            s = get.get((engine, phase))
+            if s is None:
+                continue
+            ratio = f"{s['p99_s'] / ks['p99_s']:.2f}x" if ks and engine != "keyscale" and ks["p99_s"] > 0 else ""
+            grows = ", ".join("yes" if g else "no" for g in s["lag_grows"] if g is not None)
+            lines.append(f"| {phase} | {engine} | {_fmt(s['p50_s'])} | {_fmt(s['p99_s'])} | {_fmt(s['max_s'])} | {grows} | "
+                         f"{_fmt(s['drain_s'])} | {_fmt(s['median_batch_s'])} ({_fmt(s['median_batch_records'], '')}) | {ratio} | "
+                         f"{'; '.join(s['loads'])} |")
+        if ks and "p99_minute_around_rescale_s" in ks:
+            lines.append(f"| {phase} | keyscale, the minute around the rescale | | {_fmt(ks['p99_minute_around_rescale_s'])} | | | | | | |")
+            lines.append(f"| {phase} | keyscale, the 10 s after the rescale request | | {_fmt(ks.get('p99_10s_after_rescale_s'))} | | | | | | |")
+    lines += ["", "| almost empty batch (5 records/s) | median batch | records per batch | empty batch (no input) | load |", "|---|---|---|---|---|"]
+    for engine in ENGINES:
+        s, e = get.get((engine, "almost empty")), get.get((engine, "empty"))
+        if s is None:
+            continue
+        lines.append(f"| {engine} | {_fmt(s['median_batch_with_input_s'])} | {_fmt(s['median_batch_records'], '')} | "
+                     f"{_fmt(e['median_empty_batch_s']) if e else '-'}{' (Spark runs no batch without input)' if engine == 'spark' else ''} | "
+                     f"{'; '.join(s['loads'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-run", help=argparse.SUPPRESS)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, of " + ", ".join(ENGINES))
+    ap.add_argument("--rates", default="1000,5000,20000,50000", help="records/s, comma-separated")
+    ap.add_argument("--seconds", type=float, default=40.0, help="measured seconds per rate (after --warmup)")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds at each rate before measuring")
+    ap.add_argument("--empty-seconds", type=float, default=15.0, help="almost empty and empty phases (0: skip)")
+    ap.add_argument("--rescale-rate", type=int, default=5000)
+    ap.add_argument("--rescale-seconds", type=float, default=60.0, help="measured seconds of keyscale's phase with a live rescale (0: skip)")
+    ap.add_argument("--drain", type=float, default=30.0, help="at most this long after a phase for its records to reach the output")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--keys", type=int, default=10_000)
+    ap.add_argument("--parallelism", type=int, default=2)
+    ap.add_argument("--trigger", default="1 millisecond", help="keyscale's trigger interval")
+    ap.add_argument("--spark-rocksdb", action="store_true", help="Spark with the RocksDB state store (default: its default, HDFS-backed)")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--quick", action="store_true", help="smoke check: rates 1000,5000, 10 s each, short warm-up and rescale phase")
+    ap.add_argument("--out", help="write everything as JSON here")
+    a = ap.parse_args(argv)
+    if a.engine_run:
+        return _engine_main(json.loads(a.engine_run))
+    if a.quick:
+        a.rates, a.seconds, a.warmup, a.empty_seconds, a.rescale_seconds, a.drain = "1000,5000", 10.0, 4.0, 6.0, 12.0, 20.0
+    a.rates = [int(r) for r in str(a.rates).split(",") if r]
+    engines = [e for e in a.engines.split(",") if e]
+    for e in engines:
+        if e not in ENGINES:
+            ap.error(f"unknown engine {e!r}")
+    tmp = Path(tempfile.mkdtemp(prefix="ks-latency-"))
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    print(f"bench/latency.py: {started}, load {_load()}, rates {a.rates}, {a.seconds:.0f} s measured after {a.warmup:.0f} s, "
+          f"engines {engines}, scratch {tmp}", flush=True)
+    runs = []
+    for r in range(a.repeats):
+        order = engines[r % len(engines):] + engines[: r % len(engines)]  # each repeat starts with another engine
+        for engine in order:
+            print(f"repeat {r}, {engine}:", flush=True)
+            try:
+                runs.append(run_engine(engine, a, tmp, f"r{r}"))
+            except Exception as e:
+                print(f"  {engine} failed: {e}", flush=True)
+                runs.append({"engine": engine, "phases": [], "error": str(e)})
+            for row in runs[-1]["phases"]:
+                print(f"    {json.dumps({k: v for k, v in row.items() if k != 'batches_around_rescale'})}", flush=True)
+    summary = summarise(runs)
+    print(f"\nKafka -> keyed count and sum -> Kafka, {a.keys:,} string keys, P={a.parallelism}, medians of {a.repeats} "
+          f"(started {started}, ended {time.strftime('%H:%M:%S UTC', time.gmtime())}):\n")
+    print(table(summary))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "started": started, "runs": runs,
+                                           "summary": summary}, indent=1, default=str))
+        print(f"\nwritten {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
