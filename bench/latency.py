@@ -84,8 +84,8 @@ def _key_id(i: int, keys: int) -> int:
 # --------------------------------------------------------------------------- producer (own process)
 
 
-def _producer_main(cfg: dict[str, Any], go: Any, phase_done: Any, produced: Any, out_path: str) -> None:
-    """Prime at PRIME_RATE until ``go`` is set, then for each phase: wait for ``go``, send
+def _producer_main(cfg: dict[str, Any], primed: Any, go: Any, phase_done: Any, produced: Any, out_path: str) -> None:
+    """Prime at PRIME_RATE until ``primed`` is set (the engine's first output arrived), then for each phase: wait for ``go``, send
     ``rate`` records/s for ``seconds``, set ``phase_done``. Writes the produce time (wall
     clock) of every record, by sequence number, and the phases' bounds to ``out_path``."""
     import numpy as np
@@ -115,7 +115,7 @@ def _producer_main(cfg: dict[str, Any], go: Any, phase_done: Any, produced: Any,
 
     bounds: list[dict[str, float]] = []
     t0 = time.perf_counter()
-    while not go.wait(0):
+    while not primed.is_set() and not go.is_set():
         if time.perf_counter() - t0 > cfg["prime_timeout"]:
             break
         send(i + 1)
@@ -390,7 +390,8 @@ def _spark_engine(cfg: dict[str, Any], stop_file: Path) -> dict[str, Any]:
 def _topic(bootstrap: str, name: str) -> str:
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    AdminClient({"bootstrap.servers": bootstrap}).create_topics([NewTopic(name, PARTITIONS)])[name].result(timeout=30)
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # kept alive until the answer
+    admin.create_topics([NewTopic(name, PARTITIONS)])[name].result(timeout=30)
     return name
 
 
@@ -422,7 +423,7 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
     run_dir = tmp / f"{engine}-{tag}"
     run_dir.mkdir(parents=True)
     ctx = mp.get_context("spawn")
-    go, phase_done, produced = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+    primed, go, phase_done, produced = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Value("q", 0)
     engine_proc = prod = None
     outputs: Outputs | None = None
     try:
@@ -438,16 +439,18 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
                                        stdout=log, stderr=subprocess.STDOUT, env=env)
         pcfg = {"keys": a.keys, "input": inp, "bootstrap": broker.bootstrap, "prime_timeout": a.start_timeout,
                 "phases": [(r, s) for _, r, s in phases]}
-        prod = ctx.Process(target=_producer_main, args=(pcfg, go, phase_done, produced, str(run_dir / "produced")))
+        prod = ctx.Process(target=_producer_main, args=(pcfg, primed, go, phase_done, produced, str(run_dir / "produced")))
         prod.start()
         started = time.time()
         while not outputs.first.wait(0.5):
             if engine_proc.poll() is not None or time.time() - started > a.start_timeout:
                 raise RuntimeError(f"{engine} produced no output (exit {engine_proc.poll()}); see {run_dir / 'engine.log'}")
+        primed.set()
         print(f"  {engine}: first output {time.time() - started:.1f} s after start; load {_load()}", flush=True)
         # every record produced while priming in the output, then the phases
+        time.sleep(0.5)
         while not outputs.covered(produced.value) and time.time() - started < a.start_timeout:
-            time.sleep(0.2)
+            time.sleep(0.1)
         loads: list[str] = []
         drains: list[float] = []
         rescale_at: float | None = None
@@ -494,7 +497,7 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
         unmatched = int(np.isinf(lat).sum())
         deadline = bounds["end"] + drain
         lat = np.where(np.isinf(lat), deadline - times[measured], lat)
-        batches = [b for b in result["batches"] if m0 <= b["start"] and b["end"] <= bounds["end"]]
+        batches = [b for b in result["batches"] if m0 <= b["start"] < bounds["end"]]  # the batches begun in the window
         row: dict[str, Any] = {"engine": engine, "phase": name, "rate": rate, "records": len(measured), "unmatched": unmatched,
                                "p50_s": _pct(lat, 50), "p99_s": _pct(lat, 99), "max_s": float(lat.max()) if len(lat) else float("nan"),
                                "drain_s": drain, "load": load, "batches": len(batches),
@@ -591,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", default="1000,5000,20000,50000", help="records/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=40.0, help="measured seconds per rate (after --warmup)")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds at each rate before measuring")
-    ap.add_argument("--empty-seconds", type=float, default=15.0, help="almost empty and empty phases (0: skip)")
+    ap.add_argument("--empty-seconds", type=float, default=20.0, help="almost empty and empty phases (0: skip)")
     ap.add_argument("--rescale-rate", type=int, default=5000)
     ap.add_argument("--rescale-seconds", type=float, default=60.0, help="measured seconds of keyscale's phase with a live rescale (0: skip)")
     ap.add_argument("--drain", type=float, default=30.0, help="at most this long after a phase for its records to reach the output")
