@@ -72,6 +72,7 @@ ROOT = HERE.parent
 KEYED_JOB = ROOT / "examples" / "kafka_running_count.py"
 STATELESS_JOB = HERE / "jobs" / "kafka_passthrough.py"
 ENGINES = ("keyscale", "spark", "stateless")
+OPTIONAL = ("keyscale_async",)  # keyscale with asynchronous checkpoints (RunOptions.async_checkpoints), not in the default run
 PARTITIONS = 4
 PRIME_RATE = 5.0
 SPARK_SOURCE_SCHEMA = "key string, value long, seq long"
@@ -255,17 +256,31 @@ def _engine_main(cfg: dict[str, Any]) -> int:
     """Run one engine until the stop file appears; write its batches to cfg["result"]."""
     stop_file = Path(cfg["stop"])
     batches: list[dict[str, Any]] = []
-    if cfg["engine"] in ("keyscale", "stateless"):
+    if cfg["engine"] != "spark":
+        import logging
+
         from keyscale.runtime.driver.runner import JobRunner, RunOptions
+
+        spark_job: dict[int, float] = {}
+
+        class BatchLines(logging.Handler):  # the driver's "batch N committed in X s (Spark job Y s)"
+            def emit(self, record: logging.LogRecord) -> None:
+                if str(record.msg).startswith("batch %d %s in %.2f s (Spark job"):
+                    args: Any = record.args
+                    spark_job[int(args[0])] = float(args[3])
+
+        logging.getLogger("keyscale").addHandler(BatchLines())
+        logging.getLogger("keyscale").setLevel(logging.INFO)
 
         def on_batch(rec: Any) -> None:
             end = time.time()
-            batches.append({"start": end - rec.seconds, "end": end, "seconds": rec.seconds, "records": rec.records,
+            batches.append({"batch": rec.batch, "start": end - rec.seconds, "end": end, "seconds": rec.seconds, "records": rec.records,
                             "parallelism": max(rec.parallelism.values()) if rec.parallelism else 0})
 
-        job = KEYED_JOB if cfg["engine"] == "keyscale" else STATELESS_JOB
+        job = STATELESS_JOB if cfg["engine"] == "stateless" else KEYED_JOB
         opts = RunOptions(job_file=str(job), job_dir=cfg["dir"], parallelism=cfg["parallelism"], trigger_interval=cfg["trigger"],
-                          args={"bootstrap": cfg["bootstrap"], "input": cfg["input"], "output": cfg["output"]})
+                          args={"bootstrap": cfg["bootstrap"], "input": cfg["input"], "output": cfg["output"]},
+                          async_checkpoints=cfg["engine"] == "keyscale_async")
         runner = JobRunner(opts, on_batch)
 
         def watch() -> None:
@@ -275,6 +290,8 @@ def _engine_main(cfg: dict[str, Any]) -> int:
 
         threading.Thread(target=watch, daemon=True).start()
         summary = runner.run()
+        for b in batches:
+            b["spark_job_s"] = spark_job.get(b["batch"], float("nan"))
         result = {"batches": batches, "rescales": [list(r) for r in summary.rescales]}
     else:
         result = _spark_engine(cfg, stop_file)
@@ -416,7 +433,7 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
     if a.empty_seconds > 0:
         phases += [("almost empty", PRIME_RATE, a.warmup / 2 + a.empty_seconds), ("empty", 0.0, a.empty_seconds)]
     phases += [(f"{r:,}/s", float(r), a.warmup + a.seconds) for r in a.rates]
-    rescale_phase = engine == "keyscale" and a.rescale_seconds > 0
+    rescale_phase = engine in ("keyscale", "keyscale_async") and a.rescale_seconds > 0
     if rescale_phase:
         phases.append((f"{a.rescale_rate:,}/s + rescale 2->3", float(a.rescale_rate), a.warmup + a.rescale_seconds))
     broker = start_tansu()
@@ -508,6 +525,12 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
         without = [b["seconds"] for b in batches if b["records"] == 0]
         row["median_batch_with_input_s"] = statistics.median(with_input) if with_input else float("nan")
         row["median_empty_batch_s"] = statistics.median(without) if without else float("nan")
+        if engine != "spark" and batches:
+            after = {id(b): n for b, n in zip(result["batches"], result["batches"][1:], strict=False)}
+            gaps = [after[id(b)]["start"] - b["end"] for b in batches if id(b) in after]
+            jobs = [b["spark_job_s"] for b in batches if b.get("spark_job_s", float("nan")) == b.get("spark_job_s")]
+            row["median_spark_job_s"] = statistics.median(jobs) if jobs else float("nan")
+            row["median_between_batches_s"] = statistics.median(gaps) if gaps else float("nan")
         if len(lat) >= 8:
             order = np.argsort(times[measured])
             quarters = np.array_split(lat[order], 4)
@@ -539,6 +562,10 @@ def _fmt(x: Any, unit: str = " s") -> str:
     return f"{x:.2f}{unit}" if isinstance(x, float) else str(x)
 
 
+def _n(x: Any) -> str:
+    return "-" if x is None or x != x else f"{x:,.0f}"
+
+
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians over repeats, per (engine, phase)."""
     by: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -553,44 +580,59 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if isinstance(v, float | int) and not isinstance(v, bool) and k != "rate":
                 vals = [r[k] for r in rows if isinstance(r.get(k), float | int) and r[k] == r[k]]
                 med[k] = statistics.median(vals) if vals else float("nan")
+        phases_ms = [r["spark_median_ms"] for r in rows if r.get("spark_median_ms")]
+        if phases_ms:
+            med["spark_median_ms"] = {k: statistics.median(p.get(k, 0) for p in phases_ms) for k in phases_ms[0]}
         out.append(med)
     return out
 
 
 def table(summary: list[dict[str, Any]]) -> str:
     get = {(s["engine"], s["phase"]): s for s in summary}
-    lines = ["| input | engine | p50 | p99 | max | lag grows | drain | median batch (records) | p99 vs keyscale | load (1/5/15 min) |",
+    lines = ["| input | engine | p50 | p99 | max | lag grows | drain | median batch (records) | p99 / keyscale's p99 | load (1/5/15 min) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     phases = list(dict.fromkeys(s["phase"] for s in summary if s["phase"] not in ("almost empty", "empty")))
     for phase in phases:
         ks = get.get(("keyscale", phase))
-        for engine in ENGINES:
+        for engine in ENGINES + OPTIONAL:
             s = get.get((engine, phase))
             if s is None:
                 continue
             ratio = f"{s['p99_s'] / ks['p99_s']:.2f}x" if ks and engine != "keyscale" and ks["p99_s"] > 0 else ""
             grows = ", ".join("yes" if g else "no" for g in s["lag_grows"] if g is not None)
             lines.append(f"| {phase} | {engine} | {_fmt(s['p50_s'])} | {_fmt(s['p99_s'])} | {_fmt(s['max_s'])} | {grows} | "
-                         f"{_fmt(s['drain_s'])} | {_fmt(s['median_batch_s'])} ({_fmt(s['median_batch_records'], '')}) | {ratio} | "
+                         f"{_fmt(s['drain_s'])} | {_fmt(s['median_batch_s'])} ({_n(s['median_batch_records'])}) | {ratio} | "
                          f"{'; '.join(s['loads'])} |")
-        if ks and "p99_minute_around_rescale_s" in ks:
-            lines.append(f"| {phase} | keyscale, the minute around the rescale | | {_fmt(ks['p99_minute_around_rescale_s'])} | | | | | | |")
-            lines.append(f"| {phase} | keyscale, the 10 s after the rescale request | | {_fmt(ks.get('p99_10s_after_rescale_s'))} | | | | | | |")
+        for engine in ("keyscale", "keyscale_async"):
+            s = get.get((engine, phase))
+            if s and "p99_minute_around_rescale_s" in s:
+                lines.append(f"| {phase} | {engine}, the minute around the rescale | | {_fmt(s['p99_minute_around_rescale_s'])} | | | | | | |")
+                lines.append(f"| {phase} | {engine}, the 10 s after the rescale request | | {_fmt(s.get('p99_10s_after_rescale_s'))} | | | | | | |")
     lines += ["", "| almost empty batch (5 records/s) | median batch | records per batch | empty batch (no input) | load |", "|---|---|---|---|---|"]
-    for engine in ENGINES:
+    for engine in ENGINES + OPTIONAL:
         s, e = get.get((engine, "almost empty")), get.get((engine, "empty"))
         if s is None:
             continue
-        lines.append(f"| {engine} | {_fmt(s['median_batch_with_input_s'])} | {_fmt(s['median_batch_records'], '')} | "
+        lines.append(f"| {engine} | {_fmt(s['median_batch_with_input_s'])} | {_n(s['median_batch_records'])} | "
                      f"{_fmt(e['median_empty_batch_s']) if e else '-'}{' (Spark runs no batch without input)' if engine == 'spark' else ''} | "
                      f"{'; '.join(s['loads'])} |")
+    lines += ["", "| input | engine | median batch | keyscale: its Spark job (the tasks) | keyscale: between batches | "
+              "Spark: addBatch / latestOffset / walCommit / commitOffsets / queryPlanning (ms) |", "|---|---|---|---|---|---|"]
+    for s in summary:
+        if s["engine"] == "spark":
+            ms = s.get("spark_median_ms") or {}
+            parts = " / ".join(_n(ms.get(k)) for k in ("addBatch", "latestOffset", "walCommit", "commitOffsets", "queryPlanning"))
+            lines.append(f"| {s['phase']} | spark | {_fmt(s.get('median_batch_s'))} | | | {parts} |")
+        else:
+            lines.append(f"| {s['phase']} | {s['engine']} | {_fmt(s.get('median_batch_s'))} | {_fmt(s.get('median_spark_job_s'))} | "
+                         f"{_fmt(s.get('median_between_batches_s'))} | |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine-run", help=argparse.SUPPRESS)
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, of " + ", ".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, of " + ", ".join(ENGINES + OPTIONAL))
     ap.add_argument("--rates", default="1000,5000,20000,50000", help="records/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=40.0, help="measured seconds per rate (after --warmup)")
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds at each rate before measuring")
@@ -614,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     a.rates = [int(r) for r in str(a.rates).split(",") if r]
     engines = [e for e in a.engines.split(",") if e]
     for e in engines:
-        if e not in ENGINES:
+        if e not in ENGINES + OPTIONAL:
             ap.error(f"unknown engine {e!r}")
     tmp = Path(tempfile.mkdtemp(prefix="ks-latency-"))
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
