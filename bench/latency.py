@@ -9,8 +9,9 @@ private Tansu broker (keyscale.kafka.broker, in memory) and fresh topics (4 part
 
 - ``keyscale``: ``examples/kafka_running_count.py`` (Kafka source -> keyed count and sum ->
   ``KafkaSink``, one transaction per task and batch, exactly once), batches back to back
-  (trigger interval 1 ms; ``--trigger`` to change it). After the rates, a last phase at
-  ``--rescale-rate`` asks for parallelism 3 (``keyscale rescale``) in its middle.
+  (trigger interval 1 ms; ``--trigger`` to change it). After the phase at ``--rescale-rate``,
+  one more at that rate asks for parallelism 3 (``keyscale rescale``) in its middle and for 2
+  again at its end (applied in the next phase's warm-up).
 - ``spark``: Spark's own stateful streaming aggregation, ``groupBy(key).agg(count, sum)`` in
   update mode, the default trigger (processingTime 0: batches back to back), its default
   state store (HDFS-backed; ``--spark-rocksdb`` for RocksDB). Spark's Kafka connector is
@@ -40,8 +41,9 @@ key whose count includes it (the stateless floor: of its own output record); p50
 max over the records produced in the measured ``--seconds`` of the phase (not the
 warm-up). Records not in the output when the phase drained count with the time they
 waited until then (``unmatched``). Whether lag grows: the median latency of the measured
-window's last quarter against its first (grows: > 1.5x and > 0.25 s more), and the
-drain, from the last record produced to the last update that includes it.
+window's last quarter against its first (grows: more than 0.5 s and 10% above), the
+records the engine read per second in the window (``read/s``: below the rate, it falls
+behind), and the drain, from the phase's last record produced to the output including it.
 Batches: each engine's own time per batch (keyscale: ``BatchRecord.seconds``; Spark:
 ``durationMs.triggerExecution``) in the window, median.
 
@@ -75,6 +77,7 @@ ENGINES = ("keyscale", "spark", "stateless")
 OPTIONAL = ("keyscale_async",)  # keyscale with asynchronous checkpoints (RunOptions.async_checkpoints), not in the default run
 PARTITIONS = 4
 PRIME_RATE = 5.0
+RESCALE = "{rate:,}/s + rescale {p}->{to}"
 SPARK_SOURCE_SCHEMA = "key string, value long, seq long"
 
 
@@ -416,6 +419,12 @@ def _load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def _grows(q1: float, q4: float) -> bool:
+    """Lag grows: the median latency of the window's last quarter is above its first's by
+    more than 0.5 s and 10%."""
+    return q4 - q1 > max(0.5, 0.1 * q1)
+
+
 def _pct(xs: Any, q: float) -> float:
     import numpy as np
 
@@ -432,10 +441,12 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
     phases: list[tuple[str, float, float]] = []  # (name, rate, seconds)
     if a.empty_seconds > 0:
         phases += [("almost empty", PRIME_RATE, a.warmup / 2 + a.empty_seconds), ("empty", 0.0, a.empty_seconds)]
-    phases += [(f"{r:,}/s", float(r), a.warmup + a.seconds) for r in a.rates]
-    rescale_phase = engine in ("keyscale", "keyscale_async") and a.rescale_seconds > 0
-    if rescale_phase:
-        phases.append((f"{a.rescale_rate:,}/s + rescale 2->3", float(a.rescale_rate), a.warmup + a.rescale_seconds))
+    for r in a.rates:
+        phases.append((f"{r:,}/s", float(r), a.warmup + a.seconds))
+        if r == a.rescale_rate and engine in ("keyscale", "keyscale_async") and a.rescale_seconds > 0:
+            # after the phase at that rate: a live rescale in the middle of this one, and back
+            # to the first parallelism at its end (applied in the next phase's warm-up)
+            phases.append((RESCALE.format(rate=r, p=a.parallelism, to=a.parallelism + 1), float(r), a.warmup + a.rescale_seconds))
     broker = start_tansu()
     run_dir = tmp / f"{engine}-{tag}"
     run_dir.mkdir(parents=True)
@@ -478,9 +489,11 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
             while not phase_done.wait(0.2):
                 if engine_proc.poll() is not None:
                     raise RuntimeError(f"{engine} ended during phase {name}; see {run_dir / 'engine.log'}")
-                if name.endswith("rescale 2->3") and rescale_at is None and time.time() - t_phase > a.warmup + a.rescale_seconds / 2:
+                if "rescale" in name and rescale_at is None and time.time() - t_phase > a.warmup + a.rescale_seconds / 2:
                     rescale_at = time.time()
-                    JobDir(cfg["dir"]).request_rescale(3)
+                    JobDir(cfg["dir"]).request_rescale(a.parallelism + 1)
+            if "rescale" in name:
+                JobDir(cfg["dir"]).request_rescale(a.parallelism)  # back, for the next rates
             loads.append(_load())
             t_end = time.time()
             while not outputs.covered(produced.value) and time.time() - t_end < a.drain:
@@ -535,8 +548,11 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
             order = np.argsort(times[measured])
             quarters = np.array_split(lat[order], 4)
             q1, q4 = float(np.median(quarters[0])), float(np.median(quarters[-1]))
-            row.update(first_quarter_p50_s=q1, last_quarter_p50_s=q4, lag_grows=bool(q4 > 1.5 * q1 and q4 > q1 + 0.25) or unmatched > 0)
-        if name.endswith("rescale 2->3") and rescale_at is not None:
+            row.update(first_quarter_p50_s=q1, last_quarter_p50_s=q4, lag_grows=_grows(q1, q4) or unmatched > 0)
+        if batches:
+            span = max(b["end"] for b in batches) - min(b["start"] for b in batches)
+            row["read_per_s"] = sum(b["records"] for b in batches) / span if span > 0 else float("nan")
+        if "rescale" in name and rescale_at is not None:
             t = times[measured]
             around = lat[(t >= rescale_at - 30) & (t <= rescale_at + 30)]
             after = lat[(t >= rescale_at) & (t <= rescale_at + 10)]
@@ -575,7 +591,9 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (engine, phase), rows in by.items():
         med: dict[str, Any] = {"engine": engine, "phase": phase, "repeats": len(rows), "rate": rows[0]["rate"],
-                               "loads": [r["load"] for r in rows], "lag_grows": [r.get("lag_grows") for r in rows]}
+                               "loads": [r["load"] for r in rows],
+                               "lag_grows": [_grows(r["first_quarter_p50_s"], r["last_quarter_p50_s"]) or r["unmatched"] > 0
+                                             if "first_quarter_p50_s" in r else None for r in rows]}
         for k, v in rows[0].items():
             if isinstance(v, float | int) and not isinstance(v, bool) and k != "rate":
                 vals = [r[k] for r in rows if isinstance(r.get(k), float | int) and r[k] == r[k]]
@@ -589,8 +607,8 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(summary: list[dict[str, Any]]) -> str:
     get = {(s["engine"], s["phase"]): s for s in summary}
-    lines = ["| input | engine | p50 | p99 | max | lag grows | drain | median batch (records) | p99 / keyscale's p99 | load (1/5/15 min) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| input | engine | p50 | p99 | max | lag grows (last quarter's p50 vs first's) | drain | median batch (records) | read/s | p99 / keyscale's p99 | load (1/5/15 min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     phases = list(dict.fromkeys(s["phase"] for s in summary if s["phase"] not in ("almost empty", "empty")))
     for phase in phases:
         ks = get.get(("keyscale", phase))
@@ -600,14 +618,15 @@ def table(summary: list[dict[str, Any]]) -> str:
                 continue
             ratio = f"{s['p99_s'] / ks['p99_s']:.2f}x" if ks and engine != "keyscale" and ks["p99_s"] > 0 else ""
             grows = ", ".join("yes" if g else "no" for g in s["lag_grows"] if g is not None)
+            grows += f" ({_fmt(s.get('last_quarter_p50_s'))} vs {_fmt(s.get('first_quarter_p50_s'))})" if "first_quarter_p50_s" in s else ""
             lines.append(f"| {phase} | {engine} | {_fmt(s['p50_s'])} | {_fmt(s['p99_s'])} | {_fmt(s['max_s'])} | {grows} | "
-                         f"{_fmt(s['drain_s'])} | {_fmt(s['median_batch_s'])} ({_n(s['median_batch_records'])}) | {ratio} | "
+                         f"{_fmt(s['drain_s'])} | {_fmt(s['median_batch_s'])} ({_n(s['median_batch_records'])}) | {_n(s.get('read_per_s'))} | {ratio} | "
                          f"{'; '.join(s['loads'])} |")
         for engine in ("keyscale", "keyscale_async"):
             s = get.get((engine, phase))
             if s and "p99_minute_around_rescale_s" in s:
-                lines.append(f"| {phase} | {engine}, the minute around the rescale | | {_fmt(s['p99_minute_around_rescale_s'])} | | | | | | |")
-                lines.append(f"| {phase} | {engine}, the 10 s after the rescale request | | {_fmt(s.get('p99_10s_after_rescale_s'))} | | | | | | |")
+                lines.append(f"| {phase} | {engine}, the minute around the rescale | | {_fmt(s['p99_minute_around_rescale_s'])} | | | | | | | |")
+                lines.append(f"| {phase} | {engine}, the 10 s after the rescale request | | {_fmt(s.get('p99_10s_after_rescale_s'))} | | | | | | | |")
     lines += ["", "| almost empty batch (5 records/s) | median batch | records per batch | empty batch (no input) | load |", "|---|---|---|---|---|"]
     for engine in ENGINES + OPTIONAL:
         s, e = get.get((engine, "almost empty")), get.get((engine, "empty"))
@@ -639,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--empty-seconds", type=float, default=20.0, help="almost empty and empty phases (0: skip)")
     ap.add_argument("--rescale-rate", type=int, default=5000)
     ap.add_argument("--rescale-seconds", type=float, default=60.0, help="measured seconds of keyscale's phase with a live rescale (0: skip)")
-    ap.add_argument("--drain", type=float, default=30.0, help="at most this long after a phase for its records to reach the output")
+    ap.add_argument("--drain", type=float, default=60.0, help="at most this long after a phase for its records to reach the output")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--parallelism", type=int, default=2)
