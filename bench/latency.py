@@ -1,7 +1,7 @@
 """Latency side by side: Kafka -> keyed count and sum -> Kafka (issue 35, item 5).
 
     PYTHONPATH=src .venv/bin/python bench/latency.py --repeats 1 --out bench/out/latency.json
-    PYTHONPATH=src .venv/bin/python bench/latency.py --quick          # a smoke check (~5 min)
+    PYTHONPATH=src .venv/bin/python bench/latency.py --quick          # a smoke check (~6 min)
 
 Three engines on the same input, measured the same way, each in its own process with a
 private Tansu broker (keyscale.kafka.broker, in memory) and fresh topics (4 partitions in,
