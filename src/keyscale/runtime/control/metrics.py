@@ -22,7 +22,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from keyscale.checkpoint.manifest import Manifest
@@ -69,6 +74,19 @@ def families(status: dict[str, Any], committed: Manifest | None, summary: RunSum
         duration = _gauge("keyscale_last_batch_duration_seconds", "Wall time of the last committed batch, from intent to manifest", ["job"])
         duration.add_metric([job], last.seconds)
         out.append(duration)
+        if last.latency is not None:
+            quantiles = _gauge("keyscale_last_batch_latency_seconds", "End-to-end latency of the last batch's records, from their append to the "
+                               "source to the commit of its output: p50, p99 and max", ["job", "quantile"])
+            for q, v in (("0.5", last.latency.p50_seconds), ("0.99", last.latency.p99_seconds), ("1", last.latency.max_seconds)):
+                quantiles.add_metric([job, q], v)
+            out.append(quantiles)
+
+    # One observation per record measured (a Histogram cannot take a weight: the batches'
+    # bucket counts are added up in the run's summary and served as they are).
+    latency = HistogramMetricFamily("keyscale_end_to_end_latency_seconds", "End-to-end latency of each record this run measured, from its "
+                                    "append to the source (Kafka timestamp, log segment write) to the commit of its batch's output", labels=["job"])
+    latency.add_metric([job], buckets=list(summary.latency.cumulative()), sum_value=summary.latency.sum_seconds)
+    out.append(latency)
 
     if committed is not None:
         batch = _gauge("keyscale_last_checkpoint_batch", "The last committed batch (its checkpoint)", ["job"])
