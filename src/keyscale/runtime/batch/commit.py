@@ -350,12 +350,19 @@ def record(
 
 
 def batch_latency(job: JobState, reports: TaskReports) -> Latency | None:
-    """The batch's end-to-end latency (:mod:`keyscale.latency`): its log sources' readers'
-    append-time summaries, to the time its sinks committed (``job.batch.visible_at``). None
-    when no reader measured a record: a Spark source, a Redis log, an empty batch."""
+    """The batch's end-to-end latency (:mod:`keyscale.latency`): from its records' append
+    times to the time its sinks committed (``job.batch.visible_at``). The append times are
+    summarised by its log sources' readers, or, for a Spark file source, by the first keyed
+    stage's tasks (the files' modification times ride along to it: ``arrival.APPENDED``).
+    None when no task measured a record: another Spark source (rate, table, Spark's own
+    Kafka reader), a Redis log, a file source with no keyed stage, an empty batch."""
     if job.pipeline is None or job.batch.visible_at is None:
         return None
     summaries = [r.ages for src in job.pipeline.logs if src.uid in reports for r in reports[src.uid]]
+    if not any(summaries):
+        # Several branches may each start with a keyed stage that saw the files: count once.
+        summaries = next(([r.ages for r in reports[s.uid]] for s in job.pipeline.keyed_steps
+                          if s.uid in reports and any(r.ages for r in reports[s.uid])), [])
     return at_commit(summaries, job.batch.visible_at)
 
 
