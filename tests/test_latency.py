@@ -4,6 +4,7 @@ the commit, against the exact figures computed from every record's append time."
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -131,3 +132,35 @@ def test_append_times_after_the_commit_count_as_zero_latency() -> None:
 def test_quantile_needs_values() -> None:
     with pytest.raises(ValueError):
         quantile([], 0.5)
+
+
+def test_metrics_serve_a_real_histogram_and_the_last_measured_batch() -> None:
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.registry import CollectorRegistry
+
+    from keyscale.runtime.batch.jobstate import BatchRecord, RunSummary
+    from keyscale.runtime.control.metrics import families
+
+    # 100 records: 90 appended 0.2 s and 10 appended 3 s before their task ended, 0.1 s before the commit.
+    lat = at_commit([ages(np.array([99.8] * 90 + [97.0] * 10), ended=100.0, clock="test")], committed=100.1)
+    assert lat is not None
+    summary = RunSummary("j", "d", batches=[BatchRecord(0, 1.0, 100, 1, {}, latency=lat), BatchRecord(1, 1.0, 0, 0, {})])
+    summary.latency.add(lat)
+    status = {"job": "j", "state": "running", "latency": {"batch": 0, **lat.to_json()}}
+
+    class Fixed:
+        def collect(self) -> Any:
+            return families(status, None, summary, 0)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Fixed())  # type: ignore[arg-type]
+    parsed = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    hist = parsed["keyscale_end_to_end_latency_seconds"]
+    assert hist.type == "histogram"
+    got = {(s.name, s.labels.get("le")): s.value for s in hist.samples}
+    assert got[("keyscale_end_to_end_latency_seconds_bucket", "0.25")] == 0 and got[("keyscale_end_to_end_latency_seconds_bucket", "0.5")] == 90
+    assert got[("keyscale_end_to_end_latency_seconds_bucket", "5.0")] == 100 and got[("keyscale_end_to_end_latency_seconds_count", None)] == 100
+    assert got[("keyscale_end_to_end_latency_seconds_sum", None)] == pytest.approx(90 * 0.3 + 10 * 3.1, rel=ALPHA)
+    last = {s.labels["quantile"]: s.value for s in parsed["keyscale_last_batch_latency_seconds"].samples}
+    assert last["0.5"] == pytest.approx(0.3, rel=ALPHA) and last["0.99"] == pytest.approx(3.1, rel=ALPHA) and last["1"] == pytest.approx(3.1)

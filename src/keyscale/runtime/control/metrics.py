@@ -74,17 +74,19 @@ def families(status: dict[str, Any], committed: Manifest | None, summary: RunSum
         duration = _gauge("keyscale_last_batch_duration_seconds", "Wall time of the last committed batch, from intent to manifest", ["job"])
         duration.add_metric([job], last.seconds)
         out.append(duration)
-        if last.latency is not None:
-            quantiles = _gauge("keyscale_last_batch_latency_seconds", "End-to-end latency of the last batch's records, from their append to the "
-                               "source to the commit of its output: p50, p99 and max", ["job", "quantile"])
-            for q, v in (("0.5", last.latency.p50_seconds), ("0.99", last.latency.p99_seconds), ("1", last.latency.max_seconds)):
-                quantiles.add_metric([job, q], v)
-            out.append(quantiles)
+
+    if status.get("latency") is not None:  # the status's: the last batch that measured any
+        lat = status["latency"]
+        quantiles = _gauge("keyscale_last_batch_latency_seconds", "End-to-end latency of the records of the last batch that measured any, "
+                           "from their append to the source to the commit of its output: p50, p99 and max", ["job", "quantile"])
+        for q, key in (("0.5", "p50_seconds"), ("0.99", "p99_seconds"), ("1", "max_seconds")):
+            quantiles.add_metric([job, q], lat[key])
+        out.append(quantiles)
 
     # One observation per record measured (a Histogram cannot take a weight: the batches'
     # bucket counts are added up in the run's summary and served as they are).
     latency = HistogramMetricFamily("keyscale_end_to_end_latency_seconds", "End-to-end latency of each record this run measured, from its "
-                                    "append to the source (Kafka timestamp, log segment write) to the commit of its batch's output", labels=["job"])
+                                    "append to the source (Kafka timestamp, log segment write, file modification time) to the commit of its batch's output", labels=["job"])
     latency.add_metric([job], buckets=list(summary.latency.cumulative()), sum_value=summary.latency.sum_seconds)
     out.append(latency)
 
