@@ -35,14 +35,7 @@ from keyscale._faults import fault_point
 from keyscale.checkpoint.files import encode_state_file, spill_state_file
 from keyscale.checkpoint.manifest import FileKind, StateFile
 from keyscale.latency import ages
-from keyscale.operators.keyed import (
-    TIMER_STATES,
-    Context,
-    KeyedProcessFunction,
-    RuntimeContext,
-    rows_to_arrow,
-    ttl_column,
-)
+from keyscale.operators.keyed import KeyedProcessFunction, rows_to_arrow
 from keyscale.operators.poison import ErrorCollector, null_event_time_mask, run_guarded
 from keyscale.operators.vectorized import VectorizedKeyedFunction
 from keyscale.operators.windows import WindowAggregate, WindowResult, run_windows
@@ -65,6 +58,8 @@ from keyscale.runtime.task.spec import (
     with_side_output,
 )
 from keyscale.runtime.task.upload import Upload, release_free_memory
+from keyscale.state.contexts import Context, RuntimeContext
+from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor, is_numeric
