@@ -153,6 +153,12 @@ def test_flip8_live_rescale_on_kafka_partitions_exactly_once(kafka_broker: Any, 
     readers = _check_read_to_end(JobDir(tmp_path / "job"), b, src, "")
     _check_exactly_once(_updates(b, out), events)
     assert sorted(len(r) for r in readers) == [1, 1, 1, 1]  # after the rescale to 4: one partition each
+    # Every record's latency was measured, from its Kafka timestamp (CreateTime: Tansu's topics
+    # have no LogAppendTime) to its batch's transactions' commit, through both rescales.
+    measured = [r.latency for r in summary.batches if r.records]
+    assert all(lat is not None and lat.clock == "kafka CreateTime" for lat in measured)
+    assert sum(lat.records for lat in measured if lat is not None) == len(events) == sum(r.records for r in summary.batches)
+    assert summary.latency.total == len(events)
 
 
 # kafka-precommit: a task kills the driver after its transaction is flushed, before it
