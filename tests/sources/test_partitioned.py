@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pyarrow as pa
 import pytest
 
@@ -25,9 +29,7 @@ def test_the_shared_checks() -> None:
     assert check_schema(pa.schema([("a", pa.int64())])).names == ["a"]
 
 
-def test_a_local_log_tells_each_records_append_time_a_redis_log_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import os
-    import time
+def test_a_local_log_tells_each_records_append_time(tmp_path: Path) -> None:
 
     from keyscale.sources.local_log import SEGMENT_CLOCK
     from keyscale.sources.union import UnionLog
