@@ -123,6 +123,16 @@ def test_no_append_times_is_no_latency_not_zero() -> None:
     assert totals.total == 0
 
 
+def test_a_batch_record_whose_histogram_was_dropped_is_left_out_of_a_window() -> None:
+    from dataclasses import replace
+
+    kept = at_commit([ages(np.array([9.0]), ended=10.0, clock="t")], committed=10.0)
+    dropped = at_commit([ages(np.array([0.0]), ended=10.0, clock="t")], committed=10.0)
+    assert kept is not None and dropped is not None
+    assert window_quantile([replace(dropped, buckets={})], 0.99) is None
+    assert window_quantile([kept, replace(dropped, buckets={})], 1.0) == pytest.approx(1.0, rel=ALPHA)
+
+
 def test_append_times_after_the_commit_count_as_zero_latency() -> None:
     # A producer's CreateTime ahead of the driver's clock.
     lat = at_commit([ages(np.array([20.0, 21.0]), ended=10.0, clock="kafka CreateTime")], committed=11.0)

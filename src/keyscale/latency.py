@@ -181,7 +181,8 @@ class Latency:
 
     ``buckets`` is the batch's latency histogram (the same log buckets as :class:`Ages`):
     what :func:`window_quantile` merges over several batches and the Prometheus histogram
-    counts."""
+    counts. A run keeps it for its last ``HISTORY`` batches (``runtime/batch/jobstate.py``);
+    older batch records keep the figures only."""
 
     records: int
     p50_seconds: float
@@ -240,7 +241,7 @@ def window_quantile(batches: Iterable[Latency | None], q: float) -> float | None
     >>> round(window_quantile([b1, b2, None], 0.5), 1), round(window_quantile([b1, b2], 1.0), 1)
     (2.0, 10.0)
     """
-    got = [b for b in batches if b is not None and b.records > 0]
+    got = [b for b in batches if b is not None and b.buckets]  # a run keeps the histograms of its recent batches only
     if not got:
         return None
     pairs = [(representative(k), n) for b in got for k, n in b.buckets.items()]

@@ -55,7 +55,13 @@ from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.nonkeyed import broadcast_to_json, lists_state
 from keyscale.runtime.batch import malformed, parallelism, stages
 from keyscale.runtime.batch import poison as poison_batch
-from keyscale.runtime.batch.jobstate import BatchRecord, BatchScratch, JobState, PendingCommit
+from keyscale.runtime.batch.jobstate import (
+    HISTORY,
+    BatchRecord,
+    BatchScratch,
+    JobState,
+    PendingCommit,
+)
 from keyscale.runtime.batch.source_plan import plan_source, read_source, source_status
 from keyscale.runtime.batch.status import checkpoint_fields, report_counts, status
 from keyscale.runtime.task import counters
@@ -317,6 +323,10 @@ def record(
     rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests), lat)
     job.history.summary.batches.append(rec)
     job.history.summary.latency.add(lat)
+    if len(job.history.summary.batches) > HISTORY:  # a long run keeps every record: only the recent ones' histograms
+        aged = job.history.summary.batches[-HISTORY - 1]
+        if aged.latency is not None and aged.latency.buckets:
+            aged.latency = replace(aged.latency, buckets={})
     job.history.summary.parallelism = dict(job.scaling.parallelism)
     job.committed.task_reports = reports
     src = job.pipeline.log_source
