@@ -277,8 +277,10 @@ def _engine_main(cfg: dict[str, Any]) -> int:
 
         def on_batch(rec: Any) -> None:
             end = time.time()
+            lat = getattr(rec, "latency", None)  # keyscale's own measure, append time to commit (keyscale.latency)
             batches.append({"batch": rec.batch, "start": end - rec.seconds, "end": end, "seconds": rec.seconds, "records": rec.records,
-                            "parallelism": max(rec.parallelism.values()) if rec.parallelism else 0})
+                            "parallelism": max(rec.parallelism.values()) if rec.parallelism else 0,
+                            "own_p50_s": lat.p50_seconds if lat is not None else None, "own_p99_s": lat.p99_seconds if lat is not None else None})
 
         job = STATELESS_JOB if cfg["engine"] == "stateless" else KEYED_JOB
         opts = RunOptions(job_file=str(job), job_dir=cfg["dir"], parallelism=cfg["parallelism"], trigger_interval=cfg["trigger"],
@@ -545,6 +547,8 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
             jobs = [b["spark_job_s"] for b in batches if b.get("spark_job_s", float("nan")) == b.get("spark_job_s")]
             row["median_spark_job_s"] = statistics.median(jobs) if jobs else float("nan")
             row["median_between_batches_s"] = statistics.median(gaps) if gaps else float("nan")
+            own = [b["own_p99_s"] for b in batches if b.get("own_p99_s") is not None]
+            row["own_median_batch_p99_s"] = statistics.median(own) if own else float("nan")  # keyscale's per-batch p99, at the commit
         if len(lat) >= 8:
             order = np.argsort(times[measured])
             quarters = np.array_split(lat[order], 4)
