@@ -168,6 +168,8 @@ class BatchScratch:
 
     input_counts: counters.Counters = field(default_factory=dict)  # the batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its plan is for
+    # Seconds of each step of the commit protocol so far (commit.py's ``_Clock.lap``): the batch's profile.
+    steps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
