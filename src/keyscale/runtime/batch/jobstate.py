@@ -218,6 +218,8 @@ class JobState:
     malformed: Watched | None = None  # the corrupt-record column of a JSON/CSV source, whose rows on_error handles
     # Per keyed stage, its marker rows in the query's Spark session (stages.routed): a cache, the same every batch.
     markers: dict[str, dict[Any, Any]] = field(default_factory=dict)
+    # Parts of a batch's plan that are the same every batch (source_plan.reader_rows), in the job's Spark session.
+    plans: dict[Any, Any] = field(default_factory=dict)
     # Asynchronous checkpoints: how long a batch's files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
     upload_timeout: float = 600.0
     # Held while a batch runs, a savepoint is taken or a pending commit settles (JobRunner's
