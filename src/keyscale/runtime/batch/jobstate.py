@@ -57,6 +57,10 @@ class RunOptions:
     until_idle: bool = False
     args: dict[str, str] = field(default_factory=dict)
     trigger_interval: str = "1 second"
+    # A log source's batches (driver/runner.py): False, the next batch starts as soon as the last one
+    # committed when records wait in the log, and an idle job starts one when records arrive (checked
+    # every IDLE_POLL_SECONDS) or after the trigger interval; True, one batch per trigger interval at most.
+    wait_for_trigger: bool = False
     retain: int = 3
     max_chain: int = 8
     max_file_age: int = 32  # a subtask snapshots when its oldest state file is this many batches old

@@ -102,6 +102,21 @@ def reader_rows(job: JobState, n: int) -> DataFrame:
     return rows
 
 
+def input_waiting(job: JobState, src: LogSource) -> bool:
+    """Whether ``src`` holds records the committed positions have not reached (or a partition
+    no reader has yet): one read of the log's end. A log that cannot be read now says no:
+    the next batch's planning reports why."""
+    assignment = committed_assignment(job, src)
+    try:
+        ends = src.log.end_offsets()
+    except KeyscaleError:
+        return False
+    if assignment is None:
+        return any(ends)
+    assigned = {p for entries in assignment for p, _ in entries}
+    return any(reader.lag(assignment, ends).values()) or any(e > 0 for p, e in enumerate(ends) if p not in assigned)
+
+
 def source_status(job: JobState, src: LogSource) -> dict[str, Any]:
     """Readers, their partitions and offsets, and the lag behind the log's end."""
     assignment = committed_assignment(job, src) or [[] for _ in range(job.scaling.parallelism[src.uid])]
