@@ -41,8 +41,11 @@ ROOT = HERE.parent
 JOB = ROOT / "examples" / "log_count.py"
 
 
-def one(batches: int, records: int, warmup: int, interval: str, parallelism: int) -> dict[str, Any]:
-    """Run the job for ``warmup + batches`` batches; the medians of the batches after the warm-up."""
+def one(batches: int, records: int, warmup: int, interval: str, parallelism: int, rate: float = 0.0) -> dict[str, Any]:
+    """Run the job for ``warmup + batches`` batches; the medians of the batches after the warm-up.
+    With ``rate``, a producer thread appends that many records a second (every 20 ms) from
+    the warm-up's end on, and each record's latency is measured: from its append to the end of
+    the commit of the batch that read it (the ``on_batch`` callback, after the manifest)."""
     import pyarrow as pa
 
     from keyscale.runtime.batch.jobstate import RunOptions
@@ -67,10 +70,49 @@ def one(batches: int, records: int, warmup: int, interval: str, parallelism: int
     append(records)
     ends: list[float] = []
     runner: JobRunner | None = None
+    appended: list[list[tuple[int, float]]] = [[], []]  # per partition: (offset after the append, its time)
+    latencies: list[float] = []
+    seen = [0, 0]  # per partition: records whose latency is known
+    producing = threading.Event()
+
+    def produce() -> None:
+        import datetime as dt
+
+        producing.wait()
+        start, n = time.perf_counter(), 0
+        while runner is not None and not runner.stop_requested():
+            due = int((time.perf_counter() - start) * rate) - n
+            for part in range(2):
+                k = due // 2 + (due % 2 if part == 0 else 0)
+                if k:
+                    now, t = dt.datetime.now(dt.UTC), time.perf_counter()
+                    _, end = log.append(part, pa.table({"key": [f"k{(n + i) % 1000}" for i in range(k)], "value": list(range(k)),
+                                                        "ts": pa.array([now] * k, pa.timestamp("us", tz="UTC"))}))
+                    appended[part].append((end, t))
+            n += due
+            time.sleep(0.02)
+
+    def measure(now: float) -> None:
+        from keyscale.sources.reader import from_state
+
+        assert runner is not None
+        m = runner.job.committed.manifest
+        positions = from_state(m.operators["reader"].operator_state) if m is not None else None
+        for p, off in (e for entries in positions or [] for e in entries):
+            while appended[p] and appended[p][0][0] <= off:
+                end, t = appended[p].pop(0)
+                latencies.extend([now - t] * (end - seen[p]))
+                seen[p] = end
 
     def on_batch(rec: Any) -> None:
-        ends.append(time.perf_counter())
+        now = time.perf_counter()
+        ends.append(now)
+        if rate:
+            measure(now)
         append(records)
+        if len(ends) == warmup:
+            seen[:] = [int(e) for e in log.end_offsets()]
+            producing.set()
         if len(ends) >= warmup + batches and runner is not None:
             runner.stop()
 
@@ -87,6 +129,8 @@ def one(batches: int, records: int, warmup: int, interval: str, parallelism: int
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
+    if rate:
+        threading.Thread(target=produce, daemon=True).start()
     t.join()
     if done:
         raise done[0]
@@ -101,7 +145,14 @@ def one(batches: int, records: int, warmup: int, interval: str, parallelism: int
         "batches": len(recs), "records_per_batch": statistics.median(r.records for r in recs),
         "batch_s": statistics.median(r.seconds for r in recs), "cycle_s": statistics.median(cycles) if cycles else None,
         "steps": {k: round(statistics.median(v), 4) for k, v in steps.items()},
+        **({"latency_p50_s": round(_quantile(latencies, 0.5), 3), "latency_p99_s": round(_quantile(latencies, 0.99), 3),
+            "latency_records": len(latencies)} if latencies else {}),
     }
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def spark_baseline(batches: int, warmup: int) -> dict[str, Any]:
@@ -134,10 +185,13 @@ def compare(a: str, b: str, rounds: int, argv: list[str]) -> None:
                 raise SystemExit(f"the run with PYTHONPATH={src} failed")
             res = json.loads(out.stdout.strip().splitlines()[-1])
             runs[src].append(res)
-            print(f"round {r + 1} {src}: batch {res['batch_s']:.3f} s, cycle {res['cycle_s']:.3f} s, steps {res['steps']}", flush=True)
+            lat = f", latency p50 {res['latency_p50_s']:.3f} s p99 {res['latency_p99_s']:.3f} s" if "latency_p50_s" in res else ""
+            print(f"round {r + 1} {src}: batch {res['batch_s']:.3f} s, cycle {res['cycle_s']:.3f} s{lat}, steps {res['steps']}", flush=True)
     for src, rs in runs.items():
+        lat = (f", latency p50 {statistics.median(x['latency_p50_s'] for x in rs):.3f} s p99 {statistics.median(x['latency_p99_s'] for x in rs):.3f} s"
+               if all("latency_p50_s" in x for x in rs) else "")
         print(f"{src}: median over {len(rs)} runs: batch {statistics.median(x['batch_s'] for x in rs):.3f} s, "
-              f"cycle {statistics.median(x['cycle_s'] for x in rs):.3f} s")
+              f"cycle {statistics.median(x['cycle_s'] for x in rs):.3f} s{lat}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--records", type=int, default=0, help="records appended after each batch (read by the next)")
     ap.add_argument("--interval", default="1 millisecond", help="the trigger interval")
     ap.add_argument("-p", "--parallelism", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=0.0, help="records/s appended by a producer; latency measured")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     ap.add_argument("--spark", action="store_true", help="Spark's own stateful aggregation instead")
     ap.add_argument("--compare", nargs=2, metavar=("SRC_A", "SRC_B"), help="A B A B in fresh processes, PYTHONPATH=SRC")
@@ -154,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.compare:
         passed = ["--batches", str(a.batches), "--warmup", str(a.warmup), "--records", str(a.records), "--interval", a.interval,
-                  "-p", str(a.parallelism)]
+                  "-p", str(a.parallelism), "--rate", str(a.rate)]
         compare(a.compare[0], a.compare[1], a.rounds, passed)
         return 0
-    res = spark_baseline(a.batches, a.warmup) if a.spark else one(a.batches, a.records, a.warmup, a.interval, a.parallelism)
+    res = spark_baseline(a.batches, a.warmup) if a.spark else one(a.batches, a.records, a.warmup, a.interval, a.parallelism, a.rate)
     if a.json:
         print(json.dumps(res))
     else:
