@@ -87,6 +87,15 @@ class _Message:
     def error(self) -> _Error | None:
         return self.error_
 
+    def key(self) -> bytes:
+        return b"k%d" % self.offset_
+
+    def value(self) -> bytes:
+        return b"v%d" % self.offset_
+
+    def timestamp(self) -> tuple[int, int]:
+        return 1, 1_700_000_000_000 + self.offset_  # (TIMESTAMP_CREATE_TIME, ms)
+
 
 @dataclass
 class StubConsumer:
@@ -219,6 +228,21 @@ def test_no_end_from_any_fetch_is_still_an_error_naming_topic_and_partitions(stu
             pytest.raises(KafkaConnectorError, match=r"Kafka topic 'input': no answer on the end of partitions \[0, 1\] within 1 s"):
         true_ends(c, "input", [0, 1], {}, timeout=1.0, fetch_ends=fetch_ends)
     assert made[0].fetches == 0 and fetch_ends.reports > 0 and fetch_ends.ends == {}
+
+
+def test_a_read_starting_inside_a_batch_answered_empty_steps_back_and_gets_every_record_once(
+    stub: Callable[..., list[StubConsumer]],
+) -> None:
+    """Run K3's failure: a batch's planned range starts inside a record batch (offset 120
+    of the batch 100-149) and every fetch there is answered empty; the read fetches again
+    from earlier offsets until one starts at a batch's first record, and returns exactly
+    the planned records, once each, within seconds (before: 60 s, then the read failed)."""
+    stub({0: StubPartition([(0, 100), (100, 50), (150, 50)])})
+    t0 = time.monotonic()
+    got = KafkaLog("b:9092", "input").read(0, 120, 180)
+    assert time.monotonic() - t0 < 15
+    assert got.column("offset").to_pylist() == list(range(120, 180))
+    assert got.column("value").to_pylist() == [b"v%d" % o for o in range(120, 180)]
 
 
 # -- a real Tansu broker --------------------------------------------------------------------------
