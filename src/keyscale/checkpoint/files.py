@@ -321,8 +321,8 @@ class _Ranged(io.RawIOBase):
 
 
 # A point lookup's first read of a state file: its last bytes, which hold the footer
-# (schema with the key-group index, record batch offsets) unless the index is very large.
-TAIL_BYTES = 64 << 10
+# (schema with the key-group index, record batch offsets; a large index takes a second read).
+TAIL_BYTES = 16 << 10
 
 
 def state_file_tail(store: Store, f: StateFile) -> tuple[int, bytes]:
