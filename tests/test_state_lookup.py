@@ -334,3 +334,22 @@ def test_a_running_job_answers_lookups_through_a_live_rescale(spark: Any, tmp_pa
         assert a["batch"] == batch and a["key_group"] == r["key_group"]
         assert a["state"] == {"total": r["total"], "recent": r["recent"], "seen": dict(r["seen"])}
     assert job.state("tracker", "k1")["batch"] >= batch  # after the job ended: its last checkpoint
+
+
+def test_a_window_operators_key_answers_its_open_windows(tmp_path: Path) -> None:
+    jd = JobDir(tmp_path / "job")
+    jd.claim("job", M, M)
+    table = pa.table({"user": ["ann", "ann", "bob"], "window_start": pa.array([60_000, 0, 0], pa.int64()),
+                      "n": pa.array([2, 5, 1], pa.int64()), "window_end": pa.array([120_000, 60_000, 60_000], pa.int64()),
+                      "fired": [False, True, False]})
+    kgs = key_groups(table, ["user"], ["string"], M)  # a window's start is not part of the key group
+    table = table.add_column(2, KG_COLUMN, pa.array(kgs, pa.int32())).sort_by(KG_COLUMN)
+    f = write_state_file(jd.store, "state/w/000000000000-s00000-snapshot.arrow", table, "snapshot", 0, KeyGroupRange(0, M - 1))
+    states = [StateDescriptor("n", "value", pa.int64()), StateDescriptor("window_end", "value", pa.int64()),
+              StateDescriptor("fired", "value", pa.bool_())]
+    op = OperatorCheckpoint("w", M, 1, (("user", "string"), ("window_start", "int64")), tuple(s.to_json() for s in states), (f,))
+    jd.commit(Manifest("job", 0, 0, {"w": op}))
+    answer = StateLookup(jd).get("w", "ann")
+    assert answer["key"] == {"user": "ann"} and answer["key_group"] == int(kgs[0])
+    assert answer["windows"] == [{"window_start": 0, "window_end": 60_000, "fired": True, "state": {"n": 5}},
+                                 {"window_start": 60_000, "window_end": 120_000, "fired": False, "state": {"n": 2}}]
