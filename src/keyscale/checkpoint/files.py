@@ -345,10 +345,11 @@ def state_file_tail(store: Store, f: StateFile) -> tuple[int, bytes]:
 
 
 def read_key_groups_ranged(store: Store, f: StateFile, rng: KeyGroupRange, tail: tuple[int, bytes] | None = None) -> pa.Table:
-    """The rows of key groups ``rng`` in state file ``f``, fetched by byte ranges through the
-    store (local disk and object stores alike): the footer (or ``tail``, from
-    :func:`state_file_tail`), then only the record batches (``CHUNK_ROWS`` rows each) that hold
-    those key groups. Nothing is checksummed: the bytes of the whole file are never read."""
+    """The rows of key groups ``rng`` in state file ``f``, by byte ranges: the footer (or
+    ``tail``, from :func:`state_file_tail`), then only the record batches (``CHUNK_ROWS``
+    rows each) that hold those key groups, fetched by ranged reads from an object store and
+    memory-mapped on local disk (where only those pages are read, without a copy). Nothing
+    is checksummed: the bytes of the whole file are never read."""
     table = _read_ranged(store, f, rng, window=TAIL_BYTES, tail=tail)
     if table is None:  # a file without fixed batch sizes: read whole
         table = _open_state_file(store, f, verify=False)
@@ -361,7 +362,10 @@ def _read_ranged(store: Store, f: StateFile, rng: KeyGroupRange, window: int = 1
     """Only the record batches of ``f`` that hold key groups ``rng`` (None: the file has no
     fixed batch size, read it whole)."""
     try:
-        reader = pa.ipc.open_file(pa.PythonFile(_Ranged(store, f.path, f.bytes, window, tail), mode="r"))
+        if isinstance(store, LocalStore):  # memory-mapped: only the pages of the footer and those batches are read
+            reader = pa.ipc.open_file(pa.memory_map(str(store.path(f.path))))
+        else:
+            reader = pa.ipc.open_file(pa.PythonFile(_Ranged(store, f.path, f.bytes, window, tail), mode="r"))
     except FileNotFoundError:
         raise StateError(f"state file {store.url(f.path)} is missing") from None
     except (pa.ArrowInvalid, OSError) as e:

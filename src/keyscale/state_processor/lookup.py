@@ -7,9 +7,10 @@ the key's rows in ``kg``'s restore chain at ``N`` (its latest snapshot, then the
 it: :func:`keyscale.checkpoint.manifest.restore_chain`) applied in order, as a restore
 applies them (:class:`keyscale.state.table.KeyedStateTable`, the same decoding
 :func:`~keyscale.state_processor.read_keyed_state` uses). Of each file only its footer and
-the record batches holding ``kg`` are fetched, by byte range through the store
-(:func:`keyscale.checkpoint.files.read_key_groups_ranged`), on local disk and object stores
-alike; footers and key-group slices stay in a small LRU cache (:class:`SliceCache`), keyed
+the record batches holding ``kg`` are read, by byte range
+(:func:`keyscale.checkpoint.files.read_key_groups_ranged`: ranged GETs on an object store, a
+memory map on local disk, where only those pages are read); footers and key-group slices
+stay in a small LRU cache (:class:`SliceCache`), keyed
 by file (path and checksum: state files are immutable) and range, so a hot key costs no
 read at all.
 
@@ -144,14 +145,13 @@ class SliceCache:
         table = self._get(key)
         if table is not None:
             return table  # type: ignore[no-any-return]
-        tail = self._get(("tail", *ident))
-        if tail is None:
+        tail = None if store.is_local else self._get(("tail", *ident))  # a local file is memory-mapped
+        if tail is None and not store.is_local:
             tail = state_file_tail(store, f)
             self._put(("tail", *ident), tail, len(tail[1]))
         table = read_key_groups_ranged(store, f, rng, tail)
-        # A slice may be a view of record batches larger than it: keep only its own rows.
-        table = table.combine_chunks() if table.num_rows else table
-        self._put(key, table, max(1, table.nbytes))
+        # A slice is a view of the record batches holding it (no copy): it costs their bytes.
+        self._put(key, table, max(1, table.get_total_buffer_size()))
         return table
 
 
