@@ -12,6 +12,7 @@ store's requests and the process's CPU time per lookup (on a busy machine the pe
 include waiting for a core; the CPU time does not).
 
     .venv/bin/python bench/state_lookup.py --keys 1000000
+    .venv/bin/python bench/state_lookup.py --keys 1000000 --seaweedfs          # on a SeaweedFS S3 server of its own
     .venv/bin/python bench/state_lookup.py --keys 10000000 --where s3://bench/lookup   # AWS_* in the environment
 """
 
@@ -94,8 +95,26 @@ def main() -> None:
     ap.add_argument("-p", "--parallelism", type=int, default=4)
     ap.add_argument("--deltas", type=int, default=3)
     ap.add_argument("--where", help="job directory to create (default: a temporary folder)")
+    ap.add_argument("--seaweedfs", action="store_true", help="on a private SeaweedFS S3 server started for the run (keyscale.storage.seaweed)")
     a = ap.parse_args()
-    where = a.where or tempfile.mkdtemp(prefix="lookup-bench-") + "/job"
+    if a.seaweedfs:
+        import os
+        import secrets
+
+        from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+
+        server = start_seaweedfs(tempfile.mkdtemp(prefix="lookup-bench-s3-"), "bench", secrets.token_hex(16))
+        try:
+            create_bucket(server, "bench")
+            os.environ.update(server.env())
+            run(a, "s3://bench/job")
+        finally:
+            server.stop()
+        return
+    run(a, a.where or tempfile.mkdtemp(prefix="lookup-bench-") + "/job")
+
+
+def run(a: argparse.Namespace, where: str) -> None:
     t0 = time.perf_counter()
     jd = build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
     built = time.perf_counter() - t0
