@@ -153,7 +153,7 @@ class SliceCache:
         if self.max_bytes and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
             # A view of record batches (65,536 rows) much larger than the key group: kept, it
             # would hold them all; a copy of its own rows lets the cache hold many more slices.
-            table = table.take(pa.array(np.arange(table.num_rows)))
+            table = table.take(np.arange(table.num_rows))
         self._put(key, table, max(1, table.get_total_buffer_size()))
         return table
 
