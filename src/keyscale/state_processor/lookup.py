@@ -150,9 +150,10 @@ class SliceCache:
             tail = state_file_tail(store, f)
             self._put(("tail", *ident), tail, len(tail[1]))
         table = read_key_groups_ranged(store, f, rng, tail)
-        if self.max_bytes and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
-            # A view of record batches (65,536 rows) much larger than the key group: kept, it
-            # would hold them all; a copy of its own rows lets the cache hold many more slices.
+        if self.max_bytes and not store.is_local and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
+            # A view of fetched record batches (65,536 rows) much larger than the key group:
+            # kept, it would hold them all; a copy of its own rows lets the cache hold many
+            # more slices. (On local disk it views the memory-mapped file: no copy is cheaper.)
             table = table.take(np.arange(table.num_rows))
         self._put(key, table, max(1, table.get_total_buffer_size()))
         return table
