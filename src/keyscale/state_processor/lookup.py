@@ -61,6 +61,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -394,6 +395,13 @@ class StateLookup:
         self._files = CheckpointFiles(self.jobdir.store)
         self._types: dict[tuple[Any, ...], LookupOperator] = {}
         self._types_lock = threading.Lock()
+        self._readers: ThreadPoolExecutor | None = None  # an object store's reads of one lookup, at once
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._types_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="keyscale-lookup")
+            return self._readers
 
     # -- checkpoints and operators ---------------------------------------------------------
     def manifest(self, checkpoint: int | None = None) -> Manifest:
@@ -455,8 +463,13 @@ class StateLookup:
         rng = KeyGroupRange(kg, kg)
         names = [n for n, _ in op.keys]
         table = KeyedStateTable(names, [t for _, t in op.keys], op.states)
-        for f in restore_chain(op.checkpoint.files, kg):
-            part = _matching(self.cache.slice(self.jobdir.store, f, rng), op.routing, values)
-            table.apply(part)
+        store = self.jobdir.store
+        chain = restore_chain(op.checkpoint.files, kg)
+        if len(chain) > 1 and not store.is_local:  # an object store: the files' reads at once, applied in order
+            slices = list(self._pool().map(lambda f: self.cache.slice(store, f, rng), chain))
+        else:
+            slices = [self.cache.slice(store, f, rng) for f in chain]
+        for part in slices:
+            table.apply(_matching(part, op.routing, values))
         rows = table.to_arrow(table.rows_in_range(kg, kg, live_only=True)).to_pylist()
         return _answer(op, m.batch, values, kg, rows)
