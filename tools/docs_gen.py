@@ -122,7 +122,7 @@ def metric_families(source: str | None = None) -> list[tuple[str, str, str, list
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
             continue
-        kind = {"_gauge": "gauge", "GaugeMetricFamily": "gauge", "CounterMetricFamily": "counter"}.get(node.func.id)
+        kind = {"_gauge": "gauge", "GaugeMetricFamily": "gauge", "CounterMetricFamily": "counter", "HistogramMetricFamily": "histogram"}.get(node.func.id)
         if kind is None or len(node.args) < 2:
             continue
         name, doc = _literal(node.args[0]), _literal(node.args[1])

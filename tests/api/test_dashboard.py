@@ -86,7 +86,10 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
         assert len(strips) == 2
         assert len(browser.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 3  # uPlot drew three timelines
         assert "n/a" in browser.find_element(By.ID, "chart-backlog").text  # and files have no backlog to draw
+        # The files' modification times are the records' append times: p50, p99 and max of each batch.
+        assert browser.execute_script("return charts['chart-latency'].series.map((s) => s.label)") == ["Time", "p50", "p99", "max"]
         assert len(browser.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")) == 3
+        assert browser.find_element(By.CSS_SELECTOR, "#checkpoints tbody tr td:nth-child(5)").text.endswith(" s")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#savepoints tbody tr")) == 1
         assert browser.find_element(By.ID, "outputs").text == f"'totals' → parquet files in {tmp_path / 'out'}"
         ARTIFACTS.mkdir(exist_ok=True)

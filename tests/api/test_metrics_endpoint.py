@@ -17,10 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 import keyscale as ks
 from conftest import write_events
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.latency import ALPHA
 from keyscale.runtime.batch.jobstate import BatchRecord, RunSummary
 from keyscale.runtime.control.auth import auth_header, read_secret
 from keyscale.runtime.control.metrics import families, health
 from keyscale.runtime.control.server import ADDRESS, call
+from keyscale.runtime.task.arrival import FILE_CLOCK
 
 
 def _get(job_dir: Path, path: str, auth: bool = True) -> tuple[int, str]:
@@ -64,6 +66,15 @@ def test_metrics_match_the_status_of_a_running_job(spark: Any, tmp_path: Path) -
             assert m[("keyscale_subtask_state_keys", labels)] == s["state_keys"]
             assert m[("keyscale_subtask_state_bytes", labels)] > 0
         assert sum(v for (name, _), v in m.items() if name == "keyscale_subtask_state_keys") == 40
+        # A file source: each record's append time is its file's modification time (write_events
+        # dates its files in 2023), measured by the keyed stage, to the commit of its batch.
+        lat = status["latency"]
+        assert lat is not None and lat["append_time"] == FILE_CLOCK and lat["records"] == 500
+        ago = time.time() - (1_700_000_000 + lat["batch"])
+        assert ago - 60 < lat["max_seconds"] <= ago and lat["p50_seconds"] <= lat["p99_seconds"] <= lat["max_seconds"] * (1 + ALPHA)
+        assert m[("keyscale_end_to_end_latency_seconds_count", (("job", "rc"),))] == 1000  # both batches' records, all past 300 s
+        assert m[("keyscale_end_to_end_latency_seconds_bucket", (("job", "rc"), ("le", "300.0")))] == 0
+        assert m[("keyscale_last_batch_latency_seconds", (("job", "rc"), ("quantile", "1")))] == pytest.approx(lat["max_seconds"], abs=1e-3)
     finally:
         job.stop()
 
@@ -84,6 +95,9 @@ def test_families_from_a_status_without_spark() -> None:
     assert got[("keyscale_records_not_processed_total", ("late", "rc", "w"))] == 4
     assert got[("keyscale_autoscaler_recommended_parallelism", ("rc", "totals"))] == 8
     assert got[("keyscale_rescale_pending", ("rc",))] == 1
+    # Neither batch measured a latency (a source without append times): an empty histogram, no made-up number.
+    assert got[("keyscale_end_to_end_latency_seconds_count", ("rc",))] == 0
+    assert ("keyscale_last_batch_latency_seconds", ("0.99", "rc")) not in got
 
 
 @pytest.mark.parametrize(("state", "active", "code"), [("running", True, 200), ("running", None, 200), ("draining", True, 200),

@@ -99,6 +99,25 @@ def test_kafka_log_reads_planned_ranges_past_transaction_markers(kafka_broker: A
     assert log.identity() is not None
 
 
+def test_kafka_timestamps_are_the_records_append_times(kafka_broker: Any) -> None:
+    """The latency's append times (keyscale.latency): each record's Kafka timestamp, which is
+    the producer's CreateTime on a topic left at its default, said as such."""
+    from confluent_kafka import Producer
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 1)
+    p = Producer({"bootstrap.servers": b, "log_level": 3})
+    stamps = [1_767_225_600_000 + 250 * i for i in range(5)]  # 2026-01-01, a quarter second apart
+    for i, ms in enumerate(stamps):
+        p.produce(topic, value=json.dumps({"key": "k", "value": i, "ts": "2026-01-01T00:00:00Z"}).encode(), partition=0, timestamp=ms)
+    p.flush(30)
+    log = KafkaLog(b, topic, decoder=json_values("key string, value long, ts timestamp"))
+    table, times = log.read_timed(0, 0, log.end_offsets()[0])
+    assert table.column("value").to_pylist() == list(range(5))
+    assert times is not None and times.clock == "kafka CreateTime"
+    assert [round(t * 1000) for t in times.seconds] == stamps
+
+
 def test_undecodable_value_names_its_offset_or_is_skipped(kafka_broker: Any) -> None:
     from confluent_kafka import Producer
 
@@ -134,6 +153,12 @@ def test_flip8_live_rescale_on_kafka_partitions_exactly_once(kafka_broker: Any, 
     readers = _check_read_to_end(JobDir(tmp_path / "job"), b, src, "")
     _check_exactly_once(_updates(b, out), events)
     assert sorted(len(r) for r in readers) == [1, 1, 1, 1]  # after the rescale to 4: one partition each
+    # Every record's latency was measured, from its Kafka timestamp (CreateTime: Tansu's topics
+    # have no LogAppendTime) to its batch's transactions' commit, through both rescales.
+    measured = [r.latency for r in summary.batches if r.records]
+    assert all(lat is not None and lat.clock == "kafka CreateTime" for lat in measured)
+    assert sum(lat.records for lat in measured if lat is not None) == len(events) == sum(r.records for r in summary.batches)
+    assert summary.latency.total == len(events)
 
 
 # kafka-precommit: a task kills the driver after its transaction is flushed, before it

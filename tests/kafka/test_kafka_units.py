@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pyarrow as pa
@@ -90,3 +91,58 @@ def test_a_task_commits_inside_its_turn() -> None:
     rows = _transaction(Producer(), "out", "out.keyscale-commits", "k", None, iter([batch]), "L", 3, 0, 1000, turn, kill_driver=0)
     assert rows == 2
     assert [c for c in calls if c[0] != "produce"] == [("begin_transaction", False), ("flush", False), ("commit_transaction", True)]
+
+
+class _Message:
+    def __init__(self, offset: int, ts_type: int, ms: int) -> None:
+        self._offset, self._ts = offset, (ts_type, ms)
+
+    def error(self) -> None:
+        return None
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes:
+        return b"k"
+
+    def value(self) -> bytes:
+        return json.dumps({"v": self._offset}).encode()
+
+    def timestamp(self) -> tuple[int, int]:
+        return self._ts
+
+
+@pytest.mark.parametrize(("ts_type", "clock"), [("TIMESTAMP_LOG_APPEND_TIME", "kafka LogAppendTime"),
+                                                ("TIMESTAMP_CREATE_TIME", "kafka CreateTime")])
+def test_read_timed_says_which_kafka_timestamp_it_is_and_leaves_out_a_missing_one(monkeypatch: pytest.MonkeyPatch, ts_type: str,
+                                                                                   clock: str) -> None:
+    """A broker that honours ``message.timestamp.type=LogAppendTime`` (Tansu, the tests'
+    broker, does not) marks its records so: the latency then runs on the broker's clock. A
+    record without a timestamp (-1) is not measured."""
+    import confluent_kafka
+
+    from keyscale.kafka.source import KafkaLog
+
+    kind = getattr(confluent_kafka, ts_type)
+    msgs = [_Message(0, kind, 1_000), _Message(1, confluent_kafka.TIMESTAMP_NOT_AVAILABLE, -1), _Message(2, kind, 3_000)]
+
+    class Consumer:
+        def __init__(self, config: Any) -> None:
+            self.left = list(msgs)
+
+        def assign(self, parts: Any) -> None:
+            pass
+
+        def consume(self, num_messages: int, timeout: float) -> list[_Message]:
+            out, self.left = self.left, []
+            return out
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(confluent_kafka, "Consumer", Consumer)
+    table, times = KafkaLog("127.0.0.1:9", "t", decoder=json_values("v long")).read_timed(0, 0, 3)
+    assert table.column("v").to_pylist() == [0, 1, 2]
+    assert times is not None and times.clock == clock
+    assert times.seconds[0] == 1.0 and times.seconds[2] == 3.0 and math.isnan(times.seconds[1])

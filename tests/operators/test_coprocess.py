@@ -19,13 +19,12 @@ from keyscale.operators.coprocess import (
     INPUTS,
     SIDE,
     IntervalJoin,
-    KeyedCoBatch,
     KeyedCoProcessFunction,
     VectorizedKeyedCoProcessFunction,
     adapt,
 )
-from keyscale.operators.keyed import Context, RuntimeContext
-from keyscale.operators.vectorized import KeyedBatch
+from keyscale.state.batches import KeyedBatch, KeyedCoBatch
+from keyscale.state.contexts import Context, RuntimeContext
 
 IN1 = pa.struct([("id", pa.string()), ("name", pa.string()), ("age", pa.int64())])
 IN2 = pa.struct([("user", pa.string()), ("page", pa.string())])

@@ -11,13 +11,12 @@ import pytest
 
 from keyscale.errors import JobDefinitionError, RecordError
 from keyscale.operators.keyed import (
-    Context,
     KeyedProcessFunction,
-    RuntimeContext,
     describe_states,
     rows_to_arrow,
 )
 from keyscale.operators.poison import FAIL, ErrorCollector, run_guarded
+from keyscale.state.contexts import Context, RuntimeContext
 from keyscale.state.types import StateDescriptor, arrow_schema
 
 

@@ -12,9 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keyscale.errors import JobDefinitionError
-from keyscale.operators.keyed import RuntimeContext
 from keyscale.operators.vectorized import (
-    KeyedBatch,
     RunningAggregate,
     VectorizedKeyedFunction,
     count,
@@ -26,6 +24,8 @@ from keyscale.operators.vectorized import (
 from keyscale.operators.vectorized import max as kmax
 from keyscale.operators.vectorized import min as kmin
 from keyscale.operators.vectorized import sum as ksum
+from keyscale.state.batches import KeyedBatch
+from keyscale.state.contexts import RuntimeContext
 from keyscale.state.types import StateDescriptor
 
 

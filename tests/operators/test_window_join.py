@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from tests.operators.lockstep import run_in_lockstep
 
 from keyscale.operators.coprocess import KeyedCoProcessFunction, WindowJoin, adapt
-from keyscale.operators.keyed import Context, RuntimeContext
 from keyscale.operators.windows import SlidingWindows, TumblingWindows
+from keyscale.state.contexts import Context, RuntimeContext
 from keyscale.testing import KeyedHarness
 
 A = pa.struct([("ts", pa.int64()), ("v", pa.string())])

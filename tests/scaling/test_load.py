@@ -89,3 +89,20 @@ def test_the_window_rate_is_a_weighted_mean_of_the_samples(
         assert lo * (1 - 1e-9) <= load.rate_window <= hi * (1 + 1e-9)
     else:
         assert load.rate_window == 42.0
+
+
+def test_a_sample_keeps_the_batch_latency_for_a_latency_slo_over_the_window() -> None:
+    import numpy as np
+
+    from keyscale.latency import ages, at_commit, window_quantile
+
+    def batch(t: float, latency_s: float) -> BatchMetrics:
+        lat = at_commit([ages(np.array([t - latency_s] * 10), ended=t, clock="test")], committed=t)
+        return BatchMetrics(time=t, uid="op", parallelism=1, max_parallelism=8, input_records=10, batch_seconds=1.0,
+                            trigger_interval_seconds=None, busy_seconds=(0.5,), records=(10,), latency=lat)
+
+    window = [batch_sample(batch(float(t), s), period=1.0, warmup=False) for t, s in ((1, 0.5), (2, 0.5), (3, 6.0))]
+    p99 = window_quantile([s.latency for s in window], 0.99)
+    assert p99 is not None and abs(p99 - 6.0) <= 0.05 * 6.0
+    assert batch_sample(BatchMetrics(time=1.0, uid="op", parallelism=1, max_parallelism=8, input_records=0, batch_seconds=1.0,
+                                     trigger_interval_seconds=None, busy_seconds=(0.0,), records=(0,)), 1.0, False).latency is None

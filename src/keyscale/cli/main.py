@@ -334,6 +334,10 @@ def cmd_status(a: argparse.Namespace) -> int:
           f"kept: {st['checkpoints']}")
     if "watermark" in st:
         print(f"  watermark: {st['watermark']}")
+    lat = st.get("latency")
+    if lat:
+        print(f"  end-to-end latency (batch {lat['batch']}, {lat['records']:,} records, from {lat['append_time']}): "
+              f"p50 {lat['p50_seconds']:.3f} s, p99 {lat['p99_seconds']:.3f} s, max {lat['max_seconds']:.3f} s")
     for uid, total in st["counters"]["total"].items():
         last = st["counters"]["last_batch"].get(uid)
         print(f"  records not processed normally by '{uid}': {counters.summary(total)} in all" + (f"; last batch: {counters.summary(last)}" if last else ""))

@@ -130,39 +130,54 @@ def plan_action(current: Current, desired: Desired, job_running: bool) -> Action
     >>> a.kind, a.delay, a.restore
     (<ActionKind.RESTART: 'RESTART'>, 2.0, <RestoreStrategy.LATEST_STATE: 'LATEST_STATE'>)
     """
-    spec = desired.spec
     if desired.state is not DesiredState.RUNNING:
-        if job_running and desired.generation == current.rejected_generation:
-            return Action(ActionKind.NOTHING, f"the stop of generation {desired.generation} failed; the job keeps running")
-        if job_running:
-            with_sp = desired.state is DesiredState.SUSPENDED
-            return Action(ActionKind.STOP, f"desired state {desired.state}: stopping the job {'with' if with_sp else 'without'} a savepoint", savepoint=with_sp)
-        return Action(ActionKind.STOPPED, f"desired state {desired.state} and no job runs")
-
+        return _stop(current, desired, job_running)
     if not job_running:
-        if current.last_exit is None:
-            why = "starting the deployment" if current.spec is None else "starting the deployment again"
-            conflict = _max_parallelism_conflict(current, spec, spec.restore_strategy is not RestoreStrategy.NONE)
-            if conflict:
-                return Action(ActionKind.REFUSE, f"cannot start: {conflict}")
-            return Action(ActionKind.START, f"{why} (restore strategy {spec.restore_strategy})", spec=spec, restore=spec.restore_strategy)
-        if current.last_exit == 0:
-            return Action(ActionKind.STOPPED, "the job ended by itself with exit code 0 (stopped outside the deployment); `keyscale apply` starts it again")
-        # A refused change does not sneak in through a restart: the job restarts as it ran.
-        run = current.spec if (current.spec is not None and desired.generation == current.rejected_generation) else spec
-        attempts = spec.restart.attempts
-        if current.failures > attempts:
-            return Action(
-                ActionKind.FAIL,
-                f"the job failed (exit code {current.last_exit}) and all {attempts} restart attempts in a row failed",
-            )
-        delay = spec.restart.delay(current.failures)
-        return Action(
-            ActionKind.RESTART,
-            f"the job failed (exit code {current.last_exit}); restart {current.failures} of {attempts} in {delay:g} s from the latest state",
-            spec=run, restore=RestoreStrategy.LATEST_STATE, delay=delay,
-        )
+        return _start_or_restart(current, desired)
+    return _change_running(current, desired)
 
+
+def _stop(current: Current, desired: Desired, job_running: bool) -> Action:
+    """Desired SUSPENDED or CANCELLED: stop a running job, else done."""
+    if job_running and desired.generation == current.rejected_generation:
+        return Action(ActionKind.NOTHING, f"the stop of generation {desired.generation} failed; the job keeps running")
+    if job_running:
+        with_sp = desired.state is DesiredState.SUSPENDED
+        return Action(ActionKind.STOP, f"desired state {desired.state}: stopping the job {'with' if with_sp else 'without'} a savepoint", savepoint=with_sp)
+    return Action(ActionKind.STOPPED, f"desired state {desired.state} and no job runs")
+
+
+def _start_or_restart(current: Current, desired: Desired) -> Action:
+    """Desired RUNNING and no job runs: start it, restart it after a failure, or give up."""
+    spec = desired.spec
+    if current.last_exit is None:
+        why = "starting the deployment" if current.spec is None else "starting the deployment again"
+        conflict = _max_parallelism_conflict(current, spec, spec.restore_strategy is not RestoreStrategy.NONE)
+        if conflict:
+            return Action(ActionKind.REFUSE, f"cannot start: {conflict}")
+        return Action(ActionKind.START, f"{why} (restore strategy {spec.restore_strategy})", spec=spec, restore=spec.restore_strategy)
+    if current.last_exit == 0:
+        return Action(ActionKind.STOPPED, "the job ended by itself with exit code 0 (stopped outside the deployment); `keyscale apply` starts it again")
+    # A refused change does not sneak in through a restart: the job restarts as it ran.
+    run = current.spec if (current.spec is not None and desired.generation == current.rejected_generation) else spec
+    attempts = spec.restart.attempts
+    if current.failures > attempts:
+        return Action(
+            ActionKind.FAIL,
+            f"the job failed (exit code {current.last_exit}) and all {attempts} restart attempts in a row failed",
+        )
+    delay = spec.restart.delay(current.failures)
+    return Action(
+        ActionKind.RESTART,
+        f"the job failed (exit code {current.last_exit}); restart {current.failures} of {attempts} in {delay:g} s from the latest state",
+        spec=run, restore=RestoreStrategy.LATEST_STATE, delay=delay,
+    )
+
+
+def _change_running(current: Current, desired: Desired) -> Action:
+    """Desired RUNNING and a job runs: what its spec's changes call for (nothing, a live
+    rescale, an upgrade, a refusal, or only the deployment's record)."""
+    spec = desired.spec
     if current.spec is None:
         return Action(ActionKind.UPDATE, "adopting a running job whose spec is unknown as the desired spec", spec=spec)
     if desired.generation == current.rejected_generation:

@@ -147,13 +147,7 @@ def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mappi
     """
     from confluent_kafka import KafkaError, TopicPartition
 
-    start: dict[int, int] = {}
-    for p in partitions:
-        try:
-            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout, cached=False)
-        except Exception as e:
-            raise KafkaConnectorError(f"Kafka topic {topic!r}, partition {p}: the broker did not tell its end offset: {e}") from None
-        start[p] = max(int(high), known.get(p, 0), 0)
+    start = _fetch_from(consumer, topic, partitions, known, timeout)
     consumer.assign([TopicPartition(topic, p, o) for p, o in start.items()])
     ends: dict[int, int] = {}
     seen: dict[int, int] = {}  # partition -> after the last record the fetch returned
@@ -186,3 +180,18 @@ def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mappi
             consumer.incremental_unassign([TopicPartition(topic, p) for p in done])
     consumer.unassign()
     return [ends[p] for p in partitions]
+
+
+def _fetch_from(consumer: Any, topic: str, partitions: Sequence[int], known: Mapping[int, int], timeout: float) -> dict[int, int]:
+    """Per partition, where the end probe's fetch starts: the end ListOffsets tells, or the
+    end seen before (``known``) where that is further (see :func:`true_ends`)."""
+    from confluent_kafka import TopicPartition
+
+    start: dict[int, int] = {}
+    for p in partitions:
+        try:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout, cached=False)
+        except Exception as e:
+            raise KafkaConnectorError(f"Kafka topic {topic!r}, partition {p}: the broker did not tell its end offset: {e}") from None
+        start[p] = max(int(high), known.get(p, 0), 0)
+    return start

@@ -49,7 +49,7 @@ from keyscale.kafka.client import (
     reader_config,
     true_ends,
 )
-from keyscale.sources.partitioned import LogError, PartitionedLog
+from keyscale.sources.partitioned import AppendTimes, LogError, PartitionedLog
 from keyscale.sources.reader import LogSource
 from keyscale.state.types import arrow_schema
 
@@ -301,11 +301,33 @@ class KafkaLog(PartitionedLog):
 
     def read(self, partition: int, start: int, end: int) -> pa.Table:
         """The records with offsets in ``[start, end)``, decoded."""
-        from confluent_kafka import Consumer, KafkaError, TopicPartition
+        return self._decode(self._read_raw(partition, start, end)[0])
+
+    def read_timed(self, partition: int, start: int, end: int) -> tuple[pa.Table, AppendTimes | None]:
+        """The records with their Kafka timestamps as append times: the broker's append time
+        where the topic says ``message.timestamp.type=LogAppendTime``, else the producer's
+        ``CreateTime`` (said in ``clock``); records of a skip decoder count too."""
+        raw, kind = self._read_raw(partition, start, end)
+        ms = raw.column("timestamp").cast(pa.int64()).to_numpy(zero_copy_only=False).astype("float64")
+        ms[ms < 0] = float("nan")  # a record without a timestamp (-1): not measured
+        return self._decode(raw), AppendTimes(ms / 1000.0, kind)
+
+    def _decode(self, raw: pa.Table) -> pa.Table:
+        if self.decoder is None:
+            return raw
+        out = self.decoder(raw)
+        if isinstance(self.decoder, JsonValues):
+            self._skipped += raw.num_rows - out.num_rows
+        return out
+
+    def _read_raw(self, partition: int, start: int, end: int) -> tuple[pa.Table, str]:
+        """The raw records with offsets in ``[start, end)``, and the kind of their timestamps."""
+        from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, TopicPartition
 
         raw = RAW_SCHEMA.empty_table()
+        kind = "kafka CreateTime"
         if end <= start:
-            return self.decoder(raw) if self.decoder is not None else raw
+            return raw, kind
         c = Consumer(self._config)
         keys: list[bytes | None] = []
         values: list[bytes | None] = []
@@ -358,7 +380,10 @@ class KafkaLog(PartitionedLog):
                     keys.append(m.key())
                     values.append(m.value())
                     offsets.append(off)
-                    stamps.append(int(m.timestamp()[1]))
+                    ts_type, ts = m.timestamp()
+                    stamps.append(int(ts))
+                    if ts_type == TIMESTAMP_LOG_APPEND_TIME:
+                        kind = "kafka LogAppendTime"
                     position = off + 1
         finally:
             c.close()
@@ -368,12 +393,7 @@ class KafkaLog(PartitionedLog):
             "topic": pa.array([self.topic] * n, pa.string()), "partition": pa.array([partition] * n, pa.int32()),
             "offset": pa.array(offsets, pa.int64()), "timestamp": pa.array(stamps, pa.timestamp("ms", tz="UTC")),
         }, schema=RAW_SCHEMA)
-        if self.decoder is None:
-            return raw
-        out = self.decoder(raw)
-        if isinstance(self.decoder, JsonValues):
-            self._skipped += raw.num_rows - out.num_rows
-        return out
+        return raw, kind
 
     def positions_committed(self, positions: dict[int, int]) -> None:
         """With ``commit_group``: commit the job's positions to that consumer group, so

@@ -23,8 +23,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.errors import JobDefinitionError
-from keyscale.operators.keyed import Context, KeyedProcessFunction, RuntimeContext
-from keyscale.operators.vectorized import TIMER, KeyedBatch, VectorizedKeyedFunction, to_frame
+from keyscale.operators.keyed import KeyedProcessFunction
+from keyscale.operators.vectorized import VectorizedKeyedFunction, to_frame
+from keyscale.state.batches import TIMER, KeyedBatch, KeyedCoBatch
+from keyscale.state.contexts import Context, RuntimeContext
 
 # The combined row of a two-input stage: (key..., __side, in1, in2[, __event_time]).
 SIDE = "__side"
@@ -84,39 +86,6 @@ class CoProcessAdapterWithTimers(CoProcessAdapter):
 
     def on_timer(self, key: Any, timestamp: int, ctx: Context) -> Iterable[Any] | None:
         return self.function.on_timer(key, timestamp, ctx)
-
-
-@dataclass
-class KeyedCoBatch:
-    """What a :class:`VectorizedKeyedCoProcessFunction` gets for one subtask and batch.
-
-    ``keys`` are the batch's distinct keys (of either input) and ``state`` each declared
-    state per key (missing where a key has none yet), as in :class:`keyscale.state.KeyedBatch`.
-    ``records1`` are the first input's records in arrival order (pandas, the columns of
-    ``input_columns1``), ``codes1[i]`` the index in ``keys`` of record i's key, and
-    ``positions1[i]`` its position in the batch's arrival order across both inputs (to
-    tell which of two records came first); the same for the second input. ``arrow1`` and
-    ``arrow2`` are the same records as Arrow. ``watermark``, ``timer`` and ``due`` as in
-    :class:`keyscale.state.KeyedBatch`.
-    """
-
-    keys: pd.DataFrame
-    state: pd.DataFrame
-    records1: pd.DataFrame
-    codes1: np.ndarray
-    positions1: np.ndarray
-    records2: pd.DataFrame
-    codes2: np.ndarray
-    positions2: np.ndarray
-    batch_id: int
-    processing_time: int
-    arrow1: pa.Table | None = None
-    arrow2: pa.Table | None = None
-    #: The watermark, and with ``event_timers`` each key's timer and whether it is due, as in
-    #: :class:`keyscale.state.KeyedBatch`.
-    watermark: int | None = None
-    timer: pd.Series | None = None
-    due: np.ndarray | None = None
 
 
 class VectorizedKeyedCoProcessFunction:

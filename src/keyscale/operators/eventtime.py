@@ -40,10 +40,12 @@ import pyarrow as pa
 
 from keyscale.errors import InputDataError, JobDefinitionError
 
+# No watermark yet: defined where a function's context reads it, a floor below this one;
+# it is the watermark's lower bound, named here with the upper one for this module's readers.
+from keyscale.state.contexts import NO_WATERMARK as NO_WATERMARK
+
 #: The watermark of a drained job: every event-time timer and window is due.
 END_OF_TIME = 2**63 - 1
-#: No watermark yet: nothing is late, no event-time timer is due.
-NO_WATERMARK = -(2**63)
 #: How far ahead of the batch's time an event time may be by default: a producer clock an
 #: hour fast is broken, and an hour is also the limit Kafka brokers put on producer
 #: timestamps (``message.timestamp.after.max.ms``). Wrong time zones (hours ahead), years

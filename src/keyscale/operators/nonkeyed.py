@@ -27,63 +27,15 @@ Example (count records per subtask; the counts survive any rescale)::
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import pandas as pd
 
-from keyscale.errors import JobDefinitionError, StateError
+from keyscale.errors import StateError
+from keyscale.state.contexts import OperatorContext
 from keyscale.state.redistribution import split_merge, union
-
-MODES = ("split_merge", "union")
-
-
-class OperatorListState:
-    """A subtask's list of entries (JSON-serialisable values)."""
-
-    def __init__(self, name: str, mode: str):
-        self.name = name
-        self.mode = mode
-        self._entries: list[Any] = []
-
-    def get(self) -> list[Any]:
-        return list(self._entries)
-
-    def add(self, entry: Any) -> None:
-        self._entries.append(entry)
-
-    def update(self, entries: Iterable[Any]) -> None:
-        self._entries = list(entries)
-
-    def clear(self) -> None:
-        self._entries = []
-
-
-class OperatorContext:
-    """Given to ``open`` and ``process`` of a :class:`ProcessFunction`."""
-
-    def __init__(self, uid: str, subtask: int = 0, parallelism: int = 1, batch_id: int = -1, processing_time: int = 0,
-                 broadcast: Mapping[str, Any] | None = None):
-        self.uid = uid
-        self.subtask_index = subtask
-        self.parallelism = parallelism
-        self.batch_id = batch_id
-        self.processing_time = processing_time
-        self.lists: dict[str, OperatorListState] = {}
-        #: The broadcast state (read-only), when the stage has a broadcast input.
-        self.broadcast_state: Mapping[str, Any] = MappingProxyType(dict(broadcast or {}))
-
-    def list_state(self, name: str, mode: str = "split_merge") -> OperatorListState:
-        """Declare a list of entries of this subtask, redistributed on rescale by ``mode``."""
-        if mode not in MODES:
-            raise JobDefinitionError(f"operator '{self.uid}': list state '{name}' has mode {mode!r}; use 'split_merge' or 'union'")
-        old = self.lists.get(name)
-        if old is not None and old.mode != mode:
-            raise JobDefinitionError(f"operator '{self.uid}': list state '{name}' declared twice with different modes")
-        self.lists[name] = old or OperatorListState(name, mode)
-        return self.lists[name]
 
 
 class ProcessFunction:

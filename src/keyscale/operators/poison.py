@@ -46,14 +46,9 @@ from keyscale.errors import (
     RecordError,
 )
 from keyscale.operators.eventtime import END_OF_TIME
-from keyscale.operators.keyed import (
-    TIMER_STATES,
-    Context,
-    KeyedProcessFunction,
-    TimerService,
-    _Cursor,
-    _fire_timers,
-)
+from keyscale.operators.keyed import KeyedProcessFunction, _fire_timers
+from keyscale.state.contexts import Context, TimerService
+from keyscale.state.handles import TIMER_STATES, Cursor
 from keyscale.state.types import arrow_schema
 
 T = TypeVar("T")
@@ -245,7 +240,7 @@ _NO_KEY = object()
 # -- running a per-key function under a policy -----------------------------------------------------
 
 
-def _snapshot(cursor: _Cursor, j: int) -> tuple[dict[str, Any], bool, dict[str, bool]]:
+def _snapshot(cursor: Cursor, j: int) -> tuple[dict[str, Any], bool, dict[str, bool]]:
     return (
         {n: c[j] for n, c in cursor.columns.items()},
         cursor.dirty[j],
@@ -253,7 +248,7 @@ def _snapshot(cursor: _Cursor, j: int) -> tuple[dict[str, Any], bool, dict[str, 
     )
 
 
-def _restore(cursor: _Cursor, j: int, snap: tuple[dict[str, Any], bool, dict[str, bool]]) -> None:
+def _restore(cursor: Cursor, j: int, snap: tuple[dict[str, Any], bool, dict[str, bool]]) -> None:
     values, dirty, ttl = snap
     for n, v in values.items():
         cursor.columns[n][j] = v
@@ -262,7 +257,7 @@ def _restore(cursor: _Cursor, j: int, snap: tuple[dict[str, Any], bool, dict[str
         (cursor.ttl_written[n].add if had else cursor.ttl_written[n].discard)(j)
 
 
-def _drop_timer(cursor: _Cursor, j: int, domain: str, ts: int) -> None:
+def _drop_timer(cursor: Cursor, j: int, domain: str, ts: int) -> None:
     lst, nxt = TIMER_STATES[domain]
     rest = [t for t in (cursor.columns[lst][j] or ()) if t != ts]
     cursor.columns[lst][j] = rest or None
@@ -277,7 +272,7 @@ def _listed(out: Any) -> list[Any]:
 
 def run_guarded(
     fn: KeyedProcessFunction,
-    cursor: _Cursor,
+    cursor: Cursor,
     ctx: Context,
     keys: list[Any],
     key_groups: np.ndarray,

@@ -1,7 +1,7 @@
 """The autoscaler's load: what the batches measured of the input, and the rate it needs.
 
 One :class:`Sample` per batch (its input rate, the records and busy time of its
-subtasks) goes into the policy's metrics window; :func:`measure_load` turns the latest
+subtasks, its end-to-end latency) goes into the policy's metrics window; :func:`measure_load` turns the latest
 batch and that window into a :class:`Load`: the input rate, the backlog (reported by the
 source, plus what a batch that overran its trigger left behind) and the **target rate**
 ``input rate + (backlog + input rate * restart time) / catch-up duration``. Pure: no
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from keyscale.latency import Latency
 from keyscale.scaling.model import AutoscalerConfig, BatchMetrics
 
 __all__ = ["Load", "Sample", "arrival_period", "batch_sample", "fmt", "measure_load"]
@@ -47,6 +48,9 @@ class Sample:
     busy_total: float  # sum over subtasks
     busy_hot: float  # busiest subtask
     warmup: bool  # right after a change: not used to measure the processing rate
+    # The batch's end-to-end latency (None: not measured); a latency SLO reads the window's
+    # with keyscale.latency.window_quantile.
+    latency: Latency | None = None
 
 
 def arrival_period(m: BatchMetrics, last_time: float | None) -> float:
@@ -79,6 +83,7 @@ def batch_sample(m: BatchMetrics, period: float, warmup: bool) -> Sample:
         busy_total=sum(m.busy_seconds),
         busy_hot=max(m.busy_seconds),
         warmup=warmup,
+        latency=m.latency,
     )
 
 

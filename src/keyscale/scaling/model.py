@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from keyscale.latency import Latency
+
 Mode = Literal["off", "recommend", "active"]
 """How the caller uses the policy; see the module docstring."""
 
@@ -46,6 +48,9 @@ class BatchMetrics:
         input_rate: records/s arriving at the source when it reports it;
             ``None`` derives it from ``input_records`` over the time since the
             previous batch started (what Spark's ``inputRowsPerSecond`` does).
+        latency: the batch's end-to-end latency (:class:`keyscale.latency.Latency`:
+            p50, p99, max and a histogram that :func:`keyscale.latency.window_quantile`
+            merges over a window), or ``None`` when its source keeps no append times.
 
     >>> m = BatchMetrics(time=0.0, uid="op", parallelism=2, max_parallelism=8,
     ...                  input_records=10, batch_seconds=1.0,
@@ -66,6 +71,7 @@ class BatchMetrics:
     records: tuple[int, ...]
     backlog_records: int | None = None
     input_rate: float | None = None
+    latency: Latency | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.time):

@@ -34,6 +34,7 @@ import pyarrow as pa
 from keyscale.errors import StateError
 from keyscale.sources.partitioned import (
     FORMAT,
+    AppendTimes,
     LogError,
     PartitionedLog,
     check_count,
@@ -45,6 +46,7 @@ from keyscale.sources.partitioned import (
 )
 
 META_FILE = "log.json"
+SEGMENT_CLOCK = "log segment write"  # a record's append time: its segment's modification time
 _SEGMENT = re.compile(r"^(\d{20})-(\d{10})\.arrow$")
 
 
@@ -243,6 +245,16 @@ class LocalLog(PartitionedLog):
         return [self._end(p) for p in range(self.num_partitions())]
 
     def read(self, partition: int, start: int, end: int) -> pa.Table:
+        return self._read(partition, start, end, None)
+
+    def read_timed(self, partition: int, start: int, end: int) -> tuple[pa.Table, AppendTimes | None]:
+        """The records with their append times: each segment's modification time (an append
+        writes one segment, renamed into place when complete), per record of it."""
+        times: list[np.ndarray[Any, Any]] = []
+        table = self._read(partition, start, end, times)
+        return table, AppendTimes(np.concatenate(times) if times else np.empty(0), SEGMENT_CLOCK)
+
+    def _read(self, partition: int, start: int, end: int, times: list[np.ndarray[Any, Any]] | None) -> pa.Table:
         self._known_partition(partition)
         self._check_range(partition, start, end)
         if start == end:
@@ -264,8 +276,17 @@ class LocalLog(PartitionedLog):
             t = self._read_segment(partition, base, count)
             lo, hi = max(start, base) - base, min(end, base + count) - base
             tables.append(t.slice(lo, hi - lo))
+            if times is not None:
+                times.append(np.full(hi - lo, self._segment_time(partition, base, count)))
         out = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         return out.combine_chunks() if out.column(0).num_chunks > 1 else out
+
+    def _segment_time(self, partition: int, base: int, count: int) -> float:
+        """When a segment was appended (its modification time, Unix seconds; NaN if gone)."""
+        try:
+            return os.stat(self._pdir(partition) / _segment_name(base, count)).st_mtime_ns / 1e9
+        except OSError:
+            return float("nan")
 
     def _read_segment(self, partition: int, base: int, count: int) -> pa.Table:
         path = self._pdir(partition) / _segment_name(base, count)

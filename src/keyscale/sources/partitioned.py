@@ -16,6 +16,8 @@ partition ``p`` in offset order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +27,7 @@ from keyscale.state.types import arrow_schema
 
 __all__ = [
     "FORMAT",
+    "AppendTimes",
     "LogError",
     "PartitionedLog",
     "check_count",
@@ -69,6 +72,15 @@ def check_schema(schema: str | pa.Schema) -> pa.Schema:
 def check_count(what: str, n: int, least: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < least:
         raise LogError(f"{what} must be an integer >= {least}, not {n!r}")
+
+
+@dataclass(frozen=True)
+class AppendTimes:
+    """When a read's records were appended to their log: Unix seconds per record (NaN: the
+    record has none), and what the time is (``clock``, e.g. ``"kafka LogAppendTime"``)."""
+
+    seconds: np.ndarray[Any, Any]
+    clock: str
 
 
 class PartitionedLog(ABC):
@@ -127,6 +139,12 @@ class PartitionedLog(ABC):
     @abstractmethod
     def describe(self) -> str:
         """A few lines for people: where the log is, its schema, partitions and end offsets."""
+
+    def read_timed(self, partition: int, start: int, end: int) -> tuple[pa.Table, AppendTimes | None]:
+        """:meth:`read`, with each record's append time if the log keeps one (None: it keeps
+        none, as a Redis log; no latency is measured for its records, rather than a made-up
+        one). Used by the reader tasks for :mod:`keyscale.latency`."""
+        return self.read(partition, start, end), None
 
     def first_offsets(self) -> list[int]:
         """Per partition, where a reader that has never read it starts (0 here; a Kafka

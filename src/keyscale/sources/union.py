@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.operators.coprocess import EVENT_TIME, INPUTS, SIDE
-from keyscale.sources.partitioned import LogError, PartitionedLog
+from keyscale.sources.partitioned import AppendTimes, LogError, PartitionedLog
 
 
 class UnionLog(PartitionedLog):
@@ -78,14 +78,21 @@ class UnionLog(PartitionedLog):
         return self._both((self.logs[0].first_offsets(), self.logs[1].first_offsets()))
 
     def read(self, partition: int, start: int, end: int) -> pa.Table:
+        return self.read_timed(partition, start, end)[0]
+
+    def read_timed(self, partition: int, start: int, end: int) -> tuple[pa.Table, AppendTimes | None]:
+        """The records, with the append times their own log keeps (if it keeps any)."""
         self._check_partition(partition)
         self._check_range(partition, start, end)
         side, own = self._of(partition)
         if own is None:
             if end > 0:
                 raise self._range_error(partition, start, end, 0)
-            return self.schema.empty_table()
-        records = self.logs[side].read(own, start, end)
+            return self.schema.empty_table(), None
+        records, times = self.logs[side].read_timed(own, start, end)
+        return self._as_union(side, records), times
+
+    def _as_union(self, side: int, records: pa.Table) -> pa.Table:
         n = records.num_rows
         target = self.schema
         columns: dict[str, Any] = {SIDE: pa.array([side] * n, pa.int8())}

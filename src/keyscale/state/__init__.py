@@ -14,7 +14,9 @@ Keyed state, per key and moved with it on rescale: :class:`ValueState`,
 :class:`KeyedBatch` (a ``VectorizedKeyedCoProcessFunction`` a :class:`KeyedCoBatch`);
 :data:`TIMER` is the column of its returned state that sets each key's timer.
 
-(Internal modules of this package lay keyed state out in key groups; they are not API.)
+They are defined in this package: the contexts in :mod:`~keyscale.state.contexts`, the handles in
+:mod:`~keyscale.state.handles`, the batches in :mod:`~keyscale.state.batches`. (Its other
+modules lay keyed state out in key groups; they are not API.)
 
 >>> import keyscale as ks
 >>> from keyscale.testing import KeyedHarness
@@ -34,37 +36,9 @@ Keyed state, per key and moved with it on rescale: :class:`ValueState`,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from keyscale import _lazy
-
-if TYPE_CHECKING:
-    from keyscale.operators.coprocess import KeyedCoBatch
-    from keyscale.operators.keyed import (
-        Context,
-        ListState,
-        MapState,
-        RuntimeContext,
-        TimerService,
-        ValueState,
-    )
-    from keyscale.operators.nonkeyed import OperatorContext, OperatorListState
-    from keyscale.operators.vectorized import TIMER, KeyedBatch
-
-# Imported on first use: the operators that define these import this package's modules.
-_EXPORTS = {
-    "Context": "keyscale.operators.keyed",
-    "KeyedBatch": "keyscale.operators.vectorized",
-    "KeyedCoBatch": "keyscale.operators.coprocess",
-    "ListState": "keyscale.operators.keyed",
-    "MapState": "keyscale.operators.keyed",
-    "OperatorContext": "keyscale.operators.nonkeyed",
-    "OperatorListState": "keyscale.operators.nonkeyed",
-    "RuntimeContext": "keyscale.operators.keyed",
-    "TIMER": "keyscale.operators.vectorized",
-    "TimerService": "keyscale.operators.keyed",
-    "ValueState": "keyscale.operators.keyed",
-}
+from keyscale.state.batches import TIMER, KeyedBatch, KeyedCoBatch
+from keyscale.state.contexts import Context, OperatorContext, RuntimeContext, TimerService
+from keyscale.state.handles import ListState, MapState, OperatorListState, ValueState
 
 __all__ = [
     "TIMER",
@@ -80,10 +54,3 @@ __all__ = [
     "ValueState",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    return _lazy.load(__name__, _EXPORTS, name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})

@@ -31,8 +31,6 @@ from keyscale.operators.eventtime import END_OF_TIME, NO_WATERMARK
 from keyscale.operators.keyed import KeyedProcessFunction
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL, ErrorPolicy
 from keyscale.operators.vectorized import (
-    TIMER,
-    KeyedBatch,
     RunningAggregate,
     VectorizedKeyedFunction,
     count,
@@ -41,6 +39,7 @@ from keyscale.operators.windows import TumblingWindows, WindowAggregate
 from keyscale.runtime.task.keyed import DEAD, KG, MAIN, SEQ, run_subtask
 from keyscale.runtime.task.report import TaskReport
 from keyscale.runtime.task.spark import make_stage_function
+from keyscale.state.batches import TIMER, KeyedBatch
 from keyscale.state.keygroups import key_group_range
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.types import arrow_schema

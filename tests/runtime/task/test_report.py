@@ -1,6 +1,6 @@
 """A task's report crosses the process boundary from executor to driver (a Spark
-accumulator): TaskReport's wire form round-trips, reads today's dict form, and refuses a
-later version naming the operator, batch and subtask."""
+accumulator): TaskReport's wire form round-trips, reads version 1's dict form (no ages), and
+refuses a later version naming the operator, batch and subtask."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from keyscale.checkpoint.manifest import StateFile
 from keyscale.errors import KeyscaleError
+from keyscale.latency import Ages
 from keyscale.runtime.task.report import REPORT_VERSION, PartitionRead, Reports, TaskReport, send
 
 small = st.integers(0, 2**40)
@@ -22,6 +23,9 @@ reads = st.builds(PartitionRead, records=small, start=small, end=small, max_even
                   last_crc=st.none() | st.integers(0, 2**32 - 1))
 counts = st.dictionaries(names, small, max_size=4)
 seconds = st.floats(0, 1e6, allow_nan=False)
+unix = st.floats(0, 4e9, allow_nan=False)
+summaries = st.builds(Ages, ended=unix, buckets=st.dictionaries(st.integers(-(10**6), 2000), st.integers(1, 2**40), min_size=1, max_size=5),
+                      oldest=unix, newest=unix, clock=st.sampled_from(["kafka LogAppendTime", "log segment write"]))
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5), lambda inner: st.lists(inner, max_size=3), max_leaves=6)
 reports = st.builds(
     TaskReport,
@@ -32,6 +36,7 @@ reports = st.builds(
     fetched_keys=st.none() | small, copied_from=st.none() | names,
     lists=st.none() | st.dictionaries(names, st.lists(json_values, max_size=3), max_size=3),
     partitions=st.none() | st.dictionaries(st.integers(0, 10_000), reads, max_size=4),
+    ages=st.none() | summaries,
 )
 
 
@@ -45,7 +50,7 @@ def test_a_report_survives_its_wire_form_and_the_accumulator(report: TaskReport)
     assert collected.take("op", 4, 1) == [report]
 
 
-# Today's reports, as the three task kinds sent them before the version was recorded.
+# Version 1 reports, as the three task kinds sent them before the version was recorded.
 TODAYS_KEYED = {
     "subtask": 1, "range": [64, 127], "records": 120, "max_event_ms": 1_700_000_000_000, "timer_keys": 0, "keys": 7, "emitted": 7,
     "file": {"path": "state/count/000000000003-s00001-delta-0123456789ab.arrow", "batch": 3, "kind": "delta", "start": 64, "end": 127,
@@ -62,18 +67,18 @@ TODAYS_READER = {
 }
 
 
-def test_todays_reports_are_version_1() -> None:
+def test_version_1_reports_are_read_and_have_no_ages() -> None:
     keyed = TaskReport.from_wire(TODAYS_KEYED)
     assert keyed.range == (64, 127) and keyed.file is not None and keyed.file.crc32 == 99 and keyed.windows_fired == 3
     assert keyed.counters == {"late": 2, "dropped": 2} and keyed.lists is None and keyed.partitions is None
-    assert keyed.to_wire() == {**TODAYS_KEYED, "v": 1}
+    assert keyed.to_wire() == {**TODAYS_KEYED, "v": REPORT_VERSION}
     rocks = TaskReport.from_wire(TODAYS_ROCKSDB_KEYED)
     assert rocks.file is None and rocks.fetched_keys == 7 and rocks.copied_from is None
     nonkeyed = TaskReport.from_wire(TODAYS_NONKEYED)
     assert nonkeyed.lists == {"seen": [1, 2, 3]} and nonkeyed.counters == {} and nonkeyed.range is None
     reader = TaskReport.from_wire(TODAYS_READER)
-    assert reader.partitions == {0: PartitionRead(3, 0, 3, 9, 77), 2: PartitionRead(0, 5, 5)}
-    assert reader.to_wire() == {**TODAYS_READER, "v": 1, "emitted": 0, "store_requests": {}, "keys": 0, "timer_keys": 0, "state_keys": 0,
+    assert reader.partitions == {0: PartitionRead(3, 0, 3, 9, 77), 2: PartitionRead(0, 5, 5)} and reader.ages is None
+    assert reader.to_wire() == {**TODAYS_READER, "v": REPORT_VERSION, "emitted": 0, "store_requests": {}, "keys": 0, "timer_keys": 0, "state_keys": 0,
                                 "load_seconds": 0.0, "warm_key_groups": 0, "loaded_key_groups": 0, "files_read": 0}
 
 
@@ -81,5 +86,5 @@ def test_a_later_version_is_refused_naming_the_subtask() -> None:
     collected = Reports()
     collected.sender.add([("count", 3, 1, {**TODAYS_NONKEYED, "v": REPORT_VERSION + 1})])
     collected.sender.add([("count", 3, 0, TODAYS_NONKEYED)])
-    with pytest.raises(KeyscaleError, match=r"the report of subtask 1 of operator 'count' for batch 3 is of version 2, which this keyscale"):
+    with pytest.raises(KeyscaleError, match=rf"the report of subtask 1 of operator 'count' for batch 3 is of version {REPORT_VERSION + 1}, which this keyscale"):
         collected.take("count", 3, 2)

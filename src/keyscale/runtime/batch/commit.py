@@ -12,7 +12,9 @@ stores alike)", step by step.
 3. **Tasks** (``stages.py``): the batch's Spark plan; its tasks report their state files
    through Spark (``job.reports``).
 4. **Sink** (:func:`write_sinks`): each sink's write, idempotent for the batch id; the
-   first runs the batch's tasks (stage outputs read by several writes are cached).
+   first runs the batch's tasks (stage outputs read by several writes are cached). Each
+   write commits its output, so the batch's updates are visible when the last returns:
+   the end of its records' end-to-end latency (:func:`batch_latency`).
 5. **Manifest** (:func:`commit_manifest`): built from the tasks' reports
    (:func:`build_manifest`), created only if absent after the epoch check (``JobDir.commit``):
    the commit point. Then the job's state moves on (committed manifest, watermark) and
@@ -46,13 +48,20 @@ from keyscale.checkpoint.drain import drain_extra
 from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.intent import BatchIntent, SourcePlan
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, live_files
+from keyscale.latency import Latency, at_commit
 from keyscale.operators.eventtime import END_OF_TIME, WatermarkState
 from keyscale.operators.eventtime import advance as advance_watermark
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.operators.nonkeyed import broadcast_to_json, lists_state
 from keyscale.runtime.batch import malformed, parallelism, stages
 from keyscale.runtime.batch import poison as poison_batch
-from keyscale.runtime.batch.jobstate import BatchRecord, BatchScratch, JobState, PendingCommit
+from keyscale.runtime.batch.jobstate import (
+    HISTORY,
+    BatchRecord,
+    BatchScratch,
+    JobState,
+    PendingCommit,
+)
 from keyscale.runtime.batch.source_plan import plan_source, read_source, source_status
 from keyscale.runtime.batch.status import checkpoint_fields, report_counts, status
 from keyscale.runtime.task import counters
@@ -109,6 +118,10 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df, malformed_letters)
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
+    # Every sink has committed the batch's output (a Kafka transaction, a Delta or Iceberg
+    # commit, a Parquet marker): its updates are visible now, before the manifest (which
+    # makes the job's state durable, not its output visible). The latency ends here.
+    job.batch.visible_at = time.time()
     if job.fault("after-sink", batch_id):
         fault_point("after-sink", os.getpid())
     # At most one checkpoint in flight: the batch before this one commits first.
@@ -306,8 +319,14 @@ def record(
     for rs in reports.values():
         for r in rs:
             requests.update(r.store_requests)
-    rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests))
+    lat = batch_latency(job, reports)
+    rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests), lat)
     job.history.summary.batches.append(rec)
+    job.history.summary.latency.add(lat)
+    if len(job.history.summary.batches) > HISTORY:  # a long run keeps every record: only the recent ones' histograms
+        aged = job.history.summary.batches[-HISTORY - 1]
+        if aged.latency is not None and aged.latency.buckets:
+            aged.latency = replace(aged.latency, buckets={})
     job.history.summary.parallelism = dict(job.scaling.parallelism)
     job.committed.task_reports = reports
     src = job.pipeline.log_source
@@ -317,9 +336,10 @@ def record(
         "batch": batch_id, "time_ms": int(time.time() * 1000), "seconds": round(seconds, 4), "records": records, "emitted": emitted,
         "parallelism": dict(par), "backlog": backlog, "replayed": replayed,
         "checkpoint_bytes": sum(f.bytes for op in job.committed.manifest.operators.values() for f in op.files) if job.committed.manifest else None,
+        "latency": lat.to_json() if lat is not None else None,
     })
     if job.autoscaler is not None:
-        parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, backlog)
+        parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, backlog, lat)
     job.committed.status = status(job, reports, source)
     if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
         job.jobdir.write_status({**job.committed.status, **checkpoint_fields(job), "running": True})
@@ -327,15 +347,33 @@ def record(
     # (stateless on a Spark source) would print zeros for rows it did move.
     counted = job.pipeline.log_source is not None or bool(job.pipeline.keyed_steps)
     log.info(
-        "batch %d %s in %.2f s (Spark job %.2f s%s): %s; %s%s",
+        "batch %d %s in %.2f s (Spark job %.2f s%s): %s%s; %s%s",
         batch_id, "run" if job.committed.pending else "committed", seconds, spark_seconds, "; its checkpoint commits in the background" if job.committed.pending else "",
         f"{records:,} records in, {emitted:,} rows out" if counted else "no stateful stage, so no record counts (Spark's progress has them)",
+        f", latency p50 {lat.p50_seconds:.3f} s, p99 {lat.p99_seconds:.3f} s, max {lat.max_seconds:.3f} s" if lat is not None else "",
         ", ".join(f"'{u}' p={p}" for u, p in par.items()),
         f"; {removed} old state files removed" if removed else "",
     )
     if job.on_batch:
         job.on_batch(rec)
     return records
+
+
+def batch_latency(job: JobState, reports: TaskReports) -> Latency | None:
+    """The batch's end-to-end latency (:mod:`keyscale.latency`): from its records' append
+    times to the time its sinks committed (``job.batch.visible_at``). The append times are
+    summarised by its log sources' readers, or, for a Spark file source, by the first keyed
+    stage's tasks (the files' modification times ride along to it: ``arrival.APPENDED``).
+    None when no task measured a record: another Spark source (rate, table, Spark's own
+    Kafka reader), a Redis log, a file source with no keyed stage, an empty batch."""
+    if job.pipeline is None or job.batch.visible_at is None:
+        return None
+    summaries = [r.ages for src in job.pipeline.logs if src.uid in reports for r in reports[src.uid]]
+    if not any(summaries):
+        # Several branches may each start with a keyed stage that saw the files: count once.
+        summaries = next(([r.ages for r in reports[s.uid]] for s in job.pipeline.keyed_steps
+                          if s.uid in reports and any(r.ages for r in reports[s.uid])), [])
+    return at_commit(summaries, job.batch.visible_at)
 
 
 def build_manifest(

@@ -32,6 +32,7 @@ from keyscale._faults import armed
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.checkpoint.manifest import Manifest
+from keyscale.latency import Latency, LatencyTotals
 from keyscale.operators.eventtime import WatermarkState, ahead_limit_ms
 from keyscale.runtime.task import counters
 from keyscale.runtime.task.report import Reports, TaskReports
@@ -93,6 +94,8 @@ class BatchRecord:
     parallelism: dict[str, int]
     replayed: bool = False
     requests: dict[str, int] = field(default_factory=dict)  # storage requests of the batch, driver and tasks, per kind
+    # End-to-end latency of its records (keyscale.latency; None: its source keeps no append times).
+    latency: Latency | None = None
 
 
 @dataclass
@@ -107,6 +110,8 @@ class RunSummary:
     parallelism: dict[str, int] = field(default_factory=dict)
     # Spark's own measure of each batch with input (durationMs.triggerExecution), in seconds.
     trigger_seconds: list[float] = field(default_factory=list)
+    # Every measured record's end-to-end latency, in the buckets of keyscale_end_to_end_latency_seconds.
+    latency: LatencyTotals = field(default_factory=LatencyTotals)
 
     @property
     def records(self) -> int:
@@ -168,6 +173,8 @@ class BatchScratch:
 
     input_counts: counters.Counters = field(default_factory=dict)  # the batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its plan is for
+    # When the batch's output became visible: every sink's write committed (Unix seconds).
+    visible_at: float | None = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from keyscale.checkpoint.manifest import OperatorCheckpoint
 from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
+from keyscale.latency import Latency
 from keyscale.runtime.batch.jobstate import JobState, seconds
 from keyscale.runtime.task.report import TaskReports
 from keyscale.scaling.policy import BatchMetrics
@@ -149,6 +150,7 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
 
 def autoscale(
     job: JobState, batch_id: int, started: float, batch_seconds: float, par: dict[str, int], reports: TaskReports, backlog: int | None,
+    latency: Latency | None = None,
 ) -> None:
     """Feed the batch's metrics to the autoscaler; record, and in active mode apply, its decision."""
     assert job.autoscaler is not None
@@ -160,6 +162,7 @@ def autoscale(
             input_records=sum(r.records for r in rs), batch_seconds=batch_seconds, trigger_interval_seconds=interval,
             busy_seconds=tuple(float(r.busy_seconds) for r in rs), records=tuple(r.records for r in rs),
             backlog_records=backlog,  # what the source has not read yet: every operator must process it
+            latency=latency,  # the batch's end-to-end latency: the same for every operator
         )
         d = job.autoscaler.observe(m)
         event = {"type": "autoscaler", "mode": mode, "batch": batch_id, **d.to_dict()}

@@ -73,7 +73,19 @@ def status(job: JobState, reports: TaskReports | None = None, source: dict[str, 
         "operators": ops,
         "outputs": outputs(job.pipeline) if job.pipeline else [],
         "counters": {"last_batch": job.committed.counts, "total": counters.from_extra(job.committed.manifest.extra if job.committed.manifest else None)},
+        "latency": last_latency(job),
     }
+
+
+def last_latency(job: JobState) -> dict[str, Any] | None:
+    """The end-to-end latency of the last batch that measured any (``batch`` says which: an
+    idle input's empty batches measure none): its records, p50, p99, max and min in seconds
+    (:mod:`keyscale.latency`). None when no batch of this run measured one: a source
+    without append times (a Spark source, a Redis log), or no input yet."""
+    for rec in reversed(job.history.summary.batches):
+        if rec.latency is not None:
+            return {"batch": rec.batch, **rec.latency.to_json()}
+    return None
 
 
 def committing(job: JobState) -> int | None:

@@ -59,6 +59,8 @@ def status_dict(job_dir: str) -> dict[str, Any]:
     }
     if live.get("watermark") is not None:
         out["watermark"] = live["watermark"]
+    # End-to-end latency of the last batch that measured any (keyscale.latency): the run's own figure.
+    out["latency"] = live.get("latency")
     # Records late, too far ahead, dropped...: totals from the checkpoint (they survive restarts), the last batch's from the job.
     totals = counters.from_extra(m.extra) if m else {}
     last = live.get("counters", {}).get("last_batch", {}) if m is not None and live.get("last_checkpoint") == m.batch else {}

@@ -22,7 +22,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from keyscale.checkpoint.manifest import Manifest
@@ -43,8 +48,13 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
 def families(status: dict[str, Any], committed: Manifest | None, summary: RunSummary, now_ms: int) -> list[Metric]:
     """The job's metric families from its status (``GET /status``), last manifest and summary."""
     job = str(status.get("job", summary.job))
-    out: list[Metric] = []
+    return [*_run_families(job, status, summary), *_latency_families(job, status, summary), *_checkpoint_families(job, committed, now_ms),
+            *_operator_families(job, status)]
 
+
+def _run_families(job: str, status: dict[str, Any], summary: RunSummary) -> list[Metric]:
+    """The job's state, and what this run did: batches, records, rescales, the last batch's time."""
+    out: list[Metric] = []
     state = _gauge("keyscale_job_state", "1 for the job's current state (starting, running, draining, stopped, failed)", ["job", "state"])
     for s in STATES:
         state.add_metric([job, s], 1.0 if status.get("state") == s else 0.0)
@@ -69,22 +79,52 @@ def families(status: dict[str, Any], committed: Manifest | None, summary: RunSum
         duration = _gauge("keyscale_last_batch_duration_seconds", "Wall time of the last committed batch, from intent to manifest", ["job"])
         duration.add_metric([job], last.seconds)
         out.append(duration)
+    return out
 
-    if committed is not None:
-        batch = _gauge("keyscale_last_checkpoint_batch", "The last committed batch (its checkpoint)", ["job"])
-        batch.add_metric([job], committed.batch)
-        age = _gauge("keyscale_last_checkpoint_age_seconds", "Seconds since the last checkpoint was committed", ["job"])
-        age.add_metric([job], max(0.0, (now_ms - committed.created_ms) / 1000) if committed.created_ms else 0.0)
-        size = _gauge("keyscale_checkpoint_size_bytes", "Bytes of state files the last checkpoint names, per operator", ["job", "operator"])
-        state_bytes = _gauge("keyscale_subtask_state_bytes", "Bytes of checkpointed state per subtask's key-group range", ["job", "operator", "subtask"])
-        for uid, op in sorted(committed.operators.items()):
-            if not op.key_columns:
-                continue
-            size.add_metric([job, uid], sum(f.bytes for f in op.files))
-            for i, n in enumerate(op.state_bytes_per_subtask()):
-                state_bytes.add_metric([job, uid, str(i)], n)
-        out += [batch, age, size, state_bytes]
 
+def _latency_families(job: str, status: dict[str, Any], summary: RunSummary) -> list[Metric]:
+    """End-to-end latency (keyscale.latency): the run's histogram, and the quantiles of the
+    last batch that measured any (the status's ``latency``)."""
+    out: list[Metric] = []
+    if status.get("latency") is not None:
+        lat = status["latency"]
+        quantiles = _gauge("keyscale_last_batch_latency_seconds", "End-to-end latency of the records of the last batch that measured any, "
+                           "from their append to the source to the commit of its output: p50, p99 and max", ["job", "quantile"])
+        for q, key in (("0.5", "p50_seconds"), ("0.99", "p99_seconds"), ("1", "max_seconds")):
+            quantiles.add_metric([job, q], lat[key])
+        out.append(quantiles)
+    # One observation per record measured (a Histogram cannot take a weight: the batches'
+    # bucket counts are added up in the run's summary and served as they are).
+    latency = HistogramMetricFamily("keyscale_end_to_end_latency_seconds", "End-to-end latency of each record this run measured, from its "
+                                    "append to the source (Kafka timestamp, log segment write, file modification time) to the commit of its batch's output", labels=["job"])
+    latency.add_metric([job], buckets=list(summary.latency.cumulative()), sum_value=summary.latency.sum_seconds)
+    out.append(latency)
+    return out
+
+
+def _checkpoint_families(job: str, committed: Manifest | None, now_ms: int) -> list[Metric]:
+    """The last committed checkpoint: its batch, age and state's size (none before the first)."""
+    if committed is None:
+        return []
+    batch = _gauge("keyscale_last_checkpoint_batch", "The last committed batch (its checkpoint)", ["job"])
+    batch.add_metric([job], committed.batch)
+    age = _gauge("keyscale_last_checkpoint_age_seconds", "Seconds since the last checkpoint was committed", ["job"])
+    age.add_metric([job], max(0.0, (now_ms - committed.created_ms) / 1000) if committed.created_ms else 0.0)
+    size = _gauge("keyscale_checkpoint_size_bytes", "Bytes of state files the last checkpoint names, per operator", ["job", "operator"])
+    state_bytes = _gauge("keyscale_subtask_state_bytes", "Bytes of checkpointed state per subtask's key-group range", ["job", "operator", "subtask"])
+    for uid, op in sorted(committed.operators.items()):
+        if not op.key_columns:
+            continue
+        size.add_metric([job, uid], sum(f.bytes for f in op.files))
+        for i, n in enumerate(op.state_bytes_per_subtask()):
+            state_bytes.add_metric([job, uid, str(i)], n)
+    return [batch, age, size, state_bytes]
+
+
+def _operator_families(job: str, status: dict[str, Any]) -> list[Metric]:
+    """From the status: the watermark, each operator's subtasks and sources, records not
+    processed normally, and the scaling decisions."""
+    out: list[Metric] = []
     if status.get("watermark_ms") is not None:
         wm = _gauge("keyscale_watermark_seconds", "The job's event-time watermark (Unix seconds)", ["job"])
         wm.add_metric([job], status["watermark_ms"] / 1000)

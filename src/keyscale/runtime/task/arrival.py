@@ -7,10 +7,12 @@ the partitions are Spark's file splits, packed largest first into partitions of
 settings give other partitions, so the same files would reach an order-sensitive function in
 another order.
 
-For a file source, the query therefore reads two more columns from Spark's hidden file
+For a file source, the query therefore reads more columns from Spark's hidden file
 metadata, in the scan itself (exact whatever runs between the scan and keyscale):
 :data:`FILE` (``xxhash64`` of the file's path) and :data:`BLOCK` (the split's start offset in
-the file). The rows of one split are read in file order into one partition, so their
+the file); and :data:`APPENDED`, the file's modification time, which is not part of the
+order but its records' append time for :mod:`keyscale.latency` (the first keyed stage's
+tasks report it). The rows of one split are read in file order into one partition, so their
 sequences increase along the file; splits start further into their file the later their
 rows are. Sorting by (file, block, sequence) is therefore the order of the batch's files
 (by their paths' hash: a fixed order, not their names' order) and of the rows in each file,
@@ -28,7 +30,7 @@ memory, Kafka, a union of streams...), the order is Spark's, as before.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +41,9 @@ if TYPE_CHECKING:
 
 FILE = "__ks_file"
 BLOCK = "__ks_block"
-ORDER = (FILE, BLOCK)
+APPENDED = "__ks_appended"  # the file's modification time (Unix microseconds): its records' append time
+ORDER = (FILE, BLOCK, APPENDED)
+FILE_CLOCK = "file modification time"  # what a file source's append time is (keyscale.latency)
 
 
 def with_file_order(df: DataFrame, path: str | None = None) -> tuple[DataFrame, bool]:
@@ -55,6 +59,7 @@ def with_file_order(df: DataFrame, path: str | None = None) -> tuple[DataFrame, 
     try:
         ordered = df.select(
             "*", F.xxhash64(F.col("_metadata.file_path")).alias(FILE), F.col("_metadata.file_block_start").alias(BLOCK),
+            F.unix_micros(F.col("_metadata.file_modification_time")).alias(APPENDED),
             *([F.col("_metadata.file_path").alias(path)] if path else []),
         )
     except AnalysisException:  # not a file source, or one behind an aggregate, a union, mapInPandas...
@@ -84,6 +89,14 @@ def in_arrival_order(table: pa.Table, seq: str) -> pa.Table:
         return table.take(np.argsort(s, kind="stable"))
     order = np.lexsort((s, table.column(BLOCK).to_numpy(), table.column(FILE).to_numpy()))
     return table.drop_columns(list(ORDER)).take(order)
+
+
+def append_times(table: pa.Table) -> np.ndarray[Any, Any] | None:
+    """When a task's records were appended to their source, in Unix seconds: their files'
+    modification times (None: the table does not carry :data:`APPENDED`)."""
+    if APPENDED not in table.column_names:
+        return None
+    return np.asarray(table.column(APPENDED).to_numpy(zero_copy_only=False), dtype=np.float64) / 1e6
 
 
 def without(df: DataFrame, cols: Sequence[str]) -> DataFrame:

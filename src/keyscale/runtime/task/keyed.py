@@ -34,14 +34,8 @@ import pyarrow as pa
 from keyscale._faults import fault_point
 from keyscale.checkpoint.files import encode_state_file, spill_state_file
 from keyscale.checkpoint.manifest import FileKind, StateFile
-from keyscale.operators.keyed import (
-    TIMER_STATES,
-    Context,
-    KeyedProcessFunction,
-    RuntimeContext,
-    rows_to_arrow,
-    ttl_column,
-)
+from keyscale.latency import ages
+from keyscale.operators.keyed import KeyedProcessFunction, rows_to_arrow
 from keyscale.operators.poison import ErrorCollector, null_event_time_mask, run_guarded
 from keyscale.operators.vectorized import VectorizedKeyedFunction
 from keyscale.operators.windows import WindowAggregate, WindowResult, run_windows
@@ -64,6 +58,8 @@ from keyscale.runtime.task.spec import (
     with_side_output,
 )
 from keyscale.runtime.task.upload import Upload, release_free_memory
+from keyscale.state.contexts import Context, RuntimeContext
+from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
 from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor, is_numeric
@@ -205,6 +201,7 @@ class _Processed:
     max_event: int | None = None
     windows: WindowResult | None = None  # a window aggregate's result (late, fired, purged)
     counters: dict[str, int] = field(default_factory=dict)  # named counts of records not processed normally (keyscale.runtime.task.counters)
+    appended: np.ndarray | None = None  # a file source's records' append times (Unix seconds; arrival.APPENDED)
 
 
 def _process(
@@ -246,6 +243,8 @@ def _process(
         windows_purged=windows.purged if windows else None,
         counters={**counters, **errors.counters()},
         store_requests=dict(spec.store.requests),  # this task's copy of the store: its own requests
+        # A file source's first keyed stage: its records' ages now (the driver adds the time to the commit).
+        ages=ages(done.appended, time.time(), arrival.FILE_CLOCK) if done.appended is not None else None,
     )
     dead = errors.dead_letters() if spec.on_error.on_error == "dead_letter" else None
     if spec.late_output or dead is not None:
@@ -260,6 +259,7 @@ def _run_function(
     """The batch's records (``records`` of them before the null-key check) and due timers
     through the stage's function: a window aggregate, a vectorized function or one per key."""
     done = _Processed(spec.output_schema.empty_table(), np.empty(0, dtype=np.intp), spec.input_schema.empty_table())
+    done.appended = arrival.append_times(table)
     table = arrival.in_arrival_order(table, SEQ)
     table = grouping.null_check(spec, table)  # dropped here, not in Spark, so that they are counted
     if (kept := grouping.records(spec, table)) < records:

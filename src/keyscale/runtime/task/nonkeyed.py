@@ -14,11 +14,12 @@ import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.keyed import rows_to_arrow
-from keyscale.operators.nonkeyed import OperatorContext, ProcessFunction
+from keyscale.operators.nonkeyed import ProcessFunction
 from keyscale.operators.vectorized import to_frame
 from keyscale.runtime.task.report import TaskReport
 from keyscale.runtime.task.spark import as_spark_task
 from keyscale.runtime.task.spec import TASK_VERSION
+from keyscale.state.contexts import OperatorContext
 
 
 @dataclass(frozen=True)

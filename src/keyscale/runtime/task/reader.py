@@ -1,6 +1,7 @@
 """A log source's reader as a Spark task (``mapInArrow``): one task per reader subtask reads
 the ranges its batch's plan gives it (:mod:`keyscale.sources.reader` plans them) and
-reports, per partition, what it read (a :class:`~keyscale.runtime.task.report.TaskReport`).
+reports, per partition, what it read (a :class:`~keyscale.runtime.task.report.TaskReport`),
+and its records' ages at its end where the log keeps append times (:mod:`keyscale.latency`).
 Here, beside the keyed and non-keyed tasks, so that the sources never import the runtime."""
 
 from __future__ import annotations
@@ -12,20 +13,22 @@ from typing import Any
 import pyarrow as pa
 
 from keyscale.errors import InputDataError, KeyscaleError, encode_error
+from keyscale.latency import ages, merge_ages
 from keyscale.operators.eventtime import event_time_ms, max_event_within
 from keyscale.runtime.task import report as reports
 from keyscale.runtime.task.report import PartitionRead, TaskReport
-from keyscale.sources.partitioned import PartitionedLog
+from keyscale.sources.partitioned import AppendTimes, PartitionedLog
 from keyscale.sources.reader import WHAT_TO_DO, Plan, fingerprint
 
 
-def _read(log: PartitionedLog, uid: str, batch: int, p: int, start: int, end: int) -> pa.Table:
-    """The batch's records of one partition; records gone since the batch was planned (a
-    replay after the log shrank) stop the job with the same advice as a shrink at planning."""
+def _read(log: PartitionedLog, uid: str, batch: int, p: int, start: int, end: int) -> tuple[pa.Table, AppendTimes | None]:
+    """The batch's records of one partition, with their append times if the log keeps them;
+    records gone since the batch was planned (a replay after the log shrank) stop the job
+    with the same advice as a shrink at planning."""
     if end <= start:
-        return log.schema.empty_table()
+        return log.schema.empty_table(), None
     try:
-        return log.read(p, start, end)
+        return log.read_timed(p, start, end)
     except KeyscaleError as e:
         ends = log.end_offsets()
         if p < len(ends) and ends[p] < end:
@@ -62,8 +65,11 @@ def make_reader_function(
                     )))
                 partitions: dict[int, PartitionRead] = {}
                 ahead = 0
+                appended: list[AppendTimes] = []
                 for p, start, end in plan[subtask]:
-                    t = _read(log, uid, batch, p, start, end)
+                    t, times = _read(log, uid, batch, p, start, end)
+                    if times is not None:
+                        appended.append(times)
                     max_event_ms: int | None = None
                     if event_time and t.num_rows:
                         max_event_ms, n = max_event_within(event_time_ms(t, event_time), event_time_limit_ms)
@@ -76,8 +82,13 @@ def make_reader_function(
                         raise RuntimeError(encode_error(InputDataError(f"source '{uid}', partition {p}: records do not fit the log's schema ({e})"))) from None
                     yield from t.to_batches()
                 skipped = log.take_skipped()
+                # The records' ages now, at the task's end: the driver adds the time to the commit.
+                ended = time.time()
+                summary = None
+                for times in appended:
+                    summary = merge_ages(summary, ages(times.seconds, ended, times.clock))
                 report = TaskReport(
-                    subtask=subtask, records=sum(i.records for i in partitions.values()), partitions=partitions,
+                    subtask=subtask, records=sum(i.records for i in partitions.values()), partitions=partitions, ages=summary,
                     counters={**({"too_far_ahead": ahead} if ahead else {}), **({"skipped_records": skipped} if skipped else {})},
                     busy_seconds=time.perf_counter() - started,
                 )

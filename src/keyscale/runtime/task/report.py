@@ -2,7 +2,8 @@
 
 Each task of a batch (a reader, a keyed or a non-keyed subtask) ends with a small
 :class:`TaskReport`: records, keys, busy time, the state file it wrote with its size and
-checksum, its counters. The report travels in the task's result (an accumulator update,
+checksum, its counters. A reader also sends a summary of its records' append times (:mod:`keyscale.latency`).
+The report travels in the task's result (an accumulator update,
 which Spark carries with a task's success only) in its wire form (:meth:`TaskReport.to_wire`,
 a dict with a version ``"v"``), so executors need no disk in common with the driver. Two
 successful attempts of one subtask (speculation, a stage computed again) may both report:
@@ -18,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from keyscale.checkpoint.manifest import StateFile
 from keyscale.errors import KeyscaleError
+from keyscale.latency import Ages
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 #: The version :meth:`TaskReport.to_wire` writes; a report without one is version 1.
-REPORT_VERSION = 1
+#: Version 2 added ``ages`` (a reader's append times, :mod:`keyscale.latency`); a driver
+#: reads every version up to its own (an older report has no ages: no latency measured).
+REPORT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class TaskReport:
     lists: Mapping[str, list[Any]] | None = None
     # A reader's, per log partition.
     partitions: Mapping[int, PartitionRead] | None = None
+    # A reader's: its records' ages when it ended (None: its log keeps no append times).
+    ages: Ages | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The report as it travels in the accumulator: a dict of plain values with ``"v"``
@@ -99,6 +105,8 @@ class TaskReport:
                 value = list(value)
             elif name == "partitions":
                 value = {str(p): r.to_wire() for p, r in value.items()}
+            elif name == "ages":
+                value = value.to_wire()
             elif name in ("counters", "store_requests", "lists"):
                 value = dict(value)
             out[name] = value
@@ -109,7 +117,7 @@ class TaskReport:
         """A report from its wire form (``what`` names it in the error: operator, batch and
         subtask). A report without ``"v"`` is version 1; a later version is refused."""
         version = d.get("v", 1)
-        if version != REPORT_VERSION:
+        if not isinstance(version, int) or not 1 <= version <= REPORT_VERSION:
             raise KeyscaleError(f"{what} is of version {version}, which this keyscale (report version {REPORT_VERSION}) cannot read: "
                                 "the executors run another keyscale than the driver")
         kw: dict[str, Any] = {k: v for k, v in d.items() if k in _FIELDS}
@@ -119,6 +127,8 @@ class TaskReport:
             kw["range"] = (int(kw["range"][0]), int(kw["range"][1]))
         if kw.get("partitions") is not None:
             kw["partitions"] = {int(p): PartitionRead.from_wire(r) for p, r in kw["partitions"].items()}
+        if kw.get("ages") is not None:
+            kw["ages"] = Ages.from_wire(kw["ages"])
         return TaskReport(**kw)
 
 

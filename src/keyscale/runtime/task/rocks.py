@@ -37,9 +37,9 @@ from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.manifest import StateFile, catch_up
 from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
-from keyscale.operators.keyed import TIMER_STATES, ttl_column
 from keyscale.operators.windows import WINDOW_END, WindowAggregate
 from keyscale.runtime.task.spec import StageTask
+from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.keygroups import KeyGroupRange, key_group_range, mask_runs
 from keyscale.state.rocksdb import RocksState, Working
 from keyscale.state.table import KeyedStateTable

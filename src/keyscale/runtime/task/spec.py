@@ -21,8 +21,8 @@ from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.manifest import StateFile
 from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
-from keyscale.operators.keyed import TIMER_STATES
 from keyscale.operators.poison import FAIL, ErrorPolicy
+from keyscale.state.handles import TIMER_STATES
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import Store
 

@@ -13,19 +13,13 @@ import pyarrow as pa
 
 from keyscale.errors import JobDefinitionError, KeyscaleError
 from keyscale.operators.eventtime import END_OF_TIME
-from keyscale.operators.keyed import TIMER_STATES, ttl_column
 from keyscale.operators.poison import ErrorCollector, bisect_failures, one_line
-from keyscale.operators.vectorized import (
-    TIMER,
-    KeyedBatch,
-    VectorizedKeyedFunction,
-    masked,
-    to_frame,
-    unmasked,
-)
+from keyscale.operators.vectorized import VectorizedKeyedFunction, masked, to_frame, unmasked
 from keyscale.runtime.task.grouping import Grouped
 from keyscale.runtime.task.spec import StageTask
+from keyscale.state.batches import TIMER, KeyedBatch
 from keyscale.state.factorize import make_index
+from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.table import KeyedStateTable
 
 TIMER_COLUMNS = frozenset(c for pair in TIMER_STATES.values() for c in pair)  # kept by keyscale, not the function's

@@ -107,13 +107,19 @@ function markers(events) {
   };
 }
 
+const SERIES_COLORS = ["#4e79a7", "#f28e2b", "#e15759"];
+
 function chart(id, title, label, data, events, fmt, stepped) {
   const el = document.getElementById(id);
   const opts = {
     title, width: el.clientWidth - 8, height: 200, plugins: [markers(events)],
     scales: { x: { time: true } },
     axes: [{}, { size: axisSize, values: (u, ticks) => ticks.map(fmt), ...(stepped ? { incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500] } : {}) }],
-    series: [{}, { label, stroke: "#4e79a7", width: 2, value: (u, v) => (v == null ? "–" : fmt(v)), ...(stepped ? { paths: uPlot.paths.stepped({ align: 1 }) } : {}) }],
+    // ``label``: one series' name, or several (one per data column after the times).
+    series: [{}, ...(Array.isArray(label) ? label : [label]).map((l, i) => ({
+      label: l, stroke: SERIES_COLORS[i % SERIES_COLORS.length], width: 2, value: (u, v) => (v == null ? "–" : fmt(v)),
+      ...(stepped ? { paths: uPlot.paths.stepped({ align: 1 }) } : {}),
+    }))],
   };
   if (charts[id]) charts[id].destroy();
   el.replaceChildren();
@@ -172,6 +178,18 @@ function render(status, history) {
   chart("chart-rate", "Input rate", "records/s", [t, batches.map((b) => (b.seconds > 0 ? b.records / b.seconds : 0))], events,
     (v) => `${fmtCompact(v)}/s`);
   chart("chart-duration", "Batch duration", "seconds", [t, batches.map((b) => b.seconds)], events, (v) => `${fmtCompact(v)} s`);
+  // End-to-end latency: per record, from its append to the source to the commit of its
+  // batch's output. A source that keeps no append times (a Spark rate or table source, a
+  // Redis log) measures none: said so, never drawn as 0.
+  if (batches.every((b) => b.latency == null)) {
+    noChart("chart-latency", "End-to-end latency", "n/a: no batch measured it yet. keyscale measures it from each record's append time: "
+      + "Kafka's timestamp (ks.kafka.kafka_source), a local log's segment write (ks.sources.log_source), a file's modification time "
+      + "(Spark file sources with a keyed stage). Spark's rate, table and Kafka sources and Redis logs have none.");
+  } else {
+    const q = (k) => batches.map((b) => (b.latency ? b.latency[k] : null));
+    chart("chart-latency", "End-to-end latency", ["p50", "p99", "max"], [t, q("p50_seconds"), q("p99_seconds"), q("max_seconds")], events,
+      (v) => `${fmtCompact(v)} s`);
+  }
   // The backlog is what a keyscale log source has not read yet (Kafka lag); a Spark source
   // (files, a table, Spark's Kafka reader) does not report it, so every batch has null.
   if (batches.length && batches.every((b) => b.backlog == null)) {
@@ -193,7 +211,9 @@ function render(status, history) {
     for (const c of cells(it)) { const td = document.createElement("td"); td.textContent = c; tr.appendChild(td); }
     return tr;
   }));
-  rows("#checkpoints", batches.slice(-20).reverse(), (b) => [b.batch, fmtTime(b.time_ms), b.seconds.toFixed(2), b.records.toLocaleString(), fmtBytes(b.checkpoint_bytes)]);
+  rows("#checkpoints", batches.slice(-20).reverse(), (b) => [b.batch, fmtTime(b.time_ms), b.seconds.toFixed(2), b.records.toLocaleString(),
+    b.latency ? `${b.latency.p99_seconds < 100 ? b.latency.p99_seconds.toFixed(2) : fmtCompact(b.latency.p99_seconds)} s` : "–",
+    fmtBytes(b.checkpoint_bytes)]);
   rows("#savepoints", history.savepoints.slice().reverse(), (s) => [s.batch, fmtTime(s.time_ms), s.path]);
   document.body.dataset.loaded = "true";
   document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);  // lets a test wait for the next one
