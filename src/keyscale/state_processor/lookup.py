@@ -75,6 +75,8 @@ from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile
 from keyscale.checkpoint.savepoint.schema import spark_type_name
 from keyscale.checkpoint.savepoint.write import CheckpointFiles, checkpoint_types
 from keyscale.errors import InputDataError, StateError
+from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START
+from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.table import KeyedStateTable
@@ -86,11 +88,10 @@ __all__ = ["DEFAULT_CACHE_BYTES", "LookupOperator", "SliceCache", "StateLookup",
 #: Bytes of footers and key-group slices a :class:`StateLookup` keeps (64 MiB).
 DEFAULT_CACHE_BYTES = 64 << 20
 
-# Hidden states (operators/keyed.py): a key's timers, and each TTL state's clock.
-_TIMERS = {"__timers_event": "event_time", "__timers_proc": "processing_time"}
-_TTL_PREFIX = "__ttl_"
-# A window operator keys its state by (key..., window_start) and keeps these beside it (operators/windows.py).
-_WINDOW_START, _WINDOW_END, _FIRED = "window_start", "window_end", "fired"
+# Hidden states (state/handles.py): a key's timers, and each TTL state's clock.
+_TIMERS = {timers: domain for domain, (timers, _) in TIMER_STATES.items()}
+# A window operator keys its state by (key..., window_start) and keeps these beside it.
+_WINDOW_START, _WINDOW_END, _FIRED = WINDOW_START, WINDOW_END, FIRED
 
 
 class SliceCache:
@@ -344,7 +345,8 @@ def _timers_and_ttl(rows: Sequence[dict[str, Any]], op: LookupOperator) -> dict[
     for s in op.states:
         if s.ttl_seconds is None:
             continue
-        clocks = [int(r[_TTL_PREFIX + s.name]) for r in rows if r.get(_TTL_PREFIX + s.name) is not None and r.get(s.name) is not None]
+        clock = ttl_column(s.name)
+        clocks = [int(r[clock]) for r in rows if r.get(clock) is not None and r.get(s.name) is not None]
         if clocks:
             ttl[s.name] = {"clock_ms": max(clocks), "expires_ms": max(clocks) + round(s.ttl_seconds * 1000)}
     if ttl:
