@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -77,6 +77,8 @@ from keyscale.storage import open_store
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
+
+    from keyscale.state_processor.lookup import StateLookup
 
 __all__ = ["BatchRecord", "JobRunner", "RunOptions", "RunSummary"]
 
@@ -168,6 +170,8 @@ class JobRunner:
         self._query: StreamingQuery | None = None
         self._locked = False
         self._empty_batch = False  # the last batch run read no records (see _input_read)
+        self._lookup: StateLookup | None = None  # point lookups (lookup_state), made on first use
+        self._lookup_lock = threading.Lock()
         if opts.scaling == "auto" and opts.autoscaler_mode != "off":
             if opts.autoscaler_mode not in ("recommend", "active"):
                 raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
@@ -548,6 +552,19 @@ class JobRunner:
         if committed is None:
             return self.last_status()
         return {**committed, **status.checkpoint_fields(self.job), "updated_ms": int(time.time() * 1000)}
+
+    def lookup_state(self, uid: str, keys: Sequence[Any]) -> list[dict[str, Any]]:
+        """What each key of ``keys`` of keyed operator ``uid`` holds at the last committed
+        checkpoint (the control API's ``GET /state/<uid>``, ``JobHandle.state``): read from
+        the checkpoint's files by byte range, never from the running tasks' memory, so the
+        answer is the committed state and costs the batches nothing but the store's reads."""
+        from keyscale.state_processor.lookup import StateLookup
+
+        with self._lookup_lock:
+            if self._lookup is None:
+                self._lookup = StateLookup(self.job.jobdir, latest=self.last_committed)
+            lookup = self._lookup
+        return lookup.get_many(uid, keys)
 
     def query_active(self) -> bool | None:
         """Whether the job's Spark query runs (None: no query, a keyscale-driven source or between queries)."""
