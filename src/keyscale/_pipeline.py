@@ -440,7 +440,9 @@ class Pipeline(JobGraph):
         ``name`` is the job's name (default: the job directory's last part); a job
         directory remembers it, so a later start in the same directory resumes from its
         checkpoint. ``options`` are :class:`~keyscale.runtime.batch.jobstate.RunOptions` fields:
-        ``until_idle=True`` (end when the input is read), ``trigger_interval="1 second"``,
+        ``until_idle=True`` (end when the input is read), ``trigger_interval="1 second"`` (a log
+        source's batches run back to back while records wait, and at least once an interval;
+        ``wait_for_trigger=True``: one per interval at most),
         ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"``,
         ``retain``, ``drain_at_end``, ``state_backend="memory"|"rocksdb"`` (the keyed stages'
         default; a stage's own ``state_backend=`` wins), ``control_host="0.0.0.0"`` and

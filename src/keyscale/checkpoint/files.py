@@ -283,10 +283,11 @@ class _Ranged(io.RawIOBase):
     """One object of a store as a read-only, seekable file, fetched by byte ranges with a
     read-ahead window: Arrow reads the footer, then only the record batches it is asked for."""
 
-    def __init__(self, store: Store, key: str, size: int, window: int = 1 << 20):
+    def __init__(self, store: Store, key: str, size: int, window: int = 1 << 20, tail: tuple[int, bytes] | None = None):
         self._store, self._key, self._size, self._window = store, key, size, window
-        self._pos = self._buf_start = 0
-        self._buf = b""
+        self._pos = 0
+        # ``tail``: bytes already fetched from some offset (the footer), read from memory
+        self._buf_start, self._buf = tail if tail is not None else (0, b"")
 
     def readable(self) -> bool:
         return True
@@ -319,11 +320,52 @@ class _Ranged(io.RawIOBase):
         return len(data)
 
 
-def _read_ranged(store: Store, f: StateFile, rng: KeyGroupRange) -> pa.Table | None:
+# A point lookup's first read of a state file: its last bytes, which hold the footer
+# (schema with the key-group index, record batch offsets; a large index takes a second read).
+TAIL_BYTES = 16 << 10
+
+
+def state_file_tail(store: Store, f: StateFile) -> tuple[int, bytes]:
+    """The end of state file ``f`` that holds its Arrow footer, as ``(offset, bytes)``: one
+    ranged read (two when the footer is longer than ``TAIL_BYTES``). Kept by a reader that
+    comes back to the file (:mod:`keyscale.state_processor.lookup`), so that each later read
+    of a key group fetches only the record batches holding it."""
+    n = min(f.bytes, TAIL_BYTES)
+    try:
+        tail = store.get_range(f.path, f.bytes - n, n)
+        if len(tail) == n and n >= 10 and tail[-6:] == b"ARROW1":
+            need = int.from_bytes(tail[-10:-6], "little") + 10
+            if n < need <= f.bytes:
+                n, tail = need, store.get_range(f.path, f.bytes - need, need)
+    except FileNotFoundError:
+        raise StateError(f"state file {store.url(f.path)} is missing") from None
+    if len(tail) != n or tail[-6:] != b"ARROW1":
+        raise StateError(f"state file {store.url(f.path)} is damaged (size or footer differs from its checkpoint's entry)")
+    return f.bytes - n, tail
+
+
+def read_key_groups_ranged(store: Store, f: StateFile, rng: KeyGroupRange, tail: tuple[int, bytes] | None = None) -> pa.Table:
+    """The rows of key groups ``rng`` in state file ``f``, by byte ranges: the footer (or
+    ``tail``, from :func:`state_file_tail`), then only the record batches (``CHUNK_ROWS``
+    rows each) that hold those key groups, fetched by ranged reads from an object store and
+    memory-mapped on local disk (where only those pages are read, without a copy). Nothing
+    is checksummed: the bytes of the whole file are never read."""
+    table = _read_ranged(store, f, rng, window=TAIL_BYTES, tail=tail)
+    if table is None:  # a file without fixed batch sizes: read whole
+        table = _open_state_file(store, f, verify=False)
+        first, last = _rows_of(table.schema.metadata, f, rng)
+        table = table.slice(first, max(0, last - first))
+    return table
+
+
+def _read_ranged(store: Store, f: StateFile, rng: KeyGroupRange, window: int = 1 << 20, tail: tuple[int, bytes] | None = None) -> pa.Table | None:
     """Only the record batches of ``f`` that hold key groups ``rng`` (None: the file has no
     fixed batch size, read it whole)."""
     try:
-        reader = pa.ipc.open_file(pa.PythonFile(_Ranged(store, f.path, f.bytes), mode="r"))
+        if isinstance(store, LocalStore):  # memory-mapped: only the pages of the footer and those batches are read
+            reader = pa.ipc.open_file(pa.memory_map(str(store.path(f.path))))
+        else:
+            reader = pa.ipc.open_file(pa.PythonFile(_Ranged(store, f.path, f.bytes, window, tail), mode="r"))
     except FileNotFoundError:
         raise StateError(f"state file {store.url(f.path)} is missing") from None
     except (pa.ArrowInvalid, OSError) as e:
@@ -336,7 +378,12 @@ def _read_ranged(store: Store, f: StateFile, rng: KeyGroupRange) -> pa.Table | N
     if last <= first:
         return reader.schema.empty_table()
     todo = range(first // chunk, (last - 1) // chunk + 1)
-    table = pa.Table.from_batches([reader.get_batch(i) for i in todo], schema=reader.schema)
+    try:
+        table = pa.Table.from_batches([reader.get_batch(i) for i in todo], schema=reader.schema)
+    except FileNotFoundError:  # deleted since its footer was read
+        raise StateError(f"state file {store.url(f.path)} is missing") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StateError(f"state file {store.url(f.path)} is unreadable ({e})") from None
     return table.slice(first - todo[0] * chunk, last - first)
 
 

@@ -390,6 +390,15 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_state_get(a: argparse.Namespace) -> int:
+    from keyscale.state_processor import StateLookup
+
+    answers = StateLookup(a.job_dir).get_many(a.uid, a.keys, a.checkpoint)
+    for answer in answers:
+        print(json.dumps(answer, indent=None if a.compact else 2, ensure_ascii=False))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="keyscale", description="Elastic, stateful stream processing on Spark.")
     p.add_argument("-v", "--verbose", action="store_true", help="show Spark's warnings too")
@@ -503,6 +512,20 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("savepoint", help="the savepoint: a folder, file:// or s3:// location")
     ins.set_defaults(func=cmd_inspect)
 
+    sta = sub.add_parser("state", help="look at a job's keyed state")
+    state_sub = sta.add_subparsers(dest="state_command", required=True)
+    sg = state_sub.add_parser(
+        "get", help="what keys of an operator hold at the last committed checkpoint (JSON, one answer per key)",
+        description="Reads only each key's key group of the checkpoint's state files, by byte range (local disk or "
+                    "object store), whether the job runs or not. A key without state answers found: false.")
+    sg.add_argument("job_dir")
+    sg.add_argument("--uid", required=True, help="the keyed operator's uid")
+    sg.add_argument("keys", nargs="+", metavar="KEY",
+                    help="a key, parsed as the operator's key type (a key of several columns as a JSON array: '[\"ann\", 3]')")
+    sg.add_argument("--checkpoint", type=int, metavar="BATCH", help="this committed checkpoint instead of the last one")
+    sg.add_argument("--compact", action="store_true", help="one line of JSON per key")
+    sg.set_defaults(func=cmd_state_get)
+
     from keyscale.deploy.cli import add_apply_parser, add_deployment_parsers
 
     add_apply_parser(sub)
@@ -517,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from keyscale.scaling.simulate import add_simulate_parser
 
-    for located in (r, rs, st, sp, so, ca, ls, ins):  # every command that opens a job dir, savepoint or folder
+    for located in (r, rs, st, sp, so, ca, ls, ins, sg):  # every command that opens a job dir, savepoint or folder
         located.add_argument(
             "--storage-option", action="append", default=[], metavar="KEY=VALUE",
             help="object store setting (obstore config key, e.g. endpoint=http://127.0.0.1:9000, region=eu-west-1); "

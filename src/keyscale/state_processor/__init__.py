@@ -8,7 +8,10 @@ On Spark DataFrames, in the spirit of Flink's State Processor API:
   pandas / Arrow tables), e.g. to start a job with state computed from a historical table;
 - :func:`rekey_savepoint` rewrites a savepoint for another max parallelism (number of key
   groups), the one change Flink cannot make to existing state;
-- :func:`inspect_savepoint` summarises a savepoint (``keyscale inspect SP``).
+- :func:`inspect_savepoint` summarises a savepoint (``keyscale inspect SP``);
+- :class:`StateLookup` answers what one key holds at a job directory's committed checkpoint,
+  reading only its key group by byte range (``keyscale state get``, ``JobHandle.state``,
+  the control API's ``GET /state/<uid>?key=...``).
 
 Savepoints and job directories are local paths, ``file://`` or object store URIs
 (``s3://...``); every function reads and writes through :mod:`keyscale.storage`.
@@ -18,7 +21,8 @@ for an Arrow table in numpy, bit for bit as Spark does (checked against Spark in
 the rule and all its forms live in :mod:`keyscale.state.spark_hash`.
 
 Modules: :mod:`.keygroups` (:func:`key_groups` under its State Processor name), :mod:`.read` (state as DataFrames),
-:mod:`.bootstrap` (savepoints from tables), :mod:`.rekey` (re-keying and inspecting).
+:mod:`.bootstrap` (savepoints from tables), :mod:`.rekey` (re-keying and inspecting), :mod:`.lookup`
+(point lookups).
 
 >>> import tempfile, pyarrow as pa
 >>> from pathlib import Path
@@ -36,11 +40,13 @@ operator 'count': max parallelism 128 (bootstrapped)
 
 from keyscale.state_processor.bootstrap import BootstrapOperators, write_savepoint_from_dataframes
 from keyscale.state_processor.keygroups import key_groups
+from keyscale.state_processor.lookup import StateLookup
 from keyscale.state_processor.read import read_keyed_state
 from keyscale.state_processor.rekey import inspect_savepoint, rekey_savepoint
 
 __all__ = [
     "BootstrapOperators",
+    "StateLookup",
     "inspect_savepoint",
     "key_groups",
     "read_keyed_state",

@@ -75,13 +75,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("keyscale")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Clock:
-    """When a batch began, and the job directory's storage requests until then."""
+    """When a batch began, the job directory's storage requests until then, and the seconds
+    of each step so far (``lap``: the batch's profile, in its history record)."""
 
     started: float  # perf_counter
     started_wall: float  # time.time
     requests_before: Counter[str]
+    steps: dict[str, float]
+    last: float = 0.0
+
+    def lap(self, step: str) -> None:
+        """The time since the last lap (or the start) goes to ``step``."""
+        now = time.perf_counter()
+        self.steps[step] = self.steps.get(step, 0.0) + now - (self.last or self.started)
+        self.last = now
 
 
 def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = False) -> int:
@@ -93,10 +102,11 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         log.info("batch %d is already committed; skipping its replay", batch_id)
         job.history.summary.skipped.append(batch_id)
         return 0
-    clock = _Clock(time.perf_counter(), time.time(), Counter(job.jobdir.store.requests))
     job.batch = BatchScratch()
+    clock = _Clock(time.perf_counter(), time.time(), Counter(job.jobdir.store.requests), job.batch.steps)
     # 2. Intent.
     intent, replayed = fix_intent(job, df, batch_id, drain)
+    clock.lap("intent")
     # 3. Tasks: the batch's Spark plan, run by the sink write.
     par: dict[str, int] = dict(intent.parallelism)
     watermark_ms = job.committed.watermark.watermark_ms if intent.watermark_ms is None else intent.watermark_ms
@@ -115,7 +125,9 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         # Before any stage: a malformed record must not reach one as a row of nulls (a null key).
         df, malformed_letters, bad = malformed.split_malformed(df, job.malformed, job.pipeline.input_policy, batch_id)
         job.batch.input_counts = {malformed.INPUT: bad} if bad else {}
+    clock.lap("read")
     plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df, malformed_letters)
+    clock.lap("plan")
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
     # Every sink has committed the batch's output (a Kafka transaction, a Delta or Iceberg
@@ -124,16 +136,20 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     job.batch.visible_at = time.time()
     if job.fault("after-sink", batch_id):
         fault_point("after-sink", os.getpid())
+    clock.lap("sink")
     # At most one checkpoint in flight: the batch before this one commits first.
     removed = settle(job)
+    clock.lap("settle")
     # 5. Manifest: the commit point (with asynchronous checkpoints, in the background once
     # the state files it names are stored; a drain's commits at once, its savepoint follows).
     background = job.opts.async_checkpoints and not drain
     records, emitted, reports = commit_manifest(job, batch_id, intent, par, watermark_ms, rules, drain, background)
+    clock.lap("manifest")
     if not background:
         # 6. Post-commit: log sources hear the committed positions.
         post_commit(job, batch_id)
         removed += job.jobdir.retain(job.opts.retain)
+    clock.lap("post_commit")
     return record(job, batch_id, clock, records, emitted, par, replayed, reports, spark_seconds, removed)
 
 
@@ -332,17 +348,22 @@ def record(
     src = job.pipeline.log_source
     source = source_status(job, src) if src is not None else None  # one read of the log's end per batch
     backlog = source.get("lag") if source else None
+    clock.lap("source_status")
     job.history.batches.append({
         "batch": batch_id, "time_ms": int(time.time() * 1000), "seconds": round(seconds, 4), "records": records, "emitted": emitted,
         "parallelism": dict(par), "backlog": backlog, "replayed": replayed,
         "checkpoint_bytes": sum(f.bytes for op in job.committed.manifest.operators.values() for f in op.files) if job.committed.manifest else None,
         "latency": lat.to_json() if lat is not None else None,
+        "steps": clock.steps,  # the seconds of each step; the last ones are added below
     })
     if job.autoscaler is not None:
         parallelism.autoscale(job, batch_id, clock.started_wall, seconds, par, reports, backlog, lat)
     job.committed.status = status(job, reports, source)
     if job.jobdir.is_local:  # elsewhere the heartbeat writes it, every few seconds, not every batch
         job.jobdir.write_status({**job.committed.status, **checkpoint_fields(job), "running": True})
+    clock.lap("status")
+    for step, s in clock.steps.items():
+        clock.steps[step] = round(s, 4)
     # Records are counted by the log's readers or the first keyed stage; a job with neither
     # (stateless on a Spark source) would print zeros for rows it did move.
     counted = job.pipeline.log_source is not None or bool(job.pipeline.keyed_steps)

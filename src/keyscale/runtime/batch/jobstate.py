@@ -58,6 +58,10 @@ class RunOptions:
     until_idle: bool = False
     args: dict[str, str] = field(default_factory=dict)
     trigger_interval: str = "1 second"
+    # A log source's batches (driver/runner.py): False, the next batch starts as soon as the last one
+    # committed when records wait in the log, and an idle job starts one when records arrive (checked
+    # every IDLE_POLL_SECONDS) or after the trigger interval; True, one batch per trigger interval at most.
+    wait_for_trigger: bool = False
     retain: int = 3
     max_chain: int = 8
     max_file_age: int = 32  # a subtask snapshots when its oldest state file is this many batches old
@@ -173,6 +177,8 @@ class BatchScratch:
 
     input_counts: counters.Counters = field(default_factory=dict)  # the batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its plan is for
+    # Seconds of each step of the commit protocol so far (commit.py's ``_Clock.lap``): the batch's profile.
+    steps: dict[str, float] = field(default_factory=dict)
     # When the batch's output became visible: every sink's write committed (Unix seconds).
     visible_at: float | None = None
 
@@ -223,6 +229,8 @@ class JobState:
     malformed: Watched | None = None  # the corrupt-record column of a JSON/CSV source, whose rows on_error handles
     # Per keyed stage, its marker rows in the query's Spark session (stages.routed): a cache, the same every batch.
     markers: dict[str, dict[Any, Any]] = field(default_factory=dict)
+    # Parts of a batch's plan that are the same every batch (source_plan.reader_rows), in the job's Spark session.
+    plans: dict[Any, Any] = field(default_factory=dict)
     # Asynchronous checkpoints: how long a batch's files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
     upload_timeout: float = 600.0
     # Held while a batch runs, a savepoint is taken or a pending commit settles (JobRunner's

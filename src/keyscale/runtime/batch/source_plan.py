@@ -71,7 +71,6 @@ def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, 
     :mod:`keyscale.runtime.task.reader`)."""
 
     assert job.pipeline is not None
-    spark = job.spark
     schema = source_schema(src)
     target = to_arrow_schema(schema, utc=True)
     # The job's clock is per partition when the log drives the batches; beside a Spark
@@ -80,8 +79,42 @@ def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, 
     event_time = job.pipeline.watermark.column if job.pipeline.watermark and driving else None
     fn = make_reader_function(
         src.log, src.uid, batch_id, plan, target, event_time, job.event_time_limit(batch_time_ms), log_ids.get(src.uid), job.reports.sender)
-    readers = spark.createDataFrame(spark.sparkContext.parallelize([(i,) for i in range(len(plan))], len(plan)), "subtask int")
-    return readers.mapInArrow(fn, schema)
+    return reader_rows(job, len(plan)).mapInArrow(fn, schema)
+
+
+def reader_rows(job: JobState, n: int) -> DataFrame:
+    """The readers' input: ``n`` partitions, partition ``i`` holding the one row ``i`` (column
+    ``subtask``), so each reader is one Spark task. A range, built once per session and
+    count and kept in ``job.plans``: the same every batch. (It was a Python RDD made by
+    ``createDataFrame`` each batch: ~40 ms of Py4J calls on the driver, and in each reader
+    task a Python worker to unpickle its one row before the reader's own.)"""
+    from pyspark.sql import functions as F
+
+    session = job.spark._jsparkSession
+    cache = job.plans
+    if "session" not in cache or not cache["session"].equals(session):
+        cache.clear()
+        cache["session"] = session
+    key = ("readers", n)
+    rows: DataFrame | None = cache.get(key)
+    if rows is None:
+        rows = cache[key] = job.spark.range(0, n, 1, n).select(F.col("id").cast("int").alias("subtask"))
+    return rows
+
+
+def input_waiting(job: JobState, src: LogSource) -> bool:
+    """Whether ``src`` holds records the committed positions have not reached (or a partition
+    no reader has yet): one read of the log's end. A log that cannot be read now says no:
+    the next batch's planning reports why."""
+    assignment = committed_assignment(job, src)
+    try:
+        ends = src.log.end_offsets()
+    except KeyscaleError:
+        return False
+    if assignment is None:
+        return any(ends)
+    assigned = {p for entries in assignment for p, _ in entries}
+    return any(reader.lag(assignment, ends).values()) or any(e > 0 for p, e in enumerate(ends) if p not in assigned)
 
 
 def source_status(job: JobState, src: LogSource) -> dict[str, Any]:

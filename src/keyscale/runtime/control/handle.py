@@ -54,8 +54,8 @@ class JobHandle:
     """A running (or finished) job started with :meth:`keyscale.Pipeline.start`.
 
     >>> import keyscale as ks
-    >>> [m for m in ("status", "rescale", "savepoint", "stop", "await_termination") if hasattr(ks.JobHandle, m)]
-    ['status', 'rescale', 'savepoint', 'stop', 'await_termination']
+    >>> [m for m in ("status", "state", "rescale", "savepoint", "stop", "await_termination") if hasattr(ks.JobHandle, m)]
+    ['status', 'state', 'rescale', 'savepoint', 'stop', 'await_termination']
     """
 
     def __init__(self, job: RunningJob, thread_name: str = "keyscale-job"):
@@ -108,6 +108,16 @@ class JobHandle:
         if self.is_active:
             return self._job.live_status()
         return {**self._job.last_status(), "running": False}
+
+    def state(self, uid: str, key: Any) -> dict[str, Any]:
+        """What ``key`` of keyed operator ``uid`` holds at the last committed checkpoint, as
+        ``keyscale state get`` and ``GET /state/<uid>?key=...`` answer: ``batch`` (the
+        checkpoint), ``uid``, ``key``, ``key_group``, ``found``, ``state`` (by state name,
+        list and map states as JSON arrays and objects), and ``timers`` and ``ttl`` when the
+        key has them (:mod:`keyscale.state_processor.lookup`). ``key`` is the key's value
+        (a tuple for several key columns), or text parsed as the key's type. Works while the
+        job runs and after it ended; reads the checkpoint's files, never the tasks' memory."""
+        return self._job.lookup_state(uid, [key])[0]
 
     # -- control -------------------------------------------------------------------------
     def rescale(self, parallelism: int, operator: str | None = None) -> None:

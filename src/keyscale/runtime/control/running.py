@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.checkpoint.manifest import Manifest
     from keyscale.runtime.batch.jobstate import RunSummary
@@ -49,6 +51,11 @@ class RunningJob(Protocol):
 
     def last_committed(self) -> Manifest | None:
         """The newest committed manifest (``GET /health``, the metrics)."""
+
+    def lookup_state(self, uid: str, keys: Sequence[Any]) -> list[dict[str, Any]]:
+        """What each key of ``keys`` of keyed operator ``uid`` holds at the last committed
+        checkpoint (``GET /state/<uid>``, :meth:`JobHandle.state`;
+        :class:`keyscale.state_processor.StateLookup` answers)."""
 
     def query_active(self) -> bool | None:
         """Whether its Spark query runs (None: no query)."""

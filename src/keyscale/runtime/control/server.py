@@ -1,6 +1,7 @@
 """The running job's control API: a small HTTP server, on 127.0.0.1 unless told otherwise.
 
-``GET /status``; ``GET /metrics`` (Prometheus' text format, :mod:`keyscale.runtime.control.metrics`);
+``GET /status``; ``GET /state/<uid>?key=K`` (what key ``K`` of keyed operator ``uid`` holds at
+the last committed checkpoint, :class:`keyscale.state_processor.StateLookup`); ``GET /metrics`` (Prometheus' text format, :mod:`keyscale.runtime.control.metrics`);
 ``GET /health`` (200 while the job runs its batches, else 503); ``GET /history`` (recent
 batches, rescales and decisions, savepoints: the dashboard's timelines); ``GET /ui/`` (the
 dashboard, :mod:`keyscale.web`; ``POST /ui/token`` gives a one-time login link); ``POST /rescale`` ``{"parallelism": N, "operator": uid?}`` (applied at the
@@ -40,11 +41,11 @@ import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from keyscale.errors import KeyscaleError
+from keyscale.errors import InputDataError, KeyscaleError
 from keyscale.runtime.control.auth import (
     CSRF_HEADER,
     SECRET,
@@ -249,6 +250,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, self.runner.live_status())
         elif self.path == "/history":
             self._reply(200, self.runner.history())
+        elif self.path.startswith("/state/"):
+            self._state()
         elif self.path.startswith("/ui/login?"):
             token = parse_qs(urlsplit(self.path).query).get("token", [""])[0]
             session = self.logins.redeem(token)
@@ -286,6 +289,27 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         else:
             self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
+
+    def _state(self) -> None:
+        """``GET /state/<uid>?key=K[&key=K2...]``: what the keys hold at the last committed
+        checkpoint (:class:`keyscale.state_processor.StateLookup`): one answer for one key,
+        ``{"answers": [...]}`` for several. An unknown operator or no checkpoint yet is 404,
+        a key that is not of the operator's key type 400; a key without state is an answer."""
+        parts = urlsplit(self.path)
+        uid = unquote(parts.path[len("/state/"):])
+        keys = parse_qs(parts.query, keep_blank_values=True).get("key", [])
+        if not uid or not keys:
+            self._reply(400, {"error": "ask GET /state/<uid>?key=KEY (repeat key= for several keys; a key of several columns as a JSON array)"})
+            return
+        try:
+            answers = self.runner.lookup_state(uid, keys)
+        except InputDataError as e:
+            self._reply(400, {"error": str(e)})
+            return
+        except KeyscaleError as e:
+            self._reply(404, {"error": str(e)})
+            return
+        self._reply(200, answers[0] if len(answers) == 1 else {"answers": answers})
 
     def do_POST(self) -> None:
         if self._refused("POST"):

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -49,6 +49,7 @@ from keyscale.runtime.batch import poison as poison_batch
 from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
 from keyscale.runtime.batch.jobstate import seconds as _seconds
 from keyscale.runtime.batch.malformed import check_malformed_modes
+from keyscale.runtime.batch.source_plan import input_waiting
 from keyscale.runtime.batch.spark_source import explain_missing_key
 from keyscale.runtime.driver import setup
 from keyscale.runtime.driver.heartbeat import Heartbeat
@@ -77,10 +78,14 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
+    from keyscale.state_processor.lookup import StateLookup
+
 __all__ = ["BatchRecord", "JobRunner", "RunOptions", "RunSummary"]
 
 log = logging.getLogger("keyscale")
 
+# An idle log source's job reads the log's end this often, and starts a batch once records arrive.
+IDLE_POLL_SECONDS = 0.05
 
 
 class _StopRequested(Exception):
@@ -165,6 +170,8 @@ class JobRunner:
         self._query: StreamingQuery | None = None
         self._locked = False
         self._empty_batch = False  # the last batch run read no records (see _input_read)
+        self._lookup: StateLookup | None = None  # point lookups (lookup_state), made on first use
+        self._lookup_lock = threading.Lock()
         if opts.scaling == "auto" and opts.autoscaler_mode != "off":
             if opts.autoscaler_mode not in ("recommend", "active"):
                 raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
@@ -382,8 +389,9 @@ class JobRunner:
         return writer.trigger(processingTime=self.job.opts.trigger_interval)
 
     def _run_log_loop(self) -> None:
-        """Micro-batches driven by keyscale: one every trigger interval, also without new
-        records (timers, idleness and windows move with time); until idle with ``until_idle``."""
+        """Micro-batches driven by keyscale: back to back while records wait in the log, at
+        least one every trigger interval, also without new records (timers, idleness and
+        windows move with time; ``_await_next_batch``); until idle with ``until_idle``."""
         interval = _seconds(self.job.opts.trigger_interval) or 1.0
         while not self._stop.is_set():
             started = time.monotonic()
@@ -401,7 +409,35 @@ class JobRunner:
             if self.job.opts.until_idle and not replayed and self._input_read(records, before):
                 break
             if not self.job.opts.until_idle:
-                self._stop.wait(max(0.0, interval - (time.monotonic() - started)))
+                self._await_next_batch(interval, started, batch_id)
+
+    def _await_next_batch(self, interval: float, started: float, batch_id: int) -> None:
+        """Between two batches of a log source (``batch_id`` just committed: its effects are
+        durable; with asynchronous checkpoints its manifest is on its way): no wait while
+        records wait in the log, so a record waits for the batch that runs, not for a
+        trigger too; when idle, until records arrive or the trigger interval since the last
+        batch began is up (timers, idleness and windows move with time). The backlog after
+        the batch is its record's (one read of the log's end per batch, as before); an idle
+        job reads the log's end every ``IDLE_POLL_SECONDS``, or every five reads' time where
+        a read is slow (a Kafka log's opens a consumer). With ``wait_for_trigger``: one batch
+        per trigger interval at most, as Spark's processing-time trigger."""
+        left = interval - (time.monotonic() - started)
+        if self.job.opts.wait_for_trigger:
+            self._stop.wait(max(0.0, left))
+            return
+        src = self.job.pipeline.log_source if self.job.pipeline is not None else None
+        assert src is not None
+        last = self.job.history.batches[-1] if self.job.history.batches else None
+        if last is not None and last["batch"] == batch_id and last.get("backlog"):
+            return
+        poll = IDLE_POLL_SECONDS
+        while not self._stop.is_set() and left > 0:
+            self._stop.wait(min(poll, left))
+            read = time.monotonic()
+            if self._stop.is_set() or input_waiting(self.job, src):
+                return
+            poll = max(IDLE_POLL_SECONDS, 5 * (time.monotonic() - read))
+            left = interval - (time.monotonic() - started)
 
     def _wait(self) -> None:
         q = self._query
@@ -516,6 +552,19 @@ class JobRunner:
         if committed is None:
             return self.last_status()
         return {**committed, **status.checkpoint_fields(self.job), "updated_ms": int(time.time() * 1000)}
+
+    def lookup_state(self, uid: str, keys: Sequence[Any]) -> list[dict[str, Any]]:
+        """What each key of ``keys`` of keyed operator ``uid`` holds at the last committed
+        checkpoint (the control API's ``GET /state/<uid>``, ``JobHandle.state``): read from
+        the checkpoint's files by byte range, never from the running tasks' memory, so the
+        answer is the committed state and costs the batches nothing but the store's reads."""
+        from keyscale.state_processor.lookup import StateLookup
+
+        with self._lookup_lock:
+            if self._lookup is None:
+                self._lookup = StateLookup(self.job.jobdir, latest=self.last_committed)
+            lookup = self._lookup
+        return lookup.get_many(uid, keys)
 
     def query_active(self) -> bool | None:
         """Whether the job's Spark query runs (None: no query, a keyscale-driven source or between queries)."""

@@ -40,6 +40,7 @@ SESSION_DEFAULTS: dict[str, str] = {
     "spark.hadoop.mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
     "spark.driver.memory": "2g",
     "spark.sql.session.timeZone": "UTC",
+    "spark.sql.adaptive.enabled": "false",
 }
 """What keyscale sets on every session unless the user's conf says otherwise (docs/reference/spark-settings.md)."""
 

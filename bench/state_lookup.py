@@ -1,0 +1,139 @@
+"""Point lookup latency (issue 37, item 1): ``StateLookup.get`` of random keys of a job
+directory holding N string keys (a snapshot per subtask, then D deltas of 1% of the keys
+each), on local disk or an object store.
+
+Three passes of ``--lookups`` random keys (9 in 10 live, 1 in 10 never written), with the
+committed manifest in memory as the running job has it (``JobHandle.state``,
+``GET /state``): with the slice cache off (every lookup reads its key group's footers and
+record batches from the store), with the default cache cold, then warm; and one pass that
+lists the job directory and reads the newest manifest per lookup, as ``keyscale state get``
+does. Prints p50/p99/max in milliseconds, the
+store's requests and the process's CPU time per lookup (on a busy machine the percentiles
+include waiting for a core; the CPU time does not).
+
+    .venv/bin/python bench/state_lookup.py --keys 1000000
+    .venv/bin/python bench/state_lookup.py --keys 1000000 --seaweedfs          # on a SeaweedFS S3 server of its own
+    .venv/bin/python bench/state_lookup.py --keys 10000000 --where s3://bench/lookup   # AWS_* in the environment
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from keyscale.checkpoint.files import write_state_file
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
+from keyscale.state.keygroups import key_group_ranges
+from keyscale.state.table import KG_COLUMN
+from keyscale.state.types import StateDescriptor
+from keyscale.state_processor import StateLookup
+from keyscale.state_processor.keygroups import key_groups
+from keyscale.state_processor.lookup import DEFAULT_CACHE_BYTES
+
+STATES = (StateDescriptor("count", "value", pa.int64()), StateDescriptor("recent", "list", pa.int64()))
+
+
+def _table(keys: list[str], m: int, rng: np.random.Generator) -> pa.Table:
+    n = len(keys)
+    recent = pa.ListArray.from_arrays(pa.array(np.arange(0, 2 * n + 1, 2, dtype=np.int32)), pa.array(rng.integers(0, 99, 2 * n)))
+    t = pa.table({"user": pa.array(keys, pa.string()), "count": pa.array(rng.integers(1, 1000, n)), "recent": recent})
+    return t.add_column(1, KG_COLUMN, pa.array(key_groups(t, ["user"], ["string"], m), pa.int32())).sort_by(KG_COLUMN)
+
+
+def build(where: str, n: int, m: int, p: int, deltas: int) -> JobDir:
+    jd = JobDir(where)
+    jd.claim("lookup-bench", m, m)
+    rng = np.random.default_rng(0)
+    files = []
+    for batch in range(deltas + 1):
+        if batch == 0:
+            keys = [f"user-{i:09d}" for i in range(n)]
+        else:
+            keys = [f"user-{i:09d}" for i in np.sort(rng.choice(n, max(1, n // 100), replace=False))]
+        table = _table(keys, m, rng)
+        kgs = table.column(KG_COLUMN).to_numpy()
+        for s, r in enumerate(key_group_ranges(m, p)):
+            lo, hi = np.searchsorted(kgs, r.start), np.searchsorted(kgs, r.end, side="right")
+            kind = "snapshot" if batch == 0 else "delta"
+            rel = f"state/op/{batch:012d}-s{s:05d}-{kind}.arrow"
+            files.append(write_state_file(jd.store, rel, table.slice(int(lo), int(hi - lo)), kind, batch, r))  # type: ignore[arg-type]
+        op = OperatorCheckpoint("op", m, p, (("user", "string"),), tuple(d.to_json() for d in STATES), tuple(files))
+        jd.commit(Manifest("lookup-bench", batch, 0, {"op": op}))
+        del table
+    return jd
+
+
+def _pass(lookup: StateLookup, keys: list[str]) -> dict[str, Any]:
+    store = lookup.jobdir.store
+    before = sum(store.requests.values())
+    ms = []
+    found = 0
+    cpu = time.process_time()
+    for k in keys:
+        t0 = time.perf_counter()
+        found += lookup.get("op", k)["found"]
+        ms.append((time.perf_counter() - t0) * 1000)
+    a = np.array(ms)
+    return {"p50_ms": round(float(np.percentile(a, 50)), 2), "p99_ms": round(float(np.percentile(a, 99)), 2),
+            "max_ms": round(float(a.max()), 2), "found": found,
+            "cpu_ms_per_lookup": round((time.process_time() - cpu) * 1000 / len(keys), 2),
+            "requests_per_lookup": round((sum(store.requests.values()) - before) / len(keys), 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--lookups", type=int, default=1000)
+    ap.add_argument("--max-parallelism", type=int, default=128)
+    ap.add_argument("-p", "--parallelism", type=int, default=4)
+    ap.add_argument("--deltas", type=int, default=3)
+    ap.add_argument("--where", help="job directory to create (default: a temporary folder)")
+    ap.add_argument("--seaweedfs", action="store_true", help="on a private SeaweedFS S3 server started for the run (keyscale.storage.seaweed)")
+    a = ap.parse_args()
+    if a.seaweedfs:
+        import os
+        import secrets
+
+        from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+
+        server = start_seaweedfs(tempfile.mkdtemp(prefix="lookup-bench-s3-"), "bench", secrets.token_hex(16))
+        try:
+            create_bucket(server, "bench")
+            os.environ.update(server.env())
+            run(a, "s3://bench/job")
+        finally:
+            server.stop()
+        return
+    run(a, a.where or tempfile.mkdtemp(prefix="lookup-bench-") + "/job")
+
+
+def run(a: argparse.Namespace, where: str) -> None:
+    t0 = time.perf_counter()
+    jd = build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
+    built = time.perf_counter() - t0
+    rng = np.random.default_rng(1)
+    picks = [f"user-{i:09d}" if rng.random() < 0.9 else f"absent-{i}" for i in rng.integers(0, a.keys, a.lookups)]
+    state_bytes = sum(f.bytes for f in jd.latest_manifest().operators["op"].files)  # type: ignore[union-attr]
+    out: dict[str, Any] = {"keys": a.keys, "max_parallelism": a.max_parallelism, "parallelism": a.parallelism, "deltas": a.deltas,
+                           "where": "local" if jd.is_local else jd.uri.split(":")[0], "state_mb": round(state_bytes / 1e6, 1),
+                           "build_s": round(built, 1)}
+    latest = jd.latest_manifest()
+    # As the running job serves them (JobHandle.state, GET /state): the committed manifest in memory.
+    out["no_cache"] = _pass(StateLookup(jd, cache_bytes=0, latest=lambda: latest), picks)
+    cached = StateLookup(jd, cache_bytes=DEFAULT_CACHE_BYTES, latest=lambda: latest)
+    out["cache_cold"] = _pass(cached, picks)
+    out["cache_warm"] = _pass(cached, picks)
+    # As `keyscale state get` does: the job directory listed and the newest manifest read per lookup.
+    out["listing_cache_warm"] = _pass(StateLookup(jd, cache_bytes=DEFAULT_CACHE_BYTES), picks[: len(picks) // 4] * 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""How much a batch reads, from a latency target (issue 35, item 3): a pure rule, no I/O.
+
+A batch costs a fixed part ``F`` (planning, task launch, the commit: docs/benchmarks.md,
+"The fixed cost of a batch") and a part per record ``c``. With batches back to back, a
+record waits for the batch running when it arrives, then for its own: its latency is at
+most two batch times. So a latency target ``T`` allows batches of ``T / 2``, which hold
+``(T/2 - F) / c`` records: small batches when input is light, and never more than that
+when it is heavy (:func:`latency_records`).
+
+Throughput comes first, though: a batch of ``n`` records takes ``F + c n`` seconds, while
+``rate (F + c n)`` records arrive; below ``n = rate F / (1 - rate c)`` every batch leaves
+more behind than it read and the lag grows without end (:func:`keep_up_records`). The
+limit is the larger of the two, the second with ``headroom`` (to drain a backlog), and a
+target the job cannot meet at its rate is said so (``meets_target`` False), not hidden.
+Where one record costs more than its share of a second (``rate c >= 1``), no size keeps up
+(more parallelism does): the limit is lifted.
+
+>>> s = batch_records(target_seconds=1.0, fixed_seconds=0.2, seconds_per_record=1e-5, rate=5000)
+>>> s.records, s.meets_target, round(s.batch_seconds, 2)
+(30000, True, 0.5)
+>>> s = batch_records(target_seconds=0.3, fixed_seconds=0.2, seconds_per_record=1e-5, rate=5000)
+>>> s.records, s.meets_target
+(1316, False)
+>>> batch_records(target_seconds=1.0, fixed_seconds=0.2, seconds_per_record=1e-3, rate=2000).records is None
+True
+>>> fit_cost([(0, 0.30), (1000, 0.40), (2000, 0.50)])
+(0.3, 0.0001)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+HEADROOM = 1.25
+"""How much more than the arrivals during it a batch may read at least: what drains a backlog."""
+
+
+@dataclass(frozen=True)
+class BatchSize:
+    """A batch's read limit and why.
+
+    Attributes:
+        records: the most records the batch reads (all partitions together), or None: no limit.
+        batch_seconds: the batch's expected time at that size (``F + c n``; None without a limit).
+        meets_target: whether a record's expected latency (two batch times) is within the target.
+        reason: one line for the status.
+    """
+
+    records: int | None
+    batch_seconds: float | None
+    meets_target: bool
+    reason: str
+
+    def per_partition(self, partitions: int) -> int | None:
+        """The limit per partition of a log read in ``partitions`` partitions (what a log
+        source's plan caps, ``max_records_per_partition``), rounded up, at least 1."""
+        if self.records is None:
+            return None
+        return max(1, math.ceil(self.records / max(1, partitions)))
+
+
+def latency_records(target_seconds: float, fixed_seconds: float, seconds_per_record: float) -> float:
+    """Records a batch of half the target holds (0 when the fixed cost alone is over it;
+    infinite when records cost nothing)."""
+    room = target_seconds / 2 - fixed_seconds
+    if room <= 0:
+        return 0.0
+    return math.inf if seconds_per_record <= 0 else room / seconds_per_record
+
+
+def keep_up_records(rate: float, fixed_seconds: float, seconds_per_record: float) -> float:
+    """The smallest batch that reads at least what arrives while it runs (infinite when no
+    batch does: ``rate c >= 1``)."""
+    load = rate * seconds_per_record
+    if load >= 1:
+        return math.inf
+    return rate * fixed_seconds / (1 - load)
+
+
+def batch_records(
+    target_seconds: float, fixed_seconds: float, seconds_per_record: float, rate: float,
+    cap: int | None = None, minimum: int = 1, headroom: float = HEADROOM,
+) -> BatchSize:
+    """The read limit of the next batch for a latency target of ``target_seconds`` (a
+    record's append to its batch's commit), from the batch costs (``fixed_seconds``, and
+    ``seconds_per_record``: :func:`fit_cost` of recent batches) and the input ``rate``
+    (records/s). ``cap``: a limit the job sets anyway (``max_records_per_batch``);
+    ``minimum``: the smallest limit worth a batch."""
+    if not (target_seconds > 0 and fixed_seconds >= 0 and seconds_per_record >= 0 and rate >= 0 and headroom >= 1 and minimum >= 1):
+        raise ValueError("batch_records: the target must be > 0, costs and rate >= 0, headroom >= 1, minimum >= 1")
+    by_latency = latency_records(target_seconds, fixed_seconds, seconds_per_record)
+    keep_up = keep_up_records(rate, fixed_seconds, seconds_per_record)
+    if math.isinf(keep_up):
+        return BatchSize(cap, None if cap is None else fixed_seconds + seconds_per_record * cap, False,
+                         f"no batch size keeps up with {rate:,.0f} records/s at {seconds_per_record * 1e6:,.1f} µs a record: more parallelism does")
+    need = keep_up * headroom
+    # Whole records: the latency's share rounded down, keeping up's rounded up.
+    limit = max(math.floor(by_latency * (1 + 1e-12)) if math.isfinite(by_latency) else math.inf, math.ceil(need), minimum)
+    reason = (f"a batch of {target_seconds / 2:.2f} s (half the {target_seconds:.2f} s target) holds {by_latency:,.0f} records"
+              if by_latency >= need else
+              f"keeping up with {rate:,.0f} records/s needs {need:,.0f} records a batch, more than the target allows ({by_latency:,.0f})")
+    if cap is not None and cap < limit:
+        limit, reason = cap, f"{reason}; capped at {cap:,} by the job"
+    if math.isinf(limit):
+        return BatchSize(None, None, True, reason)
+    records = int(limit)
+    seconds = fixed_seconds + seconds_per_record * records
+    return BatchSize(records, seconds, 2 * seconds <= target_seconds * (1 + 1e-9), reason)
+
+
+def fit_cost(batches: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(F, c)``: a batch's fixed seconds and seconds per record from recent batches'
+    ``(records, seconds)``, by least squares, neither below 0. With no spread in records,
+    the fixed cost is the median time of the batches with the fewest and c is 0."""
+    if not batches:
+        raise ValueError("fit_cost needs at least one batch")
+    xs = [float(n) for n, _ in batches]
+    ys = [float(s) for _, s in batches]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return round(max(0.0, statistics.median(ys)), 9), 0.0
+    c = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx)
+    f = my - c * mx
+    if f < 0:  # through the origin instead
+        f, c = 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs))
+    return round(f, 9), round(c, 12)

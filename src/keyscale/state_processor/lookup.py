@@ -1,0 +1,477 @@
+"""Point lookups of keyed state: what one key holds at a committed checkpoint, read by byte range.
+
+The one rule behind ``keyscale state get``, :meth:`keyscale.JobHandle.state` and the
+control API's ``GET /state/<uid>?key=...``: key ``K`` of operator ``U`` at checkpoint ``N``
+is in key group ``kg = pmod(hash(K), M)`` (:mod:`keyscale.state.spark_hash`); its value is
+the key's rows in ``kg``'s restore chain at ``N`` (its latest snapshot, then the deltas after
+it: :func:`keyscale.checkpoint.manifest.restore_chain`) applied in order, as a restore
+applies them (:class:`keyscale.state.table.KeyedStateTable`, the same decoding
+:func:`~keyscale.state_processor.read_keyed_state` uses). Of each file only its footer and
+the record batches holding ``kg`` are read, by byte range
+(:func:`keyscale.checkpoint.files.read_key_groups_ranged`: ranged GETs on an object store, a
+memory map on local disk, where only those pages are read); footers and key-group slices
+stay in a small LRU cache (:class:`SliceCache`), keyed
+by file (path and checksum: state files are immutable) and range, so a hot key costs no
+read at all.
+
+Why here, in the State Processor: a lookup is a read of keyed state outside the running
+job, like :func:`read_keyed_state`, and the next readers (a Spark data source partitioned
+by key-group ranges, a change feed from the deltas, diffs, validated edits) plan with the
+same pieces: :meth:`StateLookup.operator` (the operator at a checkpoint, its types, its
+routing key), :func:`parse_key`, :meth:`SliceCache.slice` and :func:`jsonable`.
+
+An answer is JSON-able: ``batch`` (the checkpoint), ``uid``, ``key`` (by key column),
+``key_group``, ``found``, ``state`` (each declared state's value, list and map states as
+JSON arrays and objects, ``null`` where absent), and when the key has them ``timers``
+(event and processing time, epoch ms) and ``ttl`` (per state with a TTL: when its clock was
+last set and when the value expires, epoch ms). A window operator's answer has ``windows``
+(one entry per open window of the key) instead of ``state``. A key without state is
+``found: false`` with a ``message``, not an error; an operator the checkpoint does not have
+is a :class:`~keyscale.errors.StateError` naming it and listing those it has.
+
+>>> import tempfile, pyarrow as pa
+>>> from pathlib import Path
+>>> from keyscale.checkpoint.jobdir import JobDir
+>>> from keyscale.checkpoint.files import write_state_file
+>>> from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
+>>> from keyscale.state.keygroups import KeyGroupRange
+>>> from keyscale.state.spark_hash import key_group_of
+>>> from keyscale.state.types import StateDescriptor
+>>> jd = JobDir(Path(tempfile.mkdtemp()) / "job"); _ = jd.claim("clicks", 8, 8)
+>>> kg = key_group_of(["ann"], ["string"], 8)
+>>> rows = pa.table({"user": ["ann"], "__kg": pa.array([kg], pa.int32()), "seen": [{"home": 2}]},
+...                 schema=pa.schema([("user", pa.string()), ("__kg", pa.int32()), ("seen", pa.map_(pa.string(), pa.int64()))]))
+>>> f = write_state_file(jd.store, "state/pages/000000000003-s00000-snapshot.arrow", rows, "snapshot", 3, KeyGroupRange(0, 7))
+>>> seen = StateDescriptor("seen", "map", pa.int64(), pa.string())
+>>> _ = jd.commit(Manifest("clicks", 3, 0, {"pages": OperatorCheckpoint("pages", 8, 1, (("user", "string"),), (seen.to_json(),), (f,))}))
+>>> answer = StateLookup(jd).get("pages", "ann")
+>>> answer["batch"], answer["key"], answer["found"], answer["state"]
+(3, {'user': 'ann'}, True, {'seen': {'home': 2}})
+>>> StateLookup(jd).get("pages", "bob")["message"]
+"key {'user': 'bob'} has no state in operator 'pages' at checkpoint 3"
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import json
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from keyscale.checkpoint.files import Location, read_key_groups_ranged, state_file_tail
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, restore_chain
+from keyscale.checkpoint.savepoint.schema import spark_type_name
+from keyscale.checkpoint.savepoint.write import CheckpointFiles, checkpoint_types
+from keyscale.errors import InputDataError, StateError
+from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START
+from keyscale.state.handles import TIMER_STATES, ttl_column
+from keyscale.state.keygroups import KeyGroupRange
+from keyscale.state.spark_hash import key_group_of
+from keyscale.state.table import KeyedStateTable
+from keyscale.state.types import StateDescriptor
+from keyscale.storage import Store
+
+__all__ = ["DEFAULT_CACHE_BYTES", "LookupOperator", "SliceCache", "StateLookup", "jsonable", "parse_key"]
+
+#: Bytes of footers and key-group slices a :class:`StateLookup` keeps (64 MiB).
+DEFAULT_CACHE_BYTES = 64 << 20
+
+# Hidden states (state/handles.py): a key's timers, and each TTL state's clock.
+_TIMERS = {timers: domain for domain, (timers, _) in TIMER_STATES.items()}
+# A window operator keys its state by (key..., window_start) and keeps these beside it.
+_WINDOW_START, _WINDOW_END, _FIRED = WINDOW_START, WINDOW_END, FIRED
+
+
+class SliceCache:
+    """A least-recently-used cache of what lookups read of state files: footers and
+    key-group slices, bounded by their bytes, safe to share between threads.
+
+    Entries are keyed by the file's path *and* checksum (a state file never changes once
+    written; a path is never reused for other bytes), so no entry is ever stale; a file
+    retention deleted just stops being asked for and ages out.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[Any, ...], tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def _get(self, key: tuple[Any, ...]) -> Any:
+        with self._lock:
+            found = self._items.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return found[0]
+
+    def _put(self, key: tuple[Any, ...], value: Any, size: int) -> None:
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._items[key] = (value, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.bytes -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
+
+    def slice(self, store: Store, f: StateFile, rng: KeyGroupRange) -> pa.Table:
+        """The rows of key groups ``rng`` in state file ``f``: from the cache, else fetched by
+        byte range (the file's footer once, then only the record batches holding ``rng``)."""
+        ident = (store.uri, f.path, f.crc32, f.bytes)
+        key = (*ident, rng.start, rng.end)
+        table = self._get(key)
+        if table is not None:
+            return table  # type: ignore[no-any-return]
+        tail = None if store.is_local else self._get(("tail", *ident))  # a local file is memory-mapped
+        if tail is None and not store.is_local:
+            tail = state_file_tail(store, f)
+            self._put(("tail", *ident), tail, len(tail[1]))
+        table = read_key_groups_ranged(store, f, rng, tail)
+        if self.max_bytes and not store.is_local and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
+            # A view of fetched record batches (65,536 rows) much larger than the key group:
+            # kept, it would hold them all; a copy of its own rows lets the cache hold many
+            # more slices. (On local disk it views the memory-mapped file: no copy is cheaper.)
+            table = table.take(np.arange(table.num_rows))
+        self._put(key, table, max(1, table.get_total_buffer_size()))
+        return table
+
+
+@dataclass(frozen=True)
+class LookupOperator:
+    """A keyed operator as a lookup sees it at one checkpoint."""
+
+    checkpoint: OperatorCheckpoint
+    keys: tuple[tuple[str, pa.DataType], ...]  # every key column of its state
+    routing: tuple[tuple[str, pa.DataType], ...]  # those that make the key group (a window's start is not one)
+    states: tuple[StateDescriptor, ...]
+
+    @property
+    def uid(self) -> str:
+        return self.checkpoint.uid
+
+    @property
+    def is_window(self) -> bool:
+        return len(self.routing) < len(self.keys)
+
+    @property
+    def user_states(self) -> tuple[StateDescriptor, ...]:
+        hidden = {_WINDOW_END, _FIRED} if self.is_window else set()
+        return tuple(s for s in self.states if not s.name.startswith("__") and s.name not in hidden)
+
+    def key_group(self, values: Sequence[Any]) -> int:
+        return key_group_of(list(values), [spark_type_name(t) for _, t in self.routing], self.checkpoint.max_parallelism)
+
+
+def _operator(op: OperatorCheckpoint, files: CheckpointFiles) -> LookupOperator:
+    keys, states = checkpoint_types(files, op)
+    names = {s.name for s in states}
+    window = len(keys) > 1 and keys[-1][0] == _WINDOW_START and {_WINDOW_END, _FIRED} <= names
+    return LookupOperator(op, tuple(keys), tuple(keys[:-1] if window else keys), tuple(states))
+
+
+# -- keys ---------------------------------------------------------------------------------------
+
+
+def _coerce(value: Any, t: pa.DataType) -> Any:
+    """``value`` (a Python value, or text from a command line or a URL) as a value of Arrow
+    type ``t`` that both the key-group hash and an Arrow comparison take."""
+    text = value if isinstance(value, str) else None
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        if text is None:
+            raise ValueError("not a string")
+        return text
+    if value is None:
+        return None
+    if pa.types.is_boolean(t):
+        if isinstance(value, bool):
+            return value
+        if text is not None and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"
+        raise ValueError("not true or false")
+    if pa.types.is_integer(t):
+        if isinstance(value, bool | float):
+            raise ValueError("not an integer")
+        return int(text.strip(), 10) if text is not None else int(value)
+    if pa.types.is_floating(t):
+        return float(value)
+    if pa.types.is_date(t):
+        if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+            return value
+        if text is not None:
+            return dt.date.fromisoformat(text.strip())
+        return dt.date(1970, 1, 1) + dt.timedelta(days=int(value))
+    if pa.types.is_timestamp(t):
+        if isinstance(value, dt.datetime):
+            stamp = value
+        elif text is not None and not text.strip().lstrip("-").isdigit():
+            stamp = dt.datetime.fromisoformat(text.strip())
+        else:  # microseconds since the epoch
+            return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=int(value))
+        return stamp if stamp.utcoffset() is not None else stamp.replace(tzinfo=dt.UTC)
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        if isinstance(value, bytes | bytearray | memoryview):
+            return bytes(value)
+        if text is not None:
+            return text.encode()
+        raise ValueError("not bytes")
+    raise ValueError(f"keys of type {t} cannot be looked up")
+
+
+def parse_key(key: Any, columns: Sequence[tuple[str, pa.DataType]], uid: str) -> tuple[Any, ...]:
+    """The values of a key of operator ``uid`` keyed by ``columns``, from what a caller gave:
+    a value (one key column), a tuple or list (one per column), or text (a command line, a
+    URL): for one key column the text itself parsed as the column's type (``42``,
+    ``2024-05-01``, ``true``; a timestamp as ISO 8601, UTC unless it says otherwise, or
+    microseconds since the epoch), for several a JSON array (``'["ann", 3]'``). A key that
+    is none of these is an :class:`~keyscale.errors.InputDataError` naming the operator and
+    the key.
+
+    >>> parse_key("42", [("id", pa.int64())], "totals")
+    (42,)
+    >>> parse_key('["ann", 3]', [("user", pa.string()), ("shard", pa.int32())], "totals")
+    ('ann', 3)
+    >>> parse_key("4x", [("id", pa.int64())], "totals")
+    Traceback (most recent call last):
+    ...
+    keyscale.errors.InputDataError: operator 'totals': key '4x' is not a long (key column 'id': invalid literal for int() with base 10: '4x')
+    """
+    parts: Sequence[Any]
+    if len(columns) == 1:
+        parts = [key[0] if isinstance(key, tuple | list) and len(key) == 1 else key]
+    elif isinstance(key, tuple | list):
+        parts = key
+    else:
+        try:
+            parts = json.loads(key) if isinstance(key, str) else None  # type: ignore[assignment]
+        except ValueError:
+            parts = None  # type: ignore[assignment]
+        if not isinstance(parts, list):
+            names = ", ".join(n for n, _ in columns)
+            raise InputDataError(f"operator '{uid}': key {key!r} must give {len(columns)} values, one per key column ({names}), "
+                                 "as a JSON array such as '[\"ann\", 3]'")
+    if len(parts) != len(columns):
+        names = ", ".join(n for n, _ in columns)
+        raise InputDataError(f"operator '{uid}': key {key!r} has {len(parts)} values; the operator is keyed by {len(columns)} ({names})")
+    out = []
+    for v, (name, t) in zip(parts, columns, strict=True):
+        try:
+            out.append(_coerce(v, t))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise InputDataError(f"operator '{uid}': key {key!r} is not a {spark_type_name(t)} (key column '{name}': {e})") from None
+    return tuple(out)
+
+
+def _matching(table: pa.Table, columns: Sequence[tuple[str, pa.DataType]], values: Sequence[Any]) -> pa.Table:
+    """The rows of ``table`` whose key columns hold ``values``."""
+    if not table.num_rows:
+        return table
+    mask = np.ones(table.num_rows, dtype=bool)
+    for (name, _), v in zip(columns, values, strict=True):
+        col: Any = table.column(name)
+        eq = pc.is_null(col) if v is None else pc.fill_null(pc.equal(col, pa.scalar(v, type=col.type)), False)
+        mask &= np.asarray(eq.to_numpy(zero_copy_only=False), dtype=bool)
+    return table.filter(pa.array(mask))
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+def jsonable(value: Any, t: pa.DataType | None = None) -> Any:
+    """A value read from state as JSON data: maps as objects (keys as text, as Spark's
+    ``to_json`` writes them), lists as arrays, structs as objects, dates and times in ISO
+    8601, binary as base64, decimals and non-finite floats as text."""
+    if value is None:
+        return None
+    if t is not None and pa.types.is_map(t):
+        return {str(jsonable(k, t.key_type)): jsonable(v, t.item_type) for k, v in (value.items() if isinstance(value, dict) else value)}
+    if t is not None and (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        return [jsonable(v, t.value_type) for v in value]
+    if t is not None and pa.types.is_struct(t):
+        return {f.name: jsonable(value.get(f.name), f.type) for f in t}
+    if isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode()
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, dict):
+        return {str(jsonable(k)): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return str(value)
+
+
+def _states_of(row: dict[str, Any], states: Sequence[StateDescriptor]) -> dict[str, Any]:
+    return {s.name: jsonable(row.get(s.name), s.column_type) for s in states}
+
+
+def _timers_and_ttl(rows: Sequence[dict[str, Any]], op: LookupOperator) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    timers = {domain: sorted({int(t) for r in rows for t in (r.get(col) or ())}) for col, domain in _TIMERS.items()}
+    if any(timers.values()):
+        out["timers"] = {d: ts for d, ts in timers.items() if ts}
+    ttl = {}
+    for s in op.states:
+        if s.ttl_seconds is None:
+            continue
+        clock = ttl_column(s.name)
+        clocks = [int(r[clock]) for r in rows if r.get(clock) is not None and r.get(s.name) is not None]
+        if clocks:
+            ttl[s.name] = {"clock_ms": max(clocks), "expires_ms": max(clocks) + round(s.ttl_seconds * 1000)}
+    if ttl:
+        out["ttl"] = ttl
+    return out
+
+
+def _answer(op: LookupOperator, batch: int, values: Sequence[Any], kg: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    key = {name: jsonable(v, t) for (name, t), v in zip(op.routing, values, strict=True)}
+    out: dict[str, Any] = {"batch": batch, "uid": op.uid, "key": key, "key_group": kg, "found": bool(rows)}
+    if not rows:
+        out["state"] = {}
+        out["message"] = f"key {key} has no state in operator '{op.uid}' at checkpoint {batch}"
+        return out
+    if op.is_window:
+        windows = sorted(rows, key=lambda r: r[_WINDOW_START])
+        out["windows"] = [
+            {_WINDOW_START: r[_WINDOW_START], _WINDOW_END: r.get(_WINDOW_END), _FIRED: bool(r.get(_FIRED)), "state": _states_of(r, op.user_states)}
+            for r in windows
+        ]
+    else:
+        out["state"] = _states_of(rows[0], op.user_states)
+    out.update(_timers_and_ttl(rows, op))
+    return out
+
+
+# -- the lookup ---------------------------------------------------------------------------------
+
+
+class StateLookup:
+    """Point lookups of keyed state at the committed checkpoints of one job directory.
+
+    ``job_dir``: a :class:`~keyscale.checkpoint.jobdir.JobDir`, a local path, ``file://`` or
+    object store URI, or a Store. ``latest``: where the newest committed checkpoint comes
+    from (the running job passes its own, so a lookup never lists the store); by default
+    the job directory is listed at each lookup. One instance serves many lookups from any
+    thread, its :class:`SliceCache` (``cache_bytes``) shared by all.
+
+    A file of the checkpoint that retention deleted meanwhile (the job went on committing)
+    makes the lookup start again from the newer checkpoint; a pinned ``checkpoint=`` does not.
+    """
+
+    def __init__(self, job_dir: JobDir | Location, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 latest: Callable[[], Manifest | None] | None = None):
+        self.jobdir = job_dir if isinstance(job_dir, JobDir) else JobDir(job_dir)
+        self.cache = SliceCache(cache_bytes)
+        self._latest = latest
+        self._files = CheckpointFiles(self.jobdir.store)
+        self._types: dict[tuple[Any, ...], LookupOperator] = {}
+        self._types_lock = threading.Lock()
+        self._readers: ThreadPoolExecutor | None = None  # an object store's reads of one lookup, at once
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._types_lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="keyscale-lookup")
+            return self._readers
+
+    # -- checkpoints and operators ---------------------------------------------------------
+    def manifest(self, checkpoint: int | None = None) -> Manifest:
+        """Checkpoint ``checkpoint``, or the newest committed one."""
+        if checkpoint is not None:
+            return self.jobdir.read_manifest(checkpoint)
+        m = self._latest() if self._latest is not None else None
+        if m is None:
+            if not self.jobdir.exists():
+                raise StateError(f"{self.jobdir.uri} is not a keyscale job directory (no job.json)")
+            m = self.jobdir.latest_manifest()
+        if m is None:
+            raise StateError(f"job directory {self.jobdir.uri} has no committed checkpoint yet: no state to look up")
+        return m
+
+    def operator(self, manifest: Manifest, uid: str) -> LookupOperator:
+        """Keyed operator ``uid`` at ``manifest``; a StateError naming it and listing the
+        job's keyed operators if it has none of that uid."""
+        op = manifest.operators.get(uid)
+        if op is None or not op.key_columns:
+            keyed = sorted(u for u, o in manifest.operators.items() if o.key_columns)
+            what = "is not keyed" if op is not None else "does not exist"
+            raise StateError(
+                f"operator '{uid}' {what} in job '{manifest.job}' at checkpoint {manifest.batch} "
+                f"(keyed operators: {', '.join(repr(u) for u in keyed) or 'none'})"
+            )
+        sig = (uid, op.key_columns, tuple(json.dumps(s, sort_keys=True) for s in op.states))
+        with self._types_lock:
+            found = self._types.get(sig)
+        if found is None:
+            found = _operator(op, self._files)
+            with self._types_lock:
+                self._types[sig] = found
+        return LookupOperator(op, found.keys, found.routing, found.states)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def get(self, uid: str, key: Any, checkpoint: int | None = None) -> dict[str, Any]:
+        """What key ``key`` of operator ``uid`` holds at the newest committed checkpoint (or
+        ``checkpoint``); see the module's documentation for the answer and for how ``key``
+        is given (:func:`parse_key`)."""
+        return self.get_many(uid, [key], checkpoint)[0]
+
+    def get_many(self, uid: str, keys: Sequence[Any], checkpoint: int | None = None) -> list[dict[str, Any]]:
+        """:meth:`get` of several keys, all answered from one checkpoint."""
+        tries = 0
+        while True:
+            m = self.manifest(checkpoint)
+            op = self.operator(m, uid)
+            parsed = [parse_key(k, op.routing, uid) for k in keys]
+            try:
+                return [self._one(m, op, values) for values in parsed]
+            except StateError:
+                tries += 1
+                if checkpoint is not None or tries >= 3 or self.manifest().batch == m.batch:
+                    raise  # not a file retention deleted under a newer checkpoint
+
+    def _one(self, m: Manifest, op: LookupOperator, values: tuple[Any, ...]) -> dict[str, Any]:
+        kg = op.key_group(values)
+        rng = KeyGroupRange(kg, kg)
+        names = [n for n, _ in op.keys]
+        table = KeyedStateTable(names, [t for _, t in op.keys], op.states)
+        store = self.jobdir.store
+        chain = restore_chain(op.checkpoint.files, kg)
+        if len(chain) > 1 and not store.is_local:  # an object store: the files' reads at once, applied in order
+            slices = list(self._pool().map(lambda f: self.cache.slice(store, f, rng), chain))
+        else:
+            slices = [self.cache.slice(store, f, rng) for f in chain]
+        for part in slices:
+            table.apply(_matching(part, op.routing, values))
+        rows = table.to_arrow(table.rows_in_range(kg, kg, live_only=True)).to_pylist()
+        return _answer(op, m.batch, values, kg, rows)

@@ -1,0 +1,358 @@
+"""Point lookups of keyed state (issue 37, item 1), against a model: every key's answer equals
+what the whole read (``restore_key_groups``, ``read_keyed_state``) gives at the same
+checkpoint; through a delta chain and at another parallelism, on local disk and S3 (reading
+only the key's key group by byte range); and from a running job, live rescaled, through
+``JobHandle.state``, ``GET /state/<uid>`` (with the job's secret) and ``keyscale state get``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import keyscale as ks
+from conftest import write_events
+from keyscale.checkpoint.files import write_state_file
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
+from keyscale.checkpoint.savepoint import checkpoint_types, restore_key_groups
+from keyscale.errors import InputDataError, StateError
+from keyscale.state.keygroups import KeyGroupRange, key_group_ranges
+from keyscale.state.table import KG_COLUMN
+from keyscale.state.types import StateDescriptor
+from keyscale.state_processor import StateLookup, read_keyed_state
+from keyscale.state_processor.keygroups import key_groups
+from keyscale.state_processor.lookup import jsonable
+from keyscale.storage import Store, open_store
+
+TOTAL = StateDescriptor("total", "value", pa.int64(), ttl_seconds=60.0)
+RECENT = StateDescriptor("recent", "list", pa.int64())
+SEEN = StateDescriptor("seen", "map", pa.int64(), pa.string())
+HIDDEN = (StateDescriptor("__ttl_total", "value", pa.int64()), StateDescriptor("__timers_proc", "list", pa.int64()),
+          StateDescriptor("__next_proc", "value", pa.int64()))
+STATES = (TOTAL, RECENT, SEEN, *HIDDEN)
+M = 16
+
+
+def _rows(rng: np.random.Generator, users: list[str], batch: int) -> pa.Table:
+    """One row per user: random states, some users deleted (every state null)."""
+    n = len(users)
+    dead = rng.random(n) < 0.15
+    total = [None if d else int(x) for d, x in zip(dead, rng.integers(0, 1000, n), strict=True)]
+    recent = [None if d or i % 5 == 0 else [int(v) for v in rng.integers(0, 9, i % 4 + 1)] for i, d in enumerate(dead)]
+    seen = [None if d or i % 3 == 0 else [(f"p{j}", int(batch * 10 + j)) for j in range(i % 3)] for i, d in enumerate(dead)]
+    timers = [None if d or i % 4 else [1_000_000 + i, 2_000_000 + batch] for i, d in enumerate(dead)]
+    table = pa.table({
+        "user": pa.array(users, pa.string()),
+        "total": pa.array(total, pa.int64()), "recent": pa.array(recent, RECENT.column_type),
+        "seen": pa.array(seen, SEEN.column_type),
+        "__ttl_total": pa.array([None if t is None else 1000 * batch for t in total], pa.int64()),
+        "__timers_proc": pa.array(timers, pa.list_(pa.int64())),
+        "__next_proc": pa.array([None if t is None else t[0] for t in timers], pa.int64()),
+    })
+    kgs = key_groups(table, ["user"], ["string"], M)
+    return table.add_column(1, KG_COLUMN, pa.array(kgs, pa.int32())).sort_by(KG_COLUMN)
+
+
+def _write(store: Store, uid: str, batch: int, kind: str, table: pa.Table, p: int) -> list[Any]:
+    kgs = table.column(KG_COLUMN).to_numpy()
+    files = []
+    for s, rng in enumerate(key_group_ranges(M, p)):
+        part = table.filter(pa.array((kgs >= rng.start) & (kgs <= rng.end)))
+        if part.num_rows or kind == "snapshot":
+            rel = f"state/{uid}/{batch:012d}-s{s:05d}-{kind}.arrow"
+            files.append(write_state_file(store, rel, part, kind, batch, rng))  # type: ignore[arg-type]
+    return files
+
+
+def _job(where: Any, users: int = 300, rescale_at: int = 2) -> JobDir:
+    """Batches 0..3 of operator 'op': a snapshot at parallelism 2, deltas, then (a rescale) a
+    snapshot of some key groups at parallelism 4 and a delta after it."""
+    jd = JobDir(where)
+    jd.claim("job", M, M)
+    rng = np.random.default_rng(7)
+    names = [f"u{i}" for i in range(users)]
+    files: list[Any] = []
+    for batch in range(4):
+        p = 2 if batch < rescale_at else 4
+        if batch == 0:
+            files += _write(jd.store, "op", 0, "snapshot", _rows(rng, names, 0), p)
+        elif batch == rescale_at:
+            snap = _write(jd.store, "op", batch, "snapshot", _rows(rng, names[: users // 2], batch), p)
+            files += snap[:2]  # only some subtasks wrote a snapshot
+        else:
+            files += _write(jd.store, "op", batch, "delta", _rows(rng, [n for n in names if rng.random() < 0.4], batch), p)
+        op = OperatorCheckpoint("op", M, p, (("user", "string"),), tuple(d.to_json() for d in STATES), tuple(files))
+        other = OperatorCheckpoint("src", M, 1, (), ())
+        jd.commit(Manifest("job", batch, 1000 * batch, {"op": op, "src": other}))
+    return jd
+
+
+def _model(jd: JobDir, batch: int) -> dict[str, dict[str, Any]]:
+    """Every live key's states at checkpoint ``batch``, from the whole read's decoding."""
+    op = jd.read_manifest(batch).operators["op"]
+    keys, states = checkpoint_types(jd.store, op)
+    table = restore_key_groups(jd.store, op, KeyGroupRange(0, M - 1), keys, states)
+    return {r["user"]: r for r in table.to_pylist()}
+
+
+def _check(answer: dict[str, Any], row: dict[str, Any] | None, batch: int) -> None:
+    assert answer["batch"] == batch and answer["uid"] == "op"
+    if row is None:
+        assert not answer["found"] and answer["state"] == {} and "has no state" in answer["message"]
+        return
+    assert answer["found"] and answer["key_group"] == row["key_group"]
+    assert answer["state"] == {s.name: jsonable(row[s.name], s.column_type) for s in (TOTAL, RECENT, SEEN)}
+    if row["__timers_proc"]:
+        assert answer["timers"] == {"processing_time": sorted(row["__timers_proc"])}
+    else:
+        assert "timers" not in answer
+    if row["total"] is not None:
+        assert answer["ttl"] == {"total": {"clock_ms": row["__ttl_total"], "expires_ms": row["__ttl_total"] + 60_000}}
+
+
+def test_lookups_equal_the_whole_read_at_every_checkpoint(tmp_path: Path) -> None:
+    jd = _job(tmp_path / "job")
+    lookup = StateLookup(tmp_path / "job")
+    users = [f"u{i}" for i in range(300)] + ["nobody"]
+    for batch in range(4):
+        model = _model(jd, batch)
+        assert len(model) > 100
+        for answer, user in zip(lookup.get_many("op", users, checkpoint=batch), users, strict=True):
+            assert answer["key"] == {"user": user}
+            _check(answer, model.get(user), batch)
+    # The newest checkpoint by default; a second pass is served from the cache.
+    assert lookup.get("op", "u3")["batch"] == 3
+    assert lookup.get("op", "u3") == lookup.get("op", ("u3",))
+    hits = lookup.cache.hits
+    lookup.get("op", "u3")
+    assert lookup.cache.hits > hits and lookup.cache.bytes <= lookup.cache.max_bytes
+
+
+def test_lookup_errors_name_the_operator_and_the_key(tmp_path: Path) -> None:
+    jd = _job(tmp_path / "job")
+    lookup = StateLookup(jd)
+    with pytest.raises(StateError, match=r"operator 'nope' does not exist in job 'job' at checkpoint 3 \(keyed operators: 'op'\)"):
+        lookup.get("nope", "u1")
+    with pytest.raises(StateError, match=r"operator 'src' is not keyed"):
+        lookup.get("src", "u1")
+    with pytest.raises(StateError, match="checkpoint 9 does not exist"):
+        lookup.get("op", "u1", checkpoint=9)
+    with pytest.raises(InputDataError, match=r"operator 'op': key 5 is not a string \(key column 'user'"):
+        lookup.get("op", 5)
+    empty = JobDir(tmp_path / "empty")
+    empty.claim("job", M, M)
+    with pytest.raises(StateError, match="has no committed checkpoint yet"):
+        StateLookup(empty).get("op", "u1")
+
+
+def test_keys_of_other_types_and_several_columns(tmp_path: Path) -> None:
+    import datetime as dt
+
+    jd = JobDir(tmp_path / "job")
+    jd.claim("job", M, M)
+    stamp = dt.datetime(2026, 5, 1, 12, tzinfo=dt.UTC)
+    table = pa.table({"id": pa.array([7, 8], pa.int64()), "at": pa.array([stamp, stamp], pa.timestamp("us", tz="UTC")),
+                      "n": pa.array([1, 2], pa.int64())})
+    table = table.add_column(2, KG_COLUMN, pa.array(key_groups(table, ["id", "at"], ["long", "timestamp"], M), pa.int32())).sort_by(KG_COLUMN)
+    f = write_state_file(jd.store, "state/t/000000000000-s00000-snapshot.arrow", table, "snapshot", 0, KeyGroupRange(0, M - 1))
+    n = StateDescriptor("n", "value", pa.int64())
+    op = OperatorCheckpoint("t", M, 1, (("id", "int64"), ("at", "timestamp[us, tz=UTC]")), (n.to_json(),), (f,))
+    jd.commit(Manifest("job", 0, 0, {"t": op}))
+    lookup = StateLookup(jd)
+    assert lookup.get("t", '[8, "2026-05-01T12:00:00+00:00"]')["state"] == {"n": 2}
+    assert lookup.get("t", (7, stamp))["key"] == {"id": 7, "at": "2026-05-01T12:00:00+00:00"}
+    assert lookup.get("t", [7, int(stamp.timestamp() * 1_000_000)])["state"] == {"n": 1}
+    assert not lookup.get("t", '[9, "2026-05-01T12:00:00Z"]')["found"]
+    with pytest.raises(InputDataError, match=r"operator 't': key 'x' must give 2 values, one per key column \(id, at\)"):
+        lookup.get("t", "x")
+    with pytest.raises(InputDataError, match=r"key '\[\"a\", 1\]' is not a long \(key column 'id'"):
+        lookup.get("t", '["a", 1]')
+
+
+def test_cli_state_get(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from keyscale.cli.main import main as cli
+
+    jd = _job(tmp_path / "job")
+    model = _model(jd, 3)
+    live = sorted(model)[:2]
+    assert cli(["state", "get", str(tmp_path / "job"), "--uid", "op", *live, "nobody", "--compact"]) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [a["key"]["user"] for a in answers] == [*live, "nobody"]
+    for a in answers:
+        _check(a, model.get(a["key"]["user"]), 3)
+    assert cli(["state", "get", str(tmp_path / "job"), "--uid", "op", "--checkpoint", "1", live[0]]) == 0
+    assert json.loads(capsys.readouterr().out)["batch"] == 1
+    assert cli(["state", "get", str(tmp_path / "job"), "--uid", "nope", "u1"]) != 0
+    assert "operator 'nope' does not exist" in capsys.readouterr().err
+
+
+# -- S3: only the key group's byte range is read ------------------------------------------------
+
+
+class _Counting:
+    """Counts what a store is asked for: whole reads and ranged bytes."""
+
+    def __init__(self, store: Store):
+        self.ranged = 0
+        self.whole: list[str] = []
+        get, get_range = store.get, store.get_range
+
+        def counted_range(key: str, start: int, length: int) -> bytes:
+            data = get_range(key, start, length)
+            self.ranged += len(data)
+            return data
+
+        def counted_get(key: str) -> bytes:
+            if key.startswith("state/"):
+                self.whole.append(key)
+            return get(key)
+
+        store.get_range = counted_range  # type: ignore[method-assign]
+        store.get = counted_get  # type: ignore[method-assign]
+
+
+@pytest.mark.s3
+def test_lookups_on_s3_read_only_the_key_groups_byte_range(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import keyscale.checkpoint.files as files
+
+    monkeypatch.setattr(files, "CHUNK_ROWS", 256)  # many record batches in a small file
+    jd = _job(f"{s3_bucket}/job", users=20000)
+    model = _model(jd, 3)
+    store = open_store(f"{s3_bucket}/job", "job directory")
+    counting = _Counting(store)
+    lookup = StateLookup(store)
+    m = jd.read_manifest(3)
+    for user in ["u1", "u2", "u3999", "nobody"]:
+        before = counting.ranged
+        answer = lookup.get("op", user)
+        _check(answer, model.get(user), 3)
+        chain = [f for f in m.operators["op"].files if f.start <= answer["key_group"] <= f.end]
+        # per file of the key group's chain: its footer, then the record batches holding the key
+        # group (about 20000 / 16 rows: up to 6 batches of 256 rows) and a read-ahead of 16 KiB
+        tail = files.TAIL_BYTES
+        assert counting.ranged - before <= sum(tail + 6 * f.bytes * 256 // max(f.rows, 1) + tail for f in chain)
+        assert counting.ranged - before < sum(f.bytes for f in chain) / 3
+    assert counting.whole == []  # never a whole state file
+    again = counting.ranged
+    lookup.get("op", "u1")
+    assert counting.ranged == again  # a hot slice: from the cache
+
+
+# -- a running job: JobHandle.state, GET /state/<uid>, live rescale ----------------------------
+
+
+class Tracker(ks.KeyedProcessFunction):
+    def open(self, ctx: Any) -> None:
+        self.total = ctx.value_state("total", "long", ttl_seconds=3600)
+        self.recent = ctx.list_state("recent", "long")
+        self.seen = ctx.map_state("seen", "string", "long")
+
+    def process(self, key: Any, rows: Any, ctx: Any) -> Any:
+        total = (self.total.value() or 0) + sum(r.value for r in rows)
+        self.total.update(total)
+        self.recent.update((self.recent.get() + [r.value for r in rows])[-3:])
+        for r in rows:
+            bucket = f"b{r.value % 3}"
+            self.seen.put(bucket, (self.seen.get(bucket) or 0) + 1)
+        if key.endswith("1"):
+            ctx.timer_service.register_processing_time_timer(4_000_000_000_000)
+        return [(key, total)]
+
+    def on_timer(self, key: Any, timestamp: int, ctx: Any) -> Any:
+        return None
+
+
+def _get(url: str, secret: str | None) -> tuple[int, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.spark
+def test_a_running_job_answers_lookups_through_a_live_rescale(spark: Any, tmp_path: Path) -> None:
+    from keyscale.runtime.control.auth import read_secret
+
+    write_events(tmp_path / "in", files=1, rows=400, keys=40)
+    events = spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path / "in"))
+    job = (ks.stream(events).key_by("key").process(Tracker(), "key string, total long", uid="tracker")
+           .sink(ks.sinks.NoopSink()).start(str(tmp_path / "job"), 2, trigger_interval="200 milliseconds"))
+    jd = JobDir(tmp_path / "job")
+    try:
+        deadline = time.time() + 180
+        while not jd.manifest_batches() and time.time() < deadline:
+            time.sleep(0.2)
+        job.rescale(3)
+        write_events(tmp_path / "in", files=1, rows=400, keys=60, first=1)
+        while time.time() < deadline:
+            m = jd.latest_manifest()
+            if m is not None and m.batch >= 1 and m.operators["tracker"].parallelism == 3:
+                break
+            time.sleep(0.2)
+        # The job's own last committed checkpoint may trail its manifest on disk by a moment.
+        while job.state("tracker", "k1")["batch"] < m.batch and time.time() < deadline:
+            time.sleep(0.1)
+        keys = [f"k{i}" for i in range(62)]
+        answers = {k: job.state("tracker", k) for k in keys}
+        batch = answers["k1"]["batch"]
+        assert jd.read_manifest(batch).operators["tracker"].parallelism == 3  # after the live rescale
+        assert batch >= 1 and answers["k1"]["found"] and answers["k1"]["timers"] == {"processing_time": [4_000_000_000_000]}
+        ttl = answers["k1"]["ttl"]["total"]
+        assert ttl["expires_ms"] - ttl["clock_ms"] == 3_600_000
+        assert not answers["k61"]["found"]
+
+        secret = read_secret(jd.store)
+        url = jd.read_json("control/http.json")["url"]
+        assert _get(f"{url}/state/tracker?key=k1", None)[0] == 401
+        code, body = _get(f"{url}/state/tracker?key=k1", secret)
+        assert code == 200 and body["batch"] >= batch
+        if body["batch"] == batch:
+            assert body == answers["k1"]
+        code, body = _get(f"{url}/state/tracker?key=k2&key=k61", secret)
+        assert code == 200 and [a["found"] for a in body["answers"]] == [True, False]
+        code, body = _get(f"{url}/state/nope?key=k1", secret)
+        assert code == 404 and "operator 'nope' does not exist" in body["error"] and "'tracker'" in body["error"]
+        code, body = _get(f"{url}/state/tracker", secret)
+        assert code == 400
+    finally:
+        job.stop(timeout=120)
+
+    # The model: the whole read of the same checkpoint.
+    rows = read_keyed_state(spark, str(tmp_path / "job"), "tracker", flatten=False, checkpoint=batch).collect()
+    model = {r["key"]: r for r in rows}
+    assert {k for k, a in answers.items() if a["found"]} == set(model)
+    for k, r in model.items():
+        a = answers[k]
+        assert a["batch"] == batch and a["key_group"] == r["key_group"]
+        assert a["state"] == {"total": r["total"], "recent": r["recent"], "seen": dict(r["seen"])}
+    assert job.state("tracker", "k1")["batch"] >= batch  # after the job ended: its last checkpoint
+
+
+def test_a_window_operators_key_answers_its_open_windows(tmp_path: Path) -> None:
+    jd = JobDir(tmp_path / "job")
+    jd.claim("job", M, M)
+    table = pa.table({"user": ["ann", "ann", "bob"], "window_start": pa.array([60_000, 0, 0], pa.int64()),
+                      "n": pa.array([2, 5, 1], pa.int64()), "window_end": pa.array([120_000, 60_000, 60_000], pa.int64()),
+                      "fired": [False, True, False]})
+    kgs = key_groups(table, ["user"], ["string"], M)  # a window's start is not part of the key group
+    table = table.add_column(2, KG_COLUMN, pa.array(kgs, pa.int32())).sort_by(KG_COLUMN)
+    f = write_state_file(jd.store, "state/w/000000000000-s00000-snapshot.arrow", table, "snapshot", 0, KeyGroupRange(0, M - 1))
+    states = [StateDescriptor("n", "value", pa.int64()), StateDescriptor("window_end", "value", pa.int64()),
+              StateDescriptor("fired", "value", pa.bool_())]
+    op = OperatorCheckpoint("w", M, 1, (("user", "string"), ("window_start", "int64")), tuple(s.to_json() for s in states), (f,))
+    jd.commit(Manifest("job", 0, 0, {"w": op}))
+    answer = StateLookup(jd).get("w", "ann")
+    assert answer["key"] == {"user": "ann"} and answer["key_group"] == int(kgs[0])
+    assert answer["windows"] == [{"window_start": 0, "window_end": 60_000, "fired": True, "state": {"n": 5}},
+                                 {"window_start": 60_000, "window_end": 120_000, "fired": False, "state": {"n": 2}}]
