@@ -64,9 +64,6 @@ _RAW_FIELDS: list[pa.Field[Any]] = [
 RAW_SCHEMA = pa.schema(_RAW_FIELDS)
 _METADATA = ("key", "topic", "partition", "offset", "timestamp")
 READ_TIMEOUT_S = 60.0  # no progress for this long on a planned range: the read fails with a message
-# No record for this long: the fetch may sit inside a record batch that the broker answers
-# empty (Tansu 0.6 does, docs/design.md "Kafka"), so the read steps back (1, 2, 4... offsets).
-STEP_BACK_S = 1.0
 
 
 class KafkaDecoder(Protocol):
@@ -260,7 +257,10 @@ class KafkaLog(PartitionedLog):
 
     def end_offsets(self) -> list[int]:
         fetch_ends = FetchEnds(self.topic)  # the end each fetch response reports (librdkafka's statistics)
-        with self._client(fetch_ends.settings()) as c:
+        # An empty answer still reports the end, so the probe need not wait for records:
+        # a short wait keeps the probe at the end of an idle partition quick.
+        quick = {} if "fetch.wait.max.ms" in self.options else {"fetch.wait.max.ms": "50"}
+        with self._client({**fetch_ends.settings(), **quick}) as c:
             ends = true_ends(c, self.topic, range(partition_count(c, self.topic, self.bootstrap)), self._known, fetch_ends=fetch_ends)
         self._known = dict(enumerate(ends))
         return ends
@@ -336,28 +336,16 @@ class KafkaLog(PartitionedLog):
         try:
             c.assign([TopicPartition(self.topic, partition, start)])
             position = start
-            last_progress = last_seek = time.monotonic()
-            back, low = 0, None
+            last_progress = time.monotonic()
             while position < end:
                 msgs = c.consume(num_messages=min(10_000, max(end - position, 1)), timeout=0.5)
-                now = time.monotonic()
                 if msgs:
-                    last_progress = now
-                elif now - last_progress > READ_TIMEOUT_S:
+                    last_progress = time.monotonic()
+                elif time.monotonic() - last_progress > READ_TIMEOUT_S:
                     raise LogError(
                         f"Kafka topic {self.topic!r}, partition {partition}: read stopped at offset {position} of the planned "
                         f"range [{start}, {end}) ({READ_TIMEOUT_S:.0f} s without a record)"
                     )
-                elif now - last_seek > STEP_BACK_S:
-                    # A fetch from an earlier offset starts at or before the batch's first
-                    # record; the records before ``position`` are skipped below.
-                    low = self._low(partition) if low is None else low
-                    back = max(1, 2 * back)
-                    if position > low:
-                        log.info("Kafka topic %r, partition %d: no record at offset %d for %.0f s; fetching again from offset %d",
-                                 self.topic, partition, position, now - last_progress, max(low, position - back))
-                        c.assign([TopicPartition(self.topic, partition, max(low, position - back))])
-                    last_seek = now
                 for m in msgs:
                     err = m.error()
                     if err is not None:
@@ -370,8 +358,6 @@ class KafkaLog(PartitionedLog):
                             continue
                         raise LogError(f"Kafka topic {self.topic!r}, partition {partition}: {err.str()}")
                     off = int(m.offset() or 0)
-                    if off < position:
-                        continue  # before the range, or read already: a fetch from an earlier offset
                     if off >= end:
                         position = end
                         break
