@@ -60,7 +60,7 @@ class RunOptions:
     trigger_interval: str = "1 second"
     # A log source's batches (driver/runner.py): False, the next batch starts as soon as the last one
     # committed when records wait in the log, and an idle job starts one when records arrive (checked
-    # every IDLE_POLL_SECONDS) or after the trigger interval; True, one batch per trigger interval at most.
+    # every IDLE_POLL_SECONDS in source_plan.py) or after the trigger interval; True, one batch per trigger interval at most.
     wait_for_trigger: bool = False
     retain: int = 3
     max_chain: int = 8

@@ -11,6 +11,8 @@ the executors (:mod:`keyscale.sources.reader`).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +117,33 @@ def input_waiting(job: JobState, src: LogSource) -> bool:
         return any(ends)
     assigned = {p for entries in assignment for p, _ in entries}
     return any(reader.lag(assignment, ends).values()) or any(e > 0 for p, e in enumerate(ends) if p not in assigned)
+
+
+# An idle log source's job reads the log's end this often, and starts a batch once records arrive.
+IDLE_POLL_SECONDS = 0.05
+
+
+def await_input(job: JobState, src: LogSource, stop: threading.Event, batch_id: int, started: float, interval: float) -> None:
+    """Between two batches of a log source (``batch_id`` just committed: its effects are
+    durable; with asynchronous checkpoints its manifest is on its way): no wait while
+    records wait in the log, so a record waits for the batch that runs, not for a trigger
+    too; when idle, until records arrive, ``stop`` is set, or the trigger ``interval``
+    since the last batch ``started`` is up (timers, idleness and windows move with time).
+    The backlog after the batch is its record's (one read of the log's end per batch); an
+    idle job reads the log's end every ``IDLE_POLL_SECONDS``, or every five reads' time
+    where a read is slow (a Kafka log's opens a consumer)."""
+    last = job.history.batches[-1] if job.history.batches else None
+    if last is not None and last["batch"] == batch_id and last.get("backlog"):
+        return
+    poll = IDLE_POLL_SECONDS
+    left = interval - (time.monotonic() - started)
+    while not stop.is_set() and left > 0:
+        stop.wait(min(poll, left))
+        read = time.monotonic()
+        if stop.is_set() or input_waiting(job, src):
+            return
+        poll = max(IDLE_POLL_SECONDS, 5 * (time.monotonic() - read))
+        left = interval - (time.monotonic() - started)
 
 
 def source_status(job: JobState, src: LogSource) -> dict[str, Any]:

@@ -13,7 +13,7 @@ protocol"); the batch's Spark stages are in ``stages.py``, a log source's plans 
 its run's own facts (set-up), ``committed`` at set-up, ``scaling.pending_rescale`` (a rescale
 request) and ``history`` (state, error, savepoints).
 
-At ~600 lines it is longer than the others, and that is the lifecycle's: the query, the
+At ~650 lines it is longer than the others, and that is the lifecycle's: the query, the
 heartbeat and the control API's requests run on their own threads and share the batch
 lock and the stop and drain events, which stay with the one class that owns them.
 """
@@ -49,7 +49,7 @@ from keyscale.runtime.batch import poison as poison_batch
 from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
 from keyscale.runtime.batch.jobstate import seconds as _seconds
 from keyscale.runtime.batch.malformed import check_malformed_modes
-from keyscale.runtime.batch.source_plan import input_waiting
+from keyscale.runtime.batch.source_plan import await_input
 from keyscale.runtime.batch.spark_source import explain_missing_key
 from keyscale.runtime.driver import setup
 from keyscale.runtime.driver.heartbeat import Heartbeat
@@ -83,9 +83,6 @@ if TYPE_CHECKING:
 __all__ = ["BatchRecord", "JobRunner", "RunOptions", "RunSummary"]
 
 log = logging.getLogger("keyscale")
-
-# An idle log source's job reads the log's end this often, and starts a batch once records arrive.
-IDLE_POLL_SECONDS = 0.05
 
 
 class _StopRequested(Exception):
@@ -412,32 +409,17 @@ class JobRunner:
                 self._await_next_batch(interval, started, batch_id)
 
     def _await_next_batch(self, interval: float, started: float, batch_id: int) -> None:
-        """Between two batches of a log source (``batch_id`` just committed: its effects are
-        durable; with asynchronous checkpoints its manifest is on its way): no wait while
-        records wait in the log, so a record waits for the batch that runs, not for a
-        trigger too; when idle, until records arrive or the trigger interval since the last
-        batch began is up (timers, idleness and windows move with time). The backlog after
-        the batch is its record's (one read of the log's end per batch, as before); an idle
-        job reads the log's end every ``IDLE_POLL_SECONDS``, or every five reads' time where
-        a read is slow (a Kafka log's opens a consumer). With ``wait_for_trigger``: one batch
-        per trigger interval at most, as Spark's processing-time trigger."""
+        """Between two batches of a log source: ``source_plan.await_input`` (no wait while
+        records wait; idle, until records arrive or the interval is up), or with
+        ``wait_for_trigger`` one batch per trigger interval at most, as Spark's
+        processing-time trigger."""
         left = interval - (time.monotonic() - started)
         if self.job.opts.wait_for_trigger:
             self._stop.wait(max(0.0, left))
             return
         src = self.job.pipeline.log_source if self.job.pipeline is not None else None
         assert src is not None
-        last = self.job.history.batches[-1] if self.job.history.batches else None
-        if last is not None and last["batch"] == batch_id and last.get("backlog"):
-            return
-        poll = IDLE_POLL_SECONDS
-        while not self._stop.is_set() and left > 0:
-            self._stop.wait(min(poll, left))
-            read = time.monotonic()
-            if self._stop.is_set() or input_waiting(self.job, src):
-                return
-            poll = max(IDLE_POLL_SECONDS, 5 * (time.monotonic() - read))
-            left = interval - (time.monotonic() - started)
+        await_input(self.job, src, self._stop, batch_id, started, interval)
 
     def _wait(self) -> None:
         q = self._query
