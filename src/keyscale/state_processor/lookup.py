@@ -90,8 +90,6 @@ DEFAULT_CACHE_BYTES = 64 << 20
 
 # Hidden states (state/handles.py): a key's timers, and each TTL state's clock.
 _TIMERS = {timers: domain for domain, (timers, _) in TIMER_STATES.items()}
-# A window operator keys its state by (key..., window_start) and keeps these beside it.
-_WINDOW_START, _WINDOW_END, _FIRED = WINDOW_START, WINDOW_END, FIRED
 
 
 class SliceCache:
@@ -180,7 +178,7 @@ class LookupOperator:
 
     @property
     def user_states(self) -> tuple[StateDescriptor, ...]:
-        hidden = {_WINDOW_END, _FIRED} if self.is_window else set()
+        hidden = {WINDOW_END, FIRED} if self.is_window else set()
         return tuple(s for s in self.states if not s.name.startswith("__") and s.name not in hidden)
 
     def key_group(self, values: Sequence[Any]) -> int:
@@ -190,7 +188,8 @@ class LookupOperator:
 def _operator(op: OperatorCheckpoint, files: CheckpointFiles) -> LookupOperator:
     keys, states = checkpoint_types(files, op)
     names = {s.name for s in states}
-    window = len(keys) > 1 and keys[-1][0] == _WINDOW_START and {_WINDOW_END, _FIRED} <= names
+    # A window operator keys its state by (key..., window_start) and keeps its end and fired flag beside it.
+    window = len(keys) > 1 and keys[-1][0] == WINDOW_START and {WINDOW_END, FIRED} <= names
     return LookupOperator(op, tuple(keys), tuple(keys[:-1] if window else keys), tuple(states))
 
 
@@ -362,9 +361,9 @@ def _answer(op: LookupOperator, batch: int, values: Sequence[Any], kg: int, rows
         out["message"] = f"key {key} has no state in operator '{op.uid}' at checkpoint {batch}"
         return out
     if op.is_window:
-        windows = sorted(rows, key=lambda r: r[_WINDOW_START])
+        windows = sorted(rows, key=lambda r: r[WINDOW_START])
         out["windows"] = [
-            {_WINDOW_START: r[_WINDOW_START], _WINDOW_END: r.get(_WINDOW_END), _FIRED: bool(r.get(_FIRED)), "state": _states_of(r, op.user_states)}
+            {WINDOW_START: r[WINDOW_START], WINDOW_END: r.get(WINDOW_END), FIRED: bool(r.get(FIRED)), "state": _states_of(r, op.user_states)}
             for r in windows
         ]
     else:
