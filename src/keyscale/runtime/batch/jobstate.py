@@ -270,3 +270,15 @@ def watermark_of(m: Manifest | None) -> WatermarkState:
     if m.watermark_ms is not None and m.watermark_ms > state.watermark_ms:
         state = replace(state, watermark_ms=m.watermark_ms)
     return state
+
+
+def session_cache(cache: dict[Any, Any], spark: SparkSession) -> dict[Any, Any]:
+    """``cache`` (``JobState.markers``' or ``plans``' DataFrames), emptied first if it was
+    filled in another Spark session. PySpark wraps each micro-batch in a new SparkSession
+    object around the query's own (Java) session: the cache is that session's (a restarted
+    query has a new one)."""
+    session = spark._jsparkSession
+    if "session" not in cache or not cache["session"].equals(session):
+        cache.clear()
+        cache["session"] = session
+    return cache

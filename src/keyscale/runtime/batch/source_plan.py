@@ -20,7 +20,7 @@ from keyscale._spark_types import to_arrow_schema
 from keyscale._steps import source_schema
 from keyscale.checkpoint.intent import SourcePlan, source_plan
 from keyscale.errors import KeyscaleError
-from keyscale.runtime.batch.jobstate import JobState
+from keyscale.runtime.batch.jobstate import JobState, session_cache
 from keyscale.runtime.task.reader import make_reader_function
 from keyscale.sources import reader
 from keyscale.sources.reader import LogSource
@@ -92,11 +92,7 @@ def reader_rows(job: JobState, n: int) -> DataFrame:
     task a Python worker to unpickle its one row before the reader's own.)"""
     from pyspark.sql import functions as F
 
-    session = job.spark._jsparkSession
-    cache = job.plans
-    if "session" not in cache or not cache["session"].equals(session):
-        cache.clear()
-        cache["session"] = session
+    cache = session_cache(job.plans, job.spark)
     key = ("readers", n)
     rows: DataFrame | None = cache.get(key)
     if rows is None:

@@ -32,7 +32,7 @@ from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
 from keyscale.operators.vectorized import RunningAggregate, partial_column
-from keyscale.runtime.batch.jobstate import JobState
+from keyscale.runtime.batch.jobstate import JobState, session_cache
 from keyscale.runtime.task import arrival
 from keyscale.runtime.task.nonkeyed import NonKeyedTask, make_nonkeyed_function
 from keyscale.runtime.task.spark import make_stage_function
@@ -286,12 +286,7 @@ def _markers(
     two-input stage) once per query session and reused by every batch."""
     from pyspark.sql import functions as F
 
-    # PySpark wraps each micro-batch in a new SparkSession object around the query's own
-    # (Java) session: the cache is that session's (a restarted query has a new one).
-    session = spark._jsparkSession
-    if "session" not in cache or not cache["session"].equals(session):
-        cache.clear()
-        cache["session"] = session
+    cache = session_cache(cache, spark)
     key = (tuple(columns), tuple(schema[c].dataType for c in columns), m, p, tuple(order))
     markers: DataFrame | None = cache.get(key)
     if markers is None:
