@@ -185,12 +185,18 @@ class LookupOperator:
         return key_group_of(list(values), [spark_type_name(t) for _, t in self.routing], self.checkpoint.max_parallelism)
 
 
+def routing_columns(keys: Sequence[tuple[str, pa.DataType]], states: Sequence[StateDescriptor]) -> tuple[tuple[str, pa.DataType], ...]:
+    """The key columns of an operator's state that make its key groups: all of them, but a
+    window operator's ``window_start`` (it keys its state by (key..., window_start) and keeps
+    the window's end and fired flag beside it)."""
+    names = {s.name for s in states}
+    window = len(keys) > 1 and keys[-1][0] == WINDOW_START and {WINDOW_END, FIRED} <= names
+    return tuple(keys[:-1] if window else keys)
+
+
 def _operator(op: OperatorCheckpoint, files: CheckpointFiles) -> LookupOperator:
     keys, states = checkpoint_types(files, op)
-    names = {s.name for s in states}
-    # A window operator keys its state by (key..., window_start) and keeps its end and fired flag beside it.
-    window = len(keys) > 1 and keys[-1][0] == WINDOW_START and {WINDOW_END, FIRED} <= names
-    return LookupOperator(op, tuple(keys), tuple(keys[:-1] if window else keys), tuple(states))
+    return LookupOperator(op, tuple(keys), routing_columns(keys, states), tuple(states))
 
 
 # -- keys ---------------------------------------------------------------------------------------

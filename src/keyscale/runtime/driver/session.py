@@ -104,7 +104,19 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("KEYSCALE_SPARK_LOG_LEVEL", "ERROR"))
+    _register_state_source(spark)
     return spark
+
+
+def _register_state_source(spark: SparkSession) -> None:
+    """``spark.read.format("keyscale")`` (the state processor's data source) on keyscale's
+    own sessions: a registration costs a few milliseconds and changes no setting the user made."""
+    from keyscale.state_processor.datasource import register
+
+    try:
+        register(spark)
+    except Exception as e:  # a session without Python data sources: the job runs all the same
+        log.debug("keyscale data source not registered: %s", e)
 
 
 def check_classic(obj: object) -> None:
