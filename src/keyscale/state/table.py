@@ -123,7 +123,7 @@ def _codes(col: Any) -> np.ndarray:
     return np.asarray(pc.dictionary_encode(col).indices.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
-def _last_rows(table: pa.Table, key_names: Sequence[str]) -> np.ndarray | None:
+def last_rows(table: pa.Table, key_names: Sequence[str]) -> np.ndarray | None:
     """The last row of each distinct key of ``table``, keys in order of first appearance
     (None when the key columns' codes cannot be combined into one integer)."""
     codes = _codes(table.column(key_names[0]))
@@ -361,7 +361,7 @@ class KeyedStateTable:
                 combined = pa.concat_tables([p.select(names) for p in parts])
             except (pa.ArrowInvalid, pa.ArrowTypeError):  # not one schema: file by file
                 combined = None
-            last = _last_rows(combined, self.key_names) if combined is not None else None
+            last = last_rows(combined, self.key_names) if combined is not None else None
             if combined is not None and last is not None:
                 parts = [combined.take(pa.array(last))]
         for p in parts:

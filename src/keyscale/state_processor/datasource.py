@@ -155,7 +155,7 @@ def data_source(pushdown: bool = True) -> type:
         def read(self, partition: Any) -> Iterator[pa.RecordBatch]:
             part = partition.part
             table = self.source.read(part)
-            yield from table.combine_chunks().to_batches(max_chunksize=1 << 16)
+            yield from table.combine_chunks().to_batches(max_chunksize=1 << 18)
 
     class PushdownReader(KeyscaleReader):
         def pushFilters(self, filters: list[Any]) -> Iterable[Any]:

@@ -68,7 +68,7 @@ from keyscale.checkpoint.savepoint.write import CheckpointFiles
 from keyscale.errors import InputDataError, KeyscaleError, StateError
 from keyscale.state.keygroups import KeyGroupRange, key_group_ranges, mask_runs
 from keyscale.state.spark_hash import key_group_of
-from keyscale.state.table import KG_COLUMN
+from keyscale.state.table import KG_COLUMN, last_rows
 from keyscale.state.types import StateDescriptor
 from keyscale.state_processor.lookup import parse_key, routing_columns
 from keyscale.storage import Store, open_store
@@ -297,27 +297,41 @@ class StateScan:
             for r in runs:
                 for a, b in mask_runs(count[r.start - rng.start : r.end - rng.start + 1] == 1, r.start):
                     parts.append(self._live(read_state_slice(self.store, f, KeyGroupRange(a, b))))
-        files = CheckpointFiles(self.store)
         for a, b in mask_runs(count > 1, rng.start):
-            parts.append(restore_key_groups(files, op, KeyGroupRange(a, b), self.keys, self.states))
+            parts.append(self._merged(op, KeyGroupRange(a, b)))
         schema = self.canonical_schema()
         return pa.concat_tables([p.select(schema.names).cast(schema) for p in parts]) if parts else schema.empty_table()
 
+    def _merged(self, op: OperatorCheckpoint, run: KeyGroupRange) -> pa.Table:
+        """Key groups with a restore chain of several files: each key's last row in chain
+        order, as applying the files in turn leaves it (every row of a state file holds all
+        the states of its time; a state added since is null, as it is absent after an apply)."""
+        slices = [self._columns(read_state_slice(self.store, f, r))
+                  for f, runs in chain_files(op.files, run, chain_starts(op.files, run)[1]) for r in runs]
+        table = pa.concat_tables(slices)
+        last = last_rows(table, [k for k, _ in self.keys])
+        if last is None:  # key codes too wide to combine: as a restore does it
+            return restore_key_groups(CheckpointFiles(self.store), op, run, self.keys, self.states)
+        return self._live(table.take(pa.array(last)))
+
+    def _columns(self, table: pa.Table) -> pa.Table:
+        """A state file's slice with the canonical columns: ``key_group``, a state added since it was written null."""
+        table = table.rename_columns([KEY_GROUP_COLUMN if c == KG_COLUMN else c for c in table.column_names])
+        for s in self.states:
+            if s.name not in table.column_names:
+                table = table.append_column(s.name, pa.nulls(table.num_rows, s.column_type))  # type: ignore[call-overload]
+        return table.select(self.canonical_schema().names).cast(self.canonical_schema())
+
     def _live(self, table: pa.Table) -> pa.Table:
-        """A state file's rows as canonical rows: its live keys (some state set), a state
-        added since it was written null."""
-        names = set(table.column_names)
-        valid = [pc.is_valid(table.column(s.name)) for s in self.states if s.name in names]
+        """A state file's rows as canonical rows: its live keys (some state set)."""
+        table = self._columns(table)
+        valid = [pc.is_valid(table.column(s.name)) for s in self.states]
         if valid and table.num_rows:
             alive = valid[0]
             for v in valid[1:]:
                 alive = pc.or_(alive, v)
             if not pc.all(alive).as_py():
                 table = table.filter(alive)
-        table = table.rename_columns([KEY_GROUP_COLUMN if c == KG_COLUMN else c for c in table.column_names])
-        for s in self.states:
-            if s.name not in names:
-                table = table.append_column(s.name, pa.nulls(table.num_rows, s.column_type))  # type: ignore[call-overload]
         return table
 
 
