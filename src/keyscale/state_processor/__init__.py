@@ -11,7 +11,11 @@ On Spark DataFrames, in the spirit of Flink's State Processor API:
 - :func:`inspect_savepoint` summarises a savepoint (``keyscale inspect SP``);
 - :class:`StateLookup` answers what one key holds at a job directory's committed checkpoint,
   reading only its key group by byte range (``keyscale state get``, ``JobHandle.state``,
-  the control API's ``GET /state/<uid>?key=...``).
+  the control API's ``GET /state/<uid>?key=...``);
+- :func:`register` makes the ``keyscale`` Spark data source known to a session:
+  ``spark.read.format("keyscale").option("uid", U).load(PATH)`` reads an operator's state
+  in Spark's tasks, one key-group range each, key filters pruning key groups; with
+  ``changes_from``/``changes_to`` it reads the change feed between two checkpoints.
 
 Savepoints and job directories are local paths, ``file://`` or object store URIs
 (``s3://...``); every function reads and writes through :mod:`keyscale.storage`.
@@ -22,7 +26,8 @@ the rule and all its forms live in :mod:`keyscale.state.spark_hash`.
 
 Modules: :mod:`.keygroups` (:func:`key_groups` under its State Processor name), :mod:`.read` (state as DataFrames),
 :mod:`.bootstrap` (savepoints from tables), :mod:`.rekey` (re-keying and inspecting), :mod:`.lookup`
-(point lookups).
+(point lookups), :mod:`.scan` (scans by key-group range), :mod:`.changes` (the change feed),
+:mod:`.datasource` (the Spark data source).
 
 >>> import tempfile, pyarrow as pa
 >>> from pathlib import Path
@@ -39,6 +44,7 @@ operator 'count': max parallelism 128 (bootstrapped)
 """
 
 from keyscale.state_processor.bootstrap import BootstrapOperators, write_savepoint_from_dataframes
+from keyscale.state_processor.datasource import register
 from keyscale.state_processor.keygroups import key_groups
 from keyscale.state_processor.lookup import StateLookup
 from keyscale.state_processor.read import read_keyed_state
@@ -50,6 +56,7 @@ __all__ = [
     "inspect_savepoint",
     "key_groups",
     "read_keyed_state",
+    "register",
     "rekey_savepoint",
     "write_savepoint_from_dataframes",
 ]

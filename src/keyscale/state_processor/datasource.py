@@ -4,7 +4,11 @@ Spark 4's Python data source API (``pyspark.sql.datasource``) serves it; :func:`
 makes it known to a session (keyscale's own sessions register it when they start)::
 
     df = spark.read.format("keyscale").option("uid", "totals").load("jobs/clicks")
-    spark.sql("CREATE TABLE totals USING keyscale OPTIONS (path 'jobs/clicks', uid 'totals')")
+    spark.sql("CREATE TEMPORARY VIEW totals USING keyscale OPTIONS (path 'jobs/clicks', uid 'totals')")
+
+(A catalog table, ``CREATE TABLE ... USING keyscale``, is created, but Spark 4.3 hands a
+Python data source none of a catalog table's options when the table is read: that read is
+an error saying to use a temporary view.)
 
 The path is a job directory (its newest committed checkpoint, or the one the
 ``checkpoint`` option names) or a savepoint, local or on an object store. The rows are
@@ -193,10 +197,17 @@ def data_source(pushdown: bool = True) -> type:
 
 
 def register(spark: SparkSession) -> None:
-    """Make ``spark.read.format("keyscale")`` and ``CREATE TABLE ... USING keyscale`` known
-    to ``spark``. Key filters are pushed down where Spark allows it: the session's
+    """Make the ``keyscale`` data source known to ``spark``: ``spark.read.format("keyscale")``
+    and ``CREATE TEMPORARY VIEW ... USING keyscale OPTIONS (...)`` (sessions keyscale starts
+    have it already). Key filters are pushed down where Spark allows it: the session's
     ``spark.sql.python.filterPushdown.enabled`` is turned on when unset (a value the user set
-    is kept; with it off, every key group is read and Spark filters the rows)."""
+    is kept; with it off, every key group is read and Spark filters the rows).
+
+    Example (a running Spark session ``spark``)::
+
+        register(spark)
+        spark.read.format("keyscale").option("uid", "totals").load("jobs/clicks").where("user = 'ann'").show()
+    """
     conf = spark.conf
     setting = conf.get(PUSHDOWN_CONF, None)
     if setting is None:
