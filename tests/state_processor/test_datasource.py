@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import keyscale as ks
-from conftest import write_events
+from conftest import marks_callers, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state_processor import read_keyed_state
@@ -188,3 +188,42 @@ def test_options_keyscale_cannot_serve_are_errors_naming_them(spark: Any, tmp_pa
         check_options({"path": "p", "uid": "u", "checkpoint": "3", "batch": "4"})
     with pytest.raises(ks.KeyscaleError, match="changes_to needs changes_from"):
         check_options({"path": "p", "uid": "u", "changes_to": "3"})
+
+
+_S3_READER = """
+import json, sys
+from keyscale.runtime.driver.session import spark_session
+
+spark = spark_session("local[1]")
+where = sys.argv[1]
+df = spark.read.format("keyscale").option("uid", "op").option("flatten", "false").load(where)
+one = df.where("user = 'u1'")
+feed = spark.read.format("keyscale").option("uid", "op").option("changes_from", 1).option("changes_to", 5).load(where)
+print(json.dumps({"rows": {r["user"]: r["total"] for r in df.collect()}, "one": one.rdd.getNumPartitions(),
+                  "feed": sorted([r["user"], r["batch"], r["change"]] for r in feed.collect())}))
+"""
+
+
+@marks_callers("spark")
+def _read_in_a_new_session(where: str) -> dict[str, Any]:
+    """The data source in a Spark session started after the S3 settings are in the
+    environment, as a user starts one (this process's Spark workers predate them)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _S3_READER, where], capture_output=True, text=True, timeout=300, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_the_data_source_reads_a_job_directory_on_s3(s3_bucket: str) -> None:
+    from test_scan import _job, _model
+
+    from keyscale.state_processor.changes import open_changes
+
+    jd = _job(f"{s3_bucket}/job")
+    got = _read_in_a_new_session(f"{s3_bucket}/job")
+    assert got["rows"] == {u: r["total"] for u, r in _model(jd, 6).items()}
+    assert got["one"] == 1
+    feed = open_changes(f"{s3_bucket}/job", "op", 1, 5)
+    assert got["feed"] == sorted([r["user"], r["batch"], r["change"]] for rng in feed.ranges() for r in feed.read(rng).to_pylist())
