@@ -26,6 +26,7 @@ from keyscale.checkpoint.savepoint import (
 from keyscale.checkpoint.savepoint.write import CheckpointFiles
 from keyscale.errors import KeyscaleError, StateError
 from keyscale.state.types import StateDescriptor
+from keyscale.state_processor.scan import shape_plan
 from keyscale.storage import LocalStore, open_store
 
 if TYPE_CHECKING:
@@ -47,30 +48,20 @@ def _canonical_schema(keys: Sequence[tuple[str, pa.DataType]], states: Sequence[
 
 
 def _shape(df: DataFrame, key_names: Sequence[str], states: Sequence[StateDescriptor], state: str | None, flatten: bool, uid: str) -> DataFrame:
+    """``df`` shaped by the rule of :func:`keyscale.state_processor.scan.shape_plan`, in Spark."""
     from pyspark.sql import functions as F
 
+    mode, name = shape_plan(states, state, flatten, uid)
     ids = [*key_names, KEY_GROUP_COLUMN]
-    by_name = {s.name: s for s in states}
-    if state is not None and state not in by_name:
-        raise StateError(f"operator '{uid}' has no state '{state}' (states: {', '.join(by_name) or 'none'})")
-    if not flatten:
-        return df.select(*ids, state) if state is not None else df
-    if state is None:
-        nested = [s.name for s in states if s.kind != "value"]
-        if not nested:
-            return df
-        if len(states) > 1:
-            raise KeyscaleError(
-                f"operator '{uid}' has list or map state ({', '.join(nested)}) among {len(states)} states; "
-                "pass state='NAME' to read one of them flattened, or flatten=False for nested columns"
-            )
-        state = nested[0]
-    s = by_name[state]
-    if s.kind == "value":
-        return df.select(*ids, state).where(F.col(state).isNotNull())
-    if s.kind == "list":
-        return df.select(*ids, F.posexplode(state).alias(f"{state}_index", state)).select(*ids, state, f"{state}_index")
-    return df.select(*ids, F.explode(state).alias(f"{state}_key", f"{state}_value"))
+    if mode == "all" or name is None:
+        return df
+    if mode == "select":
+        return df.select(*ids, name)
+    if mode == "value":
+        return df.select(*ids, name).where(F.col(name).isNotNull())
+    if mode == "list":
+        return df.select(*ids, F.posexplode(name).alias(f"{name}_index", name)).select(*ids, name, f"{name}_index")
+    return df.select(*ids, F.explode(name).alias(f"{name}_key", f"{name}_value"))
 
 
 def read_keyed_state(

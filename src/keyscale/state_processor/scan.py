@@ -73,7 +73,7 @@ from keyscale.state.types import StateDescriptor
 from keyscale.state_processor.lookup import parse_key, routing_columns
 from keyscale.storage import Store, open_store
 
-__all__ = ["ROWS_PER_PART", "ScanPart", "StateScan", "open_scan", "shape_schema", "shape_table"]
+__all__ = ["ROWS_PER_PART", "ScanPart", "StateScan", "open_scan", "shape_plan", "shape_schema", "shape_table"]
 
 #: About how many rows one part (one Spark input partition) of a scan reads, by default.
 ROWS_PER_PART = 1_000_000
@@ -84,8 +84,9 @@ MAX_FILTER_KEYS = 4096
 # -- the shape of the rows: read_keyed_state's rule, in Arrow -------------------------------------
 
 
-def _shape_plan(states: Sequence[StateDescriptor], state: str | None, flatten: bool, uid: str) -> tuple[str, str | None]:
-    """What :func:`read_keyed_state` does to an operator's columns: ``("all", None)``,
+def shape_plan(states: Sequence[StateDescriptor], state: str | None, flatten: bool, uid: str) -> tuple[str, str | None]:
+    """The rule of how :func:`read_keyed_state` and the data source shape an operator's
+    columns (one place for both): ``("all", None)``,
     ``("select", name)`` (one state, nested), or ``("value" | "list" | "map", name)``
     (one state flattened); the same errors."""
     by_name = {s.name: s for s in states}
@@ -108,7 +109,7 @@ def _shape_plan(states: Sequence[StateDescriptor], state: str | None, flatten: b
 
 def shape_schema(canonical: pa.Schema, states: Sequence[StateDescriptor], state: str | None, flatten: bool, uid: str) -> pa.Schema:
     """The schema of :func:`shape_table`'s rows, for a canonical schema (keys, ``key_group``, states)."""
-    mode, name = _shape_plan(states, state, flatten, uid)
+    mode, name = shape_plan(states, state, flatten, uid)
     ids = [f for f in canonical if f.name not in {s.name for s in states}]
     if mode == "all":
         return canonical
@@ -125,7 +126,7 @@ def shape_table(table: pa.Table, states: Sequence[StateDescriptor], state: str |
     """Canonical rows shaped as :func:`read_keyed_state` shapes them: one state picked, a
     list state one row per element (with its index), a map state one row per entry, a value
     state picked its keys that have it."""
-    mode, name = _shape_plan(states, state, flatten, uid)
+    mode, name = shape_plan(states, state, flatten, uid)
     if mode == "all":
         return table
     assert name is not None
