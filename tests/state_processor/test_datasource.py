@@ -20,7 +20,7 @@ from conftest import marks_callers, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state_processor import read_keyed_state
-from keyscale.state_processor.datasource import check_options
+from keyscale.state_processor.datasource import PUSHDOWN_CONF, check_options, register
 from keyscale.state_processor.scan import open_scan
 
 SCHEMA = "key string, value long, ts timestamp"
@@ -184,6 +184,20 @@ def test_options_keyscale_cannot_serve_are_errors_naming_them(spark: Any, tmp_pa
     with pytest.raises(Exception, match="checkpoint 99 does not exist"):
         _read(spark, tmp_path / "job", checkpoint=99).collect()
     assert check_options({"path": "p", "uid": "u", "checkpoint": "3", "batch": "3"})["checkpoint"] == 3
+    # The rows' types are read_keyed_state's.
+    assert _read(spark, tmp_path / "job").schema.simpleString() == read_keyed_state(spark, str(tmp_path / "job"), "totals").schema.simpleString()
+    # A pushdown setting the user made is kept: with it off, every key group is read and Spark filters.
+    try:
+        spark.conf.set(PUSHDOWN_CONF, "false")
+        register(spark)
+        assert spark.conf.get(PUSHDOWN_CONF) == "false"
+        one = _read(spark, tmp_path / "job", partitions=3).where("key = 'k1'")
+        assert one.rdd.getNumPartitions() == 3 and [r["key"] for r in one.collect()] == ["k1"]
+    finally:
+        spark.conf.unset(PUSHDOWN_CONF)
+        register(spark)
+    assert spark.conf.get(PUSHDOWN_CONF) == "true"
+    assert _read(spark, tmp_path / "job", partitions=3).where("key = 'k1'").rdd.getNumPartitions() == 1
     with pytest.raises(ks.KeyscaleError, match="name different checkpoints"):
         check_options({"path": "p", "uid": "u", "checkpoint": "3", "batch": "4"})
     with pytest.raises(ks.KeyscaleError, match="changes_to needs changes_from"):
