@@ -11,11 +11,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from keyscale.scaling.batch_size import (
+    GROWTH,
     HEADROOM,
+    PROBE_RECORDS,
+    arrival_rate,
     batch_records,
     fit_cost,
     keep_up_records,
     latency_records,
+    next_batch,
 )
 
 targets = st.floats(0.05, 60.0)
@@ -100,3 +104,63 @@ def test_bad_inputs_are_refused() -> None:
         batch_records(0, 0.1, 1e-5, 10)
     with pytest.raises(ValueError):
         fit_cost([])
+
+
+# -- a running job's next batch (next_batch, arrival_rate): what runtime/batch/sizing.py uses
+
+histories = st.lists(st.tuples(st.integers(0, 10**6), st.floats(0.0, 30.0)), min_size=1, max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(targets, histories, st.one_of(st.none(), rates))
+def test_the_next_batch_keeps_up_as_far_as_the_batches_measured_allow(t: float, batches: list[tuple[int, float]], rate: float | None) -> None:
+    f, c = fit_cost(batches)
+    s = next_batch(t, batches, rate)
+    bound = GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches))
+    assert s.records is not None and 1 <= s.records <= bound  # never far beyond what was measured
+    r = rate or 0.0
+    if r * c < 1:  # feasible: no smaller than keeping up needs, unless that is beyond the measured range
+        assert s.records >= min(bound, math.floor(keep_up_records(r, f, c) * HEADROOM))
+    unbounded = batch_records(t, f, c, r)
+    if unbounded.records is not None and unbounded.records <= bound:
+        assert s == unbounded
+
+
+@settings(max_examples=200, deadline=None)
+@given(targets, histories, st.one_of(st.none(), rates), st.floats(1.0, 100.0))
+def test_a_looser_target_never_shrinks_the_next_batch(t: float, batches: list[tuple[int, float]], rate: float | None, looser: float) -> None:
+    a, b = next_batch(t, batches, rate), next_batch(t * looser, batches, rate)
+    assert a.records is not None and b.records is not None and b.records >= a.records
+
+
+@settings(max_examples=200, deadline=None)
+@given(targets, st.one_of(st.none(), st.integers(1, 10**6)))
+def test_the_first_batch_probes_the_costs_within_the_jobs_cap(t: float, cap: int | None) -> None:
+    s = next_batch(t, [], None, cap=cap)
+    assert s.records == (PROBE_RECORDS if cap is None else min(cap, PROBE_RECORDS))
+    assert not s.meets_target and "no batch measured" in s.reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.0, 1e5), st.floats(0.0, 1e4), st.lists(st.tuples(st.floats(0.01, 10.0), st.floats(0.0, 1.0)), min_size=1, max_size=15))
+def test_arrival_rate_is_the_rate_records_arrived_at_whatever_the_batches_read(rate: float, backlog: float, batches: list[tuple[float, float]]) -> None:
+    """A model of the input: records arrive at ``rate``; each batch takes some seconds and
+    reads a share of what waits. The rate measured from the batches is the model's."""
+    now, waiting, seen = 0.0, backlog, [(0.0, 0, int(backlog))]
+    for seconds, share in batches:
+        now += seconds
+        waiting += rate * seconds
+        read = math.floor(waiting * share)
+        waiting -= read
+        seen.append((now, read, math.floor(waiting)))
+    got = arrival_rate(seen)
+    assert got is not None
+    # Whole records: the backlog's fractions are at most one record at either end.
+    assert got == pytest.approx(rate, abs=2 / now + 1e-6 * rate)
+
+
+def test_arrival_rate_needs_two_batches_with_a_known_backlog() -> None:
+    assert arrival_rate([]) is None
+    assert arrival_rate([(1.0, 10, 0)]) is None
+    assert arrival_rate([(1.0, 10, None), (2.0, 10, 0)]) is None
+    assert arrival_rate([(1.0, 10, 0), (1.0, 10, 0)]) is None  # no time between them

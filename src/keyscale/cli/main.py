@@ -65,7 +65,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
         autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
         spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend, async_checkpoints=a.async_checkpoints,
-        **control_options(a),
+        latency_target=a.latency_target, wait_for_trigger=a.wait_for_trigger, **control_options(a),
     )
     log = logging.getLogger("keyscale")
     while True:
@@ -119,6 +119,8 @@ def _restart_rescale(a: argparse.Namespace) -> int:
             "--compaction-chain", str(run["compaction_chain"]), "--state-backend", run.get("state_backend", "memory")]
     argv += ["--until-idle"] if run["until_idle"] else []
     argv += ["--async-checkpoints"] if run.get("async_checkpoints") else []
+    argv += ["--wait-for-trigger"] if run.get("wait_for_trigger") else []
+    argv += ["--latency-target", str(run["latency_target"])] if run.get("latency_target") else []
     for flag in ("control_host", "control_port", "metrics_token_file"):  # the environment's KEYSCALE_* are inherited
         if run.get(flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(run[flag])]
@@ -424,7 +426,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(deployments pass this: their file lists every argument)")
     r.add_argument("--conf", action="append", default=[], metavar="NAME=VALUE",
                    help="a Spark setting for the job's session (repeatable); wins over keyscale's defaults (docs/reference/spark-settings.md)")
-    r.add_argument("--trigger-interval", default="1 second")
+    r.add_argument("--trigger-interval", default="1 second",
+                   help="a log source's job runs a batch at least this often, and back to back while records wait (default 1 second)")
+    r.add_argument("--wait-for-trigger", action="store_true",
+                   help="a log source's job runs one batch per trigger interval at most, as Spark's processing-time trigger "
+                        "(default: the next batch starts as soon as records wait)")
+    r.add_argument("--latency-target", metavar="DURATION",
+                   help="size a log source's batches for this end-to-end latency (e.g. 1s, 500ms): each batch reads at most what "
+                        "half of it allows, and never less than keeps up with the input; a source's own max_records_per_batch, "
+                        "if smaller, stays (the status's batch_size says which limit holds)")
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")

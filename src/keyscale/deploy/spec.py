@@ -125,7 +125,7 @@ class RestartStrategy:
 
 #: Fields whose change needs a new job process (the upgrade strategy applies).
 RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism", "spark_conf", "state_backend",
-              "async_checkpoints")
+              "async_checkpoints", "latency_target")
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,7 @@ class DeploymentSpec:
     spark_conf: dict[str, str] = field(default_factory=dict)  # keyscale run --conf
     state_backend: str = "memory"  # keyscale run --state-backend: the keyed stages' default
     async_checkpoints: bool = False  # keyscale run --async-checkpoints
+    latency_target: str | None = None  # keyscale run --latency-target
 
     @property
     def base_dir(self) -> Path:
@@ -193,6 +194,7 @@ class DeploymentSpec:
             "spark_conf": dict(self.spark_conf),
             "state_backend": self.state_backend,
             "async_checkpoints": self.async_checkpoints,
+            "latency_target": self.latency_target,
         }
 
     @classmethod
@@ -208,6 +210,7 @@ class DeploymentSpec:
             spark_conf={str(k): str(v) for k, v in d.get("spark_conf", {}).items()},  # absent in specs stored before it
             state_backend=str(d.get("state_backend", "memory")),  # likewise
             async_checkpoints=bool(d.get("async_checkpoints", False)),  # likewise
+            latency_target=None if d.get("latency_target") is None else str(d["latency_target"]),  # likewise
         )
 
     def settings(self) -> dict[str, Any]:
@@ -249,6 +252,8 @@ class DeploymentSpec:
             argv += ["--state-backend", self.state_backend]
         if self.async_checkpoints:
             argv += ["--async-checkpoints"]
+        if self.latency_target is not None:
+            argv += ["--latency-target", self.latency_target]
         for k, v in self.args.items():
             argv += ["--set", f"{k}={v}"]
         for k, v in self.spark_conf.items():
@@ -298,7 +303,7 @@ def file_sha256(path: Path) -> str:
 _TOP = (
     "name", "job", "args", "parallelism", "max_parallelism", "master", "trigger_interval", "retain",
     "compaction_chain", "state_dir", "savepoint_dir", "upgrade_strategy", "restore_strategy",
-    "allow_non_restored_state", "restart", "spark_conf", "state_backend", "async_checkpoints",
+    "allow_non_restored_state", "restart", "spark_conf", "state_backend", "async_checkpoints", "latency_target",
 )
 _RESTART = ("attempts", "backoff_seconds", "backoff_factor", "max_backoff_seconds")
 
@@ -422,6 +427,15 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
     if backend not in ("memory", "rocksdb"):
         top.fail("state_backend", f"must be 'memory' or 'rocksdb', not {backend!r}")
     async_checkpoints = top.boolean("async_checkpoints", False)
+    latency_target = top.string("latency_target").strip() if "latency_target" in doc else None
+    if latency_target is not None:
+        # The rule keyscale run applies to it.
+        from keyscale.runtime.batch.sizing import target_seconds
+
+        try:
+            target_seconds(latency_target)
+        except KeyscaleError as e:
+            top.fail("latency_target", str(e).removeprefix("latency_target "))
     state_dir = _path(base, top.string("state_dir", f".keyscale/{name}"))
     savepoint_dir = _path(base, top.string("savepoint_dir")) if "savepoint_dir" in doc else state_dir / "savepoints"
     upgrade = UpgradeStrategy(top.choice("upgrade_strategy", UpgradeStrategy, "STATEFUL"))
@@ -444,7 +458,7 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
         parallelism=parallelism, max_parallelism=max_parallelism, master=master, trigger_interval=interval,
         retain=retain, compaction_chain=chain, state_dir=state_dir, savepoint_dir=savepoint_dir,
         upgrade_strategy=upgrade, restore_strategy=restore, allow_non_restored_state=allow, restart=restart,
-        spark_conf=spark_conf, state_backend=backend, async_checkpoints=async_checkpoints,
+        spark_conf=spark_conf, state_backend=backend, async_checkpoints=async_checkpoints, latency_target=latency_target,
     )
 
 

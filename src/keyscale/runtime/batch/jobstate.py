@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from keyscale._steps import JobGraph
     from keyscale.checkpoint.sparkmirror import SparkMirror
     from keyscale.runtime.batch.malformed import Watched
+    from keyscale.runtime.batch.sizing import ReadLimit
 
 
 @dataclass
@@ -62,6 +63,8 @@ class RunOptions:
     # committed when records wait in the log, and an idle job starts one when records arrive (checked
     # every IDLE_POLL_SECONDS in source_plan.py) or after the trigger interval; True, one batch per trigger interval at most.
     wait_for_trigger: bool = False
+    # A log source's read limit per batch from a latency target ("1s": runtime/batch/sizing.py); None: its own limit only.
+    latency_target: str | None = None
     retain: int = 3
     max_chain: int = 8
     max_file_age: int = 32  # a subtask snapshots when its oldest state file is this many batches old
@@ -172,8 +175,8 @@ class Scaling:
 class BatchScratch:
     """The running batch's scratch: new for each batch (``batch/commit.py``, ``run_batch``).
 
-    Written by ``batch/commit.py`` (the malformed records the driver counted) and
-    ``batch/source_plan.py`` (the logs its plans are for)."""
+    Written by ``batch/commit.py`` (the malformed records the driver counted),
+    ``batch/source_plan.py`` (the logs its plans are for) and ``batch/sizing.py`` (the read limit)."""
 
     input_counts: counters.Counters = field(default_factory=dict)  # the batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its plan is for
@@ -181,6 +184,8 @@ class BatchScratch:
     steps: dict[str, float] = field(default_factory=dict)
     # When the batch's output became visible: every sink's write committed (Unix seconds).
     visible_at: float | None = None
+    # With a latency target, the driving log source's read limit of this batch and why (sizing.py; the status's batch_size).
+    read_limit: ReadLimit | None = None
 
 
 @dataclass

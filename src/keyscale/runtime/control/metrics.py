@@ -99,6 +99,15 @@ def _latency_families(job: str, status: dict[str, Any], summary: RunSummary) -> 
                                     "append to the source (Kafka timestamp, log segment write, file modification time) to the commit of its batch's output", labels=["job"])
     latency.add_metric([job], buckets=list(summary.latency.cumulative()), sum_value=summary.latency.sum_seconds)
     out.append(latency)
+    size = status.get("batch_size")
+    if size is not None and size.get("records") is not None:  # with a latency target (runtime/batch/sizing.py)
+        limit = _gauge("keyscale_batch_read_limit_records", "The most records the last batch could read from the source under the "
+                       "job's latency target (or the source's own limit, if smaller: the status's batch_size says which)", ["job"])
+        limit.add_metric([job], float(size["records"]))
+        meets = _gauge("keyscale_batch_meets_latency_target", "1 if the last batch's size, at the costs measured, keeps a record's "
+                       "latency (two batch times) within the job's latency target and keeps up with its input", ["job"])
+        meets.add_metric([job], 1.0 if size.get("meets_target") else 0.0)
+        out += [limit, meets]
     return out
 
 

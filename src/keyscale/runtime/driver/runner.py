@@ -43,7 +43,7 @@ from keyscale.errors import (
     decode_error,
 )
 from keyscale.operators.poison import input_error
-from keyscale.runtime.batch import commit, malformed, status
+from keyscale.runtime.batch import commit, malformed, sizing, status
 from keyscale.runtime.batch import parallelism as scaling
 from keyscale.runtime.batch import poison as poison_batch
 from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
@@ -176,6 +176,7 @@ class JobRunner:
         elif opts.scaling not in ("fixed", "auto", "reactive"):
             raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
         check_state_backend(opts.state_backend, "the job's option")
+        sizing.target_seconds(opts.latency_target)  # a latency target that is not a duration is refused before anything runs
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[str | None] = Future()
@@ -235,6 +236,7 @@ class JobRunner:
             if not isinstance(pipeline, JobGraph):
                 raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
             check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.job.jobdir))
+        sizing.check_target(opts.latency_target, pipeline)
         self.job.pipeline = pipeline
         # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
         shipped = ship_user_code()
