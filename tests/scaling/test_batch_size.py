@@ -112,18 +112,29 @@ histories = st.lists(st.tuples(st.integers(0, 10**6), st.floats(0.0, 30.0)), min
 
 
 @settings(max_examples=300, deadline=None)
-@given(targets, histories, st.one_of(st.none(), rates))
-def test_the_next_batch_keeps_up_as_far_as_the_batches_measured_allow(t: float, batches: list[tuple[int, float]], rate: float | None) -> None:
+@given(targets, histories, rates)
+def test_the_next_batch_is_never_below_keeping_up_nor_far_beyond_what_was_measured(t: float, batches: list[tuple[int, float]], rate: float) -> None:
     f, c = fit_cost(batches)
     s = next_batch(t, batches, rate)
     bound = GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches))
-    assert s.records is not None and 1 <= s.records <= bound  # never far beyond what was measured
-    r = rate or 0.0
-    if r * c < 1:  # feasible: no smaller than keeping up needs, unless that is beyond the measured range
-        assert s.records >= min(bound, math.floor(keep_up_records(r, f, c) * HEADROOM))
-    unbounded = batch_records(t, f, c, r)
-    if unbounded.records is not None and unbounded.records <= bound:
+    assert s.records is not None and s.records >= 1
+    if rate * c >= 1:  # no size keeps up: the measured bound, and said so
+        assert s.records == bound and not s.meets_target
+        return
+    need = math.ceil(keep_up_records(rate, f, c) * HEADROOM)
+    assert s.records >= need  # throughput first: the lag does not grow, whatever was measured
+    assert s.records <= max(bound, need)  # and no further beyond the batches measured than that needs
+    unbounded = batch_records(t, f, c, rate)
+    if unbounded.records is not None and unbounded.records <= max(bound, need):
         assert s == unbounded
+
+
+@settings(max_examples=200, deadline=None)
+@given(targets, histories)
+def test_without_a_measured_rate_the_next_batch_grows_from_the_batches_measured(t: float, batches: list[tuple[int, float]]) -> None:
+    s = next_batch(t, batches, None)
+    assert s.records == GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches))
+    assert not s.meets_target and "not measured yet" in s.reason
 
 
 @settings(max_examples=200, deadline=None)

@@ -166,20 +166,25 @@ def arrival_rate(batches: Sequence[tuple[float, int, int | None]]) -> float | No
 
 def next_batch(target_seconds: float, batches: Sequence[tuple[int, float]], rate: float | None, cap: int | None = None) -> BatchSize:
     """The next batch's read limit: :func:`batch_records` with the costs fitted to recent
-    ``batches`` (``(records, seconds)``) and the input ``rate`` (None: not measured yet,
-    taken as 0), at most ``GROWTH`` times the largest batch measured (and at least
-    ``PROBE_RECORDS`` times that); ``cap`` as in :func:`batch_records`. With no batch
-    measured, ``PROBE_RECORDS`` (or ``cap``, the smaller)."""
+    ``batches`` (``(records, seconds)``) and the input ``rate``, at most ``GROWTH`` times
+    the largest batch measured (at least ``PROBE_RECORDS`` times that) unless keeping up
+    with the rate needs more: throughput first. With no batch measured, or the rate not
+    measured yet (None), that bound (before any batch: ``PROBE_RECORDS``). ``cap`` as in
+    :func:`batch_records`: it wins."""
     if not target_seconds > 0:
         raise ValueError("next_batch: the target must be > 0")
-    if not batches:
-        first = PROBE_RECORDS if cap is None else min(cap, PROBE_RECORDS)
-        return BatchSize(first, None, False, f"no batch measured yet: {first:,} records, to measure the costs")
+    bound = GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches)) if batches else PROBE_RECORDS
+    if not batches or rate is None:
+        n = bound if cap is None else min(cap, bound)
+        what = "no batch measured yet" if not batches else "the input rate is not measured yet"
+        return BatchSize(n, None, False, f"{what}: {n:,} records (at most {GROWTH}x the largest batch measured)")
     f, c = fit_cost(batches)
-    size = batch_records(target_seconds, f, c, rate or 0.0, cap=cap)
-    bound = GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches))
+    size = batch_records(target_seconds, f, c, rate, cap=cap)
+    need = keep_up_records(rate, f, c) * HEADROOM
+    if math.isfinite(need):
+        bound = max(bound, math.ceil(need))
     if size.records is not None and size.records <= bound:
         return size
     seconds = f + c * bound
-    return BatchSize(bound, seconds, 2 * seconds <= target_seconds * (1 + 1e-9),
+    return BatchSize(bound, seconds, 2 * seconds <= target_seconds * (1 + 1e-9) and math.isfinite(need),
                      f"{size.reason}; at most {GROWTH}x the largest batch measured: {bound:,} records")

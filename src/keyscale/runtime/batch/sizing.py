@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 WINDOW = 20
 """The recent batches the costs and the input rate are measured over."""
+RECENT = 3
+"""The last batches the input rate is measured over as well."""
 
 TARGET = "latency target"
 
@@ -94,8 +96,11 @@ def measured(job: JobState) -> tuple[list[tuple[int, float]], float | None]:
     compiles what later batches reuse, a cost the next batch does not pay."""
     recent = list(job.history.batches)[1:][-WINDOW:]
     costs = [(int(b["records"]), float(b["seconds"])) for b in recent]
-    rate = arrival_rate([(b["time_ms"] / 1000, int(b["records"]), b.get("backlog")) for b in recent])
-    return costs, rate
+    points = [(b["time_ms"] / 1000, int(b["records"]), b.get("backlog")) for b in recent]
+    # Over the last few batches too, the larger: a rise in the input shows at once (too low a
+    # rate is what would let the lag grow; too high one only makes a batch larger).
+    rates = [r for r in (arrival_rate(points), arrival_rate(points[-RECENT:])) if r is not None]
+    return costs, max(rates) if rates else None
 
 
 def read_limit(job: JobState, src: LogSource, partitions: int) -> int | None:
