@@ -340,6 +340,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     if lat:
         print(f"  end-to-end latency (batch {lat['batch']}, {lat['records']:,} records, from {lat['append_time']}): "
               f"p50 {lat['p50_seconds']:.3f} s, p99 {lat['p99_seconds']:.3f} s, max {lat['max_seconds']:.3f} s")
+    size = st.get("batch_size")
+    if size:
+        limit = "no limit" if size["records"] is None else f"at most {size['records']:,} records ({size['limited_by']})"
+        print(f"  batch size for the {size['target_seconds']:g} s latency target: {limit}; target met: {'yes' if size['meets_target'] else 'no'}: {size['reason']}")
     for uid, total in st["counters"]["total"].items():
         last = st["counters"]["last_batch"].get(uid)
         print(f"  records not processed normally by '{uid}': {counters.summary(total)} in all" + (f"; last batch: {counters.summary(last)}" if last else ""))
