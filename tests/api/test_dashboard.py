@@ -130,6 +130,45 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
         job.stop()
 
 
+@pytest.mark.slow
+def test_the_dashboard_says_the_batch_size_of_a_latency_target(spark: Any, tmp_path: Path, browser: Any) -> None:
+    """Issue 35, item 3: a job run with a latency target reads its log in batches sized for
+    it; the status, and the page's summary line, say the read limit, whose it is and
+    whether the target is met (the reason in its tooltip)."""
+    import threading
+
+    import pyarrow as pa
+    from selenium.webdriver.common.by import By
+
+    from keyscale.runtime.control.server import control_api
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
+    from keyscale.sources import LocalLog
+
+    log = LocalLog.create(str(tmp_path / "log"), "key string, value long", partitions=2)
+    for part in (0, 1):
+        log.append(part, pa.table({"key": [f"k{i % 5}" for i in range(100)], "value": list(range(100))}))
+    opts = RunOptions(job_file=str(ROOT / "examples" / "log_count.py"), job_dir=str(tmp_path / "job"), parallelism=1,
+                      trigger_interval="300 milliseconds", args={"log": log.uri, "output": str(tmp_path / "out")}, latency_target="5 s")
+    runner = JobRunner(opts, serve=control_api(opts))
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    jd = JobDir(str(tmp_path / "job"))
+    try:
+        _wait(lambda: len(runner.summary.batches) >= 3, "three batches")
+        size = runner.live_status()["batch_size"]
+        assert size["target_seconds"] == 5.0 and size["limited_by"] == "latency target" and size["partitions"] == 2
+        assert size["records"] == 2 * size["records_per_partition"] and size["reason"]
+        browser.get(call(jd, "POST", "/ui/token")["url"])
+        _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the page to load")
+        summary = browser.find_element(By.ID, "summary")
+        assert re.search(r"read limit \S+ records \(latency target\) for the 5 s latency target: (met|not met)", summary.text), summary.text
+        assert summary.get_attribute("title")  # the reason
+        assert _browser_errors(browser) == []
+    finally:
+        runner.stop()
+        thread.join(120)
+
+
 def _browser_errors(browser: Any) -> list[str]:
     """What the page's console reported as failed (a resource that answered 404, a script error)."""
     return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]

@@ -138,6 +138,14 @@ function noChart(id, title, why) {
   document.getElementById(id).replaceChildren(h, p);
 }
 
+// With a latency target (keyscale run --latency-target): the last batch's read limit, whose it
+// is, and whether the target can be met (the status's batch_size; its reason is the tooltip's).
+function batchSize(size) {
+  if (!size) return "";
+  const limit = size.records == null ? "no read limit" : `read limit ${fmtCompact(size.records)} records (${size.limited_by})`;
+  return ` · ${limit} for the ${size.target_seconds} s latency target: ${size.meets_target ? "met" : "not met"}`;
+}
+
 function render(status, history) {
   document.title = `keyscale: ${status.job}`;
   document.getElementById("job").textContent = status.job;
@@ -145,7 +153,8 @@ function render(status, history) {
   state.textContent = status.state;
   state.className = `badge ${status.state}`;
   document.getElementById("summary").textContent =
-    `last checkpoint ${status.last_checkpoint ?? "–"}` + (status.watermark ? ` · watermark ${status.watermark}` : "");
+    `last checkpoint ${status.last_checkpoint ?? "–"}` + (status.watermark ? ` · watermark ${status.watermark}` : "") + batchSize(status.batch_size);
+  document.getElementById("summary").title = status.batch_size ? status.batch_size.reason : "";
   const pending = status.pending_rescale;
   document.getElementById("pending").textContent = pending
     ? `rescale pending: ${Object.entries(pending.parallelism).map(([u, p]) => `${u === "*" ? "all" : u} → ${p}`).join(", ")}` : "";
