@@ -103,7 +103,7 @@ def test_where_a_patch_may_write(tmp_path: Path) -> None:
     jd = JobDir(tmp_path / "job")
     jd.claim("job", 16, 16)
     for inside in ("checkpoints/x", "state/op", "x"):
-        with pytest.raises(StateError, match="is inside job directory .*: a patch never writes into a job's checkpoints"):
+        with pytest.raises(StateError, match=r"is inside job directory .*: a patch never writes into a job's checkpoints"):
             patch_state(sp, tmp_path / "job" / inside, "op", deletes=["u1"])
     assert not (tmp_path / "job" / "x").exists()
     ok = patch_state(sp, tmp_path / "job" / "savepoints" / "fixed", "op", deletes=["u1"])

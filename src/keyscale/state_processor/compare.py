@@ -32,17 +32,18 @@ __all__ = ["DIFF_KINDS", "diff_schema", "diff_tables", "values_equal"]
 DIFF_KINDS = ("only_a", "only_b", "changed")
 
 _PC: Any = pc
+_PA: Any = pa
 
 
-def _valid(arr: pa.Array) -> np.ndarray:
+def _valid(arr: Any) -> np.ndarray:
     return np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
 
 
-def _array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+def _array(col: Any) -> Any:
     return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
-def _listlike_equal(x: pa.Array, y: pa.Array, rows: np.ndarray) -> np.ndarray:
+def _listlike_equal(x: Any, y: Any, rows: np.ndarray) -> np.ndarray:
     """Per row of ``rows`` (valid in both): same length and equal elements, in order."""
     out = np.zeros(len(x), dtype=bool)
     is_map = pa.types.is_map(x.type)
@@ -67,7 +68,7 @@ def _listlike_equal(x: pa.Array, y: pa.Array, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _same_values(x: pa.Array, y: pa.Array, rows: np.ndarray) -> np.ndarray:
+def _same_values(x: Any, y: Any, rows: np.ndarray) -> np.ndarray:
     """Per row of ``rows`` (valid in both arrays): whether the values are equal."""
     t = x.type
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_map(t):
@@ -87,7 +88,7 @@ def _same_values(x: pa.Array, y: pa.Array, rows: np.ndarray) -> np.ndarray:
     return eq
 
 
-def values_equal(x: pa.Array | pa.ChunkedArray, y: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def values_equal(x: Any, y: Any) -> np.ndarray:
     """Row by row, whether two columns of one type hold the same state values (see the module).
 
     >>> import pyarrow as pa
@@ -105,7 +106,7 @@ def values_equal(x: pa.Array | pa.ChunkedArray, y: pa.Array | pa.ChunkedArray) -
     rows = np.flatnonzero(both)
     if len(rows):
         out |= both & _same_values(x, y, rows)
-    return out
+    return np.asarray(out, dtype=bool)
 
 
 def diff_schema(key_columns: Sequence[tuple[str, pa.DataType]], states: Sequence[tuple[str, pa.DataType]]) -> pa.Schema:
@@ -120,11 +121,11 @@ def diff_schema(key_columns: Sequence[tuple[str, pa.DataType]], states: Sequence
     ])
 
 
-def _values(table: pa.Table, states: Sequence[str], idx: np.ndarray, t: pa.DataType) -> pa.Array:
+def _values(table: pa.Table, states: Sequence[str], idx: np.ndarray, t: Any) -> Any:
     if not states:
-        return pa.nulls(len(idx), t) if len(idx) else pa.array([], t)
+        return _PA.nulls(len(idx), t) if len(idx) else _PA.array([], t)
     cols = [_array(table.column(s)).take(pa.array(idx, pa.int64())) for s in states]
-    return pa.StructArray.from_arrays(cols, fields=list(t))
+    return _PA.StructArray.from_arrays(cols, fields=list(t))
 
 
 def diff_tables(a: pa.Table, b: pa.Table, key_names: Sequence[str], states: Sequence[str]) -> tuple[pa.Table, int]:
@@ -135,11 +136,11 @@ def diff_tables(a: pa.Table, b: pa.Table, key_names: Sequence[str], states: Sequ
     The rows are in the schema of :func:`diff_schema`, sorted by key; state columns of the
     same name must have the same type on both sides."""
     names = list(key_names)
-    left = pa.table({**{k: a.column(k) for k in names}, "__a": pa.array(np.arange(a.num_rows, dtype=np.int64))})
-    right = pa.table({**{k: b.column(k) for k in names}, "__b": pa.array(np.arange(b.num_rows, dtype=np.int64))})
+    left = _PA.table({**{k: a.column(k) for k in names}, "__a": pa.array(np.arange(a.num_rows, dtype=np.int64))})
+    right = _PA.table({**{k: b.column(k) for k in names}, "__b": pa.array(np.arange(b.num_rows, dtype=np.int64))})
     joined = left.join(right, keys=names, join_type="full outer")
-    xa = np.asarray(joined.column("__a").fill_null(-1).to_numpy(), dtype=np.int64)
-    xb = np.asarray(joined.column("__b").fill_null(-1).to_numpy(), dtype=np.int64)
+    xa = np.asarray(_PC.fill_null(joined.column("__a"), -1).to_numpy(), dtype=np.int64)
+    xb = np.asarray(_PC.fill_null(joined.column("__b"), -1).to_numpy(), dtype=np.int64)
     only_a, only_b = xa[xb < 0], xb[xa < 0]
     both = (xa >= 0) & (xb >= 0)
     pa_idx, pb_idx = xa[both], xb[both]
@@ -158,7 +159,7 @@ def diff_tables(a: pa.Table, b: pa.Table, key_names: Sequence[str], states: Sequ
                                  _array(a.column(k)).take(pa.array(ca, pa.int64()))]).cast(schema.field(k).type) for k in names}
     kg_a, kg_b = _array(a.column(KEY_GROUP_COLUMN)), _array(b.column(KEY_GROUP_COLUMN))
     which = [[s for s, d in zip(states, differs, strict=True) if d[i]] for i in changed.tolist()]
-    out = pa.table({
+    out: pa.Table = _PA.table({
         **keys,
         "kind": pa.array(["only_a"] * n_a + ["only_b"] * n_b + ["changed"] * n_c, pa.string()),
         "key_group_a": pa.concat_arrays([kg_a.take(pa.array(only_a, pa.int64())).cast(pa.int32()), pa.nulls(n_b, pa.int32()),

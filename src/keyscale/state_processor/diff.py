@@ -33,6 +33,7 @@ compared in the wider type; keys of other types on the two sides are an error.
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -66,6 +67,8 @@ from keyscale.state_processor.compare import DIFF_KINDS, diff_schema, diff_table
 from keyscale.state_processor.lookup import jsonable
 from keyscale.state_processor.read import _operator, spark_schema
 from keyscale.storage import LocalStore, open_store
+
+_PA: Any = pa
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -176,7 +179,8 @@ def _as_compared(table: pa.Table, keys: Sequence[str], states: Sequence[tuple[st
     for name, t in states:
         col = table.column(name)
         cols[name] = col if col.type.equals(t) else evolve(col, t)
-    return pa.table(cols)
+    out: pa.Table = _PA.table(cols)
+    return out
 
 
 # -- walking both sides -------------------------------------------------------------------------
@@ -206,7 +210,7 @@ class _Cursor:
 
 def _segments(bounds: set[int], m: int) -> list[KeyGroupRange]:
     cuts = sorted(b for b in bounds | {0, m} if 0 <= b <= m)
-    return [KeyGroupRange(s, e - 1) for s, e in zip(cuts, cuts[1:], strict=False) if e > s]
+    return [KeyGroupRange(s, e - 1) for s, e in itertools.pairwise(cuts) if e > s]
 
 
 def _ipc(table: pa.Table) -> bytes:
@@ -235,7 +239,7 @@ def _pairs_rebucketed(a: StateSide, b: StateSide) -> Iterator[tuple[pa.Table | N
             table = a.read(i)
             seg = np.searchsorted(starts, key_groups(table.select(names), names, types, b.max_parallelism), side="right") - 1
             order = np.argsort(seg, kind="stable")
-            table, seg = table.take(pa.array(order)), seg[order]
+            table, seg = table.take(order), seg[order]
             cuts = np.flatnonzero(np.diff(seg)) + 1
             for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), table.num_rows], strict=True):
                 if hi > lo:
@@ -299,7 +303,7 @@ class StateDiff:
             setattr(self, kind, getattr(self, kind) + len(rows))
             room = self.limit - len(self.samples[kind])
             if room > 0 and len(rows):
-                self.samples[kind].extend(self._sample(r) for r in part.take(pa.array(rows[:room])).to_pylist())
+                self.samples[kind].extend(self._sample(r) for r in part.take(rows[:room]).to_pylist())
 
     def _sample(self, row: dict[str, Any]) -> dict[str, Any]:
         types = {k: t for k, t in self.a.key_columns}

@@ -42,6 +42,7 @@ keyscale.errors.InputDataError: operator 'count', key {'user': 'ann'}, state 'n'
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import decimal
 import getpass
@@ -76,7 +77,6 @@ from keyscale.errors import InputDataError, StateError
 from keyscale.state.handles import ttl_column
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.spark_hash import key_group_of
-from keyscale.state.types import StateDescriptor
 from keyscale.state_processor.lookup import jsonable, parse_key
 from keyscale.state_processor.read import _operator
 from keyscale.storage import Store, open_store
@@ -141,7 +141,7 @@ def parse_edit_lines(lines: Iterable[str], where: str) -> list[Edit]:
 # -- values against the state's type ------------------------------------------------------------
 
 
-def _scalar(value: Any, t: pa.DataType) -> Any:  # noqa: PLR0911 - one branch per type family
+def _scalar(value: Any, t: pa.DataType) -> Any:
     if pa.types.is_boolean(t):
         if isinstance(value, bool):
             return value
@@ -197,10 +197,8 @@ def _convert(value: Any, t: pa.DataType, where: str) -> Any:
                 raise InputDataError(f"{where}: map entry {entry!r} is not a [key, value] pair")
             k, v = entry
             if isinstance(k, str) and not (pa.types.is_string(nested.key_type) or pa.types.is_large_string(nested.key_type)):
-                try:  # an object's keys are text: a map of numbers or dates is written {"3": ...}
+                with contextlib.suppress(ValueError):  # an object's keys are text: a map of numbers is written {"3": ...}
                     k = json.loads(k) if not (pa.types.is_date(nested.key_type) or pa.types.is_timestamp(nested.key_type)) else k
-                except ValueError:
-                    pass
             out.append((_convert(k, nested.key_type, f"{where}, map key"), _convert(v, nested.item_type, f"{where}[{k!r}]")))
         return out
     if pa.types.is_struct(t):
@@ -382,8 +380,8 @@ def patch_state(
                                      tuple(sorted(files, key=lambda f: f.start)), dict(op.operator_state))
         if info.source is not None:
             prefix = info.source.rstrip("/") + "/"
-            for o in info.store.list(info.source):
-                store.put(f"{SOURCE_DIR}/{o.key[len(prefix):]}", info.store.get(o.key))
+            for obj in info.store.list(info.source):
+                store.put(f"{SOURCE_DIR}/{obj.key[len(prefix):]}", info.store.get(obj.key))
         record = _record(info, op, plan, now_ms, note)
         new = SavepointInfo(
             path=store.url(), job=info.job, batch=info.batch, batch_time_ms=info.batch_time_ms, watermark_ms=info.watermark_ms,
