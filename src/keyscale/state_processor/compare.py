@@ -158,7 +158,11 @@ def diff_tables(a: pa.Table, b: pa.Table, key_names: Sequence[str], states: Sequ
     keys = {k: pa.concat_arrays([_array(a.column(k)).take(pa.array(only_a, pa.int64())), _array(b.column(k)).take(pa.array(only_b, pa.int64())),
                                  _array(a.column(k)).take(pa.array(ca, pa.int64()))]).cast(schema.field(k).type) for k in names}
     kg_a, kg_b = _array(a.column(KEY_GROUP_COLUMN)), _array(b.column(KEY_GROUP_COLUMN))
-    which = [[s for s, d in zip(states, differs, strict=True) if d[i]] for i in changed.tolist()]
+    # changed_states: per row, the names of the states that differ (none for a key on one side)
+    grid = np.stack([d[changed] for d in differs], axis=1) if differs else np.zeros((n_c, 0), dtype=bool)
+    per_row = np.concatenate([np.zeros(n_a + n_b, dtype=np.int64), grid.sum(axis=1)])
+    offsets = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)
+    names_flat = _PA.array(list(states), pa.string()).take(pa.array(np.nonzero(grid)[1], pa.int64()))
     out: pa.Table = _PA.table({
         **keys,
         "kind": pa.array(["only_a"] * n_a + ["only_b"] * n_b + ["changed"] * n_c, pa.string()),
@@ -166,7 +170,7 @@ def diff_tables(a: pa.Table, b: pa.Table, key_names: Sequence[str], states: Sequ
                                          kg_a.take(pa.array(ca, pa.int64())).cast(pa.int32())]),
         "key_group_b": pa.concat_arrays([pa.nulls(n_a, pa.int32()), kg_b.take(pa.array(only_b, pa.int64())).cast(pa.int32()),
                                          kg_b.take(pa.array(cb, pa.int64())).cast(pa.int32())]),
-        "changed_states": pa.array([[]] * (n_a + n_b) + which, pa.list_(pa.string())),
+        "changed_states": _PA.ListArray.from_arrays(pa.array(offsets), names_flat),
         "value_a": pa.concat_arrays([_values(a, states, only_a, vtype), pa.nulls(n_b, vtype), _values(a, states, ca, vtype)]),
         "value_b": pa.concat_arrays([pa.nulls(n_a, vtype), _values(b, states, only_b, vtype), _values(b, states, cb, vtype)]),
     }, schema=schema)
