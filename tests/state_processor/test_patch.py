@@ -21,7 +21,7 @@ from keyscale.checkpoint.savepoint import read_savepoint, write_savepoint
 from keyscale.errors import InputDataError, StateError
 from keyscale.state.types import StateDescriptor
 from keyscale.state_processor import write_savepoint_from_dataframes
-from keyscale.state_processor.diff import diff_rows, diff_savepoints
+from keyscale.state_processor.diff import diff_rows, diff_savepoints, diff_state
 from keyscale.state_processor.patch import Edit, patch_state
 
 PREFS = pa.struct([("lang", pa.string()), ("limits", pa.list_(pa.int32()))])
@@ -187,6 +187,11 @@ def test_a_job_continues_from_the_patched_values(spark: Any, tmp_path: Path) -> 
     d = diff_savepoints(tmp_path / "job", tmp_path / "job", "totals", checkpoint_a=0, checkpoint_b=2)
     assert d.only_a == 0 and d.only_b == len(set(b2.index) - set(b0.index))
     assert d.changed == sum(1 for k in b0.index if tuple(b0.loc[k]) != tuple(b2.loc[k])) and d.unchanged == len(b0) - d.changed
+    frame = diff_state(spark, tmp_path / "job", tmp_path / "job", "totals", checkpoint_a=0, checkpoint_b=2)
+    assert {r["kind"]: r["count"] for r in frame.groupBy("kind").count().collect()} == {
+        k: n for k, n in (("only_b", d.only_b), ("changed", d.changed)) if n}
+    for r in frame.where("kind = 'changed'").collect():
+        assert (r["value_a"]["count"], r["value_b"]["count"]) == (b0.loc[r["key"], "count"], b2.loc[r["key"], "count"])
     man = jd.latest_manifest()
     assert man is not None and man.batch == 2
     sp = write_savepoint(jd, man, tmp_path / "sp")
