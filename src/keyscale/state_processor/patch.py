@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from keyscale.checkpoint.jobdir import JOB_FILE
 from keyscale.checkpoint.savepoint import (
@@ -82,6 +83,8 @@ from keyscale.state_processor.read import _operator
 from keyscale.storage import Store, open_store
 
 __all__ = ["RECORDED_KEYS", "Edit", "parse_edit_lines", "parse_set", "patch_state"]
+
+_PC: Any = pc
 
 #: Keys a patch's record lists by name; beyond, only their count and digest.
 RECORDED_KEYS = 100
@@ -262,7 +265,11 @@ def _digest(plan: Mapping[tuple[Any, ...], _Planned], op: SavepointOperator) -> 
 def _apply(table: pa.Table, op: SavepointOperator, edits: Sequence[_Planned], now_ms: int, where: str) -> pa.Table:
     """``table`` (canonical rows of one data file, or empty) with ``edits`` applied."""
     names = op.key_names
-    index = {tuple(r[k] for k in names): i for i, r in enumerate(table.select(names).to_pylist())} if edits else {}
+    # Only rows whose first key column holds an edited value can be edited: a file holds up
+    # to a million keys, of which a patch usually touches a few.
+    wanted = pa.array([e.values[0] for e in edits], table.schema.field(names[0]).type)
+    cand = np.flatnonzero(np.asarray(_PC.is_in(table.column(names[0]), value_set=wanted).to_numpy(zero_copy_only=False), dtype=bool))
+    index = {tuple(r[k] for k in names): int(i) for i, r in zip(cand, table.take(cand).select(names).to_pylist(), strict=True)}
     drop = np.zeros(table.num_rows, dtype=bool)
     rows = []
     ttl = {s.name: ttl_column(s.name) for s in op.states if s.ttl_seconds is not None}
