@@ -14,6 +14,8 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest import RUNNING_COUNT, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
@@ -215,3 +217,37 @@ def test_a_job_continues_from_the_patched_values(spark: Any, tmp_path: Path) -> 
     d = diff_savepoints(patched, tmp_path / "job2", "totals")  # ... and its state is still there
     deleted_came_back = int(keys[1] in after.index)  # the deleted key starts again from its new input
     assert (d.only_a, d.only_b, d.changed) == (0, deleted_came_back, len(after) - deleted_came_back)
+
+
+# -- the merge of edits into a data file, against a dict model ---------------------------------
+
+OP_SCHEMA_STATES = (StateDescriptor("a", "value", pa.int64()), StateDescriptor("b", "list", pa.int64()))
+
+
+@given(st.dictionaries(st.integers(0, 30), st.tuples(st.one_of(st.none(), st.integers(-5, 5)), st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=2)))
+                       .filter(lambda v: v != (None, None)), max_size=20),
+       st.dictionaries(st.integers(0, 35), st.one_of(st.none(), st.dictionaries(st.sampled_from("ab"), st.one_of(st.none(), st.integers(0, 9)), min_size=1)),
+                       max_size=10))
+def test_applying_edits_matches_a_dict_model(rows: dict[int, tuple[Any, Any]], edits: dict[int, dict[str, Any] | None]) -> None:
+    from keyscale.checkpoint.savepoint import SavepointOperator
+    from keyscale.state_processor.patch import _apply, _Planned
+
+    op = SavepointOperator("op", 4, None, (("k", pa.int64()),), OP_SCHEMA_STATES)
+    keys = sorted(rows)
+    table = pa.table({"k": pa.array(keys, pa.int64()), "key_group": pa.array([k % 4 for k in keys], pa.int32()),
+                      "a": pa.array([rows[k][0] for k in keys], pa.int64()), "b": pa.array([rows[k][1] for k in keys], pa.list_(pa.int64()))})
+    edits = {k: e for k, e in edits.items() if e is not None or k in rows}  # a delete of an absent key is refused elsewhere
+    planned = [_Planned((k, ), k % 4, None if e is None else {n: (None if v is None else v if n == "a" else [v]) for n, v in e.items()})
+               for k, e in edits.items()]
+    want = {k: {"a": v[0], "b": v[1]} for k, v in rows.items()}
+    for p in planned:
+        (k,) = p.values
+        if p.states is None:
+            del want[k]
+            continue
+        want[k] = {**want.get(k, {"a": None, "b": None}), **p.states}
+        if want[k] == {"a": None, "b": None}:
+            del want[k]
+    out = _apply(table, op, planned, 0, "test")
+    assert {r["k"]: {"a": r["a"], "b": r["b"]} for r in out.to_pylist()} == want
+    assert out.column("k").to_pylist() == sorted(out.column("k").to_pylist(), key=lambda k: (k % 4, k))  # canonical order
