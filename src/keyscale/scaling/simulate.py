@@ -24,13 +24,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from keyscale.errors import KeyscaleError
-from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, Decision, Mode
+from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics, Decision, Mode
 from keyscale.scaling.traces import SimulatedBatch, Trace, load_trace
 
 __all__ = [
     "LoadChange",
+    "Policy",
     "SimulationResult",
     "add_simulate_parser",
     "format_decisions",
@@ -38,6 +40,15 @@ __all__ = [
     "plot",
     "simulate",
 ]
+
+
+class Policy(Protocol):
+    """What :func:`simulate` feeds batches to: :class:`Autoscaler`, or another policy
+    (``keyscale.scaling.flink.FlinkAutoscaler``) with the same call."""
+
+    def observe(self, m: BatchMetrics) -> Decision:
+        """Take one batch's metrics into account and decide."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,9 @@ class SimulationResult:
         parallelism: subtasks each batch ran with.
         backlog: records arrived but not processed when each batch started.
         reversals: scaling decisions whose direction differs from the previous one.
-        core_seconds: sum of parallelism x time (one core per subtask).
+        core_seconds: sum of parallelism x time (one core per subtask), including the
+            downtime of restarts (at the new parallelism).
+        downtime_seconds: time the job was down for rescales (``rescale_seconds`` each).
         load_changes: rate changes of the trace with the time to drain after each.
     """
 
@@ -86,6 +99,7 @@ class SimulationResult:
     reversals: int
     core_seconds: float
     load_changes: tuple[LoadChange, ...]
+    downtime_seconds: float = 0.0
 
     @property
     def changes(self) -> tuple[Decision, ...]:
@@ -99,7 +113,12 @@ class SimulationResult:
 
 
 def simulate(
-    trace: Trace, config: AutoscalerConfig | None = None, mode: Mode = "active"
+    trace: Trace,
+    config: AutoscalerConfig | None = None,
+    mode: Mode = "active",
+    *,
+    policy: Policy | None = None,
+    rescale_seconds: float = 0.0,
 ) -> SimulationResult:
     """Run ``trace`` through the policy.
 
@@ -108,6 +127,16 @@ def simulate(
     before the next batch, ``"recommend"`` records them only, ``"off"`` runs the
     job at its initial parallelism without a policy.
 
+    ``policy`` replaces the :class:`Autoscaler` built from ``config`` (``config`` is then
+    only recorded). ``rescale_seconds``: downtime an applied rescale costs (a
+    restart-based rescale: no batch runs meanwhile, records keep arriving); 0 is a live
+    rescale between two batches.
+
+    >>> from keyscale.scaling.traces import step_up
+    >>> r = simulate(step_up(), rescale_seconds=20.0)
+    >>> r.downtime_seconds, r.max_backlog > simulate(step_up()).max_backlog
+    (20.0, True)
+
     >>> from keyscale.scaling.traces import steady
     >>> r = simulate(steady(rate=2400, duration=300), mode="recommend")
     >>> len(r.decisions) == len(r.times), set(r.parallelism)
@@ -115,13 +144,16 @@ def simulate(
     """
     if mode not in ("off", "recommend", "active"):
         raise ValueError(f"mode must be off, recommend or active, got {mode!r}")
+    if not (rescale_seconds >= 0 and rescale_seconds < float("inf")):
+        raise ValueError(f"rescale_seconds must be a number >= 0, got {rescale_seconds}")
     cfg = config if config is not None else trace.autoscaler or AutoscalerConfig()
-    scaler = Autoscaler(cfg)
+    scaler: Policy = policy if policy is not None else Autoscaler(cfg)
     run = trace.job.start(trace)
     p = trace.job.initial_parallelism
     batches: list[SimulatedBatch] = []
     decisions: list[Decision] = []
     core_seconds = 0.0
+    downtime = 0.0
     while run.now < trace.duration_seconds:
         batch = run.run_batch(p)
         batches.append(batch)
@@ -132,6 +164,11 @@ def simulate(
         decisions.append(decision)
         if mode == "active" and decision.changes:
             p = decision.target_parallelism
+            if rescale_seconds > 0:
+                pause = min(rescale_seconds, max(0.0, trace.duration_seconds - run.now))
+                run.pause(rescale_seconds)
+                downtime += pause
+                core_seconds += p * pause
 
     reversals = 0
     last_action = None
@@ -167,6 +204,7 @@ def simulate(
         reversals=reversals,
         core_seconds=core_seconds,
         load_changes=tuple(changes),
+        downtime_seconds=downtime,
     )
 
 
