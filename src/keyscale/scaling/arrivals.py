@@ -135,7 +135,9 @@ def batch_latency(read: Sequence[Segment], committed: float) -> Latency | None:
     pairs: list[tuple[float, float]] = []  # (latency, records)
     for s in segments:
         width = (s.end - s.start) / SLICES
-        pairs += [(committed - (s.start + (i + 0.5) * width), s.count / SLICES) for i in range(SLICES)]
+        pairs += [
+            (committed - (s.start + (i + 0.5) * width), s.count / SLICES) for i in range(SLICES)
+        ]
     buckets = _integer_buckets(pairs, total)
     most = max(0.0, committed - min(s.start for s in segments))
     least = max(0.0, committed - max(s.end for s in segments))
