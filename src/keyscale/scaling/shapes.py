@@ -120,23 +120,24 @@ def step(
 
 
 def flat_noisy(
-    rate: float = 6000.0,
+    rate: float = 5000.0,
     noise: float = 0.2,
     duration: float = 3600.0,
     seed: int = 2,
     job: SimulatedJob | None = None,
 ) -> Trace:
-    """``rate`` rec/s times ``1 ± noise`` (uniform, a new draw every 5 s).
+    """``rate`` rec/s times ``1 ± noise`` (uniform, a new draw every 5 s), on a job that
+    starts at P=8, sized for it (62.5 % busy on average at 5,000 rec/s).
 
     >>> t = flat_noisy()
-    >>> all(4800 <= p.input_rate <= 7200 for p in t.points)
-    True
+    >>> all(4000 <= p.input_rate <= 6000 for p in t.points), t.job.initial_parallelism
+    (True, 8)
     """
     return Trace(
         "flat_noisy",
         _curve(lambda t: rate, duration, 5.0, noise, seed),
         duration,
-        job or bench_job(),
+        job or bench_job(initial_parallelism=8),
         f"{rate:,.0f} rec/s ±{noise:.0%}",
     )
 
