@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -55,10 +57,6 @@ def test_no_records_no_latency() -> None:
     assert batch_latency([Segment(0.0, 1.0, 0.0)], committed=3.0) is None
 
 
-def p99s(result) -> list[float]:  # type: ignore[no-untyped-def]
-    return [b.metrics.latency.p99_seconds for b in result.batches if b.metrics.latency]
-
-
 @given(st.floats(500.0, 3500.0), st.floats(1.05, 3.0))
 def test_latency_is_monotone_in_load_at_a_fixed_parallelism(rate: float, more: float) -> None:
     job = default_job(initial_parallelism=4, max_records_per_subtask=10_000)
@@ -74,7 +72,7 @@ def test_latency_grows_with_the_backlog() -> None:
     job = default_job(initial_parallelism=4, max_records_per_subtask=5000)
     r = simulate(step_up(low=2000, high=8000, at=60, duration=300, job=job), mode="off")
     behind = [(b.pending_records, b.metrics.latency.p99_seconds) for b in r.batches if b.metrics.time > 70]
-    assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(behind, behind[1:]))
+    assert all(a[0] < b[0] and a[1] < b[1] for a, b in itertools.pairwise(behind))
     # Keeping up, a record waits at most one trigger interval plus its batch.
     steady_part = [b for b in r.batches if 5 < b.metrics.time < 60]
     assert all(b.metrics.latency.max_seconds <= 5.0 + b.metrics.batch_seconds + 1e-9 for b in steady_part)
