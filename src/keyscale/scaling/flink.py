@@ -17,7 +17,10 @@ vertex (its target data rate is the source's). Per evaluation, over the samples 
 metrics window:
 
 * ``TARGET = max(0, input rate + lag rate)`` (records read per second, plus the growth
-  of the source's lag: the arrival rate), ``CATCH_UP = lag / catch-up.duration``;
+  of the source's lag: the arrival rate), ``CATCH_UP = lag / catch-up.duration`` (the
+  internals page reads as if it were undefined outside a backlog, which would leave both
+  thresholds undefined and no scaling at all without one; it is taken as defined always,
+  0 without a lag);
 * backlog: ``lag / input rate > backlog-processing.lag-threshold``: then the upper
   utilisation is 1.0 and the lower one 0 (no scale-down while catching up); else
   ``target ± boundary`` (0.7 ± 0.3 = 1.0 / 0.4 by default);
