@@ -185,9 +185,10 @@ def size_executors(job: JobState, parallelism: dict[str, int]) -> int | None:
     widest operator has subtasks (more when it grows, fewer when it shrinks). Key groups
     that land on a new executor are restored there from the checkpoint. Returns the executor
     cores asked for when they are more than the job has (None otherwise)."""
-    if not job.opts.master.startswith("spark://"):
+    from keyscale.cluster.executors import executor_cores, request_executors, sizes_executors
+
+    if not sizes_executors(job.opts.master):
         return None
-    from keyscale.cluster import executor_cores, request_executors
 
     per = int(job.spark.sparkContext.getConf().get("spark.executor.cores", "1"))
     want = -(-max(parallelism.values()) // per)
