@@ -111,6 +111,12 @@ class SimulationResult:
         """Largest backlog at any batch start."""
         return max(self.backlog, default=0.0)
 
+    @property
+    def worst_p99_seconds(self) -> float:
+        """Highest p99 end-to-end latency of any batch (0 when none read a record)."""
+        lat = [b.metrics.latency.p99_seconds for b in self.batches if b.metrics.latency]
+        return max(lat, default=0.0)
+
 
 def simulate(
     trace: Trace,
@@ -224,7 +230,8 @@ def format_decisions(result: SimulationResult, *, all_decisions: bool = False) -
             f"{result.parallelism[-1] if result.parallelism else '-'} "
             f"(max {max(result.parallelism, default=0)}); "
             f"{len(result.changes)} scaling decisions, {result.reversals} reversals; "
-            f"{result.core_seconds:,.0f} core-seconds; max backlog {result.max_backlog:,.0f} records"
+            f"{result.core_seconds:,.0f} core-seconds; max backlog {result.max_backlog:,.0f} records; "
+            f"worst batch p99 latency {result.worst_p99_seconds:,.1f} s"
         ),
     ]
     for change in result.load_changes:
@@ -261,7 +268,7 @@ def format_decisions(result: SimulationResult, *, all_decisions: bool = False) -
 
 
 def plot(result: SimulationResult, png_path: str | Path) -> Path:
-    """Write a PNG of load, capacity, parallelism and backlog over time.
+    """Write a PNG of load, capacity, parallelism, backlog and each batch's p99 latency.
 
     Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
 
@@ -279,9 +286,11 @@ def plot(result: SimulationResult, png_path: str | Path) -> Path:
         raise KeyscaleError("plotting needs matplotlib: pip install 'keyscale[plot]'") from err
 
     path = Path(png_path)
-    fig = Figure(figsize=(10, 8), layout="constrained")
+    fig = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_rate, ax_p, ax_backlog = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 2])
+    ax_rate, ax_p, ax_backlog, ax_latency = fig.subplots(
+        4, 1, sharex=True, height_ratios=[3, 2, 2, 2]
+    )
     t = list(result.times)
     trace = result.trace
     end = max(trace.duration_seconds, t[-1] if t else 0.0)
@@ -311,7 +320,15 @@ def plot(result: SimulationResult, png_path: str | Path) -> Path:
     ax_p.set_ylim(bottom=0)
     ax_backlog.fill_between(t, result.backlog, step="post", color="tab:gray", alpha=0.5)
     ax_backlog.set_ylabel("unprocessed records")
-    ax_backlog.set_xlabel("time (s)")
+    latencies = [
+        (b.metrics.time + b.metrics.batch_seconds, b.metrics.latency.p99_seconds)
+        for b in result.batches
+        if b.metrics.latency is not None
+    ]
+    ax_latency.plot([x for x, _ in latencies], [y for _, y in latencies], color="tab:red", lw=1)
+    ax_latency.set_ylabel("p99 latency (s)")
+    ax_latency.set_ylim(bottom=0)
+    ax_latency.set_xlabel("time (s)")
     try:
         fig.savefig(path, format="png", dpi=100)
     except OSError as err:
