@@ -22,14 +22,20 @@ both ±10 % noise; a 10x spike; a step; a flat noisy load; a slow ramp. Policies
   with its documented defaults), every rescale a restart of ``--flink-restart-seconds``
   (default 20.57 s: docs/benchmarks.md, "With the running job warm", the median time from
   a restart request to the first batch committed at the new parallelism when the job is
-  stopped with a savepoint and restored in a new process).
+  stopped with a savepoint and restored in a new process);
+* ``flink-example`` (not run by default): the same with the settings of the operator
+  docs' "basic configuration example" (:data:`FLINK_EXAMPLE`).
+
+Not here: a ``--real`` mode replaying a trace through the real job on a local cluster
+(``bench/elastic.py`` measures the reactive policy there; the Flink policy exists only in
+the simulator).
 
 Figures per trace and policy: % of minutes within the SLO (a minute is within it when the
 p99 latency of the records committed in it, ``keyscale.latency.window_quantile`` over its
 batches, is at most the SLO; a minute without a commit is not), core-seconds against
 fixed-peak, rescales per hour, the worst record's latency, the worst minute's p99, batches
-whose p99 is over the SLO, and records lost (arrived, minus
-processed, minus still unread at the end: the simulator's conservation check, 0).
+whose p99 is over the SLO, and records lost (arrived, minus processed, minus still unread
+at the end: the simulator's conservation check, 0).
 Results: a table on stdout, ``bench/out/autoscale.json``, and per trace
 ``docs/img/autoscale_<trace>.png`` (input rate, parallelism and per-minute p99 latency of
 every policy).
