@@ -174,3 +174,20 @@ def test_diff_on_s3(s3_bucket: str, tmp_path: Path) -> None:
     sb = _savepoint(tmp_path / "b", b, 32)
     _check(diff_rows(sa, sb, "op"), a, b)
     assert diff_savepoints(sa, rekey_savepoint(sa, f"{s3_bucket}/a8", 8), "op").equal
+    # checkpoints of a job directory on S3, through deltas and a rescale
+    from test_state_lookup import _job
+
+    jd = _job(f"{s3_bucket}/job")
+    rows = diff_rows(f"{s3_bucket}/job", f"{s3_bucket}/job", "op", checkpoint_a=0, checkpoint_b=3, rows_per_piece=40)
+    assert {r["user"]: (r["kind"], r["changed_states"]) for r in rows.to_pylist()} == _model_diff(_model_of(jd, 0), _model_of(jd, 3))
+
+
+def test_a_checkpoint_deleted_under_a_diff_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    """What a running job's retention does to a diff of an old checkpoint: the missing file is named."""
+    from test_state_lookup import _job
+
+    jd = _job(tmp_path / "job")
+    gone = jd.read_manifest(0).operators["op"].files[0]
+    (tmp_path / "job" / gone.path).unlink()
+    with pytest.raises(StateError, match=f"state file .*{gone.path} is missing"):
+        diff_savepoints(tmp_path / "job", tmp_path / "job", "op", checkpoint_a=0)

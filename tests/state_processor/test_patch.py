@@ -119,6 +119,8 @@ def test_where_a_patch_may_write(tmp_path: Path) -> None:
         patch_state(sp, tmp_path / "out", "op", deletes=["ghost"])
     with pytest.raises(InputDataError, match="edited twice"):
         patch_state(sp, tmp_path / "out", "op", updates={"u1": {"total": 1}}, deletes=["u1"])
+    with pytest.raises(StateError, match=r"is a job directory, not a savepoint: take a savepoint of it first"):
+        patch_state(tmp_path / "job", tmp_path / "out", "op", deletes=["u1"])
     with pytest.raises(InputDataError, match="no key to set or delete"):
         patch_state(sp, tmp_path / "out", "op")
     assert not (tmp_path / "out").exists()

@@ -61,6 +61,7 @@ import pyarrow.compute as pc
 from keyscale.checkpoint.jobdir import JOB_FILE
 from keyscale.checkpoint.savepoint import (
     KEY_GROUP_COLUMN,
+    METADATA_FILE,
     SOURCE_DIR,
     Location,
     SavepointFile,
@@ -347,7 +348,11 @@ def patch_state(
     (state name -> JSON value); ``deletes`` lists keys to delete; ``edits`` gives both in
     one list (the CLI's ``--set``, ``--delete`` and ``--from-file``). ``note`` is kept in
     the patch's record. See the module for the rules."""
-    info = read_savepoint(src)
+    source = open_store(src, "savepoint")
+    if not source.exists(METADATA_FILE) and source.exists(JOB_FILE):
+        raise StateError(f"{source.url()} is a job directory, not a savepoint: take a savepoint of it first "
+                         f"(keyscale savepoint {source.url()}), then patch that")
+    info = read_savepoint(source)
     op = _operator(info.operators, uid, f"savepoint {info.path}")
     all_edits = [*(Edit(k, dict(v)) for k, v in (updates or {}).items()), *(Edit(k, None) for k in deletes), *edits]
     if not all_edits:
