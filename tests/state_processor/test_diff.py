@@ -14,7 +14,14 @@ import pyarrow as pa
 import pytest
 
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.checkpoint.savepoint import checkpoint_types, restore_key_groups, write_savepoint
+from keyscale.checkpoint.savepoint import (
+    OperatorSpec,
+    checkpoint_types,
+    read_savepoint,
+    restore_key_groups,
+    restore_savepoint,
+    write_savepoint,
+)
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state_processor import rekey_savepoint, write_savepoint_from_dataframes
@@ -135,6 +142,13 @@ def test_diff_of_checkpoints_through_deltas_and_a_rescale(tmp_path: Path, capsys
     sp = write_savepoint(jd, man, tmp_path / "sp1", rows_per_file=50)
     sp32 = rekey_savepoint(sp, tmp_path / "sp1-32", 32)
     assert diff_savepoints(sp32, tmp_path / "job", "op", checkpoint_b=1).equal
+    # round trip: the savepoint restored into a new job directory holds the same state
+    info = read_savepoint(sp32)
+    restored = JobDir(tmp_path / "restored")
+    restored.claim("job", 32, 32)
+    op32 = info.operators["op"]
+    restore_savepoint(sp32, restored, "job", {"op": OperatorSpec(op32.key_columns, op32.states)}, allow_non_restored_state=True)
+    assert diff_savepoints(sp32, tmp_path / "restored", "op").equal and diff_savepoints(tmp_path / "restored", sp, "op").equal
     d = diff_savepoints(sp32, tmp_path / "job", "op")  # the latest checkpoint: 3
     assert d.b.batch == 3 and (d.only_a, d.only_b, d.changed) == tuple(
         sum(1 for v in want.values() if v[0] == k) for k in ("only_a", "only_b", "changed"))
