@@ -127,6 +127,9 @@ class AutoscalerConfig:
             processing rate (they include moving state).
         min_busy_seconds: busy time (of the busiest subtask, summed over the
             window) below which the processing rate is not trusted.
+        executor_wait_seconds: on a cluster, how long a scale-up waits for the
+            executors it asked Spark for; batches keep running at the old parallelism
+            meanwhile, and after this long it goes ahead on the cores there are.
 
     >>> AutoscalerConfig().target_utilization
     0.7
@@ -150,6 +153,7 @@ class AutoscalerConfig:
     align_to_key_groups: bool = True
     warmup_batches: int = 1
     min_busy_seconds: float = 0.05
+    executor_wait_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
@@ -164,6 +168,7 @@ class AutoscalerConfig:
             "scale_down_delay_seconds",
             "restart_seconds",
             "min_busy_seconds",
+            "executor_wait_seconds",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

@@ -159,6 +159,15 @@ class Committed:
 
 
 @dataclass
+class ExecutorsAsked:
+    """A scale-up's request for executors, which its rescale waits for."""
+
+    cores: int  # the executor cores the new parallelism needs
+    asked_at: float  # time.monotonic() of the request
+    said: bool = False  # whether the log said that a batch waits for them
+
+
+@dataclass
 class Scaling:
     """Each operator's parallelism for the next batch, and what asks to change it.
 
@@ -169,6 +178,9 @@ class Scaling:
     parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
     pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
     decisions: dict[str, dict[str, Any]] = field(default_factory=dict)  # the autoscaler's last, per operator
+    # Executor cores asked of Spark for a scale-up: the rescale waits for them
+    # (``batch/parallelism.py`` ``awaiting_executors``). None: nothing awaited.
+    executors_asked: ExecutorsAsked | None = None
 
 
 @dataclass
