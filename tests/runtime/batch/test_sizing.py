@@ -193,6 +193,18 @@ def test_a_sources_own_smaller_limit_stays_under_a_target(spark: Any, tmp_path: 
     assert _counted(tmp_path) == 900
 
 
+@pytest.mark.slow
+def test_a_job_on_a_spark_source_with_a_latency_target_does_not_start(spark: Any, tmp_path: Path) -> None:
+    from keyscale.runtime.driver.runner import JobRunner
+
+    (tmp_path / "in").mkdir()
+    runner = JobRunner(RunOptions(job_file=str(EXAMPLES / "running_count.py"), job_dir=str(tmp_path / "job"), until_idle=True,
+                                  args={"input": str(tmp_path / "in"), "output": str(tmp_path / "out")}, latency_target="1s"))
+    with pytest.raises(JobDefinitionError, match=r"latency_target '1s': the job reads a Spark source, whose batches Spark sizes"):
+        runner.run()
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_latency_target_on_a_spark_source_is_refused() -> None:
     class Graph:
         log_source = None
