@@ -165,3 +165,18 @@ def test_a_spark_connect_session_is_refused_by_name(tmp_path: Path) -> None:
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED ")]
     assert refused, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "Spark Connect" in refused[0] and "SparkSession.builder.getOrCreate()" in refused[0]
+
+
+def test_a_log_source_pipeline_starts_from_python_and_counts_every_record(spark: Any, tmp_path: Path) -> None:
+    """A pipeline on a log source, built and started from a user's script on its own session
+    (no job file): it runs on that session from the job's thread, and counts each record once."""
+    from keyscale.sources import create_log, generate
+
+    log = create_log(str(tmp_path / "log"), "key string, value long, ts timestamp", partitions=2)
+    assert generate(log, "400/s for 1s", keys=7).records == 400
+    job = (ks.stream(ks.sources.log_source(log, uid="reader")).key_by("key")
+           .aggregate(uid="totals", count=ks.aggregates.count())
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, until_idle=True))
+    assert job.await_termination(300)
+    got = read_output(str(tmp_path / "out")).groupby("key")["count"].max()
+    assert int(got.sum()) == 400 and len(got) == 7

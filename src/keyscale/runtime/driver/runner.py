@@ -144,14 +144,18 @@ class JobRunner:
     rescale, savepoint, drain, restart and stop, each safe from any thread."""
 
     def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None,
-                 pipeline: JobGraph | None = None, name: str | None = None, serve: Callable[[JobRunner], Served] | None = None):
+                 pipeline: JobGraph | None = None, name: str | None = None, serve: Callable[[JobRunner], Served] | None = None,
+                 session: SparkSession | None = None):
         """``pipeline``: a pipeline built by the caller on their own SparkSession (the Python
-        API, :meth:`keyscale.Pipeline.start`), run under ``name``; without it the runner loads
+        API, :meth:`keyscale.Pipeline.start`), run under ``name`` on ``session`` (found in the
+        caller's thread: Spark's active session is per thread, and the run has its own;
+        default :func:`~.session.user_session` from the run's thread); without it the runner loads
         ``opts.job_file`` and builds the pipeline on a session of its own. ``serve``: what
         serves the job while it runs (the control API: ``control.server.control_api``), made
         once set-up is done and closed when the run ends; None serves nothing."""
         jobdir = JobDir(opts.job_dir)
         self._given = (pipeline, name) if pipeline is not None else None
+        self._session = session
         # What the batch modules share (commit, stages, source_plan, parallelism, status).
         self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, history=History(RunSummary(job="", job_dir=jobdir.uri)),
                             on_batch=self._batch_recorded)
@@ -223,7 +227,7 @@ class JobRunner:
         if build is None:  # the caller's pipeline, on the caller's session: its settings are theirs
             assert self._given is not None
             pipeline = self._given[0]
-            spark = user_session(pipeline)
+            spark = self._session if self._session is not None else user_session(pipeline)
         else:
             # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
             spark = spark_session(opts.master, f"keyscale-{self.job.name}", opts.spark_conf)
