@@ -154,23 +154,23 @@ def forecast(
     current_rate: float,
     horizon: float,
     seasons: tuple[float, ...] = (WEEK, DAY),
-    trend_seconds: float = 1800.0,
+    trend_seconds: float = 900.0,
 ) -> Forecast:
     """The highest rate expected in the next ``horizon`` seconds (never below ``current_rate``).
 
     Seasonal, with the longest season the history covers: ``peak a season ago over the
     horizon x (level now / level a season ago)``, the levels being the mean rate of the
     ``2 * bucket`` seconds before (now, and a season ago); used when that ratio is within 4x
-    either way. Else the trend: a least-squares line through the bucket means of the last
-    ``trend_seconds`` (at least three buckets), extrapolated to the horizon's end. Else the
-    current rate.
+    either way. Else the trend: the slope of a least-squares line through the bucket means of
+    the last ``trend_seconds`` (at least three buckets), from today's level to the horizon's
+    end. Else the current rate.
 
     >>> h = RateHistory(bucket_seconds=60.0)
     >>> for t in range(0, 600, 5):
     ...     _ = h.add(float(t), 1000.0 + t, 5.0)      # rising 1 rec/s per second
     >>> f = forecast(h, now=600.0, current_rate=1600.0, horizon=120.0)
     >>> f.method, round(f.rate, -1)
-    ('trend', 1720.0)
+    ('trend', 1660.0)
     """
     b = history.bucket_seconds
     level_span = 2 * b
@@ -194,7 +194,9 @@ def forecast(
         mt, mv = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
         den = sum((t - mt) ** 2 for t, _ in points)
         slope = sum((t - mt) * (v - mv) for t, v in points) / den if den > 0 else 0.0
-        end = mv + slope * (now + horizon - mt)
+        # From today's level (not the line's own end): a step inside the trend's span tilts
+        # the line, and its end would stand where the rate never was.
+        end = (level if level is not None else mv) + slope * horizon
         rate = max(current_rate, end)
         return Forecast(rate, horizon, "trend", (
             f"up to {fmt(rate)} rec/s in the next {horizon:.0f} s: no season of history yet, and the last "
