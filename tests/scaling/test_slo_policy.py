@@ -10,6 +10,7 @@ runtime's histograms would report it, so the latency SLO is read as in a real jo
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -30,7 +31,7 @@ class _Arrivals:
         self.times = [origin] + [p.time for p in trace.points if p.time > origin]
         self.rates = [trace.rate_at(t) for t in self.times]
         self.cum = [0.0]
-        for (a, b), r in zip(zip(self.times, self.times[1:], strict=False), self.rates, strict=False):
+        for (a, b), r in zip(itertools.pairwise(self.times), self.rates, strict=False):
             self.cum.append(self.cum[-1] + r * (b - a))
 
     def when(self, k: float) -> float:
@@ -64,7 +65,7 @@ class Run:
 
     @property
     def rescales(self) -> int:
-        return sum(a != b for a, b in zip(self.parallelism, self.parallelism[1:], strict=False))
+        return sum(a != b for a, b in itertools.pairwise(self.parallelism))
 
 
 def run(trace: Trace, slo: Slo | None, cfg: AutoscalerConfig, histories: dict[str, RateHistory] | None = None) -> Run:
@@ -135,7 +136,7 @@ def test_a_diurnal_load_makes_at_most_6_rescales_an_hour_and_meets_the_slo() -> 
     r = run(_diurnal(days=3), parse_slo("latency=30s"), cfg)
     for hour in range(3):
         in_hour = [p for t, p in zip(r.times, r.parallelism, strict=True) if hour * 3600 <= t < (hour + 1) * 3600]
-        assert sum(a != b for a, b in zip(in_hour, in_hour[1:], strict=False)) <= 6
+        assert sum(a != b for a, b in itertools.pairwise(in_hour)) <= 6
     within = sum(v <= 30 for v in r.p99) / len(r.p99)
     assert within >= 0.99, within
     # Below fixed-at-peak: the peak needs 16 subtasks at 70% utilisation.

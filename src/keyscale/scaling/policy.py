@@ -12,6 +12,14 @@ rate), :mod:`keyscale.scaling.capacity` (what one subtask processes, so what eac
 parallelism can do) and :mod:`keyscale.scaling.decision` (the rule that picks, as a table
 of cases, with its reason in words).
 
+With an SLO (``Autoscaler(config, slo=parse_slo("latency=5s"))``, :mod:`keyscale.scaling.slo`)
+a fourth piece, :mod:`keyscale.scaling.outlook`, takes part: the backlog is sized to be
+worked off within what the SLO leaves, the rate sized for includes the forecast
+(:mod:`keyscale.scaling.forecast`, from the operator's input-rate history, which the policy
+keeps in ``histories`` for the caller to save), and its guards check the decision (a missed
+SLO scales up, a scale-down needs the SLO comfortably met, no backlog, room under the
+rescale cap, and savings above the cost of a rescale). Without an SLO none of this runs.
+
 The policy follows the ideas of Flink's Kubernetes operator autoscaler
 (``ScalingMetricEvaluator`` / ``JobVertexScaler``), adapted to micro-batches that
 can be rescaled live, between two batches, at near-zero cost:
@@ -102,12 +110,12 @@ from keyscale.scaling.capacity import Unmeasured, measure_capacity, needed_paral
 from keyscale.scaling.decision import (
     Case,
     PendingDown,
+    Verdict,
     decide,
     nearest_in_bounds,
     sized_target,
     stabilising,
 )
-from keyscale.scaling.decision import Verdict
 from keyscale.scaling.forecast import RateHistory
 from keyscale.scaling.load import Load, Sample, arrival_period, batch_sample, measure_load
 from keyscale.scaling.model import MODES, Action, AutoscalerConfig, BatchMetrics, Decision, Mode
@@ -268,8 +276,10 @@ class Autoscaler:
         slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
         ahead = None if self.slo is None else outlook(
             self.slo, list(st.window), self.histories[m.uid], now, sample.input_rate, slot, st.rescale_cost, cfg
-        )
-        load = measure_load(m, st.window, sample.input_rate, cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds))
+        )  # fmt: skip
+        # With an SLO, the backlog is to be worked off within what the SLO leaves.
+        load_cfg = cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds)
+        load = measure_load(m, st.window, sample.input_rate, load_cfg)
         inputs.update(load.inputs())
         capacity = measure_capacity(
             st.window, P, max(m.busy_seconds), slot, st.known_rate_per_subtask, cfg.min_busy_seconds
@@ -289,23 +299,13 @@ class Autoscaler:
 
         up = utilization > cfg.scale_up_threshold
         target, steps = sized_target(raw, P, up, m.max_parallelism, (lower, upper), cfg)
-        load_text = load.text(cfg)
+        load_text = load.text(load_cfg)
         sizing = (
             f"{load_text}{ahead_text}; {capacity.text()} at {U:.0%} target utilisation -> {raw} subtasks"
             + ("".join(", " + s for s in steps))
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
-        case = Case(
-            P,
-            utilization,
-            capacity.busy_ratio,
-            target,
-            now,
-            util_text,
-            load_text,
-            sizing,
-            capacity.total,
-        )
+        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total)
         v = decide(case, st.pending_down, cfg)
         if ahead is not None:
             v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs)
@@ -314,11 +314,10 @@ class Autoscaler:
             inputs["scale_down_pending_since"] = v.pending_since
         if v.action != "none":
             st.last_action_time = now
-        return Decision(
-            now, m.uid, P, v.target, v.action, v.reason, inputs,
-            None if ahead is None else ahead.reading.to_dict(),
-            None if ahead is None else (ahead.down if v.action == "scale_down" or utilization < cfg.scale_down_threshold else ahead.up).to_dict(),
-        )  # fmt: skip
+        if ahead is None:
+            return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs)
+        used = ahead.down if v.action == "scale_down" or utilization < cfg.scale_down_threshold else ahead.up
+        return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs, ahead.reading.to_dict(), used.to_dict())
 
     def _guard(
         self, v: Verdict, ahead: Outlook, st: _OperatorState, m: BatchMetrics, load: Load,
