@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +48,16 @@ def test_active_mode_rescales_live_exactly_once(spark: Any, events: Path, refere
 
 
 def test_keyscale_run_with_an_slo_shows_it_and_its_decisions_with_reasons(events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
+    # The files' modification times are their append times: make them recent (in name order),
+    # so the records are seconds old when the job reads them, as in a live folder.
+    fresh = tmp_path / "in"
+    fresh.mkdir()
+    now = time.time()
+    for i, f in enumerate(sorted(events.glob("part-*.parquet"))):
+        shutil.copy(f, fresh / f.name)
+        os.utime(fresh / f.name, (now - 60 + i, now - 60 + i))
     job = tmp_path / "job"
-    cli("run", str(RUNNING_COUNT), "--job-dir", str(job), "-p", "4", "--until-idle", "--set", f"input={events}",
+    cli("run", str(RUNNING_COUNT), "--job-dir", str(job), "-p", "4", "--until-idle", "--set", f"input={fresh}",
         "--set", f"output={tmp_path / 'out'}", "--scaling", "auto", "--slo", "latency=10min",
         "--autoscaler-option", "stabilization_seconds=0", "--autoscaler-option", "warmup_batches=0",
         "--autoscaler-option", "min_busy_seconds=0", "--autoscaler-option", "forecast_bucket_seconds=1", check=True)
