@@ -269,14 +269,17 @@ class Autoscaler:
             "seconds_since_change": now - since,
             "window_batches": float(len(st.window)),
         }
-        waiting = stabilising(now, since, st.change_time, P, cfg)
-        if waiting is not None:
-            return Decision(now, m.uid, P, P, "none", waiting, inputs)
-
         slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
         ahead = None if self.slo is None else outlook(
             self.slo, list(st.window), self.histories[m.uid], now, sample.input_rate, slot, st.rescale_cost, cfg
         )  # fmt: skip
+        waiting = stabilising(now, since, st.change_time, P, cfg)
+        if waiting is not None:
+            if ahead is None:
+                return Decision(now, m.uid, P, P, "none", waiting, inputs)
+            # The SLO is measured every batch: the status and its attainment count these too.
+            return Decision(now, m.uid, P, P, "none", f"{waiting}; {ahead.reading.text()}", inputs | ahead.inputs(),
+                            ahead.reading.to_dict(), ahead.up.to_dict())  # fmt: skip
         # With an SLO, the backlog is to be worked off within what the SLO leaves.
         load_cfg = cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds)
         load = measure_load(m, st.window, sample.input_rate, load_cfg)
