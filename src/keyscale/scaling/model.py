@@ -134,6 +134,9 @@ class AutoscalerConfig:
         forecast_horizon_seconds: with an SLO, a scale-down goes only as low as the
             forecast peak of this many seconds ahead allows.
         forecast_bucket_seconds: the rate history's resolution (with an SLO).
+        executor_wait_seconds: on a cluster, how long a scale-up waits for the
+            executors it asked Spark for; batches keep running at the old parallelism
+            meanwhile, and after this long it goes ahead on the cores there are.
 
     >>> AutoscalerConfig().target_utilization
     0.7
@@ -161,6 +164,7 @@ class AutoscalerConfig:
     season_seconds: float = 86400.0
     forecast_horizon_seconds: float = 600.0
     forecast_bucket_seconds: float = 300.0
+    executor_wait_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
@@ -175,6 +179,7 @@ class AutoscalerConfig:
             "scale_down_delay_seconds",
             "restart_seconds",
             "min_busy_seconds",
+            "executor_wait_seconds",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

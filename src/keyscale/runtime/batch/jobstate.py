@@ -160,6 +160,15 @@ class Committed:
 
 
 @dataclass
+class ExecutorsAsked:
+    """A scale-up's request for executors, which its rescale waits for."""
+
+    cores: int  # the executor cores the new parallelism needs
+    asked_at: float  # time.monotonic() of the request
+    said: bool = False  # whether the log said that a batch waits for them
+
+
+@dataclass
 class Scaling:
     """Each operator's parallelism for the next batch, and what asks to change it.
 
@@ -173,6 +182,9 @@ class Scaling:
     # With an SLO: this run's batches whose SLO reading was measured, and those within the SLO.
     slo_batches: int = 0
     slo_batches_met: int = 0
+    # Executor cores asked of Spark for a scale-up: the rescale waits for them
+    # (``batch/parallelism.py`` ``awaiting_executors``). None: nothing awaited.
+    executors_asked: ExecutorsAsked | None = None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from keyscale.checkpoint.manifest import OperatorCheckpoint
 from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
 from keyscale.latency import Latency
-from keyscale.runtime.batch.jobstate import JobState, RunOptions, seconds
+from keyscale.runtime.batch.jobstate import ExecutorsAsked, JobState, RunOptions, seconds
 from keyscale.runtime.task.report import TaskReports
 from keyscale.scaling.forecast import RateHistory
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
@@ -134,7 +134,7 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
     if job.opts.scaling == "reactive":
         follow_cores(job, batch_id)
     reqs = job.jobdir.read_rescale_requests()
-    if not reqs:
+    if not reqs or awaiting_executors(job, batch_id):
         return
     job.jobdir.clear_rescale_requests()
     job.scaling.pending_rescale = None
@@ -223,7 +223,8 @@ def autoscale(
             if mode == "active":
                 log.info("autoscaler: %s", d.reason)
                 job.jobdir.request_rescale(d.target_parallelism, uid)
-                size_executors(job, {**job.scaling.parallelism, uid: d.target_parallelism})
+                more = size_executors(job, {**job.scaling.parallelism, uid: d.target_parallelism})
+                job.scaling.executors_asked = ExecutorsAsked(more, time.monotonic()) if more else None
             else:
                 log.info("autoscaler recommends (not applied): %s", d.reason)
     slo = event.get("slo") if reports else None
@@ -233,13 +234,15 @@ def autoscale(
     save_rate_history(job)
 
 
-def size_executors(job: JobState, parallelism: dict[str, int]) -> None:
+def size_executors(job: JobState, parallelism: dict[str, int]) -> int | None:
     """Compute follows parallelism: on a cluster, ask for as many executor cores as the
     widest operator has subtasks (more when it grows, fewer when it shrinks). Key groups
-    that land on a new executor are restored there from the checkpoint."""
-    if not job.opts.master.startswith("spark://"):
-        return
-    from keyscale.cluster import executor_cores, request_executors
+    that land on a new executor are restored there from the checkpoint. Returns the executor
+    cores asked for when they are more than the job has (None otherwise)."""
+    from keyscale.cluster.executors import executor_cores, request_executors, sizes_executors
+
+    if not sizes_executors(job.opts.master):
+        return None
 
     per = int(job.spark.sparkContext.getConf().get("spark.executor.cores", "1"))
     want = -(-max(parallelism.values()) // per)
@@ -247,3 +250,45 @@ def size_executors(job: JobState, parallelism: dict[str, int]) -> None:
     if want != have and request_executors(job.spark, want):
         log.info("asked Spark for %d executors of %d cores (had %d) for parallelism %d", want, per, have, max(parallelism.values()))
         job.jobdir.append_event({"type": "executors", "requested": want, "had": have, "cores_per_executor": per})
+        # Fewer executors: Spark released idle ones between two batches and schedules no task
+        # on them (countFailures off). More take seconds to start: a scale-up waits for them.
+        return want * per if want > have else None
+    return None
+
+
+def executor_wait(have: int, wanted: int, waited: float, bound: float) -> str:
+    """What a scale-up that asked for ``wanted`` executor cores does, with ``have`` there
+    after ``waited`` seconds: ``go`` (they came), ``late`` (not within ``bound`` seconds: go on
+    with the cores there are, tasks beyond them queue) or ``wait`` (the batch runs at the old
+    parallelism: a batch at the new one on too few cores would run its tasks in waves).
+
+    >>> executor_wait(2, 4, 3.0, 30.0), executor_wait(4, 4, 3.0, 30.0), executor_wait(2, 4, 30.0, 30.0)
+    ('wait', 'go', 'late')
+    """
+    if have >= wanted:
+        return "go"
+    return "late" if waited >= bound else "wait"
+
+
+def awaiting_executors(job: JobState, batch_id: int) -> bool:
+    """Whether the pending rescale waits (this batch too) for the executors the autoscaler
+    asked Spark for; said in the log once, and in the events when the wait ends."""
+    if job.scaling.executors_asked is None or job.autoscaler is None:
+        return False
+    from keyscale.cluster import executor_cores
+
+    asked, bound = job.scaling.executors_asked, job.autoscaler.config.executor_wait_seconds
+    wanted, have, waited = asked.cores, executor_cores(job.spark), time.monotonic() - asked.asked_at
+    verdict = executor_wait(have, wanted, waited, bound)
+    if verdict == "wait":
+        if not asked.said:
+            asked.said = True
+            log.info("batch %d: the scale-up waits for its executors (%d of %d cores; at most %.0f s), running at the old parallelism meanwhile",
+                     batch_id, have, wanted, bound)
+        return True
+    job.scaling.executors_asked = None
+    said = "came" if verdict == "go" else f"did not all come within {bound:.0f} s; rescaling on the cores there are"
+    log.info("batch %d: executors for the scale-up %s (%d of %d cores after %.1f s)", batch_id, said, have, wanted, waited)
+    job.jobdir.append_event({"type": "executors_" + ("ready" if verdict == "go" else "late"), "batch": batch_id, "cores": have,
+                             "wanted": wanted, "waited_seconds": round(waited, 1)})
+    return False
