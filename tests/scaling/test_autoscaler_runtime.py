@@ -66,7 +66,7 @@ def test_keyscale_run_with_an_slo_shows_it_and_its_decisions_with_reasons(events
     assert scaling["slo"] == "latency=600s" and scaling["autoscaler"] == "recommend"
     assert scaling["slo_batches"] == scaling["slo_batches_met"] == 6 and scaling["slo_attainment"] == 1.0
     last = scaling["last_decisions"]["totals"]
-    assert last["slo"]["state"] == "comfortable" and last["slo"]["seconds"] == 600.0
+    assert last["slo"]["state"] == "met" and last["slo"]["seconds"] == 600.0
     assert last["forecast"]["text"] and last["inputs"]["forecast_input_rate"] >= 0
     decisions = [e for e in jd.read_events() if e["type"] == "autoscaler"]
     assert len(decisions) == 6 and all("SLO latency=600s" in e["reason"] and "forecast" in e for e in decisions)

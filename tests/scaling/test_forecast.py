@@ -66,10 +66,13 @@ def test_seasonal_forecast_sees_a_rise_it_saw_a_season_ago_and_follows_the_level
     assert calm.rate == pytest.approx(1500.0)  # nothing coming: the current rate
 
 
-def test_a_level_far_from_the_seasons_falls_back_to_the_trend() -> None:
-    h = _history(lambda t: 1000.0 if t < 3600 else 20000.0, until=4200)
-    f = forecast(h, now=4200, current_rate=20000.0, horizon=60.0, seasons=(3600.0,))
-    assert f.method == "trend"
+def test_a_level_far_from_the_seasons_is_not_scaled_by_them_and_a_step_is_not_a_trend() -> None:
+    h = _history(lambda t: 1000.0 if t < 3600 else 20000.0, until=4200)  # 20x: the season says nothing
+    f = forecast(h, now=4200, current_rate=20000.0, horizon=600.0, seasons=(3600.0,))
+    assert (f.method, f.rate) == ("current", 20000.0) and "no rise that holds" in f.text
+    ramp = _history(lambda t: 1000.0 + t, until=1800)
+    r = forecast(ramp, now=1800, current_rate=2800.0, horizon=600.0, seasons=(3600.0,))
+    assert r.method == "trend" and r.rate == pytest.approx(2770 + 600, rel=0.02)  # a rise that holds: 1 rec/s per s
 
 
 def test_without_history_the_forecast_is_the_current_rate() -> None:

@@ -3,6 +3,8 @@ of the guard's table."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,9 +51,13 @@ def test_the_rescale_cap_holds_unless_the_slo_is_missed() -> None:
 
 
 def test_a_scale_down_needs_the_slo_met_with_room_and_no_backlog() -> None:
-    assert guard(DOWN, _outlook(1.0), _ctx(), CFG).action == "scale_down"
-    tight = guard(DOWN, _outlook(7.0), _ctx(), CFG)  # met, but above 60% of the target
-    assert tight.action == "none" and "not with the room" in tight.reason
+    assert guard(DOWN, _outlook(1.0, up=100.0), _ctx(busy=0.2), CFG).action == "scale_down"
+    # Met at 7 s; at 4 subtasks instead of 8, the busiest subtask's 0.9 x 5 s doubles: 11.5 s.
+    tight = guard(DOWN, _outlook(7.0), _ctx(), CFG)
+    assert tight.action == "none" and "would take 4.5 s longer, 11.5 s: above 85% of the target" in tight.reason
+    assert guard(DOWN, _outlook(7.0), _ctx(busy=0.2), CFG).action == "scale_down"  # 8.0 s: room enough
+    missed = guard(DOWN, _outlook(12.0), _ctx(slo_target=8), CFG)
+    assert missed.action == "none" and "no scale-down until it is met" in missed.reason
     behind = guard(DOWN, _outlook(1.0), _ctx(backlog=5000.0), CFG)
     assert behind.action == "none" and "backlog of 5,000 records is being worked off" in behind.reason
 
@@ -86,3 +92,13 @@ def test_the_slo_leaves_the_catch_up_time_and_the_lead_counts_the_rescale_cost()
     o = outlook(Slo("lag", 30.0), [], RateHistory(), 0.0, 100.0, slot=5.0, rescale_cost=2.0, cfg=CFG)
     assert o.catch_up_seconds == 20.0 and o.lead == 7.0 and o.reading.value is None
     assert outlook(Slo("lag", 6.0), [], RateHistory(), 0.0, 1.0, 5.0, 0.0, CFG).catch_up_seconds == 5.0  # one interval at least
+
+
+def test_a_window_still_over_the_slo_but_a_latest_batch_back_within_it_scales_no_further() -> None:
+    # The window's p99 lags: the batches before the last rescale are still in it.
+    reading = SloReading(Slo("latency", 10.0), 20.5, 20.5, 5.0, "p99 latency over 6 batches", latest=7.8)
+    o = Outlook(reading, Forecast(1000.0, 5.0, "current", "u"), Forecast(1000.0, 600.0, "current", "d"), 5.0, 20.0)
+    v = guard(KEEP, o, _ctx(), CFG)
+    assert v.action == "none" and "the latest batch back within it (7.8 s)" in v.reason
+    worse = Outlook(replace(reading, latest=12.0), o.up, o.down, 5.0, 20.0)
+    assert guard(KEEP, worse, _ctx(), CFG).action == "scale_up"

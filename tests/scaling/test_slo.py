@@ -60,7 +60,7 @@ def test_latency_is_the_windows_p99_from_the_batches_histograms() -> None:
     window = [_sample(0.0, 0, latency=slow), _sample(5.0, 0, latency=fast)]
     r = read_slo(Slo("latency", 5.0), window, horizon=5.0)
     assert r.value == pytest.approx(1.0, rel=0.05) and r.how == "p99 latency over 2 batches"
-    assert not r.missed and r.comfortable and r.attainment == 1.0
+    assert not r.missed and not r.at_risk and r.attainment == 1.0 and r.to_dict()["state"] == "met"
 
 
 def test_without_append_times_latency_is_estimated_and_says_so() -> None:
@@ -73,7 +73,7 @@ def test_a_rising_lag_is_about_to_miss_before_it_misses() -> None:
     window = [_sample(5.0 * i, 100 * i) for i in range(4)]  # lag 1, 2, 3, 4 s: +0.2 s per s
     r = read_slo(Slo("lag", 5.0), window, horizon=10.0)
     assert r.value == 4.0 and r.projected == pytest.approx(6.0)
-    assert not r.missed and r.at_risk and not r.comfortable
+    assert not r.missed and r.at_risk and r.worst == pytest.approx(6.0)
     assert "about to be missed" in r.text()
     falling = read_slo(Slo("lag", 5.0), [_sample(5.0 * i, 100 * (3 - i)) for i in range(4)], horizon=10.0)
-    assert falling.projected == falling.value == 1.0 and falling.comfortable
+    assert falling.projected == falling.value == falling.worst == 1.0 and not falling.at_risk

@@ -2,7 +2,7 @@
 
 The model, in one sentence: **the rate one season ago (a week, else a day) over the coming
 horizon, scaled by how today's level compares with that season's level just before; without
-a season of history, the recent trend extrapolated; without that, the current rate.** It is
+a season of history, a recent rise extrapolated; without that, the current rate.** It is
 seasonal-naive with a level correction (a Holt-Winters forecast with its smoothing reduced
 to "the last season" and "the last minutes"): simple enough that every decision can quote
 the numbers it used (:attr:`Forecast.text`).
@@ -141,6 +141,14 @@ class Forecast:
         return {"input_rate": round(self.rate, 3), "horizon_seconds": self.horizon, "method": self.method, "text": self.text}
 
 
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (t, v) points."""
+    n = len(points)
+    mt, mv = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
+    den = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (v - mv) for t, v in points) / den if den > 0 else 0.0
+
+
 def _season_name(s: float) -> str:
     for unit, n in (("week", WEEK), ("d", DAY), ("h", 3600.0), ("min", 60.0)):
         if s >= n and s % n == 0:
@@ -154,16 +162,17 @@ def forecast(
     current_rate: float,
     horizon: float,
     seasons: tuple[float, ...] = (WEEK, DAY),
-    trend_seconds: float = 900.0,
+    trend_seconds: float = 1800.0,
 ) -> Forecast:
     """The highest rate expected in the next ``horizon`` seconds (never below ``current_rate``).
 
     Seasonal, with the longest season the history covers: ``peak a season ago over the
     horizon x (level now / level a season ago)``, the levels being the mean rate of the
     ``2 * bucket`` seconds before (now, and a season ago); used when that ratio is within 4x
-    either way. Else the trend: the slope of a least-squares line through the bucket means of
-    the last ``trend_seconds`` (at least three buckets), from today's level to the horizon's
-    end. Else the current rate.
+    either way. Else a rising trend: the slope of a least-squares line through the bucket
+    means of the last ``trend_seconds`` (at least three buckets), or of the last three
+    buckets if lower, from today's level to the horizon's end; only while both rise. Else the
+    current rate.
 
     >>> h = RateHistory(bucket_seconds=60.0)
     >>> for t in range(0, 600, 5):
@@ -190,16 +199,17 @@ def forecast(
             f"({ratio:.2f}x that level)"))  # fmt: skip
     points = history.points(now - trend_seconds, now)
     if len(points) >= 3:
-        n = len(points)
-        mt, mv = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
-        den = sum((t - mt) ** 2 for t, _ in points)
-        slope = sum((t - mt) * (v - mv) for t, v in points) / den if den > 0 else 0.0
-        # From today's level (not the line's own end): a step inside the trend's span tilts
-        # the line, and its end would stand where the rate never was.
-        end = (level if level is not None else mv) + slope * horizon
-        rate = max(current_rate, end)
-        return Forecast(rate, horizon, "trend", (
-            f"up to {fmt(rate)} rec/s in the next {horizon:.0f} s: no season of history yet, and the last "
-            f"{(points[-1][0] - points[0][0]) / 60 + b / 60:.0f} min trend {slope * 60:+,.0f} rec/s per minute"))  # fmt: skip
+        # A rise counts only while it still holds in the last three buckets: a step inside the
+        # span tilts a line through all of them, and would be extrapolated as a trend for as
+        # long as it stays in the span.
+        slope = min(_slope(points), _slope(points[-3:]))
+        if slope > 0:
+            end = (level if level is not None else points[-1][1]) + slope * horizon
+            rate = max(current_rate, end)
+            return Forecast(rate, horizon, "trend", (
+                f"up to {fmt(rate)} rec/s in the next {horizon:.0f} s: no season of history yet, and the last "
+                f"{(points[-1][0] - points[0][0] + b) / 60:.0f} min rise {slope * 60:+,.0f} rec/s per minute"))  # fmt: skip
+        return Forecast(current_rate, horizon, "current",
+                        f"{fmt(current_rate)} rec/s, the current rate: no season of history yet, and no rise that holds")
     return Forecast(current_rate, horizon, "current",
                     f"{fmt(current_rate)} rec/s, the current rate: too little history to forecast")

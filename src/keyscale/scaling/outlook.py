@@ -18,17 +18,18 @@ goes only as low as the coming peak allows).
 :func:`guard` then checks the decision of :func:`keyscale.scaling.decision.decide`, first
 match wins:
 
-================================================  =================================
-case                                              decision
-================================================  =================================
-SLO missed or about to be, a larger P fits        scale up, beyond the step limit
-scale up, rescale cap reached, SLO not missed     keep
-scale down, SLO not comfortably met               keep
-scale down, a backlog is being worked off         keep
-scale down, rescale cap reached                   keep
-scale down saves less than 2 rescales cost        keep (hysteresis)
-otherwise                                         as decided, the forecast quoted
-================================================  =================================
+=====================================================  ===============================
+case                                                   decision
+=====================================================  ===============================
+SLO at risk, or missed and not recovering; more fits   scale up, beyond the step limit
+scale up, rescale cap reached, SLO not missed          keep
+scale down, SLO not measured, missed or at risk        keep
+scale down would take it above 85% of the target       keep
+scale down, a backlog is being worked off              keep
+scale down, rescale cap reached                        keep
+scale down saves less than 2 rescales cost             keep (hysteresis)
+otherwise                                              as decided, the forecast quoted
+=====================================================  ===============================
 
 >>> from keyscale.scaling.slo import Slo, SloReading
 >>> from keyscale.scaling.forecast import Forecast
@@ -50,7 +51,7 @@ from keyscale.scaling.decision import Verdict
 from keyscale.scaling.forecast import Forecast, RateHistory, forecast
 from keyscale.scaling.load import Sample
 from keyscale.scaling.model import AutoscalerConfig
-from keyscale.scaling.slo import Slo, SloReading, read_slo
+from keyscale.scaling.slo import HEADROOM, Slo, SloReading, read_slo
 
 __all__ = ["Context", "Outlook", "guard", "outlook", "sizing_rate", "slo_floor"]
 
@@ -124,7 +125,7 @@ def guard(v: Verdict, o: Outlook, c: Context, cfg: AutoscalerConfig) -> Verdict:
     def keep(why: str) -> Verdict:
         return Verdict("none", P, f"keep {P}: {why}; by load alone: {v.reason}")
 
-    if (r.missed or r.at_risk) and c.slo_target > (v.target if v.action == "scale_up" else P):
+    if ((r.missed and not r.recovering) or r.at_risk) and c.slo_target > (v.target if v.action == "scale_up" else P):
         if c.busy_ratio < cfg.scale_down_threshold and c.excess_backlog <= 0:
             return keep(f"{r.text()}, but the busiest subtask was only {c.busy_ratio:.0%} busy and nothing waits: "
                         "parallelism is not what limits it (the trigger interval or the source is)")
@@ -135,8 +136,14 @@ def guard(v: Verdict, o: Outlook, c: Context, cfg: AutoscalerConfig) -> Verdict:
         return Verdict(v.action, v.target, f"{v.reason}; {r.text()}", v.pending, v.pending_since)
     if v.action != "scale_down":
         return Verdict(v.action, v.target, f"{v.reason}; {r.text()}", v.pending, v.pending_since)
-    if not r.comfortable:
-        return keep(f"{r.text()}, not with the room a scale-down needs (at most 60% of the target)")
+    if r.worst is None or r.missed or r.at_risk:
+        return keep(f"{r.text()}: no scale-down until it is met")
+    # The batches of a smaller parallelism take longer by what the busiest subtask worked
+    # times (P / target - 1), and the SLO's measure (latency or lag) with them.
+    after = r.worst + c.busy_ratio * c.slot * (P / v.target - 1)
+    if after > HEADROOM * r.slo.seconds:
+        return keep(f"{r.text()}; at {v.target} subtasks its batches would take {after - r.worst:.1f} s longer, "
+                    f"{after:.1f} s: above {HEADROOM:.0%} of the target")
     if c.excess_backlog > 0:
         return keep(f"a backlog of {c.excess_backlog:,.0f} records is being worked off")
     if capped:

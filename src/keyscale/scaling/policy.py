@@ -17,7 +17,7 @@ a fourth piece, :mod:`keyscale.scaling.outlook`, takes part: the backlog is size
 worked off within what the SLO leaves, the rate sized for includes the forecast
 (:mod:`keyscale.scaling.forecast`, from the operator's input-rate history, which the policy
 keeps in ``histories`` for the caller to save), and its guards check the decision (a missed
-SLO scales up, a scale-down needs the SLO comfortably met, no backlog, room under the
+SLO scales up, a scale-down needs the SLO met with room for its longer batches, no backlog, room under the
 rescale cap, and savings above the cost of a rescale). Without an SLO none of this runs.
 
 The policy follows the ideas of Flink's Kubernetes operator autoscaler

@@ -40,7 +40,7 @@ from keyscale.errors import KeyscaleError
 from keyscale.latency import window_quantile
 from keyscale.scaling.load import Sample
 
-__all__ = ["KINDS", "Slo", "SloKind", "SloReading", "lag_seconds", "parse_slo", "read_slo"]
+__all__ = ["HEADROOM", "KINDS", "Slo", "SloKind", "SloReading", "lag_seconds", "parse_slo", "read_slo"]
 
 SloKind = Literal["latency", "lag"]
 KINDS: tuple[SloKind, ...] = ("latency", "lag")
@@ -49,9 +49,9 @@ _UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0, "m":
           "minute": 60.0, "minutes": 60.0, "h": 3600.0, "hour": 3600.0, "hours": 3600.0}
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]+)\s*$")
 
-# A reading at or below this share of the target meets the SLO "comfortably": only then
-# may the policy give capacity back (between it and the target it keeps what it has).
-COMFORT = 0.6
+# A scale-down may leave the SLO's measure at most at this share of the target (the rest is
+# room for the noise of the next batches): keyscale.scaling.outlook.guard.
+HEADROOM = 0.85
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,7 @@ class SloReading:
     projected: float | None
     horizon: float
     how: str  # what the value is, in words
+    latest: float | None = None  # the latest batch's own value (a window's p99 lags behind it)
 
     @property
     def missed(self) -> bool:
@@ -144,15 +145,21 @@ class SloReading:
         return self.value is not None and self.value > self.slo.seconds
 
     @property
+    def recovering(self) -> bool:
+        """Missed over the window, but the latest batch is back within the target and not rising
+        past it: what was done is taking effect, and more would overshoot."""
+        return (self.missed and self.latest is not None and self.latest <= self.slo.seconds
+                and (self.projected is None or self.value is None or self.projected <= self.value))
+
+    @property
     def at_risk(self) -> bool:
         """Within the target now, above it by the horizon if the trend holds."""
         return not self.missed and self.projected is not None and self.projected > self.slo.seconds
 
     @property
-    def comfortable(self) -> bool:
-        """Met with room to spare, now and by the horizon: the only state that allows a scale-down."""
-        worst = max(v for v in (self.value, self.projected, 0.0) if v is not None)
-        return self.value is not None and worst <= COMFORT * self.slo.seconds
+    def worst(self) -> float | None:
+        """The higher of the value and its projection (None: not measured)."""
+        return None if self.value is None else max(self.value, self.projected or 0.0)
 
     @property
     def attainment(self) -> float | None:
@@ -171,14 +178,15 @@ class SloReading:
             return f"SLO {self.slo} not measurable yet ({self.how})"
         state = "missed" if self.missed else "about to be missed" if self.at_risk else "met"
         trend = f", {self.projected:.1f} s in {self.horizon:.0f} s by its trend" if self.at_risk and self.projected is not None else ""
-        return f"SLO {self.slo} {state}: {self.how} {self.value:.1f} s{trend}"
+        back = f", the latest batch back within it ({self.latest:.1f} s)" if self.recovering and self.latest is not None else ""
+        return f"SLO {self.slo} {state}: {self.how} {self.value:.1f} s{trend}{back}"
 
     def to_dict(self) -> dict[str, Any]:
         """The decision's ``slo`` field (events, status)."""
         return {**self.slo.to_json(), "value_seconds": self.value, "projected_seconds": self.projected,
                 "horizon_seconds": self.horizon, "state": "unmeasured" if self.value is None else
-                "missed" if self.missed else "at_risk" if self.at_risk else "comfortable" if self.comfortable else "met",
-                "attainment": self.attainment, "measured": self.how}
+                "missed" if self.missed else "at_risk" if self.at_risk else "met",
+                "attainment": self.attainment, "measured": self.how, "latest_seconds": self.latest}
 
 
 def _per_batch(slo: Slo, s: Sample) -> float | None:
@@ -226,7 +234,7 @@ def read_slo(slo: Slo, window: Sequence[Sample], horizon: float) -> SloReading:
         slope = _slope(points)
         if slope > 0:
             projected = value + slope * horizon
-    return SloReading(slo, value, projected, horizon, how)
+    return SloReading(slo, value, projected, horizon, how, values[-1][1])
 
 
 def _slope(points: Sequence[tuple[float, float]]) -> float:
