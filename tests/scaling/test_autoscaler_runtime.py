@@ -71,4 +71,7 @@ def test_keyscale_run_with_an_slo_shows_it_and_its_decisions_with_reasons(events
     decisions = [e for e in jd.read_events() if e["type"] == "autoscaler"]
     assert len(decisions) == 6 and all("SLO latency=600s" in e["reason"] and "forecast" in e for e in decisions)
     assert jd.read_json("autoscaler/rates.json")["operators"]["totals"]["version"] == 1  # the forecast's history, kept
+    shown = cli("status", str(job), check=True).stdout
+    assert "autoscaler (recommend), SLO latency=600s: 100.0% of 6 batches within it" in shown
+    assert "'totals', batch 5: " + last["reason"] in shown
     pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference)

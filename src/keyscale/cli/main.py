@@ -345,6 +345,12 @@ def cmd_status(a: argparse.Namespace) -> int:
     if lat:
         print(f"  end-to-end latency (batch {lat['batch']}, {lat['records']:,} records, from {lat['append_time']}): "
               f"p50 {lat['p50_seconds']:.3f} s, p99 {lat['p99_seconds']:.3f} s, max {lat['max_seconds']:.3f} s")
+    sc = st.get("scaling") or {}
+    if sc.get("slo"):
+        share = "not measured yet" if sc.get("slo_attainment") is None else f"{sc['slo_attainment']:.1%} of {sc['slo_batches']} batches within it"
+        print(f"  autoscaler ({sc.get('autoscaler')}), SLO {sc['slo']}: {share}")
+        for uid, d in sc.get("last_decisions", {}).items():
+            print(f"    '{uid}', batch {d.get('batch')}: {d.get('reason')}")
     for uid, total in st["counters"]["total"].items():
         last = st["counters"]["last_batch"].get(uid)
         print(f"  records not processed normally by '{uid}': {counters.summary(total)} in all" + (f"; last batch: {counters.summary(last)}" if last else ""))
