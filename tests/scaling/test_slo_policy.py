@@ -13,6 +13,7 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,14 @@ def test_without_an_slo_decisions_are_the_same_as_before() -> None:
     with_history = run(trace, None, AutoscalerConfig())
     assert all(d.slo is None and d.forecast is None and "slo" not in d.to_dict() for d in with_history.decisions)
     assert not any(k.startswith(("slo_", "forecast_")) for d in with_history.decisions for k in d.inputs)
+
+
+def test_the_simulator_cli_takes_an_slo(capsys: pytest.CaptureFixture[str]) -> None:
+    from keyscale.cli.main import main
+
+    spike_json = str(Path(__file__).parents[2] / "examples" / "traces" / "spike.json")
+    assert main(["autoscaler", "simulate", spike_json, "--slo", "latency=30s"]) == 0
+    out = capsys.readouterr().out
+    assert "SLO latency=30s" in out
+    assert main(["autoscaler", "simulate", spike_json, "--slo", "latency"]) != 0
+    assert "--slo 'latency': expected KIND=DURATION" in capsys.readouterr().err
