@@ -212,6 +212,58 @@ def test_the_dashboard_follows_the_jobs_parallelism(spark: Any, tmp_path: Path, 
         job.stop()
 
 
+@pytest.mark.slow
+def test_the_dashboard_looks_up_a_key(spark: Any, tmp_path: Path, browser: Any) -> None:
+    """Issue 37, item 6: each keyed operator has a key lookup box; its answer is what
+    GET /state/<uid>?key=... says (value, batch, key group), a key without state says so,
+    the box and its answer survive the page's refreshes, and the console stays clean."""
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    inp = tmp_path / "in"
+    write_events(inp, files=2, rows=1000, keys=50)
+    events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(inp))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count(), total=ks.aggregates.sum("value"))
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="lookups", trigger_interval="300 milliseconds"))
+    jd = JobDir(str(tmp_path / "job"))
+    try:
+        _wait(lambda: job.status()["last_checkpoint"] == 1, "two batches")
+        browser.get(call(jd, "POST", "/ui/token")["url"])
+        _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the page to load")
+        form = browser.find_element(By.CSS_SELECTOR, "[data-operator=totals] form.lookup")
+        answer = lambda: form.find_element(By.CLASS_NAME, "answer")  # noqa: E731
+
+        def look_up(key: str) -> None:
+            box = form.find_element(By.NAME, "key")
+            box.clear()
+            box.send_keys(key)
+            form.find_element(By.TAG_NAME, "button").click()
+            _wait(lambda: answer().find_elements(By.CLASS_NAME, "value"), f"the answer for {key}")
+
+        look_up("k7")
+        want = job.state("totals", "k7")
+        assert want["found"] and want["batch"] == 1
+        assert answer().find_element(By.CLASS_NAME, "batch").text == "batch 1"
+        assert answer().find_element(By.CLASS_NAME, "key-group").text == f"key group {want['key_group']}"
+        assert json.loads(answer().find_element(By.CLASS_NAME, "value").text) == want["state"]
+        assert "found" in answer().get_attribute("class")
+        # Refreshes redraw the strip, not the box: the key and its answer stay.
+        seen = browser.execute_script("return Number(document.body.dataset.refreshes)")
+        _wait(lambda: browser.execute_script("return Number(document.body.dataset.refreshes)") >= seen + 2, "two refreshes")
+        assert form.find_element(By.NAME, "key").get_attribute("value") == "k7"
+        assert json.loads(answer().find_element(By.CLASS_NAME, "value").text) == want["state"]
+
+        look_up("nobody")
+        assert "missing" in answer().get_attribute("class")
+        assert answer().find_element(By.CLASS_NAME, "value").text == job.state("totals", "nobody")["message"]
+        assert _browser_errors(browser) == []
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "dashboard-lookup.png"))
+    finally:
+        job.stop()
+
+
 def test_the_folder_page_says_which_jobs_failed(tmp_path: Path) -> None:
     ok, bad = JobDir(str(tmp_path / "a")), JobDir(str(tmp_path / "nested" / "b"))
     ok.claim("a", None, 128)

@@ -542,6 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--checkpoint", type=int, metavar="BATCH", help="this committed checkpoint instead of the last one")
     sg.add_argument("--compact", action="store_true", help="one line of JSON per key")
     sg.set_defaults(func=cmd_state_get)
+    from keyscale.cli.state import add_state_edit_parsers
+
+    state_edits = add_state_edit_parsers(state_sub)
 
     from keyscale.deploy.cli import add_apply_parser, add_deployment_parsers
 
@@ -557,7 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from keyscale.scaling.simulate import add_simulate_parser
 
-    for located in (r, rs, st, sp, so, ca, ls, ins, sg):  # every command that opens a job dir, savepoint or folder
+    for located in (r, rs, st, sp, so, ca, ls, ins, sg, *state_edits):  # every command that opens a job dir, savepoint or folder
         located.add_argument(
             "--storage-option", action="append", default=[], metavar="KEY=VALUE",
             help="object store setting (obstore config key, e.g. endpoint=http://127.0.0.1:9000, region=eu-west-1); "
