@@ -445,7 +445,8 @@ class Pipeline(JobGraph):
         ``wait_for_trigger=True``: one per interval at most), ``latency_target="1s"`` (a log
         source's batches sized for that end-to-end latency, never below what keeps up with
         the input nor above the source's own ``max_records_per_batch``; the status's ``batch_size``),
-        ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"``,
+        ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"`` (with ``"auto"``:
+        ``autoscaler_mode="recommend"|"active"``, ``slo="latency=5s"`` or ``"lag=30s"``, the target it sizes for),
         ``retain``, ``drain_at_end``, ``state_backend="memory"|"rocksdb"`` (the keyed stages'
         default; a stage's own ``state_backend=`` wins), ``control_host="0.0.0.0"`` and
         ``control_port=9464`` (where the control API listens; default 127.0.0.1, any port),

@@ -48,6 +48,13 @@ def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
         raise KeyscaleError(f"autoscaler options: {e}") from None
 
 
+def _slo(text: str | None) -> Any:
+    """``--slo`` parsed (an error names the text), or None."""
+    from keyscale.scaling.slo import parse_slo
+
+    return None if text is None else parse_slo(text)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.runtime.control.server import control_api
@@ -63,7 +70,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         allow_empty_restart=a.allow_empty_restart,
         scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
-        autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
+        autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max), slo=_slo(a.slo),
         spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend, async_checkpoints=a.async_checkpoints,
         latency_target=a.latency_target, wait_for_trigger=a.wait_for_trigger, **control_options(a),
     )
@@ -344,6 +351,12 @@ def cmd_status(a: argparse.Namespace) -> int:
     if size:
         limit = "no limit" if size["records"] is None else f"at most {size['records']:,} records ({size['limited_by']})"
         print(f"  batch size for the {size['target_seconds']:g} s latency target: {limit}; target met: {'yes' if size['meets_target'] else 'no'}: {size['reason']}")
+    sc = st.get("scaling") or {}
+    if sc.get("slo"):
+        share = "not measured yet" if sc.get("slo_attainment") is None else f"{sc['slo_attainment']:.1%} of {sc['slo_batches']} batches within it"
+        print(f"  autoscaler ({sc.get('autoscaler')}), SLO {sc['slo']}: {share}")
+        for uid, d in sc.get("last_decisions", {}).items():
+            print(f"    '{uid}', batch {d.get('batch')}: {d.get('reason')}")
     for uid, total in st["counters"]["total"].items():
         last = st["counters"]["last_batch"].get(uid)
         print(f"  records not processed normally by '{uid}': {counters.summary(total)} in all" + (f"; last batch: {counters.summary(last)}" if last else ""))
@@ -454,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--scaling-max", type=int, metavar="N", help="highest parallelism they choose (default: the number of key groups)")
     r.add_argument("--autoscaler-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an autoscaler setting, e.g. stabilization_seconds=10 or scale_down_delay_seconds=30 (see AutoscalerConfig)")
+    r.add_argument("--slo", metavar="KIND=DURATION",
+                   help="with --scaling auto: the target the autoscaler sizes for, 'latency=5s' (p99 end to end over its "
+                        "metrics window) or 'lag=30s' (age of the oldest unread record); it then forecasts the input rate "
+                        "from the job's history and scales ahead of it")
     r.add_argument("--autoscaler", choices=["off", "recommend", "active"], default="recommend",
                    help="with --scaling auto: recommend records decisions (status, events.jsonl) without acting; active applies them live")
     r.add_argument("--from-savepoint", metavar="SP", help="start a new job directory from a savepoint (any -p in 1..M)")

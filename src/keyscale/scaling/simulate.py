@@ -348,13 +348,23 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--all", action="store_true", help="list every batch's decision, not only changes"
     )
+    parser.add_argument(
+        "--slo",
+        metavar="KIND=DURATION",
+        help="size for this SLO, as keyscale run --slo does: 'latency=10s' or 'lag=30s'",
+    )
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     """Handler: simulate, print the decisions, plot; raises :class:`KeyscaleError`."""
     trace = load_trace(args.trace)
-    result = simulate(trace, mode=args.mode)
+    policy = None
+    if args.slo is not None:
+        from keyscale.scaling.slo import parse_slo
+
+        policy = Autoscaler(trace.autoscaler or AutoscalerConfig(), slo=parse_slo(args.slo))
+    result = simulate(trace, mode=args.mode, policy=policy)
     print(format_decisions(result, all_decisions=args.all))
     if args.png:
         out = plot(result, args.png)

@@ -37,6 +37,7 @@ from keyscale.operators.eventtime import WatermarkState, ahead_limit_ms
 from keyscale.runtime.task import counters
 from keyscale.runtime.task.report import Reports, TaskReports
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
+from keyscale.scaling.slo import Slo
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -72,6 +73,9 @@ class RunOptions:
     scaling: str = "fixed"  # "fixed" | "auto"
     autoscaler_mode: str = "recommend"  # with scaling "auto": "off" | "recommend" | "active"
     autoscaler: AutoscalerConfig | None = None
+    # With scaling "auto": the latency or lag the autoscaler sizes for ("latency=5s", "lag=30s"
+    # or a keyscale.scaling.slo.Slo); None sizes for utilisation alone.
+    slo: str | Slo | None = None
     from_savepoint: str | None = None
     allow_non_restored_state: bool = False
     allow_empty_restart: bool = False  # no intact checkpoint left: start with empty state, re-read the input
@@ -178,6 +182,9 @@ class Scaling:
     parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
     pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
     decisions: dict[str, dict[str, Any]] = field(default_factory=dict)  # the autoscaler's last, per operator
+    # With an SLO: this run's batches whose SLO reading was measured, and those within the SLO.
+    slo_batches: int = 0
+    slo_batches_met: int = 0
     # Executor cores asked of Spark for a scale-up: the rescale waits for them
     # (``batch/parallelism.py`` ``awaiting_executors``). None: nothing awaited.
     executors_asked: ExecutorsAsked | None = None

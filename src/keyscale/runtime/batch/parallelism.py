@@ -6,8 +6,11 @@
   checked and recorded;
 - before a batch's intent (:func:`apply_rescale_requests`): live rescale requests (the
   control API, ``keyscale rescale``, the active autoscaler) and reactive mode;
+- at set-up (:func:`make_autoscaler`): the autoscaler, its SLO checked, its input-rate
+  history read back from the job directory (``autoscaler/rates.json``);
 - after a batch (:func:`autoscale`): the autoscaler observes it, records its decision and,
-  in active mode, requests a rescale for the next batch;
+  in active mode, requests a rescale for the next batch; its rate history is saved when a
+  new bucket of it begins;
 - on a cluster (:func:`size_executors`): executor cores follow parallelism.
 
 Runs on the driver. Writes ``job.scaling`` (parallelism, the pending rescale set and cleared, the
@@ -25,13 +28,16 @@ from typing import TYPE_CHECKING
 from keyscale.checkpoint.manifest import OperatorCheckpoint
 from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
 from keyscale.latency import Latency
-from keyscale.runtime.batch.jobstate import ExecutorsAsked, JobState, seconds
+from keyscale.runtime.batch.jobstate import ExecutorsAsked, JobState, RunOptions, seconds
 from keyscale.runtime.task.report import TaskReports
-from keyscale.scaling.policy import BatchMetrics
+from keyscale.scaling.forecast import RateHistory
+from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
+from keyscale.scaling.slo import Slo, parse_slo
 from keyscale.state.keygroups import check_parallelism
 
 if TYPE_CHECKING:
     from keyscale._steps import JobGraph
+    from keyscale.checkpoint.jobdir import JobDir
 
 log = logging.getLogger("keyscale")
 
@@ -148,6 +154,49 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
         job.scaling.parallelism[uid] = want
 
 
+#: Where the autoscaler keeps its input-rate history (the forecast's), per operator.
+RATES_KEY = "autoscaler/rates.json"
+
+
+def make_autoscaler(opts: RunOptions, jobdir: JobDir) -> Autoscaler | None:
+    """The job's autoscaler (None: scaling is not ``auto`` or the autoscaler is off), with its SLO
+    and the rate history an earlier run of the job left. An SLO keyscale cannot serve is an error:
+    without ``--scaling auto`` and an autoscaler that records or acts, or a latency SLO no longer
+    than the trigger interval (a record can wait that long for its batch, whatever the parallelism)."""
+    slo = opts.slo if isinstance(opts.slo, Slo) or opts.slo is None else parse_slo(opts.slo)
+    if opts.scaling not in ("fixed", "auto", "reactive"):
+        raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
+    if opts.scaling == "auto" and opts.autoscaler_mode not in ("off", "recommend", "active"):
+        raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
+    if slo is not None and (opts.scaling != "auto" or opts.autoscaler_mode == "off"):
+        raise KeyscaleError(f"--slo {slo}: only the autoscaler sizes for an SLO; add --scaling auto (and --autoscaler recommend or active)")
+    if opts.scaling != "auto" or opts.autoscaler_mode == "off":
+        return None
+    interval = None if opts.until_idle else seconds(opts.trigger_interval)
+    if slo is not None and interval is not None and slo.seconds <= interval:
+        raise KeyscaleError(f"--slo {slo}: the trigger interval is {opts.trigger_interval}, and a record can wait that long "
+                            "for its batch whatever the parallelism; give a target longer than the interval")
+    histories: dict[str, RateHistory] = {}
+    if slo is not None:
+        for uid, d in jobdir.read_json(RATES_KEY).get("operators", {}).items():
+            try:
+                histories[str(uid)] = RateHistory.from_json(d)
+            except ValueError as e:  # a damaged or newer history: the forecast starts over, the job runs
+                log.warning("autoscaler: the input-rate history of '%s' in %s is not usable (%s); starting a new one", uid, RATES_KEY, e)
+    cfg = opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max)
+    return Autoscaler(cfg, slo, histories)
+
+
+def save_rate_history(job: JobState) -> None:
+    """The autoscaler's input-rate histories into the job directory, when one began a new bucket."""
+    scaler = job.autoscaler
+    if scaler is None or not scaler.dirty:
+        return
+    scaler.dirty.clear()
+    doc = {"version": 1, "operators": {uid: h.to_json() for uid, h in scaler.histories.items()}}
+    job.jobdir.write_json(RATES_KEY, doc, durable=False)  # losing the latest bucket in a crash costs little
+
+
 def autoscale(
     job: JobState, batch_id: int, started: float, batch_seconds: float, par: dict[str, int], reports: TaskReports, backlog: int | None,
     latency: Latency | None = None,
@@ -178,6 +227,11 @@ def autoscale(
                 job.scaling.executors_asked = ExecutorsAsked(more, time.monotonic()) if more else None
             else:
                 log.info("autoscaler recommends (not applied): %s", d.reason)
+    slo = event.get("slo") if reports else None
+    if isinstance(slo, dict) and slo.get("value_seconds") is not None:  # the SLO is the job's: counted once a batch
+        job.scaling.slo_batches += 1
+        job.scaling.slo_batches_met += slo["state"] != "missed"
+    save_rate_history(job)
 
 
 def size_executors(job: JobState, parallelism: dict[str, int]) -> int | None:

@@ -170,8 +170,39 @@ def _operator_families(job: str, status: dict[str, Any]) -> list[Metric]:
             recommended.add_metric([job, uid], d["target_parallelism"])
     pending = _gauge("keyscale_rescale_pending", "1 while a live rescale waits for the next batch", ["job"])
     pending.add_metric([job], 1.0 if status.get("pending_rescale") else 0.0)
-    out += [recommended, pending]
+    out += [recommended, pending, *_slo_families(job, status.get("scaling", {}))]
     return out
+
+
+def _slo_families(job: str, scaling: dict[str, Any]) -> list[Metric]:
+    """With an SLO (``--slo``): its target, each operator's last reading and forecast, and the
+    run's share of batches within it.
+
+    >>> d = {"slo": {"seconds": 5.0, "value_seconds": 2.5}, "forecast": {"input_rate": 900.0}}
+    >>> fams = _slo_families("j", {"slo": "latency=5s", "slo_attainment": 0.98, "last_decisions": {"op": d}})
+    >>> [(s.name, s.labels.get("operator"), s.value) for f in fams for s in f.samples]  # doctest: +NORMALIZE_WHITESPACE
+    [('keyscale_autoscaler_forecast_input_rate', 'op', 900.0), ('keyscale_slo_target_seconds', 'op', 5.0),
+     ('keyscale_slo_value_seconds', 'op', 2.5), ('keyscale_slo_attainment', None, 0.98)]
+    """
+    if not scaling.get("slo"):
+        return []
+    forecast = _gauge("keyscale_autoscaler_forecast_input_rate", "The input rate (records/s) the autoscaler's last decision "
+                      "forecast for the coming batches, per operator", ["job", "operator"])
+    target = _gauge("keyscale_slo_target_seconds", "The latency or lag the autoscaler sizes for (--slo), per operator", ["job", "operator", "kind"])
+    value = _gauge("keyscale_slo_value_seconds", "The SLO's measure at the autoscaler's last decision: p99 latency over the "
+                   "metrics window, or the lag", ["job", "operator", "kind"])
+    kind = str(scaling["slo"]).partition("=")[0]
+    for uid, d in sorted(scaling.get("last_decisions", {}).items()):
+        if isinstance(d.get("forecast"), dict):
+            forecast.add_metric([job, uid], d["forecast"]["input_rate"])
+        if isinstance(d.get("slo"), dict):
+            target.add_metric([job, uid, kind], d["slo"]["seconds"])
+            if d["slo"].get("value_seconds") is not None:
+                value.add_metric([job, uid, kind], d["slo"]["value_seconds"])
+    attainment = _gauge("keyscale_slo_attainment", "Share of this run's batches whose SLO reading was within the SLO", ["job"])
+    if scaling.get("slo_attainment") is not None:
+        attainment.add_metric([job], scaling["slo_attainment"])
+    return [forecast, target, value, attainment]
 
 
 class _JobCollector(Collector):

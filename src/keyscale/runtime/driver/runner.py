@@ -66,7 +66,6 @@ from keyscale.runtime.driver.shipping import ship_user_code, unimportable_module
 from keyscale.runtime.task.arrival import with_file_order
 from keyscale.runtime.task.profiling import profiled
 from keyscale.runtime.task.report import Reports
-from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sources.reader import LogSource
 from keyscale.state.backends import check_state_backend
 from keyscale.state.keygroups import (
@@ -173,12 +172,7 @@ class JobRunner:
         self._empty_batch = False  # the last batch run read no records (see _input_read)
         self._lookup: StateLookup | None = None  # point lookups (lookup_state), made on first use
         self._lookup_lock = threading.Lock()
-        if opts.scaling == "auto" and opts.autoscaler_mode != "off":
-            if opts.autoscaler_mode not in ("recommend", "active"):
-                raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
-            self.job.autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max))
-        elif opts.scaling not in ("fixed", "auto", "reactive"):
-            raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
+        self.job.autoscaler = scaling.make_autoscaler(opts, jobdir)
         check_state_backend(opts.state_backend, "the job's option")
         sizing.target_seconds(opts.latency_target)  # a latency target that is not a duration is refused before anything runs
         self._drain = threading.Event()

@@ -218,6 +218,16 @@ function batchSize(size) {
   return ` · ${limit} for the ${size.target_seconds} s latency target: ${size.meets_target ? "met" : "not met"}`;
 }
 
+// With an SLO (--slo): the target, this run's share of batches within it, and what the
+// autoscaler's last decision forecast (each decision's reason is in the events list).
+function sloSummary(scaling) {
+  if (!scaling || !scaling.slo) return "";
+  const share = scaling.slo_attainment == null ? "not measured yet" : `${(100 * scaling.slo_attainment).toFixed(1)}% of batches within it`;
+  const forecasts = Object.values(scaling.last_decisions || {}).map((d) => d.forecast).filter((f) => f);
+  const f = forecasts.length ? ` · forecast ${fmtCompact(Math.max(...forecasts.map((x) => x.input_rate)))}/s (${forecasts[0].method})` : "";
+  return ` · SLO ${scaling.slo}: ${share}${f}`;
+}
+
 function render(status, history) {
   document.title = `keyscale: ${status.job}`;
   document.getElementById("job").textContent = status.job;
@@ -225,7 +235,7 @@ function render(status, history) {
   state.textContent = status.state;
   state.className = `badge ${status.state}`;
   document.getElementById("summary").textContent =
-    `last checkpoint ${status.last_checkpoint ?? "–"}` + (status.watermark ? ` · watermark ${status.watermark}` : "") + batchSize(status.batch_size);
+    `last checkpoint ${status.last_checkpoint ?? "–"}` + (status.watermark ? ` · watermark ${status.watermark}` : "") + batchSize(status.batch_size) + sloSummary(status.scaling);
   document.getElementById("summary").title = status.batch_size ? status.batch_size.reason : "";
   const pending = status.pending_rescale;
   document.getElementById("pending").textContent = pending
