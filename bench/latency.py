@@ -74,7 +74,9 @@ ROOT = HERE.parent
 KEYED_JOB = ROOT / "examples" / "kafka_running_count.py"
 STATELESS_JOB = HERE / "jobs" / "kafka_passthrough.py"
 ENGINES = ("keyscale", "spark", "stateless")
-OPTIONAL = ("keyscale_async",)  # keyscale with asynchronous checkpoints (RunOptions.async_checkpoints), not in the default run
+# Not in the default run: keyscale with asynchronous checkpoints (RunOptions.async_checkpoints), and
+# with a latency target (RunOptions.latency_target, --latency-target: its batches sized for it).
+OPTIONAL = ("keyscale_async", "keyscale_target")
 PARTITIONS = 4
 PRIME_RATE = 5.0
 RESCALE = "{rate:,}/s + rescale {p}->{to}"
@@ -285,7 +287,8 @@ def _engine_main(cfg: dict[str, Any]) -> int:
         job = STATELESS_JOB if cfg["engine"] == "stateless" else KEYED_JOB
         opts = RunOptions(job_file=str(job), job_dir=cfg["dir"], parallelism=cfg["parallelism"], trigger_interval=cfg["trigger"],
                           args={"bootstrap": cfg["bootstrap"], "input": cfg["input"], "output": cfg["output"]},
-                          async_checkpoints=cfg["engine"] == "keyscale_async")
+                          async_checkpoints=cfg["engine"] == "keyscale_async",
+                          latency_target=cfg["latency_target"] if cfg["engine"] == "keyscale_target" else None)
         runner = JobRunner(opts, on_batch)
 
         def watch() -> None:
@@ -295,8 +298,10 @@ def _engine_main(cfg: dict[str, Any]) -> int:
 
         threading.Thread(target=watch, daemon=True).start()
         summary = runner.run()
+        limits = {h["batch"]: h.get("read_limit") for h in runner.history()["batches"]}
         for b in batches:
             b["spark_job_s"] = spark_job.get(b["batch"], float("nan"))
+            b["read_limit"] = limits.get(b["batch"])  # with a latency target: the batch's read limit
         result = {"batches": batches, "rescales": [list(r) for r in summary.rescales]}
     else:
         result = _spark_engine(cfg, stop_file)
@@ -461,7 +466,7 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
         outputs = Outputs(broker.bootstrap, out, a.keys, stateless=engine == "stateless")
         cfg = {"engine": engine, "bootstrap": broker.bootstrap, "input": inp, "output": out, "dir": str(run_dir / "job"),
                "parallelism": a.parallelism, "trigger": a.trigger, "stop": str(run_dir / "stop"), "result": str(run_dir / "result.json"),
-               "rocksdb": a.spark_rocksdb}
+               "rocksdb": a.spark_rocksdb, "latency_target": a.latency_target}
         log = open(run_dir / "engine.log", "wb")  # noqa: SIM115 (closed with the process)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
         env.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")  # Tansu needs it (bench/kafka.py)
@@ -549,6 +554,9 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
             row["median_between_batches_s"] = statistics.median(gaps) if gaps else float("nan")
             own = [b["own_p99_s"] for b in batches if b.get("own_p99_s") is not None]
             row["own_median_batch_p99_s"] = statistics.median(own) if own else float("nan")  # keyscale's per-batch p99, at the commit
+            limits = [b["read_limit"] for b in batches if b.get("read_limit") is not None]
+            row["median_read_limit"] = statistics.median(limits) if limits else float("nan")
+            row["batches_at_limit"] = sum(1 for b in batches if b.get("read_limit") is not None and b["records"] >= b["read_limit"])
         if len(lat) >= 8:
             order = np.argsort(times[measured])
             quarters = np.array_split(lat[order], 4)
@@ -668,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--trigger", default="1 millisecond", help="keyscale's trigger interval")
+    ap.add_argument("--latency-target", default="1s", help="the keyscale_target engine's latency target (RunOptions.latency_target)")
     ap.add_argument("--spark-rocksdb", action="store_true", help="Spark with the RocksDB state store (default: its default, HDFS-backed)")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--quick", action="store_true", help="smoke check: rates 1000,5000, 10 s each, short warm-up and rescale phase")

@@ -442,8 +442,11 @@ class Pipeline(JobGraph):
         checkpoint. ``options`` are :class:`~keyscale.runtime.batch.jobstate.RunOptions` fields:
         ``until_idle=True`` (end when the input is read), ``trigger_interval="1 second"`` (a log
         source's batches run back to back while records wait, and at least once an interval;
-        ``wait_for_trigger=True``: one per interval at most),
-        ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"``,
+        ``wait_for_trigger=True``: one per interval at most), ``latency_target="1s"`` (a log
+        source's batches sized for that end-to-end latency, never below what keeps up with
+        the input nor above the source's own ``max_records_per_batch``; the status's ``batch_size``),
+        ``max_parallelism``, ``from_savepoint``, ``scaling="fixed"|"reactive"|"auto"`` (with ``"auto"``:
+        ``autoscaler_mode="recommend"|"active"``, ``slo="latency=5s"`` or ``"lag=30s"``, the target it sizes for),
         ``retain``, ``drain_at_end``, ``state_backend="memory"|"rocksdb"`` (the keyed stages'
         default; a stage's own ``state_backend=`` wins), ``control_host="0.0.0.0"`` and
         ``control_port=9464`` (where the control API listens; default 127.0.0.1, any port),

@@ -130,6 +130,45 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
         job.stop()
 
 
+@pytest.mark.slow
+def test_the_dashboard_says_the_batch_size_of_a_latency_target(spark: Any, tmp_path: Path, browser: Any) -> None:
+    """Issue 35, item 3: a job run with a latency target reads its log in batches sized for
+    it; the status, and the page's summary line, say the read limit, whose it is and
+    whether the target is met (the reason in its tooltip)."""
+    import threading
+
+    import pyarrow as pa
+    from selenium.webdriver.common.by import By
+
+    from keyscale.runtime.control.server import control_api
+    from keyscale.runtime.driver.runner import JobRunner, RunOptions
+    from keyscale.sources import LocalLog
+
+    log = LocalLog.create(str(tmp_path / "log"), "key string, value long", partitions=2)
+    for part in (0, 1):
+        log.append(part, pa.table({"key": [f"k{i % 5}" for i in range(100)], "value": list(range(100))}))
+    opts = RunOptions(job_file=str(ROOT / "examples" / "log_count.py"), job_dir=str(tmp_path / "job"), parallelism=1,
+                      trigger_interval="300 milliseconds", args={"log": log.uri, "output": str(tmp_path / "out")}, latency_target="5 s")
+    runner = JobRunner(opts, serve=control_api(opts))
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    jd = JobDir(str(tmp_path / "job"))
+    try:
+        _wait(lambda: len(runner.summary.batches) >= 3, "three batches")
+        size = runner.live_status()["batch_size"]
+        assert size["target_seconds"] == 5.0 and size["limited_by"] == "latency target" and size["partitions"] == 2
+        assert size["records"] == 2 * size["records_per_partition"] and size["reason"]
+        browser.get(call(jd, "POST", "/ui/token")["url"])
+        _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the page to load")
+        summary = browser.find_element(By.ID, "summary")
+        assert re.search(r"read limit \S+ records \(latency target\) for the 5 s latency target: (met|not met)", summary.text), summary.text
+        assert summary.get_attribute("title")  # the reason
+        assert _browser_errors(browser) == []
+    finally:
+        runner.stop()
+        thread.join(120)
+
+
 def _browser_errors(browser: Any) -> list[str]:
     """What the page's console reported as failed (a resource that answered 404, a script error)."""
     return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
@@ -208,6 +247,58 @@ def test_the_dashboard_follows_the_jobs_parallelism(spark: Any, tmp_path: Path, 
         write_events(inp, files=1, rows=30_000, keys=300, first=4)
         _wait(lambda: job.status()["last_checkpoint"] == 4, "one more batch")
         assert job.status()["operators"]["totals"]["parallelism"] == 3
+    finally:
+        job.stop()
+
+
+@pytest.mark.slow
+def test_the_dashboard_looks_up_a_key(spark: Any, tmp_path: Path, browser: Any) -> None:
+    """Issue 37, item 6: each keyed operator has a key lookup box; its answer is what
+    GET /state/<uid>?key=... says (value, batch, key group), a key without state says so,
+    the box and its answer survive the page's refreshes, and the console stays clean."""
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    inp = tmp_path / "in"
+    write_events(inp, files=2, rows=1000, keys=50)
+    events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(inp))
+    job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count(), total=ks.aggregates.sum("value"))
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="lookups", trigger_interval="300 milliseconds"))
+    jd = JobDir(str(tmp_path / "job"))
+    try:
+        _wait(lambda: job.status()["last_checkpoint"] == 1, "two batches")
+        browser.get(call(jd, "POST", "/ui/token")["url"])
+        _wait(lambda: browser.execute_script("return document.body.dataset.loaded") == "true", "the page to load")
+        form = browser.find_element(By.CSS_SELECTOR, "[data-operator=totals] form.lookup")
+        answer = lambda: form.find_element(By.CLASS_NAME, "answer")  # noqa: E731
+
+        def look_up(key: str) -> None:
+            box = form.find_element(By.NAME, "key")
+            box.clear()
+            box.send_keys(key)
+            form.find_element(By.TAG_NAME, "button").click()
+            _wait(lambda: answer().find_elements(By.CLASS_NAME, "value"), f"the answer for {key}")
+
+        look_up("k7")
+        want = job.state("totals", "k7")
+        assert want["found"] and want["batch"] == 1
+        assert answer().find_element(By.CLASS_NAME, "batch").text == "batch 1"
+        assert answer().find_element(By.CLASS_NAME, "key-group").text == f"key group {want['key_group']}"
+        assert json.loads(answer().find_element(By.CLASS_NAME, "value").text) == want["state"]
+        assert "found" in answer().get_attribute("class")
+        # Refreshes redraw the strip, not the box: the key and its answer stay.
+        seen = browser.execute_script("return Number(document.body.dataset.refreshes)")
+        _wait(lambda: browser.execute_script("return Number(document.body.dataset.refreshes)") >= seen + 2, "two refreshes")
+        assert form.find_element(By.NAME, "key").get_attribute("value") == "k7"
+        assert json.loads(answer().find_element(By.CLASS_NAME, "value").text) == want["state"]
+
+        look_up("nobody")
+        assert "missing" in answer().get_attribute("class")
+        assert answer().find_element(By.CLASS_NAME, "value").text == job.state("totals", "nobody")["message"]
+        assert _browser_errors(browser) == []
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "dashboard-lookup.png"))
     finally:
         job.stop()
 

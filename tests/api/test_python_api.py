@@ -116,6 +116,20 @@ def test_a_bad_start_option_is_named(spark: Any, tmp_path: Path) -> None:
         pipeline.start(str(tmp_path / "job"), paralelism=2)
 
 
+def test_start_takes_an_slo_for_the_autoscaler_and_refuses_one_it_cannot_serve(spark: Any, tmp_path: Path) -> None:
+    write_events(tmp_path / "in", files=2, rows=100, keys=10)
+    events = spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path / "in"))
+    pipeline = ks.stream(events).key_by("key").aggregate(uid="n", n=ks.aggregates.count()).sink(ks.sinks.NoopSink())
+    with pytest.raises(KeyscaleError, match=r"--slo 'latency=soon': 'soon' is not a duration"):
+        pipeline.start(str(tmp_path / "bad"), scaling="auto", slo="latency=soon")
+    with pytest.raises(KeyscaleError, match=r"--slo lag=30s: only the autoscaler sizes for an SLO"):
+        pipeline.start(str(tmp_path / "bad"), slo="lag=30s")
+    job = pipeline.start(str(tmp_path / "job"), 2, until_idle=True, scaling="auto", slo="lag=1min")
+    job.await_termination(300)
+    scaling = job.status()["scaling"]
+    assert scaling["slo"] == "lag=60s" and scaling["last_decisions"]["n"]["slo"]["kind"] == "lag"
+
+
 def test_a_set_up_failure_is_raised_by_start_not_left_in_a_failed_handle(spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The run marks itself failed before its error reaches the handle's thread; start() saw
     # "failed", stopped waiting and returned a failed handle (parallelism=0, now and then).
@@ -165,3 +179,18 @@ def test_a_spark_connect_session_is_refused_by_name(tmp_path: Path) -> None:
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED ")]
     assert refused, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "Spark Connect" in refused[0] and "SparkSession.builder.getOrCreate()" in refused[0]
+
+
+def test_a_log_source_pipeline_starts_from_python_and_counts_every_record(spark: Any, tmp_path: Path) -> None:
+    """A pipeline on a log source, built and started from a user's script on its own session
+    (no job file): it runs on that session from the job's thread, and counts each record once."""
+    from keyscale.sources import create_log, generate
+
+    log = create_log(str(tmp_path / "log"), "key string, value long, ts timestamp", partitions=2)
+    assert generate(log, "400/s for 1s", keys=7).records == 400
+    job = (ks.stream(ks.sources.log_source(log, uid="reader")).key_by("key")
+           .aggregate(uid="totals", count=ks.aggregates.count())
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, until_idle=True))
+    assert job.await_termination(300)
+    got = read_output(str(tmp_path / "out")).groupby("key")["count"].max()
+    assert int(got.sum()) == 400 and len(got) == 7

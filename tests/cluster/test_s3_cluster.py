@@ -199,7 +199,7 @@ def test_a_local_output_folder_fails_on_isolated_workers(cluster: Any, redis_url
 
 def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, redis_url: str, s3_bucket: str, tmp_path: Path) -> None:
     """The active autoscaler under a load step on the cluster (a third worker joins first):
-    it scales up, asks Spark for executors to match, scales back down after its delay once
+    it scales up, asks Spark for executors to match and waits for them, scales back down after its delay once
     the load dropped, without oscillating, and the output on S3 is exactly once. The last
     test of the module: the worker it adds stays until the cluster stops."""
     add_worker(cluster.folder, cores=1)
@@ -231,6 +231,12 @@ def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, red
     assert sum(1 for a, b in pairwise(actions) if a != b) <= 2  # no oscillation
     asked = [e for e in events if e["type"] == "executors"]
     assert any(e["requested"] >= 2 and e["requested"] > e["had"] for e in asked), asked  # more executors for the scale-up
+    # The scale-up waited for them: the job said when they came (or that they came late),
+    # after asking, and a "ready" means the cores it wanted were there.
+    kinds = [e["type"] for e in events]
+    waited = [e for e in events if e["type"] in ("executors_ready", "executors_late")]
+    assert waited and kinds.index("executors") < kinds.index(waited[0]["type"]), kinds
+    assert all(e["cores"] >= e["wanted"] for e in waited if e["type"] == "executors_ready"), waited
     # Exactly once: each key's final count is its number of records in the log.
     got = read_output(out).groupby("key")["count"].max().sort_index()
     records = pd.concat([log.read(p, 0, e).to_pandas() for p, e in enumerate(log.end_offsets())])

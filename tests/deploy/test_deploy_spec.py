@@ -243,3 +243,32 @@ def test_async_checkpoints_is_a_run_setting_passed_to_keyscale_run(folder: Path)
     assert DeploymentSpec.from_json(on.to_json()) == on
     with pytest.raises(DeploymentError, match="async_checkpoints"):
         _parse(folder, MINIMAL + 'async_checkpoints = "yes"\n')
+
+
+def test_a_latency_target_is_a_run_setting_passed_to_keyscale_run(folder: Path) -> None:
+    default = _parse(folder, MINIMAL)
+    assert default.latency_target is None and "--latency-target" not in default.command("/j")
+    on = _parse(folder, MINIMAL + 'latency_target = "500 ms"\n')
+    assert on.command("/j")[-2:] == ["--latency-target", "500 ms"]
+    assert default.changes(on) == ["latency_target"] and "latency_target" in RUN_FIELDS
+    assert DeploymentSpec.from_json(on.to_json()) == on
+    with pytest.raises(DeploymentError, match=r"deployment.toml: latency_target: 'soon' is not a duration"):
+        _parse(folder, MINIMAL + 'latency_target = "soon"\n')
+    with pytest.raises(DeploymentError, match="latency_target: '0s' must be more than 0 ms"):
+        _parse(folder, MINIMAL + 'latency_target = "0s"\n')
+
+
+def test_scaling_and_an_slo_are_run_settings_passed_to_keyscale_run(folder: Path) -> None:
+    default = _parse(folder, MINIMAL)
+    assert (default.scaling, default.slo) == ("fixed", None) and "--scaling" not in default.command("/j")
+    auto = _parse(folder, MINIMAL + 'scaling = "auto"\nautoscaler = "active"\nslo = "latency = 5 s"\n')
+    assert auto.slo == "latency=5s"  # as keyscale run reads it
+    assert auto.command("/j")[-6:] == ["--scaling", "auto", "--autoscaler", "active", "--slo", "latency=5s"]
+    assert default.changes(auto) == ["scaling", "autoscaler", "slo"] and {"scaling", "autoscaler", "slo"} <= set(RUN_FIELDS)
+    assert DeploymentSpec.from_json(auto.to_json()) == auto
+    with pytest.raises(DeploymentError, match=r"deployment.toml: slo: 'latency=soon': 'soon' is not a duration"):
+        _parse(folder, MINIMAL + 'scaling = "auto"\nslo = "latency=soon"\n')
+    with pytest.raises(DeploymentError, match='slo: only the autoscaler sizes for an SLO: set scaling = "auto"'):
+        _parse(folder, MINIMAL + 'slo = "lag=30s"\n')
+    with pytest.raises(DeploymentError, match="scaling: must be 'fixed', 'reactive' or 'auto'"):
+        _parse(folder, MINIMAL + 'scaling = "elastic"\n')

@@ -11,11 +11,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from keyscale.scaling.batch_size import (
+    GROWTH,
     HEADROOM,
+    PROBE_RECORDS,
+    arrival_rate,
     batch_records,
     fit_cost,
     keep_up_records,
     latency_records,
+    next_batch,
 )
 
 targets = st.floats(0.05, 60.0)
@@ -100,3 +104,74 @@ def test_bad_inputs_are_refused() -> None:
         batch_records(0, 0.1, 1e-5, 10)
     with pytest.raises(ValueError):
         fit_cost([])
+
+
+# -- a running job's next batch (next_batch, arrival_rate): what runtime/batch/sizing.py uses
+
+histories = st.lists(st.tuples(st.integers(0, 10**6), st.floats(0.0, 30.0)), min_size=1, max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(targets, histories, rates)
+def test_the_next_batch_is_never_below_keeping_up_nor_far_beyond_what_was_measured(t: float, batches: list[tuple[int, float]], rate: float) -> None:
+    f, c = fit_cost(batches)
+    s = next_batch(t, batches, rate)
+    bound = GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches))
+    assert s.records is not None and s.records >= 1
+    if rate * c >= 1:  # no size keeps up: the measured bound, and said so
+        assert s.records == bound and not s.meets_target
+        return
+    need = math.ceil(keep_up_records(rate, f, c) * HEADROOM)
+    assert s.records >= need  # throughput first: the lag does not grow, whatever was measured
+    assert s.records <= max(bound, need)  # and no further beyond the batches measured than that needs
+    unbounded = batch_records(t, f, c, rate)
+    if unbounded.records is not None and unbounded.records <= max(bound, need):
+        assert s == unbounded
+
+
+@settings(max_examples=200, deadline=None)
+@given(targets, histories)
+def test_without_a_measured_rate_the_next_batch_grows_from_the_batches_measured(t: float, batches: list[tuple[int, float]]) -> None:
+    s = next_batch(t, batches, None)
+    assert s.records == GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches))
+    assert not s.meets_target and "not measured yet" in s.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(targets, histories, st.one_of(st.none(), rates), st.floats(1.0, 100.0))
+def test_a_looser_target_never_shrinks_the_next_batch(t: float, batches: list[tuple[int, float]], rate: float | None, looser: float) -> None:
+    a, b = next_batch(t, batches, rate), next_batch(t * looser, batches, rate)
+    assert a.records is not None and b.records is not None and b.records >= a.records
+
+
+@settings(max_examples=200, deadline=None)
+@given(targets, st.one_of(st.none(), st.integers(1, 10**6)))
+def test_the_first_batch_probes_the_costs_within_the_jobs_cap(t: float, cap: int | None) -> None:
+    s = next_batch(t, [], None, cap=cap)
+    assert s.records == (PROBE_RECORDS if cap is None else min(cap, PROBE_RECORDS))
+    assert not s.meets_target and "no batch measured" in s.reason
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.0, 1e5), st.floats(0.0, 1e4), st.lists(st.tuples(st.floats(0.01, 10.0), st.floats(0.0, 1.0)), min_size=1, max_size=15))
+def test_arrival_rate_is_the_rate_records_arrived_at_whatever_the_batches_read(rate: float, backlog: float, batches: list[tuple[float, float]]) -> None:
+    """A model of the input: records arrive at ``rate``; each batch takes some seconds and
+    reads a share of what waits. The rate measured from the batches is the model's."""
+    now, waiting, seen = 0.0, backlog, [(0.0, 0, int(backlog))]
+    for seconds, share in batches:
+        now += seconds
+        waiting += rate * seconds
+        read = math.floor(waiting * share)
+        waiting -= read
+        seen.append((now, read, math.floor(waiting)))
+    got = arrival_rate(seen)
+    assert got is not None
+    # Whole records: the backlog's fractions are at most one record at either end.
+    assert got == pytest.approx(rate, abs=2 / now + 1e-6 * rate)
+
+
+def test_arrival_rate_needs_two_batches_with_a_known_backlog() -> None:
+    assert arrival_rate([]) is None
+    assert arrival_rate([(1.0, 10, 0)]) is None
+    assert arrival_rate([(1.0, 10, None), (2.0, 10, 0)]) is None
+    assert arrival_rate([(1.0, 10, 0), (1.0, 10, 0)]) is None  # no time between them

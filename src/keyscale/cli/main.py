@@ -48,6 +48,13 @@ def _autoscaler_config(options: list[str], lo: int, hi: int | None) -> Any:
         raise KeyscaleError(f"autoscaler options: {e}") from None
 
 
+def _slo(text: str | None) -> Any:
+    """``--slo`` parsed (an error names the text), or None."""
+    from keyscale.scaling.slo import parse_slo
+
+    return None if text is None else parse_slo(text)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.runtime.control.server import control_api
@@ -63,9 +70,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         allow_empty_restart=a.allow_empty_restart,
         scaling=a.scaling, autoscaler_mode=a.autoscaler, drain_at_end=a.drain_at_end,
         scaling_min=a.scaling_min, scaling_max=a.scaling_max,
-        autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max),
+        autoscaler=_autoscaler_config(a.autoscaler_option, a.scaling_min, a.scaling_max), slo=_slo(a.slo),
         spark_conf=parse_spark_conf(a.conf), state_backend=a.state_backend, async_checkpoints=a.async_checkpoints,
-        **control_options(a),
+        latency_target=a.latency_target, wait_for_trigger=a.wait_for_trigger, **control_options(a),
     )
     log = logging.getLogger("keyscale")
     while True:
@@ -119,6 +126,8 @@ def _restart_rescale(a: argparse.Namespace) -> int:
             "--compaction-chain", str(run["compaction_chain"]), "--state-backend", run.get("state_backend", "memory")]
     argv += ["--until-idle"] if run["until_idle"] else []
     argv += ["--async-checkpoints"] if run.get("async_checkpoints") else []
+    argv += ["--wait-for-trigger"] if run.get("wait_for_trigger") else []
+    argv += ["--latency-target", str(run["latency_target"])] if run.get("latency_target") else []
     for flag in ("control_host", "control_port", "metrics_token_file"):  # the environment's KEYSCALE_* are inherited
         if run.get(flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(run[flag])]
@@ -338,6 +347,16 @@ def cmd_status(a: argparse.Namespace) -> int:
     if lat:
         print(f"  end-to-end latency (batch {lat['batch']}, {lat['records']:,} records, from {lat['append_time']}): "
               f"p50 {lat['p50_seconds']:.3f} s, p99 {lat['p99_seconds']:.3f} s, max {lat['max_seconds']:.3f} s")
+    size = st.get("batch_size")
+    if size:
+        limit = "no limit" if size["records"] is None else f"at most {size['records']:,} records ({size['limited_by']})"
+        print(f"  batch size for the {size['target_seconds']:g} s latency target: {limit}; target met: {'yes' if size['meets_target'] else 'no'}: {size['reason']}")
+    sc = st.get("scaling") or {}
+    if sc.get("slo"):
+        share = "not measured yet" if sc.get("slo_attainment") is None else f"{sc['slo_attainment']:.1%} of {sc['slo_batches']} batches within it"
+        print(f"  autoscaler ({sc.get('autoscaler')}), SLO {sc['slo']}: {share}")
+        for uid, d in sc.get("last_decisions", {}).items():
+            print(f"    '{uid}', batch {d.get('batch')}: {d.get('reason')}")
     for uid, total in st["counters"]["total"].items():
         last = st["counters"]["last_batch"].get(uid)
         print(f"  records not processed normally by '{uid}': {counters.summary(total)} in all" + (f"; last batch: {counters.summary(last)}" if last else ""))
@@ -424,7 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(deployments pass this: their file lists every argument)")
     r.add_argument("--conf", action="append", default=[], metavar="NAME=VALUE",
                    help="a Spark setting for the job's session (repeatable); wins over keyscale's defaults (docs/reference/spark-settings.md)")
-    r.add_argument("--trigger-interval", default="1 second")
+    r.add_argument("--trigger-interval", default="1 second",
+                   help="a log source's job runs a batch at least this often, and back to back while records wait (default 1 second)")
+    r.add_argument("--wait-for-trigger", action="store_true",
+                   help="a log source's job runs one batch per trigger interval at most, as Spark's processing-time trigger "
+                        "(default: the next batch starts as soon as records wait)")
+    r.add_argument("--latency-target", metavar="DURATION",
+                   help="size a log source's batches for this end-to-end latency (e.g. 1s, 500ms): each batch reads at most what "
+                        "half of it allows, and never less than keeps up with the input; a source's own max_records_per_batch, "
+                        "if smaller, stays (the status's batch_size says which limit holds)")
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
                    help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
@@ -440,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--scaling-max", type=int, metavar="N", help="highest parallelism they choose (default: the number of key groups)")
     r.add_argument("--autoscaler-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an autoscaler setting, e.g. stabilization_seconds=10 or scale_down_delay_seconds=30 (see AutoscalerConfig)")
+    r.add_argument("--slo", metavar="KIND=DURATION",
+                   help="with --scaling auto: the target the autoscaler sizes for, 'latency=5s' (p99 end to end over its "
+                        "metrics window) or 'lag=30s' (age of the oldest unread record); it then forecasts the input rate "
+                        "from the job's history and scales ahead of it")
     r.add_argument("--autoscaler", choices=["off", "recommend", "active"], default="recommend",
                    help="with --scaling auto: recommend records decisions (status, events.jsonl) without acting; active applies them live")
     r.add_argument("--from-savepoint", metavar="SP", help="start a new job directory from a savepoint (any -p in 1..M)")
@@ -525,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--checkpoint", type=int, metavar="BATCH", help="this committed checkpoint instead of the last one")
     sg.add_argument("--compact", action="store_true", help="one line of JSON per key")
     sg.set_defaults(func=cmd_state_get)
+    from keyscale.cli.state import add_state_edit_parsers
+
+    state_edits = add_state_edit_parsers(state_sub)
 
     from keyscale.deploy.cli import add_apply_parser, add_deployment_parsers
 
@@ -540,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from keyscale.scaling.simulate import add_simulate_parser
 
-    for located in (r, rs, st, sp, so, ca, ls, ins, sg):  # every command that opens a job dir, savepoint or folder
+    for located in (r, rs, st, sp, so, ca, ls, ins, sg, *state_edits):  # every command that opens a job dir, savepoint or folder
         located.add_argument(
             "--storage-option", action="append", default=[], metavar="KEY=VALUE",
             help="object store setting (obstore config key, e.g. endpoint=http://127.0.0.1:9000, region=eu-west-1); "

@@ -65,6 +65,7 @@ __all__ = [
     "executor_ids",
     "is_loopback_master",
     "request_executors",
+    "sizes_executors",
     "spark_conf_for_cluster",
     "wait_for_executor_cores",
 ]
@@ -73,6 +74,17 @@ log = logging.getLogger("keyscale.cluster")
 
 UNLIMITED = 2**31 - 1
 """``request_executors(spark, UNLIMITED)``: every core the cluster offers, as before any request."""
+
+
+def sizes_executors(master: str) -> bool:
+    """Whether keyscale asks Spark for executors under ``master``: a cluster manager whose
+    scheduler backend takes ``requestTotalExecutors`` / ``killExecutors`` (standalone,
+    Kubernetes, YARN); not ``local[...]``, whose one executor is the driver.
+
+    >>> [sizes_executors(m) for m in ("spark://h:7077", "k8s://https://api:6443", "yarn", "local[2]")]
+    [True, True, True, False]
+    """
+    return master.startswith(("spark://", "k8s://")) or master == "yarn"
 
 
 def is_loopback_master(master: str) -> bool:

@@ -125,7 +125,7 @@ class RestartStrategy:
 
 #: Fields whose change needs a new job process (the upgrade strategy applies).
 RUN_FIELDS = ("job", "args", "master", "trigger_interval", "retain", "compaction_chain", "max_parallelism", "spark_conf", "state_backend",
-              "async_checkpoints")
+              "async_checkpoints", "latency_target", "scaling", "autoscaler", "slo")
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,10 @@ class DeploymentSpec:
     spark_conf: dict[str, str] = field(default_factory=dict)  # keyscale run --conf
     state_backend: str = "memory"  # keyscale run --state-backend: the keyed stages' default
     async_checkpoints: bool = False  # keyscale run --async-checkpoints
+    latency_target: str | None = None  # keyscale run --latency-target
+    scaling: str = "fixed"  # keyscale run --scaling: fixed, reactive or auto
+    autoscaler: str = "recommend"  # keyscale run --autoscaler (with scaling auto): recommend or active
+    slo: str | None = None  # keyscale run --slo (with scaling auto): "latency=5s", "lag=30s"
 
     @property
     def base_dir(self) -> Path:
@@ -193,6 +197,10 @@ class DeploymentSpec:
             "spark_conf": dict(self.spark_conf),
             "state_backend": self.state_backend,
             "async_checkpoints": self.async_checkpoints,
+            "latency_target": self.latency_target,
+            "scaling": self.scaling,
+            "autoscaler": self.autoscaler,
+            "slo": self.slo,
         }
 
     @classmethod
@@ -208,6 +216,8 @@ class DeploymentSpec:
             spark_conf={str(k): str(v) for k, v in d.get("spark_conf", {}).items()},  # absent in specs stored before it
             state_backend=str(d.get("state_backend", "memory")),  # likewise
             async_checkpoints=bool(d.get("async_checkpoints", False)),  # likewise
+            latency_target=None if d.get("latency_target") is None else str(d["latency_target"]),  # likewise
+            scaling=str(d.get("scaling", "fixed")), autoscaler=str(d.get("autoscaler", "recommend")), slo=d.get("slo"),  # likewise
         )
 
     def settings(self) -> dict[str, Any]:
@@ -249,6 +259,12 @@ class DeploymentSpec:
             argv += ["--state-backend", self.state_backend]
         if self.async_checkpoints:
             argv += ["--async-checkpoints"]
+        if self.latency_target is not None:
+            argv += ["--latency-target", self.latency_target]
+        if self.scaling != "fixed":
+            argv += ["--scaling", self.scaling] + (["--autoscaler", self.autoscaler] if self.scaling == "auto" else [])
+        if self.slo is not None:
+            argv += ["--slo", self.slo]
         for k, v in self.args.items():
             argv += ["--set", f"{k}={v}"]
         for k, v in self.spark_conf.items():
@@ -298,7 +314,7 @@ def file_sha256(path: Path) -> str:
 _TOP = (
     "name", "job", "args", "parallelism", "max_parallelism", "master", "trigger_interval", "retain",
     "compaction_chain", "state_dir", "savepoint_dir", "upgrade_strategy", "restore_strategy",
-    "allow_non_restored_state", "restart", "spark_conf", "state_backend", "async_checkpoints",
+    "allow_non_restored_state", "restart", "spark_conf", "state_backend", "async_checkpoints", "latency_target", "scaling", "autoscaler", "slo",
 )
 _RESTART = ("attempts", "backoff_seconds", "backoff_factor", "max_backoff_seconds")
 
@@ -381,6 +397,26 @@ def _text_table(top: _Fields, key: str) -> dict[str, str]:
     return out
 
 
+def _scaling(top: _Fields) -> tuple[str, str, str | None]:
+    """``scaling``, ``autoscaler`` and ``slo``: what ``keyscale run`` would refuse is refused here."""
+    from keyscale.scaling.slo import parse_slo
+
+    scaling = top.string("scaling", "fixed")
+    if scaling not in ("fixed", "reactive", "auto"):
+        top.fail("scaling", f"must be 'fixed', 'reactive' or 'auto', not {scaling!r}")
+    autoscaler = top.string("autoscaler", "recommend")
+    if autoscaler not in ("recommend", "active"):
+        top.fail("autoscaler", f"must be 'recommend' or 'active', not {autoscaler!r}")
+    if "slo" not in top.table:
+        return scaling, autoscaler, None
+    if scaling != "auto":
+        top.fail("slo", "only the autoscaler sizes for an SLO: set scaling = \"auto\"")
+    try:
+        return scaling, autoscaler, str(parse_slo(top.string("slo")))
+    except KeyscaleError as e:
+        top.fail("slo", str(e).removeprefix("--slo "))
+
+
 def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
     """Parse and validate the text of deployment file ``path`` (relative paths start at its folder).
 
@@ -422,6 +458,16 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
     if backend not in ("memory", "rocksdb"):
         top.fail("state_backend", f"must be 'memory' or 'rocksdb', not {backend!r}")
     async_checkpoints = top.boolean("async_checkpoints", False)
+    latency_target = top.string("latency_target").strip() if "latency_target" in doc else None
+    if latency_target is not None:
+        # The rule keyscale run applies to it.
+        from keyscale.runtime.batch.sizing import target_seconds
+
+        try:
+            target_seconds(latency_target)
+        except KeyscaleError as e:
+            top.fail("latency_target", str(e).removeprefix("latency_target "))
+    scaling, autoscaler, slo = _scaling(top)
     state_dir = _path(base, top.string("state_dir", f".keyscale/{name}"))
     savepoint_dir = _path(base, top.string("savepoint_dir")) if "savepoint_dir" in doc else state_dir / "savepoints"
     upgrade = UpgradeStrategy(top.choice("upgrade_strategy", UpgradeStrategy, "STATEFUL"))
@@ -444,7 +490,8 @@ def parse_deployment(text: str, path: str | Path) -> DeploymentSpec:
         parallelism=parallelism, max_parallelism=max_parallelism, master=master, trigger_interval=interval,
         retain=retain, compaction_chain=chain, state_dir=state_dir, savepoint_dir=savepoint_dir,
         upgrade_strategy=upgrade, restore_strategy=restore, allow_non_restored_state=allow, restart=restart,
-        spark_conf=spark_conf, state_backend=backend, async_checkpoints=async_checkpoints,
+        spark_conf=spark_conf, state_backend=backend, async_checkpoints=async_checkpoints, latency_target=latency_target,
+        scaling=scaling, autoscaler=autoscaler, slo=slo,
     )
 
 

@@ -25,6 +25,17 @@ Where one record costs more than its share of a second (``rate c >= 1``), no siz
 True
 >>> fit_cost([(0, 0.30), (1000, 0.40), (2000, 0.50)])
 (0.3, 0.0001)
+
+A running job sizes its next batch with :func:`next_batch`: the costs fitted to its recent
+batches, the input rate measured from them (:func:`arrival_rate`), and no more than
+``GROWTH`` times the largest batch it measured: the fitted line is a measure of the batch
+sizes seen, not of those far beyond them (nor, with batches all of one size, of ``c``).
+
+>>> s = next_batch(1.0, [(0, 0.2), (1000, 0.21), (2000, 0.22)], rate=5000)
+>>> s.records, s.meets_target
+(8000, True)
+>>> arrival_rate([(10.0, 500, 0), (11.0, 5000, 200), (12.0, 5000, 0)])
+5000.0
 """
 
 from __future__ import annotations
@@ -36,6 +47,10 @@ from dataclasses import dataclass
 
 HEADROOM = 1.25
 """How much more than the arrivals during it a batch may read at least: what drains a backlog."""
+GROWTH = 4
+"""How many times the largest batch measured the next one may read at most."""
+PROBE_RECORDS = 1000
+"""What the growth starts from: the limit before any batch was measured, or after only tiny ones."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +114,8 @@ def batch_records(
     need = keep_up * headroom
     # Whole records: the latency's share rounded down, keeping up's rounded up.
     limit = max(math.floor(by_latency * (1 + 1e-12)) if math.isfinite(by_latency) else math.inf, math.ceil(need), minimum)
-    reason = (f"a batch of {target_seconds / 2:.2f} s (half the {target_seconds:.2f} s target) holds {by_latency:,.0f} records"
+    held = "any number of records (no cost per record measured)" if math.isinf(by_latency) else f"{by_latency:,.0f} records"
+    reason = (f"a batch of {target_seconds / 2:.2f} s (half the {target_seconds:.2f} s target) holds {held}"
               if by_latency >= need else
               f"keeping up with {rate:,.0f} records/s needs {need:,.0f} records a batch, more than the target allows ({by_latency:,.0f})")
     if cap is not None and cap < limit:
@@ -128,3 +144,47 @@ def fit_cost(batches: Sequence[tuple[int, float]]) -> tuple[float, float]:
     if f < 0:  # through the origin instead
         f, c = 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs))
     return round(f, 9), round(c, 12)
+
+
+def arrival_rate(batches: Sequence[tuple[float, int, int | None]]) -> float | None:
+    """Records per second that arrived over recent batches, each ``(end time in seconds,
+    records read, backlog after it)``, oldest first: what the batches after the first read,
+    plus the growth of the backlog, over the time between the first's end and the last's.
+    None with fewer than two batches whose backlog is known, or no time between them.
+
+    >>> arrival_rate([(0.0, 10, 100), (2.0, 300, 0)])  # 300 read, the backlog of 100 gone: 200 arrived
+    100.0
+    """
+    known = [b for b in batches if b[2] is not None]
+    if len(known) < 2 or known[-1][0] <= known[0][0]:
+        return None
+    first, last = known[0], known[-1]
+    read = sum(n for t, n, _ in batches if first[0] < t <= last[0])
+    assert first[2] is not None and last[2] is not None
+    return max(0.0, read + last[2] - first[2]) / (last[0] - first[0])
+
+
+def next_batch(target_seconds: float, batches: Sequence[tuple[int, float]], rate: float | None, cap: int | None = None) -> BatchSize:
+    """The next batch's read limit: :func:`batch_records` with the costs fitted to recent
+    ``batches`` (``(records, seconds)``) and the input ``rate``, at most ``GROWTH`` times
+    the largest batch measured (at least ``PROBE_RECORDS`` times that) unless keeping up
+    with the rate needs more: throughput first. With no batch measured, or the rate not
+    measured yet (None), that bound (before any batch: ``PROBE_RECORDS``). ``cap`` as in
+    :func:`batch_records`: it wins."""
+    if not target_seconds > 0:
+        raise ValueError("next_batch: the target must be > 0")
+    bound = GROWTH * max(PROBE_RECORDS, max(n for n, _ in batches)) if batches else PROBE_RECORDS
+    if not batches or rate is None:
+        n = bound if cap is None else min(cap, bound)
+        what = "no batch measured yet" if not batches else "the input rate is not measured yet"
+        return BatchSize(n, None, False, f"{what}: {n:,} records (at most {GROWTH}x the largest batch measured)")
+    f, c = fit_cost(batches)
+    size = batch_records(target_seconds, f, c, rate, cap=cap)
+    need = keep_up_records(rate, f, c) * HEADROOM
+    if math.isfinite(need):
+        bound = max(bound, math.ceil(need))
+    if size.records is not None and size.records <= bound:
+        return size
+    seconds = f + c * bound
+    return BatchSize(bound, seconds, 2 * seconds <= target_seconds * (1 + 1e-9) and math.isfinite(need),
+                     f"{size.reason}; at most {GROWTH}x the largest batch measured: {bound:,} records")

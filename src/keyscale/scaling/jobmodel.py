@@ -16,7 +16,12 @@ The job model, per micro-batch starting at ``t`` with parallelism ``P``:
 * subtask ``i`` is busy ``records_i / per_subtask_capacity_rps +
   task_overhead_seconds``; the batch lasts as long as the busiest subtask;
 * the next batch starts one trigger interval later, or when this one ends if it
-  overran.
+  overran;
+* each batch's end-to-end latency (``BatchMetrics.latency``): per record, from its
+  arrival to the batch's end (its commit), records read oldest first
+  (:mod:`keyscale.scaling.arrivals` has the formula);
+* :meth:`JobRun.pause` stops the job for a while (a restart): records keep arriving
+  and wait.
 
 >>> class Steady:  # any Load: records arriving between two instants
 ...     def arrivals(self, start: float, end: float) -> float:
@@ -35,6 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from keyscale.scaling.arrivals import ArrivalQueue, batch_latency
 from keyscale.scaling.policy import BatchMetrics
 
 __all__ = ["JobRun", "Load", "SimulatedBatch", "SimulatedJob"]
@@ -166,6 +172,25 @@ class JobRun:
         # The first batch reads one trigger interval's worth of input.
         self._read_until = -job.trigger_interval_seconds
         self._unread = 0.0
+        self._queue = ArrivalQueue()
+
+    def pause(self, seconds: float) -> None:
+        """Run no batch for ``seconds`` (a restart): the next batch starts that much later
+        and reads what arrived meanwhile too.
+
+        >>> class Steady:
+        ...     def arrivals(self, start: float, end: float) -> float:
+        ...         return 1000 * (end - start)
+        >>> run = SimulatedJob(1000.0).start(Steady())
+        >>> _ = run.run_batch(4)
+        >>> run.pause(20.0)
+        >>> b = run.run_batch(4)
+        >>> b.metrics.time, b.metrics.input_records, b.metrics.latency.max_seconds
+        (25.0, 25000, 31.25)
+        """
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"pause must be a number of seconds >= 0, got {seconds}")
+        self.now += seconds
 
     def run_batch(self, parallelism: int) -> SimulatedBatch:
         """Run the batch that starts now with ``parallelism`` subtasks."""
@@ -175,6 +200,7 @@ class JobRun:
         t = self.now
         arrived = self.load.arrivals(self._read_until, t)
         input_rate = arrived / (t - self._read_until)
+        self._queue.push(self._read_until, t, arrived)
         self._read_until = t
         self._unread += arrived
         pending = self._unread
@@ -196,6 +222,7 @@ class JobRun:
         busy = tuple(r / job.per_subtask_capacity_rps + job.task_overhead_seconds for r in records)
         duration = max(busy)
         period = max(job.trigger_interval_seconds, duration)
+        latency = batch_latency(self._queue.pop(read), committed=t + duration)
         self.now = t + period
         metrics = BatchMetrics(
             time=t,
@@ -209,6 +236,7 @@ class JobRun:
             records=tuple(records),
             backlog_records=math.floor(self._unread) if job.reports_backlog else None,
             input_rate=input_rate if job.reports_input_rate else None,
+            latency=latency,
         )
         return SimulatedBatch(
             metrics=metrics,

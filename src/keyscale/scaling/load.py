@@ -51,6 +51,10 @@ class Sample:
     # The batch's end-to-end latency (None: not measured); a latency SLO reads the window's
     # with keyscale.latency.window_quantile.
     latency: Latency | None = None
+    # What the source had not handed to the batch (None: not reported), and the batch's
+    # duration: a lag SLO reads them (keyscale.scaling.slo.lag_seconds).
+    backlog: int | None = None
+    seconds: float = 0.0
 
 
 def arrival_period(m: BatchMetrics, last_time: float | None) -> float:
@@ -84,6 +88,8 @@ def batch_sample(m: BatchMetrics, period: float, warmup: bool) -> Sample:
         busy_hot=max(m.busy_seconds),
         warmup=warmup,
         latency=m.latency,
+        backlog=m.backlog_records,
+        seconds=m.batch_seconds,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from keyscale.latency import Latency
 
@@ -127,6 +127,16 @@ class AutoscalerConfig:
             processing rate (they include moving state).
         min_busy_seconds: busy time (of the busiest subtask, summed over the
             window) below which the processing rate is not trusted.
+        max_rescales_per_hour: at most this many rescales in any hour (``None``: no
+            cap); with an SLO, a scale-up for a missed SLO goes beyond it.
+        season_seconds: the input's season for the forecast (with an SLO): a day by
+            default; a week (7 seasons) is used once the history covers it.
+        forecast_horizon_seconds: with an SLO, a scale-down goes only as low as the
+            forecast peak of this many seconds ahead allows.
+        forecast_bucket_seconds: the rate history's resolution (with an SLO).
+        executor_wait_seconds: on a cluster, how long a scale-up waits for the
+            executors it asked Spark for; batches keep running at the old parallelism
+            meanwhile, and after this long it goes ahead on the cores there are.
 
     >>> AutoscalerConfig().target_utilization
     0.7
@@ -150,6 +160,11 @@ class AutoscalerConfig:
     align_to_key_groups: bool = True
     warmup_batches: int = 1
     min_busy_seconds: float = 0.05
+    max_rescales_per_hour: int | None = None
+    season_seconds: float = 86400.0
+    forecast_horizon_seconds: float = 600.0
+    forecast_bucket_seconds: float = 300.0
+    executor_wait_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
@@ -164,6 +179,7 @@ class AutoscalerConfig:
             "scale_down_delay_seconds",
             "restart_seconds",
             "min_busy_seconds",
+            "executor_wait_seconds",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
@@ -182,6 +198,12 @@ class AutoscalerConfig:
             )
         if self.warmup_batches < 0:
             raise ValueError(f"warmup_batches must be >= 0, got {self.warmup_batches}")
+        if self.max_rescales_per_hour is not None and self.max_rescales_per_hour < 1:
+            raise ValueError(f"max_rescales_per_hour must be >= 1 or None, got {self.max_rescales_per_hour}")
+        for name in ("season_seconds", "forecast_horizon_seconds", "forecast_bucket_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     @property
     def scale_up_threshold(self) -> float:
@@ -232,7 +254,15 @@ class Decision:
     ``raw_target_parallelism``, ``window_batches``,
     ``seconds_since_change``, ``scale_down_pending_since``,
     ``rate_from_history`` (1.0 when the rate came from an earlier window),
-    ``lower_bound`` and ``upper_bound`` (when the current parallelism was outside them).
+    ``lower_bound`` and ``upper_bound`` (when the current parallelism was outside them);
+    with an SLO also ``slo_target_seconds``, ``slo_value_seconds``,
+    ``slo_projected_seconds``, ``slo_catch_up_seconds``, ``forecast_input_rate`` (the
+    forecast over the lead), ``forecast_input_rate_horizon`` (over the scale-down horizon),
+    ``lead_seconds``, ``rescale_cost_seconds`` and ``rescales_last_hour``.
+
+    With an SLO, ``slo`` is its reading (:meth:`keyscale.scaling.slo.SloReading.to_dict`)
+    and ``forecast`` the forecast the decision used
+    (:meth:`keyscale.scaling.forecast.Forecast.to_dict`), both in :meth:`to_dict`.
 
     >>> d = Decision(time=0.0, uid="op", current_parallelism=4, target_parallelism=4,
     ...              action="none", reason="stabilising")
@@ -247,6 +277,8 @@ class Decision:
     action: Action
     reason: str
     inputs: dict[str, float] = field(default_factory=dict)
+    slo: dict[str, Any] | None = None
+    forecast: dict[str, Any] | None = None
 
     @property
     def changes(self) -> bool:
@@ -267,4 +299,6 @@ class Decision:
             "action": self.action,
             "reason": self.reason,
             "inputs": dict(self.inputs),
+            **({"slo": dict(self.slo)} if self.slo is not None else {}),
+            **({"forecast": dict(self.forecast)} if self.forecast is not None else {}),
         }

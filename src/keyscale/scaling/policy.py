@@ -12,6 +12,14 @@ rate), :mod:`keyscale.scaling.capacity` (what one subtask processes, so what eac
 parallelism can do) and :mod:`keyscale.scaling.decision` (the rule that picks, as a table
 of cases, with its reason in words).
 
+With an SLO (``Autoscaler(config, slo=parse_slo("latency=5s"))``, :mod:`keyscale.scaling.slo`)
+a fourth piece, :mod:`keyscale.scaling.outlook`, takes part: the backlog is sized to be
+worked off within what the SLO leaves, the rate sized for includes the forecast
+(:mod:`keyscale.scaling.forecast`, from the operator's input-rate history, which the policy
+keeps in ``histories`` for the caller to save), and its guards check the decision (a missed
+SLO scales up, a scale-down needs the SLO met with room for its longer batches, no backlog, room under the
+rescale cap, and savings above the cost of a rescale). Without an SLO none of this runs.
+
 The policy follows the ideas of Flink's Kubernetes operator autoscaler
 (``ScalingMetricEvaluator`` / ``JobVertexScaler``), adapted to micro-batches that
 can be rescaled live, between two batches, at near-zero cost:
@@ -96,19 +104,23 @@ scale up 2 -> 8: utilisation 2.17 vs band 0.50-0.90; input 4,000 rec/s + backlog
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from keyscale.scaling.capacity import Unmeasured, measure_capacity, needed_parallelism
 from keyscale.scaling.decision import (
     Case,
     PendingDown,
+    Verdict,
     decide,
     nearest_in_bounds,
     sized_target,
     stabilising,
 )
-from keyscale.scaling.load import Sample, arrival_period, batch_sample, measure_load
+from keyscale.scaling.forecast import RateHistory
+from keyscale.scaling.load import Load, Sample, arrival_period, batch_sample, measure_load
 from keyscale.scaling.model import MODES, Action, AutoscalerConfig, BatchMetrics, Decision, Mode
+from keyscale.scaling.outlook import Context, Outlook, guard, outlook, sizing_rate, slo_floor
+from keyscale.scaling.slo import Slo
 
 # Re-exported: the autoscaler's key-group alignment is the key-group module's rule.
 from keyscale.state.keygroups import aligned_parallelism
@@ -135,6 +147,8 @@ class _OperatorState:
     window: deque[Sample] = field(default_factory=deque)
     known_rate_per_subtask: float | None = None
     pending_down: PendingDown | None = None
+    changes: deque[float] = field(default_factory=deque)  # times of parallelism changes, the last hour
+    rescale_cost: float = 0.0  # extra seconds the last first batch after a change took (measured)
 
 
 class Autoscaler:
@@ -166,8 +180,16 @@ class Autoscaler:
     'stabilising: 0 s since parallelism 4 took effect, no decision before 30 s'
     """
 
-    def __init__(self, config: AutoscalerConfig | None = None) -> None:
+    def __init__(
+        self, config: AutoscalerConfig | None = None, slo: Slo | None = None,
+        histories: dict[str, RateHistory] | None = None,
+    ) -> None:
         self.config = config if config is not None else AutoscalerConfig()
+        self.slo = slo
+        # Per operator, its input rate's history (the forecast's; kept only with an SLO):
+        # what the caller loaded from the job directory, and saves when `dirty` says so.
+        self.histories: dict[str, RateHistory] = dict(histories or {})
+        self.dirty: set[str] = set()
         self._ops: dict[str, _OperatorState] = {}
 
     def observe(self, m: BatchMetrics) -> Decision:
@@ -247,13 +269,21 @@ class Autoscaler:
             "seconds_since_change": now - since,
             "window_batches": float(len(st.window)),
         }
+        slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
+        ahead = None if self.slo is None else outlook(
+            self.slo, list(st.window), self.histories[m.uid], now, sample.input_rate, slot, st.rescale_cost, cfg
+        )  # fmt: skip
         waiting = stabilising(now, since, st.change_time, P, cfg)
         if waiting is not None:
-            return Decision(now, m.uid, P, P, "none", waiting, inputs)
-
-        load = measure_load(m, st.window, sample.input_rate, cfg)
+            if ahead is None:
+                return Decision(now, m.uid, P, P, "none", waiting, inputs)
+            # The SLO is measured every batch: the status and its attainment count these too.
+            return Decision(now, m.uid, P, P, "none", f"{waiting}; {ahead.reading.text()}", inputs | ahead.inputs(),
+                            ahead.reading.to_dict(), ahead.up.to_dict())  # fmt: skip
+        # With an SLO, the backlog is to be worked off within what the SLO leaves.
+        load_cfg = cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds)
+        load = measure_load(m, st.window, sample.input_rate, load_cfg)
         inputs.update(load.inputs())
-        slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
         capacity = measure_capacity(
             st.window, P, max(m.busy_seconds), slot, st.known_rate_per_subtask, cfg.min_busy_seconds
         )
@@ -263,38 +293,54 @@ class Autoscaler:
                 f"{capacity.busy_hot:.2f} s busy time in the window): keeping {P} rather than guessing"
             ), inputs)  # fmt: skip
         st.known_rate_per_subtask = capacity.rate_per_subtask
-        inputs.update(capacity.inputs(load.target_rate))
-        utilization = capacity.utilization(load.target_rate)
+        rate, ahead_text = (load.target_rate, "") if ahead is None else sizing_rate(ahead, load.target_rate, capacity.total, cfg)
+        inputs.update(capacity.inputs(rate))
+        utilization = capacity.utilization(rate)
         U = cfg.target_utilization
-        raw = needed_parallelism(load.target_rate, capacity.rate_per_subtask, U, lower)
+        raw = needed_parallelism(rate, capacity.rate_per_subtask, U, lower)
         inputs["raw_target_parallelism"] = float(raw)
 
         up = utilization > cfg.scale_up_threshold
         target, steps = sized_target(raw, P, up, m.max_parallelism, (lower, upper), cfg)
-        load_text = load.text(cfg)
+        load_text = load.text(load_cfg)
         sizing = (
-            f"{load_text}; {capacity.text()} at {U:.0%} target utilisation -> {raw} subtasks"
+            f"{load_text}{ahead_text}; {capacity.text()} at {U:.0%} target utilisation -> {raw} subtasks"
             + ("".join(", " + s for s in steps))
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
-        case = Case(
-            P,
-            utilization,
-            capacity.busy_ratio,
-            target,
-            now,
-            util_text,
-            load_text,
-            sizing,
-            capacity.total,
-        )
+        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total)
         v = decide(case, st.pending_down, cfg)
+        if ahead is not None:
+            v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs)
         st.pending_down = v.pending
         if v.pending_since is not None:
             inputs["scale_down_pending_since"] = v.pending_since
         if v.action != "none":
             st.last_action_time = now
-        return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs)
+        if ahead is None:
+            return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs)
+        used = ahead.down if v.action == "scale_down" or utilization < cfg.scale_down_threshold else ahead.up
+        return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs, ahead.reading.to_dict(), used.to_dict())
+
+    def _guard(
+        self, v: Verdict, ahead: Outlook, st: _OperatorState, m: BatchMetrics, load: Load,
+        busy_ratio: float, raw: int, inputs: dict[str, float],
+    ) -> Verdict:
+        """The SLO's and the anti-thrash guards over the decision (keyscale.scaling.outlook)."""
+        cfg = self.config
+        P = m.parallelism
+        lower, upper = cfg.bounds(m.max_parallelism)
+        no_step_limit = replace(cfg, scale_up_max_factor=max(cfg.scale_up_max_factor, upper / P + 1))
+        floor, _ = sized_target(slo_floor(ahead.reading, P, raw), P, True, m.max_parallelism, (lower, upper), no_step_limit)
+        while st.changes and st.changes[0] < m.time - 3600:
+            st.changes.popleft()
+        slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
+        # What one batch leaves unread as a matter of course: the input of its own run.
+        excess = load.backlog - load.rate * max(m.batch_seconds, m.trigger_interval_seconds or 0.0)
+        inputs.update(ahead.inputs())
+        inputs.update(rescale_cost_seconds=st.rescale_cost, rescales_last_hour=float(len(st.changes)))
+        c = Context(P, floor, busy_ratio, max(0.0, excess), len(st.changes), st.rescale_cost, slot)
+        return guard(v, ahead, c, cfg)
 
     def _record(self, m: BatchMetrics) -> tuple[_OperatorState, Sample]:
         """Take batch ``m`` into its operator's state and window: a parallelism change (or
@@ -307,6 +353,8 @@ class Autoscaler:
                 f"metrics for {m.uid!r} went back in time: {m.time} after {st.last_time}"
             )
         period = arrival_period(m, st.last_time)
+        if st.last_time is not None and m.parallelism != st.parallelism:
+            st.changes.append(m.time)
         if st.last_time is None or m.parallelism != st.parallelism:
             # Metrics from before the change describe another parallelism.
             st.parallelism = m.parallelism
@@ -320,4 +368,19 @@ class Autoscaler:
             m, period, warmup=st.batches_since_change <= self.config.warmup_batches
         )
         st.window.append(sample)
+        if self.slo is not None:
+            self._learn(m, st, sample)
         return st, sample
+
+    def _learn(self, m: BatchMetrics, st: _OperatorState, sample: Sample) -> None:
+        """With an SLO: the input rate into the operator's history, and the cost of a rescale
+        from the first batch after a change (its busiest subtask's time beyond what its records
+        take at the known rate: state moved, caches warmed)."""
+        history = self.histories.get(m.uid)
+        if history is None or history.bucket_seconds != self.config.forecast_bucket_seconds:
+            history = self.histories[m.uid] = RateHistory(self.config.forecast_bucket_seconds)
+        if history.add(m.time, sample.input_rate, sample.period):
+            self.dirty.add(m.uid)
+        known = st.known_rate_per_subtask
+        if st.changes and st.batches_since_change == 1 and known:
+            st.rescale_cost = max(0.0, max(m.busy_seconds) - sum(m.records) / (known * m.parallelism))

@@ -24,13 +24,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from keyscale.errors import KeyscaleError
-from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, Decision, Mode
+from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics, Decision, Mode
 from keyscale.scaling.traces import SimulatedBatch, Trace, load_trace
 
 __all__ = [
     "LoadChange",
+    "Policy",
     "SimulationResult",
     "add_simulate_parser",
     "format_decisions",
@@ -38,6 +40,15 @@ __all__ = [
     "plot",
     "simulate",
 ]
+
+
+class Policy(Protocol):
+    """What :func:`simulate` feeds batches to: :class:`Autoscaler`, or another policy
+    (``keyscale.scaling.flink.FlinkAutoscaler``) with the same call."""
+
+    def observe(self, m: BatchMetrics) -> Decision:
+        """Take one batch's metrics into account and decide."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,9 @@ class SimulationResult:
         parallelism: subtasks each batch ran with.
         backlog: records arrived but not processed when each batch started.
         reversals: scaling decisions whose direction differs from the previous one.
-        core_seconds: sum of parallelism x time (one core per subtask).
+        core_seconds: sum of parallelism x time (one core per subtask), including the
+            downtime of restarts (at the new parallelism).
+        downtime_seconds: time the job was down for rescales (``rescale_seconds`` each).
         load_changes: rate changes of the trace with the time to drain after each.
     """
 
@@ -86,6 +99,7 @@ class SimulationResult:
     reversals: int
     core_seconds: float
     load_changes: tuple[LoadChange, ...]
+    downtime_seconds: float = 0.0
 
     @property
     def changes(self) -> tuple[Decision, ...]:
@@ -97,9 +111,20 @@ class SimulationResult:
         """Largest backlog at any batch start."""
         return max(self.backlog, default=0.0)
 
+    @property
+    def worst_p99_seconds(self) -> float:
+        """Highest p99 end-to-end latency of any batch (0 when none read a record)."""
+        lat = [b.metrics.latency.p99_seconds for b in self.batches if b.metrics.latency]
+        return max(lat, default=0.0)
+
 
 def simulate(
-    trace: Trace, config: AutoscalerConfig | None = None, mode: Mode = "active"
+    trace: Trace,
+    config: AutoscalerConfig | None = None,
+    mode: Mode = "active",
+    *,
+    policy: Policy | None = None,
+    rescale_seconds: float = 0.0,
 ) -> SimulationResult:
     """Run ``trace`` through the policy.
 
@@ -108,6 +133,16 @@ def simulate(
     before the next batch, ``"recommend"`` records them only, ``"off"`` runs the
     job at its initial parallelism without a policy.
 
+    ``policy`` replaces the :class:`Autoscaler` built from ``config`` (``config`` is then
+    only recorded). ``rescale_seconds``: downtime an applied rescale costs (a
+    restart-based rescale: no batch runs meanwhile, records keep arriving); 0 is a live
+    rescale between two batches.
+
+    >>> from keyscale.scaling.traces import step_up
+    >>> r = simulate(step_up(), rescale_seconds=20.0)
+    >>> r.downtime_seconds, r.max_backlog > simulate(step_up()).max_backlog
+    (20.0, True)
+
     >>> from keyscale.scaling.traces import steady
     >>> r = simulate(steady(rate=2400, duration=300), mode="recommend")
     >>> len(r.decisions) == len(r.times), set(r.parallelism)
@@ -115,13 +150,16 @@ def simulate(
     """
     if mode not in ("off", "recommend", "active"):
         raise ValueError(f"mode must be off, recommend or active, got {mode!r}")
+    if not (rescale_seconds >= 0 and rescale_seconds < float("inf")):
+        raise ValueError(f"rescale_seconds must be a number >= 0, got {rescale_seconds}")
     cfg = config if config is not None else trace.autoscaler or AutoscalerConfig()
-    scaler = Autoscaler(cfg)
+    scaler: Policy = policy if policy is not None else Autoscaler(cfg)
     run = trace.job.start(trace)
     p = trace.job.initial_parallelism
     batches: list[SimulatedBatch] = []
     decisions: list[Decision] = []
     core_seconds = 0.0
+    downtime = 0.0
     while run.now < trace.duration_seconds:
         batch = run.run_batch(p)
         batches.append(batch)
@@ -132,6 +170,11 @@ def simulate(
         decisions.append(decision)
         if mode == "active" and decision.changes:
             p = decision.target_parallelism
+            if rescale_seconds > 0:
+                pause = min(rescale_seconds, max(0.0, trace.duration_seconds - run.now))
+                run.pause(rescale_seconds)
+                downtime += pause
+                core_seconds += p * pause
 
     reversals = 0
     last_action = None
@@ -167,6 +210,7 @@ def simulate(
         reversals=reversals,
         core_seconds=core_seconds,
         load_changes=tuple(changes),
+        downtime_seconds=downtime,
     )
 
 
@@ -186,7 +230,8 @@ def format_decisions(result: SimulationResult, *, all_decisions: bool = False) -
             f"{result.parallelism[-1] if result.parallelism else '-'} "
             f"(max {max(result.parallelism, default=0)}); "
             f"{len(result.changes)} scaling decisions, {result.reversals} reversals; "
-            f"{result.core_seconds:,.0f} core-seconds; max backlog {result.max_backlog:,.0f} records"
+            f"{result.core_seconds:,.0f} core-seconds; max backlog {result.max_backlog:,.0f} records; "
+            f"worst batch p99 latency {result.worst_p99_seconds:,.1f} s"
         ),
     ]
     for change in result.load_changes:
@@ -223,7 +268,7 @@ def format_decisions(result: SimulationResult, *, all_decisions: bool = False) -
 
 
 def plot(result: SimulationResult, png_path: str | Path) -> Path:
-    """Write a PNG of load, capacity, parallelism and backlog over time.
+    """Write a PNG of load, capacity, parallelism, backlog and each batch's p99 latency.
 
     Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
 
@@ -241,9 +286,11 @@ def plot(result: SimulationResult, png_path: str | Path) -> Path:
         raise KeyscaleError("plotting needs matplotlib: pip install 'keyscale[plot]'") from err
 
     path = Path(png_path)
-    fig = Figure(figsize=(10, 8), layout="constrained")
+    fig = Figure(figsize=(10, 10), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_rate, ax_p, ax_backlog = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 2])
+    ax_rate, ax_p, ax_backlog, ax_latency = fig.subplots(
+        4, 1, sharex=True, height_ratios=[3, 2, 2, 2]
+    )
     t = list(result.times)
     trace = result.trace
     end = max(trace.duration_seconds, t[-1] if t else 0.0)
@@ -273,7 +320,15 @@ def plot(result: SimulationResult, png_path: str | Path) -> Path:
     ax_p.set_ylim(bottom=0)
     ax_backlog.fill_between(t, result.backlog, step="post", color="tab:gray", alpha=0.5)
     ax_backlog.set_ylabel("unprocessed records")
-    ax_backlog.set_xlabel("time (s)")
+    latencies = [
+        (b.metrics.time + b.metrics.batch_seconds, b.metrics.latency.p99_seconds)
+        for b in result.batches
+        if b.metrics.latency is not None
+    ]
+    ax_latency.plot([x for x, _ in latencies], [y for _, y in latencies], color="tab:red", lw=1)
+    ax_latency.set_ylabel("p99 latency (s)")
+    ax_latency.set_ylim(bottom=0)
+    ax_latency.set_xlabel("time (s)")
     try:
         fig.savefig(path, format="png", dpi=100)
     except OSError as err:
@@ -293,13 +348,23 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--all", action="store_true", help="list every batch's decision, not only changes"
     )
+    parser.add_argument(
+        "--slo",
+        metavar="KIND=DURATION",
+        help="size for this SLO, as keyscale run --slo does: 'latency=10s' or 'lag=30s'",
+    )
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     """Handler: simulate, print the decisions, plot; raises :class:`KeyscaleError`."""
     trace = load_trace(args.trace)
-    result = simulate(trace, mode=args.mode)
+    policy = None
+    if args.slo is not None:
+        from keyscale.scaling.slo import parse_slo
+
+        policy = Autoscaler(trace.autoscaler or AutoscalerConfig(), slo=parse_slo(args.slo))
+    result = simulate(trace, mode=args.mode, policy=policy)
     print(format_decisions(result, all_decisions=args.all))
     if args.png:
         out = plot(result, args.png)

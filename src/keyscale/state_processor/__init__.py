@@ -15,7 +15,13 @@ On Spark DataFrames, in the spirit of Flink's State Processor API:
 - :func:`register` makes the ``keyscale`` Spark data source known to a session:
   ``spark.read.format("keyscale").option("uid", U).load(PATH)`` reads an operator's state
   in Spark's tasks, one key-group range each, key filters pruning key groups; with
-  ``changes_from``/``changes_to`` it reads the change feed between two checkpoints.
+  ``changes_from``/``changes_to`` it reads the change feed between two checkpoints;
+- :func:`diff_savepoints` (``keyscale state diff``), :func:`diff_rows` and :func:`diff_state`
+  compare one operator's state in two savepoints or checkpoints, at any parallelism and max
+  parallelism: keys only in A, only in B, and changed;
+- :func:`patch_state` (``keyscale state patch``) writes a new savepoint from an existing one
+  with keys set, changed or deleted, checked against the operator's state types and
+  recorded in the savepoint's metadata.
 
 Savepoints and job directories are local paths, ``file://`` or object store URIs
 (``s3://...``); every function reads and writes through :mod:`keyscale.storage`.
@@ -27,7 +33,8 @@ the rule and all its forms live in :mod:`keyscale.state.spark_hash`.
 Modules: :mod:`.keygroups` (:func:`key_groups` under its State Processor name), :mod:`.read` (state as DataFrames),
 :mod:`.bootstrap` (savepoints from tables), :mod:`.rekey` (re-keying and inspecting), :mod:`.lookup`
 (point lookups), :mod:`.scan` (scans by key-group range), :mod:`.changes` (the change feed),
-:mod:`.datasource` (the Spark data source).
+:mod:`.datasource` (the Spark data source), :mod:`.compare` and :mod:`.diff` (diffs),
+:mod:`.patch` (validated edits).
 
 >>> import tempfile, pyarrow as pa
 >>> from pathlib import Path
@@ -45,16 +52,23 @@ operator 'count': max parallelism 128 (bootstrapped)
 
 from keyscale.state_processor.bootstrap import BootstrapOperators, write_savepoint_from_dataframes
 from keyscale.state_processor.datasource import register
+from keyscale.state_processor.diff import StateDiff, diff_rows, diff_savepoints, diff_state
 from keyscale.state_processor.keygroups import key_groups
 from keyscale.state_processor.lookup import StateLookup
+from keyscale.state_processor.patch import patch_state
 from keyscale.state_processor.read import read_keyed_state
 from keyscale.state_processor.rekey import inspect_savepoint, rekey_savepoint
 
 __all__ = [
     "BootstrapOperators",
+    "StateDiff",
     "StateLookup",
+    "diff_rows",
+    "diff_savepoints",
+    "diff_state",
     "inspect_savepoint",
     "key_groups",
+    "patch_state",
     "read_keyed_state",
     "register",
     "rekey_savepoint",

@@ -354,6 +354,7 @@ def record(
         "parallelism": dict(par), "backlog": backlog, "replayed": replayed,
         "checkpoint_bytes": sum(f.bytes for op in job.committed.manifest.operators.values() for f in op.files) if job.committed.manifest else None,
         "latency": lat.to_json() if lat is not None else None,
+        "read_limit": job.batch.read_limit.records if job.batch.read_limit is not None else None,  # with a latency target
         "steps": clock.steps,  # the seconds of each step; the last ones are added below
     })
     if job.autoscaler is not None:

@@ -37,6 +37,7 @@ from keyscale.operators.eventtime import WatermarkState, ahead_limit_ms
 from keyscale.runtime.task import counters
 from keyscale.runtime.task.report import Reports, TaskReports
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
+from keyscale.scaling.slo import Slo
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from keyscale._steps import JobGraph
     from keyscale.checkpoint.sparkmirror import SparkMirror
     from keyscale.runtime.batch.malformed import Watched
+    from keyscale.runtime.batch.sizing import ReadLimit
 
 
 @dataclass
@@ -62,6 +64,8 @@ class RunOptions:
     # committed when records wait in the log, and an idle job starts one when records arrive (checked
     # every IDLE_POLL_SECONDS in source_plan.py) or after the trigger interval; True, one batch per trigger interval at most.
     wait_for_trigger: bool = False
+    # A log source's read limit per batch from a latency target ("1s": runtime/batch/sizing.py); None: its own limit only.
+    latency_target: str | None = None
     retain: int = 3
     max_chain: int = 8
     max_file_age: int = 32  # a subtask snapshots when its oldest state file is this many batches old
@@ -69,6 +73,9 @@ class RunOptions:
     scaling: str = "fixed"  # "fixed" | "auto"
     autoscaler_mode: str = "recommend"  # with scaling "auto": "off" | "recommend" | "active"
     autoscaler: AutoscalerConfig | None = None
+    # With scaling "auto": the latency or lag the autoscaler sizes for ("latency=5s", "lag=30s"
+    # or a keyscale.scaling.slo.Slo); None sizes for utilisation alone.
+    slo: str | Slo | None = None
     from_savepoint: str | None = None
     allow_non_restored_state: bool = False
     allow_empty_restart: bool = False  # no intact checkpoint left: start with empty state, re-read the input
@@ -156,6 +163,15 @@ class Committed:
 
 
 @dataclass
+class ExecutorsAsked:
+    """A scale-up's request for executors, which its rescale waits for."""
+
+    cores: int  # the executor cores the new parallelism needs
+    asked_at: float  # time.monotonic() of the request
+    said: bool = False  # whether the log said that a batch waits for them
+
+
+@dataclass
 class Scaling:
     """Each operator's parallelism for the next batch, and what asks to change it.
 
@@ -166,14 +182,20 @@ class Scaling:
     parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
     pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
     decisions: dict[str, dict[str, Any]] = field(default_factory=dict)  # the autoscaler's last, per operator
+    # With an SLO: this run's batches whose SLO reading was measured, and those within the SLO.
+    slo_batches: int = 0
+    slo_batches_met: int = 0
+    # Executor cores asked of Spark for a scale-up: the rescale waits for them
+    # (``batch/parallelism.py`` ``awaiting_executors``). None: nothing awaited.
+    executors_asked: ExecutorsAsked | None = None
 
 
 @dataclass
 class BatchScratch:
     """The running batch's scratch: new for each batch (``batch/commit.py``, ``run_batch``).
 
-    Written by ``batch/commit.py`` (the malformed records the driver counted) and
-    ``batch/source_plan.py`` (the logs its plans are for)."""
+    Written by ``batch/commit.py`` (the malformed records the driver counted),
+    ``batch/source_plan.py`` (the logs its plans are for) and ``batch/sizing.py`` (the read limit)."""
 
     input_counts: counters.Counters = field(default_factory=dict)  # the batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its plan is for
@@ -181,6 +203,8 @@ class BatchScratch:
     steps: dict[str, float] = field(default_factory=dict)
     # When the batch's output became visible: every sink's write committed (Unix seconds).
     visible_at: float | None = None
+    # With a latency target, the driving log source's read limit of this batch and why (sizing.py; the status's batch_size).
+    read_limit: ReadLimit | None = None
 
 
 @dataclass

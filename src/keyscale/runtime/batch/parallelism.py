@@ -6,8 +6,11 @@
   checked and recorded;
 - before a batch's intent (:func:`apply_rescale_requests`): live rescale requests (the
   control API, ``keyscale rescale``, the active autoscaler) and reactive mode;
+- at set-up (:func:`make_autoscaler`): the autoscaler, its SLO checked, its input-rate
+  history read back from the job directory (``autoscaler/rates.json``);
 - after a batch (:func:`autoscale`): the autoscaler observes it, records its decision and,
-  in active mode, requests a rescale for the next batch;
+  in active mode, requests a rescale for the next batch; its rate history is saved when a
+  new bucket of it begins;
 - on a cluster (:func:`size_executors`): executor cores follow parallelism.
 
 Runs on the driver. Writes ``job.scaling`` (parallelism, the pending rescale set and cleared, the
@@ -25,13 +28,16 @@ from typing import TYPE_CHECKING
 from keyscale.checkpoint.manifest import OperatorCheckpoint
 from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
 from keyscale.latency import Latency
-from keyscale.runtime.batch.jobstate import JobState, seconds
+from keyscale.runtime.batch.jobstate import ExecutorsAsked, JobState, RunOptions, seconds
 from keyscale.runtime.task.report import TaskReports
-from keyscale.scaling.policy import BatchMetrics
+from keyscale.scaling.forecast import RateHistory
+from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
+from keyscale.scaling.slo import Slo, parse_slo
 from keyscale.state.keygroups import check_parallelism
 
 if TYPE_CHECKING:
     from keyscale._steps import JobGraph
+    from keyscale.checkpoint.jobdir import JobDir
 
 log = logging.getLogger("keyscale")
 
@@ -128,7 +134,7 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
     if job.opts.scaling == "reactive":
         follow_cores(job, batch_id)
     reqs = job.jobdir.read_rescale_requests()
-    if not reqs:
+    if not reqs or awaiting_executors(job, batch_id):
         return
     job.jobdir.clear_rescale_requests()
     job.scaling.pending_rescale = None
@@ -146,6 +152,49 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
         job.history.note(batch_id, "rescale", "requested (control API, keyscale rescale or the active autoscaler)", operator=uid,
                  **{"from": job.scaling.parallelism[uid], "to": want})
         job.scaling.parallelism[uid] = want
+
+
+#: Where the autoscaler keeps its input-rate history (the forecast's), per operator.
+RATES_KEY = "autoscaler/rates.json"
+
+
+def make_autoscaler(opts: RunOptions, jobdir: JobDir) -> Autoscaler | None:
+    """The job's autoscaler (None: scaling is not ``auto`` or the autoscaler is off), with its SLO
+    and the rate history an earlier run of the job left. An SLO keyscale cannot serve is an error:
+    without ``--scaling auto`` and an autoscaler that records or acts, or a latency SLO no longer
+    than the trigger interval (a record can wait that long for its batch, whatever the parallelism)."""
+    slo = opts.slo if isinstance(opts.slo, Slo) or opts.slo is None else parse_slo(opts.slo)
+    if opts.scaling not in ("fixed", "auto", "reactive"):
+        raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
+    if opts.scaling == "auto" and opts.autoscaler_mode not in ("off", "recommend", "active"):
+        raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
+    if slo is not None and (opts.scaling != "auto" or opts.autoscaler_mode == "off"):
+        raise KeyscaleError(f"--slo {slo}: only the autoscaler sizes for an SLO; add --scaling auto (and --autoscaler recommend or active)")
+    if opts.scaling != "auto" or opts.autoscaler_mode == "off":
+        return None
+    interval = None if opts.until_idle else seconds(opts.trigger_interval)
+    if slo is not None and interval is not None and slo.seconds <= interval:
+        raise KeyscaleError(f"--slo {slo}: the trigger interval is {opts.trigger_interval}, and a record can wait that long "
+                            "for its batch whatever the parallelism; give a target longer than the interval")
+    histories: dict[str, RateHistory] = {}
+    if slo is not None:
+        for uid, d in jobdir.read_json(RATES_KEY).get("operators", {}).items():
+            try:
+                histories[str(uid)] = RateHistory.from_json(d)
+            except ValueError as e:  # a damaged or newer history: the forecast starts over, the job runs
+                log.warning("autoscaler: the input-rate history of '%s' in %s is not usable (%s); starting a new one", uid, RATES_KEY, e)
+    cfg = opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max)
+    return Autoscaler(cfg, slo, histories)
+
+
+def save_rate_history(job: JobState) -> None:
+    """The autoscaler's input-rate histories into the job directory, when one began a new bucket."""
+    scaler = job.autoscaler
+    if scaler is None or not scaler.dirty:
+        return
+    scaler.dirty.clear()
+    doc = {"version": 1, "operators": {uid: h.to_json() for uid, h in scaler.histories.items()}}
+    job.jobdir.write_json(RATES_KEY, doc, durable=False)  # losing the latest bucket in a crash costs little
 
 
 def autoscale(
@@ -174,18 +223,26 @@ def autoscale(
             if mode == "active":
                 log.info("autoscaler: %s", d.reason)
                 job.jobdir.request_rescale(d.target_parallelism, uid)
-                size_executors(job, {**job.scaling.parallelism, uid: d.target_parallelism})
+                more = size_executors(job, {**job.scaling.parallelism, uid: d.target_parallelism})
+                job.scaling.executors_asked = ExecutorsAsked(more, time.monotonic()) if more else None
             else:
                 log.info("autoscaler recommends (not applied): %s", d.reason)
+    slo = event.get("slo") if reports else None
+    if isinstance(slo, dict) and slo.get("value_seconds") is not None:  # the SLO is the job's: counted once a batch
+        job.scaling.slo_batches += 1
+        job.scaling.slo_batches_met += slo["state"] != "missed"
+    save_rate_history(job)
 
 
-def size_executors(job: JobState, parallelism: dict[str, int]) -> None:
+def size_executors(job: JobState, parallelism: dict[str, int]) -> int | None:
     """Compute follows parallelism: on a cluster, ask for as many executor cores as the
     widest operator has subtasks (more when it grows, fewer when it shrinks). Key groups
-    that land on a new executor are restored there from the checkpoint."""
-    if not job.opts.master.startswith("spark://"):
-        return
-    from keyscale.cluster import executor_cores, request_executors
+    that land on a new executor are restored there from the checkpoint. Returns the executor
+    cores asked for when they are more than the job has (None otherwise)."""
+    from keyscale.cluster.executors import executor_cores, request_executors, sizes_executors
+
+    if not sizes_executors(job.opts.master):
+        return None
 
     per = int(job.spark.sparkContext.getConf().get("spark.executor.cores", "1"))
     want = -(-max(parallelism.values()) // per)
@@ -193,3 +250,45 @@ def size_executors(job: JobState, parallelism: dict[str, int]) -> None:
     if want != have and request_executors(job.spark, want):
         log.info("asked Spark for %d executors of %d cores (had %d) for parallelism %d", want, per, have, max(parallelism.values()))
         job.jobdir.append_event({"type": "executors", "requested": want, "had": have, "cores_per_executor": per})
+        # Fewer executors: Spark released idle ones between two batches and schedules no task
+        # on them (countFailures off). More take seconds to start: a scale-up waits for them.
+        return want * per if want > have else None
+    return None
+
+
+def executor_wait(have: int, wanted: int, waited: float, bound: float) -> str:
+    """What a scale-up that asked for ``wanted`` executor cores does, with ``have`` there
+    after ``waited`` seconds: ``go`` (they came), ``late`` (not within ``bound`` seconds: go on
+    with the cores there are, tasks beyond them queue) or ``wait`` (the batch runs at the old
+    parallelism: a batch at the new one on too few cores would run its tasks in waves).
+
+    >>> executor_wait(2, 4, 3.0, 30.0), executor_wait(4, 4, 3.0, 30.0), executor_wait(2, 4, 30.0, 30.0)
+    ('wait', 'go', 'late')
+    """
+    if have >= wanted:
+        return "go"
+    return "late" if waited >= bound else "wait"
+
+
+def awaiting_executors(job: JobState, batch_id: int) -> bool:
+    """Whether the pending rescale waits (this batch too) for the executors the autoscaler
+    asked Spark for; said in the log once, and in the events when the wait ends."""
+    if job.scaling.executors_asked is None or job.autoscaler is None:
+        return False
+    from keyscale.cluster import executor_cores
+
+    asked, bound = job.scaling.executors_asked, job.autoscaler.config.executor_wait_seconds
+    wanted, have, waited = asked.cores, executor_cores(job.spark), time.monotonic() - asked.asked_at
+    verdict = executor_wait(have, wanted, waited, bound)
+    if verdict == "wait":
+        if not asked.said:
+            asked.said = True
+            log.info("batch %d: the scale-up waits for its executors (%d of %d cores; at most %.0f s), running at the old parallelism meanwhile",
+                     batch_id, have, wanted, bound)
+        return True
+    job.scaling.executors_asked = None
+    said = "came" if verdict == "go" else f"did not all come within {bound:.0f} s; rescaling on the cores there are"
+    log.info("batch %d: executors for the scale-up %s (%d of %d cores after %.1f s)", batch_id, said, have, wanted, waited)
+    job.jobdir.append_event({"type": "executors_" + ("ready" if verdict == "go" else "late"), "batch": batch_id, "cores": have,
+                             "wanted": wanted, "waited_seconds": round(waited, 1)})
+    return False

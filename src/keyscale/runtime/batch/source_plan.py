@@ -20,6 +20,7 @@ from keyscale._spark_types import to_arrow_schema
 from keyscale._steps import source_schema
 from keyscale.checkpoint.intent import SourcePlan, source_plan
 from keyscale.errors import KeyscaleError
+from keyscale.runtime.batch import sizing
 from keyscale.runtime.batch.jobstate import JobState, session_cache
 from keyscale.runtime.task.reader import make_reader_function
 from keyscale.sources import reader
@@ -63,7 +64,10 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
     current, added = reader.add_partitions(current, len(ends), firsts)
     for part, r in added:
         log.info("batch %d: source '%s': partition %d is new; reader %d reads it from offset %d", batch_id, src.uid, part, r, firsts[part] if firsts else 0)
-    plan = reader.plan_batch(current, ends, src.max_records_per_partition if read else 0)
+    # The job's own source reads up to its latency target's limit (sizing.py); a side log or rules stream up to its own.
+    driving = job.pipeline is not None and src is job.pipeline.log_source
+    limit = 0 if not read else sizing.read_limit(job, src, len(ends)) if driving else src.max_records_per_partition
+    plan = reader.plan_batch(current, ends, limit)
     return source_plan(plan)
 
 

@@ -65,7 +65,7 @@ def status(job: JobState, reports: TaskReports | None = None, source: dict[str, 
         "pending_rescale": job.scaling.pending_rescale,
         "spark": _spark_of(job),
         "scaling": {"mode": job.opts.scaling, "autoscaler": job.opts.autoscaler_mode if job.autoscaler else "off",
-                    "last_decisions": job.scaling.decisions},
+                    "last_decisions": job.scaling.decisions, **slo_status(job)},
         **checkpoint_fields(job),
         "watermark": describe_watermark(job.committed.watermark.watermark_ms) if job.pipeline and job.pipeline.watermark else None,
         "watermark_ms": job.committed.watermark.watermark_ms if job.pipeline and job.pipeline.watermark else None,
@@ -74,6 +74,8 @@ def status(job: JobState, reports: TaskReports | None = None, source: dict[str, 
         "outputs": outputs(job.pipeline) if job.pipeline else [],
         "counters": {"last_batch": job.committed.counts, "total": counters.from_extra(job.committed.manifest.extra if job.committed.manifest else None)},
         "latency": last_latency(job),
+        # With a latency target (RunOptions.latency_target): the last batch's read limit and why (sizing.ReadLimit).
+        "batch_size": job.batch.read_limit.to_json() if job.batch.read_limit is not None else None,
     }
 
 
@@ -86,6 +88,15 @@ def last_latency(job: JobState) -> dict[str, Any] | None:
         if rec.latency is not None:
             return {"batch": rec.batch, **rec.latency.to_json()}
     return None
+
+
+def slo_status(job: JobState) -> dict[str, Any]:
+    """The SLO the autoscaler sizes for, and this run's share of batches within it (none without one)."""
+    slo = job.autoscaler.slo if job.autoscaler is not None else None
+    if slo is None:
+        return {}
+    n, met = job.scaling.slo_batches, job.scaling.slo_batches_met
+    return {"slo": str(slo), "slo_batches": n, "slo_batches_met": met, "slo_attainment": met / n if n else None}
 
 
 def committing(job: JobState) -> int | None:

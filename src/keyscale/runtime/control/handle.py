@@ -38,6 +38,7 @@ def start_job(pipeline: JobGraph, job_dir: str, parallelism: int | None = None, 
     """Start ``pipeline`` (see :meth:`keyscale.Pipeline.start`); returns once its first
     batch may run (state restored, control API up), or raises the set-up's error."""
     from keyscale.runtime.driver.runner import JobRunner
+    from keyscale.runtime.driver.session import user_session
 
     known = {f.name for f in dataclasses.fields(RunOptions)} - _SET_BY_START
     unknown = sorted(set(options) - known)
@@ -45,7 +46,11 @@ def start_job(pipeline: JobGraph, job_dir: str, parallelism: int | None = None, 
         raise unknown_keyword("Pipeline.start()", unknown[0], [*sorted(known), "parallelism", "name"])
     opts = RunOptions(job_file="", job_dir=str(job_dir), parallelism=parallelism, **options)
     job_name = name or PurePosixPath(str(job_dir).rstrip("/")).name or "job"
-    handle = JobHandle(JobRunner(opts, pipeline=pipeline, name=job_name, serve=control_api(opts)), f"keyscale-job-{opts.job_dir}")
+    # The caller's session, found in the caller's thread: Spark's active session is per
+    # thread, and a pipeline on a log source holds no DataFrame that would name it.
+    session = user_session(pipeline)
+    runner = JobRunner(opts, pipeline=pipeline, name=job_name, serve=control_api(opts), session=session)
+    handle = JobHandle(runner, f"keyscale-job-{opts.job_dir}")
     handle._wait_started(startup_timeout)
     return handle
 

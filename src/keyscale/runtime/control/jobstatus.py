@@ -61,6 +61,10 @@ def status_dict(job_dir: str) -> dict[str, Any]:
         out["watermark"] = live["watermark"]
     # End-to-end latency of the last batch that measured any (keyscale.latency): the run's own figure.
     out["latency"] = live.get("latency")
+    # With a latency target: the last batch's read limit, whose it is and why (runtime/batch/sizing.py).
+    out["batch_size"] = live.get("batch_size") if running else None
+    # The scaling mode, the autoscaler's last decision per operator with its reason, the SLO: the run's own.
+    out["scaling"] = live.get("scaling")
     # Records late, too far ahead, dropped...: totals from the checkpoint (they survive restarts), the last batch's from the job.
     totals = counters.from_extra(m.extra) if m else {}
     last = live.get("counters", {}).get("last_batch", {}) if m is not None and live.get("last_checkpoint") == m.batch else {}

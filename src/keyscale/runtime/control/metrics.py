@@ -99,6 +99,15 @@ def _latency_families(job: str, status: dict[str, Any], summary: RunSummary) -> 
                                     "append to the source (Kafka timestamp, log segment write, file modification time) to the commit of its batch's output", labels=["job"])
     latency.add_metric([job], buckets=list(summary.latency.cumulative()), sum_value=summary.latency.sum_seconds)
     out.append(latency)
+    size = status.get("batch_size")
+    if size is not None and size.get("records") is not None:  # with a latency target (runtime/batch/sizing.py)
+        limit = _gauge("keyscale_batch_read_limit_records", "The most records the last batch could read from the source under the "
+                       "job's latency target (or the source's own limit, if smaller: the status's batch_size says which)", ["job"])
+        limit.add_metric([job], float(size["records"]))
+        meets = _gauge("keyscale_batch_meets_latency_target", "1 if the last batch's size, at the costs measured, keeps a record's "
+                       "latency (two batch times) within the job's latency target and keeps up with its input", ["job"])
+        meets.add_metric([job], 1.0 if size.get("meets_target") else 0.0)
+        out += [limit, meets]
     return out
 
 
@@ -161,8 +170,39 @@ def _operator_families(job: str, status: dict[str, Any]) -> list[Metric]:
             recommended.add_metric([job, uid], d["target_parallelism"])
     pending = _gauge("keyscale_rescale_pending", "1 while a live rescale waits for the next batch", ["job"])
     pending.add_metric([job], 1.0 if status.get("pending_rescale") else 0.0)
-    out += [recommended, pending]
+    out += [recommended, pending, *_slo_families(job, status.get("scaling", {}))]
     return out
+
+
+def _slo_families(job: str, scaling: dict[str, Any]) -> list[Metric]:
+    """With an SLO (``--slo``): its target, each operator's last reading and forecast, and the
+    run's share of batches within it.
+
+    >>> d = {"slo": {"seconds": 5.0, "value_seconds": 2.5}, "forecast": {"input_rate": 900.0}}
+    >>> fams = _slo_families("j", {"slo": "latency=5s", "slo_attainment": 0.98, "last_decisions": {"op": d}})
+    >>> [(s.name, s.labels.get("operator"), s.value) for f in fams for s in f.samples]  # doctest: +NORMALIZE_WHITESPACE
+    [('keyscale_autoscaler_forecast_input_rate', 'op', 900.0), ('keyscale_slo_target_seconds', 'op', 5.0),
+     ('keyscale_slo_value_seconds', 'op', 2.5), ('keyscale_slo_attainment', None, 0.98)]
+    """
+    if not scaling.get("slo"):
+        return []
+    forecast = _gauge("keyscale_autoscaler_forecast_input_rate", "The input rate (records/s) the autoscaler's last decision "
+                      "forecast for the coming batches, per operator", ["job", "operator"])
+    target = _gauge("keyscale_slo_target_seconds", "The latency or lag the autoscaler sizes for (--slo), per operator", ["job", "operator", "kind"])
+    value = _gauge("keyscale_slo_value_seconds", "The SLO's measure at the autoscaler's last decision: p99 latency over the "
+                   "metrics window, or the lag", ["job", "operator", "kind"])
+    kind = str(scaling["slo"]).partition("=")[0]
+    for uid, d in sorted(scaling.get("last_decisions", {}).items()):
+        if isinstance(d.get("forecast"), dict):
+            forecast.add_metric([job, uid], d["forecast"]["input_rate"])
+        if isinstance(d.get("slo"), dict):
+            target.add_metric([job, uid, kind], d["slo"]["seconds"])
+            if d["slo"].get("value_seconds") is not None:
+                value.add_metric([job, uid, kind], d["slo"]["value_seconds"])
+    attainment = _gauge("keyscale_slo_attainment", "Share of this run's batches whose SLO reading was within the SLO", ["job"])
+    if scaling.get("slo_attainment") is not None:
+        attainment.add_metric([job], scaling["slo_attainment"])
+    return [forecast, target, value, attainment]
 
 
 class _JobCollector(Collector):

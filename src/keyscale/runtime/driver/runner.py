@@ -43,7 +43,7 @@ from keyscale.errors import (
     decode_error,
 )
 from keyscale.operators.poison import input_error
-from keyscale.runtime.batch import commit, malformed, status
+from keyscale.runtime.batch import commit, malformed, sizing, status
 from keyscale.runtime.batch import parallelism as scaling
 from keyscale.runtime.batch import poison as poison_batch
 from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
@@ -66,7 +66,6 @@ from keyscale.runtime.driver.shipping import ship_user_code, unimportable_module
 from keyscale.runtime.task.arrival import with_file_order
 from keyscale.runtime.task.profiling import profiled
 from keyscale.runtime.task.report import Reports
-from keyscale.scaling.policy import Autoscaler, AutoscalerConfig
 from keyscale.sources.reader import LogSource
 from keyscale.state.backends import check_state_backend
 from keyscale.state.keygroups import (
@@ -144,14 +143,18 @@ class JobRunner:
     rescale, savepoint, drain, restart and stop, each safe from any thread."""
 
     def __init__(self, opts: RunOptions, on_batch: Callable[[BatchRecord], None] | None = None,
-                 pipeline: JobGraph | None = None, name: str | None = None, serve: Callable[[JobRunner], Served] | None = None):
+                 pipeline: JobGraph | None = None, name: str | None = None, serve: Callable[[JobRunner], Served] | None = None,
+                 session: SparkSession | None = None):
         """``pipeline``: a pipeline built by the caller on their own SparkSession (the Python
-        API, :meth:`keyscale.Pipeline.start`), run under ``name``; without it the runner loads
+        API, :meth:`keyscale.Pipeline.start`), run under ``name`` on ``session`` (found in the
+        caller's thread: Spark's active session is per thread, and the run has its own;
+        default :func:`~.session.user_session` from the run's thread); without it the runner loads
         ``opts.job_file`` and builds the pipeline on a session of its own. ``serve``: what
         serves the job while it runs (the control API: ``control.server.control_api``), made
         once set-up is done and closed when the run ends; None serves nothing."""
         jobdir = JobDir(opts.job_dir)
         self._given = (pipeline, name) if pipeline is not None else None
+        self._session = session
         # What the batch modules share (commit, stages, source_plan, parallelism, status).
         self.job = JobState(opts, jobdir, run_id=uuid.uuid4().hex, history=History(RunSummary(job="", job_dir=jobdir.uri)),
                             on_batch=self._batch_recorded)
@@ -169,13 +172,9 @@ class JobRunner:
         self._empty_batch = False  # the last batch run read no records (see _input_read)
         self._lookup: StateLookup | None = None  # point lookups (lookup_state), made on first use
         self._lookup_lock = threading.Lock()
-        if opts.scaling == "auto" and opts.autoscaler_mode != "off":
-            if opts.autoscaler_mode not in ("recommend", "active"):
-                raise KeyscaleError(f"autoscaler mode must be off, recommend or active, not {opts.autoscaler_mode!r}")
-            self.job.autoscaler = Autoscaler(opts.autoscaler or AutoscalerConfig(min_parallelism=opts.scaling_min, max_parallelism=opts.scaling_max))
-        elif opts.scaling not in ("fixed", "auto", "reactive"):
-            raise KeyscaleError(f"scaling must be fixed, reactive or auto, not {opts.scaling!r}")
+        self.job.autoscaler = scaling.make_autoscaler(opts, jobdir)
         check_state_backend(opts.state_backend, "the job's option")
+        sizing.target_seconds(opts.latency_target)  # a latency target that is not a duration is refused before anything runs
         self._drain = threading.Event()
         self._drain_dest: str | None = None
         self._drained: Future[str | None] = Future()
@@ -222,7 +221,7 @@ class JobRunner:
         if build is None:  # the caller's pipeline, on the caller's session: its settings are theirs
             assert self._given is not None
             pipeline = self._given[0]
-            spark = user_session(pipeline)
+            spark = self._session if self._session is not None else user_session(pipeline)
         else:
             # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
             spark = spark_session(opts.master, f"keyscale-{self.job.name}", opts.spark_conf)
@@ -235,6 +234,7 @@ class JobRunner:
             if not isinstance(pipeline, JobGraph):
                 raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
             check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.job.jobdir))
+        sizing.check_target(opts.latency_target, pipeline)
         self.job.pipeline = pipeline
         # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
         shipped = ship_user_code()

@@ -118,6 +118,7 @@ def record_run_options(job: JobState) -> None:
         "job_file": str(Path(o.job_file).absolute()) if o.job_file else None, "args": o.args, "master": o.master, "until_idle": o.until_idle,
         "trigger_interval": o.trigger_interval, "retain": o.retain, "compaction_chain": o.max_chain,
         "spark_conf": o.spark_conf, "state_backend": o.state_backend, "async_checkpoints": o.async_checkpoints,
+        "wait_for_trigger": o.wait_for_trigger, "latency_target": o.latency_target,
         "control_host": o.control_host, "control_port": o.control_port, "metrics_token_file": o.metrics_token_file,
         "metrics_unauthenticated": o.metrics_unauthenticated,
     }, durable=False)

@@ -1,6 +1,7 @@
 // keyscale's job dashboard: reads GET /status and GET /history every 2 s, draws the
-// operators' key-group ranges and the timelines, and posts control requests (the session
-// cookie authenticates them; the X-Keyscale-Request header is the CSRF guard).
+// operators' key-group ranges and the timelines, looks up keys (GET /state/<uid>), and posts
+// control requests (the session cookie authenticates them; the X-Keyscale-Request header is
+// the CSRF guard).
 "use strict";
 
 const COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
@@ -61,10 +62,7 @@ async function post(path, body) {
 }
 
 // The key-group space [0, max) as a strip: one rectangle per subtask, as wide as its range.
-function drawOperator(uid, op, maxParallelism) {
-  const div = document.createElement("div");
-  div.className = "operator";
-  div.dataset.operator = uid;
+function operatorStrip(uid, op, maxParallelism) {
   const subs = op.subtasks || [];
   const ranges = (op.ranges || []).map((r) => r.split("-").map(Number));
   const width = 1000, height = 64;
@@ -80,8 +78,82 @@ function drawOperator(uid, op, maxParallelism) {
   });
   svg += "</svg>";
   const kind = op.operator_state ? "operator state" : `${op.parallelism} subtasks over ${maxParallelism} key groups`;
-  div.innerHTML = `<h3>${uid}</h3>${op.operator_state ? "" : svg}<div class="caption">${kind}</div>`;
-  return div;
+  return `<h3>${uid}</h3>${op.operator_state ? "" : svg}<div class="caption">${kind}</div>`;
+}
+
+// A key lookup box: GET /state/<uid>?key=K answers what the key holds at the last committed
+// checkpoint (its batch and key group with it). Its box survives the page's refreshes.
+function lookupForm(uid) {
+  const form = document.createElement("form");
+  form.className = "lookup";
+  form.dataset.lookup = uid;
+  const label = document.createElement("label");
+  const input = document.createElement("input");
+  input.name = "key";
+  input.placeholder = "a key (several columns: a JSON array)";
+  label.append("Look up a key ", input);
+  const button = document.createElement("button");
+  button.type = "submit";
+  button.textContent = "Look up";
+  const answer = document.createElement("div");
+  answer.className = "answer";
+  answer.setAttribute("role", "status");
+  form.append(label, button, answer);
+  form.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const key = input.value;
+    if (!key) { answer.textContent = "enter a key"; return; }
+    answer.textContent = "…";
+    try {
+      const r = await fetch(`/state/${encodeURIComponent(uid)}?key=${encodeURIComponent(key)}`, { credentials: "same-origin" });
+      const body = await r.json();
+      showAnswer(answer, r.ok ? body : null, r.ok ? null : body.error || String(r.status));
+    } catch (err) {
+      showAnswer(answer, null, `the job does not answer (${err.message})`);
+    }
+  });
+  return form;
+}
+
+function showAnswer(el, a, error) {
+  if (error) { el.className = "answer refused"; el.textContent = error; return; }
+  el.className = a.found ? "answer found" : "answer missing";
+  const facts = document.createElement("div");
+  facts.className = "facts";
+  const fact = (cls, text) => { const s = document.createElement("span"); s.className = cls; s.textContent = text; return s; };
+  facts.append(fact("batch", `batch ${a.batch}`), " · ", fact("key-group", `key group ${a.key_group}`));
+  const value = document.createElement("pre");
+  value.className = "value";
+  // A window operator answers its open windows; any other its states (JSON as the API gives them).
+  value.textContent = a.found ? JSON.stringify(a.windows || a.state, null, 1) : a.message;
+  const extras = [];
+  if (a.timers) extras.push(`timers: ${JSON.stringify(a.timers)}`);
+  if (a.ttl) extras.push(`ttl: ${JSON.stringify(a.ttl)}`);
+  const more = document.createElement("div");
+  more.className = "extras";
+  more.textContent = extras.join(" · ");
+  el.replaceChildren(facts, value, more);
+}
+
+// One element per operator, kept across refreshes (only its strip is drawn again), so that a
+// key being typed or an answer on screen is not wiped every 2 s.
+const operatorElements = {};
+function drawOperator(uid, op, maxParallelism) {
+  let entry = operatorElements[uid];
+  if (!entry) {
+    const div = document.createElement("div");
+    div.className = "operator";
+    div.dataset.operator = uid;
+    const strip = document.createElement("div");
+    div.append(strip);
+    entry = operatorElements[uid] = { div, strip, form: null };
+  }
+  entry.strip.innerHTML = operatorStrip(uid, op, maxParallelism);
+  if (!op.operator_state && !entry.form) {  // a keyed operator: its state can be looked up
+    entry.form = lookupForm(uid);
+    entry.div.append(entry.form);
+  }
+  return entry.div;
 }
 
 function markers(events) {
@@ -138,6 +210,24 @@ function noChart(id, title, why) {
   document.getElementById(id).replaceChildren(h, p);
 }
 
+// With a latency target (keyscale run --latency-target): the last batch's read limit, whose it
+// is, and whether the target can be met (the status's batch_size; its reason is the tooltip's).
+function batchSize(size) {
+  if (!size) return "";
+  const limit = size.records == null ? "no read limit" : `read limit ${fmtCompact(size.records)} records (${size.limited_by})`;
+  return ` · ${limit} for the ${size.target_seconds} s latency target: ${size.meets_target ? "met" : "not met"}`;
+}
+
+// With an SLO (--slo): the target, this run's share of batches within it, and what the
+// autoscaler's last decision forecast (each decision's reason is in the events list).
+function sloSummary(scaling) {
+  if (!scaling || !scaling.slo) return "";
+  const share = scaling.slo_attainment == null ? "not measured yet" : `${(100 * scaling.slo_attainment).toFixed(1)}% of batches within it`;
+  const forecasts = Object.values(scaling.last_decisions || {}).map((d) => d.forecast).filter((f) => f);
+  const f = forecasts.length ? ` · forecast ${fmtCompact(Math.max(...forecasts.map((x) => x.input_rate)))}/s (${forecasts[0].method})` : "";
+  return ` · SLO ${scaling.slo}: ${share}${f}`;
+}
+
 function render(status, history) {
   document.title = `keyscale: ${status.job}`;
   document.getElementById("job").textContent = status.job;
@@ -145,7 +235,8 @@ function render(status, history) {
   state.textContent = status.state;
   state.className = `badge ${status.state}`;
   document.getElementById("summary").textContent =
-    `last checkpoint ${status.last_checkpoint ?? "–"}` + (status.watermark ? ` · watermark ${status.watermark}` : "");
+    `last checkpoint ${status.last_checkpoint ?? "–"}` + (status.watermark ? ` · watermark ${status.watermark}` : "") + batchSize(status.batch_size) + sloSummary(status.scaling);
+  document.getElementById("summary").title = status.batch_size ? status.batch_size.reason : "";
   const pending = status.pending_rescale;
   document.getElementById("pending").textContent = pending
     ? `rescale pending: ${Object.entries(pending.parallelism).map(([u, p]) => `${u === "*" ? "all" : u} → ${p}`).join(", ")}` : "";
@@ -162,7 +253,9 @@ function render(status, history) {
   }
 
   const ops = document.getElementById("operators");
-  ops.replaceChildren(...Object.entries(status.operators || {}).map(([uid, op]) => drawOperator(uid, op, op.max_parallelism || 1)));
+  const shown = Object.entries(status.operators || {}).map(([uid, op]) => drawOperator(uid, op, op.max_parallelism || 1));
+  for (const child of [...ops.children]) if (!shown.includes(child)) child.remove();
+  shown.forEach((div, i) => { if (ops.children[i] !== div) ops.insertBefore(div, ops.children[i] || null); });
 
   document.getElementById("outputs").replaceChildren(...(status.outputs || []).map((o) => {
     const li = document.createElement("li");
