@@ -15,10 +15,12 @@ OLDEST := .venv-oldest
 # PySpark only as a ~430 MB sdist, which pip would otherwise build again for every new venv.
 WHEELS := .cache/wheels
 # The smoke set: Spark's hash agrees with keyscale's key groups, a user's script starts,
-# rescales, savepoints and stops a job, and a job file runs under spark-submit.
+# rescales, savepoints and stops a job, a job file runs under spark-submit, and the keyscale
+# data source reads state (without pushed filters on PySpark 4.0).
 SMOKE := tests/state/test_spark_hash.py \
 	tests/api/test_python_api.py::test_a_users_script_starts_rescales_savepoints_and_stops_a_job \
-	tests/api/test_python_api.py::test_the_job_file_runs_under_spark_submit_with_the_users_conf
+	tests/api/test_python_api.py::test_the_job_file_runs_under_spark_submit_with_the_users_conf \
+	tests/state_processor/test_datasource.py::test_the_data_source_on_every_pyspark_of_the_range
 
 .PHONY: setup run test test-fast test-oldest docs lint typecheck bench clean redis browser prometheus
 
