@@ -114,6 +114,13 @@ def test_a_scan_equals_what_the_job_committed_and_the_change_feed_its_diffs(spar
     spark.sql(f"CREATE OR REPLACE TEMPORARY VIEW totals USING keyscale OPTIONS (path '{tmp_path / 'job'}', uid 'totals')")
     assert spark.sql("SELECT sum(total) AS s, count(*) AS n FROM totals").collect()[0].asDict() == {
         "s": sum(t for t, _ in model.values()), "n": len(model)}
+    table = f"totals_p{parallelism}"
+    spark.sql(f"CREATE TABLE {table} USING keyscale OPTIONS (path '{tmp_path / 'job'}', uid 'totals', checkpoint '{batches[1]}')")
+    try:
+        assert _rows(spark.table(table)) == states[batches[1]]
+        assert spark.sql(f"SELECT total FROM {table} WHERE key = 'k7'").collect() == [(states[batches[1]]["k7"][1],)]
+    finally:
+        spark.sql(f"DROP TABLE {table}")
 
     # The change feed between two batches: the diffs of the checkpoints between them.
     a, b = batches[0], batches[-1]

@@ -4,11 +4,12 @@ Spark 4's Python data source API (``pyspark.sql.datasource``) serves it; :func:`
 makes it known to a session (keyscale's own sessions register it when they start)::
 
     df = spark.read.format("keyscale").option("uid", "totals").load("jobs/clicks")
-    spark.sql("CREATE TEMPORARY VIEW totals USING keyscale OPTIONS (path 'jobs/clicks', uid 'totals')")
+    spark.sql("CREATE TABLE totals USING keyscale OPTIONS (path 'jobs/clicks', uid 'totals')")
+    spark.sql("CREATE TEMPORARY VIEW totals_now USING keyscale OPTIONS (path 'jobs/clicks', uid 'totals')")
 
-(A catalog table, ``CREATE TABLE ... USING keyscale``, is created, but Spark 4.3 hands a
-Python data source none of a catalog table's options when the table is read: that read is
-an error saying to use a temporary view.)
+(Spark hands a Python data source none of a catalog table's options when the table is
+read, only its schema: so a table's options are kept in its schema, in the first column's
+metadata, when the table is created, and read back from there.)
 
 The path is a job directory (its newest committed checkpoint, or the one the
 ``checkpoint`` option names) or a savepoint, local or on an object store. The rows are
@@ -35,6 +36,7 @@ keyscale.errors.KeyscaleError: keyscale data source: unknown option 'chekpoint' 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +56,7 @@ __all__ = ["NAME", "PUSHDOWN_CONF", "check_options", "data_source", "register"]
 NAME = "keyscale"
 #: Spark's setting that lets a Python data source take pushed filters (PySpark 4.1 on).
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
+_OPTIONS_KEY = "keyscale.options"
 _TABLE_PROPERTIES = frozenset({"location", "owner", "provider", "external", "comment", "is_managed_location"})
 _OPTIONS = ("batch", "changes_from", "changes_to", "checkpoint", "flatten", "partitions", "path", "state", "uid")
 
@@ -77,9 +80,8 @@ def check_options(options: Mapping[str, str]) -> dict[str, Any]:
             raise KeyscaleError(f"keyscale data source: unknown option '{k}' (options: {', '.join(_OPTIONS)})")
     if not given:
         raise KeyscaleError(
-            "keyscale data source: no options reached it. Spark does not hand a catalog table's options to a Python data "
-            "source when the table is read (CREATE TABLE ... USING keyscale): use CREATE TEMPORARY VIEW name USING keyscale "
-            "OPTIONS (path '...', uid '...'), or spark.read.format('keyscale')")
+            "keyscale data source: no options reached it (a catalog table created by another keyscale keeps none in its "
+            "schema): create the table again, CREATE TABLE name USING keyscale OPTIONS (path '...', uid '...')")
     if not given.get("path"):
         raise KeyscaleError("keyscale data source: no path (a job directory or a savepoint): .load(PATH) or OPTIONS (path '...')")
     if not given.get("uid"):
@@ -132,6 +134,24 @@ def _key_values(filters: Iterable[Any], columns: Iterable[str]) -> tuple[dict[st
         values[attr[0]] = [v for v in values[attr[0]] if v in got] if attr[0] in values else got
         used.append(f)
     return values, used
+
+
+def _with_options(schema: Any, options: Mapping[str, str]) -> Any:
+    """``schema`` with the data source's options in its first field's metadata: a catalog
+    table keeps its schema (metadata too) but Spark hands its reader none of its options."""
+    from pyspark.sql.types import StructField, StructType
+
+    kept = {k: str(v) for k, v in options.items() if str(k).lower() not in _TABLE_PROPERTIES and not str(k).lower().startswith("option.")}
+    first = schema.fields[0]
+    meta = {**(first.metadata or {}), _OPTIONS_KEY: json.dumps(kept, sort_keys=True)}
+    return StructType([StructField(first.name, first.dataType, first.nullable, meta), *schema.fields[1:]])
+
+
+def _options_in(schema: Any) -> dict[str, str]:
+    """The options :func:`_with_options` kept in a table's schema (none: an empty dict)."""
+    fields = getattr(schema, "fields", None) or []
+    text = (fields[0].metadata or {}).get(_OPTIONS_KEY) if fields else None
+    return dict(json.loads(text)) if text else {}
 
 
 def data_source(pushdown: bool = True) -> type:
@@ -188,18 +208,23 @@ def data_source(pushdown: bool = True) -> type:
             return self._planned
 
         def schema(self) -> Any:
-            return from_arrow_schema(self._source().schema())
+            schema = from_arrow_schema(self._source().schema())
+            if _TABLE_PROPERTIES & {str(k).lower() for k in self.options}:  # CREATE TABLE: the options kept in the table's schema
+                schema = _with_options(schema, self.options)
+            return schema
 
         def reader(self, schema: Any) -> Any:
+            if not self.options:  # a catalog table read: Spark passes none of its options, its schema holds them
+                self.options = _options_in(schema)
             return reader_class(self._source(), check_options(self.options)["partitions"])
 
     return KeyscaleDataSource
 
 
 def register(spark: SparkSession) -> None:
-    """Make the ``keyscale`` data source known to ``spark``: ``spark.read.format("keyscale")``
-    and ``CREATE TEMPORARY VIEW ... USING keyscale OPTIONS (...)`` (sessions keyscale starts
-    have it already). Key filters are pushed down where Spark allows it: the session's
+    """Make the ``keyscale`` data source known to ``spark``: ``spark.read.format("keyscale")``,
+    ``CREATE TABLE`` and ``CREATE TEMPORARY VIEW ... USING keyscale OPTIONS (...)`` (sessions
+    keyscale starts have it already). Key filters are pushed down where Spark allows it: the session's
     ``spark.sql.python.filterPushdown.enabled`` is turned on when unset (a value the user set
     is kept; with it off, every key group is read and Spark filters the rows).
 
