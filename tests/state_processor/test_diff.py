@@ -131,7 +131,7 @@ def test_diff_of_checkpoints_through_deltas_and_a_rescale(tmp_path: Path, capsys
     """A job directory's checkpoints (snapshots and deltas, parallelism 2 then 4): checkpoint
     against checkpoint, and against a savepoint rekeyed to another max parallelism."""
     from keyscale.cli.main import main as cli
-    from test_state_lookup import _job
+    from test_lookup import _job
 
     jd = _job(tmp_path / "job")
     m1, m3 = _model_of(jd, 1), _model_of(jd, 3)
@@ -189,7 +189,7 @@ def test_diff_on_s3(s3_bucket: str, tmp_path: Path) -> None:
     _check(diff_rows(sa, sb, "op"), a, b)
     assert diff_savepoints(sa, rekey_savepoint(sa, f"{s3_bucket}/a8", 8), "op").equal
     # checkpoints of a job directory on S3, through deltas and a rescale
-    from test_state_lookup import _job
+    from test_lookup import _job
 
     jd = _job(f"{s3_bucket}/job")
     rows = diff_rows(f"{s3_bucket}/job", f"{s3_bucket}/job", "op", checkpoint_a=0, checkpoint_b=3, rows_per_piece=40)
@@ -198,7 +198,7 @@ def test_diff_on_s3(s3_bucket: str, tmp_path: Path) -> None:
 
 def test_a_checkpoint_deleted_under_a_diff_is_an_error_naming_the_file(tmp_path: Path) -> None:
     """What a running job's retention does to a diff of an old checkpoint: the missing file is named."""
-    from test_state_lookup import _job
+    from test_lookup import _job
 
     jd = _job(tmp_path / "job")
     gone = jd.read_manifest(0).operators["op"].files[0]

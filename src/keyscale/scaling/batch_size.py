@@ -44,6 +44,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 HEADROOM = 1.25
 """How much more than the arrivals during it a batch may read at least: what drains a backlog."""
@@ -188,3 +189,39 @@ def next_batch(target_seconds: float, batches: Sequence[tuple[int, float]], rate
     seconds = f + c * bound
     return BatchSize(bound, seconds, 2 * seconds <= target_seconds * (1 + 1e-9) and math.isfinite(need),
                      f"{size.reason}; at most {GROWTH}x the largest batch measured: {bound:,} records")
+
+
+TARGET = "latency target"
+"""``ReadLimit.limited_by`` when the target's limit is the smaller."""
+
+
+@dataclass(frozen=True)
+class ReadLimit:
+    """A batch's read limit per partition and whose it is (``limited_by``): the target's
+    (``size``, from :func:`~keyscale.scaling.batch_size.next_batch`) or the source's own,
+    the smaller; the batch's expected seconds at that limit and whether the target holds."""
+
+    target_seconds: float
+    partitions: int
+    per_partition: int | None
+    size: BatchSize
+    limited_by: str  # TARGET, or the source's own: "source 'uid' max_records_per_batch"
+    expected_seconds: float | None
+    meets_target: bool
+
+    @property
+    def records(self) -> int | None:
+        return None if self.per_partition is None else self.per_partition * self.partitions
+
+    def to_json(self) -> dict[str, Any]:
+        """The status's ``batch_size``: the records limit (all partitions together), the
+        expected batch seconds at it, whether the target is met, and why."""
+        reason = self.size.reason
+        if self.limited_by != TARGET:
+            theirs = "no limit" if self.size.records is None else f"{self.size.records:,} records"
+            reason = f"{self.limited_by} ({self.per_partition:,} a partition) is below the target's {theirs}: {reason}"
+        return {
+            "target_seconds": self.target_seconds, "records": self.records, "records_per_partition": self.per_partition,
+            "partitions": self.partitions, "limited_by": self.limited_by, "meets_target": self.meets_target,
+            "expected_batch_seconds": None if self.expected_seconds is None else round(self.expected_seconds, 4), "reason": reason,
+        }

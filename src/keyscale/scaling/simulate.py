@@ -176,26 +176,6 @@ def simulate(
                 downtime += pause
                 core_seconds += p * pause
 
-    reversals = 0
-    last_action = None
-    for d in decisions:
-        if d.changes:
-            if last_action is not None and d.action != last_action:
-                reversals += 1
-            last_action = d.action
-
-    changes = []
-    for time, before, after in trace.load_changes():
-        drain = next(
-            (
-                b.metrics.time + b.metrics.batch_seconds - time
-                for b in batches
-                if b.metrics.time > time and b.caught_up
-            ),
-            None,
-        )
-        changes.append(LoadChange(time, before, after, drain))
-
     return SimulationResult(
         trace=trace,
         config=cfg,
@@ -207,11 +187,31 @@ def simulate(
         capacity=tuple(b.capacity_rps for b in batches),
         parallelism=tuple(b.metrics.parallelism for b in batches),
         backlog=tuple(b.pending_records for b in batches),
-        reversals=reversals,
+        reversals=_reversals(decisions),
         core_seconds=core_seconds,
-        load_changes=tuple(changes),
+        load_changes=_drains(trace, batches),
         downtime_seconds=downtime,
     )
+
+
+def _reversals(decisions: list[Decision]) -> int:
+    """How often an applied decision went the other way from the one before (up after down)."""
+    reversals, last_action = 0, None
+    for d in decisions:
+        if d.changes:
+            if last_action is not None and d.action != last_action:
+                reversals += 1
+            last_action = d.action
+    return reversals
+
+
+def _drains(trace: Trace, batches: list[SimulatedBatch]) -> tuple[LoadChange, ...]:
+    """Each change of the trace's load, with how long after it the job had caught up."""
+    changes = []
+    for time, before, after in trace.load_changes():
+        drain = next((b.metrics.time + b.metrics.batch_seconds - time for b in batches if b.metrics.time > time and b.caught_up), None)
+        changes.append(LoadChange(time, before, after, drain))
+    return tuple(changes)
 
 
 def format_decisions(result: SimulationResult, *, all_decisions: bool = False) -> str:

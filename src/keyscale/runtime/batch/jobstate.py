@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from keyscale._steps import JobGraph
     from keyscale.checkpoint.sparkmirror import SparkMirror
     from keyscale.runtime.batch.malformed import Watched
-    from keyscale.runtime.batch.sizing import ReadLimit
+    from keyscale.scaling.batch_size import ReadLimit
 
 
 @dataclass

@@ -17,12 +17,11 @@ limit would be now. Writes ``job.batch.read_limit``; reads the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import Duration, parse_duration_ms
-from keyscale.scaling.batch_size import BatchSize, arrival_rate, fit_cost, next_batch
+from keyscale.scaling.batch_size import TARGET, ReadLimit, arrival_rate, fit_cost, next_batch
 
 if TYPE_CHECKING:
     from keyscale._steps import JobGraph
@@ -33,9 +32,6 @@ WINDOW = 20
 """The recent batches the costs and the input rate are measured over."""
 RECENT = 3
 """The last batches the input rate is measured over as well."""
-
-TARGET = "latency target"
-
 
 def target_seconds(value: Duration | None) -> float | None:
     """Seconds of a latency target (``"1s"``, ``"500 ms"``, a number of seconds); None: no
@@ -56,38 +52,6 @@ def check_target(value: Duration | None, pipeline: JobGraph) -> None:
         raise JobDefinitionError(
             f"latency_target {value!r}: the job reads a Spark source, whose batches Spark sizes (its maxOffsetsPerTrigger or "
             "maxFilesPerTrigger option); a latency target sizes a keyscale log source's batches (keyscale.sources.log_source, keyscale.kafka.kafka_source)")
-
-
-@dataclass(frozen=True)
-class ReadLimit:
-    """A batch's read limit per partition and whose it is (``limited_by``): the target's
-    (``size``, from :func:`~keyscale.scaling.batch_size.next_batch`) or the source's own,
-    the smaller; the batch's expected seconds at that limit and whether the target holds."""
-
-    target_seconds: float
-    partitions: int
-    per_partition: int | None
-    size: BatchSize
-    limited_by: str  # TARGET, or the source's own: "source 'uid' max_records_per_batch"
-    expected_seconds: float | None
-    meets_target: bool
-
-    @property
-    def records(self) -> int | None:
-        return None if self.per_partition is None else self.per_partition * self.partitions
-
-    def to_json(self) -> dict[str, Any]:
-        """The status's ``batch_size``: the records limit (all partitions together), the
-        expected batch seconds at it, whether the target is met, and why."""
-        reason = self.size.reason
-        if self.limited_by != TARGET:
-            theirs = "no limit" if self.size.records is None else f"{self.size.records:,} records"
-            reason = f"{self.limited_by} ({self.per_partition:,} a partition) is below the target's {theirs}: {reason}"
-        return {
-            "target_seconds": self.target_seconds, "records": self.records, "records_per_partition": self.per_partition,
-            "partitions": self.partitions, "limited_by": self.limited_by, "meets_target": self.meets_target,
-            "expected_batch_seconds": None if self.expected_seconds is None else round(self.expected_seconds, 4), "reason": reason,
-        }
 
 
 def measured(job: JobState) -> tuple[list[tuple[int, float]], float | None]:

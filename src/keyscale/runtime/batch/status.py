@@ -74,7 +74,7 @@ def status(job: JobState, reports: TaskReports | None = None, source: dict[str, 
         "outputs": outputs(job.pipeline) if job.pipeline else [],
         "counters": {"last_batch": job.committed.counts, "total": counters.from_extra(job.committed.manifest.extra if job.committed.manifest else None)},
         "latency": last_latency(job),
-        # With a latency target (RunOptions.latency_target): the last batch's read limit and why (sizing.ReadLimit).
+        # With a latency target (RunOptions.latency_target): the last batch's read limit and why (scaling/batch_size.py ReadLimit).
         "batch_size": job.batch.read_limit.to_json() if job.batch.read_limit is not None else None,
     }
 
