@@ -130,8 +130,9 @@ def _model_of(jd: JobDir, batch: int) -> Model:
 def test_diff_of_checkpoints_through_deltas_and_a_rescale(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A job directory's checkpoints (snapshots and deltas, parallelism 2 then 4): checkpoint
     against checkpoint, and against a savepoint rekeyed to another max parallelism."""
-    from keyscale.cli.main import main as cli
     from test_lookup import _job
+
+    from keyscale.cli.main import main as cli
 
     jd = _job(tmp_path / "job")
     m1, m3 = _model_of(jd, 1), _model_of(jd, 3)
