@@ -26,9 +26,12 @@ both ±10 % noise; a 10x spike; a step; a flat noisy load; a slow ramp. Policies
 * ``flink-example`` (not run by default): the same with the settings of the operator
   docs' "basic configuration example" (:data:`FLINK_EXAMPLE`).
 
-Not here: a ``--real`` mode replaying a trace through the real job on a local cluster
-(``bench/elastic.py`` measures the reactive policy there; the Flink policy exists only in
-the simulator).
+``--real`` (``bench/autoscale_real.py``, its own options after it) replays one short trace
+through the real job on a local standalone cluster instead: fixed at peak, keyscale
+SLO+predictive and keyscale reactive, one after the other (the Flink policy exists only in
+the simulator):
+
+    .venv/bin/python bench/autoscale.py --real                 # ~20 min; --help after --real for its options
 
 Figures per trace and policy: % of minutes within the SLO (a minute is within it when the
 p99 latency of the records committed in it, ``keyscale.latency.window_quantile`` over its
@@ -319,6 +322,12 @@ def plot(trace: Trace, results: dict[str, SimulationResult], labels: dict[str, s
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--real" in argv:
+        sys.path.insert(0, str(HERE))
+        import autoscale_real
+
+        return autoscale_real.main([a for a in argv if a != "--real"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default=",".join(SHAPES), help=f"comma-separated, of: {', '.join(SHAPES)}")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
@@ -329,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png-dir", type=Path, default=ROOT / "docs" / "img", help="where the plots go")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "autoscale.json")
+    ap.add_argument("--real", action="store_true", help="one short trace through the real job on a local cluster "
+                    "(bench/autoscale_real.py; see --real --help)")
     args = ap.parse_args(argv)
     traces = [t for t in args.traces.split(",") if t]
     names = [p for p in args.policies.split(",") if p]
