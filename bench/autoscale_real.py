@@ -43,7 +43,8 @@ Figures per policy, over the trace (from the generator's start to its end):
   records in the log (bench/elastic.py's check).
 
 Also the load average of the machine during each run. Results: a table on stdout,
-``bench/out/autoscale_real.json`` (every batch, decision, executor request and sample).
+``bench/out/autoscale_real.json`` (every batch, decision, executor request and sample) and
+``docs/img/autoscale_real.png`` (input rate, executor cores and each batch's p99 per policy).
 """
 
 from __future__ import annotations
@@ -232,6 +233,40 @@ def table(rows: list[RealFigures], slo: float) -> str:
     return "\n".join(lines)
 
 
+STYLES = {"fixed-peak": ("tab:gray", ":"), "keyscale-reactive": ("tab:blue", "-"), "keyscale-slo": ("tab:green", "--")}
+
+
+def plot(trace_name: str, runs: dict[str, dict[str, Any]], slo: float, path: Path) -> Path:
+    """Input rate; executor cores the application holds; each batch's p99 latency, per policy."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_rate, ax_cores, ax_lat = fig.subplots(3, 1, sharex=True, height_ratios=[2, 2, 3])
+    ph = phases(TRACES[trace_name].schedule)
+    ax_rate.step([a for a, _, _ in ph] + [ph[-1][1]], [r for _, _, r in ph] + [ph[-1][2]], where="post", color="black", lw=0.8)
+    ax_rate.set_ylabel("input (records/s)")
+    ax_rate.set_title(f"{trace_name} on a local cluster: {TRACES[trace_name].description}", fontsize=9)
+    for name, run in runs.items():
+        color, ls = STYLES.get(name, (None, "-"))
+        smp = [x for x in run["samples"] if x["cores"] is not None]
+        ax_cores.step([x["t"] for x in smp], [x["cores"] for x in smp], where="post", color=color, ls=ls, lw=1.2, label=run["label"])
+        ax_lat.plot([b["t"] for b in run["batches"]], [b["p99"] for b in run["batches"]], color=color, ls=ls, lw=1.0, marker=".",
+                    ms=3, label=run["label"])
+    ax_cores.set_ylabel("executor cores")
+    ax_cores.set_ylim(bottom=0)
+    ax_cores.legend(loc="upper right", fontsize=8)
+    ax_lat.axhline(slo, color="black", ls="--", lw=0.8, label=f"SLO {slo:g} s")
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("p99 latency per batch (s)")
+    ax_lat.set_xlabel("time from the generator's start (s)")
+    ax_lat.set_xlim(0, ph[-1][1] + 30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=80)
+    return path
+
+
 def job_argv(policy: str, d: Path, args: argparse.Namespace, master: str, trace: RealTrace) -> tuple[list[str], int, str]:
     """The ``keyscale run`` command of a policy, the executor cores it holds at start, its label."""
     argv = [sys.executable, "-m", "keyscale.cli.main", "run", str(JOB_FILE), "--job-dir", str(d / "job"), "--master", master,
@@ -373,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--autoscaler-option", action="append", help=f"replaces the defaults {AUTOSCALER_OPTIONS}")
     ap.add_argument("--work", help="working folder (default: a temporary one, deleted)")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "autoscale_real.json")
+    ap.add_argument("--png", default=str(ROOT / "docs" / "img" / "autoscale_real.png"), help="the plot ('' for none)")
     args = ap.parse_args(argv)
     args.autoscaler_option = args.autoscaler_option or AUTOSCALER_OPTIONS
     names = [p for p in args.policies.split(",") if p]
@@ -414,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs.values():
         r["over_slo_per_phase"] = over_slo_per_phase(r["batches"], phases(r["schedule"]), args.slo)
     save()
+    if args.png and runs:
+        log_line(f"plot: {plot(args.trace, runs, args.slo, Path(args.png))}")
     print(f"trace {args.trace}: {TRACES[args.trace].description}")
     print(table(rows, args.slo))
     log_line(f"wrote {args.out}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
