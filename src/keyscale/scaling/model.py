@@ -51,6 +51,9 @@ class BatchMetrics:
         latency: the batch's end-to-end latency (:class:`keyscale.latency.Latency`:
             p50, p99, max and a histogram that :func:`keyscale.latency.window_quantile`
             merges over a window), or ``None`` when its source keeps no append times.
+        executor_start_seconds: on a cluster, how long the job's last scale-up waited
+            for the executors it asked Spark for (measured; 0 where keyscale does not
+            size executors): an SLO policy acts on a predicted rise this much earlier.
 
     >>> m = BatchMetrics(time=0.0, uid="op", parallelism=2, max_parallelism=8,
     ...                  input_records=10, batch_seconds=1.0,
@@ -72,6 +75,7 @@ class BatchMetrics:
     backlog_records: int | None = None
     input_rate: float | None = None
     latency: Latency | None = None
+    executor_start_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.time):
@@ -97,6 +101,8 @@ class BatchMetrics:
             raise ValueError("backlog_records must be >= 0 or None")
         if self.input_rate is not None and not self.input_rate >= 0:
             raise ValueError("input_rate must be >= 0 or None")
+        if not (math.isfinite(self.executor_start_seconds) and self.executor_start_seconds >= 0):
+            raise ValueError(f"executor_start_seconds must be a finite number >= 0, got {self.executor_start_seconds}")
 
 
 @dataclass(frozen=True)

@@ -270,8 +270,10 @@ class Autoscaler:
             "window_batches": float(len(st.window)),
         }
         slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
+        # A scale-up on a cluster also waits for its executors: the lead counts that wait too.
         ahead = None if self.slo is None else outlook(
-            self.slo, list(st.window), self.histories[m.uid], now, sample.input_rate, slot, st.rescale_cost, cfg
+            self.slo, list(st.window), self.histories[m.uid], now, sample.input_rate, slot,
+            st.rescale_cost + m.executor_start_seconds, cfg,
         )  # fmt: skip
         waiting = stabilising(now, since, st.change_time, P, cfg)
         if waiting is not None:
