@@ -286,13 +286,15 @@ class Autoscaler:
         load_cfg = cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds)
         load = measure_load(m, st.window, sample.input_rate, load_cfg)
         inputs.update(load.inputs())
+        # The rate is from busy time net of GC pauses (the window's samples: load.net_busy); the
+        # busy ratio is the whole busy time, since a subtask in a GC pause is not idle either.
         capacity = measure_capacity(
             st.window, P, max(m.busy_seconds), slot, st.known_rate_per_subtask, cfg.min_busy_seconds
         )
         if isinstance(capacity, Unmeasured):
             return Decision(now, m.uid, P, P, "none", (
                 f"no reliable processing-rate measurement yet ({capacity.records:,} records, "
-                f"{capacity.busy_hot:.2f} s busy time in the window): keeping {P} rather than guessing"
+                f"{capacity.busy_hot:.2f} s busy time net of GC pauses in the window): keeping {P} rather than guessing"
             ), inputs)  # fmt: skip
         st.known_rate_per_subtask = capacity.rate_per_subtask
         rate, ahead_text = (load.target_rate, "") if ahead is None else sizing_rate(ahead, load.target_rate, capacity.total, cfg)
@@ -376,8 +378,8 @@ class Autoscaler:
 
     def _learn(self, m: BatchMetrics, st: _OperatorState, sample: Sample) -> None:
         """With an SLO: the input rate into the operator's history, and the cost of a rescale
-        from the first batch after a change (its busiest subtask's time beyond what its records
-        take at the known rate: state moved, caches warmed)."""
+        from the first batch after a change (its busiest subtask's time, net of GC pauses as the
+        known rate is, beyond what its records take at that rate: state moved, caches warmed)."""
         history = self.histories.get(m.uid)
         if history is None or history.bucket_seconds != self.config.forecast_bucket_seconds:
             history = self.histories[m.uid] = RateHistory(self.config.forecast_bucket_seconds)
@@ -385,4 +387,4 @@ class Autoscaler:
             self.dirty.add(m.uid)
         known = st.known_rate_per_subtask
         if st.changes and st.batches_since_change == 1 and known:
-            st.rescale_cost = max(0.0, max(m.busy_seconds) - sum(m.records) / (known * m.parallelism))
+            st.rescale_cost = max(0.0, sample.busy_hot - sum(m.records) / (known * m.parallelism))

@@ -210,6 +210,7 @@ def autoscale(
             time=started, uid=uid, parallelism=par[uid], max_parallelism=job.max_parallelism,
             input_records=sum(r.records for r in rs), batch_seconds=batch_seconds, trigger_interval_seconds=interval,
             busy_seconds=tuple(float(r.busy_seconds) for r in rs), records=tuple(r.records for r in rs),
+            gc_seconds=tuple(float(r.gc_seconds) for r in rs),  # of the busy time, GC pauses: rates are net of them
             backlog_records=backlog,  # what the source has not read yet: every operator must process it
             latency=latency,  # the batch's end-to-end latency: the same for every operator
             executor_start_seconds=job.scaling.executor_start_seconds,
