@@ -28,9 +28,9 @@ driver's side, which keyscale does not read.
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from time import perf_counter
 from typing import Any
 
 __all__ = ["GcPauses", "gc_pauses"]
@@ -53,9 +53,9 @@ class GcPauses:
 
     def __call__(self, phase: str, info: Any) -> None:
         if phase == "start":
-            self._began = time.perf_counter()
+            self._began = perf_counter()
         elif self._began >= 0.0:
-            self.seconds += time.perf_counter() - self._began
+            self.seconds += perf_counter() - self._began
             self._began = -1.0
 
 
