@@ -27,7 +27,9 @@ can be rescaled live, between two batches, at near-zero cost:
 * **True processing rate.** How many records one subtask handles per second of
   busy time: ``records / busy seconds``, aggregated over a metrics window. It is a
   property of the code and the hardware, not of the load, so it can be measured
-  at any load level.
+  at any load level. Busy seconds are net of the Python garbage collector's pauses
+  (``BatchMetrics.gc_seconds``, :func:`keyscale.scaling.load.net_busy`): GC pressure is
+  not read as load.
 * **Skew.** A micro-batch ends when its slowest task ends, so the *hottest*
   subtask bounds the job's throughput. The job's capacity at parallelism ``P`` is
   ``records / busy seconds of the busiest subtask`` (summed over the window), and
