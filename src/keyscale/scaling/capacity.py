@@ -86,12 +86,14 @@ class Capacity:
             f"one subtask processes {fmt(self.rate_per_subtask)} rec/s"
             + (" (measured earlier)" if self.from_history else "")
             + (f" (hottest subtask, skew {self.skew:.2f}x)" if self.skew > 1.05 else "")
-            + (
-                f" (net of garbage-collector pauses: {self.gc_share:.0%} of the busy time, not counted as work)"
-                if self.gc_share > GC_NOTABLE
-                else ""
-            )
+            + self.gc_text()
         )
+
+    def gc_text(self) -> str:
+        """The garbage collector's share in words when it is notable (over :data:`GC_NOTABLE`), else ''."""
+        if self.gc_share <= GC_NOTABLE:
+            return ""
+        return f" (net of garbage-collector pauses: {self.gc_share:.0%} of the busy time, not counted as work)"
 
 
 @dataclass(frozen=True)

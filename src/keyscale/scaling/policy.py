@@ -314,7 +314,7 @@ class Autoscaler:
             + ("".join(", " + s for s in steps))
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
-        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total)
+        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text())
         v = decide(case, st.pending_down, cfg)
         if ahead is not None:
             v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs)
