@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from keyscale.deploy.file import load_deployment, parse_deployment, state_dir_of
 from keyscale.deploy.spec import (
     RUN_FIELDS,
     DeploymentError,
@@ -14,9 +15,6 @@ from keyscale.deploy.spec import (
     RestartStrategy,
     RestoreStrategy,
     UpgradeStrategy,
-    load_deployment,
-    parse_deployment,
-    state_dir_of,
 )
 
 

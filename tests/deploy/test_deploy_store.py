@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from keyscale.deploy.cli import main as deploy_main
+from keyscale.deploy.file import load_deployment
 from keyscale.deploy.plan import Desired, DesiredState
-from keyscale.deploy.spec import DeploymentError, DeploymentSpec, load_deployment
+from keyscale.deploy.spec import DeploymentError, DeploymentSpec
 from keyscale.deploy.store import DeploymentStatus, DeploymentStore
 
 

@@ -29,6 +29,9 @@ def test_recommend_mode_records_and_never_rescales(spark: Any, events: Path, ref
     assert all(e["mode"] == "recommend" and e["uid"] == "totals" and e["reason"] for e in decisions)
     assert any(e["action"] == "scale_down" for e in decisions)  # tiny batches: it would shrink
     assert JobDir(tmp_path / "job").read_status()["scaling"]["autoscaler"] == "recommend"
+    # Each subtask reports the garbage collector's pauses within its busy time (report version 3).
+    subtasks = JobDir(tmp_path / "job").read_status()["operators"]["totals"]["subtasks"]
+    assert len(subtasks) == 4 and all(0.0 <= s["gc_seconds"] <= s["busy_seconds"] for s in subtasks), subtasks
     pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference)
 
 

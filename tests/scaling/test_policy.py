@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -510,3 +511,23 @@ def test_any_parallelism_outside_the_bounds_is_brought_back(m: int, data: st.Dat
         # the first decision after stabilisation moves it, inwards, whatever the load
         first = next(d for d in decisions if d.time >= cfg.stabilization_seconds)
         assert first.action == ("scale_up" if start < lo else "scale_down"), first.reason
+
+
+def test_a_notable_gc_share_is_in_the_reason_and_the_inputs() -> None:
+    # 2,400 rec/s on 4 subtasks of 1,000 rec/s (utilisation 0.6, in band), each batch's busy
+    # time a third GC pauses; and the same with 5%: an input, not worth a word.
+    def with_gc(share: float) -> list[Decision]:
+        scaler = Autoscaler()
+        out = []
+        for i in range(12):
+            b = batch(5.0 * i, 4, 2400)
+            busy = tuple(x / (1 - share) for x in b.busy_seconds)
+            out.append(scaler.observe(replace(b, busy_seconds=busy, batch_seconds=max(busy), gc_seconds=tuple(x * share for x in busy))))
+        return out
+
+    d = with_gc(1 / 3)[-1]
+    assert d.action == "none" and d.inputs["utilization"] == pytest.approx(0.6)
+    assert d.inputs["gc_share"] == pytest.approx(1 / 3) and d.inputs["true_rate_per_subtask"] == pytest.approx(CAP)
+    assert d.reason.endswith("capacity 4,000 rec/s (net of garbage-collector pauses: 33% of the busy time, not counted as work)")
+    d = with_gc(0.05)[-1]
+    assert d.inputs["gc_share"] == pytest.approx(0.05) and "garbage" not in d.reason

@@ -6,6 +6,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keyscale.errors import KeyscaleError
-from keyscale.scaling.policy import AutoscalerConfig
+from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics, Decision
 from keyscale.scaling.simulate import (
     SimulationResult,
     add_simulate_parser,
@@ -77,6 +78,32 @@ def test_steady_makes_no_change() -> None:
     assert result.changes == ()
     assert set(result.parallelism) == {4}
     assert all(d.action == "none" for d in result.decisions)
+
+
+class _GcBlind:
+    """The policy, with the subtasks' GC pauses counted as work (as before they were reported)."""
+
+    def __init__(self, config: AutoscalerConfig) -> None:
+        self.scaler = Autoscaler(config)
+
+    def observe(self, m: BatchMetrics) -> Decision:
+        return self.scaler.observe(replace(m, gc_seconds=()))
+
+
+def test_gc_pressure_alone_makes_no_scale_up() -> None:
+    # 1,600 rec/s on 4 subtasks of 1,000 rec/s: 2 s of work per 5 s batch, plus 2.8 s of
+    # GC pauses (a worker under memory pressure): each subtask is about 96% busy.
+    trace = steady(rate=1600, noise=0.1, seed=3, job=default_job(gc_pause_seconds=2.8))
+    result = simulate(trace, CFG)
+    assert result.changes == () and set(result.parallelism) == {4}
+    measured = [d for d in result.decisions if "true_rate_per_subtask" in d.inputs]
+    assert measured and all(d.inputs["true_rate_per_subtask"] == pytest.approx(1000.0, rel=0.01) for d in measured)
+    assert all(d.inputs["busy_ratio"] > 0.85 for d in measured)  # busy, but not with records
+    assert all(re.search(r"\(net of garbage-collector pauses: 5\d% of the busy time, not counted as work\)", d.reason) for d in measured)
+    # The same batches with the pauses read as work: rate 417 rec/s per subtask, utilisation
+    # above 0.9, and a scale-up that buys nothing the pauses would not take again.
+    blind = simulate(trace, CFG, policy=_GcBlind(CFG))
+    assert [d.action for d in blind.changes][:1] == ["scale_up"]
 
 
 def test_steady_from_a_bad_start_settles_and_stays() -> None:

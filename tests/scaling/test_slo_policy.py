@@ -181,3 +181,26 @@ def test_the_simulator_cli_takes_an_slo(capsys: pytest.CaptureFixture[str]) -> N
     assert "SLO latency=30s" in out
     assert main(["autoscaler", "simulate", spike_json, "--slo", "latency"]) != 0
     assert "--slo 'latency': expected KIND=DURATION" in capsys.readouterr().err
+
+
+def test_the_wait_for_executors_lengthens_the_lead_a_rise_is_forecast_over() -> None:
+    """On a cluster a scale-up waits for its executors: the SLO policy looks that much
+    further ahead (its decisions say over how long), so a rise is acted on earlier."""
+    from dataclasses import replace as with_
+
+    from test_policy import batch
+
+    def leads(start_seconds: float) -> set[float]:
+        scaler = Autoscaler(AutoscalerConfig(), slo=parse_slo("latency=30s"))
+        out = set()
+        for i in range(12):
+            d = scaler.observe(with_(batch(5.0 * i, 4, 1000.0), executor_start_seconds=start_seconds))
+            if "lead_seconds" in d.inputs:
+                out.add(round(d.inputs["lead_seconds"], 6))
+        return out
+
+    without, with_wait = leads(0.0), leads(12.5)
+    assert without and with_wait
+    assert {round(w - 12.5, 6) for w in with_wait} == without
+    with pytest.raises(ValueError, match="executor_start_seconds"):
+        with_(batch(0.0, 4, 1000.0), executor_start_seconds=-1.0)

@@ -5,7 +5,7 @@ spec into the deployment's state folder and starts a supervisor process that bri
 running job to it (live rescale, STATEFUL/STATELESS/NONE upgrades, restore strategies,
 restarts after failures). ``docs/deployments.md`` documents the semantics.
 
-- :mod:`keyscale.deploy.spec`: the deployment file (:func:`load_deployment`);
+- :mod:`keyscale.deploy.spec`: a deployment as data; :mod:`keyscale.deploy.file`: its TOML file (:func:`load_deployment`);
 - :mod:`keyscale.deploy.plan`: the pure decisions (:func:`plan_action`, :func:`choose_restore`);
 - :mod:`keyscale.deploy.store`: the state folder (desired, status, events, job directories);
 - :mod:`keyscale.deploy.supervisor`: the process that carries the decisions out;
@@ -16,6 +16,7 @@ restarts after failures). ``docs/deployments.md`` documents the semantics.
 ('STATEFUL', 'LATEST_STATE')
 """
 
+from keyscale.deploy.file import load_deployment, parse_deployment
 from keyscale.deploy.plan import (
     Action,
     ActionKind,
@@ -34,8 +35,6 @@ from keyscale.deploy.spec import (
     RestartStrategy,
     RestoreStrategy,
     UpgradeStrategy,
-    load_deployment,
-    parse_deployment,
 )
 
 __all__ = [

@@ -30,9 +30,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.deploy.file import load_deployment, state_dir_of
 from keyscale.deploy.launch import start_supervisor
 from keyscale.deploy.plan import Desired, DesiredState, plan_action
-from keyscale.deploy.spec import DeploymentError, DeploymentSpec, load_deployment, state_dir_of
+from keyscale.deploy.spec import DeploymentError, DeploymentSpec
 from keyscale.deploy.store import DeploymentState, DeploymentStatus, DeploymentStore
 from keyscale.deploy.supervisor import Outcome
 from keyscale.errors import KeyscaleError, cli_exit

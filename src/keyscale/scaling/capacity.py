@@ -3,7 +3,10 @@
 :func:`measure_capacity` reads the **true processing rate** of one subtask from the
 metrics window: ``records / busy seconds of the busiest subtask / P`` (a micro-batch
 waits for its slowest task, so the hottest subtask bounds the job; with evenly spread key
-groups this is the plain mean rate, with skew it is lower by the skew factor). Batches
+groups this is the plain mean rate, with skew it is lower by the skew factor). Busy
+seconds are net of the garbage collector's pauses (:func:`keyscale.scaling.load.net_busy`);
+when those were a notable share of the busy time (over :data:`GC_NOTABLE`) the reason
+says so. Batches
 right after a change (warm-up) are left out; with too little busy time it falls back on
 the rate an earlier window measured, and with none it says so (:class:`Unmeasured`)
 rather than guess. :func:`needed_parallelism` is the parallelism that carries a target
@@ -27,7 +30,10 @@ from dataclasses import dataclass
 
 from keyscale.scaling.load import Sample, fmt
 
-__all__ = ["Capacity", "Unmeasured", "measure_capacity", "needed_parallelism"]
+__all__ = ["GC_NOTABLE", "Capacity", "Unmeasured", "measure_capacity", "needed_parallelism"]
+
+#: The share of the window's busy time in GC pauses above which the reason mentions them.
+GC_NOTABLE = 0.1
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,7 @@ class Capacity:
     rate_per_subtask: float  # records/s one subtask processes (the hottest subtask's share)
     mean_rate: float | None  # the plain mean per subtask; None when the rate is from history
     busy_ratio: float  # the busiest subtask's busy share of the latest batch's slot
+    gc_share: float = 0.0  # of the window's measured busy time, the share in GC pauses (not counted as work)
 
     @property
     def from_history(self) -> bool:
@@ -65,7 +72,8 @@ class Capacity:
             if self.mean_rate is None
             else {"mean_rate_per_subtask": self.mean_rate, "skew": self.skew}
         )
-        return measured | {
+        gc = {"gc_share": self.gc_share} if self.gc_share > 0 else {}
+        return measured | gc | {
             "busy_ratio": self.busy_ratio,
             "true_rate_per_subtask": self.rate_per_subtask,
             "capacity": self.total,
@@ -78,7 +86,14 @@ class Capacity:
             f"one subtask processes {fmt(self.rate_per_subtask)} rec/s"
             + (" (measured earlier)" if self.from_history else "")
             + (f" (hottest subtask, skew {self.skew:.2f}x)" if self.skew > 1.05 else "")
+            + self.gc_text()
         )
+
+    def gc_text(self) -> str:
+        """The garbage collector's share in words when it is notable (over :data:`GC_NOTABLE`), else ''."""
+        if self.gc_share <= GC_NOTABLE:
+            return ""
+        return f" (net of garbage-collector pauses: {self.gc_share:.0%} of the busy time, not counted as work)"
 
 
 @dataclass(frozen=True)
@@ -107,11 +122,13 @@ def measure_capacity(
     records = sum(s.records for s in measured)
     busy_hot = sum(s.busy_hot for s in measured)
     busy_total = sum(s.busy_total for s in measured)
+    gc_total = sum(s.gc_total for s in measured)
     busy_ratio = busiest / slot if slot > 0 else 0.0
     if records > 0 and busy_hot >= min_busy_seconds:
         rate = records / busy_hot / parallelism
         mean_rate = records / busy_total if busy_total > 0 else rate
-        return Capacity(parallelism, rate, mean_rate, busy_ratio)
+        gc_share = gc_total / (busy_total + gc_total) if gc_total > 0 else 0.0
+        return Capacity(parallelism, rate, mean_rate, busy_ratio, gc_share)
     if known_rate is not None:
         return Capacity(parallelism, known_rate, None, busy_ratio)
     return Unmeasured(records, busy_hot)

@@ -142,6 +142,7 @@ class Case:
     load_text: str
     sizing: str
     capacity: float
+    gc_text: str = ""  # the GC pauses the rate leaves out, in words when notable (Capacity.gc_text)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def decide(c: Case, pending: PendingDown | None, cfg: AutoscalerConfig) -> Verdi
         return Verdict("none", P, f"keep {P}{reason}")
 
     if cfg.scale_down_threshold <= c.utilization <= cfg.scale_up_threshold:
-        return keep(f": {c.util_text}; {c.load_text}; capacity {fmt(c.capacity)} rec/s")
+        return keep(f": {c.util_text}; {c.load_text}; capacity {fmt(c.capacity)} rec/s{c.gc_text}")
     if c.utilization > cfg.scale_up_threshold:
         if c.busy_ratio < cfg.scale_down_threshold:
             # Behind, yet the busiest subtask mostly idles: something other than

@@ -25,7 +25,8 @@ metrics window:
   utilisation is 1.0 and the lower one 0 (no scale-down while catching up); else
   ``target ± boundary`` (0.7 ± 0.3 = 1.0 / 0.4 by default);
 * true processing rate (busy-time aggregator MAX): the mean records-in rate over the mean
-  busy share of the busiest subtask; switched to the observed rate (records-in rate over
+  busy share of the busiest subtask (busy time whole: Flink's busyTimeMsPerSecond does not
+  take GC pauses out either, so ``BatchMetrics.gc_seconds`` is not read); switched to the observed rate (records-in rate over
   the non-backpressured share, 1 here: one vertex has nothing downstream to wait for) of
   samples taken while catching up, when there are at least 2 of them and the busy-time
   estimate is more than 15 % above it;

@@ -14,7 +14,9 @@ The job model, per micro-batch starting at ``t`` with parallelism ``P``:
 * the hottest subtask gets ``min(1, skew / P)`` of the records (``skew`` times
   its fair share), the others share the rest evenly;
 * subtask ``i`` is busy ``records_i / per_subtask_capacity_rps +
-  task_overhead_seconds``; the batch lasts as long as the busiest subtask;
+  task_overhead_seconds + gc_pause_seconds``, of which it reports ``gc_pause_seconds``
+  as garbage-collector pauses (``BatchMetrics.gc_seconds``); the batch lasts as long as
+  the busiest subtask;
 * the next batch starts one trigger interval later, or when this one ends if it
   overran;
 * each batch's end-to-end latency (``BatchMetrics.latency``): per record, from its
@@ -93,6 +95,8 @@ class SimulatedJob:
         uid: operator uid in the metrics.
         max_records_per_subtask: cap on records one batch reads per subtask, so
             ``P`` subtasks read up to ``P`` times this (``None``: no such cap).
+        gc_pause_seconds: garbage-collector pauses per task per batch, whatever its
+            records (a worker under memory pressure): busy time, reported as GC.
 
     >>> SimulatedJob(1000.0, skew=2.0).capacity_rps(8)
     4000.0
@@ -112,6 +116,7 @@ class SimulatedJob:
     task_overhead_seconds: float = 0.0
     uid: str = "keyed"
     max_records_per_subtask: int | None = None
+    gc_pause_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.per_subtask_capacity_rps) and self.per_subtask_capacity_rps > 0):
@@ -130,6 +135,8 @@ class SimulatedJob:
             raise ValueError("max_records_per_subtask must be >= 1 or null")
         if not (math.isfinite(self.task_overhead_seconds) and self.task_overhead_seconds >= 0):
             raise ValueError("task_overhead_seconds must be >= 0")
+        if not (math.isfinite(self.gc_pause_seconds) and self.gc_pause_seconds >= 0):
+            raise ValueError("gc_pause_seconds must be >= 0")
 
     def hot_share(self, parallelism: int) -> float:
         """Fraction of the records the hottest subtask gets at ``parallelism``."""
@@ -219,7 +226,8 @@ class JobRun:
             by_remainder = sorted(range(parallelism), key=lambda i: (records[i] - exact[i], i))
             for i in by_remainder[: read - sum(records)]:
                 records[i] += 1
-        busy = tuple(r / job.per_subtask_capacity_rps + job.task_overhead_seconds for r in records)
+        gc = job.gc_pause_seconds
+        busy = tuple(r / job.per_subtask_capacity_rps + job.task_overhead_seconds + gc for r in records)
         duration = max(busy)
         period = max(job.trigger_interval_seconds, duration)
         latency = batch_latency(self._queue.pop(read), committed=t + duration)
@@ -237,6 +245,7 @@ class JobRun:
             backlog_records=math.floor(self._unread) if job.reports_backlog else None,
             input_rate=input_rate if job.reports_input_rate else None,
             latency=latency,
+            gc_seconds=(gc,) * parallelism,
         )
         return SimulatedBatch(
             metrics=metrics,

@@ -1,7 +1,8 @@
 """The autoscaler's load: what the batches measured of the input, and the rate it needs.
 
 One :class:`Sample` per batch (its input rate, the records and busy time of its
-subtasks, its end-to-end latency) goes into the policy's metrics window; :func:`measure_load` turns the latest
+subtasks, that busy time net of garbage-collector pauses (:func:`net_busy`), its
+end-to-end latency) goes into the policy's metrics window; :func:`measure_load` turns the latest
 batch and that window into a :class:`Load`: the input rate, the backlog (reported by the
 source, plus what a batch that overran its trigger left behind) and the **target rate**
 ``input rate + (backlog + input rate * restart time) / catch-up duration``. Pure: no
@@ -29,7 +30,11 @@ from dataclasses import dataclass
 from keyscale.latency import Latency
 from keyscale.scaling.model import AutoscalerConfig, BatchMetrics
 
-__all__ = ["Load", "Sample", "arrival_period", "batch_sample", "fmt", "measure_load"]
+__all__ = ["GC_FLOOR", "Load", "Sample", "arrival_period", "batch_sample", "fmt", "measure_load", "net_busy"]
+
+#: The least share of a subtask's busy time :func:`net_busy` keeps as work, however much of
+#: it the garbage collector's pauses were.
+GC_FLOOR = 0.1
 
 
 def fmt(x: float) -> str:
@@ -45,8 +50,8 @@ class Sample:
     period: float  # seconds the input of this batch arrived over
     input_rate: float
     records: int  # sum over subtasks
-    busy_total: float  # sum over subtasks
-    busy_hot: float  # busiest subtask
+    busy_total: float  # sum over subtasks, net of GC pauses (net_busy)
+    busy_hot: float  # busiest subtask, net of GC pauses
     warmup: bool  # right after a change: not used to measure the processing rate
     # The batch's end-to-end latency (None: not measured); a latency SLO reads the window's
     # with keyscale.latency.window_quantile.
@@ -55,6 +60,33 @@ class Sample:
     # duration: a lag SLO reads them (keyscale.scaling.slo.lag_seconds).
     backlog: int | None = None
     seconds: float = 0.0
+    # The GC pauses taken out of busy_total (sum over subtasks): busy_total + gc_total is
+    # the busy time the subtasks reported.
+    gc_total: float = 0.0
+
+
+def net_busy(m: BatchMetrics) -> tuple[float, ...]:
+    """Each subtask's busy seconds net of its garbage-collector pauses: the time its
+    records took, which is what every rate the policy measures divides by.
+
+    >>> from keyscale.scaling.model import BatchMetrics
+    >>> m = BatchMetrics(time=0.0, uid="op", parallelism=3, max_parallelism=8, input_records=30,
+    ...                  batch_seconds=2.0, trigger_interval_seconds=None, busy_seconds=(2.0, 1.0, 1.0),
+    ...                  records=(10, 10, 10), gc_seconds=(1.0, 0.0, 5.0))
+    >>> net_busy(m)
+    (1.0, 1.0, 0.1)
+    """
+    # GC pauses measure the Python worker's heap more than the batch's records: a
+    # collection's pause grows with the objects it scans (warm state, caches, what earlier
+    # tasks left), so memory pressure lengthens busy time without one more record. Taken as
+    # work it reads as load and scales up, which is not the cure for memory pressure
+    # (FLINK-33764). The price: the young collections a batch's own allocations trigger
+    # are per-record work, and netting them overstates the rate by their share.
+    # The floor: a subtask is never counted as working less than GC_FLOOR of its busy
+    # time, so a pause that covered (nearly) all of it, or a measurement off by a little,
+    # cannot make its rate unbounded (records over ~0 s) and scale the operator down to its
+    # minimum: it measures at most 1 / GC_FLOOR times the rate its whole busy time gives.
+    return tuple(max(b - g, b * GC_FLOOR) for b, g in zip(m.busy_seconds, m.gc_seconds, strict=True))
 
 
 def arrival_period(m: BatchMetrics, last_time: float | None) -> float:
@@ -79,17 +111,19 @@ def batch_sample(m: BatchMetrics, period: float, warmup: bool) -> Sample:
         input_rate = m.input_rate
     else:
         input_rate = m.input_records / period if period > 0 else 0.0
+    busy = net_busy(m)
     return Sample(
         time=m.time,
         period=period,
         input_rate=input_rate,
         records=sum(m.records),
-        busy_total=sum(m.busy_seconds),
-        busy_hot=max(m.busy_seconds),
+        busy_total=sum(busy),
+        busy_hot=max(busy),
         warmup=warmup,
         latency=m.latency,
         backlog=m.backlog_records,
         seconds=m.batch_seconds,
+        gc_total=sum(m.busy_seconds) - sum(busy),
     )
 
 

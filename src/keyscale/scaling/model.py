@@ -51,13 +51,20 @@ class BatchMetrics:
         latency: the batch's end-to-end latency (:class:`keyscale.latency.Latency`:
             p50, p99, max and a histogram that :func:`keyscale.latency.window_quantile`
             merges over a window), or ``None`` when its source keeps no append times.
+        executor_start_seconds: on a cluster, how long the job's last scale-up waited
+            for the executors it asked Spark for (measured; 0 where keyscale does not
+            size executors): an SLO policy acts on a predicted rise this much earlier.
+        gc_seconds: of each subtask's busy time, the seconds the Python garbage
+            collector paused it (:mod:`keyscale.runtime.task.gcpauses`); the policy
+            measures rates from busy time net of them
+            (:func:`keyscale.scaling.load.net_busy`). Left empty: zeros, one per subtask.
 
     >>> m = BatchMetrics(time=0.0, uid="op", parallelism=2, max_parallelism=8,
     ...                  input_records=10, batch_seconds=1.0,
     ...                  trigger_interval_seconds=None, busy_seconds=(0.5, 0.4),
     ...                  records=(6, 4))
-    >>> m.backlog_records is None
-    True
+    >>> m.backlog_records is None, m.gc_seconds
+    (True, (0.0, 0.0))
     """
 
     time: float
@@ -72,6 +79,8 @@ class BatchMetrics:
     backlog_records: int | None = None
     input_rate: float | None = None
     latency: Latency | None = None
+    executor_start_seconds: float = 0.0
+    gc_seconds: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.time):
@@ -97,6 +106,14 @@ class BatchMetrics:
             raise ValueError("backlog_records must be >= 0 or None")
         if self.input_rate is not None and not self.input_rate >= 0:
             raise ValueError("input_rate must be >= 0 or None")
+        if not (math.isfinite(self.executor_start_seconds) and self.executor_start_seconds >= 0):
+            raise ValueError(f"executor_start_seconds must be a finite number >= 0, got {self.executor_start_seconds}")
+        if not self.gc_seconds:
+            object.__setattr__(self, "gc_seconds", (0.0,) * self.parallelism)
+        if len(self.gc_seconds) != self.parallelism:
+            raise ValueError(f"gc_seconds ({len(self.gc_seconds)}) needs one entry per subtask ({self.parallelism}) or none")
+        if any(not (math.isfinite(g) and g >= 0) for g in self.gc_seconds):
+            raise ValueError(f"gc_seconds must be finite numbers >= 0, got {self.gc_seconds}")
 
 
 @dataclass(frozen=True)
@@ -248,7 +265,9 @@ class Decision:
     records/s, backlog in records, times in seconds); keys are present only when
     known: ``input_rate``, ``input_rate_window``, ``input_rate_recent``,
     ``backlog``, ``catch_up_rate``, ``target_rate``, ``true_rate_per_subtask``,
-    ``mean_rate_per_subtask``, ``skew``, ``capacity``, ``utilization``,
+    ``mean_rate_per_subtask``, ``skew``, ``gc_share`` (of the window's busy time, the
+    share in garbage-collector pauses, which the rates leave out; when above 0),
+    ``capacity``, ``utilization``,
     ``busy_ratio`` (the busiest subtask's busy share of the latest batch's
     slot: its trigger interval, or its duration if it overran),
     ``raw_target_parallelism``, ``window_batches``,

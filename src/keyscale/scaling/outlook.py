@@ -84,7 +84,8 @@ def outlook(
     slot: float, rescale_cost: float, cfg: AutoscalerConfig,
 ) -> Outlook:
     """The :class:`Outlook` at ``now`` (``slot``: the trigger interval, or the batch's
-    duration if longer; ``rescale_cost``: the measured extra seconds of a first batch after a change)."""
+    duration if longer; ``rescale_cost``: what a rescale takes beyond the batch, measured: the
+    extra seconds of a first batch after a change, and on a cluster the wait for executors)."""
     lead = slot + rescale_cost
     reading = read_slo(slo, window, lead)
     seasons = (7 * cfg.season_seconds, cfg.season_seconds)

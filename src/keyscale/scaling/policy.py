@@ -27,7 +27,9 @@ can be rescaled live, between two batches, at near-zero cost:
 * **True processing rate.** How many records one subtask handles per second of
   busy time: ``records / busy seconds``, aggregated over a metrics window. It is a
   property of the code and the hardware, not of the load, so it can be measured
-  at any load level.
+  at any load level. Busy seconds are net of the Python garbage collector's pauses
+  (``BatchMetrics.gc_seconds``, :func:`keyscale.scaling.load.net_busy`): GC pressure is
+  not read as load.
 * **Skew.** A micro-batch ends when its slowest task ends, so the *hottest*
   subtask bounds the job's throughput. The job's capacity at parallelism ``P`` is
   ``records / busy seconds of the busiest subtask`` (summed over the window), and
@@ -270,8 +272,10 @@ class Autoscaler:
             "window_batches": float(len(st.window)),
         }
         slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
+        # A scale-up on a cluster also waits for its executors: the lead counts that wait too.
         ahead = None if self.slo is None else outlook(
-            self.slo, list(st.window), self.histories[m.uid], now, sample.input_rate, slot, st.rescale_cost, cfg
+            self.slo, list(st.window), self.histories[m.uid], now, sample.input_rate, slot,
+            st.rescale_cost + m.executor_start_seconds, cfg,
         )  # fmt: skip
         waiting = stabilising(now, since, st.change_time, P, cfg)
         if waiting is not None:
@@ -284,13 +288,15 @@ class Autoscaler:
         load_cfg = cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds)
         load = measure_load(m, st.window, sample.input_rate, load_cfg)
         inputs.update(load.inputs())
+        # The rate is from busy time net of GC pauses (the window's samples: load.net_busy); the
+        # busy ratio is the whole busy time, since a subtask in a GC pause is not idle either.
         capacity = measure_capacity(
             st.window, P, max(m.busy_seconds), slot, st.known_rate_per_subtask, cfg.min_busy_seconds
         )
         if isinstance(capacity, Unmeasured):
             return Decision(now, m.uid, P, P, "none", (
                 f"no reliable processing-rate measurement yet ({capacity.records:,} records, "
-                f"{capacity.busy_hot:.2f} s busy time in the window): keeping {P} rather than guessing"
+                f"{capacity.busy_hot:.2f} s busy time net of GC pauses in the window): keeping {P} rather than guessing"
             ), inputs)  # fmt: skip
         st.known_rate_per_subtask = capacity.rate_per_subtask
         rate, ahead_text = (load.target_rate, "") if ahead is None else sizing_rate(ahead, load.target_rate, capacity.total, cfg)
@@ -308,7 +314,7 @@ class Autoscaler:
             + ("".join(", " + s for s in steps))
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
-        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total)
+        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text())
         v = decide(case, st.pending_down, cfg)
         if ahead is not None:
             v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs)
@@ -374,8 +380,8 @@ class Autoscaler:
 
     def _learn(self, m: BatchMetrics, st: _OperatorState, sample: Sample) -> None:
         """With an SLO: the input rate into the operator's history, and the cost of a rescale
-        from the first batch after a change (its busiest subtask's time beyond what its records
-        take at the known rate: state moved, caches warmed)."""
+        from the first batch after a change (its busiest subtask's time, net of GC pauses as the
+        known rate is, beyond what its records take at that rate: state moved, caches warmed)."""
         history = self.histories.get(m.uid)
         if history is None or history.bucket_seconds != self.config.forecast_bucket_seconds:
             history = self.histories[m.uid] = RateHistory(self.config.forecast_bucket_seconds)
@@ -383,4 +389,4 @@ class Autoscaler:
             self.dirty.add(m.uid)
         known = st.known_rate_per_subtask
         if st.changes and st.batches_since_change == 1 and known:
-            st.rescale_cost = max(0.0, max(m.busy_seconds) - sum(m.records) / (known * m.parallelism))
+            st.rescale_cost = max(0.0, sample.busy_hot - sum(m.records) / (known * m.parallelism))

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from keyscale.scaling.jobmodel import SimulatedJob
-from keyscale.scaling.traces import Trace, TracePoint, _curve, default_job
+from keyscale.scaling.traces import Trace, _curve, default_job, spike, step_up
 
 __all__ = ["SHAPES", "bench_job", "diurnal", "flat_noisy", "ramp", "spike_10x", "step"]
 
@@ -89,13 +90,7 @@ def spike_10x(
     >>> t.rate_at(0), t.rate_at(1800), t.rate_at(2100)
     (2000.0, 20000.0, 2000.0)
     """
-    return Trace(
-        "spike_10x",
-        (TracePoint(0.0, base), TracePoint(at, 10 * base), TracePoint(at + length, base)),
-        duration,
-        job or bench_job(),
-        f"{base:,.0f} rec/s, {10 * base:,.0f} for {length:g} s from t={at:g} s",
-    )
+    return replace(spike(base, 10 * base, at, length, duration, job or bench_job()), name="spike_10x")
 
 
 def step(
@@ -110,13 +105,7 @@ def step(
     >>> step().load_changes()
     [(1200.0, 2000.0, 10000.0)]
     """
-    return Trace(
-        "step",
-        (TracePoint(0.0, low), TracePoint(at, high)),
-        duration,
-        job or bench_job(),
-        f"{low:,.0f} rec/s, {high:,.0f} from t={at:g} s",
-    )
+    return replace(step_up(low, high, at, duration, job or bench_job()), name="step")
 
 
 def flat_noisy(

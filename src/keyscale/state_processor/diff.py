@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.savepoint import (
     DEFAULT_ROWS_PER_FILE,
     KEY_GROUP_COLUMN,
@@ -64,7 +63,7 @@ from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.spark_hash import key_groups
 from keyscale.state.types import StateDescriptor
 from keyscale.state_processor.compare import DIFF_KINDS, diff_schema, diff_tables
-from keyscale.state_processor.lookup import jsonable
+from keyscale.state_processor.lookup import committed_checkpoint, jsonable
 from keyscale.state_processor.read import _operator, spark_schema
 from keyscale.storage import LocalStore, open_store
 
@@ -122,12 +121,7 @@ def open_state(location: Location, uid: str, checkpoint: int | None = None, *, r
 
         return StateSide(info.path, "savepoint", info.batch, uid, op.max_parallelism, op.key_columns, op.states,
                          tuple(f.range for f in files), read_file)
-    jd = JobDir(store)
-    if not jd.exists():
-        raise StateError(f"{jd.uri} is neither a savepoint ({METADATA_FILE}) nor a keyscale job directory (job.json)")
-    manifest = jd.read_manifest(checkpoint) if checkpoint is not None else jd.latest_manifest()
-    if manifest is None:
-        raise StateError(f"job directory {jd.uri} has no checkpoint yet")
+    jd, manifest = committed_checkpoint(store, checkpoint)
     cop = _operator(manifest.operators, uid, f"checkpoint {manifest.batch} of {jd.uri}")
     if not cop.key_columns:
         raise StateError(f"operator '{uid}' has no keyed state in checkpoint {manifest.batch} of {jd.uri}")

@@ -72,6 +72,7 @@ import pyarrow.compute as pc
 from keyscale.checkpoint.files import Location, read_key_groups_ranged, state_file_tail
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, restore_chain
+from keyscale.checkpoint.savepoint import METADATA_FILE
 from keyscale.checkpoint.savepoint.schema import spark_type_name
 from keyscale.checkpoint.savepoint.write import CheckpointFiles, checkpoint_types
 from keyscale.errors import InputDataError, StateError
@@ -83,13 +84,27 @@ from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import Store
 
-__all__ = ["DEFAULT_CACHE_BYTES", "LookupOperator", "SliceCache", "StateLookup", "jsonable", "parse_key"]
+__all__ = [
+    "DEFAULT_CACHE_BYTES", "LookupOperator", "SliceCache", "StateLookup", "committed_checkpoint", "jsonable", "parse_key"]
 
 #: Bytes of footers and key-group slices a :class:`StateLookup` keeps (64 MiB).
 DEFAULT_CACHE_BYTES = 64 << 20
 
 # Hidden states (state/handles.py): a key's timers, and each TTL state's clock.
 _TIMERS = {timers: domain for domain, (timers, _) in TIMER_STATES.items()}
+
+
+def committed_checkpoint(store: Store, checkpoint: int | None = None) -> tuple[JobDir, Manifest]:
+    """The job directory in ``store`` (not a savepoint: the caller checked) and its checkpoint
+    ``checkpoint``, or its newest committed one: what every reader of a job's state starts
+    from. A folder that is neither, or a job without a checkpoint yet, is a StateError naming it."""
+    jd = JobDir(store)
+    if not jd.exists():
+        raise StateError(f"{jd.uri} is neither a savepoint ({METADATA_FILE}) nor a keyscale job directory (job.json)")
+    manifest = jd.read_manifest(checkpoint) if checkpoint is not None else jd.latest_manifest()
+    if manifest is None:
+        raise StateError(f"job directory {jd.uri} has no committed checkpoint yet")
+    return jd, manifest
 
 
 class SliceCache:

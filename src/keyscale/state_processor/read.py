@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from keyscale._spark_types import from_arrow_schema
-from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.savepoint import (
     DEFAULT_ROWS_PER_FILE,
     KEY_GROUP_COLUMN,
@@ -26,6 +25,7 @@ from keyscale.checkpoint.savepoint import (
 from keyscale.checkpoint.savepoint.write import CheckpointFiles
 from keyscale.errors import KeyscaleError, StateError
 from keyscale.state.types import StateDescriptor
+from keyscale.state_processor.lookup import committed_checkpoint
 from keyscale.state_processor.scan import shape_plan
 from keyscale.storage import LocalStore, open_store
 
@@ -102,12 +102,7 @@ def read_keyed_state(
         op: SavepointOperator = _operator(info.operators, uid, f"savepoint {info.path}")
         df = _savepoint_frame(spark, info, op)
         return _shape(df, op.key_names, op.states, state, flatten, uid)
-    jd = JobDir(store)
-    if not jd.exists():
-        raise StateError(f"{jd.uri} is neither a savepoint ({METADATA_FILE}) nor a keyscale job directory (job.json)")
-    manifest = jd.read_manifest(checkpoint) if checkpoint is not None else jd.latest_manifest()
-    if manifest is None:
-        raise StateError(f"job directory {jd.uri} has no checkpoint yet")
+    jd, manifest = committed_checkpoint(store, checkpoint)
     cop = _operator(manifest.operators, uid, f"checkpoint {manifest.batch} of {jd.uri}")
     files = CheckpointFiles(jd.store)
     keys, states = checkpoint_types(files, cop)

@@ -50,7 +50,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.checkpoint.files import read_state_slice
-from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import OperatorCheckpoint, chain_files, chain_starts
 from keyscale.checkpoint.savepoint import (
     KEY_GROUP_COLUMN,
@@ -70,7 +69,7 @@ from keyscale.state.keygroups import KeyGroupRange, key_group_ranges, mask_runs
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.table import KG_COLUMN, last_rows
 from keyscale.state.types import StateDescriptor
-from keyscale.state_processor.lookup import parse_key, routing_columns
+from keyscale.state_processor.lookup import committed_checkpoint, parse_key, routing_columns
 from keyscale.storage import Store, open_store
 
 __all__ = ["ROWS_PER_PART", "ScanPart", "StateScan", "open_scan", "shape_plan", "shape_schema", "shape_table"]
@@ -353,12 +352,7 @@ def open_scan(path: Location, uid: str, *, checkpoint: int | None = None, state:
         scan = StateScan(store, uid, info.batch, sop.max_parallelism, sop.parallelism or 1, keys, routing_columns(keys, sop.states),
                          tuple(sop.states), savepoint_files=tuple(sop.files), state=state, flatten=flatten)
     else:
-        jd = JobDir(store)
-        if not jd.exists():
-            raise StateError(f"{jd.uri} is neither a savepoint ({METADATA_FILE}) nor a keyscale job directory (job.json)")
-        m = jd.read_manifest(checkpoint) if checkpoint is not None else jd.latest_manifest()
-        if m is None:
-            raise StateError(f"job directory {jd.uri} has no committed checkpoint yet")
+        jd, m = committed_checkpoint(store, checkpoint)
         op = m.operators.get(uid)
         if op is None or not op.key_columns:
             keyed = sorted(u for u, o in m.operators.items() if o.key_columns)

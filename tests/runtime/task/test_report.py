@@ -1,6 +1,7 @@
 """A task's report crosses the process boundary from executor to driver (a Spark
-accumulator): TaskReport's wire form round-trips, reads version 1's dict form (no ages), and
-refuses a later version naming the operator, batch and subtask."""
+accumulator): TaskReport's wire form round-trips, reads version 1's dict form (no ages) and
+version 2's (no GC pauses: 0), and refuses a later version naming the operator, batch and
+subtask."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ summaries = st.builds(Ages, ended=unix, buckets=st.dictionaries(st.integers(-(10
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5), lambda inner: st.lists(inner, max_size=3), max_leaves=6)
 reports = st.builds(
     TaskReport,
-    subtask=st.integers(0, 32_767), records=small, busy_seconds=seconds, emitted=small, counters=counts, store_requests=counts,
+    subtask=st.integers(0, 32_767), records=small, busy_seconds=seconds, gc_seconds=seconds, emitted=small, counters=counts, store_requests=counts,
     range=st.none() | st.tuples(small, small), keys=small, timer_keys=small, max_event_ms=st.none() | small, file=st.none() | files,
     state_keys=small, load_seconds=seconds, warm_key_groups=small, loaded_key_groups=small, files_read=small,
     late_records=st.none() | small, windows_fired=st.none() | small, windows_purged=st.none() | small,
@@ -71,15 +72,33 @@ def test_version_1_reports_are_read_and_have_no_ages() -> None:
     keyed = TaskReport.from_wire(TODAYS_KEYED)
     assert keyed.range == (64, 127) and keyed.file is not None and keyed.file.crc32 == 99 and keyed.windows_fired == 3
     assert keyed.counters == {"late": 2, "dropped": 2} and keyed.lists is None and keyed.partitions is None
-    assert keyed.to_wire() == {**TODAYS_KEYED, "v": REPORT_VERSION}
+    assert keyed.to_wire() == {**TODAYS_KEYED, "v": REPORT_VERSION, "gc_seconds": 0.0}
     rocks = TaskReport.from_wire(TODAYS_ROCKSDB_KEYED)
     assert rocks.file is None and rocks.fetched_keys == 7 and rocks.copied_from is None
     nonkeyed = TaskReport.from_wire(TODAYS_NONKEYED)
     assert nonkeyed.lists == {"seen": [1, 2, 3]} and nonkeyed.counters == {} and nonkeyed.range is None
     reader = TaskReport.from_wire(TODAYS_READER)
     assert reader.partitions == {0: PartitionRead(3, 0, 3, 9, 77), 2: PartitionRead(0, 5, 5)} and reader.ages is None
-    assert reader.to_wire() == {**TODAYS_READER, "v": REPORT_VERSION, "emitted": 0, "store_requests": {}, "keys": 0, "timer_keys": 0, "state_keys": 0,
+    assert reader.to_wire() == {**TODAYS_READER, "v": REPORT_VERSION, "gc_seconds": 0.0, "emitted": 0, "store_requests": {}, "keys": 0, "timer_keys": 0, "state_keys": 0,
                                 "load_seconds": 0.0, "warm_key_groups": 0, "loaded_key_groups": 0, "files_read": 0}
+
+
+def test_version_2_reports_are_read_with_no_gc_pauses() -> None:
+    # A version 2 keyed report (ages, no gc_seconds), as an executor of the previous keyscale sends it.
+    v2 = {**TODAYS_KEYED, "v": 2}
+    keyed = TaskReport.from_wire(v2)
+    assert keyed.gc_seconds == 0.0 and keyed.busy_seconds == 0.25 and keyed.windows_fired == 3
+    assert keyed.to_wire() == {**v2, "v": REPORT_VERSION, "gc_seconds": 0.0}
+    assert TaskReport.from_wire({**TODAYS_NONKEYED, "v": 2}).gc_seconds == 0.0
+
+
+def test_gc_seconds_travel_in_the_current_version() -> None:
+    report = TaskReport(subtask=2, records=10, busy_seconds=0.5, gc_seconds=0.125)
+    wire = report.to_wire()
+    assert wire["v"] == REPORT_VERSION == 3 and wire["gc_seconds"] == 0.125
+    collected = Reports()
+    send(collected.sender, "count", 7, 0, report)
+    assert collected.take("count", 7, 1)[0].gc_seconds == 0.125
 
 
 def test_a_later_version_is_refused_naming_the_subtask() -> None:

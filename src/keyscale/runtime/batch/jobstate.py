@@ -188,6 +188,7 @@ class Scaling:
     # Executor cores asked of Spark for a scale-up: the rescale waits for them
     # (``batch/parallelism.py`` ``awaiting_executors``). None: nothing awaited.
     executors_asked: ExecutorsAsked | None = None
+    executor_start_seconds: float = 0.0  # how long the last scale-up waited for its executors (measured)
 
 
 @dataclass

@@ -210,8 +210,10 @@ def autoscale(
             time=started, uid=uid, parallelism=par[uid], max_parallelism=job.max_parallelism,
             input_records=sum(r.records for r in rs), batch_seconds=batch_seconds, trigger_interval_seconds=interval,
             busy_seconds=tuple(float(r.busy_seconds) for r in rs), records=tuple(r.records for r in rs),
+            gc_seconds=tuple(float(r.gc_seconds) for r in rs),  # of the busy time, GC pauses: rates are net of them
             backlog_records=backlog,  # what the source has not read yet: every operator must process it
             latency=latency,  # the batch's end-to-end latency: the same for every operator
+            executor_start_seconds=job.scaling.executor_start_seconds,
         )
         d = job.autoscaler.observe(m)
         event = {"type": "autoscaler", "mode": mode, "batch": batch_id, **d.to_dict()}
@@ -287,6 +289,7 @@ def awaiting_executors(job: JobState, batch_id: int) -> bool:
                      batch_id, have, wanted, bound)
         return True
     job.scaling.executors_asked = None
+    job.scaling.executor_start_seconds = waited
     said = "came" if verdict == "go" else f"did not all come within {bound:.0f} s; rescaling on the cores there are"
     log.info("batch %d: executors for the scale-up %s (%d of %d cores after %.1f s)", batch_id, said, have, wanted, waited)
     job.jobdir.append_event({"type": "executors_" + ("ready" if verdict == "go" else "late"), "batch": batch_id, "cores": have,

@@ -45,7 +45,7 @@ def status(job: JobState, reports: TaskReports | None = None, source: dict[str, 
         if reports and uid in reports:
             entry["subtasks"] = [
                 {"subtask": r.subtask, "records": r.records, "keys": r.keys, "state_keys": r.state_keys, "busy_seconds": r.busy_seconds,
-                 "warm_key_groups": r.warm_key_groups, "loaded_key_groups": r.loaded_key_groups}
+                 "gc_seconds": r.gc_seconds, "warm_key_groups": r.warm_key_groups, "loaded_key_groups": r.loaded_key_groups}
                 for r in reports[uid]
             ]
             op = job.committed.manifest.operators.get(uid) if job.committed.manifest else None

@@ -142,20 +142,22 @@ def _operator_families(job: str, status: dict[str, Any]) -> list[Metric]:
     parallelism = _gauge("keyscale_operator_parallelism", "Subtasks of each operator", ["job", "operator"])
     sub_records = _gauge("keyscale_subtask_records_in", "Records each subtask got in the last batch", ["job", "operator", "subtask"])
     busy = _gauge("keyscale_subtask_busy_seconds", "Seconds each subtask worked in the last batch", ["job", "operator", "subtask"])
+    gc_pauses = _gauge("keyscale_subtask_gc_seconds", "Of each subtask's busy seconds in the last batch, the Python garbage collector's pauses",
+                       ["job", "operator", "subtask"])
     keys = _gauge("keyscale_subtask_state_keys", "Keys each subtask holds in state after the last batch", ["job", "operator", "subtask"])
     lag = _gauge("keyscale_source_lag_records", "Records of each source partition not yet read", ["job", "operator", "partition"])
     for uid, op in sorted(status.get("operators", {}).items()):
         parallelism.add_metric([job, uid], op.get("parallelism", 0))
         for s in op.get("subtasks", []):
             labels = [job, uid, str(s.get("subtask"))]
-            for fam, field in ((sub_records, "records"), (busy, "busy_seconds"), (keys, "state_keys")):
+            for fam, field in ((sub_records, "records"), (busy, "busy_seconds"), (gc_pauses, "gc_seconds"), (keys, "state_keys")):
                 if s.get(field) is not None:
                     fam.add_metric(labels, s[field])
         for reader in op.get("readers", []):
             for part, p in sorted(reader.get("partitions", {}).items()):
                 if p.get("lag") is not None:
                     lag.add_metric([job, uid, str(part)], p["lag"])
-    out += [parallelism, sub_records, busy, keys, lag]
+    out += [parallelism, sub_records, busy, gc_pauses, keys, lag]
 
     not_normal = CounterMetricFamily("keyscale_records_not_processed", "Records not processed normally since the job started, per operator and reason "
                                      "(late, too_far_ahead, to_late_output, dropped, dropped_null_keys, ...)", labels=["job", "operator", "reason"])

@@ -43,6 +43,7 @@ from keyscale.runtime.task import arrival, grouping
 from keyscale.runtime.task import vectorized as vectorized_task
 from keyscale.runtime.task.backend import TaskStateBackend
 from keyscale.runtime.task.counters import window_counters
+from keyscale.runtime.task.gcpauses import GcPauses, gc_pauses
 from keyscale.runtime.task.grouping import Grouped
 from keyscale.runtime.task.memory import MemoryBackend
 from keyscale.runtime.task.report import TaskReport
@@ -158,7 +159,8 @@ def run_subtask_deferred(spec: StageTask, batches: Iterator[pa.RecordBatch], sub
     records = _Records(spec, batches)
     backend = open_backend(spec, rng, subtask, records)
     try:
-        result = _process(spec, records, subtask, rng, backend)
+        with gc_pauses() as pauses:
+            result = _process(spec, records, subtask, rng, backend, pauses)
     finally:
         backend.close()
     release_free_memory()  # the batch's temporaries are gone now; what is left is the state
@@ -205,9 +207,9 @@ class _Processed:
 
 
 def _process(
-    spec: StageTask, records_of: _Records, subtask: int, rng: KeyGroupRange, backend: TaskStateBackend,
+    spec: StageTask, records_of: _Records, subtask: int, rng: KeyGroupRange, backend: TaskStateBackend, pauses: GcPauses,
 ) -> tuple[pa.Table, TaskReport, Upload | None]:
-    started = time.perf_counter()
+    started, paused = time.perf_counter(), pauses.seconds
     fn = spec.function
     opened = RuntimeContext(spec.uid, subtask, spec.parallelism, spec.max_parallelism)
     fn.open(opened)
@@ -232,9 +234,11 @@ def _process(
     written, upload = _write_state_file(spec, subtask, rng, backend, changed_rows)
     backend.finish(spec.batch_id)
     state_keys = backend.state_keys()
+    busy, gc_seconds = time.perf_counter() - started, pauses.seconds - paused
     report = TaskReport(
         subtask=subtask, range=(rng.start, rng.end), records=records, max_event_ms=max_event, timer_keys=len(due_rows), keys=n_keys,
-        emitted=out.num_rows, file=written, state_keys=state_keys, busy_seconds=time.perf_counter() - started,
+        emitted=out.num_rows, file=written, state_keys=state_keys, busy_seconds=busy,
+        gc_seconds=min(gc_seconds, busy),  # the collector's pauses within the busy time (runtime/task/gcpauses.py)
         # How the state was loaded (a RocksDB subtask's own load time and fetch too).
         load_seconds=float(stats.get("load_seconds", load_seconds)), warm_key_groups=int(stats["warm_key_groups"]),
         loaded_key_groups=int(stats["loaded_key_groups"]), files_read=int(stats["files_read"]),

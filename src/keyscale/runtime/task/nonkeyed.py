@@ -16,6 +16,7 @@ from keyscale.errors import JobDefinitionError
 from keyscale.operators.keyed import rows_to_arrow
 from keyscale.operators.nonkeyed import ProcessFunction
 from keyscale.operators.vectorized import to_frame
+from keyscale.runtime.task.gcpauses import GcPauses, gc_pauses
 from keyscale.runtime.task.report import TaskReport
 from keyscale.runtime.task.spark import as_spark_task
 from keyscale.runtime.task.spec import TASK_VERSION
@@ -40,7 +41,13 @@ class NonKeyedTask:
 
 
 def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int) -> tuple[pa.Table, TaskReport]:
-    """One subtask of a non-keyed stage: restore its lists, process, report the lists back."""
+    """One subtask of a non-keyed stage: restore its lists, process, report the lists back
+    (and its busy time, with the garbage collector's pauses in it: runtime/task/gcpauses.py)."""
+    with gc_pauses() as pauses:
+        return _run(spec, batches, subtask, pauses)
+
+
+def _run(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], subtask: int, pauses: GcPauses) -> tuple[pa.Table, TaskReport]:
     started = time.perf_counter()
     fn = spec.function
     ctx = OperatorContext(spec.uid, subtask, spec.parallelism, spec.batch_id, spec.batch_time_ms, spec.broadcast_state)
@@ -65,7 +72,9 @@ def run_nonkeyed_subtask(spec: NonKeyedTask, batches: Iterator[pa.RecordBatch], 
         json.dumps(lists)
     except (TypeError, ValueError) as e:
         raise JobDefinitionError(f"operator '{spec.uid}': list state entries must be JSON values ({e})") from None
-    report = TaskReport(subtask=subtask, records=len(records), emitted=out.num_rows, lists=lists, busy_seconds=time.perf_counter() - started)
+    busy = time.perf_counter() - started
+    report = TaskReport(subtask=subtask, records=len(records), emitted=out.num_rows, lists=lists, busy_seconds=busy,
+                        gc_seconds=min(pauses.seconds, busy))
     return out, report
 
 

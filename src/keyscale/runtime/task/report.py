@@ -1,7 +1,7 @@
 """Task reports back to the driver, through Spark, never through a shared disk.
 
 Each task of a batch (a reader, a keyed or a non-keyed subtask) ends with a small
-:class:`TaskReport`: records, keys, busy time, the state file it wrote with its size and
+:class:`TaskReport`: records, keys, busy time (and the garbage collector's pauses in it), the state file it wrote with its size and
 checksum, its counters. A reader also sends a summary of its records' append times (:mod:`keyscale.latency`).
 The report travels in the task's result (an accumulator update,
 which Spark carries with a task's success only) in its wire form (:meth:`TaskReport.to_wire`,
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 #: The version :meth:`TaskReport.to_wire` writes; a report without one is version 1.
 #: Version 2 added ``ages`` (a reader's append times, :mod:`keyscale.latency`); a driver
 #: reads every version up to its own (an older report has no ages: no latency measured).
-REPORT_VERSION = 2
+#: Version 3 added ``gc_seconds`` (:mod:`keyscale.runtime.task.gcpauses`); an older report
+#: reads with 0 (its busy time taken whole as work, as before).
+REPORT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class TaskReport:
     subtask: int
     records: int  # records in (a keyed stage: before null keys were dropped)
     busy_seconds: float
+    # Of busy_seconds, the Python garbage collector's pauses (keyed and non-keyed subtasks;
+    # 0 from a reader, or from a version before 3): the autoscaler's rates are net of them.
+    gc_seconds: float = 0.0
     emitted: int = 0  # rows out (a reader: none counted)
     counters: Mapping[str, int] = field(default_factory=dict)  # runtime/task/counters.py
     store_requests: Mapping[str, int] = field(default_factory=dict)  # the task's own requests to the job directory's store
