@@ -225,8 +225,10 @@ def autoscale(
             if mode == "active":
                 log.info("autoscaler: %s", d.reason)
                 job.jobdir.request_rescale(d.target_parallelism, uid)
-                more = size_executors(job, {**job.scaling.parallelism, uid: d.target_parallelism})
-                job.scaling.executors_asked = ExecutorsAsked(more, time.monotonic()) if more else None
+                more = size_executors(job, after_requests(job.scaling.parallelism, job.jobdir.read_rescale_requests()))
+                asked = job.scaling.executors_asked
+                if more and (asked is None or more > asked.cores):  # a wait already under way for as many goes on
+                    job.scaling.executors_asked = ExecutorsAsked(more, time.monotonic())
             else:
                 log.info("autoscaler recommends (not applied): %s", d.reason)
     slo = event.get("slo") if reports else None
@@ -234,6 +236,17 @@ def autoscale(
         job.scaling.slo_batches += 1
         job.scaling.slo_batches_met += slo["state"] != "missed"
     save_rate_history(job)
+
+
+def after_requests(parallelism: dict[str, int], requests: dict[str, int]) -> dict[str, int]:
+    """Each operator's parallelism once the pending rescale requests (``"*"``: every
+    operator) apply: what executors are sized for, so that one operator's decision does not
+    release the executors another's pending scale-up is waiting for.
+
+    >>> after_requests({"reader": 1, "totals": 1}, {"totals": 4}), after_requests({"a": 1, "b": 2}, {"*": 3, "a": 1})
+    ({'reader': 1, 'totals': 4}, {'a': 1, 'b': 3})
+    """
+    return {uid: requests.get(uid, requests.get("*", p)) for uid, p in parallelism.items()}
 
 
 def size_executors(job: JobState, parallelism: dict[str, int]) -> int | None:

@@ -1,0 +1,37 @@
+"""Executors are sized for the parallelism every pending rescale asks for (no Spark)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.runtime.batch.parallelism import after_requests, executor_wait
+
+
+def test_a_second_operators_decision_keeps_the_executors_the_first_ones_scale_up_waits_for(tmp_path: Path) -> None:
+    """The keyed operator asked for 4 and waits for its executors; then the reader decides 2.
+    The executors are sized for 4, not 2 (which released two of the four just started)."""
+    jd = JobDir(tmp_path / "job")
+    jd.claim("job", 128, 128)
+    current = {"reader": 1, "totals": 1}
+    jd.request_rescale(4, "totals")
+    jd.request_rescale(2, "reader")
+    assert max(after_requests(current, jd.read_rescale_requests()).values()) == 4
+
+
+@given(st.dictionaries(st.sampled_from("abcd"), st.integers(1, 64), min_size=1),
+       st.dictionaries(st.sampled_from("abcd*"), st.integers(1, 64)))
+def test_after_requests_applies_each_request_and_keeps_the_rest(current: dict[str, int], requests: dict[str, int]) -> None:
+    after = after_requests(current, requests)
+    assert set(after) == set(current)
+    for uid, p in after.items():
+        assert p == requests.get(uid, requests.get("*", current[uid]))
+
+
+def test_a_scale_up_waits_until_its_cores_came_or_the_bound_passed() -> None:
+    assert executor_wait(3, 4, 29.9, 30.0) == "wait"
+    assert executor_wait(4, 4, 0.0, 30.0) == "go"
+    assert executor_wait(3, 4, 30.0, 30.0) == "late"
