@@ -378,21 +378,7 @@ def run_policy(policy: str, trace_name: str, args: argparse.Namespace, cluster: 
                  f"exactly-once {result['exactly_once'].get('ok')}")
         return result
     finally:
-        if sampler.is_alive():
-            sampler.stop()
-        if gen is not None:
-            gen.stop()
-            gen.join(30)
-        if proc.poll() is None:
-            try:
-                subprocess.run([sys.executable, "-m", "keyscale.cli.main", "stop", str(d / "job")], cwd=ROOT, env=env,
-                               capture_output=True, timeout=120)
-                proc.wait(60)
-            except Exception:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        elastic.stop_run(proc, gen, sampler, d / "job", env)
 
 
 def main(argv: list[str] | None = None) -> int:

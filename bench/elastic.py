@@ -301,20 +301,27 @@ def run_one(kind: str, args: argparse.Namespace, cluster: Any, work: Path) -> di
                  f"reversals/phase {per_phase}, exactly-once {result['exactly_once']['ok']}")
         return result
     finally:
-        if sampler.is_alive():
-            sampler.stop()
-        if gen is not None:
-            gen.stop()
-            gen.join(30)
-        if proc.poll() is None:
-            try:
-                subprocess.run([sys.executable, "-m", "keyscale.cli.main", "stop", str(d / "job")], cwd=ROOT, capture_output=True, timeout=120)
-                proc.wait(60)
-            except Exception:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        stop_run(proc, gen, sampler, d / "job")
+
+
+def stop_run(proc: subprocess.Popen[Any], gen: Any, sampler: Any, job_dir: Path, env: dict[str, str] | None = None) -> None:
+    """End one measured run, whatever state it stopped in: the sampler, the generator, then
+    the job (``keyscale stop``, a kill if that does not end it)."""
+    if sampler.is_alive():
+        sampler.stop()
+    if gen is not None:
+        gen.stop()
+        gen.join(30)
+    if proc.poll() is None:
+        try:
+            subprocess.run([sys.executable, "-m", "keyscale.cli.main", "stop", str(job_dir)], cwd=ROOT, env=env,
+                           capture_output=True, timeout=120)
+            proc.wait(60)
+        except Exception:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
