@@ -107,6 +107,12 @@ class FetchEnds:
         return self.ends.get(partition)
 
 
+# How long one consume() of the end probe waits: it returns when this is up (or 100
+# messages came), so it bounds each turn of the probe's loop, and a probe at an idle end
+# takes about one turn after the answer (0.2 s here was most of a probe: 2 a batch).
+_PROBE_WAIT_S = 0.02
+
+
 def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mapping[int, int], timeout: float = 10.0,
               fetch_ends: FetchEnds | None = None) -> list[int]:
     """Per partition, the offset after its last readable record (the last stable offset
@@ -161,7 +167,7 @@ def true_ends(consumer: Any, topic: str, partitions: Sequence[int], known: Mappi
             missing = sorted(set(start) - set(ends))
             raise KafkaConnectorError(f"Kafka topic {topic!r}: no answer on the end of partitions {missing} within {timeout:.0f} s")
         done: list[int] = []
-        for m in consumer.consume(num_messages=max(len(start), 100), timeout=0.2):
+        for m in consumer.consume(num_messages=max(len(start), 100), timeout=_PROBE_WAIT_S):
             p = m.partition()
             if p in ends:
                 continue
