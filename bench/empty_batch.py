@@ -3,6 +3,8 @@
     PYTHONPATH=src .venv/bin/python bench/empty_batch.py --batches 40 --records 0
     PYTHONPATH=src .venv/bin/python bench/empty_batch.py --compare /work/main/src src --rounds 2   # A B A B
     PYTHONPATH=src .venv/bin/python bench/empty_batch.py --spark                                   # Spark's own
+    PYTHONPATH=src .venv/bin/python bench/empty_batch.py --compare /work/main/src src --with-spark   # A B Spark, twice
+    PYTHONPATH=src .venv/bin/python bench/empty_batch.py --batches 20 --profile    # + Py4J calls, Spark jobs/stages/tasks
 
 The job is ``examples/log_count.py`` (a local partitioned log, 2 partitions, -> running
 count and sum per key -> ``ParquetSink``) at -p 2, run by a ``JobRunner`` in this process
@@ -41,8 +43,10 @@ ROOT = HERE.parent
 JOB = ROOT / "examples" / "log_count.py"
 
 
-def one(batches: int, records: int, warmup: int, interval: str, parallelism: int, rate: float = 0.0) -> dict[str, Any]:
+def one(batches: int, records: int, warmup: int, interval: str, parallelism: int, rate: float = 0.0, profile: bool = False) -> dict[str, Any]:
     """Run the job for ``warmup + batches`` batches; the medians of the batches after the warm-up.
+    With ``profile``, also per batch after the warm-up: the driver's Py4J round trips and the
+    Spark jobs, stages and tasks it launched (Spark's status tracker).
     With ``rate``, a producer thread appends that many records a second (every 20 ms) from
     the warm-up's end on, and each record's latency is measured: from its append to the end of
     the commit of the batch that read it (the ``on_batch`` callback, after the manifest)."""
@@ -74,6 +78,18 @@ def one(batches: int, records: int, warmup: int, interval: str, parallelism: int
     latencies: list[float] = []
     seen = [0, 0]  # per partition: records whose latency is known
     producing = threading.Event()
+    py4j = [0]  # Py4J round trips so far (with profile)
+    marks: dict[str, Any] = {}
+    if profile:
+        from py4j import clientserver
+
+        send = clientserver.ClientServerConnection.send_command
+
+        def counted(self: Any, command: str) -> Any:
+            py4j[0] += 1
+            return send(self, command)
+
+        clientserver.ClientServerConnection.send_command = counted  # type: ignore[method-assign]
 
     def produce() -> None:
         import datetime as dt
@@ -110,6 +126,9 @@ def one(batches: int, records: int, warmup: int, interval: str, parallelism: int
         if rate:
             measure(now)
         append(records)
+        if profile and len(ends) in (warmup, warmup + batches) and runner is not None:
+            marks[f"py4j_{len(ends)}"] = py4j[0]
+            marks[f"jobs_{len(ends)}"] = list(runner.job.spark.sparkContext.statusTracker().getJobIdsForGroup(None))
         if len(ends) == warmup:
             seen[:] = [int(e) for e in log.end_offsets()]
             producing.set()
@@ -134,6 +153,7 @@ def one(batches: int, records: int, warmup: int, interval: str, parallelism: int
     t.join()
     if done:
         raise done[0]
+    prof = _spark_profile(runner, marks, warmup, batches) if profile else {}
     hist = list(runner.job.history.batches)[warmup:]
     recs = runner.summary.batches[warmup:]
     cycles = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:], strict=False)]
@@ -147,7 +167,27 @@ def one(batches: int, records: int, warmup: int, interval: str, parallelism: int
         "steps": {k: round(statistics.median(v), 4) for k, v in steps.items()},
         **({"latency_p50_s": round(_quantile(latencies, 0.5), 3), "latency_p99_s": round(_quantile(latencies, 0.99), 3),
             "latency_records": len(latencies)} if latencies else {}),
+        **prof,
     }
+
+
+def _spark_profile(runner: Any, marks: dict[str, Any], warmup: int, batches: int) -> dict[str, Any]:
+    """Per batch after the warm-up: Py4J round trips (the profile's own status-tracker calls
+    at the two marks excepted), Spark jobs, stages and tasks (each stage's tasks)."""
+    tracker = runner.job.spark.sparkContext.statusTracker()
+    before, after = set(marks[f"jobs_{warmup}"]), marks[f"jobs_{warmup + batches}"]
+    jobs = [j for j in after if j not in before]
+    stages: list[tuple[str, int]] = []
+    for j in jobs:
+        info = tracker.getJobInfo(j)
+        for sid in info.stageIds if info else []:
+            st = tracker.getStageInfo(sid)
+            if st is not None:
+                stages.append((st.name.split(" at ")[0], st.numTasks))
+    return {"py4j_per_batch": (marks[f"py4j_{warmup + batches}"] - marks[f"py4j_{warmup}"]) / batches,
+            "spark_jobs_per_batch": len(jobs) / batches, "spark_stages_per_batch": len(stages) / batches,
+            "spark_tasks_per_batch": sum(n for _, n in stages) / batches,
+            "stage_tasks": sorted({f"{name}: {n}" for name, n in stages})}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -174,24 +214,37 @@ def spark_baseline(batches: int, warmup: int) -> dict[str, Any]:
             "records_per_batch": statistics.median(p["numInputRows"] for p in prog)}
 
 
-def compare(a: str, b: str, rounds: int, argv: list[str]) -> None:
-    runs: dict[str, list[dict[str, Any]]] = {a: [], b: []}
+def compare(a: str, b: str, rounds: int, argv: list[str], spark: bool = False) -> None:
+    """A B A B (with ``spark``: A B Spark A B Spark, Spark's run with ``PYTHONPATH=B``)."""
+    runs: dict[str, list[dict[str, Any]]] = {a: [], b: [], **({"spark": []} if spark else {})}
     for r in range(rounds):
-        for src in (a, b):
-            env = {**os.environ, "PYTHONPATH": src}
-            out = subprocess.run([sys.executable, __file__, "--json", *argv], env=env, capture_output=True, text=True, check=False)
+        for src in runs:
+            env = {**os.environ, "PYTHONPATH": b if src == "spark" else src}
+            extra = ["--spark"] if src == "spark" else []
+            out = subprocess.run([sys.executable, __file__, "--json", *argv, *extra], env=env, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 sys.stderr.write(out.stderr[-4000:])
                 raise SystemExit(f"the run with PYTHONPATH={src} failed")
             res = json.loads(out.stdout.strip().splitlines()[-1])
             runs[src].append(res)
+            if src == "spark":
+                print(f"round {r + 1} spark: batch {res['batch_s']:.3f} s (its median triggerExecution), load {_load()}", flush=True)
+                continue
             lat = f", latency p50 {res['latency_p50_s']:.3f} s p99 {res['latency_p99_s']:.3f} s" if "latency_p50_s" in res else ""
-            print(f"round {r + 1} {src}: batch {res['batch_s']:.3f} s, cycle {res['cycle_s']:.3f} s{lat}, steps {res['steps']}", flush=True)
+            print(f"round {r + 1} {src}: batch {res['batch_s']:.3f} s, cycle {res['cycle_s']:.3f} s{lat}, steps {res['steps']}, "
+                  f"load {_load()}", flush=True)
     for src, rs in runs.items():
         lat = (f", latency p50 {statistics.median(x['latency_p50_s'] for x in rs):.3f} s p99 {statistics.median(x['latency_p99_s'] for x in rs):.3f} s"
                if all("latency_p50_s" in x for x in rs) else "")
-        print(f"{src}: median over {len(rs)} runs: batch {statistics.median(x['batch_s'] for x in rs):.3f} s, "
-              f"cycle {statistics.median(x['cycle_s'] for x in rs):.3f} s{lat}")
+        cycle = f", cycle {statistics.median(x['cycle_s'] for x in rs):.3f} s" if src != "spark" else ""
+        ratio = (f", {statistics.median(x['batch_s'] for x in rs) / statistics.median(x['batch_s'] for x in runs['spark']):.2f}x Spark's"
+                 if spark and src != "spark" else "")
+        print(f"{src}: median over {len(rs)} runs: batch {statistics.median(x['batch_s'] for x in rs):.3f} s{cycle}{lat}{ratio}")
+
+
+def _load() -> str:
+    """The 1-minute load average (``uptime``'s first figure)."""
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,16 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-p", "--parallelism", type=int, default=2)
     ap.add_argument("--rate", type=float, default=0.0, help="records/s appended by a producer; latency measured")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
+    ap.add_argument("--profile", action="store_true", help="also Py4J round trips and Spark jobs, stages, tasks per batch")
     ap.add_argument("--spark", action="store_true", help="Spark's own stateful aggregation instead")
     ap.add_argument("--compare", nargs=2, metavar=("SRC_A", "SRC_B"), help="A B A B in fresh processes, PYTHONPATH=SRC")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--with-spark", action="store_true", help="with --compare: Spark's own empty micro-batch in each round too")
     a = ap.parse_args(argv)
     if a.compare:
         passed = ["--batches", str(a.batches), "--warmup", str(a.warmup), "--records", str(a.records), "--interval", a.interval,
                   "-p", str(a.parallelism), "--rate", str(a.rate)]
-        compare(a.compare[0], a.compare[1], a.rounds, passed)
+        compare(a.compare[0], a.compare[1], a.rounds, passed, a.with_spark)
         return 0
-    res = spark_baseline(a.batches, a.warmup) if a.spark else one(a.batches, a.records, a.warmup, a.interval, a.parallelism, a.rate)
+    res = spark_baseline(a.batches, a.warmup) if a.spark else one(a.batches, a.records, a.warmup, a.interval, a.parallelism, a.rate, a.profile)
     if a.json:
         print(json.dumps(res))
     else:

@@ -68,3 +68,15 @@ def test_marker_rows_are_planned_once_per_session_and_parallelism(spark: Any) ->
     other = spark.newSession()  # another query's session: nothing of the first is reused
     assert markers(other.createDataFrame([("c", 3)], "key string, value long"), 2) == [0, 64]
     assert cache["session"].equals(other._jsparkSession) and len(cache) == 2
+
+
+def test_marker_rows_are_one_spark_task_whatever_the_default_parallelism(spark: Any) -> None:
+    # Each batch's shuffle map side runs the readers' tasks and the markers' tasks: the markers
+    # add one task, not one per default-parallelism slot (most of them empty).
+    from keyscale.runtime.batch.stages import _markers
+
+    df = spark.createDataFrame([("a", 1)], "key string, value long")
+    for p in (1, 2, 5):
+        markers = _markers(spark, df.schema, ["key", "value"], 128, p, {})
+        assert markers.rdd.getNumPartitions() == 1
+        assert markers.count() == p

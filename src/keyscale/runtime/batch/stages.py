@@ -283,7 +283,9 @@ def _markers(
     reports, even when Spark proves the batch empty (a transform with an aggregate or a
     window over an empty batch plans to no partitions at all). They depend on the columns
     and the parallelism only, so they are built (and analysed by Spark: ~30 ms on a
-    two-input stage) once per query session and reused by every batch."""
+    two-input stage) once per query session and reused by every batch. All of them in one
+    partition: a range spread over the default parallelism would be that many map tasks a
+    batch (all but ``p`` of them empty), each a task to launch on the batch's fixed path."""
     from pyspark.sql import functions as F
 
     cache = session_cache(cache, spark)
@@ -291,7 +293,7 @@ def _markers(
     markers: DataFrame | None = cache.get(key)
     if markers is None:
         starts = ", ".join(str(key_group_range(s, m, p).start) for s in range(p))
-        markers = cache[key] = spark.range(p).select(
+        markers = cache[key] = spark.range(0, p, 1, 1).select(
             *[_null_of(c, schema[c].dataType) for c in columns],
             F.expr(f"cast(-1 as bigint) as {SEQ}"), F.expr(f"cast(element_at(array({starts}), cast(id as int) + 1) as int) as {KG}"),
             *(F.expr(f"cast(-1 as bigint) as {c}") for c in order))
