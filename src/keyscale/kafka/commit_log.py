@@ -61,19 +61,28 @@ def read(consumer: Any, topic: str, start: int, timeout: float = 30.0) -> Iterat
     yield from read_until(consumer, topic, start, None, timeout)
 
 
+# One consume() waits this long unless 1000 messages came first (records there or not):
+# a turn of the read loops below, which end as soon as they are at their end.
+_CONSUME_WAIT_S = 0.05
+
+
 def read_until(consumer: Any, topic: str, start: int, end: int | None, timeout: float) -> Iterator[dict[str, Any]]:
     """Commit records from ``start`` on, to the end: the first end-of-partition the consumer
     reaches (``end`` None), or the first at ``end`` or past it. A ``read_committed``
     consumer's end is the last stable offset, before a transaction still open; reading to
-    an ``end`` past it waits (up to ``timeout``) for that transaction to end. An end the
-    broker reported short (Tansu) still reads to the true end, where the partition ends."""
+    an ``end`` past it waits (up to ``timeout``) for that transaction to end. A read to
+    ``end`` ends once the consumer's position is there (every record before it delivered);
+    an end the broker reported short (Tansu) is still past every committed record, since
+    a transaction's marker follows its records (:func:`end_offset`)."""
     from confluent_kafka import KafkaError, TopicPartition
 
+    if end is not None and max(start, 0) >= end:
+        return  # nothing between them (an end-of-partition event would come after the fetch wait)
     consumer.assign([TopicPartition(topic, 0, max(start, 0))])
     deadline = time.monotonic() + timeout
     try:
         while True:
-            msgs = consumer.consume(num_messages=1000, timeout=0.5)
+            msgs = consumer.consume(num_messages=1000, timeout=_CONSUME_WAIT_S)
             if not msgs and time.monotonic() > deadline:
                 held = f" to offset {end} (a transaction on it stayed open)" if end is not None else " to its end"
                 raise KafkaConnectorError(f"Kafka commit log {topic!r} could not be read{held} within {timeout:.0f} s")
@@ -88,6 +97,12 @@ def read_until(consumer: Any, topic: str, start: int, end: int | None, timeout: 
                         return
                 elif not err.retriable():
                     raise KafkaConnectorError(f"Kafka commit log {topic!r}: {err.str()}")
+            # Every record before the consumer's position is delivered (it moves past a
+            # transaction's marker too): at ``end``, the read is done. The end-of-partition
+            # event says the same, but only once a fetch at the end is answered, after the
+            # broker's fetch.wait.max.ms (500 ms): ~1 s of every Kafka sink task, each batch.
+            if end is not None and msgs and consumer.position([TopicPartition(topic, 0)])[0].offset >= end:
+                return
     finally:
         consumer.unassign()
 

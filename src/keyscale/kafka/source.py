@@ -339,7 +339,9 @@ class KafkaLog(PartitionedLog):
             position = start
             last_progress = time.monotonic()
             while position < end:
-                msgs = c.consume(num_messages=min(10_000, max(end - position, 1)), timeout=0.5)
+                # A short wait: fewer records than asked for come when transaction markers
+                # take offsets, and consume() would wait all of it before returning them.
+                msgs = c.consume(num_messages=min(10_000, max(end - position, 1)), timeout=0.05)
                 if msgs:
                     last_progress = time.monotonic()
                 elif time.monotonic() - last_progress > READ_TIMEOUT_S:
@@ -372,6 +374,10 @@ class KafkaLog(PartitionedLog):
                     if ts_type == TIMESTAMP_LOG_APPEND_TIME:
                         kind = "kafka LogAppendTime"
                     position = off + 1
+                if msgs and position < end:
+                    # Past a transaction's marker (no record of its own), where the next read
+                    # starts: the range is read once that is at its end.
+                    position = max(position, min(end, int(c.position([TopicPartition(self.topic, partition)])[0].offset)))
         finally:
             c.close()
         n = len(offsets)
