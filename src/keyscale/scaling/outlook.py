@@ -24,7 +24,7 @@ case                                                   decision
 SLO at risk, or missed and not recovering; more fits   scale up, beyond the step limit
 scale up, rescale cap reached, SLO not missed          keep
 scale down, SLO not measured, missed or at risk        keep
-scale down would take it above 85% of the target       keep
+scale down would take it above 95% of the target       keep
 scale down, a backlog is being worked off              keep
 scale down, rescale cap reached                        keep
 scale down saves less than 2 rescales cost             keep (hysteresis)

@@ -122,6 +122,7 @@ from keyscale.scaling.forecast import RateHistory
 from keyscale.scaling.load import Load, Sample, arrival_period, batch_sample, measure_load
 from keyscale.scaling.model import MODES, Action, AutoscalerConfig, BatchMetrics, Decision, Mode
 from keyscale.scaling.outlook import Context, Outlook, guard, outlook, sizing_rate, slo_floor
+from keyscale.scaling.room import peak_ratio, slo_band
 from keyscale.scaling.slo import Slo
 
 # Re-exported: the autoscaler's key-group alignment is the key-group module's rule.
@@ -284,8 +285,16 @@ class Autoscaler:
             # The SLO is measured every batch: the status and its attainment count these too.
             return Decision(now, m.uid, P, P, "none", f"{waiting}; {ahead.reading.text()}", inputs | ahead.inputs(),
                             ahead.reading.to_dict(), ahead.up.to_dict())  # fmt: skip
-        # With an SLO, the backlog is to be worked off within what the SLO leaves.
-        load_cfg = cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds)
+        # With an SLO, the backlog is to be worked off within what the SLO leaves, and the
+        # utilisation to run at is the SLO's too (keyscale.scaling.room), not a fixed band.
+        band_text, band = "", None
+        if ahead is not None:
+            # The slot a batch that keeps up has: a batch that overran is what the band prevents.
+            band = slo_band(ahead.reading.slo, m.trigger_interval_seconds or slot, peak_ratio(list(st.window)))
+            cfg = band.config(replace(cfg, catch_up_seconds=ahead.catch_up_seconds))
+            inputs.update(band.inputs())
+            band_text = f" ({band.text()})"
+        load_cfg = cfg
         load = measure_load(m, st.window, sample.input_rate, load_cfg)
         inputs.update(load.inputs())
         # The rate is from busy time net of GC pauses (the window's samples: load.net_busy); the
@@ -302,22 +311,22 @@ class Autoscaler:
         rate, ahead_text = (load.target_rate, "") if ahead is None else sizing_rate(ahead, load.target_rate, capacity.total, cfg)
         inputs.update(capacity.inputs(rate))
         utilization = capacity.utilization(rate)
-        U = cfg.target_utilization
+        up = utilization > cfg.scale_up_threshold
+        U = cfg.target_utilization if band is None or up else band.settle
         raw = needed_parallelism(rate, capacity.rate_per_subtask, U, lower)
         inputs["raw_target_parallelism"] = float(raw)
 
-        up = utilization > cfg.scale_up_threshold
         target, steps = sized_target(raw, P, up, m.max_parallelism, (lower, upper), cfg)
         load_text = load.text(load_cfg)
         sizing = (
-            f"{load_text}{ahead_text}; {capacity.text()} at {U:.0%} target utilisation -> {raw} subtasks"
+            f"{load_text}{ahead_text}; {capacity.text()} at {U:.0%} target utilisation{band_text} -> {raw} subtasks"
             + ("".join(", " + s for s in steps))
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
         case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text())
         v = decide(case, st.pending_down, cfg)
         if ahead is not None:
-            v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs)
+            v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs, cfg)
         st.pending_down = v.pending
         if v.pending_since is not None:
             inputs["scale_down_pending_since"] = v.pending_since
@@ -330,10 +339,10 @@ class Autoscaler:
 
     def _guard(
         self, v: Verdict, ahead: Outlook, st: _OperatorState, m: BatchMetrics, load: Load,
-        busy_ratio: float, raw: int, inputs: dict[str, float],
+        busy_ratio: float, raw: int, inputs: dict[str, float], cfg: AutoscalerConfig,
     ) -> Verdict:
-        """The SLO's and the anti-thrash guards over the decision (keyscale.scaling.outlook)."""
-        cfg = self.config
+        """The SLO's and the anti-thrash guards over the decision (keyscale.scaling.outlook),
+        with ``cfg`` the SLO's band (keyscale.scaling.room)."""
         P = m.parallelism
         lower, upper = cfg.bounds(m.max_parallelism)
         no_step_limit = replace(cfg, scale_up_max_factor=max(cfg.scale_up_max_factor, upper / P + 1))
