@@ -79,7 +79,10 @@ def test_the_rate_sized_for_is_never_below_the_load_or_the_near_forecast(target:
     rate, _ = sizing_rate(_outlook(1.0, up=up, down=down), target, capacity=4000.0, cfg=CFG)
     assert rate >= max(target, up)
     if max(target, up) / 4000.0 < CFG.scale_down_threshold:
-        assert rate >= down  # going down: only as low as the coming peak allows
+        # Going down: only as low as the coming peak allows, but the horizon alone scales
+        # nothing up: at most what the current parallelism carries at the target.
+        assert rate >= min(down, 4000.0 * CFG.target_utilization)
+        assert rate <= max(target, up, 4000.0 * CFG.target_utilization)
 
 
 @given(st.integers(min_value=1, max_value=64), st.floats(min_value=0, max_value=100), st.integers(min_value=1, max_value=128))

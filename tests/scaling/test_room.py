@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from keyscale.scaling.load import Sample
 from keyscale.scaling.model import AutoscalerConfig
 from keyscale.scaling.policy import Autoscaler
-from keyscale.scaling.room import MAX_BUSY, MAX_PEAK_RATIO, MIN_BUSY, peak_ratio, slo_band
+from keyscale.scaling.room import (
+    MAX_BUSY,
+    MAX_PEAK_RATIO,
+    MIN_BUSY,
+    catch_up_given_back,
+    peak_ratio,
+    slo_band,
+)
 from keyscale.scaling.shapes import diurnal
 from keyscale.scaling.simulate import simulate
 from keyscale.scaling.slo import HEADROOM, Slo, parse_slo
@@ -72,3 +79,27 @@ def test_with_an_slo_with_room_a_diurnal_day_costs_fewer_cores_at_no_more_rescal
     assert len(slo.changes) <= len(plain.changes)
     actions = [d.action for d in slo.changes]
     assert not any(a == "scale_down" and b == "scale_up" for a, b in itertools.pairwise(actions))
+
+
+def test_catch_up_capacity_is_given_back_once_the_backlog_is_worked_off() -> None:
+    assert catch_up_given_back(True, 0.0, True) is not None
+    # Not while a backlog is left, the SLO is not met, or the scale-up was for the input alone.
+    assert catch_up_given_back(True, 1.0, True) is None
+    assert catch_up_given_back(True, 0.0, False) is None
+    assert catch_up_given_back(False, 0.0, True) is None
+
+
+def test_a_10x_spike_is_measured_in_full_and_its_catch_up_given_back() -> None:
+    """The spike's first batch reads 4x its base rate (its read limit) while 10x arrives: the
+    backlog's growth counts as input, so the scale-up covers the spike and its backlog at
+    once, and what was for the backlog goes as soon as it is worked off, not a delay later."""
+    from keyscale.scaling.shapes import spike_10x
+
+    r = simulate(spike_10x(), policy=Autoscaler(AutoscalerConfig(), slo=parse_slo("latency=10s")))
+    up = r.changes[0]
+    assert up.action == "scale_up" and up.inputs["input_rate"] == 20_000.0
+    over = [b for b in r.batches if b.metrics.latency and b.metrics.latency.p99_seconds > 10.0]
+    assert len(over) <= 2
+    back = r.changes[1]
+    assert back.action == "scale_down" and "now worked off" in back.reason
+    assert back.time - up.time < AutoscalerConfig().scale_down_delay_seconds + AutoscalerConfig().stabilization_seconds

@@ -122,7 +122,7 @@ from keyscale.scaling.forecast import RateHistory
 from keyscale.scaling.load import Load, Sample, arrival_period, batch_sample, measure_load
 from keyscale.scaling.model import MODES, Action, AutoscalerConfig, BatchMetrics, Decision, Mode
 from keyscale.scaling.outlook import Context, Outlook, guard, outlook, sizing_rate, slo_floor
-from keyscale.scaling.room import peak_ratio, slo_band
+from keyscale.scaling.room import catch_up_given_back, peak_ratio, slo_band
 from keyscale.scaling.slo import Slo
 
 # Re-exported: the autoscaler's key-group alignment is the key-group module's rule.
@@ -152,6 +152,8 @@ class _OperatorState:
     pending_down: PendingDown | None = None
     changes: deque[float] = field(default_factory=deque)  # times of parallelism changes, the last hour
     rescale_cost: float = 0.0  # extra seconds the last first batch after a change took (measured)
+    last_backlog: int | None = None  # the previous batch's backlog: its growth is input too
+    sized_for_backlog: bool = False  # the last scale-up was sized to work off a backlog too (with an SLO)
 
 
 class Autoscaler:
@@ -323,10 +325,17 @@ class Autoscaler:
             + ("".join(", " + s for s in steps))
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
-        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text())
-        v = decide(case, st.pending_down, cfg)
+        idle = self.config.scale_down_threshold
+        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text(), idle)
+        given_back = None if ahead is None else catch_up_given_back(
+            st.sized_for_backlog, _excess(load, m), ahead.reading.value is not None and not (ahead.reading.missed or ahead.reading.at_risk))
+        v = decide(case, st.pending_down, cfg if given_back is None else replace(cfg, scale_down_delay_seconds=0.0))
         if ahead is not None:
             v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs, cfg)
+            if v.action == "scale_down" and given_back is not None:
+                v = replace(v, reason=f"{v.reason}; {given_back}")
+            if v.action != "none":
+                st.sized_for_backlog = v.action == "scale_up" and load.catch_up_rate > 0
         st.pending_down = v.pending
         if v.pending_since is not None:
             inputs["scale_down_pending_since"] = v.pending_since
@@ -350,11 +359,10 @@ class Autoscaler:
         while st.changes and st.changes[0] < m.time - 3600:
             st.changes.popleft()
         slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
-        # What one batch leaves unread as a matter of course: the input of its own run.
-        excess = load.backlog - load.rate * max(m.batch_seconds, m.trigger_interval_seconds or 0.0)
+        excess = _excess(load, m)
         inputs.update(ahead.inputs())
         inputs.update(rescale_cost_seconds=st.rescale_cost, rescales_last_hour=float(len(st.changes)))
-        c = Context(P, floor, busy_ratio, max(0.0, excess), len(st.changes), st.rescale_cost, slot)
+        c = Context(P, floor, busy_ratio, max(0.0, excess), len(st.changes), st.rescale_cost, slot, self.config.scale_down_threshold)
         return guard(v, ahead, c, cfg)
 
     def _record(self, m: BatchMetrics) -> tuple[_OperatorState, Sample]:
@@ -380,8 +388,10 @@ class Autoscaler:
         st.last_time = m.time
         st.batches_since_change += 1
         sample = batch_sample(
-            m, period, warmup=st.batches_since_change <= self.config.warmup_batches
+            m, period, warmup=st.batches_since_change <= self.config.warmup_batches,
+            last_backlog=st.last_backlog,
         )
+        st.last_backlog = m.backlog_records
         st.window.append(sample)
         if self.slo is not None:
             self._learn(m, st, sample)
@@ -399,3 +409,9 @@ class Autoscaler:
         known = st.known_rate_per_subtask
         if st.changes and st.batches_since_change == 1 and known:
             st.rescale_cost = max(0.0, sample.busy_hot - sum(m.records) / (known * m.parallelism))
+
+
+def _excess(load: Load, m: BatchMetrics) -> float:
+    """The backlog beyond what one batch leaves unread as a matter of course (the input of
+    its own run), in records."""
+    return load.backlog - load.rate * max(m.batch_seconds, m.trigger_interval_seconds or 0.0)

@@ -38,7 +38,7 @@ from keyscale.scaling.load import Sample
 from keyscale.scaling.model import AutoscalerConfig
 from keyscale.scaling.slo import HEADROOM, Slo
 
-__all__ = ["MAX_BUSY", "MAX_PEAK_RATIO", "MIN_BUSY", "Band", "peak_ratio", "slo_band"]
+__all__ = ["MAX_BUSY", "MAX_PEAK_RATIO", "MIN_BUSY", "Band", "catch_up_given_back", "peak_ratio", "slo_band"]
 
 #: The most of its slot the policy lets a batch be busy, whatever the SLO allows: above it,
 #: a batch that reads more than the mean leaves a backlog behind.
@@ -129,3 +129,20 @@ def peak_ratio(window: Sequence[Sample]) -> float:
     rates = [s.input_rate for s in window]
     mean = sum(rates) / len(rates) if rates else 0.0
     return max(rates) / mean if mean > 0 else 1.0
+
+
+def catch_up_given_back(sized_for_backlog: bool, excess_backlog: float, slo_met: bool) -> str | None:
+    """Why a scale-down need not wait out its delay, or None: the last scale-up was sized to
+    work off a backlog as well as to carry the input (an SLO's catch-up), the backlog is
+    worked off and the SLO is met. The delay guards against noise read as a lower load; the
+    part of the parallelism that was for the backlog was known to be temporary when it was
+    asked for (a 10x spike met at 64 subtasks where its input needs 32: 150 s at 64 else).
+
+    >>> catch_up_given_back(True, 0.0, True)
+    'the last scale-up was sized to work off a backlog, now worked off: no scale-down delay'
+    >>> catch_up_given_back(True, 5_000.0, True) is None, catch_up_given_back(False, 0.0, True) is None
+    (True, True)
+    """
+    if sized_for_backlog and excess_backlog <= 0 and slo_met:
+        return "the last scale-up was sized to work off a backlog, now worked off: no scale-down delay"
+    return None
