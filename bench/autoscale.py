@@ -191,6 +191,41 @@ def run(trace: Trace, plan: Plan) -> SimulationResult:
     return simulate(started, policy=plan.policy, rescale_seconds=plan.rescale_seconds)
 
 
+def bound(trace: Trace, ceiling: float, margin: float = 1.0, against: Trace | None = None) -> float:
+    """Core-seconds against fixed at peak of a policy that knows the trace in advance and
+    rescales for free at every point of it (every 5 s): the smallest parallelism dividing
+    the key groups that carries ``margin`` x the rate at ``ceiling`` busy. No policy that
+    keeps its batches at most ``ceiling`` busy spends less; ``margin`` is the noise a policy
+    that cannot foresee each draw must hold room for; ``against``: the trace whose fixed at
+    peak it is measured against (``trace`` itself by default).
+
+    >>> from keyscale.scaling.shapes import ramp
+    >>> round(bound(ramp(), 1.0), 3)
+    0.513
+    """
+    pts = trace.points
+    ends = [p.time for p in pts[1:]] + [trace.duration_seconds]
+    used = sum(sized_for(trace, p.input_rate * margin * SIZING_UTILIZATION / ceiling) * (end - p.time)
+               for p, end in zip(pts, ends, strict=True))  # fmt: skip
+    ref = trace if against is None else against
+    return used / (sized_for(ref, peak_rate(ref)) * ref.duration_seconds)
+
+
+def bounds_table(traces: list[str]) -> str:
+    """Per trace, :func:`bound` at 90 % busy (the ceiling a 10 s latency SLO leaves a 5 s
+    trigger at 95 % of the target, keyscale.scaling.room) and at 100 %; and, for a trace with
+    noise, at 90 % for its noise-free shape times ``1 + noise``: what a policy that knows the
+    shape but not each draw must hold."""
+    lines = ["| trace | lowest core-seconds at 90 % busy, every draw foreseen | at 100 % busy | "
+             "at 90 % busy, the shape foreseen, room for its noise |", "|---|---:|---:|---:|"]  # fmt: skip
+    for name in traces:
+        fn = SHAPES[name]
+        noise = inspect.signature(fn).parameters.get("noise")
+        shaped = "-" if noise is None else f"{bound(fn(noise=0.0), 0.9, 1 + noise.default, fn()):.1%}"
+        lines.append(f"| {name} | {bound(fn(), 0.9):.1%} | {bound(fn(), 1.0):.1%} | {shaped} |")
+    return "\n".join(lines)
+
+
 def minute_p99(result: SimulationResult) -> list[float | None]:
     """Per minute of the trace, the p99 latency of the records committed in it (``None``:
     no commit in that minute)."""
@@ -356,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             out = plot(trace, results, labels, s.slo_seconds, args.png_dir / f"autoscale_{tname}.png")
             print(f"plot: {out}", file=sys.stderr)
     print(table(rows, s.slo_seconds))
+    print("\nLower bounds (bench/autoscale.py bound()):\n" + bounds_table(traces))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": asdict(s), "rows": [asdict(r) for r in rows]}, indent=1))
     return 0
