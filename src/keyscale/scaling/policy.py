@@ -122,7 +122,7 @@ from keyscale.scaling.forecast import RateHistory
 from keyscale.scaling.load import Load, Sample, arrival_period, batch_sample, measure_load
 from keyscale.scaling.model import MODES, Action, AutoscalerConfig, BatchMetrics, Decision, Mode
 from keyscale.scaling.outlook import Context, Outlook, guard, outlook, sizing_rate, slo_floor
-from keyscale.scaling.room import catch_up_given_back, peak_ratio, slo_band
+from keyscale.scaling.room import Band, catch_up_given_back, peak_ratio, slo_band
 from keyscale.scaling.slo import Slo
 
 # Re-exported: the autoscaler's key-group alignment is the key-group module's rule.
@@ -287,17 +287,8 @@ class Autoscaler:
             # The SLO is measured every batch: the status and its attainment count these too.
             return Decision(now, m.uid, P, P, "none", f"{waiting}; {ahead.reading.text()}", inputs | ahead.inputs(),
                             ahead.reading.to_dict(), ahead.up.to_dict())  # fmt: skip
-        # With an SLO, the backlog is to be worked off within what the SLO leaves, and the
-        # utilisation to run at is the SLO's too (keyscale.scaling.room), not a fixed band.
-        band_text, band = "", None
-        if ahead is not None:
-            # The slot a batch that keeps up has: a batch that overran is what the band prevents.
-            band = slo_band(ahead.reading.slo, m.trigger_interval_seconds or slot, peak_ratio(list(st.window)))
-            cfg = band.config(replace(cfg, catch_up_seconds=ahead.catch_up_seconds))
-            inputs.update(band.inputs())
-            band_text = f" ({band.text()})"
-        load_cfg = cfg
-        load = measure_load(m, st.window, sample.input_rate, load_cfg)
+        cfg, band = self._slo_config(ahead, st, m, slot, inputs)
+        load = measure_load(m, st.window, sample.input_rate, cfg)
         inputs.update(load.inputs())
         # The rate is from busy time net of GC pauses (the window's samples: load.net_busy); the
         # busy ratio is the whole busy time, since a subtask in a GC pause is not idle either.
@@ -319,7 +310,8 @@ class Autoscaler:
         inputs["raw_target_parallelism"] = float(raw)
 
         target, steps = sized_target(raw, P, up, m.max_parallelism, (lower, upper), cfg)
-        load_text = load.text(load_cfg)
+        load_text = load.text(cfg)
+        band_text = "" if band is None else f" ({band.text()})"
         sizing = (
             f"{load_text}{ahead_text}; {capacity.text()} at {U:.0%} target utilisation{band_text} -> {raw} subtasks"
             + ("".join(", " + s for s in steps))
@@ -327,15 +319,7 @@ class Autoscaler:
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
         idle = self.config.scale_down_threshold
         case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text(), idle)
-        given_back = None if ahead is None else catch_up_given_back(
-            st.sized_for_backlog, _excess(load, m), ahead.reading.value is not None and not (ahead.reading.missed or ahead.reading.at_risk))
-        v = decide(case, st.pending_down, cfg if given_back is None else replace(cfg, scale_down_delay_seconds=0.0))
-        if ahead is not None:
-            v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs, cfg)
-            if v.action == "scale_down" and given_back is not None:
-                v = replace(v, reason=f"{v.reason}; {given_back}")
-            if v.action != "none":
-                st.sized_for_backlog = v.action == "scale_up" and load.catch_up_rate > 0
+        v = decide(case, st.pending_down, cfg) if ahead is None else self._slo_verdict(case, ahead, st, m, load, raw, inputs, cfg)
         st.pending_down = v.pending
         if v.pending_since is not None:
             inputs["scale_down_pending_since"] = v.pending_since
@@ -345,6 +329,34 @@ class Autoscaler:
             return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs)
         used = ahead.down if v.action == "scale_down" or utilization < cfg.scale_down_threshold else ahead.up
         return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs, ahead.reading.to_dict(), used.to_dict())
+
+    def _slo_config(
+        self, ahead: Outlook | None, st: _OperatorState, m: BatchMetrics, slot: float, inputs: dict[str, float],
+    ) -> tuple[AutoscalerConfig, Band | None]:
+        """With an SLO, the backlog is to be worked off within what the SLO leaves, and the
+        utilisation to run at is the SLO's too (keyscale.scaling.room), not a fixed band."""
+        if ahead is None:
+            return self.config, None
+        # The slot of a batch that keeps up: a batch that overran is what the band prevents.
+        band = slo_band(ahead.reading.slo, m.trigger_interval_seconds or slot, peak_ratio(list(st.window)))
+        inputs.update(band.inputs())
+        return band.config(replace(self.config, catch_up_seconds=ahead.catch_up_seconds)), band
+
+    def _slo_verdict(
+        self, case: Case, ahead: Outlook, st: _OperatorState, m: BatchMetrics, load: Load, raw: int,
+        inputs: dict[str, float], cfg: AutoscalerConfig,
+    ) -> Verdict:
+        """The decision with an SLO: the table's, no scale-down delay for capacity that was for
+        a backlog now worked off (keyscale.scaling.room), then the SLO's guards."""
+        r = ahead.reading
+        given_back = catch_up_given_back(st.sized_for_backlog, _excess(load, m), r.value is not None and not (r.missed or r.at_risk))
+        v = decide(case, st.pending_down, cfg if given_back is None else replace(cfg, scale_down_delay_seconds=0.0))
+        v = self._guard(v, ahead, st, m, load, case.busy_ratio, raw, inputs, cfg)
+        if v.action == "scale_down" and given_back is not None:
+            v = replace(v, reason=f"{v.reason}; {given_back}")
+        if v.action != "none":
+            st.sized_for_backlog = v.action == "scale_up" and load.catch_up_rate > 0
+        return v
 
     def _guard(
         self, v: Verdict, ahead: Outlook, st: _OperatorState, m: BatchMetrics, load: Load,
