@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.state.keyindex import KeyIndex, key_hash
+from keyscale.state.order import order_rows
 from keyscale.state.types import StateDescriptor, is_numeric
 
 KG_COLUMN = "__kg"
@@ -455,11 +456,21 @@ class KeyedStateTable:
             mask &= self._alive()
         return np.flatnonzero(mask)
 
-    def to_arrow(self, rows: np.ndarray | None = None) -> pa.Table:
-        """The given rows (default: all) as an Arrow table sorted by key group."""
+    def to_arrow(self, rows: np.ndarray | None = None, file_order: bool = False) -> pa.Table:
+        """The given rows (default: all) as an Arrow table sorted by key group (with
+        ``file_order``, then by sub key within each key group: the order of a snapshot's
+        rows, :mod:`keyscale.state.order`)."""
         if rows is None:
             rows = np.arange(len(self.kg))
-        rows = rows[np.argsort(self.kg[rows], kind="stable")]
+        rows = rows[self._order(rows, file_order)]
+        return self._arrow(rows)
+
+    def _order(self, rows: np.ndarray, file_order: bool) -> np.ndarray:
+        if file_order and self.key_names:
+            return order_rows(self.kg[rows], self.key_arrow(0, rows))
+        return np.argsort(self.kg[rows], kind="stable")
+
+    def _arrow(self, rows: np.ndarray) -> pa.Table:
         arrays: list[Any] = [self.key_arrow(i, rows) for i in range(len(self.key_names))]
         names: list[str] = list(self.key_names)
         arrays.append(pa.array(self.kg[rows], type=pa.int32()))
@@ -470,11 +481,11 @@ class KeyedStateTable:
         return pa.Table.from_arrays(arrays, names=names)
 
     def arrow_parts(self, rows: np.ndarray, chunk: int = 1 << 20) -> Iterator[pa.Table]:
-        """``to_arrow(rows)`` in tables of ``chunk`` rows, in order: a snapshot of a range
-        holds one part in memory at a time."""
-        rows = rows[np.argsort(self.kg[rows], kind="stable")]
+        """``to_arrow(rows, file_order=True)`` in tables of ``chunk`` rows, in order: a
+        snapshot of a range holds one part in memory at a time."""
+        rows = rows[self._order(rows, True)]
         for i in range(0, len(rows), chunk):
-            yield self.to_arrow(rows[i : i + chunk])
+            yield self._arrow(rows[i : i + chunk])
 
     def schema(self) -> pa.Schema:
         fields = [pa.field(n, t) for n, t in zip(self.key_names, self.key_types, strict=True)]
