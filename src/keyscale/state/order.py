@@ -76,7 +76,8 @@ def _binary_words(arr: Any) -> np.ndarray:
             pos = e - 8 + j
             ok = pos >= s
             last8[short, j] = np.where(ok, data[np.where(ok, pos, 0)], 0)
-    return last8.view("<u8").ravel() ^ (length.astype(np.uint64) * np.uint64(0x100000001B3))
+    words: np.ndarray = last8.view("<u8").ravel() ^ (length.astype(np.uint64) * np.uint64(0x100000001B3))
+    return words
 
 
 def sub_keys(column: Any) -> np.ndarray:
