@@ -14,6 +14,13 @@ include waiting for a core; the CPU time does not).
     .venv/bin/python bench/state_lookup.py --keys 1000000
     .venv/bin/python bench/state_lookup.py --keys 1000000 --seaweedfs          # on a SeaweedFS S3 server of its own
     .venv/bin/python bench/state_lookup.py --keys 10000000 --where s3://bench/lookup   # AWS_* in the environment
+    .venv/bin/python bench/state_lookup.py --snapshot-cost 2500000 --runs 5
+
+``--snapshot-cost N``: what the order that gives snapshots fences costs the write. One
+subtask's snapshot of N string keys (a value and a list state, in a ``KeyedStateTable``)
+as a job writes it (``arrow_parts`` then ``spill_state_file`` to scratch), in key-group
+order only (A, as before fences) and in file order with fences (B), A B A B ``--runs``
+times in one process: medians and B/A.
 """
 
 from __future__ import annotations
@@ -114,6 +121,33 @@ def _pass(lookup: StateLookup, keys: list[str]) -> dict[str, Any]:
             "kb_per_lookup": round((READ_BYTES[0] - read_before) / len(keys) / 1000, 1)}
 
 
+def snapshot_cost(n: int, runs: int) -> None:
+    from keyscale.checkpoint.files import spill_state_file
+    from keyscale.state.keygroups import KeyGroupRange
+    from keyscale.state.table import KeyedStateTable
+    from keyscale.storage.scratch import remove_scratch
+
+    rng = np.random.default_rng(0)
+    t = _table([f"user-{i:09d}" for i in rng.permutation(n)], 128, rng, snapshot=False)
+    table = KeyedStateTable(["user"], [pa.string()], list(STATES))
+    table.apply(t)
+    del t
+    rows = table.rows_in_range(0, 127)
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for _ in range(runs):
+        for side, ordered in (("A", False), ("B", True)):
+            t0 = time.perf_counter()
+            _, path = spill_state_file("x", table.arrow_parts(rows, file_order=ordered), table.schema(), "snapshot", 0,
+                                       KeyGroupRange(0, 127), ordered=ordered)
+            times[side].append(time.perf_counter() - t0)
+            remove_scratch(path.parent)
+    med = {s: float(np.median(v)) for s, v in times.items()}
+    print(json.dumps({"keys": n, "runs": runs, "A_kg_order_s": [round(x, 3) for x in times["A"]],
+                      "B_file_order_fences_s": [round(x, 3) for x in times["B"]], "median_A_s": round(med["A"], 3),
+                      "median_B_s": round(med["B"], 3), "ratio_B_over_A": round(med["B"] / med["A"], 3),
+                      "load_average": os.getloadavg()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=1_000_000)
@@ -124,7 +158,12 @@ def main() -> None:
     ap.add_argument("--where", help="job directory to create (default: a temporary folder)")
     ap.add_argument("--passes", default="no_cache,cache_cold,cache_warm,listing_cache_warm", help="which passes to run (comma-separated)")
     ap.add_argument("--seaweedfs", action="store_true", help="on a private SeaweedFS S3 server started for the run (keyscale.storage.seaweed)")
+    ap.add_argument("--snapshot-cost", type=int, metavar="N", help="measure the write-side cost of fences on a snapshot of N keys instead")
+    ap.add_argument("--runs", type=int, default=5, help="A B rounds of --snapshot-cost")
     a = ap.parse_args()
+    if a.snapshot_cost:
+        snapshot_cost(a.snapshot_cost, a.runs)
+        return
     if a.seaweedfs:
         import secrets
 

@@ -25,7 +25,7 @@ from keyscale.checkpoint.files import (
     write_state_file,
 )
 from keyscale.state.keygroups import KeyGroupRange
-from keyscale.state.order import order_rows, sort_keys, sub_keys
+from keyscale.state.order import order_rows, sort_keys
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import LocalStore
@@ -147,12 +147,3 @@ def test_a_snapshot_of_a_state_table_is_in_file_order(monkeypatch: pytest.Monkey
     whole = pa.concat_tables(parts)
     keys = sort_keys(whole.column(KG_COLUMN).to_numpy(), whole.column("user"))
     assert whole.num_rows == n and (np.diff(keys) >= 0).all()
-
-
-def test_equal_keys_have_equal_sub_keys() -> None:
-    assert sub_keys(pa.array([0.0, -0.0]))[0] == sub_keys(pa.array([0.0, -0.0]))[1]
-    assert sub_keys(pa.array(["abc", None, ""])).tolist()[1] == 0
-    big = pa.array(["user-000000001", "x", "user-000000001"]).slice(0)
-    s = sub_keys(pa.chunked_array([big[:2], big[2:]]))
-    assert s[0] == s[2]
-    assert sub_keys(pa.array(["ab"], pa.large_string()))[0] == sub_keys(pa.array(["ab"]))[0]

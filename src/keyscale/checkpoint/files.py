@@ -5,14 +5,14 @@ rows. Its schema metadata holds the index ``key group -> (first row, row count)`
 reader that owns part of the file's range takes only its slice without scanning
 (memory-mapped, so untouched pages are never read; on an object store, by byte range).
 
-Snapshots also order the rows of each key group by a 16-bit sub key of the key
+Snapshots also order the rows of each key group by an 8-bit sub key of the key
 (:mod:`keyscale.state.order`) and keep *fences* in the schema metadata: each record batch's
-first ``key group << 16 | sub key``. A point lookup then fetches the footer (cached) and
+first ``key group << 8 | sub key``. A point lookup then fetches the footer (cached) and
 the one record batch (8,192 rows, a few hundred KB) that can hold its key, not every
 batch of its key group (a key group of a 10M-key snapshot at M=128 holds ~78,000 rows,
 ~4 MB). Why a sub key and only snapshots: a snapshot orders its rows by key group anyway
-(a radix sort of 16-bit values), and a second radix pass over a sub key read from the
-key's last bytes adds little to it, where sorting by the key itself and reordering the
+(a radix sort of 16-bit values), and a sub key read from the key's last bytes and
+a second radix pass add less to it (measured: docs/benchmarks.md, "State lookups"), where sorting by the key itself and reordering the
 written table cost 2-3x the write (docs/design.md, "State files"). Deltas (the changed rows of one
 batch, written on every batch) keep key-group order only: their key groups are small. A
 file without fences (deltas, files written before fences, writers that do not order
@@ -49,7 +49,7 @@ Location = Store | str | os.PathLike[str]  # a job directory: its store, or wher
 
 _INDEX_KEY = b"keyscale.kg_index"
 _CHUNK_KEY = b"keyscale.chunk_rows"
-_FENCES_KEY = b"keyscale.fences"  # each record batch's first key group << 16 | sub key (keyscale.state.order)
+_FENCES_KEY = b"keyscale.fences"  # each record batch's first key group << 8 | sub key (keyscale.state.order)
 _FENCE_RULE_KEY = b"keyscale.fence_rule"
 # Record batches of this many rows (the last one shorter): a reader that needs a few key
 # groups of a file on an object store fetches only the batches holding them, by byte range,

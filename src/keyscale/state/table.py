@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.state.keyindex import KeyIndex, key_hash
-from keyscale.state.order import order_rows
+from keyscale.state.order import order_rows, sub_keys
 from keyscale.state.types import StateDescriptor, is_numeric
 
 KG_COLUMN = "__kg"
@@ -467,8 +467,19 @@ class KeyedStateTable:
 
     def _order(self, rows: np.ndarray, file_order: bool) -> np.ndarray:
         if file_order and self.key_names:
-            return order_rows(self.kg[rows], self.key_arrow(0, rows))
+            return order_rows(self.kg[rows], subs=self._sub_keys(rows))
         return np.argsort(self.kg[rows], kind="stable")
+
+    def _sub_keys(self, rows: np.ndarray) -> np.ndarray:
+        """:func:`~keyscale.state.order.sub_keys` of the first key column at ``rows``: of the
+        column as held when ``rows`` are most of the table (a snapshot; no copy of the keys)."""
+        k, t = self._keys[0], self.key_types[0]
+        if 2 * len(rows) < len(self.kg):
+            return sub_keys(self.key_arrow(0, rows))
+        held = pa.array(k, type=t) if isinstance(k, np.ndarray) else k
+        if held.type != t and _LARGE.get(t) != held.type:  # (a large string holds the same bytes)
+            held = held.cast(t)
+        return sub_keys(held)[rows]
 
     def _arrow(self, rows: np.ndarray) -> pa.Table:
         arrays: list[Any] = [self.key_arrow(i, rows) for i in range(len(self.key_names))]
@@ -480,10 +491,10 @@ class KeyedStateTable:
             names.append(s.name)
         return pa.Table.from_arrays(arrays, names=names)
 
-    def arrow_parts(self, rows: np.ndarray, chunk: int = 1 << 20) -> Iterator[pa.Table]:
-        """``to_arrow(rows, file_order=True)`` in tables of ``chunk`` rows, in order: a
-        snapshot of a range holds one part in memory at a time."""
-        rows = rows[self._order(rows, True)]
+    def arrow_parts(self, rows: np.ndarray, chunk: int = 1 << 20, file_order: bool = True) -> Iterator[pa.Table]:
+        """``to_arrow(rows, file_order)`` in tables of ``chunk`` rows, in order: a snapshot
+        of a range holds one part in memory at a time."""
+        rows = rows[self._order(rows, file_order)]
         for i in range(0, len(rows), chunk):
             yield self._arrow(rows[i : i + chunk])
 
