@@ -61,7 +61,7 @@ def _last4(arr: Any) -> np.ndarray:
     n = len(arr)
     bufs = arr.buffers()
     wide = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
-    offsets = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)[arr.offset : arr.offset + n + 1]
+    offsets: np.ndarray[Any, np.dtype[np.int64]] = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)[arr.offset : arr.offset + n + 1].astype(np.int64)
     start, end = offsets[:-1], offsets[1:]
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
     if data.size < 4:

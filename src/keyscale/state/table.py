@@ -479,7 +479,8 @@ class KeyedStateTable:
         held = pa.array(k, type=t) if isinstance(k, np.ndarray) else k
         if held.type != t and _LARGE.get(t) != held.type:  # (a large string holds the same bytes)
             held = held.cast(t)
-        return sub_keys(held)[rows]
+        subs: np.ndarray = sub_keys(held)[rows]
+        return subs
 
     def _arrow(self, rows: np.ndarray) -> pa.Table:
         arrays: list[Any] = [self.key_arrow(i, rows) for i in range(len(self.key_names))]
