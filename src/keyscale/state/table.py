@@ -462,25 +462,20 @@ class KeyedStateTable:
         rows, :mod:`keyscale.state.order`)."""
         if rows is None:
             rows = np.arange(len(self.kg))
-        rows = rows[self._order(rows, file_order)]
-        return self._arrow(rows)
+        rows = rows[np.argsort(self.kg[rows], kind="stable")]
+        return self._file_ordered(rows) if file_order and self.key_names else self._arrow(rows)
 
-    def _order(self, rows: np.ndarray, file_order: bool) -> np.ndarray:
-        if file_order and self.key_names:
-            return order_rows(self.kg[rows], subs=self._sub_keys(rows))
-        return np.argsort(self.kg[rows], kind="stable")
-
-    def _sub_keys(self, rows: np.ndarray) -> np.ndarray:
-        """:func:`~keyscale.state.order.sub_keys` of the first key column at ``rows``: of the
-        column as held when ``rows`` are most of the table (a snapshot; no copy of the keys)."""
-        k, t = self._keys[0], self.key_types[0]
-        if 2 * len(rows) < len(self.kg):
-            return sub_keys(self.key_arrow(0, rows))
-        held = pa.array(k, type=t) if isinstance(k, np.ndarray) else k
-        if held.type != t and _LARGE.get(t) != held.type:  # (a large string holds the same bytes)
-            held = held.cast(t)
-        subs: np.ndarray = sub_keys(held)[rows]
-        return subs
+    def _file_ordered(self, rows: np.ndarray) -> pa.Table:
+        """``rows`` (in key-group order, whole key groups) as Arrow in file order. Converted in
+        key-group order first, then reordered by an Arrow ``take``: the Python objects of
+        list, map and string states are read in the order they were made (in sub-key order
+        their conversion took 2-3x as long: every object a cache miss), and a take of Arrow
+        buffers costs less than that (docs/design.md, "Record batches and fences")."""
+        table = self._arrow(rows)
+        order = order_rows(self.kg[rows], subs=self._sub_keys(rows))
+        if np.array_equal(order, np.arange(len(order))):
+            return table
+        return table.take(pa.array(order))
 
     def _arrow(self, rows: np.ndarray) -> pa.Table:
         arrays: list[Any] = [self.key_arrow(i, rows) for i in range(len(self.key_names))]
@@ -493,11 +488,31 @@ class KeyedStateTable:
         return pa.Table.from_arrays(arrays, names=names)
 
     def arrow_parts(self, rows: np.ndarray, chunk: int = 1 << 20, file_order: bool = True) -> Iterator[pa.Table]:
-        """``to_arrow(rows, file_order)`` in tables of ``chunk`` rows, in order: a snapshot
-        of a range holds one part in memory at a time."""
-        rows = rows[self._order(rows, file_order)]
-        for i in range(0, len(rows), chunk):
-            yield self._arrow(rows[i : i + chunk])
+        """``to_arrow(rows, file_order)`` in tables of about ``chunk`` rows (whole key groups:
+        a part is ordered within its key groups), in order: a snapshot of a range holds one
+        part in memory at a time."""
+        rows = rows[np.argsort(self.kg[rows], kind="stable")]
+        kgs = self.kg[rows]
+        start = 0
+        while start < len(rows):
+            end = min(len(rows), start + chunk)
+            if file_order and end < len(rows):  # to the end of the key group the part ends in
+                end = int(np.searchsorted(kgs, kgs[end - 1], side="right"))
+            part = rows[start:end]
+            yield self._file_ordered(part) if file_order and self.key_names else self._arrow(part)
+            start = end
+
+    def _sub_keys(self, rows: np.ndarray) -> np.ndarray:
+        """:func:`~keyscale.state.order.sub_keys` of the first key column at ``rows``: of the
+        column as held when ``rows`` are most of the table (a snapshot; no copy of the keys)."""
+        k, t = self._keys[0], self.key_types[0]
+        if 2 * len(rows) < len(self.kg):
+            return sub_keys(self.key_arrow(0, rows))
+        held = pa.array(k, type=t) if isinstance(k, np.ndarray) else k
+        if held.type != t and _LARGE.get(t) != held.type:  # (a large string holds the same bytes)
+            held = held.cast(t)
+        subs: np.ndarray = sub_keys(held)[rows]
+        return subs
 
     def schema(self) -> pa.Schema:
         fields = [pa.field(n, t) for n, t in zip(self.key_names, self.key_types, strict=True)]
