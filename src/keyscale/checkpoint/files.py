@@ -1,7 +1,7 @@
 """State files (Arrow IPC, indexed by key group), written and read through the storage seam.
 
 A state file is an Arrow IPC file sorted by key group, in record batches of ``CHUNK_ROWS``
-rows. Its schema metadata holds the index ``key group -> (first row, row count)`` so a
+rows (a delta's of ``DELTA_CHUNK_ROWS``). Its schema metadata holds the index ``key group -> (first row, row count)`` so a
 reader that owns part of the file's range takes only its slice without scanning
 (memory-mapped, so untouched pages are never read; on an object store, by byte range).
 
@@ -56,6 +56,16 @@ _FENCE_RULE_KEY = b"keyscale.fence_rule"
 # and a point lookup in a fenced file the one batch of its key (a few hundred KB). Files
 # record their own size (``keyscale.chunk_rows``): files written with 65,536 read as before.
 CHUNK_ROWS = 1 << 13
+# A delta's record batches are smaller: its rows of one key group are few (the keys one batch
+# changed) and in no order a fence can use, so a point lookup reads the batches holding them
+# whole; at 1,024 rows a batch is tens of KB. (A delta is written every batch: more, smaller
+# record batches cost its write a few microseconds each.)
+DELTA_CHUNK_ROWS = 1 << 10
+
+
+def chunk_rows(kind: FileKind) -> int:
+    """Rows per record batch of a state file of ``kind``."""
+    return CHUNK_ROWS if kind == "snapshot" else min(CHUNK_ROWS, DELTA_CHUNK_ROWS)
 # Below this size a file is fetched whole (one request beats a few ranged ones).
 RANGED_MIN_BYTES = 4 << 20
 
@@ -174,7 +184,7 @@ def _metadata(index: list[list[int]], kind: FileKind, batch: int, rng: KeyGroupR
         b"keyscale.kind": kind.encode(),
         b"keyscale.batch": str(batch).encode(),
         b"keyscale.range": f"{rng.start}-{rng.end}".encode(),
-        _CHUNK_KEY: str(CHUNK_ROWS).encode(),
+        _CHUNK_KEY: str(chunk_rows(kind)).encode(),
     }
     if fences is not None:
         meta[_FENCES_KEY] = json.dumps(fences).encode()
@@ -188,12 +198,12 @@ def _first_key(schema: pa.Schema) -> str | None:
     return schema.names[0] if schema.names and schema.names[0] != KG_COLUMN else None
 
 
-def _fences(table: pa.Table) -> list[int] | None:
+def _fences(table: pa.Table, chunk: int) -> list[int] | None:
     """Each record batch's first sort key (``keyscale.state.order.sort_keys``) of a table in
     file order; None if it has no key column, fits one record batch, or is not in that order
     (a delta: its first rows tell, before every row's sub key is computed)."""
     key = _first_key(table.schema)
-    if key is None or table.num_rows <= CHUNK_ROWS:
+    if key is None or table.num_rows <= chunk:
         return None  # one record batch: nothing to choose between
     kgs = table.column(KG_COLUMN).to_numpy()
     head = sort_keys(kgs[:1024], table.column(key).slice(0, 1024))
@@ -202,18 +212,19 @@ def _fences(table: pa.Table) -> list[int] | None:
     keys = sort_keys(kgs, table.column(key))
     if (np.diff(keys) < 0).any():
         return None
-    return [int(k) for k in keys[::CHUNK_ROWS]]
+    return [int(k) for k in keys[::chunk]]
 
 
 def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> tuple[StateFile, bytes]:
     """A key-group-sorted state table as the bytes of one state file, and its manifest entry
     (with fences when its rows are in file order, key group then sub key: see the module)."""
     kgs = table.column(KG_COLUMN).to_numpy()
-    meta = _metadata(kg_index(kgs, rng.start, rng.end), kind, batch, rng, _fences(table))
-    table = table.replace_schema_metadata(meta).combine_chunks()  # batches of exactly CHUNK_ROWS rows
+    chunk = chunk_rows(kind)
+    meta = _metadata(kg_index(kgs, rng.start, rng.end), kind, batch, rng, _fences(table, chunk))
+    table = table.replace_schema_metadata(meta).combine_chunks()  # batches of exactly ``chunk`` rows
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=CHUNK_ROWS)
+        writer.write_table(table, max_chunksize=chunk)
     data = sink.getvalue().to_pybytes()
     entry = StateFile(
         path=rel_path, batch=batch, kind=kind, start=rng.start, end=rng.end,
@@ -246,6 +257,7 @@ def spill_state_file(
         last = rng.start
         stream = folder / "rows.arrows"
         key = _first_key(schema) if ordered else None
+        chunk = chunk_rows(kind)
         fences: list[int] = []
         seen = 0  # rows before this part
         with open_scratch_file(stream, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
@@ -254,7 +266,7 @@ def spill_state_file(
                     continue
                 kgs = part.column(KG_COLUMN).to_numpy()
                 if key is not None:  # the parts' rows that start a record batch
-                    at = np.arange(-seen % CHUNK_ROWS, part.num_rows, CHUNK_ROWS)
+                    at = np.arange(-seen % chunk, part.num_rows, chunk)
                     fences.extend(int(k) for k in sort_keys(kgs[at], part.column(key).take(pa.array(at, pa.int64()))))
                 seen += part.num_rows
                 if kgs[0] < last or kgs[-1] > rng.end or (len(kgs) > 1 and (np.diff(kgs) < 0).any()):
@@ -265,9 +277,9 @@ def spill_state_file(
         first = np.concatenate([[0], np.cumsum(counts)[:-1]])
         index = [[rng.start + int(i), int(first[i]), int(counts[i])] for i in np.flatnonzero(counts)]
         path = folder / "state.arrow"
-        meta = _metadata(index, kind, batch, rng, fences if key is not None and seen > CHUNK_ROWS else None)
+        meta = _metadata(index, kind, batch, rng, fences if key is not None and seen > chunk else None)
         with open_scratch_file(stream, "rb") as source, open_scratch_file(path, "wb") as sink, pa.ipc.new_file(sink, schema.with_metadata(meta)) as writer:
-            for b in _exact_batches(pa.ipc.open_stream(source)):
+            for b in _exact_batches(pa.ipc.open_stream(source), chunk):
                 writer.write_batch(b)
         stream.unlink()
         size, crc = 0, 0
@@ -281,18 +293,18 @@ def spill_state_file(
     return entry, path
 
 
-def _exact_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """The rows of ``batches`` again, in record batches of exactly ``CHUNK_ROWS`` (the last
+def _exact_batches(batches: Iterable[pa.RecordBatch], chunk: int) -> Iterator[pa.RecordBatch]:
+    """The rows of ``batches`` again, in record batches of exactly ``chunk`` rows (the last
     one shorter), as ``encode_state_file`` writes them."""
     pending: list[pa.RecordBatch] = []
     held = 0
     for b in batches:
         pending.append(b)
         held += b.num_rows
-        while held >= CHUNK_ROWS:
+        while held >= chunk:
             joined = pa.Table.from_batches(pending).combine_chunks()
-            yield joined.slice(0, CHUNK_ROWS).to_batches()[0]
-            rest = joined.slice(CHUNK_ROWS)
+            yield joined.slice(0, chunk).to_batches()[0]
+            rest = joined.slice(chunk)
             pending, held = rest.to_batches(), rest.num_rows
     if held:
         yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
