@@ -1,24 +1,26 @@
 """State files (Arrow IPC, indexed by key group), written and read through the storage seam.
 
 A state file is an Arrow IPC file sorted by key group, in record batches of ``CHUNK_ROWS``
-rows (a delta's of ``DELTA_CHUNK_ROWS``). Its schema metadata holds the index ``key group -> (first row, row count)`` so a
-reader that owns part of the file's range takes only its slice without scanning
-(memory-mapped, so untouched pages are never read; on an object store, by byte range).
+rows (a delta's of ``DELTA_CHUNK_ROWS``). Its schema metadata holds the index
+``key group -> (first row, row count)`` so a reader that owns part of the file's range
+takes only its slice without scanning (memory-mapped, so untouched pages are never read;
+on an object store, by byte range).
 
 Snapshots also order the rows of each key group by an 8-bit sub key of the key
 (:mod:`keyscale.state.order`) and keep *fences* in the schema metadata: each record batch's
 first ``key group << 8 | sub key``. A point lookup then fetches the footer (cached) and
 the one record batch (8,192 rows, a few hundred KB) that can hold its key, not every
 batch of its key group (a key group of a 10M-key snapshot at M=128 holds ~78,000 rows,
-~4 MB). Why a sub key and only snapshots: a snapshot orders its rows by key group anyway
-(a radix sort of 16-bit values), and a sub key read from the key's last bytes and
-a second radix pass add less to it (measured: docs/benchmarks.md, "State lookups"), where sorting by the key itself and reordering the
-written table cost 2-3x the write (docs/design.md, "State files"). Deltas (the changed rows of one
-batch, written on every batch) keep key-group order only: their key groups are small. A
-file without fences (deltas, files written before fences, writers that do not order
-rows) is read by key group as before; fences are written only by a writer that says its
-rows are in that order (:func:`encode_state_file` checks it; :func:`spill_state_file` is
-told, by the snapshot path that sorted them).
+~4 MB). Why a sub key: it is read from the key's last bytes and sorted by radix passes,
+where sorting by the key itself (or by Spark's hash of it) cost about as much as the
+snapshot's write again. The order still costs: the rows are reordered (an Arrow ``take``
+after the conversion), 1.5x a snapshot's write of string keys with a list state
+(docs/benchmarks.md, "State lookups with fences"; docs/design.md, "Record batches and
+fences"). Only snapshots pay it: deltas, written every batch, keep key-group order, and
+their record batches are small instead. A file without fences (deltas, files written
+before fences, writers that do not order rows) is read by key group as before; fences are
+written only by a writer that says its rows are in that order (:func:`encode_state_file`
+checks it; :func:`spill_state_file` is told, by the snapshot path that sorted them).
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ file's footer) and fetch that batch alone, not every batch of the key group.
 
 Why an 8-bit sub key of the first key column, and not the key itself or Spark's hash:
 
-- it costs a snapshot little: the sub key of a string key comes from its last four
-  bytes and its length (one numpy gather over the Arrow buffers, no per-value hashing),
-  read from the table's key column as it is held (no reordering of it), and stable radix
-  sorts of 16-bit values (numpy's ``kind="stable"`` on ``uint16``) order the rows after
-  the key-group sort a snapshot always did (:meth:`keyscale.state.table.KeyedStateTable.arrow_parts`);
-  a full sort by key (strings) and a ``take`` of the whole table cost 2-3x the
-  snapshot's own write, Spark's Murmur3 of every key about 2x (docs/design.md);
+- it is cheap to find: the sub key of a string key comes from its last four bytes and
+  its length (one numpy gather over the Arrow buffers, no per-value hashing), read from
+  the table's key column as it is held, and stable radix passes of 16-bit values order the
+  rows after the key-group sort a snapshot always did
+  (:meth:`keyscale.state.table.KeyedStateTable.arrow_parts`); a sort by the key itself, or
+  by Spark's Murmur3 of it, cost about a snapshot's write again (docs/design.md). The
+  reordering itself is not free: a snapshot's write takes 1.5x as long with it
+  (docs/benchmarks.md, "State lookups with fences");
 - 8 bits are enough: a key group of N rows falls into 256 runs of about N/256 rows, so a
   lookup reads one record batch (8,192 rows) while N/256 stays below that, ~2M rows a key
   group;
