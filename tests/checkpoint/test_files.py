@@ -18,14 +18,12 @@ from keyscale.checkpoint.files import (
     kg_index,
     put_state_file,
     read_state_slice,
-    record_upload_failure,
     spill_state_file,
-    upload_timeout,
     verify_state_file,
-    wait_stored,
     write_state_file,
 )
 from keyscale.checkpoint.manifest import StateFile
+from keyscale.checkpoint.uploads import record_upload_failure, upload_timeout, wait_stored
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.order import order_rows
