@@ -18,16 +18,15 @@ from keyscale.checkpoint.files import (
     kg_index,
     put_state_file,
     read_state_slice,
-    record_upload_failure,
     spill_state_file,
-    upload_timeout,
     verify_state_file,
-    wait_stored,
     write_state_file,
 )
 from keyscale.checkpoint.manifest import StateFile
+from keyscale.checkpoint.uploads import record_upload_failure, upload_timeout, wait_stored
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
+from keyscale.state.order import order_rows
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import LocalStore
@@ -228,15 +227,16 @@ def test_a_state_file_that_cannot_be_written_is_a_storage_error(tmp_path: Path, 
 )
 def test_a_spilled_state_file_is_byte_for_byte_the_encoded_one(kgs: list[int], cuts: list[int], repeat: int) -> None:
     """A snapshot written in parts to scratch (never whole in memory) is the file the whole
-    table would have made: same bytes, same manifest entry, whatever the parts."""
+    table would have made: same bytes (its fences too), same manifest entry, whatever the parts."""
     kg = np.repeat(np.array(kgs, dtype=np.int32), repeat)  # rows past CHUNK_ROWS: several record batches
     table = pa.table({"key": pa.array([f"k{i}" for i in range(len(kg))]), KG_COLUMN: kg,
                       "n": pa.array([None if i % 5 == 0 else i for i in range(len(kg))], pa.int64())})
+    table = table.take(pa.array(order_rows(kg, table.column("key"))))  # in file order, as a snapshot writes
     bounds = sorted({0, len(kg), *(min(len(kg), c * repeat) for c in cuts)})
     parts = [table.slice(a, b - a) for a, b in itertools.pairwise(bounds)]
     rng = KeyGroupRange(0, 63)
     entry, data = encode_state_file(REL, table, "snapshot", 7, rng)
-    spilled_entry, path = spill_state_file(REL, parts, table.schema, "snapshot", 7, rng)
+    spilled_entry, path = spill_state_file(REL, parts, table.schema, "snapshot", 7, rng, ordered=True)
     try:
         assert spilled_entry == entry
         assert path.read_bytes() == data

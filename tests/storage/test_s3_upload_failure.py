@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from keyscale.checkpoint.files import record_upload_failure, wait_stored
 from keyscale.checkpoint.manifest import StateFile
+from keyscale.checkpoint.uploads import record_upload_failure, wait_stored
 from keyscale.errors import StateError
 from keyscale.storage import open_store
 

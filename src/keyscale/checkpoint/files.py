@@ -1,16 +1,34 @@
 """State files (Arrow IPC, indexed by key group), written and read through the storage seam.
 
-A state file is an Arrow IPC file sorted by key group. Its schema metadata holds the index
-``key group -> (first row, row count)`` so a reader that owns part of the file's range takes
-only its slice without scanning (memory-mapped, so untouched pages are never read).
+A state file is an Arrow IPC file sorted by key group, in record batches of ``CHUNK_ROWS``
+rows (a delta's of ``DELTA_CHUNK_ROWS``). Its schema metadata holds the index
+``key group -> (first row, row count)`` so a reader that owns part of the file's range
+takes only its slice without scanning (memory-mapped, so untouched pages are never read;
+on an object store, by byte range).
+
+Snapshots also order the rows of each key group by an 8-bit sub key of the key
+(:mod:`keyscale.state.order`) and keep *fences* in the schema metadata: each record batch's
+first ``key group << 8 | sub key``. A point lookup then fetches the footer (cached) and
+the one record batch (8,192 rows, a few hundred KB) that can hold its key, not every
+batch of its key group (a key group of a 10M-key snapshot at M=128 holds ~78,000 rows,
+~4 MB). Why a sub key: it is read from the key's last bytes and sorted by radix passes,
+where sorting by the key itself (or by Spark's hash of it) cost about as much as the
+snapshot's write again. The order still costs: the rows are reordered (an Arrow ``take``
+after the conversion), 1.5x a snapshot's write of string keys with a list state
+(docs/benchmarks.md, "State lookups with fences"; docs/design.md, "Record batches and
+fences"). Only snapshots pay it: deltas, written every batch, keep key-group order, and
+their record batches are small instead. A file without fences (deltas, files written
+before fences, writers that do not order rows) is read by key group as before; fences are
+written only by a writer that says its rows are in that order (:func:`encode_state_file`
+checks it; :func:`spill_state_file` is told, by the snapshot path that sorted them).
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
-import time
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,6 +40,7 @@ import pyarrow as pa
 from keyscale.checkpoint.manifest import FileKind, StateFile
 from keyscale.errors import StateError, StorageError
 from keyscale.state.keygroups import KeyGroupRange
+from keyscale.state.order import FENCE_RULE, sort_keys
 from keyscale.state.table import KG_COLUMN
 from keyscale.storage import LocalStore, Store, open_store
 from keyscale.storage.local import local_write_failure
@@ -31,9 +50,23 @@ Location = Store | str | os.PathLike[str]  # a job directory: its store, or wher
 
 _INDEX_KEY = b"keyscale.kg_index"
 _CHUNK_KEY = b"keyscale.chunk_rows"
+_FENCES_KEY = b"keyscale.fences"  # each record batch's first key group << 8 | sub key (keyscale.state.order)
+_FENCE_RULE_KEY = b"keyscale.fence_rule"
 # Record batches of this many rows (the last one shorter): a reader that needs a few key
-# groups of a file on an object store fetches only the batches holding them, by byte range.
-CHUNK_ROWS = 1 << 16
+# groups of a file on an object store fetches only the batches holding them, by byte range,
+# and a point lookup in a fenced file the one batch of its key (a few hundred KB). Files
+# record their own size (``keyscale.chunk_rows``): files written with 65,536 read as before.
+CHUNK_ROWS = 1 << 13
+# A delta's record batches are smaller: its rows of one key group are few (the keys one batch
+# changed) and in no order a fence can use, so a point lookup reads the batches holding them
+# whole; at 1,024 rows a batch is tens of KB. (A delta is written every batch: more, smaller
+# record batches cost its write a few microseconds each.)
+DELTA_CHUNK_ROWS = 1 << 10
+
+
+def chunk_rows(kind: FileKind) -> int:
+    """Rows per record batch of a state file of ``kind``."""
+    return CHUNK_ROWS if kind == "snapshot" else min(CHUNK_ROWS, DELTA_CHUNK_ROWS)
 # Below this size a file is fetched whole (one request beats a few ranged ones).
 RANGED_MIN_BYTES = 4 << 20
 
@@ -65,105 +98,53 @@ def put_state_file(store: Store, rel_path: str, data: bytes | Path) -> None:
         raise StorageError(f"state file: {local_write_failure(store.url(rel_path), e)}") from None
 
 
-def upload_timeout() -> float:
-    """Seconds a state file of a batch whose task has ended may take to appear in the store
-    (asynchronous checkpoints): ``KEYSCALE_UPLOAD_TIMEOUT``, 600 by default."""
-    raw = os.environ.get("KEYSCALE_UPLOAD_TIMEOUT", "600")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise StateError(f"KEYSCALE_UPLOAD_TIMEOUT must be a number of seconds above 0, not {raw!r}")
-    return value
-
-
-# Beside a state file whose detached upload failed: ``<file>.failed``, the upload's error.
-UPLOAD_FAILED = ".failed"
-
-
-def record_upload_failure(store: Store, rel_path: str, error: BaseException) -> bool:
-    """Leave a record that the upload of state file ``rel_path`` failed with ``error``, so
-    that whoever waits for the file (:func:`wait_stored`) fails at once instead of after
-    ``KEYSCALE_UPLOAD_TIMEOUT``. Returns False if the record could not be written either (the
-    store refusing every write): the waiters then time out, as without it.
-
-    Why a record in the store rather than a message to the driver: the waiters are the
-    driver's commit thread and the next batch's tasks, on other machines, and the store is
-    the one thing they all read, on local disk and on S3 alike. The state file's name is
-    its attempt's own (:func:`keyscale.runtime.task.spec.state_file_name`) and that attempt
-    never uploads it again, so a record means the file will not come. Retention's sweep
-    deletes it with the batch's other unnamed files (its name starts with the batch)."""
-    record = {"error": f"{type(error).__name__}: {error}", "pid": os.getpid(), "time_ms": int(time.time() * 1000)}
-    try:
-        store.put(rel_path + UPLOAD_FAILED, json.dumps(record).encode(), durable=False)
-    except Exception:  # the store refuses this write too: the waiters' timeout is left
-        return False
-    return True
-
-
-def upload_failure(store: Store, rel_path: str) -> str | None:
-    """The error of a failed upload of ``rel_path`` (see :func:`record_upload_failure`), else None."""
-    data = store.get_or_none(rel_path + UPLOAD_FAILED)
-    if data is None:
-        return None
-    try:
-        return str(json.loads(data)["error"])
-    except (ValueError, KeyError, TypeError):
-        return "(its failure record is unreadable)"
-
-
-def wait_stored(store: Store, files: Iterable[StateFile], timeout: float, what: str) -> None:
-    """Return once every file of ``files`` is in ``store``; raise :class:`StateError` naming
-    the first one still missing after ``timeout`` seconds, or at once naming one whose
-    upload left a failure record (:func:`record_upload_failure`).
-
-    Used when a state file's upload outlives its task (asynchronous checkpoints): a store's
-    put is atomic (a local file is renamed into place, an object appears whole), so a file
-    that exists is complete. A file present wins over a failure record (an upload reported
-    as failed may have landed): the record only makes a wait end sooner, never makes a
-    commit name a file that is not there. ``what`` says who waits, for the error."""
-    missing = list(files)
-    deadline = time.monotonic() + timeout
-    pause = 0.01
-    while missing:
-        missing = [f for f in missing if not store.exists(f.path)]
-        if not missing:
-            return
-        for f in missing:
-            error = upload_failure(store, f.path)
-            if error is not None:
-                raise StateError(
-                    f"state file {store.url(f.path)} of batch {f.batch} was not stored: its upload failed ({error}) ({what}). "
-                    "The batch is replayed from its intent at the next start")
-        if time.monotonic() >= deadline:
-            f = missing[0]
-            raise StateError(
-                f"state file {store.url(f.path)} of batch {f.batch} was not stored within {timeout:g} s of its task's end "
-                f"({what}); the worker uploading it may have died. The batch is replayed from its intent at the next start "
-                "(KEYSCALE_UPLOAD_TIMEOUT sets the wait)")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.5)
-
-
-def _metadata(index: list[list[int]], kind: FileKind, batch: int, rng: KeyGroupRange) -> dict[bytes, bytes]:
-    return {
+def _metadata(index: list[list[int]], kind: FileKind, batch: int, rng: KeyGroupRange, fences: list[int] | None = None) -> dict[bytes, bytes]:
+    meta = {
         _INDEX_KEY: json.dumps(index).encode(),
         b"keyscale.kind": kind.encode(),
         b"keyscale.batch": str(batch).encode(),
         b"keyscale.range": f"{rng.start}-{rng.end}".encode(),
-        _CHUNK_KEY: str(CHUNK_ROWS).encode(),
+        _CHUNK_KEY: str(chunk_rows(kind)).encode(),
     }
+    if fences is not None:
+        meta[_FENCES_KEY] = json.dumps(fences).encode()
+        meta[_FENCE_RULE_KEY] = FENCE_RULE.encode()
+    return meta
+
+
+def _first_key(schema: pa.Schema) -> str | None:
+    """The column the sub key is read from: the first key column (key columns come before
+    the key-group column), None for a file without key columns."""
+    return schema.names[0] if schema.names and schema.names[0] != KG_COLUMN else None
+
+
+def _fences(table: pa.Table, chunk: int) -> list[int] | None:
+    """Each record batch's first sort key (``keyscale.state.order.sort_keys``) of a table in
+    file order; None if it has no key column, fits one record batch, or is not in that order
+    (a delta: its first rows tell, before every row's sub key is computed)."""
+    key = _first_key(table.schema)
+    if key is None or table.num_rows <= chunk:
+        return None  # one record batch: nothing to choose between
+    kgs = table.column(KG_COLUMN).to_numpy()
+    head = sort_keys(kgs[:1024], table.column(key).slice(0, 1024))
+    if (np.diff(head) < 0).any():
+        return None
+    keys = sort_keys(kgs, table.column(key))
+    if (np.diff(keys) < 0).any():
+        return None
+    return [int(k) for k in keys[::chunk]]
 
 
 def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> tuple[StateFile, bytes]:
-    """A key-group-sorted state table as the bytes of one state file, and its manifest entry."""
+    """A key-group-sorted state table as the bytes of one state file, and its manifest entry
+    (with fences when its rows are in file order, key group then sub key: see the module)."""
     kgs = table.column(KG_COLUMN).to_numpy()
-    meta = _metadata(kg_index(kgs, rng.start, rng.end), kind, batch, rng)
-    table = table.replace_schema_metadata(meta).combine_chunks()  # batches of exactly CHUNK_ROWS rows
+    chunk = chunk_rows(kind)
+    meta = _metadata(kg_index(kgs, rng.start, rng.end), kind, batch, rng, _fences(table, chunk))
+    table = table.replace_schema_metadata(meta).combine_chunks()  # batches of exactly ``chunk`` rows
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=CHUNK_ROWS)
+        writer.write_table(table, max_chunksize=chunk)
     data = sink.getvalue().to_pybytes()
     entry = StateFile(
         path=rel_path, batch=batch, kind=kind, start=rng.start, end=rng.end,
@@ -174,11 +155,18 @@ def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int
 
 def spill_state_file(
     rel_path: str, parts: Iterable[pa.Table], schema: pa.Schema, kind: FileKind, batch: int, rng: KeyGroupRange,
+    ordered: bool = False,
 ) -> tuple[StateFile, Path]:
     """``encode_state_file`` of the concatenation of ``parts`` (key-group-sorted, in order),
-    written to a spill folder in scratch instead of memory, byte for byte the same: a
+    written to a spill folder in scratch instead of memory, byte for byte the same (given
+    ``ordered`` when the rows are in file order, the fences too): a
     snapshot of a range of any size holds one part in memory at a time. Returns the manifest
     entry and the file; upload it with ``put_state_file``, then ``remove_scratch`` its folder.
+
+    ``ordered``: the caller sorted the rows in file order (key group, then sub key:
+    :func:`keyscale.state.order.order_rows`, as a snapshot does), so the file gets fences,
+    read at each record batch's first row (not checked row by row: that would cost the
+    snapshot a second pass over every key).
 
     The key-group index goes in the file's schema, which comes first, so the rows pass twice:
     into an Arrow stream in the folder while the index is counted, then into the state file.
@@ -188,11 +176,19 @@ def spill_state_file(
         counts = np.zeros(rng.end - rng.start + 1, dtype=np.int64)
         last = rng.start
         stream = folder / "rows.arrows"
+        key = _first_key(schema) if ordered else None
+        chunk = chunk_rows(kind)
+        fences: list[int] = []
+        seen = 0  # rows before this part
         with open_scratch_file(stream, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
             for part in parts:
                 if not part.num_rows:
                     continue
                 kgs = part.column(KG_COLUMN).to_numpy()
+                if key is not None:  # the parts' rows that start a record batch
+                    at = np.arange(-seen % chunk, part.num_rows, chunk)
+                    fences.extend(int(k) for k in sort_keys(kgs[at], part.column(key).take(pa.array(at, pa.int64()))))
+                seen += part.num_rows
                 if kgs[0] < last or kgs[-1] > rng.end or (len(kgs) > 1 and (np.diff(kgs) < 0).any()):
                     raise StateError(f"state file {rel_path}: its rows are not in key-group order within {rng.start}-{rng.end}")
                 last = int(kgs[-1])
@@ -201,9 +197,9 @@ def spill_state_file(
         first = np.concatenate([[0], np.cumsum(counts)[:-1]])
         index = [[rng.start + int(i), int(first[i]), int(counts[i])] for i in np.flatnonzero(counts)]
         path = folder / "state.arrow"
-        meta = _metadata(index, kind, batch, rng)
+        meta = _metadata(index, kind, batch, rng, fences if key is not None and seen > chunk else None)
         with open_scratch_file(stream, "rb") as source, open_scratch_file(path, "wb") as sink, pa.ipc.new_file(sink, schema.with_metadata(meta)) as writer:
-            for b in _exact_batches(pa.ipc.open_stream(source)):
+            for b in _exact_batches(pa.ipc.open_stream(source), chunk):
                 writer.write_batch(b)
         stream.unlink()
         size, crc = 0, 0
@@ -217,18 +213,18 @@ def spill_state_file(
     return entry, path
 
 
-def _exact_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """The rows of ``batches`` again, in record batches of exactly ``CHUNK_ROWS`` (the last
+def _exact_batches(batches: Iterable[pa.RecordBatch], chunk: int) -> Iterator[pa.RecordBatch]:
+    """The rows of ``batches`` again, in record batches of exactly ``chunk`` rows (the last
     one shorter), as ``encode_state_file`` writes them."""
     pending: list[pa.RecordBatch] = []
     held = 0
     for b in batches:
         pending.append(b)
         held += b.num_rows
-        while held >= CHUNK_ROWS:
+        while held >= chunk:
             joined = pa.Table.from_batches(pending).combine_chunks()
-            yield joined.slice(0, CHUNK_ROWS).to_batches()[0]
-            rest = joined.slice(CHUNK_ROWS)
+            yield joined.slice(0, chunk).to_batches()[0]
+            rest = joined.slice(chunk)
             pending, held = rest.to_batches(), rest.num_rows
     if held:
         yield pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
@@ -284,7 +280,7 @@ class _Ranged(io.RawIOBase):
     read-ahead window: Arrow reads the footer, then only the record batches it is asked for."""
 
     def __init__(self, store: Store, key: str, size: int, window: int = 1 << 20, tail: tuple[int, bytes] | None = None):
-        self._store, self._key, self._size, self._window = store, key, size, window
+        self._store, self._key, self._size, self.window = store, key, size, window
         self._pos = 0
         # ``tail``: bytes already fetched from some offset (the footer), read from memory
         self._buf_start, self._buf = tail if tail is not None else (0, b"")
@@ -308,7 +304,7 @@ class _Ranged(io.RawIOBase):
         if n <= 0:
             return b""
         if not (self._buf_start <= self._pos and self._pos + n <= self._buf_start + len(self._buf)):
-            self._buf = self._store.get_range(self._key, self._pos, min(max(n, self._window), self._size - self._pos))
+            self._buf = self._store.get_range(self._key, self._pos, min(max(n, self.window), self._size - self._pos))
             self._buf_start = self._pos
         off = self._pos - self._buf_start
         self._pos += n
@@ -344,13 +340,20 @@ def state_file_tail(store: Store, f: StateFile) -> tuple[int, bytes]:
     return f.bytes - n, tail
 
 
-def read_key_groups_ranged(store: Store, f: StateFile, rng: KeyGroupRange, tail: tuple[int, bytes] | None = None) -> pa.Table:
+def read_key_groups_ranged(
+    store: Store, f: StateFile, rng: KeyGroupRange, tail: tuple[int, bytes] | None = None, probe: int | None = None,
+) -> pa.Table:
     """The rows of key groups ``rng`` in state file ``f``, by byte ranges: the footer (or
     ``tail``, from :func:`state_file_tail`), then only the record batches (``CHUNK_ROWS``
     rows each) that hold those key groups, fetched by ranged reads from an object store and
     memory-mapped on local disk (where only those pages are read, without a copy). Nothing
-    is checksummed: the bytes of the whole file are never read."""
-    table = _read_ranged(store, f, rng, window=TAIL_BYTES, tail=tail)
+    is checksummed: the bytes of the whole file are never read.
+
+    ``probe``: a point lookup's sort key (``keyscale.state.order.sort_keys`` of its key group
+    and key). In a file with fences only the record batches whose fences can hold it are
+    read, so the rows returned are those of the key group in those batches: every row of
+    that key, not every row of its key group."""
+    table = _read_ranged(store, f, rng, window=TAIL_BYTES, tail=tail, probe=probe)
     if table is None:  # a file without fixed batch sizes: read whole
         table = _open_state_file(store, f, verify=False)
         first, last = _rows_of(table.schema.metadata, f, rng)
@@ -358,14 +361,35 @@ def read_key_groups_ranged(store: Store, f: StateFile, rng: KeyGroupRange, tail:
     return table
 
 
-def _read_ranged(store: Store, f: StateFile, rng: KeyGroupRange, window: int = 1 << 20, tail: tuple[int, bytes] | None = None) -> pa.Table | None:
-    """Only the record batches of ``f`` that hold key groups ``rng`` (None: the file has no
-    fixed batch size, read it whole)."""
+def _fenced(meta: dict[bytes, bytes], batches: range, probe: int) -> range:
+    """Of ``batches`` (those holding a key group), the ones whose fences can hold sort key
+    ``probe``: batch ``i`` holds sort keys from its fence to the next batch's fence (both
+    included: equal sort keys may straddle a boundary). All of ``batches`` when the file
+    has no fences of the rule this code reads."""
+    raw = meta.get(_FENCES_KEY)
+    if raw is None or meta.get(_FENCE_RULE_KEY) != FENCE_RULE.encode() or not batches:
+        return batches
+    fences = json.loads(raw)
+    lo = bisect.bisect_left(fences, probe)  # batches before lo - 1 end before probe
+    hi = bisect.bisect_right(fences, probe)  # batches from hi on start after probe
+    first, last = max(batches.start, lo - 1), min(batches.stop, hi)
+    return range(first, last) if last > first else range(batches.start, batches.start)
+
+
+def _read_ranged(
+    store: Store, f: StateFile, rng: KeyGroupRange, window: int = 1 << 20, tail: tuple[int, bytes] | None = None,
+    probe: int | None = None,
+) -> pa.Table | None:
+    """Only the record batches of ``f`` that hold key groups ``rng`` (and can hold sort key
+    ``probe``, if given, in a file with fences); None: the file has no fixed batch size,
+    read it whole."""
+    raw: _Ranged | None = None
     try:
         if isinstance(store, LocalStore):  # memory-mapped: only the pages of the footer and those batches are read
             reader = pa.ipc.open_file(pa.memory_map(str(store.path(f.path))))
         else:
-            reader = pa.ipc.open_file(pa.PythonFile(_Ranged(store, f.path, f.bytes, window, tail), mode="r"))
+            raw = _Ranged(store, f.path, f.bytes, window, tail)
+            reader = pa.ipc.open_file(pa.PythonFile(raw, mode="r"))
     except FileNotFoundError:
         raise StateError(f"state file {store.url(f.path)} is missing") from None
     except (pa.ArrowInvalid, OSError) as e:
@@ -378,13 +402,22 @@ def _read_ranged(store: Store, f: StateFile, rng: KeyGroupRange, window: int = 1
     if last <= first:
         return reader.schema.empty_table()
     todo = range(first // chunk, (last - 1) // chunk + 1)
+    if probe is not None:
+        todo = _fenced(meta, todo, probe)
+        if not todo:
+            return reader.schema.empty_table()
+    if raw is not None and reader.num_record_batches:
+        # A batch's message in one request: its metadata and body together, about the
+        # file's size over its batches (a read of just the first bytes would take a second).
+        raw.window = max(window, min(8 << 20, f.bytes // reader.num_record_batches * 5 // 4))
     try:
         table = pa.Table.from_batches([reader.get_batch(i) for i in todo], schema=reader.schema)
     except FileNotFoundError:  # deleted since its footer was read
         raise StateError(f"state file {store.url(f.path)} is missing") from None
     except (pa.ArrowInvalid, OSError) as e:
         raise StateError(f"state file {store.url(f.path)} is unreadable ({e})") from None
-    return table.slice(first - todo[0] * chunk, last - first)
+    lo, hi = max(first, todo.start * chunk), min(last, todo.stop * chunk)
+    return table.slice(lo - todo.start * chunk, hi - lo)
 
 
 def read_state_slice(job_dir: Location, f: StateFile, rng: KeyGroupRange, verify: bool = False) -> pa.Table:

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keyscale.state.keyindex import KeyIndex, key_hash
+from keyscale.state.order import order_rows, sub_keys
 from keyscale.state.types import StateDescriptor, is_numeric
 
 KG_COLUMN = "__kg"
@@ -455,11 +456,28 @@ class KeyedStateTable:
             mask &= self._alive()
         return np.flatnonzero(mask)
 
-    def to_arrow(self, rows: np.ndarray | None = None) -> pa.Table:
-        """The given rows (default: all) as an Arrow table sorted by key group."""
+    def to_arrow(self, rows: np.ndarray | None = None, file_order: bool = False) -> pa.Table:
+        """The given rows (default: all) as an Arrow table sorted by key group (with
+        ``file_order``, then by sub key within each key group: the order of a snapshot's
+        rows, :mod:`keyscale.state.order`)."""
         if rows is None:
             rows = np.arange(len(self.kg))
         rows = rows[np.argsort(self.kg[rows], kind="stable")]
+        return self._file_ordered(rows) if file_order and self.key_names else self._arrow(rows)
+
+    def _file_ordered(self, rows: np.ndarray) -> pa.Table:
+        """``rows`` (in key-group order, whole key groups) as Arrow in file order. Converted in
+        key-group order first, then reordered by an Arrow ``take``: the Python objects of
+        list, map and string states are read in the order they were made (in sub-key order
+        their conversion took 2-3x as long: every object a cache miss), and a take of Arrow
+        buffers costs less than that (docs/design.md, "Record batches and fences")."""
+        table = self._arrow(rows)
+        order = order_rows(self.kg[rows], subs=self._sub_keys(rows))
+        if np.array_equal(order, np.arange(len(order))):
+            return table
+        return table.take(pa.array(order))
+
+    def _arrow(self, rows: np.ndarray) -> pa.Table:
         arrays: list[Any] = [self.key_arrow(i, rows) for i in range(len(self.key_names))]
         names: list[str] = list(self.key_names)
         arrays.append(pa.array(self.kg[rows], type=pa.int32()))
@@ -469,12 +487,32 @@ class KeyedStateTable:
             names.append(s.name)
         return pa.Table.from_arrays(arrays, names=names)
 
-    def arrow_parts(self, rows: np.ndarray, chunk: int = 1 << 20) -> Iterator[pa.Table]:
-        """``to_arrow(rows)`` in tables of ``chunk`` rows, in order: a snapshot of a range
-        holds one part in memory at a time."""
+    def arrow_parts(self, rows: np.ndarray, chunk: int = 1 << 20, file_order: bool = True) -> Iterator[pa.Table]:
+        """``to_arrow(rows, file_order)`` in tables of about ``chunk`` rows (whole key groups:
+        a part is ordered within its key groups), in order: a snapshot of a range holds one
+        part in memory at a time."""
         rows = rows[np.argsort(self.kg[rows], kind="stable")]
-        for i in range(0, len(rows), chunk):
-            yield self.to_arrow(rows[i : i + chunk])
+        kgs = self.kg[rows]
+        start = 0
+        while start < len(rows):
+            end = min(len(rows), start + chunk)
+            if file_order and end < len(rows):  # to the end of the key group the part ends in
+                end = int(np.searchsorted(kgs, kgs[end - 1], side="right"))
+            part = rows[start:end]
+            yield self._file_ordered(part) if file_order and self.key_names else self._arrow(part)
+            start = end
+
+    def _sub_keys(self, rows: np.ndarray) -> np.ndarray:
+        """:func:`~keyscale.state.order.sub_keys` of the first key column at ``rows``: of the
+        column as held when ``rows`` are most of the table (a snapshot; no copy of the keys)."""
+        k, t = self._keys[0], self.key_types[0]
+        if 2 * len(rows) < len(self.kg):
+            return sub_keys(self.key_arrow(0, rows))
+        held = pa.array(k, type=t) if isinstance(k, np.ndarray) else k
+        if held.type != t and _LARGE.get(t) != held.type:  # (a large string holds the same bytes)
+            held = held.cast(t)
+        subs: np.ndarray = sub_keys(held)[rows]
+        return subs
 
     def schema(self) -> pa.Schema:
         fields = [pa.field(n, t) for n, t in zip(self.key_names, self.key_types, strict=True)]

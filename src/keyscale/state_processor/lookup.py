@@ -9,7 +9,8 @@ applies them (:class:`keyscale.state.table.KeyedStateTable`, the same decoding
 :func:`~keyscale.state_processor.read_keyed_state` uses). Of each file only its footer and
 the record batches holding ``kg`` are read, by byte range
 (:func:`keyscale.checkpoint.files.read_key_groups_ranged`: ranged GETs on an object store, a
-memory map on local disk, where only those pages are read); footers and key-group slices
+memory map on local disk, where only those pages are read), and of a snapshot with fences
+only the one record batch of ``kg`` that can hold the key (:mod:`keyscale.state.order`); footers and key-group slices
 stay in a small LRU cache (:class:`SliceCache`), keyed
 by file (path and checksum: state files are immutable) and range, so a hot key costs no
 read at all.
@@ -79,6 +80,7 @@ from keyscale.errors import InputDataError, StateError
 from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START
 from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.keygroups import KeyGroupRange
+from keyscale.state.order import sort_keys
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.table import KeyedStateTable
 from keyscale.state.types import StateDescriptor
@@ -152,11 +154,13 @@ class SliceCache:
             self._items.clear()
             self.bytes = 0
 
-    def slice(self, store: Store, f: StateFile, rng: KeyGroupRange) -> pa.Table:
+    def slice(self, store: Store, f: StateFile, rng: KeyGroupRange, probe: int | None = None) -> pa.Table:
         """The rows of key groups ``rng`` in state file ``f``: from the cache, else fetched by
-        byte range (the file's footer once, then only the record batches holding ``rng``)."""
+        byte range (the file's footer once, then only the record batches holding ``rng``).
+        ``probe``: a key's sort key (:func:`keyscale.state.order.sort_keys`): in a file with
+        fences, only the rows of ``rng`` in the record batch(es) that can hold that key."""
         ident = (store.uri, f.path, f.crc32, f.bytes)
-        key = (*ident, rng.start, rng.end)
+        key = (*ident, rng.start, rng.end, probe)
         table = self._get(key)
         if table is not None:
             return table  # type: ignore[no-any-return]
@@ -164,9 +168,9 @@ class SliceCache:
         if tail is None and not store.is_local:
             tail = state_file_tail(store, f)
             self._put(("tail", *ident), tail, len(tail[1]))
-        table = read_key_groups_ranged(store, f, rng, tail)
+        table = read_key_groups_ranged(store, f, rng, tail, probe)
         if self.max_bytes and not store.is_local and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
-            # A view of fetched record batches (65,536 rows) much larger than the key group:
+            # A view of fetched record batches (CHUNK_ROWS rows) much larger than the key group:
             # kept, it would hold them all; a copy of its own rows lets the cache hold many
             # more slices. (On local disk it views the memory-mapped file: no copy is cheaper.)
             table = table.take(np.arange(table.num_rows))
@@ -487,10 +491,12 @@ class StateLookup:
         table = KeyedStateTable(names, [t for _, t in op.keys], op.states)
         store = self.jobdir.store
         chain = restore_chain(op.checkpoint.files, kg)
+        # Where the key sits in a fenced file (key group, then sub key of its first column).
+        probe = int(sort_keys(np.array([kg]), pa.array([values[0]], type=op.routing[0][1]))[0])
         if len(chain) > 1 and not store.is_local:  # an object store: the files' reads at once, applied in order
-            slices = list(self._pool().map(lambda f: self.cache.slice(store, f, rng), chain))
+            slices = list(self._pool().map(lambda f: self.cache.slice(store, f, rng, probe), chain))
         else:
-            slices = [self.cache.slice(store, f, rng) for f in chain]
+            slices = [self.cache.slice(store, f, rng, probe) for f in chain]
         for part in slices:
             table.apply(_matching(part, op.routing, values))
         rows = table.to_arrow(table.rows_in_range(kg, kg, live_only=True)).to_pylist()

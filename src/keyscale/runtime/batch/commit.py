@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 from keyscale._faults import fault_point
 from keyscale.checkpoint.drain import drain_extra
-from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.intent import BatchIntent, SourcePlan
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, live_files
+from keyscale.checkpoint.uploads import wait_stored
 from keyscale.latency import Latency, at_commit
 from keyscale.operators.eventtime import END_OF_TIME, WatermarkState
 from keyscale.operators.eventtime import advance as advance_watermark

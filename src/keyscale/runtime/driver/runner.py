@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from keyscale._jobcontext import JobArgs, JobContext
 from keyscale._steps import JobGraph
-from keyscale.checkpoint.files import upload_timeout
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest
+from keyscale.checkpoint.uploads import upload_timeout
 from keyscale.errors import (
     FencedError,
     InputDataError,

@@ -50,7 +50,9 @@ class TaskStateBackend(Protocol):
 
     def snapshot(self, changed: np.ndarray) -> Iterator[pa.Table]:
         """The subtask's whole range, after the batch (``changed``: the rows of :attr:`table`
-        it changed), in parts of a state file (never whole in memory)."""
+        it changed), in parts of a state file (never whole in memory), its rows in file
+        order (key group, then sub key: :func:`keyscale.state.order.order_rows`), which
+        lets the snapshot keep fences for point lookups."""
         ...
 
     def finish(self, batch: int) -> None:

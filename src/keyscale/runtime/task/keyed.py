@@ -317,7 +317,8 @@ def _write_state_file(
     if spec.fault == "in-compaction":
         fault_point("in-compaction", spec.driver_pid)
     # The whole range: written in parts to a spill file, never whole in memory.
-    written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), kind, spec.batch_id, rng)
+    # backend.snapshot yields rows in file order (key group, then sub key): the file gets fences.
+    written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), kind, spec.batch_id, rng, ordered=True)
     return written, Upload(spec, name, spilled)
 
 

@@ -295,7 +295,7 @@ class RocksSession:
             a, b = np.searchsorted(kgs, [chunk.start, chunk.end + 1])
             table = self.db.working().table
             table.apply_all([*self._slices(reads, chunk), changes.slice(a, b - a)])
-            yield table.to_arrow(table.rows_in_range(chunk.start, chunk.end, live_only=True))
+            yield table.to_arrow(table.rows_in_range(chunk.start, chunk.end, live_only=True), file_order=True)
 
     def finish(self, batch: int) -> None:
         """The range now reflects ``batch`` (written back already)."""

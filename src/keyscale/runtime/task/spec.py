@@ -17,8 +17,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from keyscale.checkpoint.files import wait_stored
 from keyscale.checkpoint.manifest import StateFile
+from keyscale.checkpoint.uploads import wait_stored
 from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.poison import FAIL, ErrorPolicy
