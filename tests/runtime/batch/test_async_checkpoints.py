@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import RUNNING_COUNT, cli, read_output, run_job, write_events
+from conftest import RUNNING_COUNT, cli, cli_here, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import StateError
 
@@ -69,7 +69,7 @@ def test_killed_driver_restarts_exactly_once(fault: str, backend: str, events: P
     if fault.startswith("mid-upload"):
         # Killed while batch 2's state file uploads, its task over: the driver had moved on to batch 3.
         assert jd.read_intent(3) is not None
-    resumed = cli(*base, check=True)
+    resumed = cli_here(*base, check=True)  # a new driver: the killed one's JVM and workers are gone with it
     assert "resuming job 'running_count' from checkpoint" in resumed.stderr
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
