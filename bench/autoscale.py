@@ -15,9 +15,7 @@ both ±10 % noise; a 10x spike; a step; a flat noisy load; a slow ramp. Policies
 * ``keyscale-reactive``: today's :class:`keyscale.scaling.policy.Autoscaler` with its
   defaults, live rescales (no downtime: docs/benchmarks.md, "Live rescale 2 -> 4 -> 2
   mid-run", no batch after it slower than 1.09x);
-* ``keyscale-slo``: the Autoscaler with ``slo=latency=<SLO>`` (and its forecast) where
-  ``keyscale.scaling.slo`` exists; until then it runs the reactive policy and its label
-  says so;
+* ``keyscale-slo``: the Autoscaler with ``slo=latency=<SLO>`` (and its forecast);
 * ``flink``: :class:`keyscale.scaling.flink.FlinkAutoscaler` (Flink's operator algorithm
   with its documented defaults), every rescale a restart of ``--flink-restart-seconds``
   (default 20.57 s: docs/benchmarks.md, "With the running job warm", the median time from
@@ -60,11 +58,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from keyscale.latency import window_quantile  # noqa: E402
+from keyscale.latency import representative, window_quantile  # noqa: E402
 from keyscale.scaling.flink import FlinkAutoscaler, FlinkConfig  # noqa: E402
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig  # noqa: E402
 from keyscale.scaling.shapes import SHAPES  # noqa: E402
 from keyscale.scaling.simulate import Policy, SimulationResult, simulate  # noqa: E402
+from keyscale.scaling.slo import parse_slo  # noqa: E402
 from keyscale.scaling.traces import Trace  # noqa: E402
 from keyscale.state.keygroups import aligned_parallelism  # noqa: E402
 
@@ -124,21 +123,9 @@ def keyscale_reactive(trace: Trace, s: Settings) -> Plan:
 
 
 def keyscale_slo(trace: Trace, s: Settings) -> Plan:
-    """The SLO + predictive policy once ``Autoscaler`` takes an ``slo`` (helper "slo"'s
-    work); until then the reactive policy, labelled as such."""
-    try:
-        from keyscale.scaling.slo import parse_slo  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        parse_slo = None
-    if parse_slo is None or "slo" not in inspect.signature(Autoscaler).parameters:
-        return Plan(
-            "keyscale SLO+predictive: not built yet, runs reactive",
-            trace.job.initial_parallelism,
-            Autoscaler(AutoscalerConfig()),
-        )
+    """The SLO + predictive policy: the Autoscaler with ``slo=latency=<SLO>``."""
     slo = parse_slo(f"latency={s.slo_seconds:g}s")
-    policy = Autoscaler(AutoscalerConfig(), slo=slo)  # type: ignore[call-arg,unused-ignore]
-    return Plan(f"keyscale SLO+predictive ({slo})", trace.job.initial_parallelism, policy)
+    return Plan(f"keyscale SLO+predictive ({slo})", trace.job.initial_parallelism, Autoscaler(AutoscalerConfig(), slo=slo))
 
 
 def flink(trace: Trace, s: Settings) -> Plan:
@@ -189,6 +176,61 @@ def run(trace: Trace, plan: Plan) -> SimulationResult:
     if plan.policy is None:
         return simulate(started, mode="off")
     return simulate(started, policy=plan.policy, rescale_seconds=plan.rescale_seconds)
+
+
+def bound(trace: Trace, ceiling: float, margin: float = 1.0, against: Trace | None = None) -> float:
+    """Core-seconds against fixed at peak of a policy that knows the trace in advance and
+    rescales for free at every point of it (every 5 s): the smallest parallelism dividing
+    the key groups that carries ``margin`` x the rate at ``ceiling`` busy. No policy that
+    keeps its batches at most ``ceiling`` busy spends less; ``margin`` is the noise a policy
+    that cannot foresee each draw must hold room for; ``against``: the trace whose fixed at
+    peak it is measured against (``trace`` itself by default).
+
+    >>> from keyscale.scaling.shapes import ramp
+    >>> round(bound(ramp(), 1.0), 3)
+    0.513
+    """
+    pts = trace.points
+    ends = [p.time for p in pts[1:]] + [trace.duration_seconds]
+    used = sum(sized_for(trace, p.input_rate * margin * SIZING_UTILIZATION / ceiling) * (end - p.time)
+               for p, end in zip(pts, ends, strict=True))  # fmt: skip
+    ref = trace if against is None else against
+    return used / (sized_for(ref, peak_rate(ref)) * ref.duration_seconds)
+
+
+def bounds_table(traces: list[str]) -> str:
+    """Per trace, :func:`bound` at 90 % busy (the ceiling a 10 s latency SLO leaves a 5 s
+    trigger at 95 % of the target, keyscale.scaling.room) and at 100 %; and, for a trace with
+    noise, at 90 % for its noise-free shape times ``1 + noise``: what a policy that knows the
+    shape but not each draw must hold."""
+    lines = ["| trace | lowest core-seconds at 90 % busy, every draw foreseen | at 100 % busy | "
+             "at 90 % busy, the shape foreseen, room for its noise |", "|---|---:|---:|---:|"]  # fmt: skip
+    for name in traces:
+        fn = SHAPES[name]
+        noise = inspect.signature(fn).parameters.get("noise")
+        shaped = "-" if noise is None else f"{bound(fn(noise=0.0), 0.9, 1 + noise.default, fn()):.1%}"
+        lines.append(f"| {name} | {bound(fn(), 0.9):.1%} | {bound(fn(), 1.0):.1%} | {shaped} |")
+    return "\n".join(lines)
+
+
+def jump_minute(trace: Trace, before: int, slo: float) -> str:
+    """One table row: the SLO policy held at ``before`` subtasks until ``trace``'s first load
+    change (``min_parallelism``), then free to scale: that change's first batch, and how many
+    of the records committed in its minute were over ``slo``."""
+    at = trace.load_changes()[0][0]
+    policy = Autoscaler(AutoscalerConfig(min_parallelism=before), slo=parse_slo(f"latency={slo:g}s"))
+    result = run(trace, Plan("", before, policy))
+    minute = int(at // 60)
+    total = over = 0
+    for b in result.batches:
+        lat = b.metrics.latency
+        if lat is not None and int((b.metrics.time + b.metrics.batch_seconds) // 60) == minute:
+            total += lat.records
+            over += sum(n for k, n in lat.buckets.items() if representative(k) > slo)
+    first = next(b.metrics for b in result.batches if b.metrics.time > at)
+    p99 = f", p99 {first.latency.p99_seconds:.1f} s" if first.latency else ""
+    return (f"| {trace.name} | {before} | {first.input_records:,} in {first.batch_seconds:.2f} s{p99} "
+            f"| {over:,} of {total:,} ({over / total:.1%}) | {minute_p99(result)[minute]:.1f} s |")
 
 
 def minute_p99(result: SimulationResult) -> list[float | None]:
@@ -356,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             out = plot(trace, results, labels, s.slo_seconds, args.png_dir / f"autoscale_{tname}.png")
             print(f"plot: {out}", file=sys.stderr)
     print(table(rows, s.slo_seconds))
+    print("\nLower bounds (bench/autoscale.py bound()):\n" + bounds_table(traces))
+    jumps = [(t, p) for t, ps in (("spike_10x", (4, 16, 32)), ("step", (4, 8, 16))) if t in traces for p in ps]
+    print(f"\nThe minute of a jump, by the parallelism before it (jump_minute()):\n| trace | parallelism before "
+          f"the jump | its first batch | records of the minute over {s.slo_seconds:g} s | minute's p99 |\n"
+          "|---|---:|---|---:|---:|\n" + "\n".join(jump_minute(SHAPES[t](), p, s.slo_seconds) for t, p in jumps))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": asdict(s), "rows": [asdict(r) for r in rows]}, indent=1))
     return 0

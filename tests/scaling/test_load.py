@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,3 +108,14 @@ def test_a_sample_keeps_the_batch_latency_for_a_latency_slo_over_the_window() ->
     assert p99 is not None and abs(p99 - 6.0) <= 0.05 * 6.0
     assert batch_sample(BatchMetrics(time=1.0, uid="op", parallelism=1, max_parallelism=8, input_records=0, batch_seconds=1.0,
                                      trigger_interval_seconds=None, busy_seconds=(0.0,), records=(0,)), 1.0, False).latency is None
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.5, 60.0))
+def test_a_batch_s_input_is_its_reads_plus_the_backlog_s_growth(read: int, before: int, after: int, period: float) -> None:
+    """What arrived over a batch's period is what it read plus how much the source's backlog
+    grew (a read limit leaves the rest there); never negative."""
+    m = BatchMetrics(time=0.0, uid="op", parallelism=1, max_parallelism=8, input_records=read, batch_seconds=1.0,
+                     trigger_interval_seconds=5.0, busy_seconds=(1.0,), records=(read,), backlog_records=after)  # fmt: skip
+    s = batch_sample(m, period, warmup=False, last_backlog=before)
+    assert math.isclose(s.input_rate, max(0, read + after - before) / period)
+    assert batch_sample(m, period, warmup=False).input_rate == read / period  # no earlier backlog: reads only

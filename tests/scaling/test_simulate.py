@@ -159,14 +159,15 @@ def test_step_up_under_a_read_limit_that_scales_with_parallelism() -> None:
     assert_common_invariants(result)
 
 
-def test_a_read_limit_that_does_not_scale_hides_the_step() -> None:
-    # The same 40,000 records a batch at P=4, but fixed (maxOffsetsPerTrigger): the policy
-    # sees 8,000 rec/s plus a backlog and scales up, but the subtasks then idle, the busy
-    # guard declines to go further, and the backlog is never worked off.
+def test_a_read_limit_that_does_not_scale_is_seen_but_not_scaled_past() -> None:
+    # The same 40,000 records a batch at P=4, but fixed (maxOffsetsPerTrigger): the batches
+    # read 8,000 rec/s, the source's backlog grows by the rest, so the policy sees the whole
+    # 20,000 rec/s and scales up, but the subtasks then idle, the busy guard declines to go
+    # further, and the backlog is never worked off: more subtasks cannot lift that limit.
     trace = step_up(low=2400, high=20_000, at=120, duration=600, job=default_job(max_records_per_batch=40_000))
     result = simulate(trace, CFG)
     assert result.changes and all(d.action == "scale_up" for d in result.changes)
-    assert all(d.inputs["input_rate"] == pytest.approx(8000) for d in result.changes)  # the step, hidden
+    assert all(d.inputs["input_rate"] == pytest.approx(20_000) for d in result.changes)  # reads + backlog growth
     assert "maxOffsetsPerTrigger" in result.decisions[-1].reason
     assert result.load_changes[0].drain_seconds is None
     assert result.capacity[-1] == pytest.approx(40_000 / trace.job.trigger_interval_seconds)

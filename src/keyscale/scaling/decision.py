@@ -143,6 +143,9 @@ class Case:
     sizing: str
     capacity: float
     gc_text: str = ""  # the GC pauses the rate leaves out, in words when notable (Capacity.gc_text)
+    # The busiest subtask's busy share below which it counts as idle (None: the band's lower
+    # edge). An SLO's band (keyscale.scaling.room) can sit high: idle stays the configured one.
+    idle_below: float | None = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def decide(c: Case, pending: PendingDown | None, cfg: AutoscalerConfig) -> Verdi
     if cfg.scale_down_threshold <= c.utilization <= cfg.scale_up_threshold:
         return keep(f": {c.util_text}; {c.load_text}; capacity {fmt(c.capacity)} rec/s{c.gc_text}")
     if c.utilization > cfg.scale_up_threshold:
-        if c.busy_ratio < cfg.scale_down_threshold:
+        if c.busy_ratio < (cfg.scale_down_threshold if c.idle_below is None else c.idle_below):
             # Behind, yet the busiest subtask mostly idles: something other than
             # parallelism bounds throughput. More subtasks would not help.
             return keep(

@@ -104,13 +104,25 @@ def arrival_period(m: BatchMetrics, last_time: float | None) -> float:
     return max(m.batch_seconds, m.trigger_interval_seconds or 0.0)
 
 
-def batch_sample(m: BatchMetrics, period: float, warmup: bool) -> Sample:
-    """The window's sample of batch ``m``; its input rate is the source's if reported,
-    else the batch's records over ``period``."""
+def batch_sample(m: BatchMetrics, period: float, warmup: bool, last_backlog: int | None = None) -> Sample:
+    """The window's sample of batch ``m``; its input rate is the source's if reported, else
+    what arrived over ``period``: the batch's records, plus the growth of the source's
+    backlog since the previous batch (``last_backlog``) when the source reports one. A batch
+    held to a read limit reads less than arrived, and the rest is in that growth (Flink's
+    "input rate + lag rate"); without it a 10x spike met by a read limit of 4x measures 4x.
+
+    >>> from keyscale.scaling.model import BatchMetrics
+    >>> m = BatchMetrics(time=5.0, uid="op", parallelism=4, max_parallelism=8, input_records=40_000,
+    ...                  batch_seconds=10.0, trigger_interval_seconds=5.0, busy_seconds=(10.0,) * 4,
+    ...                  records=(10_000,) * 4, backlog_records=60_000)
+    >>> batch_sample(m, 5.0, False).input_rate, batch_sample(m, 5.0, False, last_backlog=0).input_rate
+    (8000.0, 20000.0)
+    """
     if m.input_rate is not None:
         input_rate = m.input_rate
     else:
-        input_rate = m.input_records / period if period > 0 else 0.0
+        growth = 0 if m.backlog_records is None or last_backlog is None else m.backlog_records - last_backlog
+        input_rate = max(0, m.input_records + growth) / period if period > 0 else 0.0
     busy = net_busy(m)
     return Sample(
         time=m.time,

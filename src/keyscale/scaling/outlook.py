@@ -12,8 +12,9 @@ at most ``catch_up_seconds``).
 
 :func:`sizing_rate` is the rate the decision sizes for: the load's target rate or the
 forecast over the lead, whichever is higher (a predicted rise is met before it comes); when
-that leaves the job below its band, the forecast over the scale-down horizon (a scale-down
-goes only as low as the coming peak allows).
+that leaves the job below its band, the forecast over the scale-down horizon, up to what the
+current parallelism carries at the target utilisation (a scale-down goes only as low as the
+coming peak allows; the horizon alone never scales up).
 
 :func:`guard` then checks the decision of :func:`keyscale.scaling.decision.decide`, first
 match wins:
@@ -24,7 +25,7 @@ case                                                   decision
 SLO at risk, or missed and not recovering; more fits   scale up, beyond the step limit
 scale up, rescale cap reached, SLO not missed          keep
 scale down, SLO not measured, missed or at risk        keep
-scale down would take it above 85% of the target       keep
+scale down would take it above 95% of the target       keep
 scale down, a backlog is being worked off              keep
 scale down, rescale cap reached                        keep
 scale down saves less than 2 rescales cost             keep (hysteresis)
@@ -100,7 +101,9 @@ def sizing_rate(o: Outlook, target_rate: float, capacity: float, cfg: Autoscaler
     up = max(target_rate, o.up.rate)
     if up / capacity >= cfg.scale_down_threshold:
         return up, (f"; forecast {o.up.text}" if o.up.rate > target_rate else "")
-    down = max(up, o.down.rate)
+    # The horizon's peak holds a scale-down up; a scale-up waits for the lead's forecast
+    # (a band whose lower edge sits high would otherwise scale up a horizon early).
+    down = max(up, min(o.down.rate, capacity * cfg.target_utilization))
     return down, f"; forecast {o.down.text}"
 
 
@@ -115,6 +118,7 @@ class Context:
     rescales_last_hour: int
     rescale_cost: float  # seconds
     slot: float
+    idle_below: float | None = None  # busy share below which the busiest subtask idles (None: the band's lower edge)
 
 
 def guard(v: Verdict, o: Outlook, c: Context, cfg: AutoscalerConfig) -> Verdict:
@@ -127,7 +131,7 @@ def guard(v: Verdict, o: Outlook, c: Context, cfg: AutoscalerConfig) -> Verdict:
         return Verdict("none", P, f"keep {P}: {why}; by load alone: {v.reason}")
 
     if ((r.missed and not r.recovering) or r.at_risk) and c.slo_target > (v.target if v.action == "scale_up" else P):
-        if c.busy_ratio < cfg.scale_down_threshold and c.excess_backlog <= 0:
+        if c.busy_ratio < (cfg.scale_down_threshold if c.idle_below is None else c.idle_below) and c.excess_backlog <= 0:
             return keep(f"{r.text()}, but the busiest subtask was only {c.busy_ratio:.0%} busy and nothing waits: "
                         "parallelism is not what limits it (the trigger interval or the source is)")
         return Verdict("scale_up", c.slo_target, f"scale up {P} -> {c.slo_target}: {r.text()}; by load alone: {v.reason}")

@@ -122,6 +122,7 @@ from keyscale.scaling.forecast import RateHistory
 from keyscale.scaling.load import Load, Sample, arrival_period, batch_sample, measure_load
 from keyscale.scaling.model import MODES, Action, AutoscalerConfig, BatchMetrics, Decision, Mode
 from keyscale.scaling.outlook import Context, Outlook, guard, outlook, sizing_rate, slo_floor
+from keyscale.scaling.room import Band, catch_up_given_back, peak_ratio, slo_band
 from keyscale.scaling.slo import Slo
 
 # Re-exported: the autoscaler's key-group alignment is the key-group module's rule.
@@ -151,6 +152,8 @@ class _OperatorState:
     pending_down: PendingDown | None = None
     changes: deque[float] = field(default_factory=deque)  # times of parallelism changes, the last hour
     rescale_cost: float = 0.0  # extra seconds the last first batch after a change took (measured)
+    last_backlog: int | None = None  # the previous batch's backlog: its growth is input too
+    sized_for_backlog: bool = False  # the last scale-up was sized to work off a backlog too (with an SLO)
 
 
 class Autoscaler:
@@ -284,9 +287,8 @@ class Autoscaler:
             # The SLO is measured every batch: the status and its attainment count these too.
             return Decision(now, m.uid, P, P, "none", f"{waiting}; {ahead.reading.text()}", inputs | ahead.inputs(),
                             ahead.reading.to_dict(), ahead.up.to_dict())  # fmt: skip
-        # With an SLO, the backlog is to be worked off within what the SLO leaves.
-        load_cfg = cfg if ahead is None else replace(cfg, catch_up_seconds=ahead.catch_up_seconds)
-        load = measure_load(m, st.window, sample.input_rate, load_cfg)
+        cfg, band = self._slo_config(ahead, st, m, slot, inputs)
+        load = measure_load(m, st.window, sample.input_rate, cfg)
         inputs.update(load.inputs())
         # The rate is from busy time net of GC pauses (the window's samples: load.net_busy); the
         # busy ratio is the whole busy time, since a subtask in a GC pause is not idle either.
@@ -302,22 +304,22 @@ class Autoscaler:
         rate, ahead_text = (load.target_rate, "") if ahead is None else sizing_rate(ahead, load.target_rate, capacity.total, cfg)
         inputs.update(capacity.inputs(rate))
         utilization = capacity.utilization(rate)
-        U = cfg.target_utilization
+        up = utilization > cfg.scale_up_threshold
+        U = cfg.target_utilization if band is None or up else band.settle
         raw = needed_parallelism(rate, capacity.rate_per_subtask, U, lower)
         inputs["raw_target_parallelism"] = float(raw)
 
-        up = utilization > cfg.scale_up_threshold
         target, steps = sized_target(raw, P, up, m.max_parallelism, (lower, upper), cfg)
-        load_text = load.text(load_cfg)
+        load_text = load.text(cfg)
+        band_text = "" if band is None else f" ({band.text()})"
         sizing = (
-            f"{load_text}{ahead_text}; {capacity.text()} at {U:.0%} target utilisation -> {raw} subtasks"
+            f"{load_text}{ahead_text}; {capacity.text()} at {U:.0%} target utilisation{band_text} -> {raw} subtasks"
             + ("".join(", " + s for s in steps))
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
-        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text())
-        v = decide(case, st.pending_down, cfg)
-        if ahead is not None:
-            v = self._guard(v, ahead, st, m, load, capacity.busy_ratio, raw, inputs)
+        idle = self.config.scale_down_threshold
+        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text(), idle)
+        v = decide(case, st.pending_down, cfg) if ahead is None else self._slo_verdict(case, ahead, st, m, load, raw, inputs, cfg)
         st.pending_down = v.pending
         if v.pending_since is not None:
             inputs["scale_down_pending_since"] = v.pending_since
@@ -328,12 +330,40 @@ class Autoscaler:
         used = ahead.down if v.action == "scale_down" or utilization < cfg.scale_down_threshold else ahead.up
         return Decision(now, m.uid, P, v.target, v.action, v.reason, inputs, ahead.reading.to_dict(), used.to_dict())
 
+    def _slo_config(
+        self, ahead: Outlook | None, st: _OperatorState, m: BatchMetrics, slot: float, inputs: dict[str, float],
+    ) -> tuple[AutoscalerConfig, Band | None]:
+        """With an SLO, the backlog is to be worked off within what the SLO leaves, and the
+        utilisation to run at is the SLO's too (keyscale.scaling.room), not a fixed band."""
+        if ahead is None:
+            return self.config, None
+        # The slot of a batch that keeps up: a batch that overran is what the band prevents.
+        band = slo_band(ahead.reading.slo, m.trigger_interval_seconds or slot, peak_ratio(list(st.window)))
+        inputs.update(band.inputs())
+        return band.config(replace(self.config, catch_up_seconds=ahead.catch_up_seconds)), band
+
+    def _slo_verdict(
+        self, case: Case, ahead: Outlook, st: _OperatorState, m: BatchMetrics, load: Load, raw: int,
+        inputs: dict[str, float], cfg: AutoscalerConfig,
+    ) -> Verdict:
+        """The decision with an SLO: the table's, no scale-down delay for capacity that was for
+        a backlog now worked off (keyscale.scaling.room), then the SLO's guards."""
+        r = ahead.reading
+        given_back = catch_up_given_back(st.sized_for_backlog, _excess(load, m), r.value is not None and not (r.missed or r.at_risk))
+        v = decide(case, st.pending_down, cfg if given_back is None else replace(cfg, scale_down_delay_seconds=0.0))
+        v = self._guard(v, ahead, st, m, load, case.busy_ratio, raw, inputs, cfg)
+        if v.action == "scale_down" and given_back is not None:
+            v = replace(v, reason=f"{v.reason}; {given_back}")
+        if v.action != "none":
+            st.sized_for_backlog = v.action == "scale_up" and load.catch_up_rate > 0
+        return v
+
     def _guard(
         self, v: Verdict, ahead: Outlook, st: _OperatorState, m: BatchMetrics, load: Load,
-        busy_ratio: float, raw: int, inputs: dict[str, float],
+        busy_ratio: float, raw: int, inputs: dict[str, float], cfg: AutoscalerConfig,
     ) -> Verdict:
-        """The SLO's and the anti-thrash guards over the decision (keyscale.scaling.outlook)."""
-        cfg = self.config
+        """The SLO's and the anti-thrash guards over the decision (keyscale.scaling.outlook),
+        with ``cfg`` the SLO's band (keyscale.scaling.room)."""
         P = m.parallelism
         lower, upper = cfg.bounds(m.max_parallelism)
         no_step_limit = replace(cfg, scale_up_max_factor=max(cfg.scale_up_max_factor, upper / P + 1))
@@ -341,11 +371,10 @@ class Autoscaler:
         while st.changes and st.changes[0] < m.time - 3600:
             st.changes.popleft()
         slot = max(m.batch_seconds, m.trigger_interval_seconds or m.batch_seconds)
-        # What one batch leaves unread as a matter of course: the input of its own run.
-        excess = load.backlog - load.rate * max(m.batch_seconds, m.trigger_interval_seconds or 0.0)
+        excess = _excess(load, m)
         inputs.update(ahead.inputs())
         inputs.update(rescale_cost_seconds=st.rescale_cost, rescales_last_hour=float(len(st.changes)))
-        c = Context(P, floor, busy_ratio, max(0.0, excess), len(st.changes), st.rescale_cost, slot)
+        c = Context(P, floor, busy_ratio, max(0.0, excess), len(st.changes), st.rescale_cost, slot, self.config.scale_down_threshold)
         return guard(v, ahead, c, cfg)
 
     def _record(self, m: BatchMetrics) -> tuple[_OperatorState, Sample]:
@@ -371,8 +400,10 @@ class Autoscaler:
         st.last_time = m.time
         st.batches_since_change += 1
         sample = batch_sample(
-            m, period, warmup=st.batches_since_change <= self.config.warmup_batches
+            m, period, warmup=st.batches_since_change <= self.config.warmup_batches,
+            last_backlog=st.last_backlog,
         )
+        st.last_backlog = m.backlog_records
         st.window.append(sample)
         if self.slo is not None:
             self._learn(m, st, sample)
@@ -390,3 +421,9 @@ class Autoscaler:
         known = st.known_rate_per_subtask
         if st.changes and st.batches_since_change == 1 and known:
             st.rescale_cost = max(0.0, sample.busy_hot - sum(m.records) / (known * m.parallelism))
+
+
+def _excess(load: Load, m: BatchMetrics) -> float:
+    """The backlog beyond what one batch leaves unread as a matter of course (the input of
+    its own run), in records."""
+    return load.backlog - load.rate * max(m.batch_seconds, m.trigger_interval_seconds or 0.0)

@@ -49,9 +49,12 @@ _UNITS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0, "m":
           "minute": 60.0, "minutes": 60.0, "h": 3600.0, "hour": 3600.0, "hours": 3600.0}
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]+)\s*$")
 
-# A scale-down may leave the SLO's measure at most at this share of the target (the rest is
-# room for the noise of the next batches): keyscale.scaling.outlook.guard.
-HEADROOM = 0.85
+# The share of the target the autoscaler plans to use: a scale-down may leave the SLO's measure
+# at most this high (keyscale.scaling.outlook.guard), and the utilisation it sizes for keeps
+# a batch's latency under it (keyscale.scaling.room). The load's noise is not in this margin:
+# the room module measures it (the window's peak rate over its mean); the rest is for what a
+# model of latency as wait + batch time leaves out.
+HEADROOM = 0.95
 
 
 @dataclass(frozen=True)
