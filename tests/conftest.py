@@ -401,6 +401,39 @@ def cli(*argv: str, timeout: float = 300, check: bool = False) -> subprocess.Com
     return proc
 
 
+@marks_callers("spark")
+def cli_here(*argv: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the keyscale CLI's ``main`` in this process, on the tests' Spark session: the code
+    :func:`cli` runs, without a JVM and Python workers of its own to start (half a minute of a
+    run on a loaded machine). For a run whose own process is not what a test checks: the one
+    that resumes the job a killed driver (a :func:`cli` run) left. What ``main`` sets for a
+    process (signal handlers, the log's route to stderr, storage options) is put back."""
+    import contextlib
+    import io
+    import signal
+
+    from keyscale.cli.main import main
+    from keyscale.storage import uri
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    options = dict(uri._OPTIONS)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(argv))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        uri.set_storage_options(options)
+        log = logging.getLogger("keyscale")
+        log.handlers[:] = []
+        log.propagate = True
+    proc = subprocess.CompletedProcess(["keyscale", *argv], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"keyscale {' '.join(argv)} exited {code}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
 # -- logs (keyscale.sources): a real redis-server for the session, logs of both backends --------
 
 

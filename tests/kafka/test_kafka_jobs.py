@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from conftest import EXAMPLES, cli, new_topic, produce_events, run_job
+from conftest import EXAMPLES, cli, cli_here, new_topic, produce_events, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.kafka.sink import read_committed
 from keyscale.kafka.source import KafkaLog, json_values
@@ -166,7 +166,7 @@ def test_flip8_live_rescale_on_kafka_partitions_exactly_once(kafka_broker: Any, 
 # mid-upload with asynchronous checkpoints: while batch 2's state uploads during batch 3,
 # whose output is in the topic too: both batches are replayed.
 @pytest.mark.parametrize(("fault", "asynchronous"), [("mid-batch:2", False), ("kafka-precommit:2", False), ("mid-upload:2", True)])
-def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, asynchronous: bool, kafka_broker: Any, tmp_path: Path) -> None:
+def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, asynchronous: bool, spark: Any, kafka_broker: Any, tmp_path: Path) -> None:
     b = kafka_broker.bootstrap
     src, out = new_topic(b, 4, "in"), new_topic(b, 2, "out")
     events = produce_events(b, src, 1000, keys=40, seed=2)
@@ -176,7 +176,7 @@ def test_killed_driver_resumes_with_kafka_output_exactly_once(fault: str, asynch
     crashed = cli(*base, "--fault", fault)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert JobDir(tmp_path / "job").manifest_batches()[-1] == 1  # batch 2 never committed
-    resumed = cli(*base, check=True)
+    resumed = cli_here(*base, check=True)  # a new driver: the killed one's JVM and workers are gone with it
     if fault == "kafka-precommit:2":
         assert "already committed" in resumed.stderr
     _check_read_to_end(JobDir(tmp_path / "job"), b, src, resumed.stderr)

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import keyscale as ks
-from conftest import cli, read_output, run_job, write_events
+from conftest import cli, cli_here, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import JobDefinitionError
 
@@ -54,7 +54,7 @@ def expected_sessions(views: pd.DataFrame) -> pd.DataFrame:
 
 
 @pytest.mark.slow
-def test_a_branching_job_writes_each_output_exactly_once_across_a_kill_between_its_sinks(tmp_path: Path) -> None:
+def test_a_branching_job_writes_each_output_exactly_once_across_a_kill_between_its_sinks(spark: Any, tmp_path: Path) -> None:
     views = write_views(tmp_path / "in", files=4, rows=800)
     base = ["run", str(CLICKSTREAM), "--job-dir", str(tmp_path / "job"), "--until-idle", "--drain-at-end",
             "--set", f"input={tmp_path / 'in'}", "--set", f"sessions={tmp_path / 'sessions'}", "--set", f"pages={tmp_path / 'pages'}"]
@@ -65,7 +65,7 @@ def test_a_branching_job_writes_each_output_exactly_once_across_a_kill_between_i
     assert (tmp_path / "sessions" / "batch=000000000002" / "_keyscale.json").exists()
     assert not (tmp_path / "pages" / "batch=000000000002").exists()
 
-    cli(*base, "-p", "3", check=True)  # resumed at another parallelism
+    cli_here(*base, "-p", "3", check=True)  # resumed at another parallelism, by a new driver in this process
     shown = cli("status", str(tmp_path / "job"), check=True).stdout
     assert f"output of 'sessions': parquet files in {tmp_path / 'sessions'}" in shown
     assert f"output of 'page_views': parquet files in {tmp_path / 'pages'}" in shown

@@ -13,7 +13,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import cli, write_events
+from conftest import cli, cli_here, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.errors import OutputError, StorageError
@@ -344,7 +344,7 @@ def test_a_job_killed_after_its_sinks_wrote_resumes_with_every_batch_once(spark:
     for lake in (*delta.values(), *iceberg.values()):
         assert max(lake.commits()) == 2
 
-    resumed = cli(*base, check=True)
+    resumed = cli_here(*base, check=True)  # a new driver: the killed one's JVM and workers are gone with it
     assert "resuming job 'lakehouse_count' from checkpoint 1" in resumed.stderr
     assert resumed.stderr.count("already has batches up to 2 of this job (committed: 1)") == 4
 

@@ -126,7 +126,7 @@ def test_spark_reads_the_same_as_keyscale_after_a_killed_driver_and_its_restart(
 
     import pandas as pd
 
-    from conftest import RUNNING_COUNT, cli, read_output, write_events
+    from conftest import RUNNING_COUNT, cli, cli_here, read_output, write_events
 
     write_events(tmp_path / "in", files=4, rows=500, keys=50, seed=3)
     out = tmp_path / "out"
@@ -145,6 +145,6 @@ def test_spark_reads_the_same_as_keyscale_after_a_killed_driver_and_its_restart(
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert sorted(spark_read()["batch"].unique()) == ([0, 1] if fault.startswith("mid") else [0, 1, 2])
     pd.testing.assert_frame_equal(spark_read(), keyscale_read(), check_dtype=False)  # Spark reads batch=... as int
-    cli(*base, check=True)
+    cli_here(*base, check=True)  # a new driver: the killed one's JVM and workers are gone with it
     assert sorted(spark_read()["batch"].unique()) == [0, 1, 2, 3]
     pd.testing.assert_frame_equal(spark_read(), keyscale_read(), check_dtype=False)

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import RUNNING_COUNT, cli, read_output, run_job, write_events
+from conftest import RUNNING_COUNT, cli, cli_here, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import StateError
 
@@ -69,7 +69,7 @@ def test_killed_driver_restarts_exactly_once(fault: str, backend: str, events: P
     if fault.startswith("mid-upload"):
         # Killed while batch 2's state file uploads, its task over: the driver had moved on to batch 3.
         assert jd.read_intent(3) is not None
-    resumed = cli(*base, check=True)
+    resumed = cli_here(*base, check=True)  # a new driver: the killed one's JVM and workers are gone with it
     assert "resuming job 'running_count' from checkpoint" in resumed.stderr
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
@@ -93,7 +93,7 @@ def test_a_state_file_never_stored_fails_the_run_and_the_restart_replays(
     assert named or "a Python worker died while running a task" in failed.stderr, failed.stderr[-2000:]
     assert "Traceback" not in failed.stderr
     assert JobDir(tmp_path / "job").manifest_batches()[-1] <= 1
-    cli(*base, check=True)
+    cli_here(*base, check=True)  # the restart: a new driver, in this process
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
     pd.testing.assert_frame_equal(out, reference)
@@ -115,7 +115,7 @@ def test_an_upload_failing_after_its_task_ended_fails_the_run_at_once_naming_the
     assert "000000000002-s0" in failed.stderr and "was not stored: its upload failed" in failed.stderr, failed.stderr[-2000:]
     assert "the store refused the upload (test fault)" in failed.stderr
     assert JobDir(tmp_path / "job").manifest_batches()[-1] == 1
-    cli(*base, check=True)
+    cli_here(*base, check=True)  # the restart: a new driver, in this process
     pd.testing.assert_frame_equal(read_output(tmp_path / "out"), reference)
 
 

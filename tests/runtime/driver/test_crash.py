@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import RUNNING_COUNT, cli, read_output
+from conftest import RUNNING_COUNT, cli, cli_here, read_output
 from keyscale.checkpoint.jobdir import JobDir
 
 pytestmark = [pytest.mark.slow]
@@ -39,7 +39,7 @@ def test_killed_driver_restarts_exactly_once(fault: str, backend: str, events: P
     if fault.startswith("after-sink"):
         assert (tmp_path / "out" / "batch=000000000002").exists()
 
-    resumed = cli(*base, check=True)
+    resumed = cli_here(*base, check=True)  # a new driver: the killed one's JVM and workers are gone with it
     assert "resuming job 'running_count' from checkpoint 1" in resumed.stderr
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["batch", "key"]).any()
