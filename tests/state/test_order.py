@@ -4,8 +4,11 @@ wrote."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,3 +50,13 @@ def test_order_rows_sorts_by_key_group_then_sub_key_and_keeps_a_keys_rows_in_ord
     assert (np.diff(s) >= 0).all()
     tied = np.flatnonzero(np.diff(s) == 0)  # stable: rows of equal sort keys keep their input order
     assert (p[tied] < p[tied + 1]).all()
+
+
+@pytest.mark.parametrize("make", [lambda i: f"{i}@example.com", lambda i: f"user-{i:08d}", lambda i: f"eu-{i:06d}-prod"],
+                         ids=["e-mail", "prefix", "prefix-and-tag"])
+def test_keys_sharing_a_prefix_or_a_suffix_spread_over_the_sub_keys(make: Any) -> None:
+    """A lookup reads the record batches of its key's sub key: keys alike at one end (e-mail
+    addresses, ids with a prefix or a tag) must still spread, or a lookup reads its whole
+    key group."""
+    counts = np.bincount(sub_keys(pa.array([make(i) for i in range(20_000)])), minlength=256)
+    assert (counts > 0).sum() == 256 and counts.max() < 4 * counts.mean()

@@ -290,14 +290,18 @@ def _get(url: str, secret: str | None) -> tuple[int, dict[str, Any]]:
 
 
 @pytest.mark.spark
-def test_a_running_job_answers_lookups_through_a_live_rescale(spark: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
+def test_a_running_job_answers_lookups_through_a_live_rescale(spark: Any, tmp_path: Path, where: str, request: pytest.FixtureRequest) -> None:
+    """On local disk and with the job directory on the S3 server: lookups while the job runs
+    and rescales live equal the whole read of the checkpoint they name."""
     from keyscale.runtime.control.auth import read_secret
 
+    job_dir = f"{request.getfixturevalue('s3_bucket')}/job" if where == "s3" else str(tmp_path / "job")
     write_events(tmp_path / "in", files=1, rows=400, keys=40)
     events = spark.readStream.schema("key string, value long, ts timestamp").parquet(str(tmp_path / "in"))
     job = (ks.stream(events).key_by("key").process(Tracker(), "key string, total long", uid="tracker")
-           .sink(ks.sinks.NoopSink()).start(str(tmp_path / "job"), 2, trigger_interval="200 milliseconds"))
-    jd = JobDir(tmp_path / "job")
+           .sink(ks.sinks.NoopSink()).start(job_dir, 2, trigger_interval="200 milliseconds"))
+    jd = JobDir(job_dir)
     try:
         deadline = time.time() + 180
         while not jd.manifest_batches() and time.time() < deadline:
@@ -338,7 +342,7 @@ def test_a_running_job_answers_lookups_through_a_live_rescale(spark: Any, tmp_pa
         job.stop(timeout=120)
 
     # The model: the whole read of the same checkpoint.
-    rows = read_keyed_state(spark, str(tmp_path / "job"), "tracker", flatten=False, checkpoint=batch).collect()
+    rows = read_keyed_state(spark, job_dir, "tracker", flatten=False, checkpoint=batch).collect()
     model = {r["key"]: r for r in rows}
     assert {k for k, a in answers.items() if a["found"]} == set(model)
     for k, r in model.items():

@@ -8,8 +8,9 @@ file's footer) and fetch that batch alone, not every batch of the key group.
 
 Why an 8-bit sub key of the first key column, and not the key itself or Spark's hash:
 
-- it is cheap to find: the sub key of a string key comes from its last four bytes and
-  its length (one numpy gather over the Arrow buffers, no per-value hashing), read from
+- it is cheap to find: the sub key of a string key comes from its first, middle and last
+  four bytes and its length (numpy gathers over the Arrow buffers, no per-value hashing), so
+  keys that share a suffix (e-mail addresses) or a prefix still spread, read from
   the table's key column as it is held, and stable radix passes of 16-bit values order the
   rows after the key-group sort a snapshot always did
   (:meth:`keyscale.state.table.KeyedStateTable.arrow_parts`); a sort by the key itself, or
@@ -22,8 +23,8 @@ Why an 8-bit sub key of the first key column, and not the key itself or Spark's 
 - the first key column is a column of the routing key of every operator (a window
   operator's ``window_start`` is its last key column), so all rows of one routing key
   share a sub key and sit together;
-- ties only cost reads, never answers: keys with equal sub keys (keys that share their
-  length and last four bytes, or collide in 8 bits) may straddle a record batch boundary, and a lookup then reads every
+- ties only cost reads, never answers: keys with equal sub keys (keys alike in the
+  bytes read, or colliding in 8 bits) may straddle a record batch boundary, and a lookup then reads every
   batch whose fence range holds the sub key.
 
 The sub key is not a hash anyone relies on for anything else; changing it needs a new
@@ -78,6 +79,15 @@ def _last4(arr: Any) -> np.ndarray:
             ok = pos >= s
             last4[short, j] = np.where(ok, data[np.where(ok, pos, 0)], 0)
     words: np.ndarray = last4.view("<u4").ravel() ^ (length.astype(np.uint32) * np.uint32(0x01000193))
+    # Keys that share a suffix (e-mail addresses: ".com") or a prefix and suffix (ids with a
+    # region tag) differ in their first or middle bytes: mix those in too, for values of
+    # four bytes or more (a shorter value's windows would reach into its neighbour).
+    whole = np.flatnonzero(length >= 4)
+    if len(whole):
+        s = start[whole]
+        first4 = windows[s].view("<u4").ravel()
+        mid4 = windows[s + (length[whole] - 4) // 2].view("<u4").ravel()
+        words[whole] ^= (first4 * np.uint32(0x85EBCA6B)) ^ ((mid4 * np.uint32(0xC2B2AE35)) >> np.uint32(7))
     return words
 
 
@@ -85,7 +95,7 @@ def sub_keys(column: Any) -> np.ndarray:
     """The 8-bit sub key (uint8) of each value of an Arrow key column (0 for a null; 0 for
     every value of a type it does not read, which makes fences select the whole key group).
 
-    Strings and binaries: length and last four bytes. Integers, dates, timestamps,
+    Strings and binaries: length and first, middle and last four bytes. Integers, dates, timestamps,
     booleans: the value; floats: the value with ``-0.0`` as ``0.0`` (they are one key).
     The top byte of the word times a golden-ratio constant (Fibonacci hashing)."""
     if isinstance(column, pa.ChunkedArray):
