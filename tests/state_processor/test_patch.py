@@ -184,15 +184,15 @@ def test_a_job_continues_from_the_patched_values(spark: Any, tmp_path: Path, whe
     more files continues from the patched values; the diff of the patched savepoint and the
     restored job's checkpoint is exactly the new input's keys. Job directories and savepoints
     on local disk, and on the S3 server (the input and output stay local)."""
-    base = request.getfixturevalue("s3_bucket") if where == "s3" else str(tmp_path)
+    root = request.getfixturevalue("s3_bucket") if where == "s3" else str(tmp_path)
     inp = tmp_path / "in"
     write_events(inp, files=3, rows=400, keys=40, seed=9)
     args = {"input": str(inp), "output": str(tmp_path / "out")}
-    run_job(RUNNING_COUNT, f"{base}/job", 2, args, retain=10)
-    jd = JobDir(f"{base}/job")
+    run_job(RUNNING_COUNT, f"{root}/job", 2, args, retain=10)
+    jd = JobDir(f"{root}/job")
     # the diff of two checkpoints is the model's: keys of batch 0 against those of batches 0..2
     b0, b2 = _totals(inp, range(1)), _totals(inp, range(3))
-    d = diff_savepoints(f"{base}/job", f"{base}/job", "totals", checkpoint_a=0, checkpoint_b=2)
+    d = diff_savepoints(f"{root}/job", f"{root}/job", "totals", checkpoint_a=0, checkpoint_b=2)
     assert d.only_a == 0 and d.only_b == len(set(b2.index) - set(b0.index))
     assert d.changed == sum(1 for k in b0.index if tuple(b0.loc[k]) != tuple(b2.loc[k])) and d.unchanged == len(b0) - d.changed
     if where == "local":  # the DataFrame form reads in Spark's workers, which this session started without the S3 settings
@@ -203,14 +203,14 @@ def test_a_job_continues_from_the_patched_values(spark: Any, tmp_path: Path, whe
             assert (r["value_a"]["count"], r["value_b"]["count"]) == (b0.loc[r["key"], "count"], b2.loc[r["key"], "count"])
     man = jd.latest_manifest()
     assert man is not None and man.batch == 2
-    sp = write_savepoint(jd, man, f"{base}/sp")
+    sp = write_savepoint(jd, man, f"{root}/sp")
     states = [s.name for s in read_savepoint(sp).operators["totals"].states if not s.name.startswith("__")]
     assert states == ["count", "sum"]
     keys = sorted(b2.index)
-    patched = patch_state(sp, f"{base}/sp-fixed", "totals",
+    patched = patch_state(sp, f"{root}/sp-fixed", "totals",
                           updates={keys[0]: {"count": 1000, "sum": 5}, "k-new": {"count": 7, "sum": 70}}, deletes=[keys[1]])
     write_events(inp, files=2, rows=400, keys=40, seed=9, first=3)
-    run_job(RUNNING_COUNT, f"{base}/job2", 3, {"input": str(inp), "output": str(tmp_path / "out2")}, from_savepoint=patched)
+    run_job(RUNNING_COUNT, f"{root}/job2", 3, {"input": str(inp), "output": str(tmp_path / "out2")}, from_savepoint=patched)
     out = read_output(tmp_path / "out2")
     final = out.sort_values("count").groupby("key").last()
     after = _totals(inp, range(3, 5))
@@ -221,7 +221,7 @@ def test_a_job_continues_from_the_patched_values(spark: Any, tmp_path: Path, whe
         c, s = base[k]
         assert (int(final.loc[k, "count"]), int(final.loc[k, "sum"])) == (c + after.loc[k, "count"], s + after.loc[k, "sum"]), k
     assert "k-new" not in set(out["key"])  # no input for it: the job emits nothing for it ...
-    d = diff_savepoints(patched, f"{base}/job2", "totals")  # ... and its state is still there
+    d = diff_savepoints(patched, f"{root}/job2", "totals")  # ... and its state is still there
     deleted_came_back = int(keys[1] in after.index)  # the deleted key starts again from its new input
     assert (d.only_a, d.only_b, d.changed) == (0, deleted_came_back, len(after) - deleted_came_back)
 

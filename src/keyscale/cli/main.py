@@ -253,7 +253,6 @@ def _savepoint_dest(dest: str | None) -> str | None:
 def cmd_savepoint(a: argparse.Namespace) -> int:
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.checkpoint.savepoint import text_progress, write_savepoint
-    from keyscale.checkpoint.sparkmirror import SparkMirror
 
     jd = JobDir(a.job_dir)
     ident = jd.identity()
@@ -266,8 +265,6 @@ def cmd_savepoint(a: argparse.Namespace) -> int:
         rec = jd.recover()
         if rec.manifest is None:
             raise KeyscaleError(f"job '{ident.name}' in {jd.uri} has no checkpoint to save")
-        if not jd.is_local:  # Spark's checkpoint (the source positions) is kept in the job directory
-            SparkMirror(jd.store, jd.spark_checkpoint).pull()
         default = f"savepoints/savepoint-{rec.manifest.batch:012d}-{int(time.time() * 1000)}"
         target = open_store(dest, "savepoint destination") if dest else jd.store.sub(default)
         path = write_savepoint(jd, rec.manifest, target, progress=text_progress("savepoint"))

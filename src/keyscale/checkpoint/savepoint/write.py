@@ -57,6 +57,7 @@ from keyscale.checkpoint.savepoint.format import (
 )
 from keyscale.checkpoint.savepoint.progress import Progress, report_progress
 from keyscale.checkpoint.savepoint.schema import descriptor_from, parse_arrow_type
+from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN, KeyedStateTable
@@ -284,8 +285,16 @@ def spark_checkpoint_files(folder: LocalStore, batch: int) -> dict[str, bytes]:
 def _copy_spark_checkpoint(job_dir: JobDir, manifest: Manifest, dest: Store) -> str | None:
     """Spark's checkpoint up to the last batch the state consumed, into ``dest/source/spark``;
     a drain's batch becomes an empty committed one, so a restore never skips input
-    (checkpoint/drain.py). Returns the source path for the metadata (None: no positions)."""
+    (checkpoint/drain.py). Returns the source path for the metadata (None: no positions).
+
+    A job directory on an object store keeps Spark's checkpoint in its mirror, and a local
+    folder only in the process that runs the job: any other process (``keyscale
+    savepoint`` of a stopped job, a deployment's supervisor, a user's script) finds its own
+    folder empty and rebuilds it from the mirror first, or the savepoint would carry no
+    source positions and a job restored from it would read its input again."""
     folder = LocalStore(job_dir.spark_checkpoint)
+    if not job_dir.is_local and not folder.list_names(""):
+        SparkMirror(job_dir.store, job_dir.spark_checkpoint).pull()
     if not folder.list_names(""):
         return None
     consumed = spark_log_end(manifest)
