@@ -369,3 +369,24 @@ def test_a_window_operators_key_answers_its_open_windows(tmp_path: Path) -> None
     assert answer["key"] == {"user": "ann"} and answer["key_group"] == int(kgs[0])
     assert answer["windows"] == [{"window_start": 0, "window_end": 60_000, "fired": True, "state": {"n": 5}},
                                  {"window_start": 60_000, "window_end": 120_000, "fired": False, "state": {"n": 2}}]
+
+
+def test_a_deltas_slice_is_read_once_for_every_key_of_its_key_group(tmp_path: Path) -> None:
+    """Fences narrow a snapshot's read to the key; a delta's rows of a key group are read
+    whole, so a second key of the same key group takes them from the cache."""
+    from keyscale.state.spark_hash import key_group_of
+
+    jd = _job(tmp_path / "job", users=2000)
+    m = jd.read_manifest(3)
+    by_kg: dict[int, list[str]] = {}
+    for i in range(2000):
+        by_kg.setdefault(key_group_of([f"u{i}"], ["string"], M), []).append(f"u{i}")
+    kg, users = next((kg, us) for kg, us in by_kg.items() if len(us) >= 2)
+    chain = [f for f in m.operators["op"].files if f.start <= kg <= f.end]
+    deltas = sum(f.kind == "delta" for f in chain)
+    assert deltas >= 1
+    lookup = StateLookup(jd.store)
+    lookup.get("op", users[0])
+    hits = lookup.cache.hits
+    lookup.get("op", users[1])
+    assert lookup.cache.hits - hits >= deltas

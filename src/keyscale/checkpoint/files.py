@@ -11,7 +11,7 @@ Snapshots also order the rows of each key group by an 8-bit sub key of the key
 first ``key group << 8 | sub key``. A point lookup then fetches the footer (cached) and
 the one record batch (8,192 rows, a few hundred KB) that can hold its key, not every
 batch of its key group (a key group of a 10M-key snapshot at M=128 holds ~78,000 rows,
-~4 MB). Why a sub key: it is read from the key's last bytes and sorted by radix passes,
+~4 MB). Why a sub key: it is read from a few of the key's bytes and sorted by radix passes,
 where sorting by the key itself (or by Spark's hash of it) cost about as much as the
 snapshot's write again. The order still costs: the rows are reordered (an Arrow ``take``
 after the conversion), 1.5x a snapshot's write of string keys with a list state

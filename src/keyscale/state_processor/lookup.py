@@ -159,6 +159,11 @@ class SliceCache:
         byte range (the file's footer once, then only the record batches holding ``rng``).
         ``probe``: a key's sort key (:func:`keyscale.state.order.sort_keys`): in a file with
         fences, only the rows of ``rng`` in the record batch(es) that can hold that key."""
+        if f.kind != "snapshot":
+            # Fences pay in a snapshot (its rows ordered by sub key). A delta's rows of a key
+            # group are few, in record batches of DELTA_CHUNK_ROWS: read whole and cached
+            # once for every key of the group, not once per key.
+            probe = None
         ident = (store.uri, f.path, f.crc32, f.bytes)
         key = (*ident, rng.start, rng.end, probe)
         table = self._get(key)
