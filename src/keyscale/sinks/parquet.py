@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from keyscale._keywords import checked_keywords
+from keyscale._spark_map import map_in_arrow
 from keyscale.checkpoint.lineage import Action, Marker, decide
 from keyscale.errors import KeyscaleError, OutputError, StorageError, encode_error
 from keyscale.sinks.base import KEPT
@@ -322,7 +323,7 @@ class ParquetSink:
         write_id = uuid.uuid4().hex[:12]  # this call's file names (a concurrent writer's differ)
         task = functools.partial(_write_partition, self.store, folder, write_id, batch_id)
         files = tuple(sorted(
-            (OutputFile(r["name"], int(r["rows"]), int(r["bytes"])) for r in df.mapInArrow(task, _RESULT_SCHEMA).collect()),
+            (OutputFile(r["name"], int(r["rows"]), int(r["bytes"])) for r in map_in_arrow(df, task, _RESULT_SCHEMA).collect()),
             key=lambda f: f.name,
         ))
         ctx = self._ctx

@@ -303,7 +303,8 @@ def session_cache(cache: dict[Any, Any], spark: SparkSession) -> dict[Any, Any]:
     object around the query's own (Java) session: the cache is that session's (a restarted
     query has a new one)."""
     session = spark._jsparkSession
-    if "session" not in cache or not cache["session"].equals(session):
+    # The same Python object is the same session (the log loop's every batch): no call to the JVM.
+    if "session" not in cache or (cache["session"] is not session and not cache["session"].equals(session)):
         cache.clear()
         cache["session"] = session
     return cache

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from keyscale._spark_map import map_in_arrow
 from keyscale._spark_types import to_arrow_schema
 from keyscale._steps import source_schema
 from keyscale.checkpoint.intent import SourcePlan, source_plan
@@ -85,7 +86,7 @@ def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, 
     event_time = job.pipeline.watermark.column if job.pipeline.watermark and driving else None
     fn = make_reader_function(
         src.log, src.uid, batch_id, plan, target, event_time, job.event_time_limit(batch_time_ms), log_ids.get(src.uid), job.reports.sender)
-    return reader_rows(job, len(plan)).mapInArrow(fn, schema)
+    return map_in_arrow(reader_rows(job, len(plan)), fn, schema)
 
 
 def reader_rows(job: JobState, n: int) -> DataFrame:

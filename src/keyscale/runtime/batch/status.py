@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from keyscale._steps import JobGraph
 from keyscale.checkpoint.manifest import Manifest, summarize_operator_state
@@ -20,6 +21,9 @@ from keyscale.runtime.batch.source_plan import source_status
 from keyscale.runtime.task import counters
 from keyscale.runtime.task.report import TaskReports
 from keyscale.state.keygroups import key_group_ranges
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
 
 log = logging.getLogger("keyscale")
 
@@ -128,11 +132,18 @@ def outputs(pipeline: JobGraph) -> list[dict[str, Any]]:
 
 
 def _spark_of(job: JobState) -> dict[str, Any] | None:
-    """The Spark application the job runs in (its id, and its web UI if on)."""
+    """The Spark application the job runs in (its id, and its web UI if on). Read once per
+    Spark context: they are fixed for its life, and each read is calls to the JVM (~7 a
+    batch, on the batch's fixed path)."""
     if job.spark is None:
         return None
     sc = job.spark.sparkContext
-    return {"application_id": sc.applicationId, "ui": sc.uiWebUrl, "master": sc.master}
+    if sc not in _applications:
+        _applications[sc] = {"application_id": sc.applicationId, "ui": sc.uiWebUrl, "master": sc.master}
+    return dict(_applications[sc])
+
+
+_applications: weakref.WeakKeyDictionary[SparkContext, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def report_counts(job: JobState, batch_id: int, counts: counters.Counters) -> None:
