@@ -47,7 +47,7 @@ def test_the_same_rows_as_pysparks_map_in_arrow_in_fewer_jvm_calls(spark: Any) -
     from pyspark.sql.types import LongType, StringType, StructField, StructType
 
     df = spark.range(0, 6, 1, 3).selectExpr("id as k", "cast(id % 2 as string) as v")
-    df.schema  # both sides read the input's schema from the same cached DataFrame
+    assert df.schema is not None  # both sides read the input's schema from the same cached DataFrame
     schema = StructType([StructField("k", LongType()), StructField("v", StringType())])
     for s in (schema, "k long, v string"):
         map_in_arrow(df, plus(0), s)  # the Spark context's shared parts, once

@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any
 
 from keyscale._faults import armed, fault_point
 from keyscale._keywords import checked_keywords
+from keyscale._spark_map import map_in_arrow
 from keyscale.errors import FencedError, JobDefinitionError, OutputError, encode_error
 from keyscale.kafka import commit_log
 from keyscale.kafka.client import KafkaConnectorError, connection_options, partition_count
@@ -399,7 +400,7 @@ class KafkaSink:
             batch_id, frozenset(done), self._commit_log_end(), self.timeout_ms, self.serial_commits,
             ctx.fault if ctx else "", os.getpid(), tasks, fence,
         )
-        results = df.mapInArrow(task, _RESULT_SCHEMA).collect()
+        results = map_in_arrow(df, task, _RESULT_SCHEMA).collect()
         return sum(int(r["rows"]) for r in results)
 
 

@@ -1,0 +1,104 @@
+"""The driver's calls to the JVM on a batch's fixed path (issue 35, item 2): each is a Py4J
+round trip (~0.3-1 ms, more on a busy machine) and a Java object for the garbage collector
+thread to release. A log source's almost empty batch made ~172 of them on the batch's own
+thread; now ~70 (docs/benchmarks.md, "The fixed cost of a batch"). Counted, never timed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from conftest import EXAMPLES, read_output
+from keyscale.runtime.batch.jobstate import BatchRecord, RunOptions, session_cache
+from keyscale.runtime.batch.status import _spark_of
+from keyscale.runtime.driver.runner import JobRunner
+from keyscale.sources import LocalLog
+
+
+@contextmanager
+def jvm_calls(thread: int | None = None) -> Iterator[list[str]]:
+    """The Py4J commands sent inside the block by ``thread`` (default: this one)."""
+    from py4j import clientserver
+
+    sent: list[list[str]] = []  # the batch thread's calls, as they are made
+    who = threading.get_ident() if thread is None else thread
+    send = clientserver.ClientServerConnection.send_command
+
+    def counted(self: Any, command: str) -> Any:
+        if threading.get_ident() == who:
+            sent.append(command)
+        return send(self, command)
+
+    clientserver.ClientServerConnection.send_command = counted  # type: ignore[method-assign]
+    try:
+        yield sent
+    finally:
+        clientserver.ClientServerConnection.send_command = send  # type: ignore[method-assign]
+
+
+def test_the_status_reads_the_spark_application_once(spark: Any) -> None:
+    job = SimpleNamespace(spark=spark)
+    first = _spark_of(job)  # type: ignore[arg-type]
+    with jvm_calls() as sent:
+        again = _spark_of(job)  # type: ignore[arg-type]
+    assert sent == []
+    assert again == first and again is not None and again["application_id"] == spark.sparkContext.applicationId
+    again["ui"] = "changed"  # a caller's copy: the next status is not changed by it
+    assert _spark_of(job) == first  # type: ignore[arg-type]
+
+
+def test_the_plan_cache_knows_its_own_session_without_asking_the_jvm(spark: Any) -> None:
+    cache: dict[Any, Any] = {}
+    session_cache(cache, spark)["kept"] = 1
+    with jvm_calls() as sent:
+        assert session_cache(cache, spark)["kept"] == 1
+    assert sent == []
+    assert "kept" not in session_cache(cache, spark.newSession())  # another session's cache is its own
+
+
+@pytest.mark.slow
+def test_a_log_sources_batch_plans_in_under_110_jvm_calls(spark: Any, tmp_path: Path) -> None:
+    # Almost empty batches of log_count at p=2 (readers, a keyed stage, a Parquet sink): the
+    # calls the batch's own thread makes from the third batch's end to the sixth's.
+    log = LocalLog.create(str(tmp_path / "log"), "key string, value long", partitions=2)
+    counts: list[int] = []
+    batches = 6
+    runner: JobRunner
+    sent: list[list[str]] = []  # the batch thread's calls, as they are made
+
+    def on_batch(rec: BatchRecord) -> None:
+        log.append(rec.batch % 2, pa.table({"key": [f"k{rec.batch}"], "value": [rec.batch]}))
+        counts.append(len(sent[0]))
+        if len(counts) >= batches:
+            runner.stop()
+
+    runner = JobRunner(RunOptions(job_file=str(EXAMPLES / "log_count.py"), job_dir=str(tmp_path / "job"), parallelism=2,
+                                  trigger_interval="1 millisecond", args={"log": log.uri, "output": str(tmp_path / "out")}),
+                       on_batch=on_batch)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with jvm_calls() as calls:
+                sent.append(calls)
+                runner.run()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(240)
+    assert not t.is_alive() and not errors, errors
+    assert len(counts) == batches
+    per_batch = (counts[5] - counts[2]) / 3
+    assert per_batch < 110, per_batch
+    # ...and the batches did their work: every record appended after a batch counted by the next.
+    out = read_output(tmp_path / "out")
+    assert sorted(out.groupby("key")["count"].max().items()) == [(f"k{b}", 1) for b in range(batches - 1)]
