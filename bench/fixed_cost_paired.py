@@ -3,13 +3,15 @@
     PYTHONPATH=src .venv/bin/python bench/fixed_cost_paired.py readers 40   # reader tasks: Python RDD vs kept range
     PYTHONPATH=src .venv/bin/python bench/fixed_cost_paired.py aqe 40       # adaptive query execution on vs off
     PYTHONPATH=src .venv/bin/python bench/fixed_cost_paired.py py4j 10      # Py4J round trips per step, readers old vs new
+    PYTHONPATH=src .venv/bin/python bench/fixed_cost_paired.py mapinarrow 40   # PySpark's mapInArrow vs keyscale/_spark_map.py
 
 The job of bench/empty_batch.py (empty batches back to back). On a machine others load,
 two variants measured in two runs differ by the load as much as by the change; here both
 take turns batch by batch in one driver, so the load falls on both alike. ``readers``:
 the odd batches build the reader tasks' input as before (``createDataFrame`` over a Python
 RDD, made each batch); ``aqe``: the odd batches run with ``spark.sql.adaptive.enabled``
-on. Prints the medians of each side's batch and steps (after 5 warm-up batches); ``py4j``
+on; ``mapinarrow``: the odd batches plan each ``mapInArrow`` (readers, keyed stage, the
+sink's write) with PySpark's own, the even ones with ``keyscale._spark_map``. Prints the medians of each side's batch and steps (after 5 warm-up batches); ``py4j``
 counts the Py4J round trips of each step instead.
 """
 
@@ -42,6 +44,15 @@ def main() -> int:
 
     if what in ("readers", "py4j"):
         source_plan.reader_rows = rows  # type: ignore[assignment]
+    if what == "mapinarrow":
+        from keyscale import _spark_map
+
+        lean = _spark_map._context
+
+        def context(sc: Any) -> Any:
+            return _spark_map._Context(usable=False) if old["now"] else lean(sc)
+
+        _spark_map._context = context  # type: ignore[assignment]
     calls = [0]
     per: dict[tuple[str, bool], list[int]] = collections.defaultdict(list)
     if what == "py4j":
