@@ -1,5 +1,5 @@
 """Two inputs into one keyed stage (``Stream.connect``, the joins): how their rows become one
-input, in Spark or in a log, and the joins' columns.
+input, in Spark or in a log, and the joins' functions and columns.
 
 Apart from the stream types (:mod:`keyscale._stream`: ``ConnectedStreams`` and
 ``ConnectedKeyedStreams`` check the inputs and build the stage) because this is plumbing of
@@ -30,8 +30,9 @@ import pyarrow as pa
 
 from keyscale._steps import LogInputStep, Step, TransformStep, source_schema
 from keyscale.errors import JobDefinitionError
-from keyscale.operators.coprocess import EVENT_TIME, INPUTS, SIDE
+from keyscale.operators.coprocess import EVENT_TIME, INPUTS, SIDE, IntervalJoin, WindowJoin
 from keyscale.operators.eventtime import WatermarkSpec, parse_duration_ms
+from keyscale.operators.windows import SlidingWindows, TumblingWindows
 from keyscale.sources.partitioned import LogError
 from keyscale.sources.reader import LogSource
 from keyscale.sources.union import UnionLog
@@ -181,6 +182,30 @@ def combined_watermark(wm1: WatermarkSpec, wm2: WatermarkSpec) -> tuple[str, str
     idle = None if wm1.idleness_ms is None or wm2.idleness_ms is None else max(wm1.idleness_ms, wm2.idleness_ms)
     return (f"{max(wm1.out_of_orderness_ms, wm2.out_of_orderness_ms)} ms", None if idle is None else f"{idle} ms",
             None if ahead is None else f"{ahead} ms")
+
+
+def interval_join(uid: str, lower: Any, upper: Any, times: tuple[str, str], schemas: tuple[pa.Schema, pa.Schema]) -> tuple[IntervalJoin, pa.Schema]:
+    """``interval_join``'s function and output schema, from both inputs' event-time columns
+    and Arrow schemas; bounds the wrong way round are refused."""
+    lo, hi = signed_ms(lower, "lower"), signed_ms(upper, "upper")
+    if lo > hi:
+        raise JobDefinitionError(f"interval_join '{uid}': lower ({lo} ms) is after upper ({hi} ms)")
+    names1, names2, fields = pair_columns(*schemas)
+    return IntervalJoin(*times, lo, hi, pa.struct(list(schemas[0])), pa.struct(list(schemas[1])), names1, names2), pa.schema(fields)
+
+
+def window_join(uid: str, assigner: Any, times: tuple[str, str], schemas: tuple[pa.Schema, pa.Schema]) -> tuple[WindowJoin, pa.Schema]:
+    """``window_join``'s function and output schema (both inputs' columns, then the window's
+    bounds); other assigners, and an input column of a bound's name, are refused."""
+    if not isinstance(assigner, TumblingWindows | SlidingWindows):
+        raise JobDefinitionError(f"window_join '{uid}': windows are TumblingWindows or SlidingWindows, not {type(assigner).__name__}")
+    names1, names2, fields = pair_columns(*schemas)
+    for name in ("window_start", "window_end"):
+        if name in names1 or name in names2:
+            raise JobDefinitionError(f"window_join '{uid}': an input has a column '{name}', which the join's output adds; rename it")
+    fields += [pa.field("window_start", pa.timestamp("us", tz="UTC")), pa.field("window_end", pa.timestamp("us", tz="UTC"))]
+    fn = WindowJoin(assigner, *times, pa.struct(list(schemas[0])), pa.struct(list(schemas[1])), names1, names2)
+    return fn, pa.schema(fields)
 
 
 def pair_columns(a1: pa.Schema, a2: pa.Schema) -> tuple[list[str], list[str], list[pa.Field[Any]]]:

@@ -25,9 +25,9 @@ from keyscale._connect import (
     combine,
     combined_watermark,
     connect_keys,
-    pair_columns,
-    signed_ms,
+    interval_join,
     transforms,
+    window_join,
 )
 from keyscale._job import Pipeline, check_sinks
 from keyscale._keywords import checked_keywords, unknown_keyword
@@ -45,10 +45,8 @@ from keyscale._steps import (
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.coprocess import (
     EVENT_TIME,
-    IntervalJoin,
     KeyedCoProcessFunction,
     VectorizedKeyedCoProcessFunction,
-    WindowJoin,
     adapt,
 )
 from keyscale.operators.eventtime import Duration, WatermarkSpec, parse_duration_ms
@@ -482,12 +480,8 @@ class ConnectedKeyedStreams:
         wm1, wm2 = self.first.watermark, self.second.watermark
         if wm1 is None or wm2 is None:
             raise JobDefinitionError(f"interval_join '{uid}': both inputs need a watermark (with_watermark) on their event time")
-        lo, hi = signed_ms(lower, "lower"), signed_ms(upper, "upper")
-        if lo > hi:
-            raise JobDefinitionError(f"interval_join '{uid}': lower ({lo} ms) is after upper ({hi} ms)")
-        a1, a2, names1, names2, fields = self._pair_columns()
-        fn = IntervalJoin(wm1.column, wm2.column, lo, hi, pa.struct(list(a1)), pa.struct(list(a2)), names1, names2)
-        return self.process(fn, pa.schema(fields), uid, parallelism, state_backend=state_backend)
+        fn, output = interval_join(uid, lower, upper, (wm1.column, wm2.column), self._arrow_schemas())
+        return self.process(fn, output, uid, parallelism, state_backend=state_backend)
 
     def window_join(self, assigner: TumblingWindows | SlidingWindows, uid: str, parallelism: int | None = None,
                     state_backend: str | None = None) -> Stream:
@@ -501,17 +495,8 @@ class ConnectedKeyedStreams:
         wm1, wm2 = self.first.watermark, self.second.watermark
         if wm1 is None or wm2 is None:
             raise JobDefinitionError(f"window_join '{uid}': both inputs need a watermark (with_watermark) on their event time")
-        if not isinstance(assigner, TumblingWindows | SlidingWindows):
-            raise JobDefinitionError(f"window_join '{uid}': windows are TumblingWindows or SlidingWindows, not {type(assigner).__name__}")
-        a1, a2, names1, names2, fields = self._pair_columns()
-        for name in ("window_start", "window_end"):
-            if name in names1 or name in names2:
-                raise JobDefinitionError(f"window_join '{uid}': an input has a column '{name}', which the join's output adds; rename it")
-        fields += [pa.field("window_start", pa.timestamp("us", tz="UTC")), pa.field("window_end", pa.timestamp("us", tz="UTC"))]
-        fn = WindowJoin(assigner, wm1.column, wm2.column, pa.struct(list(a1)), pa.struct(list(a2)), names1, names2)
-        return self.process(fn, pa.schema(fields), uid, parallelism, state_backend=state_backend)
+        fn, output = window_join(uid, assigner, (wm1.column, wm2.column), self._arrow_schemas())
+        return self.process(fn, output, uid, parallelism, state_backend=state_backend)
 
-    def _pair_columns(self) -> tuple[pa.Schema, pa.Schema, list[str], list[str], list[pa.Field[Any]]]:
-        """Both inputs' Arrow schemas, their output column names and the joined row's fields."""
-        a1, a2 = _to_arrow_schema(self.first.schema), _to_arrow_schema(self.second.schema)
-        return a1, a2, *pair_columns(a1, a2)
+    def _arrow_schemas(self) -> tuple[pa.Schema, pa.Schema]:
+        return _to_arrow_schema(self.first.schema), _to_arrow_schema(self.second.schema)
