@@ -321,14 +321,15 @@ class _Ranged(io.RawIOBase):
 TAIL_BYTES = 16 << 10
 
 
-def state_file_tail(store: Store, f: StateFile) -> tuple[int, bytes]:
+def state_file_tail(store: Store, f: StateFile, first: bytes | None = None) -> tuple[int, bytes]:
     """The end of state file ``f`` that holds its Arrow footer, as ``(offset, bytes)``: one
-    ranged read (two when the footer is longer than ``TAIL_BYTES``). Kept by a reader that
-    comes back to the file (:mod:`keyscale.state_processor.lookup`), so that each later read
-    of a key group fetches only the record batches holding it."""
+    ranged read (two when the footer is longer than ``TAIL_BYTES``; ``first``: the first read's
+    bytes, fetched already). Kept by a reader that comes back to the file
+    (:mod:`keyscale.checkpoint.ranged`), so that each later read of a key group fetches only
+    the record batches holding it."""
     n = min(f.bytes, TAIL_BYTES)
     try:
-        tail = store.get_range(f.path, f.bytes - n, n)
+        tail = store.get_range(f.path, f.bytes - n, n) if first is None else first
         if len(tail) == n and n >= 10 and tail[-6:] == b"ARROW1":
             need = int.from_bytes(tail[-10:-6], "little") + 10
             if n < need <= f.bytes:

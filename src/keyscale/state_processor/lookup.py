@@ -62,7 +62,6 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +69,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyscale.checkpoint.files import Location, read_key_groups_ranged, state_file_tail
+from keyscale.checkpoint.files import Location
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, restore_chain
+from keyscale.checkpoint.ranged import Footer, PlannedRead, plan_read, read_footers, read_planned
 from keyscale.checkpoint.savepoint import METADATA_FILE
 from keyscale.checkpoint.savepoint.schema import spark_type_name
 from keyscale.checkpoint.savepoint.write import CheckpointFiles, checkpoint_types
@@ -154,33 +154,52 @@ class SliceCache:
             self._items.clear()
             self.bytes = 0
 
+    def footers(self, store: Store, files: Sequence[StateFile]) -> list[Footer]:
+        """The parsed footers of ``files``: from the cache, those missing read in one round."""
+        idents = [("footer", store.uri, f.path, f.crc32, f.bytes) for f in files]
+        found = [self._get(i) for i in idents]
+        missing = [k for k, ft in enumerate(found) if ft is None]
+        if missing:
+            for k, ft in zip(missing, read_footers(store, [files[k] for k in missing]), strict=True):
+                found[k] = ft
+                self._put(idents[k], ft, ft.nbytes)
+        return found
+
+    def slices(self, store: Store, files: Sequence[StateFile], rng: KeyGroupRange, probe: int | None = None) -> list[pa.Table]:
+        """The rows of key groups ``rng`` in each of ``files``: from the cache, else fetched by
+        byte range, every file's at once (:func:`keyscale.checkpoint.ranged.read_planned`),
+        their footers first if not cached. ``probe``: a key's sort key
+        (:func:`keyscale.state.order.sort_keys`): in a file with fences, only the rows of
+        ``rng`` in the record batch(es) that can hold that key.
+
+        A slice is cached by the record batches it was read from, not by the key: another key
+        of the same record batch (of a delta: of the key group) takes it from the cache."""
+        out: list[pa.Table] = []
+        todo: list[tuple[int, PlannedRead, tuple[Any, ...]]] = []
+        for f, footer in zip(files, self.footers(store, files), strict=True):
+            plan = plan_read(f, footer, rng, probe)
+            if plan is None:  # the file holds no row of the key group (or of the key's batch)
+                out.append(footer.schema.empty_table())
+                continue
+            read = None if plan.batches is None else (plan.batches.start, plan.batches.stop)
+            key = (store.uri, f.path, f.crc32, f.bytes, rng.start, rng.end, read)
+            cached = self._get(key)
+            if cached is None:
+                todo.append((len(out), plan, key))
+            out.append(cached)
+        for (i, _, key), table in zip(todo, read_planned(store, [plan for _, plan, _ in todo]), strict=True):
+            if self.max_bytes and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
+                # A view of fetched record batches much larger than the key group's rows (a
+                # delta's): kept, it would hold them all; a copy of its own rows lets the
+                # cache hold many more slices.
+                table = table.take(np.arange(table.num_rows))
+            self._put(key, table, max(1, table.get_total_buffer_size()))
+            out[i] = table
+        return out
+
     def slice(self, store: Store, f: StateFile, rng: KeyGroupRange, probe: int | None = None) -> pa.Table:
-        """The rows of key groups ``rng`` in state file ``f``: from the cache, else fetched by
-        byte range (the file's footer once, then only the record batches holding ``rng``).
-        ``probe``: a key's sort key (:func:`keyscale.state.order.sort_keys`): in a file with
-        fences, only the rows of ``rng`` in the record batch(es) that can hold that key."""
-        if f.kind != "snapshot":
-            # Fences pay in a snapshot (its rows ordered by sub key). A delta's rows of a key
-            # group are few, in record batches of DELTA_CHUNK_ROWS: read whole and cached
-            # once for every key of the group, not once per key.
-            probe = None
-        ident = (store.uri, f.path, f.crc32, f.bytes)
-        key = (*ident, rng.start, rng.end, probe)
-        table = self._get(key)
-        if table is not None:
-            return table  # type: ignore[no-any-return]
-        tail = None if store.is_local else self._get(("tail", *ident))  # a local file is memory-mapped
-        if tail is None and not store.is_local:
-            tail = state_file_tail(store, f)
-            self._put(("tail", *ident), tail, len(tail[1]))
-        table = read_key_groups_ranged(store, f, rng, tail, probe)
-        if self.max_bytes and not store.is_local and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
-            # A view of fetched record batches (CHUNK_ROWS rows) much larger than the key group:
-            # kept, it would hold them all; a copy of its own rows lets the cache hold many
-            # more slices. (On local disk it views the memory-mapped file: no copy is cheaper.)
-            table = table.take(np.arange(table.num_rows))
-        self._put(key, table, max(1, table.get_total_buffer_size()))
-        return table
+        """:meth:`slices` of one file."""
+        return self.slices(store, [f], rng, probe)[0]
 
 
 @dataclass(frozen=True)
@@ -426,13 +445,6 @@ class StateLookup:
         self._files = CheckpointFiles(self.jobdir.store)
         self._types: dict[tuple[Any, ...], LookupOperator] = {}
         self._types_lock = threading.Lock()
-        self._readers: ThreadPoolExecutor | None = None  # an object store's reads of one lookup, at once
-
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._types_lock:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="keyscale-lookup")
-            return self._readers
 
     # -- checkpoints and operators ---------------------------------------------------------
     def manifest(self, checkpoint: int | None = None) -> Manifest:
@@ -498,11 +510,7 @@ class StateLookup:
         chain = restore_chain(op.checkpoint.files, kg)
         # Where the key sits in a fenced file (key group, then sub key of its first column).
         probe = int(sort_keys(np.array([kg]), pa.array([values[0]], type=op.routing[0][1]))[0])
-        if len(chain) > 1 and not store.is_local:  # an object store: the files' reads at once, applied in order
-            slices = list(self._pool().map(lambda f: self.cache.slice(store, f, rng, probe), chain))
-        else:
-            slices = [self.cache.slice(store, f, rng, probe) for f in chain]
-        for part in slices:
+        for part in self.cache.slices(store, chain, rng, probe):  # read at once, applied in order
             table.apply(_matching(part, op.routing, values))
         rows = table.to_arrow(table.rows_in_range(kg, kg, live_only=True)).to_pylist()
         return _answer(op, m.batch, values, kg, rows)
