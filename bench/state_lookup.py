@@ -15,6 +15,8 @@ include waiting for a core; the CPU time does not).
     .venv/bin/python bench/state_lookup.py --keys 1000000 --seaweedfs          # on a SeaweedFS S3 server of its own
     .venv/bin/python bench/state_lookup.py --keys 10000000 --where s3://bench/lookup   # AWS_* in the environment
     .venv/bin/python bench/state_lookup.py --snapshot-cost 2500000 --runs 5
+    .venv/bin/python bench/state_lookup.py --keys 10000000 --where /tmp/lk/job            # build once, then
+    PYTHONPATH=../main/src .venv/bin/python bench/state_lookup.py --keys 10000000 --where /tmp/lk/job --reuse   # A B
 
 ``--snapshot-cost N``: what the order that gives snapshots fences costs the write. One
 subtask's snapshot of N string keys (a value and a list state, in a ``KeyedStateTable``)
@@ -156,6 +158,8 @@ def main() -> None:
     ap.add_argument("-p", "--parallelism", type=int, default=4)
     ap.add_argument("--deltas", type=int, default=3)
     ap.add_argument("--where", help="job directory to create (default: a temporary folder)")
+    ap.add_argument("--reuse", action="store_true", help="look up in the job directory --where that an earlier run built (same --keys): "
+                    "A B runs of two code paths on the same files")
     ap.add_argument("--passes", default="no_cache,cache_cold,cache_warm,listing_cache_warm", help="which passes to run (comma-separated)")
     ap.add_argument("--seaweedfs", action="store_true", help="on a private SeaweedFS S3 server started for the run (keyscale.storage.seaweed)")
     ap.add_argument("--snapshot-cost", type=int, metavar="N", help="measure the write-side cost of fences on a snapshot of N keys instead")
@@ -182,7 +186,7 @@ def main() -> None:
 
 def run(a: argparse.Namespace, where: str) -> None:
     t0 = time.perf_counter()
-    jd = build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
+    jd = JobDir(where) if a.reuse else build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
     built = time.perf_counter() - t0
     rng = np.random.default_rng(1)
     picks = [f"user-{i:09d}" if rng.random() < 0.9 else f"absent-{i}" for i in rng.integers(0, a.keys, a.lookups)]

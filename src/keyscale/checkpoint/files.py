@@ -367,10 +367,22 @@ def _fenced(meta: dict[bytes, bytes], batches: range, probe: int) -> range:
     ``probe``: batch ``i`` holds sort keys from its fence to the next batch's fence (both
     included: equal sort keys may straddle a boundary). All of ``batches`` when the file
     has no fences of the rule this code reads."""
+    return fenced_batches(file_fences(meta), batches, probe)
+
+
+def file_fences(meta: dict[bytes, bytes]) -> list[int] | None:
+    """The fences in a state file's schema metadata, None when it has none of the rule this
+    code reads."""
     raw = meta.get(_FENCES_KEY)
-    if raw is None or meta.get(_FENCE_RULE_KEY) != FENCE_RULE.encode() or not batches:
+    if raw is None or meta.get(_FENCE_RULE_KEY) != FENCE_RULE.encode():
+        return None
+    return list(json.loads(raw))
+
+
+def fenced_batches(fences: list[int] | None, batches: range, probe: int) -> range:
+    """:func:`_fenced` with the file's fences parsed (:func:`file_fences`)."""
+    if fences is None or not batches:
         return batches
-    fences = json.loads(raw)
     lo = bisect.bisect_left(fences, probe)  # batches before lo - 1 end before probe
     hi = bisect.bisect_right(fences, probe)  # batches from hi on start after probe
     first, last = max(batches.start, lo - 1), min(batches.stop, hi)

@@ -42,8 +42,9 @@ from keyscale.checkpoint.files import (
     _CHUNK_KEY,
     _INDEX_KEY,
     TAIL_BYTES,
-    _fenced,
     _Ranged,
+    fenced_batches,
+    file_fences,
     read_key_groups_ranged,
     state_file_tail,
 )
@@ -65,6 +66,7 @@ class Footer:
     chunk: int  # rows per record batch; 0: not fixed (a file read whole)
     index: dict[int, tuple[int, int]]  # key group -> (first row, rows)
     blocks: tuple[tuple[int, int], ...]  # per record batch: (byte offset, bytes with its metadata)
+    fences: list[int] | None  # each record batch's first sort key (files.file_fences)
     nbytes: int  # about what it holds, for a cache's budget
 
     def rows_of(self, f: StateFile, rng: KeyGroupRange) -> tuple[int, int]:
@@ -108,7 +110,8 @@ def parse_footer(store: Store, f: StateFile, tail: tuple[int, bytes]) -> Footer:
         chunk = 0  # not a layout this reader knows: read the file whole
     index = {int(kg): (int(first), int(n)) for kg, first, n in json.loads(meta.get(_INDEX_KEY, b"[]"))}
     size = len(data) + 48 * len(index) + 16 * len(blocks)
-    return Footer(reader.schema, chunk, index, tuple(blocks), size)
+    fences = file_fences(meta)
+    return Footer(reader.schema, chunk, index, tuple(blocks), fences, size + 8 * len(fences or ()))
 
 
 def read_footers(store: Store, files: Sequence[StateFile]) -> list[Footer]:
@@ -150,7 +153,7 @@ def plan_read(f: StateFile, footer: Footer, rng: KeyGroupRange, probe: int | Non
         return PlannedRead(f, footer, rng, None, first, last)
     todo = range(first // footer.chunk, (last - 1) // footer.chunk + 1)
     if probe is not None:
-        todo = _fenced(footer.schema.metadata or {}, todo, probe)
+        todo = fenced_batches(footer.fences, todo, probe)
         if not todo:
             return None
     lo, hi = max(first, todo.start * footer.chunk), min(last, todo.stop * footer.chunk)

@@ -338,12 +338,12 @@ def _matching(table: pa.Table, columns: Sequence[tuple[str, pa.DataType]], value
     """The rows of ``table`` whose key columns hold ``values``."""
     if not table.num_rows:
         return table
-    mask = np.ones(table.num_rows, dtype=bool)
+    mask: Any = None
     for (name, _), v in zip(columns, values, strict=True):
         col: Any = table.column(name)
         eq = pc.is_null(col) if v is None else pc.fill_null(pc.equal(col, pa.scalar(v, type=col.type)), False)
-        mask &= np.asarray(eq.to_numpy(zero_copy_only=False), dtype=bool)
-    return table.filter(pa.array(mask))
+        mask = eq if mask is None else pc.and_(mask, eq)
+    return table.filter(mask)
 
 
 # -- answers ------------------------------------------------------------------------------------
@@ -445,6 +445,9 @@ class StateLookup:
         self._files = CheckpointFiles(self.jobdir.store)
         self._types: dict[tuple[Any, ...], LookupOperator] = {}
         self._types_lock = threading.Lock()
+        # Restore chains by (operator, key group), for the files tuple they were worked out
+        # from: the running job hands every lookup the same manifest until it commits again.
+        self._chains: dict[tuple[str, int], tuple[tuple[StateFile, ...], list[StateFile]]] = {}
 
     # -- checkpoints and operators ---------------------------------------------------------
     def manifest(self, checkpoint: int | None = None) -> Manifest:
@@ -501,13 +504,24 @@ class StateLookup:
                 if checkpoint is not None or tries >= 3 or self.manifest().batch == m.batch:
                     raise  # not a file retention deleted under a newer checkpoint
 
+    def _chain(self, op: LookupOperator, kg: int) -> list[StateFile]:
+        files = op.checkpoint.files
+        found = self._chains.get((op.uid, kg))
+        if found is not None and found[0] is files:
+            return found[1]
+        chain = restore_chain(files, kg)
+        if len(self._chains) >= 1 << 14:
+            self._chains.clear()
+        self._chains[(op.uid, kg)] = (files, chain)
+        return chain
+
     def _one(self, m: Manifest, op: LookupOperator, values: tuple[Any, ...]) -> dict[str, Any]:
         kg = op.key_group(values)
         rng = KeyGroupRange(kg, kg)
         names = [n for n, _ in op.keys]
         table = KeyedStateTable(names, [t for _, t in op.keys], op.states)
         store = self.jobdir.store
-        chain = restore_chain(op.checkpoint.files, kg)
+        chain = self._chain(op, kg)
         # Where the key sits in a fenced file (key group, then sub key of its first column).
         probe = int(sort_keys(np.array([kg]), pa.array([values[0]], type=op.routing[0][1]))[0])
         for part in self.cache.slices(store, chain, rng, probe):  # read at once, applied in order
