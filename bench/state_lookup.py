@@ -16,7 +16,8 @@ include waiting for a core; the CPU time does not).
     .venv/bin/python bench/state_lookup.py --keys 10000000 --where s3://bench/lookup   # AWS_* in the environment
     .venv/bin/python bench/state_lookup.py --snapshot-cost 2500000 --runs 5
     .venv/bin/python bench/state_lookup.py --keys 10000000 --where /tmp/lk/job            # build once, then
-    PYTHONPATH=../main/src .venv/bin/python bench/state_lookup.py --keys 10000000 --where /tmp/lk/job --reuse   # A B
+    PYTHONPATH=../main/src .venv/bin/python bench/state_lookup.py --keys 10000000 --where /tmp/lk/job --reuse   # another code path
+    .venv/bin/python bench/state_lookup.py --keys 10000000 --seaweedfs --ab ../main/src --rounds 2   # A B A B on one server
 
 ``--snapshot-cost N``: what the order that gives snapshots fences costs the write. One
 subtask's snapshot of N string keys (a value and a list state, in a ``KeyedStateTable``)
@@ -30,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,6 +165,9 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="look up in the job directory --where that an earlier run built (same --keys): "
                     "A B runs of two code paths on the same files")
     ap.add_argument("--passes", default="no_cache,cache_cold,cache_warm,listing_cache_warm", help="which passes to run (comma-separated)")
+    ap.add_argument("--ab", metavar="SRC", help="build once, then run the passes in child processes with PYTHONPATH=SRC (A: "
+                    "another checkout's src) and this checkout's src (B), A B --rounds times, on the same files")
+    ap.add_argument("--rounds", type=int, default=2, help="A B rounds of --ab")
     ap.add_argument("--seaweedfs", action="store_true", help="on a private SeaweedFS S3 server started for the run (keyscale.storage.seaweed)")
     ap.add_argument("--snapshot-cost", type=int, metavar="N", help="measure the write-side cost of fences on a snapshot of N keys instead")
     ap.add_argument("--runs", type=int, default=5, help="A B rounds of --snapshot-cost")
@@ -185,6 +192,15 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace, where: str) -> None:
+    if a.ab and not a.reuse:
+        build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
+        here = str(Path(__file__).resolve().parent.parent / "src")
+        args = [sys.executable, __file__, "--keys", str(a.keys), "--lookups", str(a.lookups), "--where", where, "--reuse", "--passes", a.passes]
+        for r in range(a.rounds):
+            for side, src in (("A", a.ab), ("B", here)):
+                out = subprocess.run(args, env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True, check=True)
+                print(json.dumps({"round": r, "side": side, "src": src, **json.loads(out.stdout.strip().splitlines()[-1])}), flush=True)
+        return
     t0 = time.perf_counter()
     jd = JobDir(where) if a.reuse else build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
     built = time.perf_counter() - t0
