@@ -1,15 +1,16 @@
 """Point reads of state files in one round of requests: footers parsed once, then the record
 batches a key needs from every file of its restore chain fetched together.
 
-A lookup of one key reads a few files (its key group's snapshot and the deltas after it).
-Read one after another, each file costs two round trips (its footer, then its record
-batches): eight on an object store for a chain of four. Here a file's footer is read once
+A lookup of one key reads a few files (its key group's snapshot and the deltas after it),
+and a file's record batches can be found only from its footer: two round trips in turn
+per file, unless the footer is known. Here a file's footer is read once
 (:func:`read_footers`: the files' tails in one round, :class:`Footer` keeps what a read
 needs: the key-group index, the fences, each record batch's byte range), and from it
 :func:`plan_read` says, without any request, which bytes hold a key group (and, in a file
 with fences, the record batch that can hold one key); :func:`read_planned` then fetches
 the planned ranges of every file in one :meth:`~keyscale.storage.Store.get_ranges` (at
-once on an object store, ``pread`` on local disk: one code path for both) and decodes them.
+once on an object store, ``pread`` on local disk: one code path for both) and decodes them;
+:class:`SliceCache` keeps footers and slices for the lookups that come back.
 
 The byte ranges come from the Arrow footer's record batch blocks (offset, metadata length,
 body length), read from its flatbuffer here: pyarrow does not expose them.
@@ -33,9 +34,13 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from keyscale.checkpoint.files import (
@@ -53,7 +58,7 @@ from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.storage import Store
 
-__all__ = ["Footer", "PlannedRead", "parse_footer", "plan_read", "read_footers", "read_planned"]
+__all__ = ["DEFAULT_CACHE_BYTES", "Footer", "PlannedRead", "SliceCache", "parse_footer", "plan_read", "read_footers", "read_planned"]
 
 _BLOCK = struct.Struct("<qi4xq")  # an Arrow footer's Block: offset, metadata length, (padding), body length
 
@@ -198,3 +203,103 @@ def _get_ranges(store: Store, files: Sequence[StateFile], reads: list[tuple[str,
         if len(data) != length:
             raise StateError(f"state file {store.url(f.path)} is damaged (shorter than its checkpoint's entry says)")
     return got
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+#: Bytes of footers and key-group slices a :class:`~keyscale.state_processor.StateLookup` keeps (64 MiB).
+DEFAULT_CACHE_BYTES = 64 << 20
+
+
+class SliceCache:
+    """A least-recently-used cache of what lookups read of state files: parsed footers and
+    key-group slices (by the record batches read), bounded by their bytes, safe to share
+    between threads.
+
+    Entries are keyed by the file's path *and* checksum (a state file never changes once
+    written; a path is never reused for other bytes), so no entry is ever stale; a file
+    retention deleted just stops being asked for and ages out.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[Any, ...], tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def _get(self, key: tuple[Any, ...]) -> Any:
+        with self._lock:
+            found = self._items.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return found[0]
+
+    def _put(self, key: tuple[Any, ...], value: Any, size: int) -> None:
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._items[key] = (value, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, dropped) = self._items.popitem(last=False)
+                self.bytes -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
+
+    def footers(self, store: Store, files: Sequence[StateFile]) -> list[Footer]:
+        """The parsed footers of ``files``: from the cache, those missing read in one round."""
+        idents = [("footer", store.uri, f.path, f.crc32, f.bytes) for f in files]
+        found = [self._get(i) for i in idents]
+        missing = [k for k, ft in enumerate(found) if ft is None]
+        if missing:
+            for k, ft in zip(missing, read_footers(store, [files[k] for k in missing]), strict=True):
+                found[k] = ft
+                self._put(idents[k], ft, ft.nbytes)
+        return found
+
+    def slices(self, store: Store, files: Sequence[StateFile], rng: KeyGroupRange, probe: int | None = None) -> list[pa.Table]:
+        """The rows of key groups ``rng`` in each of ``files``: from the cache, else fetched by
+        byte range, every file's at once (:func:`read_planned`),
+        their footers first if not cached. ``probe``: a key's sort key
+        (:func:`keyscale.state.order.sort_keys`): in a file with fences, only the rows of
+        ``rng`` in the record batch(es) that can hold that key.
+
+        A slice is cached by the record batches it was read from, not by the key: another key
+        of the same record batch (of a delta: of the key group) takes it from the cache."""
+        out: list[pa.Table] = []
+        todo: list[tuple[int, PlannedRead, tuple[Any, ...]]] = []
+        for f, footer in zip(files, self.footers(store, files), strict=True):
+            plan = plan_read(f, footer, rng, probe)
+            if plan is None:  # the file holds no row of the key group (or of the key's batch)
+                out.append(footer.schema.empty_table())
+                continue
+            read = None if plan.batches is None else (plan.batches.start, plan.batches.stop)
+            key = (store.uri, f.path, f.crc32, f.bytes, rng.start, rng.end, read)
+            cached = self._get(key)
+            if cached is None:
+                todo.append((len(out), plan, key))
+            out.append(cached)
+        for (i, _, key), table in zip(todo, read_planned(store, [plan for _, plan, _ in todo]), strict=True):
+            if self.max_bytes and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
+                # A view of fetched record batches much larger than the key group's rows (a
+                # delta's): kept, it would hold them all; a copy of its own rows lets the
+                # cache hold many more slices.
+                table = table.take(np.arange(table.num_rows))
+            self._put(key, table, max(1, table.get_total_buffer_size()))
+            out[i] = table
+        return out
+
+    def slice(self, store: Store, f: StateFile, rng: KeyGroupRange, probe: int | None = None) -> pa.Table:
+        """:meth:`slices` of one file."""
+        return self.slices(store, [f], rng, probe)[0]

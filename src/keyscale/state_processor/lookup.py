@@ -7,19 +7,20 @@ the key's rows in ``kg``'s restore chain at ``N`` (its latest snapshot, then the
 it: :func:`keyscale.checkpoint.manifest.restore_chain`) applied in order, as a restore
 applies them (:class:`keyscale.state.table.KeyedStateTable`, the same decoding
 :func:`~keyscale.state_processor.read_keyed_state` uses). Of each file only its footer and
-the record batches holding ``kg`` are read, by byte range
-(:func:`keyscale.checkpoint.files.read_key_groups_ranged`: ranged GETs on an object store, a
-memory map on local disk, where only those pages are read), and of a snapshot with fences
-only the one record batch of ``kg`` that can hold the key (:mod:`keyscale.state.order`); footers and key-group slices
-stay in a small LRU cache (:class:`SliceCache`), keyed
-by file (path and checksum: state files are immutable) and range, so a hot key costs no
-read at all.
+the record batches holding ``kg`` are read, by byte range, and of a snapshot with fences
+only the one record batch of ``kg`` that can hold the key (:mod:`keyscale.state.order`):
+the footers of the chain's files in one round of reads, then the record batches of all of
+them in one more (:mod:`keyscale.checkpoint.ranged`: ranged GETs at once on an object
+store, ``pread`` on local disk). Parsed footers and slices stay in a small LRU cache
+(:class:`SliceCache`), keyed by file (path and checksum: state files are immutable) and
+the record batches read, so a hot key (or another key of the same record batch) costs no
+read at all, and a lookup whose footers are cached costs one round trip.
 
 Why here, in the State Processor: a lookup is a read of keyed state outside the running
 job, like :func:`read_keyed_state`, and the next readers (a Spark data source partitioned
 by key-group ranges, a change feed from the deltas, diffs, validated edits) plan with the
 same pieces: :meth:`StateLookup.operator` (the operator at a checkpoint, its types, its
-routing key), :func:`parse_key`, :meth:`SliceCache.slice` and :func:`jsonable`.
+routing key), :func:`parse_key`, :meth:`SliceCache.slices` and :func:`jsonable`.
 
 An answer is JSON-able: ``batch`` (the checkpoint), ``uid``, ``key`` (by key column),
 ``key_group``, ``found``, ``state`` (each declared state's value, list and map states as
@@ -60,7 +61,6 @@ import decimal
 import json
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +72,7 @@ import pyarrow.compute as pc
 from keyscale.checkpoint.files import Location
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, restore_chain
-from keyscale.checkpoint.ranged import Footer, PlannedRead, plan_read, read_footers, read_planned
+from keyscale.checkpoint.ranged import DEFAULT_CACHE_BYTES, SliceCache
 from keyscale.checkpoint.savepoint import METADATA_FILE
 from keyscale.checkpoint.savepoint.schema import spark_type_name
 from keyscale.checkpoint.savepoint.write import CheckpointFiles, checkpoint_types
@@ -89,9 +89,6 @@ from keyscale.storage import Store
 __all__ = [
     "DEFAULT_CACHE_BYTES", "LookupOperator", "SliceCache", "StateLookup", "committed_checkpoint", "jsonable", "parse_key"]
 
-#: Bytes of footers and key-group slices a :class:`StateLookup` keeps (64 MiB).
-DEFAULT_CACHE_BYTES = 64 << 20
-
 # Hidden states (state/handles.py): a key's timers, and each TTL state's clock.
 _TIMERS = {timers: domain for domain, (timers, _) in TIMER_STATES.items()}
 
@@ -107,99 +104,6 @@ def committed_checkpoint(store: Store, checkpoint: int | None = None) -> tuple[J
     if manifest is None:
         raise StateError(f"job directory {jd.uri} has no committed checkpoint yet")
     return jd, manifest
-
-
-class SliceCache:
-    """A least-recently-used cache of what lookups read of state files: footers and
-    key-group slices, bounded by their bytes, safe to share between threads.
-
-    Entries are keyed by the file's path *and* checksum (a state file never changes once
-    written; a path is never reused for other bytes), so no entry is ever stale; a file
-    retention deleted just stops being asked for and ages out.
-    """
-
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[Any, ...], tuple[Any, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    def _get(self, key: tuple[Any, ...]) -> Any:
-        with self._lock:
-            found = self._items.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return found[0]
-
-    def _put(self, key: tuple[Any, ...], value: Any, size: int) -> None:
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self._items[key] = (value, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, dropped) = self._items.popitem(last=False)
-                self.bytes -= dropped
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.bytes = 0
-
-    def footers(self, store: Store, files: Sequence[StateFile]) -> list[Footer]:
-        """The parsed footers of ``files``: from the cache, those missing read in one round."""
-        idents = [("footer", store.uri, f.path, f.crc32, f.bytes) for f in files]
-        found = [self._get(i) for i in idents]
-        missing = [k for k, ft in enumerate(found) if ft is None]
-        if missing:
-            for k, ft in zip(missing, read_footers(store, [files[k] for k in missing]), strict=True):
-                found[k] = ft
-                self._put(idents[k], ft, ft.nbytes)
-        return found
-
-    def slices(self, store: Store, files: Sequence[StateFile], rng: KeyGroupRange, probe: int | None = None) -> list[pa.Table]:
-        """The rows of key groups ``rng`` in each of ``files``: from the cache, else fetched by
-        byte range, every file's at once (:func:`keyscale.checkpoint.ranged.read_planned`),
-        their footers first if not cached. ``probe``: a key's sort key
-        (:func:`keyscale.state.order.sort_keys`): in a file with fences, only the rows of
-        ``rng`` in the record batch(es) that can hold that key.
-
-        A slice is cached by the record batches it was read from, not by the key: another key
-        of the same record batch (of a delta: of the key group) takes it from the cache."""
-        out: list[pa.Table] = []
-        todo: list[tuple[int, PlannedRead, tuple[Any, ...]]] = []
-        for f, footer in zip(files, self.footers(store, files), strict=True):
-            plan = plan_read(f, footer, rng, probe)
-            if plan is None:  # the file holds no row of the key group (or of the key's batch)
-                out.append(footer.schema.empty_table())
-                continue
-            read = None if plan.batches is None else (plan.batches.start, plan.batches.stop)
-            key = (store.uri, f.path, f.crc32, f.bytes, rng.start, rng.end, read)
-            cached = self._get(key)
-            if cached is None:
-                todo.append((len(out), plan, key))
-            out.append(cached)
-        for (i, _, key), table in zip(todo, read_planned(store, [plan for _, plan, _ in todo]), strict=True):
-            if self.max_bytes and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
-                # A view of fetched record batches much larger than the key group's rows (a
-                # delta's): kept, it would hold them all; a copy of its own rows lets the
-                # cache hold many more slices.
-                table = table.take(np.arange(table.num_rows))
-            self._put(key, table, max(1, table.get_total_buffer_size()))
-            out[i] = table
-        return out
-
-    def slice(self, store: Store, f: StateFile, rng: KeyGroupRange, probe: int | None = None) -> pa.Table:
-        """:meth:`slices` of one file."""
-        return self.slices(store, [f], rng, probe)[0]
 
 
 @dataclass(frozen=True)
