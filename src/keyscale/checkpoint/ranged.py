@@ -47,7 +47,6 @@ from keyscale.checkpoint.files import (
     _CHUNK_KEY,
     _INDEX_KEY,
     TAIL_BYTES,
-    _Ranged,
     fenced_batches,
     file_fences,
     read_key_groups_ranged,
@@ -60,7 +59,6 @@ from keyscale.storage import Store
 
 __all__ = ["DEFAULT_CACHE_BYTES", "Footer", "PlannedRead", "SliceCache", "parse_footer", "plan_read", "read_footers", "read_planned"]
 
-_BLOCK = struct.Struct("<qi4xq")  # an Arrow footer's Block: offset, metadata length, (padding), body length
 
 
 @dataclass(frozen=True)
@@ -84,6 +82,10 @@ class Footer:
         return found[0][0], found[-1][0] + found[-1][1]
 
 
+# An Arrow footer's Block struct: offset, metadata length, (padding), body length.
+_BLOCK = np.dtype([("offset", "<i8"), ("meta", "<i4"), ("pad", "<i4"), ("body", "<i8")])
+
+
 def _record_batch_blocks(footer: bytes) -> list[tuple[int, int]]:
     """The ``recordBatches`` of an Arrow IPC footer (a flatbuffer ``Footer`` table: fields
     version, schema, dictionaries, recordBatches) as (offset, metadata + body length)."""
@@ -96,24 +98,26 @@ def _record_batch_blocks(footer: bytes) -> list[tuple[int, int]]:
     if not at:
         return []
     vec = root + at + u32.unpack_from(footer, root + at)[0]
-    n = u32.unpack_from(footer, vec)[0]
-    return [(off, meta + body) for off, meta, body in (_BLOCK.unpack_from(footer, vec + 4 + i * _BLOCK.size) for i in range(n))]
+    blocks = np.frombuffer(footer, dtype=_BLOCK, count=u32.unpack_from(footer, vec)[0], offset=vec + 4)
+    return list(zip(blocks["offset"].tolist(), (blocks["meta"] + blocks["body"]).tolist(), strict=True))
 
 
 def parse_footer(store: Store, f: StateFile, tail: tuple[int, bytes]) -> Footer:
     """The footer of state file ``f`` from its ``tail`` (:func:`~keyscale.checkpoint.files.state_file_tail`)."""
     start, data = tail
     try:
-        reader = pa.ipc.open_file(pa.PythonFile(_Ranged(store, f.path, f.bytes, tail=tail), mode="r"))
+        # The tail as a file that ends where the state file ends: Arrow reads the footer from it.
+        reader = pa.ipc.open_file(pa.BufferReader(data), footer_offset=len(data))
         length = int.from_bytes(data[-10:-6], "little")
         blocks = _record_batch_blocks(data[len(data) - 10 - length : len(data) - 10])
-    except (pa.ArrowInvalid, OSError, struct.error) as e:
+    except (pa.ArrowInvalid, OSError, struct.error, ValueError) as e:
         raise StateError(f"state file {store.url(f.path)} is unreadable ({e})") from None
     meta = reader.schema.metadata or {}
     chunk = int(meta.get(_CHUNK_KEY, b"0"))
-    if len(blocks) != reader.num_record_batches or any(o < 0 or o + n > start + len(data) for o, n in blocks):
+    ends = [o + n for o, n in blocks]
+    if len(blocks) != reader.num_record_batches or (blocks and (min(o for o, _ in blocks) < 0 or max(ends) > start + len(data))):
         chunk = 0  # not a layout this reader knows: read the file whole
-    index = {int(kg): (int(first), int(n)) for kg, first, n in json.loads(meta.get(_INDEX_KEY, b"[]"))}
+    index = {kg: (first, n) for kg, first, n in json.loads(meta.get(_INDEX_KEY, b"[]"))}
     size = len(data) + 48 * len(index) + 16 * len(blocks)
     fences = file_fences(meta)
     return Footer(reader.schema, chunk, index, tuple(blocks), fences, size + 8 * len(fences or ()))
