@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import cli, read_output, run_job, write_events
+from conftest import cli, cli_here, read_output, run_job, write_events
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import InputDataError, RecordError
 
@@ -156,7 +156,7 @@ def test_nan_key_is_a_null_key(spark: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_dead_letters_are_exactly_once_across_a_crash_and_a_retry_at_another_parallelism(tmp_path: Path) -> None:
+def test_dead_letters_are_exactly_once_across_a_crash_and_a_retry_at_another_parallelism(spark: Any, tmp_path: Path) -> None:
     import signal
 
     import pyarrow.dataset as pads
@@ -168,7 +168,7 @@ def test_dead_letters_are_exactly_once_across_a_crash_and_a_retry_at_another_par
     crashed = cli(*base, "-p", "2", "--fault", "after-sink:1")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert (tmp_path / "dead" / "batch=000000000001").exists() and JobDir(tmp_path / "job").manifest_batches() == [0]
-    resumed = cli(*base, "-p", "3", check=True)
+    resumed = cli_here(*base, "-p", "3", check=True)  # a new driver: the killed one's JVM went with it
     assert "batch 1: retrying the failed attempt at -p 3 (it ran with 'alerts' p=2)" in resumed.stderr
 
     # What a run without faults computes: running totals per key in arrival order, k3 set aside.

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import ROOT, RUNNING_COUNT, cli, read_output, run_job
+from conftest import ROOT, RUNNING_COUNT, cli, cli_here, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.errors import StateError
@@ -204,7 +204,7 @@ def test_incompatible_state_change_is_refused(spark: Any, events: Path, tmp_path
 
 
 @pytest.mark.slow
-def test_stop_with_savepoint_then_restart_loses_nothing(events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
+def test_stop_with_savepoint_then_restart_loses_nothing(spark: Any, events: Path, reference: pd.DataFrame, tmp_path: Path) -> None:
     inp = tmp_path / "in"
     _stage(events, inp, slice(0, 2))
     job = tmp_path / "job"
@@ -229,7 +229,7 @@ def test_stop_with_savepoint_then_restart_loses_nothing(events: Path, reference:
                 proc.send_signal(signal.SIGKILL)
     assert not JobDir(job).is_running()
     _stage(events, inp, slice(2, 6))
-    cli("run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job2"), "-p", "3", "--until-idle", "--from-savepoint", str(tmp_path / "sp"),
+    cli_here("run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job2"), "-p", "3", "--until-idle", "--from-savepoint", str(tmp_path / "sp"),
         "--set", f"input={inp}", "--set", f"output={tmp_path / 'out2'}", check=True)
     pd.testing.assert_frame_equal(_union(tmp_path / "out1", tmp_path / "out2"), reference)
 

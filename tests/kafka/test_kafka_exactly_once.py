@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 from test_kafka_jobs import _check_exactly_once, _check_read_to_end, _decoded, _output_view
 
-from conftest import EXAMPLES, cli, new_topic, produce_events
+from conftest import EXAMPLES, cli, cli_here, new_topic, produce_events
 from keyscale.checkpoint.fence import Fence, epoch_key
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
@@ -70,19 +70,19 @@ def _task_args(sink: KafkaSink, lineage: str, batch: int, start: int, fence: Fen
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "restart"), [(4, 2), (2, 4)])
-def test_a_replay_at_another_parallelism_writes_every_update_once(first: int, restart: int, kafka_broker: Any, tmp_path: Path) -> None:
+def test_a_replay_at_another_parallelism_writes_every_update_once(first: int, restart: int, spark: Any, kafka_broker: Any, tmp_path: Path) -> None:
     """Task 0 of batch 2 commits, the driver dies before the other tasks (one core: they run
     in turn), the restart asks for another -p: batch 2 keeps its plan (its committed output
     is per task), the new -p applies from batch 3, and every update is in the topic once."""
     b = kafka_broker.bootstrap
     src, out = new_topic(b, 4, "in"), new_topic(b, 2, "out")
     events = produce_events(b, src, 800, keys=40, seed=5)
-    base = ["run", str(JOB), "--job-dir", str(tmp_path / "job"), "--until-idle", "--master", "local[1]", "--retain", "100",
+    base = ["run", str(JOB), "--job-dir", str(tmp_path / "job"), "--until-idle", "--retain", "100",
             "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", f"output={out}", "--set", "max_records=60"]
-    crashed = cli(*base, "-p", str(first), "--fault", "kafka-postcommit:2")
+    crashed = cli(*base, "--master", "local[1]", "-p", str(first), "--fault", "kafka-postcommit:2")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert JobDir(tmp_path / "job").manifest_batches()[-1] == 1
-    resumed = cli(*base, "-p", str(restart), check=True)
+    resumed = cli_here(*base, "-p", str(restart), check=True)  # a new driver, on the tests' session
     _check_read_to_end(JobDir(tmp_path / "job"), b, src, resumed.stderr)
     records = read_committed(b, out)
     updates = _decoded(records)

@@ -292,10 +292,10 @@ def test_interval_join_of_two_logs_is_the_plain_join_across_a_live_rescale(spark
         assert read_keyed_state(spark, tmp_path / "job", "join", state=side).count() == 0
 
 
-def test_interval_join_of_two_logs_resumes_exactly_once_after_a_kill(logs: Any, tmp_path: Path) -> None:
+def test_interval_join_of_two_logs_resumes_exactly_once_after_a_kill(spark: Any, logs: Any, tmp_path: Path) -> None:
     import signal
 
-    from conftest import cli
+    from conftest import cli, cli_here
 
     users, clicks, want = logs
     job = tmp_path / "logs.py"
@@ -304,7 +304,7 @@ def test_interval_join_of_two_logs_resumes_exactly_once_after_a_kill(logs: Any, 
             "--set", f"clicks={clicks}", "--set", "cap=20", "--set", f"output={tmp_path / 'out'}"]
     crashed = cli(*base, "--fault", "after-sink:2")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
-    cli(*base, "--drain-at-end", check=True)
+    cli_here(*base, "--drain-at-end", check=True)  # a new driver: the killed one's JVM went with it
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["id", "page"]).any()
     assert _pairs(tmp_path / "out") == want

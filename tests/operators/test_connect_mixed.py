@@ -76,12 +76,12 @@ def test_a_spark_source_joined_with_a_log_across_a_live_rescale_and_a_savepoint(
     assert pairs(whole) == sorted(pairs(whole[whole.batch <= 2]) + pairs(after))
 
 
-def test_a_log_joined_with_a_spark_source_resumes_exactly_once_after_a_kill(inputs: Any, logs: Any, tmp_path: Path) -> None:
+def test_a_log_joined_with_a_spark_source_resumes_exactly_once_after_a_kill(spark: Any, inputs: Any, logs: Any, tmp_path: Path) -> None:
     """Users from a log, clicks from Spark's file source: killed after a batch's output
     and before its commit, then resumed at another parallelism: each pair once."""
     import signal
 
-    from conftest import cli
+    from conftest import cli, cli_here
 
     _, clicks_dir, _, _ = inputs
     users_log, _, want = logs
@@ -91,7 +91,7 @@ def test_a_log_joined_with_a_spark_source_resumes_exactly_once_after_a_kill(inpu
             "--set", f"clicks={clicks_dir}", "--set", "files_per_batch=2", "--set", "cap=10", "--set", f"output={tmp_path / 'out'}"]
     crashed = cli(*argv, "-p", "2", "--fault", "after-sink:2")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
-    cli(*argv, "-p", "3", "--drain-at-end", check=True)
+    cli_here(*argv, "-p", "3", "--drain-at-end", check=True)  # a new driver: the killed one's JVM went with it
     out = read_output(tmp_path / "out")
     assert not out.duplicated(["id", "page"]).any()
     assert _pairs(tmp_path / "out") == want

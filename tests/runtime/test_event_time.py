@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from tests.operators.window_reference import batches, fixed_windows, last_rows, sessions, watermarks
 
-from conftest import EXAMPLES, ROOT, cli, read_output, run_job
+from conftest import EXAMPLES, ROOT, cli, cli_here, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.operators.eventtime import END_OF_TIME
@@ -175,7 +175,7 @@ def check_timers(out: pd.DataFrame, data: list[pd.DataFrame]) -> None:
         assert g.groupby("batch")["at"].is_monotonic_increasing.all()  # in timestamp order within a firing
 
 
-def test_timers_fire_once_in_order_across_rescale_crash_and_restore(data: list[pd.DataFrame], tmp_path: Path) -> None:
+def test_timers_fire_once_in_order_across_rescale_crash_and_restore(spark: Any, data: list[pd.DataFrame], tmp_path: Path) -> None:
     job = tmp_path / "timers.py"
     job.write_text(textwrap.dedent(TIMER_JOB))
     write_batches(tmp_path / "in", data[:4])
@@ -183,13 +183,14 @@ def test_timers_fire_once_in_order_across_rescale_crash_and_restore(data: list[p
     # Killed in the middle of batch 2 (timers registered in 0-1 are due), then resumed at another P.
     crashed = cli("run", str(job), "--job-dir", str(tmp_path / "job"), "-p", "2", *common, "--fault", "mid-batch:2")
     assert crashed.returncode != 0
-    cli("run", str(job), "--job-dir", str(tmp_path / "job"), "-p", "3", *common, check=True)
-    cli("savepoint", str(tmp_path / "job"), "--dest", str(tmp_path / "sp"), check=True)
+    # The runs after the kill are a new driver's: the killed one's JVM went with it.
+    cli_here("run", str(job), "--job-dir", str(tmp_path / "job"), "-p", "3", *common, check=True)
+    cli_here("savepoint", str(tmp_path / "job"), "--dest", str(tmp_path / "sp"), check=True)
     write_batches(tmp_path / "in", data[4:], first=4)
-    cli("run", str(job), "--job-dir", str(tmp_path / "job2"), "-p", "1", *common, "--from-savepoint", str(tmp_path / "sp"), "--drain-at-end", check=True)
+    cli_here("run", str(job), "--job-dir", str(tmp_path / "job2"), "-p", "1", *common, "--from-savepoint", str(tmp_path / "sp"), "--drain-at-end", check=True)
     check_timers(read_output(tmp_path / "out"), data)
     # A drained job is finished: it refuses to resume.
-    again = cli("run", str(job), "--job-dir", str(tmp_path / "job2"), *common)
+    again = cli_here("run", str(job), "--job-dir", str(tmp_path / "job2"), *common)
     assert again.returncode != 0 and "was drained" in again.stderr
 
 

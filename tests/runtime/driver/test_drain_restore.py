@@ -14,7 +14,7 @@ import pytest
 from tests.operators.window_reference import last_rows
 from tests.runtime.test_event_time import EPOCH_MS, to_ms, write_batches
 
-from conftest import EXAMPLES, cli, read_output, run_job
+from conftest import EXAMPLES, cli, cli_here, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.savepoint import read_savepoint
 from keyscale.operators.eventtime import END_OF_TIME
@@ -100,7 +100,7 @@ def test_a_drained_savepoint_restores_with_no_batch_lost(spark: Any, files: list
     pd.testing.assert_frame_equal(late, ref[ref.window_start >= 30_000][cols].sort_values(cols).reset_index(drop=True), check_dtype=False)
 
 
-def test_an_interrupted_drain_does_not_take_the_next_input_batch(files: list[pd.DataFrame], tmp_path: Path) -> None:
+def test_an_interrupted_drain_does_not_take_the_next_input_batch(spark: Any, files: list[pd.DataFrame], tmp_path: Path) -> None:
     """Killed after the drain wrote its output, before it committed: the next run is not a
     drain. Spark's next batch takes the drain's id with real input: it runs at the job's
     watermark (not the end of time), and its output replaces the drain's (set aside)."""
@@ -111,7 +111,7 @@ def test_an_interrupted_drain_does_not_take_the_next_input_batch(files: list[pd.
     crashed = cli("run", str(job), "--job-dir", str(tmp_path / "job"), *common, "--drain-at-end", "--fault", "after-sink:2")
     assert crashed.returncode != 0 and (out / batch_folder_name(2)).exists()  # the drain's output, not committed
     write_batches(inp, files[2:], first=2)
-    cli("run", str(job), "--job-dir", str(tmp_path / "job"), *common, check=True)
+    cli_here("run", str(job), "--job-dir", str(tmp_path / "job"), *common, check=True)  # a new driver
     run_job(job, tmp_path / "ref", 2, {**ARGS, "input": str(inp), "output": str(tmp_path / "ref_out")})
     pd.testing.assert_frame_equal(read_output(out), read_output(tmp_path / "ref_out"))
     assert list((out / SUPERSEDED).glob(f"*/{batch_folder_name(2)}"))
