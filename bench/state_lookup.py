@@ -161,6 +161,7 @@ def main() -> None:
     ap.add_argument("--max-parallelism", type=int, default=128)
     ap.add_argument("-p", "--parallelism", type=int, default=4)
     ap.add_argument("--deltas", type=int, default=3)
+    ap.add_argument("--chunk-rows", type=int, help="rows per record batch of the snapshots built (default: the writer's, CHUNK_ROWS)")
     ap.add_argument("--where", help="job directory to create (default: a temporary folder)")
     ap.add_argument("--reuse", action="store_true", help="look up in the job directory --where that an earlier run built (same --keys): "
                     "A B runs of two code paths on the same files")
@@ -202,12 +203,16 @@ def run(a: argparse.Namespace, where: str) -> None:
                 print(json.dumps({"round": r, "side": side, "src": src, **json.loads(out.stdout.strip().splitlines()[-1])}), flush=True)
         return
     t0 = time.perf_counter()
+    if a.chunk_rows:
+        import keyscale.checkpoint.files as files
+
+        files.CHUNK_ROWS = a.chunk_rows  # an experiment on the snapshots' record batch size
     jd = JobDir(where) if a.reuse else build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
     built = time.perf_counter() - t0
     rng = np.random.default_rng(1)
     picks = [f"user-{i:09d}" if rng.random() < 0.9 else f"absent-{i}" for i in rng.integers(0, a.keys, a.lookups)]
     state_bytes = sum(f.bytes for f in jd.latest_manifest().operators["op"].files)  # type: ignore[union-attr]
-    out: dict[str, Any] = {"keys": a.keys, "max_parallelism": a.max_parallelism, "parallelism": a.parallelism, "deltas": a.deltas,
+    out: dict[str, Any] = {"chunk_rows": a.chunk_rows, "keys": a.keys, "max_parallelism": a.max_parallelism, "parallelism": a.parallelism, "deltas": a.deltas,
                            "where": "local" if jd.is_local else jd.uri.split(":")[0], "state_mb": round(state_bytes / 1e6, 1),
                            "build_s": round(built, 1)}
     latest = jd.latest_manifest()
