@@ -60,7 +60,6 @@ from keyscale.storage import Store
 __all__ = ["DEFAULT_CACHE_BYTES", "Footer", "PlannedRead", "SliceCache", "parse_footer", "plan_read", "read_footers", "read_planned"]
 
 
-
 @dataclass(frozen=True)
 class Footer:
     """What a read of part of a state file needs of its footer."""
@@ -75,8 +74,7 @@ class Footer:
     def rows_of(self, f: StateFile, rng: KeyGroupRange) -> tuple[int, int]:
         """The rows ``[first, last)`` of key groups ``rng`` (``files._rows_of``, from the parsed index)."""
         lo, hi = max(rng.start, f.start), min(rng.end, f.end)
-        found = [self.index[kg] for kg in range(lo, hi + 1) if kg in self.index] if hi - lo < 64 else \
-            [v for kg, v in sorted(self.index.items()) if lo <= kg <= hi]
+        found = [self.index[kg] for kg in range(lo, hi + 1) if kg in self.index]
         if not found:
             return 0, 0
         return found[0][0], found[-1][0] + found[-1][1]
@@ -114,8 +112,8 @@ def parse_footer(store: Store, f: StateFile, tail: tuple[int, bytes]) -> Footer:
         raise StateError(f"state file {store.url(f.path)} is unreadable ({e})") from None
     meta = reader.schema.metadata or {}
     chunk = int(meta.get(_CHUNK_KEY, b"0"))
-    ends = [o + n for o, n in blocks]
-    if len(blocks) != reader.num_record_batches or (blocks and (min(o for o, _ in blocks) < 0 or max(ends) > start + len(data))):
+    inside = all(o >= 0 and o + n <= start + len(data) for o, n in blocks[:1] + blocks[-1:])  # in file order: the first and last tell
+    if len(blocks) != reader.num_record_batches or not inside:
         chunk = 0  # not a layout this reader knows: read the file whole
     index = {kg: (first, n) for kg, first, n in json.loads(meta.get(_INDEX_KEY, b"[]"))}
     size = len(data) + 48 * len(index) + 16 * len(blocks)
