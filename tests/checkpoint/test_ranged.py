@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keyscale.checkpoint.files as files
+import keyscale.checkpoint.ranged as ranged
 from keyscale.checkpoint.files import read_state_slice, write_state_file
 from keyscale.checkpoint.ranged import plan_read, read_footers, read_planned
 from keyscale.errors import StateError
@@ -37,12 +38,15 @@ def _table(keys: list[str], kgs: list[int], ordered: bool) -> pa.Table:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), chunk=st.integers(1, 9), snapshot=st.booleans())
+@given(data=st.data(), chunk=st.integers(1, 9), snapshot=st.booleans(), tail=st.sampled_from([16 << 10, 64]))
 def test_a_planned_read_equals_the_whole_key_group(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, chunk: int, snapshot: bool,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, chunk: int, snapshot: bool, tail: int,
 ) -> None:
     monkeypatch.setattr(files, "CHUNK_ROWS", chunk)
     monkeypatch.setattr(files, "DELTA_CHUNK_ROWS", chunk)
+    # A first read shorter than the footer: read again, the footer alone (a large file's case)
+    monkeypatch.setattr(files, "TAIL_BYTES", tail)
+    monkeypatch.setattr(ranged, "TAIL_BYTES", tail)
     distinct = data.draw(st.lists(_keys, min_size=1, max_size=40, unique=True))
     groups = data.draw(st.lists(st.integers(0, M - 1), min_size=len(distinct), max_size=len(distinct)))
     table = _table(distinct, groups, snapshot)

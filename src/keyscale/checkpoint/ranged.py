@@ -104,9 +104,12 @@ def parse_footer(store: Store, f: StateFile, tail: tuple[int, bytes]) -> Footer:
     """The footer of state file ``f`` from its ``tail`` (:func:`~keyscale.checkpoint.files.state_file_tail`)."""
     start, data = tail
     try:
-        # The tail as a file that ends where the state file ends: Arrow reads the footer from it.
-        reader = pa.ipc.open_file(pa.BufferReader(data), footer_offset=len(data))
         length = int.from_bytes(data[-10:-6], "little")
+        # The tail as a file that ends where the state file ends: Arrow reads the footer from
+        # it, and asks for room for the file's leading magic before it (a tail of just the
+        # footer, read again for its length, has none: padded).
+        pad = b"\0" * max(0, length + 18 - len(data))
+        reader = pa.ipc.open_file(pa.BufferReader(pad + data), footer_offset=len(pad) + len(data))
         blocks = _record_batch_blocks(data[len(data) - 10 - length : len(data) - 10])
     except (pa.ArrowInvalid, OSError, struct.error, ValueError) as e:
         raise StateError(f"state file {store.url(f.path)} is unreadable ({e})") from None
