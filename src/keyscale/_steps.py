@@ -1,6 +1,6 @@
 """A job's graph as data: each stage's node, the branches, and the whole job (:class:`JobGraph`).
 
-The fluent API (``keyscale._pipeline``: streams, keyed streams, windows) builds these; the
+The fluent API (``keyscale._stream``: streams, keyed streams, windows; ``keyscale._job``) builds these; the
 runtime (``keyscale.runtime``) runs them each micro-batch and imports nothing of the API
 above this module. Pure data: no Spark session, no I/O; runs wherever the job is built
 (the driver) and, inside the stages' functions, on the executors.

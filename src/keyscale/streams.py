@@ -17,6 +17,6 @@ True
 ('KeyedStream', 'WindowedStream')
 """
 
-from keyscale._pipeline import KeyedStream, Stream, WindowedStream
+from keyscale._stream import KeyedStream, Stream, WindowedStream
 
 __all__ = ["KeyedStream", "Stream", "WindowedStream"]

@@ -38,7 +38,7 @@ def test_keyscale_status_says_the_batch_size_and_whose_limit_holds(monkeypatch: 
     st = {"job": "j", "job_dir": "d", "running": True, "state": "running", "pid": 1, "last_error": None, "pending_rescale": None,
           "max_parallelism": 128, "last_checkpoint": 3, "checkpoints": [3], "checkpoint_committing": None, "operators": {},
           "counters": {"total": {}, "last_batch": {}}, "latency": None, "batch_size": size}
-    monkeypatch.setattr("keyscale.cli.main.status_dict", lambda _: st)
+    monkeypatch.setattr("keyscale.cli.status.status_dict", lambda _: st)
     assert main(["status", "d"]) == 0
     out = capsys.readouterr().out
     assert ("batch size for the 1 s latency target: at most 400 records (source 'reader' max_records_per_batch); "

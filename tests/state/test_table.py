@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from keyscale.state import columns as columns_module
 from keyscale.state import table as table_module
 from keyscale.state.factorize import factorize_keys, make_index
 from keyscale.state.table import (
@@ -414,7 +415,7 @@ def test_keys_of_each_type_are_found_and_written_back_as_they_came(t: pa.DataTyp
 
 def test_string_keys_outgrowing_32_bit_offsets_move_to_64_bit_ones() -> None:
     t = KeyedStateTable(["k"], [pa.string()], [N])
-    with mock.patch.object(table_module, "_OFFSETS_LIMIT", 64):
+    with mock.patch.object(columns_module, "_OFFSETS_LIMIT", 64):
         for i in range(5):
             t.upsert([_obj([f"key-{i}-{j}" for j in range(4)])], np.full(4, i, dtype=np.int32), {"n": _col(N, [i] * 4)})
     assert t._keys[0].type == pa.large_string()

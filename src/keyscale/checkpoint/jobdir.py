@@ -20,71 +20,53 @@ Layout (keys of the job directory's store: a local folder or an object store pre
 Every object is written whole; nothing is renamed or locked on an object store (see
 docs/design.md, "Commit protocol").
 
-The module's size is earned: :class:`JobDir` is the one interface to the files above,
-each method one file's protocol under the same epoch fence and store rules, and what is
-pure already lives apart (:mod:`~keyscale.checkpoint.manifest`,
+:class:`JobDir` is the one interface to the files above, each method one file's protocol
+under the same epoch fence and store rules. This module holds the checkpoint half (manifests
+and the commit point, recovery at a start, batch intents, retention);
+:class:`~keyscale.checkpoint.jobfiles.JobFiles`, which it extends, holds the run half
+(layout, identity, the single-writer lock and epochs, status, events, rescale requests).
+What is pure lives apart (:mod:`~keyscale.checkpoint.manifest`,
 :mod:`~keyscale.checkpoint.fence`, :mod:`~keyscale.checkpoint.retention`,
 :mod:`~keyscale.checkpoint.lineage`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import socket
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
-from keyscale._subprocess import pid_exists
 from keyscale.checkpoint import sparklog
-from keyscale.checkpoint.fence import EPOCHS, Fence, epoch_key, resumed_key, superseded
+from keyscale.checkpoint.fence import EPOCHS, resumed_key, superseded
 from keyscale.checkpoint.files import state_size_problem, verify_state_file
 from keyscale.checkpoint.intent import BatchIntent
+from keyscale.checkpoint.jobfiles import (
+    HEARTBEAT_S,
+    JOB_FILE,
+    TAKEOVER_AFTER_S,
+    JobFiles,
+    JobIdentity,
+    batch_of,
+    json_bytes,
+    spark_cache_dir,
+)
 from keyscale.checkpoint.manifest import Manifest
 from keyscale.checkpoint.retention import checkpoints_to_keep
-from keyscale.errors import JobDirError, StateError, StorageError
-from keyscale.storage import LocalStore, Store, open_store
+from keyscale.errors import StateError, StorageError
+from keyscale.storage import Store
+
+# Names of the run half that callers import from here, where they were defined first.
+__all__ = ["HEARTBEAT_S", "JOB_FILE", "TAKEOVER_AFTER_S", "JobDir", "JobIdentity", "Recovery", "spark_cache_dir"]
 
 log = logging.getLogger("keyscale")
 
-JOB_FILE = "job.json"
 CHECKPOINTS = "checkpoints"
 DAMAGE_REPORT = "damage.json"  # a run found a damaged state file: the next start checks in full
-# On an object store there is no lock: a job whose heartbeat (status.json) is older than
-# this is taken to be gone, and a new run may claim the job directory.
-TAKEOVER_AFTER_S = float(os.environ.get("KEYSCALE_TAKEOVER_AFTER", "30"))
-HEARTBEAT_S = TAKEOVER_AFTER_S / 3
 # Files no manifest took (other attempts', a crashed batch's) are found by listing the
 # state folder: at start and every so many batches, never once per file.
 SWEEP_EVERY = 32
-
-
-def _json(obj: object) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=True).encode()
-
-
-def _batch_of(name: str, prefix: str) -> int | None:
-    try:
-        return int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) and name.endswith(".json") else None
-    except ValueError:
-        return None
-
-
-@dataclass(frozen=True)
-class JobIdentity:
-    name: str
-    max_parallelism: int
-    created_ms: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "max_parallelism": self.max_parallelism, "created_ms": self.created_ms}
 
 
 @dataclass(frozen=True)
@@ -97,22 +79,11 @@ class Recovery:
     spark_set_aside: str | None = None  # where Spark's checkpoint went on an empty restart
 
 
-def spark_cache_dir(uri: str) -> Path:
-    """The local folder where Spark's checkpoint of a job directory on an object store lives
-    while the job runs (Spark writes only local or Hadoop paths; keyscale mirrors it)."""
-    base = Path(os.environ.get("KEYSCALE_SPARK_CACHE", Path.home() / ".cache" / "keyscale" / "spark"))
-    return base / hashlib.sha256(uri.encode()).hexdigest()[:16]
-
-
-class JobDir:
+class JobDir(JobFiles):
     """One job directory on a store (local path, ``file://``, ``s3://``, ...)."""
 
     def __init__(self, location: str | os.PathLike[str] | Store):
-        self.store = open_store(location, "job directory")
-        self.uri = self.store.url()  # a plain path on local disk, a URI otherwise
-        self._lock_fd: int | None = None
-        self._local_id = uuid.uuid4().hex[:8]
-        self.epoch = 0  # this process's run, once claimed
+        super().__init__(location)
         self.resumed_from: int | None = None  # the checkpoint this run resumed from (-1: none), once recovered
         self._batches: list[int] | None = None  # manifest batches, listed once, then kept up to date
         self._manifests: dict[int, Manifest] = {}
@@ -120,178 +91,23 @@ class JobDir:
         self._inherited: set[int] = set()  # intents older runs left when this run took over (adoptable)
         self._since_sweep = SWEEP_EVERY
 
-    def __str__(self) -> str:
-        return self.uri
-
-    # -- layout ------------------------------------------------------------------------
-    @property
-    def is_local(self) -> bool:
-        return isinstance(self.store, LocalStore)
-
-    @property
-    def path(self) -> Path:
-        """The local folder (only for a job directory on local disk)."""
-        root = self.store.local_root
-        if root is None:
-            raise StorageError(f"job directory {self.uri} is not on local disk")
-        return root
-
-    @property
-    def spark_checkpoint(self) -> Path:
-        """Spark's streaming checkpoint (source positions, batch log): always a local folder.
-        For a job directory on an object store, a folder of this process (a run that takes
-        over never shares one with the run it fenced), rebuilt from the job directory."""
-        if self.is_local:
-            return self.path / "spark"
-        return spark_cache_dir(self.uri) / f"run-{os.getpid()}-{self._local_id}" / "spark"
-
-    @property
-    def spark_hidden(self) -> Path:
-        """Spark offsets entries moved aside while lost batches replay one at a time."""
-        return self.spark_checkpoint.with_name("spark-replay-hidden")
-
     def manifest_key(self, batch: int) -> str:
         return f"{CHECKPOINTS}/manifest-{batch:012d}.json"
 
     def intent_key(self, batch: int) -> str:
         return f"{CHECKPOINTS}/intent-{batch:012d}.json"
 
-    # -- identity ------------------------------------------------------------------------
-    def exists(self) -> bool:
-        return self.store.exists(JOB_FILE)
-
-    def read_job_file(self) -> dict[str, Any]:
-        text = self.store.get_text(JOB_FILE)
-        if text is None:
-            raise JobDirError(f"{self.uri} is not a keyscale job directory (no {JOB_FILE})")
-        try:
-            return dict(json.loads(text))
-        except ValueError as e:
-            raise JobDirError(f"{self.store.url(JOB_FILE)} is damaged ({e})") from None
-
-    def write_job_file(self, d: dict[str, Any]) -> None:
-        self.store.put(JOB_FILE, _json(d))
-
-    def identity(self) -> JobIdentity:
-        d = self.read_job_file()
-        try:
-            return JobIdentity(str(d["name"]), int(d["max_parallelism"]), int(d.get("created_ms", 0)))
-        except (ValueError, KeyError) as e:
-            raise JobDirError(f"{self.store.url(JOB_FILE)} is damaged ({e})") from None
-
-    def claim(self, name: str, max_parallelism: int | None, default_max_parallelism: int) -> JobIdentity:
-        """Create the directory for job ``name`` or check that it is this job's."""
-        root = self.store.local_root
-        if root is not None and root.exists() and not root.is_dir():
-            raise JobDirError(f"job directory {self.uri} is a file")
-        if self.exists():
-            ident = self.identity()
-            if ident.name != name:
-                raise JobDirError(f"job directory {self.uri} belongs to job '{ident.name}', not '{name}'; use another --job-dir")
-            if max_parallelism is not None and max_parallelism != ident.max_parallelism:
-                raise JobDirError(
-                    f"job directory {self.uri} has max parallelism {ident.max_parallelism}; it cannot change to "
-                    f"{max_parallelism} on running state (re-key a savepoint instead)"
-                )
-            return ident
-        if any(n != "lock" for n in self.store.list_names("")):
-            raise JobDirError(f"{self.uri} is not empty and is not a keyscale job directory")
-        ident = JobIdentity(name, max_parallelism or default_max_parallelism, int(time.time() * 1000))
-        if not self.store.create(JOB_FILE, _json(ident.to_json())):
-            return self.claim(name, max_parallelism, default_max_parallelism)  # another process just made it
-        return ident
-
-    # -- single writer: a local lock, and epochs everywhere --------------------------------
     def lock(self) -> None:
-        """Become the job's one writer or fail: never two runs committing to one job.
-
-        On local disk a ``flock`` tells a second process that the job is running. On an
-        object store the running job's heartbeat does (a run whose heartbeat is older than
-        ``KEYSCALE_TAKEOVER_AFTER`` seconds is taken to be gone). Either way the new run
-        claims the next epoch; an older run that wakes up is fenced at its next commit.
-        """
-        if isinstance(self.store, LocalStore):
-            fd = self.store.try_lock("lock")
-            if fd is None:
-                raise JobDirError(f"job directory {self.uri} is in use by a running job (pid {self.lock_holder() or '?'}); stop it first")
-            os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())
-            self._lock_fd = fd
-        else:
-            st = self.read_status()
-            if self._alive(st):
-                age = time.time() - int(st.get("updated_ms", 0)) / 1000
-                raise JobDirError(
-                    f"job directory {self.uri} is in use by a running job (pid {st.get('pid', '?')} on {st.get('host', '?')}, "
-                    f"last heartbeat {age:.0f} s ago); stop it first (a job that died is taken over {TAKEOVER_AFTER_S:.0f} s "
-                    "after its last heartbeat: KEYSCALE_TAKEOVER_AFTER)"
-                )
-        self.claim_epoch()
+        """:meth:`JobFiles.lock`, then note the intents older runs left (this run's replays follow them)."""
+        super().lock()
         # After the claim, before anything else: the intents older runs left. An older run's
         # intent that appears later is a paused run's late write (read_intent ignores it).
-        self._inherited = {i for n in self.store.list_names(CHECKPOINTS) if (i := _batch_of(n, "intent-")) is not None}
-
-    def claim_epoch(self) -> int:
-        """Create the next epoch object: from now on every older run is fenced."""
-        known = [b for n in self.store.list_names(EPOCHS) if (b := _batch_of(n, "")) is not None]
-        n = max(known, default=0) + 1
-        who = {"pid": os.getpid(), "host": socket.gethostname(), "started_ms": int(time.time() * 1000), "run": uuid.uuid4().hex}
-        while not self.store.create(epoch_key(n), _json(who)):
-            n += 1
-        self.epoch = n
-        return n
-
-    @property
-    def fence(self) -> Fence:
-        """This run's epoch, as writers of its effects (sinks, their tasks) check it."""
-        return Fence(self.store, self.epoch)
-
-    def check_epoch(self, doing: str) -> None:
-        """Raise :class:`FencedError` if a newer run claimed the job directory (one HEAD)."""
-        self.fence.check(doing)
-
-    def unlock(self) -> None:
-        if self._lock_fd is not None:
-            LocalStore.unlock(self._lock_fd)
-            self._lock_fd = None
-
-    @staticmethod
-    def _alive(status: dict[str, Any]) -> bool:
-        """A fresh heartbeat, unless it is of a process of this host that is gone (a crashed
-        job restarted on the same machine need not wait for its heartbeat to go stale)."""
-        if not status.get("running") or time.time() * 1000 - int(status.get("updated_ms", 0)) >= TAKEOVER_AFTER_S * 1000:
-            return False
-        if status.get("host") == socket.gethostname() and isinstance(status.get("pid"), int):
-            return pid_exists(status["pid"])
-        return True
-
-    def is_running(self) -> bool:
-        """True when some process runs the job (local: holds the lock; else: a fresh heartbeat)."""
-        if isinstance(self.store, LocalStore):
-            return self.store.is_locked("lock")
-        return self._alive(self.read_status())
-
-    def lock_holder(self) -> int | None:
-        if isinstance(self.store, LocalStore):
-            try:
-                return int((self.store.get_text("lock") or "").strip() or 0) or None
-            except ValueError:
-                return None
-        st = self.read_status()
-        return int(st["pid"]) if self._alive(st) and "pid" in st else None
-
-    @contextmanager
-    def locked(self) -> Iterator[JobDir]:
-        self.lock()
-        try:
-            yield self
-        finally:
-            self.unlock()
+        self._inherited = {i for n in self.store.list_names(CHECKPOINTS) if (i := batch_of(n, "intent-")) is not None}
 
     # -- checkpoints ---------------------------------------------------------------------
     def manifest_batches(self) -> list[int]:
         if self._batches is None or self.epoch == 0:  # tools list every time; the writer keeps its own
-            found = [b for n in self.store.list_names(CHECKPOINTS) if (b := _batch_of(n, "manifest-")) is not None]
+            found = [b for n in self.store.list_names(CHECKPOINTS) if (b := batch_of(n, "manifest-")) is not None]
             self._batches = sorted(found)  # batch -1: a savepoint without source positions
         return list(self._batches)
 
@@ -410,7 +226,7 @@ class JobDir:
             aside = sparklog.set_aside(self.spark_checkpoint)
             folder = f"{CHECKPOINTS}/intents.set-aside-{int(time.time() * 1000)}"
             for name in self.store.list_names(CHECKPOINTS):
-                if _batch_of(name, "intent-") is not None:
+                if batch_of(name, "intent-") is not None:
                     self._set_aside(f"{CHECKPOINTS}/{name}", f"{folder}/{name}")
             if reported is not None:
                 self.store.delete(DAMAGE_REPORT)
@@ -435,7 +251,7 @@ class JobDir:
         if not epochs:
             return set()
         resumed: dict[int, tuple[int, int]] = {}
-        for e in (b for n in self.store.list_names(EPOCHS) if (b := _batch_of(n, "")) is not None):
+        for e in (b for n in self.store.list_names(EPOCHS) if (b := batch_of(n, "")) is not None):
             record = self.read_json(resumed_key(e)) if e > min(epochs.values()) and e != self.epoch else {}
             if isinstance(record.get("batch"), int):
                 resumed[e] = (int(record["batch"]), int(record.get("epoch") or 0))
@@ -456,7 +272,7 @@ class JobDir:
         self.resumed_from = found.batch if found is not None else -1
         if self.epoch:
             epoch = int(found.extra.get("epoch") or 0) if found is not None else 0
-            self.store.put(resumed_key(self.epoch), _json({"batch": self.resumed_from, "epoch": epoch}))
+            self.store.put(resumed_key(self.epoch), json_bytes({"batch": self.resumed_from, "epoch": epoch}))
 
     def report_damage(self, why: str) -> None:
         """Ask the next start to check every state file of the checkpoints in full.
@@ -470,7 +286,7 @@ class JobDir:
         newer one took over writes nothing (:class:`FencedError`): the newer run reads the
         file itself."""
         self.check_epoch("recording the damage for the next start")
-        self.store.put(DAMAGE_REPORT, _json({"why": why, "pid": os.getpid(), "host": socket.gethostname(), "time_ms": int(time.time() * 1000)}))
+        self.store.put(DAMAGE_REPORT, json_bytes({"why": why, "pid": os.getpid(), "host": socket.gethostname(), "time_ms": int(time.time() * 1000)}))
 
     def rollback_spark_commits(self, after: int) -> list[int]:
         """Make Spark re-run every batch newer than ``after`` (its offsets are kept)."""
@@ -501,7 +317,7 @@ class JobDir:
         interrupted drain, an intent :meth:`read_intent` ignored)."""
         doing = f"planning batch {batch}"
         self.check_epoch(doing)
-        data = _json((intent.stamped(self.epoch) if self.epoch else intent).to_wire())
+        data = json_bytes((intent.stamped(self.epoch) if self.epoch else intent).to_wire())
         if replace:
             self.store.put(self.intent_key(batch), data)
         elif not self.store.create(self.intent_key(batch), data):
@@ -511,68 +327,6 @@ class JobDir:
             self.store.put(self.intent_key(batch), data)
         if self._intents is not None:
             self._intents.add(batch)
-
-    # -- small JSON objects ----------------------------------------------------------------
-    def read_json(self, key: str) -> dict[str, Any]:
-        """An object of the job directory as JSON; {} when absent or unreadable."""
-        try:
-            text = self.store.get_text(key)
-            return dict(json.loads(text)) if text else {}
-        except (ValueError, TypeError, StorageError):
-            return {}
-
-    def write_json(self, key: str, obj: object, durable: bool = True) -> None:
-        self.store.put(key, _json(obj), durable)
-
-    # -- control -------------------------------------------------------------------------
-    def request_rescale(self, parallelism: int, uid: str | None = None) -> None:
-        """Ask the running job for a new parallelism, applied at its next batch."""
-        req = self.read_rescale_requests()
-        req[uid or "*"] = parallelism
-        self.write_json("control/rescale.json", req)
-
-    def read_rescale_requests(self) -> dict[str, int]:
-        try:
-            return {str(k): int(v) for k, v in self.read_json("control/rescale.json").items()}
-        except (TypeError, ValueError):
-            return {}
-
-    def clear_rescale_requests(self) -> None:
-        """Take the requests (read first): not a fenced run's to take, they are for the newer run."""
-        self.check_epoch("taking the rescale requests")  # a tool (epoch 0) is never fenced: no request
-        self.store.delete("control/rescale.json")
-
-    def append_event(self, event: dict[str, Any]) -> None:
-        """One event: what the job decided or did, with its reason (a line of ``events.jsonl``
-        on local disk; an object under ``events/`` on an object store, which cannot append)."""
-        line = json.dumps(event, sort_keys=True)
-        if isinstance(self.store, LocalStore):
-            self.store.append("events.jsonl", (line + "\n").encode())
-        else:
-            self.store.put(f"events/{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}.json", line.encode(), durable=False)
-
-    def read_events(self) -> list[dict[str, Any]]:
-        if isinstance(self.store, LocalStore):
-            lines = (self.store.get_text("events.jsonl") or "").splitlines()
-        else:
-            lines = [self.store.get_text(o.key) or "" for o in self.store.list("events")]
-        return [dict(json.loads(ln)) for ln in lines if ln.strip()]
-
-    def write_status(self, status: dict[str, Any]) -> None:
-        """The job's status (on an object store also its heartbeat: see :meth:`lock`), with
-        this run's epoch. ``status.json`` is shared by every run of the job: a run that a newer
-        one took over raises :class:`FencedError` and writes nothing (its status would tell
-        ``lock`` and ``keyscale status`` that the live run stopped). The check and the write
-        are two requests: a run paused between them writes one stale status, which the live
-        run's next heartbeat (every ``HEARTBEAT_S``) replaces; on local disk the lock keeps a
-        second run from starting at all."""
-        if self.epoch:
-            self.check_epoch("writing its status")
-            status = {**status, "epoch": self.epoch, "host": socket.gethostname()}
-        self.write_json("status.json", status, durable=False)
-
-    def read_status(self) -> dict[str, Any]:
-        return self.read_json("status.json")
 
     # -- retention -----------------------------------------------------------------------
     def retain(self, keep: int) -> int:
@@ -609,7 +363,7 @@ class JobDir:
         self.store.delete_many(sorted(doomed))
         self.store.delete_many([self.manifest_key(b) for b in gone])
         if self._intents is None:
-            self._intents = {i for n in self.store.list_names(CHECKPOINTS) if (i := _batch_of(n, "intent-")) is not None}
+            self._intents = {i for n in self.store.list_names(CHECKPOINTS) if (i := batch_of(n, "intent-")) is not None}
         old = sorted(b for b in self._intents if b < oldest)
         self.store.delete_many([self.intent_key(b) for b in old])
         self._intents.difference_update(old)

@@ -8,7 +8,8 @@ the two inputs become one stream of rows ``(key..., __side, in1, in2)`` where ``
 ``in2``) holds the record as it was, so the state is in the same key groups as any other
 stage's and rescales, checkpoints, savepoints and restores the same way. This module is
 the per-record dispatch, the batch-at-a-time form (:class:`VectorizedKeyedCoProcessFunction`)
-and the joins (interval, window); :mod:`keyscale._pipeline` (``Stream.connect``, the joins) builds the combined stream.
+and the joins (interval, window); :mod:`keyscale._stream` (``Stream.connect``, the joins) builds the combined stream
+(its rows: :mod:`keyscale._connect`).
 """
 
 from __future__ import annotations

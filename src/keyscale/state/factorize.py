@@ -2,7 +2,9 @@
 each row its group and the groups' keys, :func:`make_index` a lookup index over key
 columns (one column, or several as a ``MultiIndex`` with levels in first-appearance
 order). Used wherever a batch's records are grouped per key (the keyed tasks, windows)
-and by the state table's callers to look keys up; pure pandas and numpy, no state.
+and by the state table's callers to look keys up; :func:`last_rows` keeps each key's last
+row of an Arrow table (the state table's merge of files, a scan's). Pure pandas, numpy and
+Arrow, no state.
 
 >>> import numpy as np
 >>> codes, index, columns = factorize_keys([np.array(["b", "a", "b"])])
@@ -18,11 +20,16 @@ and by the state table's callers to look keys up; pure pandas and numpy, no stat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
-__all__ = ["factorize_keys", "make_index"]
+from keyscale.state.types import is_numeric
+
+__all__ = ["factorize_keys", "last_rows", "make_index"]
 
 
 def make_index(key_arrays: Sequence[np.ndarray]) -> pd.Index:
@@ -61,3 +68,28 @@ def factorize_keys(key_arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, pd.Ind
     group_codes = [np.asarray(lc)[first] for lc in level_codes]
     index = pd.MultiIndex(levels=levels, codes=group_codes, verify_integrity=False)  # type: ignore[arg-type]
     return np.asarray(codes, dtype=np.int64), index, [np.asarray(lv)[gc] for lv, gc in zip(levels, group_codes, strict=True)]
+
+
+def _codes(col: Any) -> np.ndarray:
+    """Each value's code, codes in order of first appearance (hashing in C: pandas for
+    numbers, Arrow for the others)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if is_numeric(col.type):
+        return np.asarray(pd.factorize(col.to_numpy(zero_copy_only=False))[0], dtype=np.int64)
+    return np.asarray(pc.dictionary_encode(col).indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def last_rows(table: pa.Table, key_names: Sequence[str]) -> np.ndarray | None:
+    """The last row of each distinct key of ``table``, keys in order of first appearance
+    (None when the key columns' codes cannot be combined into one integer)."""
+    codes = _codes(table.column(key_names[0]))
+    for name in key_names[1:]:
+        more = _codes(table.column(name))
+        width = int(more.max()) + 1 if len(more) else 1
+        if (int(codes.max()) + 1) * width >= 2**62:
+            return None
+        codes = np.asarray(pd.factorize(codes * width + more)[0], dtype=np.int64)
+    last = np.full(int(codes.max()) + 1 if len(codes) else 0, -1, dtype=np.int64)
+    np.maximum.at(last, codes, np.arange(len(codes)))
+    return last

@@ -11,7 +11,8 @@ parallelism, at most 32768); numeric states are numpy arrays with a validity mas
 vectorized path updates them without touching Python objects; other states (strings,
 lists, maps) are object arrays, the form the per-key path reads and writes. Lookups go
 through a :class:`~keyscale.state.keyindex.KeyIndex`: row numbers in hash slots, about
-4-10 bytes per key, no copy of the keys.
+4-10 bytes per key, no copy of the keys. The column forms and their operations are
+:mod:`keyscale.state.columns`; merging rows per key, :func:`keyscale.state.factorize.last_rows`.
 """
 
 from __future__ import annotations
@@ -22,59 +23,30 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from keyscale.state.columns import (
+    KG_DTYPE,
+    KG_MAX,
+    LARGE,
+    KeyColumn,
+    Keys,
+    arrow_equal,
+    arrow_to_numpy,
+    concat_arrow,
+    filter_column,
+    index_columns,
+    kg_array,
+    numpy_to_arrow,
+)
+from keyscale.state.factorize import last_rows
 from keyscale.state.keyindex import KeyIndex, key_hash
 from keyscale.state.order import order_rows, sub_keys
 from keyscale.state.types import StateDescriptor, is_numeric
 
 KG_COLUMN = "__kg"
 
-
-def _arrow_to_numpy(arr: Any, t: pa.DataType) -> tuple[np.ndarray, np.ndarray]:
-    """Values and validity of an Arrow column in the table's in-memory form."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
-    valid = np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-    if is_numeric(t):
-        filled = arr.fill_null(pa.scalar(False if pa.types.is_boolean(t) else 0, type=t))
-        return np.asarray(filled.to_numpy(zero_copy_only=False)), valid
-    values = arr.to_pylist()
-    if pa.types.is_map(t):
-        values = [dict(v) if v is not None else None for v in values]
-    out = np.empty(len(values), dtype=object)
-    out[:] = values
-    return out, valid
-
-
-def numpy_to_arrow(values: np.ndarray, valid: np.ndarray, t: pa.DataType) -> Any:
-    """Arrow array from the in-memory form (inverse of the reader)."""
-    if is_numeric(t):
-        return pa.array(values, type=t, mask=~valid)
-    items: list[Any] = values.tolist()
-    if pa.types.is_map(t):
-        items = [list(v.items()) if ok and v is not None else None for v, ok in zip(items, valid, strict=True)]
-    else:
-        items = [v if ok else None for v, ok in zip(items, valid, strict=True)]
-    return pa.array(items, type=t)
-
-
-def _columns(index: pd.Index) -> list[np.ndarray]:
-    """The key columns of a lookup index (one, or a MultiIndex's levels)."""
-    if isinstance(index, pd.MultiIndex):
-        return [np.asarray(index.get_level_values(i)) for i in range(index.nlevels)]
-    return [np.asarray(index)]
-
-
-# A key column as the table holds it: numpy for numeric keys, Arrow for the others.
-KeyColumn = Any
-# Keys handed to the table: their columns (numpy, Arrow) or a pandas index of them.
-Keys = Sequence[Any] | pd.Index
-
-KG_DTYPE = np.int16  # key groups are below the maximum parallelism, at most 32768
-_KG_MAX = int(np.iinfo(KG_DTYPE).max)
-_LARGE = {pa.string(): pa.large_string(), pa.binary(): pa.large_binary()}
-_OFFSETS_LIMIT = 2**31 - 1  # bytes a string or binary column with 32-bit offsets can hold
+# Names callers import from here, where they were defined first.
+__all__ = ["KG_COLUMN", "KG_DTYPE", "KeyedStateTable", "last_rows", "numpy_to_arrow"]
 
 
 def _hash(columns: Sequence[KeyColumn]) -> np.ndarray:
@@ -82,61 +54,6 @@ def _hash(columns: Sequence[KeyColumn]) -> np.ndarray:
     that collides on purpose: lookups must stay exact)."""
     return key_hash(columns)
 
-
-def _kg_array(kgs: Any) -> np.ndarray:
-    k = np.asarray(kgs)
-    if k.dtype != KG_DTYPE:
-        if len(k) and (int(k.min()) < 0 or int(k.max()) > _KG_MAX):
-            raise ValueError(f"key group out of range 0..{_KG_MAX}: {int(k.min())}..{int(k.max())}")
-        k = k.astype(KG_DTYPE)
-    return k
-
-
-def _arrow_equal(a: Any, b: Any) -> np.ndarray:
-    try:
-        eq = pc.equal(a, b)
-    except (pa.ArrowNotImplementedError, pa.ArrowInvalid):  # nested types: by Python value
-        return np.array([x == y for x, y in zip(a.to_pylist(), b.to_pylist(), strict=True)], dtype=bool)
-    return np.asarray(eq.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
-
-
-def _concat_arrow(old: Any, new: Any) -> Any:
-    """``old`` then ``new`` in new buffers (never a view of a mapped file); string and
-    binary keys move to 64-bit offsets before their bytes outgrow 32-bit ones."""
-    if old.type in _LARGE and old.nbytes + new.nbytes >= _OFFSETS_LIMIT:
-        old = old.cast(_LARGE[old.type])
-    if new.type != old.type:
-        new = new.cast(old.type)
-    return pa.concat_arrays([old, new])
-
-
-def _filter(col: KeyColumn, mask: np.ndarray) -> KeyColumn:
-    return col[mask] if isinstance(col, np.ndarray) else col.filter(pa.array(mask))
-
-
-def _codes(col: Any) -> np.ndarray:
-    """Each value's code, codes in order of first appearance (hashing in C: pandas for
-    numbers, Arrow for the others)."""
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
-    if is_numeric(col.type):
-        return np.asarray(pd.factorize(col.to_numpy(zero_copy_only=False))[0], dtype=np.int64)
-    return np.asarray(pc.dictionary_encode(col).indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-
-
-def last_rows(table: pa.Table, key_names: Sequence[str]) -> np.ndarray | None:
-    """The last row of each distinct key of ``table``, keys in order of first appearance
-    (None when the key columns' codes cannot be combined into one integer)."""
-    codes = _codes(table.column(key_names[0]))
-    for name in key_names[1:]:
-        more = _codes(table.column(name))
-        width = int(more.max()) + 1 if len(more) else 1
-        if (int(codes.max()) + 1) * width >= 2**62:
-            return None
-        codes = np.asarray(pd.factorize(codes * width + more)[0], dtype=np.int64)
-    last = np.full(int(codes.max()) + 1 if len(codes) else 0, -1, dtype=np.int64)
-    np.maximum.at(last, codes, np.arange(len(codes)))
-    return last
 
 
 class KeyedStateTable:
@@ -188,7 +105,7 @@ class KeyedStateTable:
                 out.append(k[rows])
                 continue
             part = k.take(pa.array(rows, type=pa.int64()))
-            if part.type in _LARGE or part.type in _LARGE.values():
+            if part.type in LARGE or part.type in LARGE.values():
                 out.append(np.asarray(part.to_numpy(zero_copy_only=False), dtype=object))
             else:  # dates, timestamps, decimals: the Python objects, not numpy's datetime64
                 col = np.empty(len(part), dtype=object)
@@ -206,7 +123,7 @@ class KeyedStateTable:
 
     def _probe(self, keys: Keys) -> list[KeyColumn]:
         """Looked-up keys in the table's column forms."""
-        cols: list[Any] = _columns(keys) if isinstance(keys, pd.Index) else list(keys)
+        cols: list[Any] = index_columns(keys) if isinstance(keys, pd.Index) else list(keys)
         out: list[KeyColumn] = []
         for c, k, t in zip(cols, self._keys, self.key_types, strict=True):
             if isinstance(c, pa.ChunkedArray):
@@ -231,7 +148,7 @@ class KeyedStateTable:
             if isinstance(k, np.ndarray):
                 e = np.asarray(k[rows] == p[at], dtype=bool)
             else:
-                e = _arrow_equal(k.take(pa.array(rows, type=pa.int64())), p.take(pa.array(at, type=pa.int64())))
+                e = arrow_equal(k.take(pa.array(rows, type=pa.int64())), p.take(pa.array(at, type=pa.int64())))
             eq = e if eq is None else eq & e
         assert eq is not None
         return eq
@@ -302,7 +219,7 @@ class KeyedStateTable:
         new = ~old
         if new.any():
             pos[new] = self._append(
-                [_filter(p, new) for p in probe], kgs[new], {c: (v[new], ok[new]) for c, (v, ok) in columns.items()},
+                [filter_column(p, new) for p in probe], kgs[new], {c: (v[new], ok[new]) for c, (v, ok) in columns.items()},
                 h[new] if h is not None else None,
             )
         return pos
@@ -313,10 +230,10 @@ class KeyedStateTable:
         if h is None:
             h = _hash(keys)
         self._keys = [
-            np.concatenate([old, new.astype(old.dtype, copy=False)]) if isinstance(old, np.ndarray) else _concat_arrow(old, new)
+            np.concatenate([old, new.astype(old.dtype, copy=False)]) if isinstance(old, np.ndarray) else concat_arrow(old, new)
             for old, new in zip(self._keys, keys, strict=True)
         ]
-        self.kg = np.concatenate([self.kg, _kg_array(kgs)])
+        self.kg = np.concatenate([self.kg, kg_array(kgs)])
         for s in self.states:
             if s.name in columns:
                 vals, ok = columns[s.name]
@@ -334,17 +251,17 @@ class KeyedStateTable:
         if table.num_rows == 0:
             return
         keys = [table.column(k) for k in self.key_names]  # Arrow as it is: no Python object per key
-        kgs = _kg_array(table.column(KG_COLUMN).to_numpy())
+        kgs = kg_array(table.column(KG_COLUMN).to_numpy())
         # A state added since this file was written is left out: absent for its keys.
-        cols = {s.name: _arrow_to_numpy(table.column(s.name), s.column_type) for s in self.states if s.name in table.column_names}
+        cols = {s.name: arrow_to_numpy(table.column(s.name), s.column_type) for s in self.states if s.name in table.column_names}
         pos = None
         if len(self):  # a key of a key group the table holds nothing of is new: no lookup
-            held = np.bincount(self.kg, minlength=_KG_MAX + 1) > 0
+            held = np.bincount(self.kg, minlength=KG_MAX + 1) > 0
             maybe = held[kgs]
             if not maybe.all():
                 pos = np.full(len(kgs), -1, dtype=np.intp)
                 if maybe.any():
-                    pos[maybe] = self.positions([_filter(k, maybe) for k in keys])
+                    pos[maybe] = self.positions([filter_column(k, maybe) for k in keys])
         self.upsert(keys, kgs, cols, pos=pos)
 
     def apply_all(self, parts: Sequence[pa.Table]) -> None:
@@ -509,7 +426,7 @@ class KeyedStateTable:
         if 2 * len(rows) < len(self.kg):
             return sub_keys(self.key_arrow(0, rows))
         held = pa.array(k, type=t) if isinstance(k, np.ndarray) else k
-        if held.type != t and _LARGE.get(t) != held.type:  # (a large string holds the same bytes)
+        if held.type != t and LARGE.get(t) != held.type:  # (a large string holds the same bytes)
             held = held.cast(t)
         subs: np.ndarray = sub_keys(held)[rows]
         return subs

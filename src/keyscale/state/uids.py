@@ -3,7 +3,7 @@
 A uid names the stage's folder in checkpoints (``state/<uid>/...``) and in savepoints
 (``operators/<uid>/...``), and a restore matches savepoint state to stages by it. So every
 place that accepts a uid checks it here: a pipeline declaring a stage
-(:mod:`keyscale._pipeline`) and a savepoint bootstrapped from tables
+(:mod:`keyscale._stream`) and a savepoint bootstrapped from tables
 (:mod:`keyscale.state_processor.bootstrap`), which could otherwise hold a uid no pipeline
 can declare.
 """
