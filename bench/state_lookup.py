@@ -15,6 +15,9 @@ include waiting for a core; the CPU time does not).
     .venv/bin/python bench/state_lookup.py --keys 1000000 --seaweedfs          # on a SeaweedFS S3 server of its own
     .venv/bin/python bench/state_lookup.py --keys 10000000 --where s3://bench/lookup   # AWS_* in the environment
     .venv/bin/python bench/state_lookup.py --snapshot-cost 2500000 --runs 5
+    .venv/bin/python bench/state_lookup.py --keys 10000000 --where /tmp/lk/job            # build once, then
+    PYTHONPATH=../main/src .venv/bin/python bench/state_lookup.py --keys 10000000 --where /tmp/lk/job --reuse   # another code path
+    .venv/bin/python bench/state_lookup.py --keys 10000000 --seaweedfs --ab ../main/src --rounds 2   # A B A B on one server
 
 ``--snapshot-cost N``: what the order that gives snapshots fences costs the write. One
 subtask's snapshot of N string keys (a value and a list state, in a ``KeyedStateTable``)
@@ -28,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -155,8 +161,14 @@ def main() -> None:
     ap.add_argument("--max-parallelism", type=int, default=128)
     ap.add_argument("-p", "--parallelism", type=int, default=4)
     ap.add_argument("--deltas", type=int, default=3)
+    ap.add_argument("--chunk-rows", type=int, help="rows per record batch of the snapshots built (default: the writer's, CHUNK_ROWS)")
     ap.add_argument("--where", help="job directory to create (default: a temporary folder)")
+    ap.add_argument("--reuse", action="store_true", help="look up in the job directory --where that an earlier run built (same --keys): "
+                    "A B runs of two code paths on the same files")
     ap.add_argument("--passes", default="no_cache,cache_cold,cache_warm,listing_cache_warm", help="which passes to run (comma-separated)")
+    ap.add_argument("--ab", metavar="SRC", help="build once, then run the passes in child processes with PYTHONPATH=SRC (A: "
+                    "another checkout's src) and this checkout's src (B), A B --rounds times, on the same files")
+    ap.add_argument("--rounds", type=int, default=2, help="A B rounds of --ab")
     ap.add_argument("--seaweedfs", action="store_true", help="on a private SeaweedFS S3 server started for the run (keyscale.storage.seaweed)")
     ap.add_argument("--snapshot-cost", type=int, metavar="N", help="measure the write-side cost of fences on a snapshot of N keys instead")
     ap.add_argument("--runs", type=int, default=5, help="A B rounds of --snapshot-cost")
@@ -181,13 +193,26 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace, where: str) -> None:
+    if a.ab and not a.reuse:
+        build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
+        here = str(Path(__file__).resolve().parent.parent / "src")
+        args = [sys.executable, __file__, "--keys", str(a.keys), "--lookups", str(a.lookups), "--where", where, "--reuse", "--passes", a.passes]
+        for r in range(a.rounds):
+            for side, src in (("A", a.ab), ("B", here)):
+                out = subprocess.run(args, env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True, check=True)
+                print(json.dumps({"round": r, "side": side, "src": src, **json.loads(out.stdout.strip().splitlines()[-1])}), flush=True)
+        return
     t0 = time.perf_counter()
-    jd = build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
+    if a.chunk_rows:
+        import keyscale.checkpoint.files as files
+
+        files.CHUNK_ROWS = a.chunk_rows  # an experiment on the snapshots' record batch size
+    jd = JobDir(where) if a.reuse else build(where, a.keys, a.max_parallelism, a.parallelism, a.deltas)
     built = time.perf_counter() - t0
     rng = np.random.default_rng(1)
     picks = [f"user-{i:09d}" if rng.random() < 0.9 else f"absent-{i}" for i in rng.integers(0, a.keys, a.lookups)]
     state_bytes = sum(f.bytes for f in jd.latest_manifest().operators["op"].files)  # type: ignore[union-attr]
-    out: dict[str, Any] = {"keys": a.keys, "max_parallelism": a.max_parallelism, "parallelism": a.parallelism, "deltas": a.deltas,
+    out: dict[str, Any] = {"chunk_rows": a.chunk_rows, "keys": a.keys, "max_parallelism": a.max_parallelism, "parallelism": a.parallelism, "deltas": a.deltas,
                            "where": "local" if jd.is_local else jd.uri.split(":")[0], "state_mb": round(state_bytes / 1e6, 1),
                            "build_s": round(built, 1)}
     latest = jd.latest_manifest()

@@ -1,6 +1,6 @@
 """The ``keyscale`` Spark data source (issue 37, items 2 and 3) over real jobs, against models:
 its scan equals what the job committed (``read_keyed_state`` of the same checkpoint) and a
-Python model of the input, at parallelism 1 and 3 and during a live rescale; a single-key
+Python model of the input, at parallelism 1 and 3 and during a live rescale (local disk and S3); a single-key
 filter plans one input partition of one key group; the change feed between two batches
 equals the diffs of the checkpoints between them. Options are checked, errors name them.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,39 +136,56 @@ def test_a_scan_equals_what_the_job_committed_and_the_change_feed_its_diffs(spar
     assert sorted(r["batch"] for r in one_key.collect()) == sorted(w[1] for w in want if w[0] == "k7")
 
 
-def test_scans_of_a_running_job_through_a_live_rescale(spark: Any, tmp_path: Path) -> None:
-    write_events(tmp_path / "in", files=1, rows=300, keys=40)
-    events = spark.readStream.schema(SCHEMA).parquet(str(tmp_path / "in"))
+Read = Callable[..., list[dict[str, Any]]]  # the data source's rows (as dicts) for options: a scan or the change feed
+
+
+def _scan_rows(rows: list[dict[str, Any]]) -> dict[str, tuple[int, int, int]]:
+    return {r["key"]: (r["key_group"], r["total"], r["seen"]) for r in rows}
+
+
+def _committed(job: str, batch: int) -> dict[str, tuple[int, int, int]]:
+    """What checkpoint ``batch`` holds, read in this process (no Spark): to wait on."""
+    scan = open_scan(job, "totals", checkpoint=batch)
+    return _scan_rows([r for part in scan.parts() for r in scan.read(part).to_pylist()])
+
+
+def _scans_through_a_live_rescale(spark: Any, inp: Path, job_dir: str, read: Read) -> None:
+    """A job at P=2 scanned (``read``: the data source) while it runs, rescaled live to 3, then
+    scanned again at the rescaled checkpoint that holds the whole input and at the newest one:
+    the scans equal the model of the input and ``read_keyed_state`` of the same checkpoints,
+    and the change feed between the two checkpoints is the model's diff."""
+    write_events(inp, files=1, rows=300, keys=40)
+    events = spark.readStream.schema(SCHEMA).parquet(str(inp))
     job = (ks.stream(events).key_by("key").process(Totals(), "key string, total long", uid="totals")
-           .sink(ks.sinks.NoopSink()).start(str(tmp_path / "job"), 2, trigger_interval="200 milliseconds", retain=50))
-    jd = JobDir(tmp_path / "job")
+           .sink(ks.sinks.NoopSink()).start(job_dir, 2, trigger_interval="200 milliseconds", retain=50))
+    jd = JobDir(job_dir)
     seen: dict[int, dict[str, tuple[int, int, int]]] = {}
     try:
         deadline = time.time() + 180
         while not jd.manifest_batches() and time.time() < deadline:
             time.sleep(0.2)
         first = jd.manifest_batches()[-1]
-        seen[first] = _rows(_read(spark, tmp_path / "job", checkpoint=first))  # while the job runs
+        seen[first] = _scan_rows(read(checkpoint=first))  # while the job runs
         job.rescale(3)
-        write_events(tmp_path / "in", files=1, rows=300, keys=60, first=1)
+        write_events(inp, files=1, rows=300, keys=60, first=1)
         while time.time() < deadline:
             m = jd.latest_manifest()
-            if m is not None and m.operators["totals"].parallelism == 3 and _model(tmp_path / "in") == {
-                    k: v[1:] for k, v in _rows(_read(spark, tmp_path / "job", checkpoint=m.batch)).items()}:
+            if m is not None and m.operators["totals"].parallelism == 3 and _model(inp) == {
+                    k: v[1:] for k, v in _committed(job_dir, m.batch).items()}:
                 break
             time.sleep(0.2)
         last = m.batch
-        seen[last] = _rows(_read(spark, tmp_path / "job", checkpoint=last))
-        live = _rows(_read(spark, tmp_path / "job"))  # the newest checkpoint, while the job runs
+        seen[last] = _scan_rows(read(checkpoint=last))
+        live = _scan_rows(read())  # the newest checkpoint, while the job runs
+        feed = read(changes_from=first, changes_to=last)
     finally:
         job.stop(timeout=120)
     assert jd.read_manifest(last).operators["totals"].parallelism == 3 and jd.read_manifest(first).operators["totals"].parallelism == 2
-    assert {k: v[1:] for k, v in seen[last].items()} == _model(tmp_path / "in") == {k: v[1:] for k, v in live.items()}
+    assert {k: v[1:] for k, v in seen[last].items()} == _model(inp) == {k: v[1:] for k, v in live.items()}
     for b, rows in seen.items():
         assert rows == {r["key"]: (r["key_group"], r["total"], r["seen"])
-                        for r in read_keyed_state(spark, str(tmp_path / "job"), "totals", checkpoint=b).collect()}
+                        for r in read_keyed_state(spark, job_dir, "totals", checkpoint=b).collect()}
     # What changed from the first checkpoint to the rescaled one: the model's diff, in total.
-    feed = _read(spark, tmp_path / "job", changes_from=first, changes_to=last).collect()
     first_old: dict[str, Any] = {}
     last_new: dict[str, Any] = {}
     for r in sorted(feed, key=lambda r: r["batch"]):
@@ -177,8 +195,83 @@ def test_scans_of_a_running_job_through_a_live_rescale(spark: Any, tmp_path: Pat
     def pair(s: Any) -> Any:
         return None if s is None else (s["total"], s["seen"])
 
-    assert {k: (pair(first_old[k]), pair(n)) for k, n in last_new.items()} == {
+    assert last_new and {k: (pair(first_old[k]), pair(n)) for k, n in last_new.items()} == {
         k: (seen[first][k][1:] if k in seen[first] else None, v[1:]) for k, v in seen[last].items() if seen[first].get(k) != v}
+
+
+def test_scans_of_a_running_job_through_a_live_rescale(spark: Any, tmp_path: Path) -> None:
+    job = str(tmp_path / "job")
+
+    def read(**options: Any) -> list[dict[str, Any]]:
+        return [r.asDict(recursive=True) for r in _read(spark, Path(job), **options).collect()]
+
+    _scans_through_a_live_rescale(spark, tmp_path / "in", job, read)
+
+
+_S3_SCANS = """
+import json, sys
+from keyscale.runtime.driver.session import spark_session
+
+spark = spark_session("local[1]")
+for line in sys.stdin:
+    ask = json.loads(line)
+    reader = spark.read.format("keyscale").option("uid", ask["uid"])
+    for k, v in ask["options"].items():
+        reader = reader.option(k, str(v))
+    rows = [r.asDict(recursive=True) for r in reader.load(ask["path"]).collect()]
+    print("@@" + json.dumps(rows), flush=True)
+"""
+
+
+class _Scans:
+    """The data source in a Spark session of a child process started after the S3 settings
+    are in the environment (this process's Spark workers predate them), kept for the test:
+    each read is one line in, one line of rows out, so it reads while this process's job runs."""
+
+    def __init__(self, uid: str, path: str):
+        import subprocess
+        import sys
+
+        self.uid, self.path = uid, path
+        self.proc = subprocess.Popen([sys.executable, "-c", _S3_SCANS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def _answer(self) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return line[2:]
+        raise AssertionError(f"the reading process ended (exit {self.proc.wait()})")
+
+    def __call__(self, **options: Any) -> list[dict[str, Any]]:
+        import json
+
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"uid": self.uid, "path": self.path, "options": options}) + "\n")
+        self.proc.stdin.flush()
+        return list(json.loads(self._answer()))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()  # its loop ends, and the process with it
+        try:
+            self.proc.wait(timeout=120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@marks_callers("spark")
+def _scans_in_a_new_session(uid: str, path: str) -> _Scans:
+    return _Scans(uid, path)
+
+
+def test_scans_of_a_running_job_on_s3_through_a_live_rescale(spark: Any, s3_bucket: str, tmp_path: Path) -> None:
+    """The job in this process, its directory on the S3 server; the scans in a child's session."""
+    read = _scans_in_a_new_session("totals", f"{s3_bucket}/job")
+    try:
+        _scans_through_a_live_rescale(spark, tmp_path / "in", f"{s3_bucket}/job", read)
+    finally:
+        read.close()
 
 
 def test_options_keyscale_cannot_serve_are_errors_naming_them(spark: Any, tmp_path: Path) -> None:

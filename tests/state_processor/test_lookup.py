@@ -3,6 +3,8 @@ what the whole read (``restore_key_groups``, ``read_keyed_state``) gives at the 
 checkpoint; through a delta chain and at another parallelism, on local disk and S3 (reading
 only the key's key group by byte range); and from a running job, live rescaled, through
 ``JobHandle.state``, ``GET /state/<uid>`` (with the job's secret) and ``keyscale state get``.
+A lookup reads its chain's footers in one round of reads and their record batches in one
+more; a record batch read for one key serves the others in it from the cache.
 """
 
 from __future__ import annotations
@@ -390,3 +392,56 @@ def test_a_deltas_slice_is_read_once_for_every_key_of_its_key_group(tmp_path: Pa
     hits = lookup.cache.hits
     lookup.get("op", users[1])
     assert lookup.cache.hits - hits >= deltas
+
+
+class _Rounds:
+    """Counts a store's rounds of ranged reads (``get_ranges`` calls) and the reads in them."""
+
+    def __init__(self, store: Store):
+        self.rounds: list[int] = []
+        get_ranges = store.get_ranges
+
+        def counted(reads: Any) -> list[bytes]:
+            self.rounds.append(len(reads))
+            return get_ranges(reads)
+
+        store.get_ranges = counted  # type: ignore[method-assign]
+
+
+def test_a_lookup_reads_its_chain_in_one_round_and_a_cached_batch_in_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Footers once (one round for every file of the chain), then one round per lookup for
+    every file's record batches; another key of the same record batches reads nothing."""
+    import keyscale.checkpoint.files as files
+    from keyscale.checkpoint.manifest import restore_chain
+    from keyscale.checkpoint.ranged import plan_read, read_footers
+    from keyscale.state.order import sort_keys
+    from keyscale.state.spark_hash import key_group_of
+
+    monkeypatch.setattr(files, "CHUNK_ROWS", 64)
+    jd = _job(tmp_path / "job", users=3000)
+    lookup = StateLookup(jd.store)
+    rounds = _Rounds(jd.store)
+    m = jd.read_manifest(3)
+    model = _model(jd, 3)
+    users = [f"u{i}" for i in range(3000)]
+    kg = key_group_of(["u1"], ["string"], M)
+    chain = restore_chain(m.operators["op"].files, kg)
+    assert len(chain) >= 2
+    assert lookup.get("op", "u1", checkpoint=3)["found"] == ("u1" in model)
+    assert rounds.rounds[0] == len(chain) and len(rounds.rounds) == 2  # the footers, then the record batches
+    # Another key of the same key group, in another record batch of the snapshot: one round.
+    same_kg = [u for u in users if key_group_of([u], ["string"], M) == kg]
+    probe = {u: int(sort_keys(np.array([kg]), pa.array([u]))[0]) for u in same_kg}
+    footers = read_footers(jd.store, chain)
+    rng = KeyGroupRange(kg, kg)
+    batch_of = {u: tuple(None if (p := plan_read(f, ft, rng, probe[u])) is None else p.batches for f, ft in zip(chain, footers, strict=True))
+                for u in same_kg}  # per file of the chain, the record batches the key reads (a fenced file: of its key)
+    other = next(u for u in same_kg if batch_of[u] != batch_of["u1"])
+    before = len(rounds.rounds)
+    lookup.get("op", other, checkpoint=3)
+    assert len(rounds.rounds) == before + 1  # one round: the batches not cached yet, of every file at once
+    mate = next(u for u in same_kg if u not in ("u1", other) and batch_of[u] == batch_of["u1"])
+    before = len(rounds.rounds)
+    answer = lookup.get("op", mate, checkpoint=3)
+    assert len(rounds.rounds) == before  # the same record batch: from the cache
+    assert answer["found"] == (mate in model)

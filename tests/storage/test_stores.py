@@ -54,6 +54,20 @@ def test_put_file_writes_a_local_file_whole_and_replaces(store: Store, tmp_path:
     assert store.size("state/big.arrow") == len(data) and store.get("state/big.arrow") == data
 
 
+def test_ranged_reads_at_once_come_back_in_the_order_asked(store: Store) -> None:
+    """``get_ranges``: a point lookup's reads of several objects in one round (at once on
+    an object store); each answer is its range's bytes, fewer at the object's end; a
+    missing object is FileNotFoundError."""
+    objects = {f"state/f{i}.arrow": os.urandom(1000 + 97 * i) for i in range(6)}
+    for key, data in objects.items():
+        store.put(key, data)
+    reads = [(key, (7 * i) % 500, 50 + 131 * i) for i, key in enumerate(objects)] + [("state/f2.arrow", 1180, 100)]
+    assert store.get_ranges(reads) == [objects[k][a : a + n] for k, a, n in reads]
+    assert store.get_ranges([]) == []
+    with pytest.raises(FileNotFoundError):
+        store.get_ranges([("state/f0.arrow", 0, 10), ("state/missing.arrow", 0, 10)])
+
+
 def test_create_only_if_absent(store: Store) -> None:
     assert store.create("checkpoints/manifest-1.json", b"first")
     assert not store.create("checkpoints/manifest-1.json", b"second")

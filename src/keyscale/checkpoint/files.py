@@ -321,14 +321,15 @@ class _Ranged(io.RawIOBase):
 TAIL_BYTES = 16 << 10
 
 
-def state_file_tail(store: Store, f: StateFile) -> tuple[int, bytes]:
+def state_file_tail(store: Store, f: StateFile, first: bytes | None = None) -> tuple[int, bytes]:
     """The end of state file ``f`` that holds its Arrow footer, as ``(offset, bytes)``: one
-    ranged read (two when the footer is longer than ``TAIL_BYTES``). Kept by a reader that
-    comes back to the file (:mod:`keyscale.state_processor.lookup`), so that each later read
-    of a key group fetches only the record batches holding it."""
+    ranged read (two when the footer is longer than ``TAIL_BYTES``; ``first``: the first read's
+    bytes, fetched already). Kept by a reader that comes back to the file
+    (:mod:`keyscale.checkpoint.ranged`), so that each later read of a key group fetches only
+    the record batches holding it."""
     n = min(f.bytes, TAIL_BYTES)
     try:
-        tail = store.get_range(f.path, f.bytes - n, n)
+        tail = store.get_range(f.path, f.bytes - n, n) if first is None else first
         if len(tail) == n and n >= 10 and tail[-6:] == b"ARROW1":
             need = int.from_bytes(tail[-10:-6], "little") + 10
             if n < need <= f.bytes:
@@ -366,10 +367,22 @@ def _fenced(meta: dict[bytes, bytes], batches: range, probe: int) -> range:
     ``probe``: batch ``i`` holds sort keys from its fence to the next batch's fence (both
     included: equal sort keys may straddle a boundary). All of ``batches`` when the file
     has no fences of the rule this code reads."""
+    return fenced_batches(file_fences(meta), batches, probe)
+
+
+def file_fences(meta: dict[bytes, bytes]) -> list[int] | None:
+    """The fences in a state file's schema metadata, None when it has none of the rule this
+    code reads."""
     raw = meta.get(_FENCES_KEY)
-    if raw is None or meta.get(_FENCE_RULE_KEY) != FENCE_RULE.encode() or not batches:
+    if raw is None or meta.get(_FENCE_RULE_KEY) != FENCE_RULE.encode():
+        return None
+    return list(json.loads(raw))
+
+
+def fenced_batches(fences: list[int] | None, batches: range, probe: int) -> range:
+    """:func:`_fenced` with the file's fences parsed (:func:`file_fences`)."""
+    if fences is None or not batches:
         return batches
-    fences = json.loads(raw)
     lo = bisect.bisect_left(fences, probe)  # batches before lo - 1 end before probe
     hi = bisect.bisect_right(fences, probe)  # batches from hi on start after probe
     first, last = max(batches.start, lo - 1), min(batches.stop, hi)

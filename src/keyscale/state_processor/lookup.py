@@ -7,19 +7,20 @@ the key's rows in ``kg``'s restore chain at ``N`` (its latest snapshot, then the
 it: :func:`keyscale.checkpoint.manifest.restore_chain`) applied in order, as a restore
 applies them (:class:`keyscale.state.table.KeyedStateTable`, the same decoding
 :func:`~keyscale.state_processor.read_keyed_state` uses). Of each file only its footer and
-the record batches holding ``kg`` are read, by byte range
-(:func:`keyscale.checkpoint.files.read_key_groups_ranged`: ranged GETs on an object store, a
-memory map on local disk, where only those pages are read), and of a snapshot with fences
-only the one record batch of ``kg`` that can hold the key (:mod:`keyscale.state.order`); footers and key-group slices
-stay in a small LRU cache (:class:`SliceCache`), keyed
-by file (path and checksum: state files are immutable) and range, so a hot key costs no
-read at all.
+the record batches holding ``kg`` are read, by byte range, and of a snapshot with fences
+only the one record batch of ``kg`` that can hold the key (:mod:`keyscale.state.order`):
+the footers of the chain's files in one round of reads, then the record batches of all of
+them in one more (:mod:`keyscale.checkpoint.ranged`: ranged GETs at once on an object
+store, ``pread`` on local disk). Parsed footers and slices stay in a small LRU cache
+(:class:`SliceCache`), keyed by file (path and checksum: state files are immutable) and
+the record batches read, so a hot key (or another key of the same record batch) costs no
+read at all, and a lookup whose footers are cached costs one round trip.
 
 Why here, in the State Processor: a lookup is a read of keyed state outside the running
 job, like :func:`read_keyed_state`, and the next readers (a Spark data source partitioned
 by key-group ranges, a change feed from the deltas, diffs, validated edits) plan with the
 same pieces: :meth:`StateLookup.operator` (the operator at a checkpoint, its types, its
-routing key), :func:`parse_key`, :meth:`SliceCache.slice` and :func:`jsonable`.
+routing key), :func:`parse_key`, :meth:`SliceCache.slices` and :func:`jsonable`.
 
 An answer is JSON-able: ``batch`` (the checkpoint), ``uid``, ``key`` (by key column),
 ``key_group``, ``found``, ``state`` (each declared state's value, list and map states as
@@ -60,9 +61,7 @@ import decimal
 import json
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +69,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyscale.checkpoint.files import Location, read_key_groups_ranged, state_file_tail
+from keyscale.checkpoint.files import Location
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, restore_chain
+from keyscale.checkpoint.ranged import DEFAULT_CACHE_BYTES, SliceCache
 from keyscale.checkpoint.savepoint import METADATA_FILE
 from keyscale.checkpoint.savepoint.schema import spark_type_name
 from keyscale.checkpoint.savepoint.write import CheckpointFiles, checkpoint_types
@@ -89,9 +89,6 @@ from keyscale.storage import Store
 __all__ = [
     "DEFAULT_CACHE_BYTES", "LookupOperator", "SliceCache", "StateLookup", "committed_checkpoint", "jsonable", "parse_key"]
 
-#: Bytes of footers and key-group slices a :class:`StateLookup` keeps (64 MiB).
-DEFAULT_CACHE_BYTES = 64 << 20
-
 # Hidden states (state/handles.py): a key's timers, and each TTL state's clock.
 _TIMERS = {timers: domain for domain, (timers, _) in TIMER_STATES.items()}
 
@@ -107,80 +104,6 @@ def committed_checkpoint(store: Store, checkpoint: int | None = None) -> tuple[J
     if manifest is None:
         raise StateError(f"job directory {jd.uri} has no committed checkpoint yet")
     return jd, manifest
-
-
-class SliceCache:
-    """A least-recently-used cache of what lookups read of state files: footers and
-    key-group slices, bounded by their bytes, safe to share between threads.
-
-    Entries are keyed by the file's path *and* checksum (a state file never changes once
-    written; a path is never reused for other bytes), so no entry is ever stale; a file
-    retention deleted just stops being asked for and ages out.
-    """
-
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[Any, ...], tuple[Any, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    def _get(self, key: tuple[Any, ...]) -> Any:
-        with self._lock:
-            found = self._items.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return found[0]
-
-    def _put(self, key: tuple[Any, ...], value: Any, size: int) -> None:
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self._items[key] = (value, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, dropped) = self._items.popitem(last=False)
-                self.bytes -= dropped
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.bytes = 0
-
-    def slice(self, store: Store, f: StateFile, rng: KeyGroupRange, probe: int | None = None) -> pa.Table:
-        """The rows of key groups ``rng`` in state file ``f``: from the cache, else fetched by
-        byte range (the file's footer once, then only the record batches holding ``rng``).
-        ``probe``: a key's sort key (:func:`keyscale.state.order.sort_keys`): in a file with
-        fences, only the rows of ``rng`` in the record batch(es) that can hold that key."""
-        if f.kind != "snapshot":
-            # Fences pay in a snapshot (its rows ordered by sub key). A delta's rows of a key
-            # group are few, in record batches of DELTA_CHUNK_ROWS: read whole and cached
-            # once for every key of the group, not once per key.
-            probe = None
-        ident = (store.uri, f.path, f.crc32, f.bytes)
-        key = (*ident, rng.start, rng.end, probe)
-        table = self._get(key)
-        if table is not None:
-            return table  # type: ignore[no-any-return]
-        tail = None if store.is_local else self._get(("tail", *ident))  # a local file is memory-mapped
-        if tail is None and not store.is_local:
-            tail = state_file_tail(store, f)
-            self._put(("tail", *ident), tail, len(tail[1]))
-        table = read_key_groups_ranged(store, f, rng, tail, probe)
-        if self.max_bytes and not store.is_local and table.num_rows and table.get_total_buffer_size() > 2 * table.nbytes:
-            # A view of fetched record batches (CHUNK_ROWS rows) much larger than the key group:
-            # kept, it would hold them all; a copy of its own rows lets the cache hold many
-            # more slices. (On local disk it views the memory-mapped file: no copy is cheaper.)
-            table = table.take(np.arange(table.num_rows))
-        self._put(key, table, max(1, table.get_total_buffer_size()))
-        return table
 
 
 @dataclass(frozen=True)
@@ -319,12 +242,12 @@ def _matching(table: pa.Table, columns: Sequence[tuple[str, pa.DataType]], value
     """The rows of ``table`` whose key columns hold ``values``."""
     if not table.num_rows:
         return table
-    mask = np.ones(table.num_rows, dtype=bool)
+    mask: Any = None
     for (name, _), v in zip(columns, values, strict=True):
         col: Any = table.column(name)
         eq = pc.is_null(col) if v is None else pc.fill_null(pc.equal(col, pa.scalar(v, type=col.type)), False)
-        mask &= np.asarray(eq.to_numpy(zero_copy_only=False), dtype=bool)
-    return table.filter(pa.array(mask))
+        mask = eq if mask is None else pc.and_(mask, eq)
+    return table.filter(mask)
 
 
 # -- answers ------------------------------------------------------------------------------------
@@ -426,13 +349,9 @@ class StateLookup:
         self._files = CheckpointFiles(self.jobdir.store)
         self._types: dict[tuple[Any, ...], LookupOperator] = {}
         self._types_lock = threading.Lock()
-        self._readers: ThreadPoolExecutor | None = None  # an object store's reads of one lookup, at once
-
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._types_lock:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="keyscale-lookup")
-            return self._readers
+        # Restore chains by (operator, key group), for the files tuple they were worked out
+        # from: the running job hands every lookup the same manifest until it commits again.
+        self._chains: dict[tuple[str, int], tuple[tuple[StateFile, ...], list[StateFile]]] = {}
 
     # -- checkpoints and operators ---------------------------------------------------------
     def manifest(self, checkpoint: int | None = None) -> Manifest:
@@ -489,20 +408,27 @@ class StateLookup:
                 if checkpoint is not None or tries >= 3 or self.manifest().batch == m.batch:
                     raise  # not a file retention deleted under a newer checkpoint
 
+    def _chain(self, op: LookupOperator, kg: int) -> list[StateFile]:
+        files = op.checkpoint.files
+        found = self._chains.get((op.uid, kg))
+        if found is not None and found[0] is files:
+            return found[1]
+        chain = restore_chain(files, kg)
+        if len(self._chains) >= 1 << 14:
+            self._chains.clear()
+        self._chains[(op.uid, kg)] = (files, chain)
+        return chain
+
     def _one(self, m: Manifest, op: LookupOperator, values: tuple[Any, ...]) -> dict[str, Any]:
         kg = op.key_group(values)
         rng = KeyGroupRange(kg, kg)
         names = [n for n, _ in op.keys]
         table = KeyedStateTable(names, [t for _, t in op.keys], op.states)
         store = self.jobdir.store
-        chain = restore_chain(op.checkpoint.files, kg)
+        chain = self._chain(op, kg)
         # Where the key sits in a fenced file (key group, then sub key of its first column).
         probe = int(sort_keys(np.array([kg]), pa.array([values[0]], type=op.routing[0][1]))[0])
-        if len(chain) > 1 and not store.is_local:  # an object store: the files' reads at once, applied in order
-            slices = list(self._pool().map(lambda f: self.cache.slice(store, f, rng, probe), chain))
-        else:
-            slices = [self.cache.slice(store, f, rng, probe) for f in chain]
-        for part in slices:
+        for part in self.cache.slices(store, chain, rng, probe):  # read at once, applied in order
             table.apply(_matching(part, op.routing, values))
         rows = table.to_arrow(table.rows_in_range(kg, kg, live_only=True)).to_pylist()
         return _answer(op, m.batch, values, kg, rows)

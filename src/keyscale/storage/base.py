@@ -24,6 +24,7 @@ import builtins
 import posixpath
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,11 @@ class Store(ABC):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes of the object from ``start`` (fewer at its end)."""
         return self.get(key)[start : start + length]
+
+    def get_ranges(self, reads: Sequence[tuple[str, int, int]]) -> builtins.list[bytes]:
+        """``get_range(key, start, length)`` of each of ``reads``, in their order: all at once
+        where the store can (an object store: one round trip for them all, not one each)."""
+        return [self.get_range(key, start, length) for key, start, length in reads]
 
     def get_or_none(self, key: str) -> bytes | None:
         try:

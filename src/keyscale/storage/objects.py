@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import builtins
 import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -58,6 +61,20 @@ def settings_from_env(scheme: str, env: dict[str, str] | None = None) -> dict[st
     else:
         out.update({k.lower().removeprefix("azure_storage_").removeprefix("azure_"): v for k, v in env.items() if k.startswith("AZURE_") and v})
     return out
+
+
+_READERS: ThreadPoolExecutor | None = None
+_READERS_LOCK = threading.Lock()
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    """The threads of :meth:`ObjectStore.get_ranges`, one pool per process (a store is
+    pickled to tasks and made often: a pool each would leave threads behind)."""
+    global _READERS
+    with _READERS_LOCK:
+        if _READERS is None:
+            _READERS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="keyscale-ranged-read")
+        return _READERS
 
 
 def _split(uri: str) -> tuple[str, str, str]:
@@ -157,6 +174,13 @@ class ObjectStore(Store):
             raise FileNotFoundError(self.url(key)) from None
         except Exception as e:
             raise self._fail("ranged read", key, e) from None
+
+    def get_ranges(self, reads: Sequence[tuple[str, int, int]]) -> builtins.list[bytes]:
+        """The ranged reads at once, on this process's reader threads (obstore's calls wait
+        outside the GIL): a point lookup's reads of its chain's files in one round trip."""
+        if len(reads) <= 1:
+            return [self.get_range(*r) for r in reads]
+        return list(_reader_pool().map(lambda r: self.get_range(*r), reads))
 
     def put(self, key: str, data: bytes, durable: bool = True, private: bool = False) -> None:
         self._put(key, data, len(data))
