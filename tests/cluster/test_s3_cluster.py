@@ -34,7 +34,7 @@ import pytest
 
 from conftest import EXAMPLES, ROOT, cli, read_output
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.cluster import add_worker, start_cluster, stop_cluster
+from keyscale.cluster import add_worker, cluster_status, start_cluster, stop_cluster
 from keyscale.errors import StorageError
 from keyscale.sources import LogWriter, PartitionedLog, create_log, start_generator
 
@@ -214,6 +214,12 @@ def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, red
     gen = None
     try:
         job.wait("a first batch", lambda st: batch(st) >= 0, timeout=240)
+        # Sized for P=1 from the start: one executor core, though Spark may have launched one
+        # on each of the three workers before the job's first request reached the master.
+        deadline = time.time() + 120
+        while cluster_status(cluster.folder).cores_used != 1:
+            assert time.time() < deadline, f"the job holds {cluster_status(cluster.folder).cores_used} executor cores at P=1"
+            time.sleep(1)
         gen = start_generator(log, "1200/s for 15s, 100/s for 10s", keys=50)
         job.wait("a scale-up under the load step", lambda st: par(st) >= 2, timeout=120)
         job.wait("a scale-down after the load dropped", lambda st: par(st) == 1, timeout=180)

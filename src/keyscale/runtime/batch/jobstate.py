@@ -189,6 +189,7 @@ class Scaling:
     # (``batch/parallelism.py`` ``awaiting_executors``). None: nothing awaited.
     executors_asked: ExecutorsAsked | None = None
     executor_start_seconds: float = 0.0  # how long the last scale-up waited for its executors (measured)
+    executors_sized_at: float = 0.0  # time.monotonic() of the last request for executors: none is checked again before they settle
 
 
 @dataclass

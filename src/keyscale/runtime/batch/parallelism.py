@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keyscale")
 
+# After a request for executors, how long Spark is given to start or release them before
+# the job compares what it has with what it asked for again: a killed executor stays
+# registered for a moment, and is not to be killed twice (a second kill would take a live one).
+EXECUTORS_SETTLE_SECONDS = 10.0
+
 
 def plan_parallelism(job: JobState, pipeline: JobGraph) -> None:
     """Every operator's parallelism at start; refuses a checkpoint the job no longer fits."""
@@ -205,6 +210,7 @@ def autoscale(
     assert job.autoscaler is not None
     mode = job.opts.autoscaler_mode
     interval = None if job.opts.until_idle else seconds(job.opts.trigger_interval)
+    decided = False
     for uid, rs in reports.items():
         m = BatchMetrics(
             time=started, uid=uid, parallelism=par[uid], max_parallelism=job.max_parallelism,
@@ -222,6 +228,7 @@ def autoscale(
         if d.changes:
             job.history.note(batch_id, "autoscaler", d.reason, operator=uid, mode=mode, **{"from": d.current_parallelism, "to": d.target_parallelism})
         if d.changes:
+            decided = True
             if mode == "active":
                 log.info("autoscaler: %s", d.reason)
                 job.jobdir.request_rescale(d.target_parallelism, uid)
@@ -231,6 +238,12 @@ def autoscale(
                     job.scaling.executors_asked = ExecutorsAsked(more, time.monotonic())
             else:
                 log.info("autoscaler recommends (not applied): %s", d.reason)
+    settled = time.monotonic() - job.scaling.executors_sized_at >= EXECUTORS_SETTLE_SECONDS
+    if mode == "active" and job.scaling.executors_asked is None and not decided and settled:
+        # Nothing decided, nothing awaited: the executors should match the parallelism. They
+        # may not: at start Spark can launch one on every worker before the first request
+        # reaches the master (the request saw none registered), or an executor was lost.
+        size_executors(job, after_requests(job.scaling.parallelism, job.jobdir.read_rescale_requests()))
     slo = event.get("slo") if reports else None
     if isinstance(slo, dict) and slo.get("value_seconds") is not None:  # the SLO is the job's: counted once a batch
         job.scaling.slo_batches += 1
@@ -263,6 +276,7 @@ def size_executors(job: JobState, parallelism: dict[str, int]) -> int | None:
     want = -(-max(parallelism.values()) // per)
     have = executor_cores(job.spark) // per
     if want != have and request_executors(job.spark, want):
+        job.scaling.executors_sized_at = time.monotonic()
         log.info("asked Spark for %d executors of %d cores (had %d) for parallelism %d", want, per, have, max(parallelism.values()))
         job.jobdir.append_event({"type": "executors", "requested": want, "had": have, "cores_per_executor": per})
         # Fewer executors: Spark released idle ones between two batches and schedules no task
