@@ -4,6 +4,7 @@ markers every test gets from what it uses, and the fast lane (``pytest --fast``,
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import inspect
 import logging
@@ -12,8 +13,9 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -401,6 +403,28 @@ def cli(*argv: str, timeout: float = 300, check: bool = False) -> subprocess.Com
     return proc
 
 
+@contextlib.contextmanager
+def jvm_calls() -> Iterator[list[str]]:
+    """The Py4J commands this thread sends to the JVM inside the block (not those of another
+    thread, such as Py4J's garbage collector): a count of round trips, never a time."""
+    from py4j import clientserver
+
+    sent: list[str] = []
+    me = threading.get_ident()
+    send = clientserver.ClientServerConnection.send_command
+
+    def counted(self: Any, command: str) -> Any:
+        if threading.get_ident() == me:
+            sent.append(command)
+        return send(self, command)
+
+    clientserver.ClientServerConnection.send_command = counted  # type: ignore[method-assign]
+    try:
+        yield sent
+    finally:
+        clientserver.ClientServerConnection.send_command = send  # type: ignore[method-assign]
+
+
 @marks_callers("spark")
 def cli_here(*argv: str, check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the keyscale CLI's ``main`` in this process, on the tests' Spark session: the code
@@ -408,7 +432,6 @@ def cli_here(*argv: str, check: bool = False) -> subprocess.CompletedProcess[str
     run on a loaded machine). For a run whose own process is not what a test checks: the one
     that resumes the job a killed driver (a :func:`cli` run) left. What ``main`` sets for a
     process (signal handlers, the log's route to stderr, storage options) is put back."""
-    import contextlib
     import io
     import signal
 
@@ -542,7 +565,6 @@ def s3_bucket(s3_server: Any, request: pytest.FixtureRequest, monkeypatch: pytes
     environment of their JVM's launch, so code running in them must be given the
     endpoint and keys explicitly (all tests of one session share one server).
     """
-    import contextlib
     import re
 
     from keyscale.errors import StorageError

@@ -3,37 +3,15 @@ calls to the JVM (each one a round trip on a batch's fixed path: issue 35)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from conftest import jvm_calls
 from keyscale._spark_map import map_in_arrow
-
-
-@contextmanager
-def jvm_calls() -> Iterator[list[str]]:
-    """The Py4J commands this thread sends inside the block (not the garbage collector's)."""
-    from py4j import clientserver
-
-    sent: list[str] = []
-    me = threading.get_ident()
-    send = clientserver.ClientServerConnection.send_command
-
-    def counted(self: Any, command: str) -> Any:
-        if threading.get_ident() == me:
-            sent.append(command)
-        return send(self, command)
-
-    clientserver.ClientServerConnection.send_command = counted  # type: ignore[method-assign]
-    try:
-        yield sent
-    finally:
-        clientserver.ClientServerConnection.send_command = send  # type: ignore[method-assign]
 
 
 def plus(n: int) -> Any:

@@ -6,8 +6,6 @@ thread; now ~70 (docs/benchmarks.md, "The fixed cost of a batch"). Counted, neve
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,32 +13,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from conftest import EXAMPLES, read_output
+from conftest import EXAMPLES, jvm_calls, read_output
 from keyscale.runtime.batch.jobstate import BatchRecord, RunOptions, session_cache
 from keyscale.runtime.batch.status import _spark_of
 from keyscale.runtime.driver.runner import JobRunner
 from keyscale.sources import LocalLog
-
-
-@contextmanager
-def jvm_calls(thread: int | None = None) -> Iterator[list[str]]:
-    """The Py4J commands sent inside the block by ``thread`` (default: this one)."""
-    from py4j import clientserver
-
-    sent: list[list[str]] = []  # the batch thread's calls, as they are made
-    who = threading.get_ident() if thread is None else thread
-    send = clientserver.ClientServerConnection.send_command
-
-    def counted(self: Any, command: str) -> Any:
-        if threading.get_ident() == who:
-            sent.append(command)
-        return send(self, command)
-
-    clientserver.ClientServerConnection.send_command = counted  # type: ignore[method-assign]
-    try:
-        yield sent
-    finally:
-        clientserver.ClientServerConnection.send_command = send  # type: ignore[method-assign]
 
 
 def test_the_status_reads_the_spark_application_once(spark: Any) -> None:
