@@ -37,7 +37,7 @@ run: setup
 	$(BIN)/python examples/demo.py
 
 test: setup redis browser prometheus docs
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
 	$(MAKE) --no-print-directory test-oldest
 
 # The fast lane, for every change: the pure and in-process tests and src/keyscale's doctests;

@@ -183,28 +183,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if len(kept) < len(items):
             config.hook.pytest_deselected(items=[i for i in items if i not in set(kept)])
             items[:] = kept
-    _heaviest_files_first(items)
-
-
-# make test runs the files on two xdist workers, a file at a time (--dist loadfile), in the
-# order collected (--no-loadscope-reorder). xdist's own order (the most tests first) left the
-# slowest files, one test each (chaos, the wheel, a cluster), for the end, where one worker ran
-# them while the other idled (~3 minutes, half the CPU idle, in a clean-clone run). Heaviest
-# first instead, weighed by the markers: the many small pure files fill the end.
-_MARK_COST = {"cluster": 60.0, "slow": 30.0, "s3": 10.0, "kafka": 10.0, "browser": 10.0, "spark": 5.0}
-
-
-def _heaviest_files_first(items: list[pytest.Item]) -> None:
-    def cost(item: pytest.Item) -> float:
-        return sum(w for m, w in _MARK_COST.items() if item.get_closest_marker(m)) or 0.05
-
-    def file_of(item: pytest.Item) -> str:
-        return item.nodeid.split("::", 1)[0]
-
-    weight: dict[str, float] = {}
-    for item in items:
-        weight[file_of(item)] = weight.get(file_of(item), 0.0) + cost(item)
-    items.sort(key=lambda i: (-weight[file_of(i)], file_of(i)))  # stable: a file's tests keep their order
 
 
 # -- the fast lane's guard: what no test in it may start --------------------------------------
