@@ -81,7 +81,7 @@ def check_malformed_modes(df: DataFrame, warn: bool = True) -> Watched | None:
         mode = src.options.get("mode")
         what = f"the {fmt} source reading {src.path}"
         if mode is not None and mode.strip().upper() == "FAILFAST":
-            continue  # Spark stops at a malformed record; keyscale names its file (driver._translate)
+            continue  # Spark stops at a malformed record; keyscale names its file (driver/failures.py translate)
         if mode is not None and mode.strip().upper() == "DROPMALFORMED":
             if warn:
                 log.warning("%s has mode=DROPMALFORMED (your setting): Spark drops its malformed records, and nothing counts them", what)

@@ -1,8 +1,9 @@
 """The driver: a job's lifecycle around its micro-batches (driver process).
 
 Set-up (the pipeline built on its Spark session; claiming and recovering the job directory,
-a savepoint restored, the resume point: ``setup.py``), the run (Spark's ``foreachBatch`` or keyscale's own loop for a log source), stop, drain,
-savepoints, and what the control plane asks of a running job (it implements
+a savepoint restored, the resume point: ``setup.py``), the run (Spark's ``foreachBatch``
+query, ``query.py``, or keyscale's own loop for a log source), stop, drain, savepoints,
+a failure's way out (``failures.py``), and what the control plane asks of a running job (it implements
 :class:`keyscale.runtime.control.running.RunningJob`; whoever starts the job passes
 ``serve``, the control API, which this module never imports). Each batch is committed
 exactly once by the commit protocol in ``batch/commit.py`` (docs/design.md, "Commit
@@ -13,9 +14,8 @@ protocol"); the batch's Spark stages are in ``stages.py``, a log source's plans 
 its run's own facts (set-up), ``committed`` at set-up, ``scaling.pending_rescale`` (a rescale
 request) and ``history`` (state, error, savepoints).
 
-At ~650 lines it is longer than the others, and that is the lifecycle's: the query, the
-heartbeat and the control API's requests run on their own threads and share the batch
-lock and the stop and drain events, which stay with the one class that owns them.
+The query, the heartbeat and the control API's requests run on their own threads and share
+the batch lock and the stop and drain events, which stay with the one class that owns them.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
-from keyscale._jobcontext import JobArgs, JobContext
 from keyscale._steps import JobGraph
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest
@@ -36,36 +35,31 @@ from keyscale.checkpoint.uploads import upload_timeout
 from keyscale.errors import (
     FencedError,
     InputDataError,
-    JobDefinitionError,
     KeyColumnMissingError,
     KeyscaleError,
     StateError,
-    decode_error,
 )
-from keyscale.operators.poison import input_error
 from keyscale.runtime.batch import commit, malformed, sizing, status
 from keyscale.runtime.batch import parallelism as scaling
 from keyscale.runtime.batch import poison as poison_batch
 from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
 from keyscale.runtime.batch.jobstate import seconds as _seconds
-from keyscale.runtime.batch.malformed import check_malformed_modes
 from keyscale.runtime.batch.source_plan import await_input
 from keyscale.runtime.batch.spark_source import explain_missing_key
 from keyscale.runtime.driver import setup
-from keyscale.runtime.driver.heartbeat import Heartbeat
-from keyscale.runtime.driver.jobargs import check_args_read, keep_args, kept_args
-from keyscale.runtime.driver.jobfile import load_job
-from keyscale.runtime.driver.recovery import replay_spark_batches
-from keyscale.runtime.driver.session import (
-    crashed_worker,
-    missing_keyscale,
-    spark_session,
-    user_session,
+from keyscale.runtime.driver.failures import (
+    StopRequested,
+    failure_record,
+    report_damage,
+    settle_after_failure,
+    translate,
 )
-from keyscale.runtime.driver.shipping import ship_user_code, unimportable_module
-from keyscale.runtime.task.arrival import with_file_order
+from keyscale.runtime.driver.heartbeat import Heartbeat
+from keyscale.runtime.driver.jobargs import keep_args
+from keyscale.runtime.driver.jobfile import load_job
+from keyscale.runtime.driver.query import spark_writer, trigger_seconds
+from keyscale.runtime.driver.recovery import replay_spark_batches
 from keyscale.runtime.task.profiling import profiled
-from keyscale.runtime.task.report import Reports
 from keyscale.sources.reader import LogSource
 from keyscale.state.backends import check_state_backend
 from keyscale.state.keygroups import (
@@ -82,45 +76,6 @@ if TYPE_CHECKING:
 __all__ = ["BatchRecord", "JobRunner", "RunOptions", "RunSummary"]
 
 log = logging.getLogger("keyscale")
-
-
-class _StopRequested(Exception):
-    """Raised by a batch that begins after a stop request: Spark must not commit it."""
-
-
-def _translate(exc: BaseException) -> BaseException:
-    """Turn a Spark-wrapped task failure back into the keyscale error it started as."""
-    from keyscale import errors
-
-    if isinstance(exc, KeyscaleError):
-        return exc
-    text = str(exc)
-    found = decode_error(text)
-    if found:
-        cls = getattr(errors, found[0], KeyscaleError)
-        return cls(found[1])  # type: ignore[no-any-return]
-    no_keyscale = missing_keyscale(text, _python_of_workers())
-    if no_keyscale:
-        return errors.KeyscaleError(no_keyscale)
-    unimportable = unimportable_module(text, _python_of_workers())
-    if unimportable:
-        log.debug("the workers' error:\n%s", text)
-        return errors.KeyscaleError(unimportable)
-    crashed = crashed_worker(text)
-    if crashed:
-        return errors.KeyscaleError(crashed)
-    unreadable = input_error(text)
-    if unreadable:
-        log.debug("Spark's error reading the input:\n%s", text)
-        return errors.InputDataError(unreadable)
-    return exc
-
-
-def _python_of_workers() -> str:
-    from pyspark import SparkContext
-
-    sc = SparkContext._active_spark_context
-    return str(sc.pythonExec) if sc is not None else "python3"
 
 
 class Served(Protocol):
@@ -217,32 +172,7 @@ class JobRunner:
         setup.claim(self.job)
         self.job.jobdir.lock()
         self._locked = True
-        setup.recover(self.job)
-        if build is None:  # the caller's pipeline, on the caller's session: its settings are theirs
-            assert self._given is not None
-            pipeline = self._given[0]
-            spark = self._session if self._session is not None else user_session(pipeline)
-        else:
-            # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
-            spark = spark_session(opts.master, f"keyscale-{self.job.name}", opts.spark_conf)
-        self.job.reports = Reports(spark)
-        poison_batch.quiet_task_failures(spark)
-        self.job.spark = spark
-        if build is not None:
-            ctx = JobContext(spark, dict(opts.args))
-            pipeline = build(ctx)
-            if not isinstance(pipeline, JobGraph):
-                raise JobDefinitionError(f"build() in {opts.job_file} returned {type(pipeline).__name__}, not a keyscale Pipeline (end it with .sink(...))")
-            check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(self.job.jobdir))
-        sizing.check_target(opts.latency_target, pipeline)
-        self.job.pipeline = pipeline
-        # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
-        shipped = ship_user_code()
-        log.debug("the job's own modules, shipped to the workers by value: %s", ", ".join(shipped) or "none")
-        if opts.from_savepoint:
-            setup.restore_savepoint(self.job, pipeline, opts.from_savepoint)
-        setup.resume(self.job, pipeline)
-        return spark
+        return setup.build(self.job, build, self._given[0] if self._given is not None else None, self._session)
 
     # -- running -------------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -271,7 +201,7 @@ class JobRunner:
                 else:
                     replay_spark_batches(self.job.jobdir, self.job.committed.manifest.batch if self.job.committed.manifest else -1, self._run_spark_once, self._stop.is_set)
                     if not self._stop.is_set():
-                        self._query = self._spark_writer().start()
+                        self._query = spark_writer(self.job, self._on_batch).start()
                         self._wait()
                 if self._drain.is_set() or (self.job.opts.drain_at_end and self._error is None):
                     self.job.history.state = "draining"
@@ -281,19 +211,11 @@ class JobRunner:
                 if self._error is None:
                     self._keep_args()  # it ended without an error, whether or not a batch ran
             except BaseException as e:
-                self._settle_after_failure()
+                settle_after_failure(self.job)
                 self._record_failure(e)
                 if not self._drained.done():
                     self._drained.set_exception(e)
-                if isinstance(e, StateError) and str(e).startswith("state file ") and not self.job.jobdir.is_local:
-                    # A task found a state file damaged in place (recovery on an object store checks
-                    # sizes only): the restart checks every state file in full, so it falls back to
-                    # the newest intact checkpoint (or refuses) instead of failing on the same file again.
-                    try:
-                        self.job.jobdir.report_damage(str(e))
-                        log.warning("the next start checks every state file of the checkpoints in full and resumes from the newest intact one")
-                    except Exception as report_failed:  # the store failing now: the job's own error is what to report
-                        log.warning("could not record the damage for the next start (%s)", report_failed)
+                report_damage(self.job, e)
                 raise
             finally:
                 if served is not None:
@@ -318,72 +240,20 @@ class JobRunner:
                     self._locked = False
         return self.job.history.summary
 
-    def _settle_after_failure(self) -> None:
-        """A batch failed while the one before it commits in the background: let that commit
-        finish, so the next start need not replay it."""
-        # Under the batch lock, as every settle. Whoever holds it now (a savepoint; a batch
-        # still running after Ctrl-C) settles the pending commit itself before it goes on:
-        # waiting here briefly is enough, and never for a whole batch.
-        if not self._batch_lock.acquire(timeout=5):
-            waiting = self.job.committed.pending  # read once: the holder may take it meanwhile
-            if waiting is not None:
-                log.info("the checkpoint of batch %d commits in the batch or savepoint still running (else the next start replays it)",
-                         waiting.batch)
-            return
-        pending = self.job.committed.pending
-        try:
-            commit.settle(self.job)
-        except Exception:  # the job's own error is what to report
-            assert pending is not None
-            log.warning("the checkpoint of batch %d did not commit either; the next start replays that batch", pending.batch)
-        finally:
-            self._batch_lock.release()
-
     def _record_failure(self, exc: BaseException) -> None:
         """The job failed: its status says so, with the error, until the next start."""
-        import traceback
-
-        if isinstance(exc, _StopRequested | KeyboardInterrupt):
+        if isinstance(exc, StopRequested | KeyboardInterrupt):
             return
         self.job.history.state = "failed"
-        self.job.history.last_error = {
-            "message": f"{type(exc).__name__}: {exc}" if not isinstance(exc, KeyscaleError) else str(exc),
-            "traceback": "".join(traceback.format_exception(exc)),
-            "batch": self.job.committed.manifest.batch + 1 if self.job.committed.manifest else 0,
-            "time_ms": int(time.time() * 1000),
-        }
+        self.job.history.last_error = failure_record(self.job, exc)
 
     def _run_spark_once(self) -> None:
         """A query that runs one batch (the one Spark's offsets log ends with) and stops,
         its checkpoint committed: a replay goes on only from a committed batch."""
-        self._query = self._spark_writer(once=True).start()
+        self._query = spark_writer(self.job, self._on_batch, once=True).start()
         self._wait()
         with self._batch_lock:
             commit.settle(self.job)
-
-    def _spark_writer(self, once: bool = False) -> Any:
-        assert self.job.pipeline is not None
-        source = self.job.pipeline.source
-        assert not isinstance(source, LogSource)
-        # A file source's rows carry their file and split (arrival.py): a batch's order is
-        # then the files' whatever Spark's split, so a replay elsewhere sees it again.
-        self.job.malformed = check_malformed_modes(source, warn=False)
-        query, ordered = with_file_order(source, malformed.PATH if self.job.malformed else None)
-        if not ordered and not once:
-            log.info("the Spark source's rows have no file metadata (not a file source, or one behind an aggregate, a union or "
-                     "mapInPandas): within a batch, keyed stages get their records in Spark's order, by partition (docs/guides/job.md, \"Arrival order\")")
-        writer = (
-            query.writeStream.foreachBatch(self._on_batch)
-            .option("checkpointLocation", str(self.job.jobdir.spark_checkpoint))
-            .queryName(f"keyscale_{self.job.name}_{self.job.run_id[:6]}")
-        )
-        if once:
-            return writer.trigger(once=True)
-        if self.job.opts.until_idle and self.job.pipeline.side_log is None:
-            return writer.trigger(availableNow=True)
-        # With a log beside the Spark source, "available now" would end before the log is
-        # read: batches run every trigger interval, and the job ends on its first idle one.
-        return writer.trigger(processingTime=self.job.opts.trigger_interval)
 
     def _run_log_loop(self) -> None:
         """Micro-batches driven by keyscale: back to back while records wait in the log, at
@@ -401,7 +271,7 @@ class JobRunner:
                     records = self._run_batch_locked(None, batch_id)
                 except BaseException as e:
                     poison_batch.keep_trace(self.job.jobdir, e)
-                    raise _translate(e) from None
+                    raise translate(e) from None
             replayed = bool(self.job.history.summary.batches) and self.job.history.summary.batches[-1].replayed  # its intent fixed its input
             if self.job.opts.until_idle and not replayed and self._input_read(records, before):
                 break
@@ -437,16 +307,14 @@ class JobRunner:
                 q.awaitTermination(1)
         except Exception as e:  # Spark raises its own exception types
             if not (self._stop.is_set() and self._error is None):
-                raise (self._error or _translate(e)) from None
+                raise (self._error or translate(e)) from None
             # else: a batch refused to start after the stop request; a clean stop
-        self.job.history.summary.trigger_seconds = [
-            p.durationMs.get("triggerExecution", 0) / 1000 for p in sorted(q.recentProgress, key=lambda p: p.batchId) if p.numInputRows > 0
-        ]
+        self.job.history.summary.trigger_seconds = trigger_seconds(q)
         if self._error is not None:
             raise self._error
         exc = q.exception()
         if exc is not None and not self._stop.is_set():
-            raise _translate(exc)
+            raise translate(exc)
 
     def stop(self) -> None:
         """Ask the job to stop after the current batch (safe from any thread)."""
@@ -599,11 +467,11 @@ class JobRunner:
     def _on_batch(self, df: DataFrame, batch_id: int) -> None:
         try:
             self._run_batch(df, batch_id)
-        except _StopRequested:
+        except StopRequested:
             raise  # Spark does not commit the batch; the next run replays it
         except BaseException as e:
             poison_batch.keep_trace(self.job.jobdir, e)
-            self._error = _translate(e)
+            self._error = translate(e)
             if isinstance(self._error, KeyColumnMissingError) and self.job.pipeline is not None and not isinstance(self.job.pipeline.source, LogSource):
                 # Only now, on the way out: the batch, and the input files' own columns, say whether the column is missing.
                 self._error = KeyColumnMissingError(explain_missing_key(df, self.job.pipeline.source, str(self._error)))
@@ -615,7 +483,7 @@ class JobRunner:
         with self._batch_lock:
             if self._stop.is_set():
                 log.info("batch %d not started: the job is stopping (it runs at the next start)", batch_id)
-                raise _StopRequested(batch_id)
+                raise StopRequested(batch_id)
             before = self.job.committed.watermark.watermark_ms
             records = self._run_batch_locked(df, batch_id)
             if self.job.opts.until_idle and self.job.pipeline is not None and self.job.pipeline.side_log is not None:

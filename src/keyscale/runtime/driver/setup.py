@@ -1,29 +1,42 @@
 """Set-up of a run, on the driver: the job directory claimed and recovered, a savepoint
 restored, the point the run resumes from, the sinks told the job's lineage.
 
-Functions over the run's :class:`~keyscale.runtime.batch.jobstate.JobState`, called in this
-order by :meth:`keyscale.runtime.driver.runner.JobRunner._prepare` (which holds the
-directory's lock between :func:`claim` and :func:`recover` and builds the pipeline on its
-Spark session in between :func:`recover` and :func:`resume`). They write the run's facts
-(``max_parallelism``, ``lineage``), ``committed`` (manifest, watermark) and the summary.
+Functions over the run's :class:`~keyscale.runtime.batch.jobstate.JobState`:
+:meth:`keyscale.runtime.driver.runner.JobRunner._prepare` calls :func:`claim`, takes the
+directory's lock, then :func:`build` (:func:`recover`, the pipeline built on its Spark
+session, :func:`restore_savepoint`, :func:`resume`). They write the run's facts (Spark
+session, pipeline, ``max_parallelism``, ``lineage``), ``committed`` (manifest, watermark)
+and the summary.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
+from keyscale._jobcontext import JobArgs, JobContext
 from keyscale._steps import JobGraph
 from keyscale.checkpoint.lineage import start_lineage
 from keyscale.checkpoint.sparkmirror import SparkMirror
-from keyscale.errors import JobDirError
+from keyscale.errors import JobDefinitionError, JobDirError
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.eventtime import describe as describe_watermark
 from keyscale.runtime.batch import parallelism as scaling
+from keyscale.runtime.batch import poison as poison_batch
+from keyscale.runtime.batch import sizing
 from keyscale.runtime.batch.jobstate import JobState
 from keyscale.runtime.batch.jobstate import watermark_of as _watermark_of
+from keyscale.runtime.driver.jobargs import check_args_read, kept_args
+from keyscale.runtime.driver.session import spark_session, user_session
+from keyscale.runtime.driver.shipping import ship_user_code
+from keyscale.runtime.task.report import Reports
 from keyscale.sinks.base import SinkContext
 from keyscale.state.keygroups import check_parallelism, default_max_parallelism
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger("keyscale")
 
@@ -74,6 +87,42 @@ def recover(job: JobState) -> None:
         log.info("resuming job '%s' from checkpoint %d%s", job.name, rec.manifest.batch, fell_back)
     else:
         log.info("starting job '%s' with empty state in %s", job.name, job.jobdir.uri)
+
+
+def build(job: JobState, from_file: Callable[[JobContext], Any] | None, given: JobGraph | None,
+          session: SparkSession | None) -> SparkSession:
+    """With the directory claimed and locked: recovered, then the pipeline on its session
+    (``from_file``, the job file's ``build``, on a session of keyscale's, or the caller's ``given`` pipeline
+    on the caller's ``session``), its code shipped to the workers, a savepoint restored, and
+    the point the run resumes from."""
+    opts = job.opts
+    recover(job)
+    if from_file is None:  # the caller's pipeline, on the caller's session: its settings are theirs
+        assert given is not None
+        pipeline = given
+        spark = session if session is not None else user_session(pipeline)
+    else:
+        # keyscale's defaults (those of a standalone cluster on spark://), then the user's --conf.
+        spark = spark_session(opts.master, f"keyscale-{job.name}", opts.spark_conf)
+    job.reports = Reports(spark)
+    poison_batch.quiet_task_failures(spark)
+    job.spark = spark
+    if from_file is not None:
+        ctx = JobContext(spark, dict(opts.args))
+        built = from_file(ctx)
+        if not isinstance(built, JobGraph):
+            raise JobDefinitionError(f"build() in {opts.job_file} returned {type(built).__name__}, not a keyscale Pipeline (end it with .sink(...))")
+        pipeline = built
+        check_args_read(opts.args, cast(JobArgs, ctx.args).read, kept_args(job.jobdir))
+    sizing.check_target(opts.latency_target, pipeline)
+    job.pipeline = pipeline
+    # Its modules are loaded now (the job file's, the caller's): the workers get them by value.
+    shipped = ship_user_code()
+    log.debug("the job's own modules, shipped to the workers by value: %s", ", ".join(shipped) or "none")
+    if opts.from_savepoint:
+        restore_savepoint(job, pipeline, opts.from_savepoint)
+    resume(job, pipeline)
+    return spark
 
 
 def restore_savepoint(job: JobState, pipeline: JobGraph, savepoint: str) -> None:
