@@ -425,6 +425,26 @@ def jvm_calls() -> Iterator[list[str]]:
         clientserver.ClientServerConnection.send_command = send  # type: ignore[method-assign]
 
 
+def run_on_thread(run: Callable[[], Any], timeout: float) -> None:
+    """Call ``run`` (a ``JobRunner``'s, for one) on a thread of its own, as
+    ``Pipeline.start`` runs a job, while callbacks on the test's side stop it; fail if it is
+    still running after ``timeout`` seconds, raise what it raised."""
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            run()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=guarded, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"still running after {timeout:.0f} s (the job did not stop)"
+    if errors:
+        raise errors[0]
+
+
 @marks_callers("spark")
 def cli_here(*argv: str, check: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the keyscale CLI's ``main`` in this process, on the tests' Spark session: the code

@@ -5,7 +5,6 @@ thread; now ~70 (docs/benchmarks.md, "The fixed cost of a batch"). Counted, neve
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from conftest import EXAMPLES, jvm_calls, read_output
+from conftest import EXAMPLES, jvm_calls, read_output, run_on_thread
 from keyscale.runtime.batch.jobstate import BatchRecord, RunOptions, session_cache
 from keyscale.runtime.batch.status import _spark_of
 from keyscale.runtime.driver.runner import JobRunner
@@ -59,20 +58,13 @@ def test_a_log_sources_batch_plans_in_under_110_jvm_calls(spark: Any, tmp_path: 
     runner = JobRunner(RunOptions(job_file=str(EXAMPLES / "log_count.py"), job_dir=str(tmp_path / "job"), parallelism=2,
                                   trigger_interval="1 millisecond", args={"log": log.uri, "output": str(tmp_path / "out")}),
                        on_batch=on_batch)
-    errors: list[BaseException] = []
 
     def run() -> None:
-        try:
-            with jvm_calls() as calls:
-                sent.append(calls)
-                runner.run()
-        except BaseException as e:
-            errors.append(e)
+        with jvm_calls() as calls:
+            sent.append(calls)
+            runner.run()
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(240)
-    assert not t.is_alive() and not errors, errors
+    run_on_thread(run, 240)
     assert len(counts) == batches
     per_batch = (counts[5] - counts[2]) / 3
     assert per_batch < 110, per_batch

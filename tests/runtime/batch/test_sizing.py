@@ -5,14 +5,13 @@ an option that cannot be served is refused."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
 
-from conftest import EXAMPLES, read_output
+from conftest import EXAMPLES, read_output, run_on_thread
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main
 from keyscale.errors import JobDefinitionError
@@ -128,20 +127,7 @@ def _run(tmp_path: Path, log: LocalLog, batches: int, after: Any, args: dict[str
 
     runner = JobRunner(RunOptions(job_file=str(JOB), job_dir=str(tmp_path / "job"), parallelism=1, trigger_interval="100 milliseconds",
                                   args={"log": log.uri, "output": str(tmp_path / "out"), **(args or {})}, **opts), on_batch=on_batch)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            runner.run()
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(300)
-    assert not t.is_alive(), "the job did not stop"
-    if errors:
-        raise errors[0]
+    run_on_thread(runner.run, 300)
     assert runner.job.committed.status is not None
     return list(runner.history()["batches"]), runner.job.committed.status
 

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from conftest import EXAMPLES, read_output
+from conftest import EXAMPLES, read_output, run_on_thread
 from keyscale.runtime.batch.jobstate import BatchRecord, RunOptions
 from keyscale.runtime.driver.runner import JobRunner
 from keyscale.sources import LocalLog
@@ -44,20 +44,7 @@ def _run(tmp_path: Path, log: LocalLog, interval: str, batches: int, after: Any,
 
     runner = JobRunner(RunOptions(job_file=str(JOB), job_dir=str(tmp_path / "job"), parallelism=1, trigger_interval=interval,
                                   args={"log": log.uri, "output": str(tmp_path / "out")}, **opts), on_batch=on_batch)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            runner.run()
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(240)
-    assert not t.is_alive(), "the job did not stop"
-    if errors:
-        raise errors[0]
+    run_on_thread(runner.run, 240)
     return runner, begun, ended
 
 
