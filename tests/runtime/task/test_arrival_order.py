@@ -110,3 +110,23 @@ def test_order_columns_never_reach_user_code_or_sinks(spark: Any, tmp_path: Path
     assert list(star.columns) == list(filtered.columns) == ["key", "value", "ts", "batch"] and len(star) == len(filtered) == 100
     assert set(seen["seen"]) == {"key,value,ts"}
     assert counts.groupby("key")["n"].max().sum() == 100
+
+
+def test_a_source_without_file_metadata_logs_no_spark_error(spark: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # A union of two file sources has no _metadata: the query runs in Spark's order, and the
+    # failed probe for the files' metadata is keyscale's to handle, not an error for the user's log.
+    from keyscale.runtime.task.arrival import with_file_order
+
+    for name in ("a", "b"):
+        _write_input(tmp_path / name, "parquet")
+    a, b = (spark.readStream.schema("key string, value long").parquet(str(tmp_path / n)) for n in ("a", "b"))
+    capfd.readouterr()
+    union = a.unionByName(b)
+    df, ordered = with_file_order(union)
+    assert not ordered and df is union
+    err = capfd.readouterr().err
+    assert "UNRESOLVED_COLUMN" not in err and "_metadata" not in err, err[:500]
+    # ...and an error of the user's own DataFrame code is still logged as PySpark logs it.
+    with pytest.raises(Exception, match="no_such_column"):
+        union.select("no_such_column")
+    assert "no_such_column" in capfd.readouterr().err

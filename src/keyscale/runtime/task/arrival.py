@@ -29,7 +29,8 @@ memory, Kafka, a union of streams...), the order is Spark's, as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,14 +58,32 @@ def with_file_order(df: DataFrame, path: str | None = None) -> tuple[DataFrame, 
     if "_metadata" in df.columns:  # a column of the data's own hides Spark's metadata
         return df, False
     try:
-        ordered = df.select(
-            "*", F.xxhash64(F.col("_metadata.file_path")).alias(FILE), F.col("_metadata.file_block_start").alias(BLOCK),
-            F.unix_micros(F.col("_metadata.file_modification_time")).alias(APPENDED),
-            *([F.col("_metadata.file_path").alias(path)] if path else []),
-        )
+        with _unlogged_probe():
+            ordered = df.select(
+                "*", F.xxhash64(F.col("_metadata.file_path")).alias(FILE), F.col("_metadata.file_block_start").alias(BLOCK),
+                F.unix_micros(F.col("_metadata.file_modification_time")).alias(APPENDED),
+                *([F.col("_metadata.file_path").alias(path)] if path else []),
+            )
     except AnalysisException:  # not a file source, or one behind an aggregate, a union, mapInPandas...
         return df, False
     return ordered, True
+
+
+@contextlib.contextmanager
+def _unlogged_probe() -> Iterator[None]:
+    """PySpark 4 logs every analysis error of a DataFrame call at ERROR, with its Java stack,
+    caught or not: the failed probe for ``_metadata`` is an answer here, not the user's error.
+    Off for the one call only (the logger is PySpark's own: one made by ``logging`` would lack
+    the keywords PySpark logs with)."""
+    from pyspark.logger import PySparkLogger
+
+    logger = PySparkLogger.getLogger("DataFrameQueryContextLogger")
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was
 
 
 def order_probe_schema(schema: StructType) -> StructType:
