@@ -226,7 +226,7 @@ def test_a_missing_output_topic_is_an_error_before_the_first_batch(kafka_broker:
     b = kafka_broker.bootstrap
     src = new_topic(b, 1, "in")
     produce_events(b, src, 10, keys=2)
-    run = cli("run", str(JOB), "--job-dir", str(tmp_path / "job"), "-p", "1", "--until-idle",
+    run = cli_here("run", str(JOB), "--job-dir", str(tmp_path / "job"), "-p", "1", "--until-idle",
               "--set", f"bootstrap={b}", "--set", f"input={src}", "--set", "output=no-such-topic")
     assert run.returncode != 0
     assert "'no-such-topic'" in run.stderr and "create the output topic" in run.stderr, run.stderr[-2000:]

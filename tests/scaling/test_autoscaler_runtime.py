@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from conftest import RUNNING_COUNT, cli, read_output, run_job
+from conftest import RUNNING_COUNT, cli, cli_here, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.scaling.policy import AutoscalerConfig
 
@@ -60,7 +60,7 @@ def test_keyscale_run_with_an_slo_shows_it_and_its_decisions_with_reasons(events
         shutil.copy(f, fresh / f.name)
         os.utime(fresh / f.name, (now - 60 + i, now - 60 + i))
     job = tmp_path / "job"
-    cli("run", str(RUNNING_COUNT), "--job-dir", str(job), "-p", "4", "--until-idle", "--set", f"input={fresh}",
+    cli_here("run", str(RUNNING_COUNT), "--job-dir", str(job), "-p", "4", "--until-idle", "--set", f"input={fresh}",
         "--set", f"output={tmp_path / 'out'}", "--scaling", "auto", "--slo", "latency=10min",
         "--autoscaler-option", "stabilization_seconds=0", "--autoscaler-option", "warmup_batches=0",
         "--autoscaler-option", "min_busy_seconds=0", "--autoscaler-option", "forecast_bucket_seconds=1", check=True)

@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from conftest import cli, read_output, run_job
+from conftest import cli_here, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import Lineage
 from keyscale.checkpoint.savepoint import write_savepoint
@@ -55,7 +55,7 @@ def test_a_second_job_dir_on_the_same_output_is_refused_before_its_first_batch(s
     before = read_output(out)
     assert {m["job_dir"] for m in _markers(out).values()} == {str(tmp_path / "a")}
     # e.g. a deployment restored with NONE: a new job directory, empty state, the same output
-    proc = cli("run", str(job), "--job-dir", str(tmp_path / "b"), "-p", "1", "--until-idle",
+    proc = cli_here("run", str(job), "--job-dir", str(tmp_path / "b"), "-p", "1", "--until-idle",
                "--set", f"input={events}", "--set", f"output={out}", "--set", "factor=2")
     assert proc.returncode == OutputError.exit_code
     msg = proc.stderr.strip().splitlines()[-1]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import keyscale as ks
-from conftest import cli, write_events
+from conftest import cli_here, write_events
 from keyscale.errors import JobDefinitionError
 
 JOB = '''
@@ -59,7 +59,7 @@ def test_keyscale_run_refuses_clean_source(tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=10, keys=2)
     job = tmp_path / "cleaning_job.py"
     job.write_text(JOB)
-    proc = cli("run", str(job), "--job-dir", str(tmp_path / "job"), "--until-idle", "--set", f"input={tmp_path / 'in'}",
+    proc = cli_here("run", str(job), "--job-dir", str(tmp_path / "job"), "--until-idle", "--set", f"input={tmp_path / 'in'}",
                "--set", f"archive={tmp_path / 'archive'}", "--set", f"output={tmp_path / 'out'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("keyscale: error:")]
