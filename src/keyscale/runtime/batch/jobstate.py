@@ -1,14 +1,14 @@
 """What a running job knows between batches, shared by the driver's modules (driver process).
 
 :class:`JobState` holds the run's own facts, fixed once set-up is done (options, job
-directory, job graph, Spark session, the tasks' report collector: written by
-``driver/runner.py`` only), and its changing state in four parts, split by how long what
-they hold lives:
+directory, job graph, Spark session, the tasks' report collector: written at set-up only,
+by ``driver/runner.py`` and ``driver/setup.py``), and its changing state in four parts,
+split by how long what they hold lives:
 
 - :class:`Committed`: what the last committed checkpoint says (manifest, watermark);
-  written by ``batch/commit.py`` at each commit, and by ``driver/runner.py`` at set-up;
+  written by ``batch/commit.py`` at each commit, and by ``driver/setup.py`` at set-up;
 - :class:`Scaling`: each operator's parallelism for the next batch, a rescale pending;
-  written by ``batch/parallelism.py``, and by ``driver/runner.py`` for a rescale request;
+  written by ``batch/parallelism.py`` (a rescale request too, asked for through ``JobRunner``);
 - :class:`BatchScratch`: the running batch's scratch, new each batch; written by
   ``batch/commit.py`` and ``batch/source_plan.py``;
 - :class:`History`: what the status and dashboard show of the run (state, error, summary,
