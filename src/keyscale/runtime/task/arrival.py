@@ -73,8 +73,10 @@ def with_file_order(df: DataFrame, path: str | None = None) -> tuple[DataFrame, 
 def _unlogged_probe() -> Iterator[None]:
     """PySpark 4 logs every analysis error of a DataFrame call at ERROR, with its Java stack,
     caught or not: the failed probe for ``_metadata`` is an answer here, not the user's error.
-    Off for the one call only (the logger is PySpark's own: one made by ``logging`` would lack
-    the keywords PySpark logs with)."""
+    Off for the one call only, a planning step of milliseconds at the query's start (the
+    logger is process-wide: another thread's analysis error in that moment goes unlogged too,
+    though it is still raised). The logger is PySpark's own: one made by ``logging`` would
+    lack the keywords PySpark logs with."""
     from pyspark.logger import PySparkLogger
 
     logger = PySparkLogger.getLogger("DataFrameQueryContextLogger")
