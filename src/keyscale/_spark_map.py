@@ -17,6 +17,17 @@ environment, includes and Python executable. Where it would not be, it calls PyS
 as a broadcast), broadcast variables pickled with it, a Python profiler on, or a PySpark
 whose Java side takes other arguments (found at the first call, then remembered). An error
 on the JVM's side is raised by PySpark's own call too, so it reads as it always did.
+
+**Chaining.** A ``map_in_arrow`` over the output of another, with nothing between them
+(a keyed stage and the sink that writes it; Flink calls this operator chaining), runs both
+functions in one Python worker: one Spark plan node, one Arrow hand-off from the JVM and
+back instead of two, and no second worker per task. Both run in the same task over the
+same partition either way (a ``mapInArrow`` keeps its input's partitions), so chaining
+changes where the second function runs, not what it sees: the first one's batches reach it
+cast to the Arrow types Spark would have sent (:func:`keyscale._spark_types.sent_schema`:
+the session's time zone, its large-types setting). Not chained: an input that is cached
+(``persist``: other readers share it, and each would run the first function again), or
+whose Arrow types cannot be named on this PySpark.
 """
 
 from __future__ import annotations
@@ -25,9 +36,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+from keyscale._spark_types import sent_schema
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    import pyarrow as pa
     from pyspark import SparkContext
     from pyspark.sql import DataFrame
     from pyspark.sql.types import StructType
@@ -67,18 +81,69 @@ def map_in_arrow(df: DataFrame, fn: Callable[..., Any], schema: StructType | str
     """
     from py4j.protocol import Py4JError, Py4JJavaError
 
+    link = df.__dict__.get(_LINK)  # not getattr: a DataFrame's own looks its columns up in the JVM
+    if link is not None and not df.is_cached:
+        sent = sent_schema(link.schema, df.sparkSession)
+        if sent is not None:
+            df, fn = link.source, _chained(link.fn, sent, fn)
     sc = df.sparkSession.sparkContext
     ctx = _context(sc)
-    if not ctx.usable:
-        return df.mapInArrow(fn, schema)
-    try:
-        out = _lean(df, sc, ctx, fn, schema)
-    except Py4JJavaError:
-        out = None  # the JVM refused the plan: PySpark's own call raises it as PySpark words it
-    except Py4JError:
-        ctx.usable = False  # a Java side that takes other arguments: PySpark's own path from now on
-        out = None
-    return df.mapInArrow(fn, schema) if out is None else out
+    out = None
+    if ctx.usable:
+        try:
+            out = _lean(df, sc, ctx, fn, schema)
+        except Py4JJavaError:
+            pass  # the JVM refused the plan: PySpark's own call raises it as PySpark words it
+        except Py4JError:
+            ctx.usable = False  # a Java side that takes other arguments: PySpark's own path from now on
+    if out is None:
+        out = df.mapInArrow(fn, schema)
+    out.__dict__[_LINK] = _Link(df, fn, _parsed(ctx, df, schema)[0])
+    return out
+
+
+#: The attribute of a DataFrame made here that says how (:class:`_Link`).
+_LINK = "_keyscale_map_in_arrow"
+
+
+@dataclass(frozen=True)
+class _Link:
+    """A ``map_in_arrow`` output's making: its input, function and Spark schema."""
+
+    source: DataFrame
+    fn: Callable[..., Any]
+    schema: StructType
+
+
+def _chained(first: Callable[..., Any], sent: pa.Schema, then: Callable[..., Any]) -> Callable[..., Any]:
+    """``then`` over ``first``'s batches, as Spark would have handed them on (``sent``)."""
+
+    def chained(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return then(_as_sent(first(batches), sent))  # type: ignore[no-any-return]
+
+    return chained
+
+
+def _as_sent(batches: Iterator[pa.RecordBatch], sent: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """Each batch in the types ``sent``, by position, as Spark reads a function's output."""
+    import pyarrow as pa
+
+    # Always rebuilt: Arrow's type equality overlooks names Spark sets (a list's element field).
+    # Casting a column to the type it has copies nothing.
+    for b in batches:
+        yield pa.RecordBatch.from_arrays([c.cast(t) for c, t in zip(b.columns, sent.types, strict=True)], schema=sent)
+
+
+def _parsed(ctx: _Context, df: DataFrame, schema: StructType | str) -> tuple[StructType, Any]:
+    """``schema`` as a StructType, and as the JVM's type once a usable context made it."""
+    key = schema if isinstance(schema, str) else schema.json()
+    if key not in ctx.types:
+        from pyspark.sql.types import StructType, _parse_datatype_string
+
+        parsed = _parse_datatype_string(schema) if isinstance(schema, str) else schema
+        assert isinstance(parsed, StructType)
+        ctx.types[key] = (parsed, df.sparkSession._jsparkSession.parseDataType(parsed.json()) if ctx.usable else None)
+    return ctx.types[key]
 
 
 def _lean(df: DataFrame, sc: SparkContext, ctx: _Context, fn: Callable[..., Any], schema: StructType | str) -> DataFrame | None:
@@ -89,14 +154,7 @@ def _lean(df: DataFrame, sc: SparkContext, ctx: _Context, fn: Callable[..., Any]
     from pyspark.sql.pandas.functions import pandas_udf
     from pyspark.util import PythonEvalType
 
-    key = schema if isinstance(schema, str) else schema.json()
-    if key not in ctx.types:
-        from pyspark.sql.types import StructType, _parse_datatype_string
-
-        parsed = _parse_datatype_string(schema) if isinstance(schema, str) else schema
-        assert isinstance(parsed, StructType)
-        ctx.types[key] = (parsed, df.sparkSession._jsparkSession.parseDataType(parsed.json()))
-    python_type, java_type = ctx.types[key]
+    python_type, java_type = _parsed(ctx, df, schema)
     udf = pandas_udf(fn, returnType=python_type, functionType=PythonEvalType.SQL_MAP_ARROW_ITER_UDF)._unwrapped  # type: ignore[call-overload]
     command: bytes = CloudPickleSerializer().dumps((udf.func, udf.returnType))  # type: ignore[no-untyped-call]
     if len(command) > ctx.threshold or any(True for _ in sc._pickled_broadcast_vars):

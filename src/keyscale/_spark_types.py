@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    from pyspark.sql import SparkSession
     from pyspark.sql.types import StructType
 
-__all__ = ["from_arrow_schema", "to_arrow_schema"]
+__all__ = ["from_arrow_schema", "sent_schema", "to_arrow_schema"]
 
 
 @cache
@@ -42,3 +43,23 @@ def from_arrow_schema(schema: pa.Schema) -> StructType:
     from pyspark.sql.pandas.types import from_arrow_schema as convert
 
     return convert(schema, prefer_timestamp_ntz=True)
+
+
+def sent_schema(schema: StructType, spark: SparkSession) -> pa.Schema | None:
+    """The Arrow types in which ``spark`` hands rows of ``schema`` to a ``mapInArrow``
+    function: timestamps in the session's time zone, strings and binaries large where
+    ``spark.sql.execution.arrow.useLargeVarTypes`` says so. None where this PySpark cannot
+    name them (4.0 names no zone but UTC).
+
+    >>> sent_schema(StructType([StructField("at", TimestampType())]), spark).field("at").type  # doctest: +SKIP
+    TimestampType(timestamp[us, tz=UTC])
+    """
+    from pyspark.sql.pandas.types import to_arrow_schema as convert
+
+    zone = spark.conf.get("spark.sql.session.timeZone")
+    large = spark.conf.get("spark.sql.execution.arrow.useLargeVarTypes", "false") == "true"
+    if _takes_timezone():
+        return convert(schema, timezone=zone, prefers_large_types=large)
+    if zone != "UTC":
+        return None
+    return convert(schema, timestamp_utc=True, prefers_large_types=large)  # type: ignore[call-arg]  # PySpark 4.0
