@@ -468,7 +468,9 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[
                "parallelism": a.parallelism, "trigger": a.trigger, "stop": str(run_dir / "stop"), "result": str(run_dir / "result.json"),
                "rocksdb": a.spark_rocksdb, "latency_target": a.latency_target}
         log = open(run_dir / "engine.log", "wb")  # noqa: SIM115 (closed with the process)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+        # The caller's PYTHONPATH first: with PYTHONPATH=BASE/src, the engine runs BASE's keyscale
+        # (this checkout's only where it names none), so A B runs compare what they say they do.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), str(ROOT / "src")) if p)}
         env.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")  # Tansu needs it (bench/kafka.py)
         engine_proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--engine-run", json.dumps(cfg)],
                                        stdout=log, stderr=subprocess.STDOUT, env=env)
