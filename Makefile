@@ -38,7 +38,7 @@ run: setup
 
 # Three test processes on two cores: the tests wait (on a JVM starting, a server, a child
 # process) about an eighth of the time, which two processes left idle (12.9 % idle CPU in a
-# clean-clone run); a third fills it: 28.3 minutes against 30.4 for two (2026-11-29).
+# clean-clone run); a third fills it: 28.3 and 29.2 minutes against 30.4 and 32.1 for two (2026-11-29).
 test: setup redis browser prometheus docs
 	$(BIN)/python -m pytest -q --durations=25 -n 3 --dist loadfile
 	$(MAKE) --no-print-directory test-oldest
