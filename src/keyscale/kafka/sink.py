@@ -120,9 +120,9 @@ def _transactional_producer(bootstrap: str, options: Mapping[str, Any], txn_id: 
 
     Connected first (a metadata request): librdkafka starts ``init_transactions`` at once,
     and when no broker connection is up yet it looks for the transaction coordinator again
-    only on a 500 ms timer. Against a local broker that took 0.5 s in 12 of 60 inits, and in
-    none of 120 after the metadata request (``bench/kafka_task_cost.py``), on every task of
-    every batch."""
+    only on a 500 ms timer. Against a local broker that took 0.5 s in 12-16 of 60 inits, and
+    in none of 180 after the metadata request (``bench/kafka_task_cost.py``); a sink task
+    makes a producer every batch."""
     from confluent_kafka import Producer
 
     producer = Producer(_producer_settings(bootstrap, options, txn_id, timeout_ms))
