@@ -139,9 +139,9 @@ def python_workers(driver_pid: int) -> list[int]:
 
 
 def _env() -> dict[str, str]:
-    src = str(ROOT / "src")
+    # The caller's PYTHONPATH first (as bench/latency.py): PYTHONPATH=BASE/src runs BASE's keyscale.
     path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": src + (os.pathsep + path if path else "")}
+    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT / "src")) if p)}
 
 
 def keyscale(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
