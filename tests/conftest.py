@@ -634,20 +634,28 @@ def new_topic(bootstrap: str, partitions: int, prefix: str = "t") -> str:
     return name
 
 
-def produce_events(bootstrap: str, topic: str, rows: int, keys: int, first: int = 0, seed: int = 0) -> list[dict[str, Any]]:
+def produce_events(bootstrap: str, topic: str, rows: int, keys: int, first: int = 0, seed: int = 0,
+                   transactional_id: str | None = None) -> list[dict[str, Any]]:
     """``rows`` JSON events {key, value, ts} keyed by their key (numbered from ``first``);
-    returns them."""
+    returns them. With ``transactional_id``: in one Kafka transaction of that id, as an
+    exactly-once producer writes (its commit marker takes an offset in each partition)."""
     import json
 
     import numpy as np
     from confluent_kafka import Producer
 
     rng = np.random.default_rng(seed + first)
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "partitioner": "murmur2_random", "log_level": 3})
+    settings = {"bootstrap.servers": bootstrap, "linger.ms": 5, "partitioner": "murmur2_random", "log_level": 3}
+    p = Producer({**settings, "transactional.id": transactional_id} if transactional_id else settings)
+    if transactional_id:
+        p.init_transactions(30)
+        p.begin_transaction()
     out = []
     for i in range(first, first + rows):
         e = {"key": f"k{int(rng.integers(keys)):04d}", "value": int(rng.integers(1, 100)), "ts": f"2026-01-01T00:{(i // 60) % 60:02d}:{i % 60:02d}Z"}
         p.produce(topic, key=e["key"].encode(), value=json.dumps(e).encode())
         out.append(e)
+    if transactional_id:
+        p.commit_transaction(30)
     p.flush(30)
     return out
