@@ -28,6 +28,15 @@ _READER_DEFAULTS = {
     "log_level": "3",
 }
 
+# For the clients keyscale makes and drops every batch (the driver's end probe, each sink
+# task's transactional producer), under the user's options: connect to each broker as soon
+# as it is known. With librdkafka's sparse connections, a client whose bootstrap broker has
+# just named the cluster's brokers waits ~50 ms before connecting to the one it needs (the
+# transaction coordinator, a partition's leader): most of a sink task's producer set-up
+# (55 of 60 ms) and a third of an end probe, against a local broker. Such a client talks to
+# most of a topic's brokers anyway.
+EAGER_CONNECTIONS = {"enable.sparse.connections": "false"}
+
 
 class KafkaConnectorError(LogError):
     """A Kafka broker, topic or setting keyscale cannot work with."""

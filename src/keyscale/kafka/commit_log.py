@@ -61,8 +61,8 @@ def read(consumer: Any, topic: str, start: int, timeout: float = 30.0) -> Iterat
     yield from read_until(consumer, topic, start, None, timeout)
 
 
-# One consume() waits this long unless 1000 messages came first (records there or not):
-# a turn of the read loops below, which end as soon as they are at their end.
+# The longest one turn of the read loop below waits for a record; a turn ends as soon as one
+# comes, so the read ends as soon as it is at its end.
 _CONSUME_WAIT_S = 0.05
 
 
@@ -82,7 +82,14 @@ def read_until(consumer: Any, topic: str, start: int, end: int | None, timeout: 
     deadline = time.monotonic() + timeout
     try:
         while True:
-            msgs = consumer.consume(num_messages=1000, timeout=_CONSUME_WAIT_S)
+            # What is fetched already, or else the next record as soon as it comes with the rest
+            # of its fetch: a batch consume() would wait its whole timeout for 1000 records a
+            # commit log seldom has (55 ms of every Kafka sink task's check,
+            # bench/kafka_task_cost.py). A short end (Tansu's) may end the read at the first
+            # record of a record batch: the batch's other records come in the same fetch.
+            msgs = consumer.consume(num_messages=1000, timeout=0)
+            if not msgs and (first := consumer.poll(_CONSUME_WAIT_S)) is not None:
+                msgs = [first, *consumer.consume(num_messages=1000, timeout=0)]
             if not msgs and time.monotonic() > deadline:
                 held = f" to offset {end} (a transaction on it stayed open)" if end is not None else " to its end"
                 raise KafkaConnectorError(f"Kafka commit log {topic!r} could not be read{held} within {timeout:.0f} s")
@@ -101,7 +108,7 @@ def read_until(consumer: Any, topic: str, start: int, end: int | None, timeout: 
             # transaction's marker too): at ``end``, the read is done. The end-of-partition
             # event says the same, but only once a fetch at the end is answered, after the
             # broker's fetch.wait.max.ms (500 ms): ~1 s of every Kafka sink task, each batch.
-            if end is not None and msgs and consumer.position([TopicPartition(topic, 0)])[0].offset >= end:
+            if end is not None and consumer.position([TopicPartition(topic, 0)])[0].offset >= end:
                 return
     finally:
         consumer.unassign()

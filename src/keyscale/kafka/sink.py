@@ -88,7 +88,12 @@ from keyscale._keywords import checked_keywords
 from keyscale._spark_map import map_in_arrow
 from keyscale.errors import FencedError, JobDefinitionError, OutputError, encode_error
 from keyscale.kafka import commit_log
-from keyscale.kafka.client import KafkaConnectorError, connection_options, partition_count
+from keyscale.kafka.client import (
+    EAGER_CONNECTIONS,
+    KafkaConnectorError,
+    connection_options,
+    partition_count,
+)
 from keyscale.kafka.commit_log import COMMIT_LOG_SUFFIX
 from keyscale.storage.scratch import host_turn
 
@@ -108,7 +113,8 @@ SERIAL_COMMITS_ENV = "KEYSCALE_KAFKA_SERIAL_COMMITS"
 
 
 def _producer_settings(bootstrap: str, options: Mapping[str, Any], txn_id: str | None, timeout_ms: int) -> dict[str, Any]:
-    base: dict[str, Any] = {"linger.ms": 20, "partitioner": "murmur2_random", "log_level": 3}  # murmur2: Java clients' key partitioning
+    # murmur2: Java clients' key partitioning
+    base: dict[str, Any] = {"linger.ms": 20, "partitioner": "murmur2_random", "log_level": 3, **EAGER_CONNECTIONS}
     out = {**base, **options, "bootstrap.servers": bootstrap}
     if txn_id is not None:
         out.update({"transactional.id": txn_id, "transaction.timeout.ms": timeout_ms})
