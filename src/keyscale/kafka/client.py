@@ -28,8 +28,9 @@ _READER_DEFAULTS = {
     "log_level": "3",
 }
 
-# For the clients keyscale makes and drops every batch (the driver's end probe, each sink
-# task's transactional producer), under the user's options: connect to each broker as soon
+# For the clients keyscale makes and drops every batch (the driver's one-call consumers: the
+# end probe, the partition count; each sink task's transactional producer), under the
+# user's options (docs/design.md, "Clients made every batch"): connect to each broker as soon
 # as it is known. With librdkafka's sparse connections, a client whose bootstrap broker has
 # just named the cluster's brokers waits ~50 ms before connecting to the one it needs (the
 # transaction coordinator, a partition's leader): most of a sink task's producer set-up

@@ -235,7 +235,9 @@ class KafkaLog(PartitionedLog):
     @contextmanager
     def _client(self, extra: Mapping[str, Any] | None = None) -> Iterator[Any]:
         """A consumer for one call (closed after it: one left open would keep reconnecting
-        to a broker that is gone once the job ends); ``extra`` settings over the reader's."""
+        to a broker that is gone once the job ends), connecting without librdkafka's
+        sparse-connection wait (``EAGER_CONNECTIONS``, under the user's options); ``extra``
+        settings over the reader's."""
         from confluent_kafka import Consumer
 
         c = Consumer({**EAGER_CONNECTIONS, **self._config, **(extra or {})})
