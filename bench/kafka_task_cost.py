@@ -14,7 +14,8 @@ keyscale's ``EAGER_CONNECTIONS`` turns off; given as a user option, which wins):
   (connected by a metadata request first, ``_transactional_producer``) and, beside it,
   plainly (its ``init_transactions`` at once);
 - the driver's end probe (``KafkaLog.end_offsets``, twice a batch: the plan and the status)
-  of a 4-partition topic while a producer thread sends ~5,000 records/s to it.
+  of a 4-partition topic while a producer thread sends ~5,000 records/s to it; also as it
+  was before 4e7bfd9: sparse connections and librdkafka's statistics every 100 ms.
 
 Prints each step's median over the rounds after the first two, how many took over 400 ms,
 the slowest, and with ``--verbose`` every round's milliseconds.
@@ -23,6 +24,7 @@ the slowest, and with ``--verbose`` every round's milliseconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import threading
@@ -30,7 +32,9 @@ import time
 from typing import Any
 
 from keyscale.kafka import commit_log
+from keyscale.kafka import source as kafka_source
 from keyscale.kafka.broker import start_tansu
+from keyscale.kafka.client import FetchEnds
 from keyscale.kafka.sink import _producer_settings, _transactional_producer
 from keyscale.kafka.source import KafkaLog
 
@@ -96,6 +100,10 @@ def main() -> None:
             for how, options in (("keyscale's settings", {}), ("sparse connections", SPARSE)):
                 log = KafkaLog(broker.bootstrap, "in", options=options)
                 timed(f"end probe of 4 partitions at ~5,000 records/s, {how}", log.end_offsets)
+            with _statistics_every_100_ms():
+                log = KafkaLog(broker.bootstrap, "in", options=SPARSE)
+                timed("end probe of 4 partitions at ~5,000 records/s, sparse connections and statistics every 100 ms "
+                      "(before 4e7bfd9)", log.end_offsets)
         for name, xs in steps.items():
             print(f"{name}: median {1000 * statistics.median(xs[2:]):.1f} ms, {sum(x > 0.4 for x in xs)} of {len(xs)} over 400 ms, "
                   f"slowest {1000 * max(xs):.0f} ms" + (f"; rounds (ms): {[round(1000 * x) for x in xs]}" if a.verbose else ""))
@@ -103,6 +111,22 @@ def main() -> None:
         stop.set()
         time.sleep(0.1)
         broker.stop()
+
+
+class _FetchEndsEvery100ms(FetchEnds):
+    def __init__(self, topic: str, interval_ms: int = 100) -> None:
+        super().__init__(topic, 100)
+
+
+@contextlib.contextmanager
+def _statistics_every_100_ms() -> Any:
+    """The end probe's statistics interval as it was before 4e7bfd9 (100 ms, whatever the
+    partitions), for the probe made inside the block."""
+    kafka_source.FetchEnds = _FetchEndsEvery100ms  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        kafka_source.FetchEnds = FetchEnds  # type: ignore[misc]
 
 
 def _init(p: Any) -> Any:

@@ -34,7 +34,7 @@ _READER_DEFAULTS = {
 # as it is known. With librdkafka's sparse connections, a client whose bootstrap broker has
 # just named the cluster's brokers waits ~50 ms before connecting to the one it needs (the
 # transaction coordinator, a partition's leader): most of a sink task's producer set-up
-# (55 of 60 ms) and a third of an end probe, against a local broker. Such a client talks to
+# (55 of 60 ms) and 3-8 ms of a ~21 ms end probe, against a local broker. Such a client talks to
 # most of a topic's brokers anyway.
 EAGER_CONNECTIONS = {"enable.sparse.connections": "false"}
 
