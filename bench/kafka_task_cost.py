@@ -122,11 +122,11 @@ class _FetchEndsEvery100ms(FetchEnds):
 def _statistics_every_100_ms() -> Any:
     """The end probe's statistics interval as it was before 4e7bfd9 (100 ms, whatever the
     partitions), for the probe made inside the block."""
-    kafka_source.FetchEnds = _FetchEndsEvery100ms  # type: ignore[misc]
+    kafka_source.FetchEnds = _FetchEndsEvery100ms  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        kafka_source.FetchEnds = FetchEnds  # type: ignore[misc]
+        kafka_source.FetchEnds = FetchEnds  # type: ignore[attr-defined]
 
 
 def _init(p: Any) -> Any:
