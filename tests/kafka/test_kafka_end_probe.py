@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from keyscale.kafka.client import KafkaConnectorError
+from keyscale.kafka.client import RECORD_OVERHEAD_BYTES, KafkaConnectorError
 from keyscale.kafka.source import KafkaLog
 from keyscale.sources.partitioned import LogError
 
@@ -36,6 +36,7 @@ class StubPartition:
     empty_inside: Callable[[int], bool] = lambda offset: True
     listed: int | None = None  # ListOffsets' answer (None: Tansu's, inside the last batch)
     read_ms: int = 0  # how long the broker takes to read records: a shorter max wait gets none
+    pad: Callable[[int], int] = lambda offset: 0  # bytes a record's value has beyond b"v<offset>"
 
     @property
     def high(self) -> int:
@@ -51,13 +52,25 @@ class StubPartition:
             return self.listed
         return self.batches[-1][0] + 1  # Tansu: the last batch's first offset + 1
 
-    def fetch(self, position: int, read_committed: bool) -> list[int]:
-        """The offsets a fetch at ``position`` serves."""
+    def record_bytes(self, offset: int) -> int:
+        """A record's size as Tansu counts it against a fetch's limit: key, value and the
+        record format's overhead."""
+        return len(b"k%d" % offset) + len(b"v%d" % offset) + self.pad(offset) + RECORD_OVERHEAD_BYTES
+
+    def fetch(self, position: int, read_committed: bool, max_bytes: int | None = None) -> list[int]:
+        """The offsets a fetch at ``position`` serves: like Tansu, all it has up to the
+        fetch's byte limit (at least one record)."""
         end = self.stable if read_committed else self.high
         inside = any(base < position < base + count for base, count in self.batches)
         if inside and self.empty_inside(position):
             return []
-        return list(range(position, end))
+        served, size = [], 0
+        for o in range(position, end):
+            size += self.record_bytes(o)
+            if served and max_bytes is not None and size > max_bytes:
+                break
+            served.append(o)
+        return served
 
 
 @dataclass
@@ -79,6 +92,7 @@ class _Message:
     partition_: int
     offset_: int
     error_: _Error | None = None
+    pad_: int = 0
 
     def partition(self) -> int:
         return self.partition_
@@ -93,7 +107,7 @@ class _Message:
         return b"k%d" % self.offset_
 
     def value(self) -> bytes:
-        return b"v%d" % self.offset_
+        return b"v%d" % self.offset_ + b"." * self.pad_
 
     def timestamp(self) -> tuple[int, int]:
         return 1, 1_700_000_000_000 + self.offset_  # (TIMESTAMP_CREATE_TIME, ms)
@@ -112,10 +126,11 @@ class StubConsumer:
     topic: str
     partitions: dict[int, StubPartition]
     answers: bool = True  # False: no fetch is ever answered
-    position: dict[int, int] = field(default_factory=dict)
+    at: dict[int, int] = field(default_factory=dict)  # partition -> next offset to fetch
     responses: dict[int, tuple[int, int]] = field(default_factory=dict)  # partition -> (high watermark, end) last reported
     eof_at: dict[int, int] = field(default_factory=dict)
     fetches: int = 0
+    served: int = 0  # records the broker sent, the range's and any past it
 
     @property
     def read_committed(self) -> bool:
@@ -132,29 +147,36 @@ class StubConsumer:
         return 0, self.partitions[tp.partition].list_offsets()
 
     def assign(self, tps: list[Any]) -> None:
-        self.position = {tp.partition: tp.offset for tp in tps}
+        self.at = {tp.partition: tp.offset for tp in tps}
+
+    def position(self, tps: list[Any]) -> list[Any]:
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(partition=tp.partition, offset=self.at[tp.partition]) for tp in tps]
 
     def incremental_unassign(self, tps: list[Any]) -> None:
         for tp in tps:
-            self.position.pop(tp.partition, None)
+            self.at.pop(tp.partition, None)
 
     def unassign(self) -> None:
-        self.position = {}
+        self.at = {}
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[_Message]:
         out: list[_Message] = []
         if self.answers:
-            for p, pos in list(self.position.items()):
+            for p, pos in list(self.at.items()):
                 self.fetches += 1
                 part = self.partitions[p]
                 end = part.stable if self.read_committed else part.high
                 self.responses[p] = (part.high, end)
-                served = part.fetch(pos, self.read_committed)
+                limit = self.config.get("fetch.max.bytes")
+                served = part.fetch(pos, self.read_committed, None if limit is None else int(limit))
+                self.served += len(served)
                 if part.read_ms > int(self.config.get("fetch.wait.max.ms", 500)):
                     served = []  # Tansu: the wait ran out before its read; no records, no error
                 if served:
-                    out += [_Message(p, o) for o in served]
-                    self.position[p] = served[-1] + 1
+                    out += [_Message(p, o, pad_=part.pad(o)) for o in served]
+                    self.at[p] = served[-1] + 1
                 elif pos == end and self.eof_at.get(p) != end:
                     self.eof_at[p] = end
                     out.append(_Message(p, end, _Error(-191)))  # KafkaError._PARTITION_EOF
@@ -253,6 +275,33 @@ def test_a_read_gets_its_records_from_a_broker_slower_than_a_short_fetch_wait(
     assert KafkaLog("b:9092", "input").end_offsets() == [150]
     with pytest.raises(LogError, match=r"read stopped at offset 20 of the planned range \[20, 120\)"):
         KafkaLog("b:9092", "input", options={"fetch.wait.max.ms": 50}).read(0, 20, 120)
+
+
+def test_a_read_asks_the_broker_for_about_its_range_not_the_whole_tail(
+    stub: Callable[..., list[StubConsumer]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tansu answers a fetch once it has read the fetch's byte limit or waited its max
+    wait, reading on past the range into what is appended meanwhile: at the end of a busy
+    partition, the whole wait (~500 ms a read, measured). So a reader asks for about the
+    bytes its range holds, from the size of the records it read last; the first read, with
+    nothing to go by, asks for no limit. Records that grew since cost more fetches, never
+    records: each read is exactly its range."""
+    import keyscale.kafka.source as source
+
+    monkeypatch.setattr(source, "_RECORD_BYTES", {})
+    part = StubPartition([(0, 5_000)], empty_inside=lambda o: False, pad=lambda o: 90 if o >= 2_000 else 0)
+    made = stub({0: part})
+    log = KafkaLog("b:9092", "input")
+    assert log.read(0, 0, 200).column("offset").to_pylist() == list(range(200))
+    assert made[-1].served == 5_000  # no size known yet: the broker sent what it had
+    assert log.read(0, 200, 400).column("offset").to_pylist() == list(range(200, 400))
+    assert made[-1].served <= 200 * 1.1 + 1_024 // part.record_bytes(399) + 1  # the range, 10 % and 1 KiB more
+    grown = log.read(0, 1_900, 2_100)  # half of it 90 bytes larger than the size last read
+    assert grown.column("offset").to_pylist() == list(range(1_900, 2_100))
+    assert grown.column("value").to_pylist()[-1] == b"v2099" + b"." * 90
+    assert made[-1].fetches > 1 and made[-1].served < 300
+    mine = KafkaLog("b:9092", "input", options={"fetch.max.bytes": 10**6, "max.partition.fetch.bytes": 10**6})
+    assert mine.read(0, 2_100, 2_200).num_rows == 100 and made[-1].config["fetch.max.bytes"] == "1000000"  # the user's limit wins
 
 
 # -- a real Tansu broker --------------------------------------------------------------------------

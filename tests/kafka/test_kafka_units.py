@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from keyscale.errors import JobDefinitionError
-from keyscale.kafka.client import KafkaConnectorError, reader_config
+from keyscale.kafka.client import KafkaConnectorError, range_fetch_limit, reader_config
 from keyscale.kafka.sink import KafkaSink, encode_values
 from keyscale.kafka.source import RAW_SCHEMA, json_values, kafka_source
 
@@ -42,6 +42,18 @@ def test_reader_settings_keyscale_depends_on_cannot_be_overridden() -> None:
     assert cfg["enable.partition.eof"] == "true" and cfg["bootstrap.servers"] == "b:9092"
     with pytest.raises(KafkaConnectorError, match=r"enable\.auto\.commit='true' cannot be served"):
         reader_config("b:9092", {"enable.auto.commit": True}, "source 'x'")
+
+
+@given(st.integers(1, 10**7), st.floats(1.0, 10**6))
+def test_a_range_fetch_limit_holds_the_range_and_librdkafka_takes_it(records: int, bytes_per_record: float) -> None:
+    """The limit a reader asks for is never below what the range holds (none at all beyond
+    librdkafka's own 50 MiB), and is a setting librdkafka accepts (its rules between the
+    four sizes), for any range and record size."""
+    from confluent_kafka import Consumer
+
+    limit = range_fetch_limit(records, bytes_per_record, {})
+    assert limit["fetch.max.bytes"] >= records * bytes_per_record if limit else records * bytes_per_record > 45 * 2**20
+    Consumer({"group.id": "g", "bootstrap.servers": "127.0.0.1:9", **limit}).close()
 
 
 def test_definition_errors_name_the_thing_at_fault() -> None:

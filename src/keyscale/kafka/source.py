@@ -43,10 +43,12 @@ from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError
 from keyscale.kafka.client import (
     EAGER_CONNECTIONS,
+    RECORD_OVERHEAD_BYTES,
     FetchEnds,
     KafkaConnectorError,
     connection_options,
     partition_count,
+    range_fetch_limit,
     reader_config,
     true_ends,
 )
@@ -65,6 +67,11 @@ _RAW_FIELDS: list[pa.Field[Any]] = [
 RAW_SCHEMA = pa.schema(_RAW_FIELDS)
 _METADATA = ("key", "topic", "partition", "offset", "timestamp")
 READ_TIMEOUT_S = 60.0  # no progress for this long on a planned range: the read fails with a message
+# Per (bootstrap, topic), the mean size of a record in this process's last read of it (key,
+# value and the record format's overhead): the next read's fetch limit (range_fetch_limit).
+# Module-level, so that it outlives the KafkaLog a task unpickles: Spark reuses its Python
+# workers across batches.
+_RECORD_BYTES: dict[tuple[str, str], float] = {}
 
 
 class KafkaDecoder(Protocol):
@@ -337,7 +344,7 @@ class KafkaLog(PartitionedLog):
         kind = "kafka CreateTime"
         if end <= start:
             return raw, kind
-        c = Consumer(self._config)
+        c = Consumer({**self._config, **range_fetch_limit(end - start, _RECORD_BYTES.get((self.bootstrap, self.topic)), self.options)})
         keys: list[bytes | None] = []
         values: list[bytes | None] = []
         offsets: list[int] = []
@@ -389,6 +396,9 @@ class KafkaLog(PartitionedLog):
         finally:
             c.close()
         n = len(offsets)
+        if n:
+            size = sum(len(k) for k in keys if k is not None) + sum(len(v) for v in values if v is not None)
+            _RECORD_BYTES[(self.bootstrap, self.topic)] = size / n + RECORD_OVERHEAD_BYTES
         raw = pa.table({
             "key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary()),
             "topic": pa.array([self.topic] * n, pa.string()), "partition": pa.array([partition] * n, pa.int32()),
