@@ -277,27 +277,34 @@ def _engine_main(cfg: dict[str, Any]) -> int:
         logging.getLogger("keyscale").addHandler(BatchLines())
         logging.getLogger("keyscale").setLevel(logging.INFO)
 
-        def on_batch(rec: Any) -> None:
-            end = time.time()
-            lat = getattr(rec, "latency", None)  # keyscale's own measure, append time to commit (keyscale.latency)
-            batches.append({"batch": rec.batch, "start": end - rec.seconds, "end": end, "seconds": rec.seconds, "records": rec.records,
-                            "parallelism": max(rec.parallelism.values()) if rec.parallelism else 0,
-                            "own_p50_s": lat.p50_seconds if lat is not None else None, "own_p99_s": lat.p99_seconds if lat is not None else None})
+        def collect() -> None:
+            # The batches from the job's history (what GET /history shows), not an on_batch
+            # callback: the job plans on the log's end read at the commit unless code of the
+            # caller's ran between two batches (which may have appended to the log).
+            seen = batches[-1]["batch"] if batches else -1
+            for h in runner.history()["batches"]:
+                if h["batch"] > seen:
+                    end, lat = h["time_ms"] / 1000, h.get("latency") or {}  # keyscale's own measure, append time to commit
+                    batches.append({"batch": h["batch"], "start": end - h["seconds"], "end": end, "seconds": h["seconds"],
+                                    "records": h["records"], "parallelism": max(h["parallelism"].values()) if h["parallelism"] else 0,
+                                    "own_p50_s": lat.get("p50_seconds"), "own_p99_s": lat.get("p99_seconds")})
 
         job = STATELESS_JOB if cfg["engine"] == "stateless" else KEYED_JOB
         opts = RunOptions(job_file=str(job), job_dir=cfg["dir"], parallelism=cfg["parallelism"], trigger_interval=cfg["trigger"],
                           args={"bootstrap": cfg["bootstrap"], "input": cfg["input"], "output": cfg["output"]},
                           async_checkpoints=cfg["engine"] == "keyscale_async",
                           latency_target=cfg["latency_target"] if cfg["engine"] == "keyscale_target" else None)
-        runner = JobRunner(opts, on_batch)
+        runner = JobRunner(opts)
 
         def watch() -> None:
             while not stop_file.exists():
                 time.sleep(0.2)
+                collect()
             runner.stop()
 
         threading.Thread(target=watch, daemon=True).start()
         summary = runner.run()
+        collect()
         limits = {h["batch"]: h.get("read_limit") for h in runner.history()["batches"]}
         for b in batches:
             b["spark_job_s"] = spark_job.get(b["batch"], float("nan"))

@@ -274,7 +274,7 @@ class KafkaLog(PartitionedLog):
         fetch_ends = FetchEnds(self.topic, interval_ms=min(max(len(self._known), 10), 100))
         # An empty answer still reports the end, so the probe need not wait for records:
         # a short wait keeps the probe at the end of an idle partition quick (10 ms: the
-        # probe takes ~25 ms on an idle topic, 50 ms took ~65; it runs twice a batch).
+        # probe takes ~25 ms on an idle topic, 50 ms took ~65; it runs once or twice a batch).
         quick = {} if "fetch.wait.max.ms" in self.options else {"fetch.wait.max.ms": "10"}
         with self._client({**fetch_ends.settings(), **quick}) as c:
             ends = true_ends(c, self.topic, range(partition_count(c, self.topic, self.bootstrap)), self._known, fetch_ends=fetch_ends)

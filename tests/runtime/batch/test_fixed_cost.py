@@ -39,6 +39,35 @@ def test_the_plan_cache_knows_its_own_session_without_asking_the_jvm(spark: Any)
     assert "kept" not in session_cache(cache, spark.newSession())  # another session's cache is its own
 
 
+def test_a_plan_reads_up_to_the_end_read_just_before_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status reads the log's end right after a commit (the lag), and a batch that
+    follows at once plans on that read instead of reading it again (a Kafka log's read is
+    a consumer and its fetches, ~20 ms). Used once, and only while fresh: a later plan reads
+    the end anew, and so do all plans after a wait."""
+    from keyscale.runtime.batch import source_plan
+
+    ends = [[5, 7]]
+    reads: list[int] = []
+
+    class Log:
+        def end_offsets(self) -> list[int]:
+            reads.append(1)
+            return list(ends[0])
+
+    job, src = SimpleNamespace(log_ends={}), SimpleNamespace(uid="events", log=Log())
+    now = [100.0]
+    monkeypatch.setattr(source_plan.time, "monotonic", lambda: now[0])
+    assert source_plan.read_ends(job, src) == [5, 7] and len(reads) == 1  # type: ignore[arg-type]
+    ends[0] = [9, 9]
+    now[0] += 0.01
+    assert source_plan.ends_for_plan(job, src) == [5, 7] and len(reads) == 1  # type: ignore[arg-type]
+    assert source_plan.ends_for_plan(job, src) == [9, 9] and len(reads) == 2  # type: ignore[arg-type]  # used once
+    source_plan.read_ends(job, src)  # type: ignore[arg-type]
+    now[0] += source_plan.FRESH_ENDS_SECONDS + 0.01
+    ends[0] = [12, 9]
+    assert source_plan.ends_for_plan(job, src) == [12, 9]  # type: ignore[arg-type]  # too old: read again
+
+
 @pytest.mark.slow
 def test_a_log_sources_batch_plans_in_under_110_jvm_calls(spark: Any, tmp_path: Path) -> None:
     # Almost empty batches of log_count at p=2 (readers, a keyed stage, a Parquet sink): the

@@ -257,6 +257,9 @@ class JobState:
     markers: dict[str, dict[Any, Any]] = field(default_factory=dict)
     # Parts of a batch's plan that are the same every batch (source_plan.reader_rows), in the job's Spark session.
     plans: dict[Any, Any] = field(default_factory=dict)
+    # Per log source uid, its end offsets as last read on the driver and when (time.monotonic()):
+    # the next batch's plan when fresh (source_plan.ends_for_plan).
+    log_ends: dict[str, tuple[float, list[int]]] = field(default_factory=dict)
     # Asynchronous checkpoints: how long a batch's files may take to appear (KEYSCALE_UPLOAD_TIMEOUT, read at set-up).
     upload_timeout: float = 600.0
     # Held while a batch runs, a savepoint is taken or a pending commit settles (JobRunner's

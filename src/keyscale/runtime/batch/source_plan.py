@@ -47,7 +47,7 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
     """Batch ``batch_id``'s plan of ``src`` over ``p`` readers (``read`` False: read nothing,
     as a drain does), after checking the log still holds the committed positions."""
     current = committed_assignment(job, src)
-    ends = src.log.end_offsets()
+    ends = ends_for_plan(job, src)
     log_id = src.log.identity()
     if current is not None:  # a log that shrank or was recreated would be read from the wrong offsets
         state = job.committed.manifest.operators[src.uid].operator_state if job.committed.manifest else None
@@ -70,6 +70,30 @@ def plan_source(job: JobState, src: LogSource, batch_id: int, p: int, read: bool
     limit = 0 if not read else sizing.read_limit(job, src, len(ends)) if driving else src.max_records_per_partition
     plan = reader.plan_batch(current, ends, limit)
     return source_plan(plan)
+
+
+# A log's end read on the driver after the last commit (the status's lag, or a poll while
+# the job waits for input) is the next plan's when it is this fresh: a batch that follows at
+# once would otherwise read the end again milliseconds later, which costs a Kafka log ~20
+# ms (a consumer opened and its fetches answered; bench/kafka_task_cost.py).
+FRESH_ENDS_SECONDS = 0.1
+
+
+def read_ends(job: JobState, src: LogSource) -> list[int]:
+    """The log's end offsets now, kept for the next plan (:func:`ends_for_plan`)."""
+    ends = src.log.end_offsets()
+    job.log_ends[src.uid] = (time.monotonic(), ends)
+    return ends
+
+
+def ends_for_plan(job: JobState, src: LogSource) -> list[int]:
+    """The ends a plan reads up to: those read last, once, if within ``FRESH_ENDS_SECONDS``
+    (ends read since are at least as far, so a plan on them reads no record that is not
+    there, only fewer of the newest); else the log's ends now."""
+    kept = job.log_ends.pop(src.uid, None)
+    if kept is not None and time.monotonic() - kept[0] <= FRESH_ENDS_SECONDS:
+        return kept[1]
+    return src.log.end_offsets()
 
 
 def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, batch_time_ms: int,
@@ -111,7 +135,7 @@ def input_waiting(job: JobState, src: LogSource) -> bool:
     the next batch's planning reports why."""
     assignment = committed_assignment(job, src)
     try:
-        ends = src.log.end_offsets()
+        ends = read_ends(job, src)
     except KeyscaleError:
         return False
     if assignment is None:
@@ -151,7 +175,7 @@ def source_status(job: JobState, src: LogSource) -> dict[str, Any]:
     """Readers, their partitions and offsets, and the lag behind the log's end."""
     assignment = committed_assignment(job, src) or [[] for _ in range(job.scaling.parallelism[src.uid])]
     try:
-        ends = src.log.end_offsets()
+        ends = read_ends(job, src)
     except KeyscaleError as e:
         return {"kind": "log", "log": src.log.describe(), "error": str(e)}
     lag = reader.lag(assignment, ends)

@@ -144,6 +144,9 @@ class JobRunner:
         self._keep_args()
         if self._user_on_batch is not None:
             self._user_on_batch(rec)
+            # The caller's code may have appended to the job's log: the next batch reads its
+            # end anew rather than plan on the one read at the commit (source_plan.ends_for_plan).
+            self.job.log_ends.clear()
 
     def _keep_args(self) -> None:
         """This start's arguments become the ones a later ``keyscale run`` reuses, once the
