@@ -43,6 +43,14 @@ def test_a_missed_slo_that_parallelism_cannot_help_is_said_so() -> None:
     assert v.action == "none" and "parallelism is not what limits it" in v.reason
 
 
+def test_an_idle_job_keeps_the_scale_up_its_load_or_forecast_decided() -> None:
+    """The SLO adds no subtask when idle subtasks and no backlog say parallelism does not
+    limit it; a scale-up the decision made by load (here for a forecast rise, while the
+    subtasks still idle) is not taken back for that (the real-cluster bench's second spike)."""
+    v = guard(Verdict("scale_up", 12, "scale up 8 -> 12: forecast"), _outlook(8.0, projected=11.0), _ctx(busy=0.1), CFG)
+    assert (v.action, v.target) == ("scale_up", 12) and v.reason.startswith("scale up 8 -> 12: forecast; SLO latency=10s")
+
+
 def test_the_rescale_cap_holds_unless_the_slo_is_missed() -> None:
     assert guard(UP, _outlook(5.0), _ctx(rescales=4), CFG).action == "none"
     assert guard(UP, _outlook(12.0), _ctx(slo_target=16, rescales=4), CFG).action == "scale_up"

@@ -165,6 +165,27 @@ def test_a_rise_seen_a_season_ago_is_met_ahead_of_time() -> None:
     assert ahead.forecast is not None and ahead.forecast["method"] == "seasonal" and "1 h ago" in ahead.reason
 
 
+def test_a_spike_seen_a_season_ago_is_met_ahead_of_time_by_a_job_that_idles_before_it() -> None:
+    """The real-cluster bench's case (bench/autoscale.py --real, 2026-11-29): before the
+    spike the subtasks idle (here 10 % busy), so the load alone says parallelism is not what
+    limits the job. That is no reason to refuse the scale-up the forecast asks for: the
+    load it sizes for has not come yet. (It was refused, each batch, until the spike came.)"""
+    day = 3600.0
+    pts = []
+    for d in range(2):
+        pts += [TracePoint(d * day, 100.0), TracePoint(d * day + 1800, 3000.0), TracePoint(d * day + 2400, 100.0)]
+    trace = Trace("daily_spike", tuple(pts), 2 * day, default_job(initial_parallelism=1))
+    cfg = replace(CFG, season_seconds=day, forecast_bucket_seconds=60.0)
+    r = run(trace, parse_slo("latency=15s"), cfg)
+    ahead = [d for d in r.decisions if day + 1500 <= d.time < day + 1800 and d.action == "scale_up"]
+    assert ahead, [d.reason for d in r.decisions if day + 1700 <= d.time < day + 1800]
+    assert ahead[0].forecast is not None and ahead[0].forecast["method"] == "seasonal"
+    at_spike = next(p for t, p in zip(r.times, r.parallelism, strict=True) if t >= day + 1800)
+    assert at_spike >= 4  # 3,000 rec/s at 1,000 a subtask, with room
+    second = [v for t, v in zip(r.times, r.p99, strict=True) if day + 1800 <= t < day + 2400]
+    assert max(second) <= 15, second
+
+
 def test_without_an_slo_decisions_are_the_same_as_before() -> None:
     trace = spike(base=2400, peak=24000, start=600, length=600, duration=1800)
     with_history = run(trace, None, AutoscalerConfig())

@@ -9,7 +9,8 @@ groups), and :func:`decide` picks the action from a table of cases, first match 
 case                                   decision
 =====================================  =============================================
 utilisation within the band            keep; a pending scale-down is dropped
-above the band, busiest subtask idles  keep: something else limits (a read limit)
+above the band by the load now,        keep: something else limits (a read limit)
+  busiest subtask idles
 above the band, no larger target fits  keep: at the upper bound
 above the band                         scale up at once
 below the band, no smaller target      keep
@@ -146,6 +147,9 @@ class Case:
     # The busiest subtask's busy share below which it counts as idle (None: the band's lower
     # edge). An SLO's band (keyscale.scaling.room) can sit high: idle stays the configured one.
     idle_below: float | None = None
+    # The utilisation by the load now, when the rate sized for is a forecast above it (None:
+    # ``utilization`` is the load's own). An idle subtask says nothing about a rise to come.
+    load_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -169,9 +173,11 @@ def decide(c: Case, pending: PendingDown | None, cfg: AutoscalerConfig) -> Verdi
     if cfg.scale_down_threshold <= c.utilization <= cfg.scale_up_threshold:
         return keep(f": {c.util_text}; {c.load_text}; capacity {fmt(c.capacity)} rec/s{c.gc_text}")
     if c.utilization > cfg.scale_up_threshold:
-        if c.busy_ratio < (cfg.scale_down_threshold if c.idle_below is None else c.idle_below):
+        behind_now = c.load_utilization is None or c.load_utilization > cfg.scale_up_threshold
+        if behind_now and c.busy_ratio < (cfg.scale_down_threshold if c.idle_below is None else c.idle_below):
             # Behind, yet the busiest subtask mostly idles: something other than
-            # parallelism bounds throughput. More subtasks would not help.
+            # parallelism bounds throughput. More subtasks would not help. (Not so when
+            # only a forecast rise puts the job above the band: that load has not come.)
             return keep(
                 f": {c.util_text}, but the busiest subtask was only {c.busy_ratio:.0%} busy in "
                 f"the last batch, so parallelism is not what limits throughput (check the source's "

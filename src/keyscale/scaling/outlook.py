@@ -22,6 +22,7 @@ match wins:
 =====================================================  ===============================
 case                                                   decision
 =====================================================  ===============================
+SLO at risk or missed, but idle and nothing waits      keep, or a scale-up decided by load
 SLO at risk, or missed and not recovering; more fits   scale up, beyond the step limit
 scale up, rescale cap reached, SLO not missed          keep
 scale down, SLO not measured, missed or at risk        keep
@@ -131,10 +132,13 @@ def guard(v: Verdict, o: Outlook, c: Context, cfg: AutoscalerConfig) -> Verdict:
         return Verdict("none", P, f"keep {P}: {why}; by load alone: {v.reason}")
 
     if ((r.missed and not r.recovering) or r.at_risk) and c.slo_target > (v.target if v.action == "scale_up" else P):
-        if c.busy_ratio < (cfg.scale_down_threshold if c.idle_below is None else c.idle_below) and c.excess_backlog <= 0:
+        if c.busy_ratio >= (cfg.scale_down_threshold if c.idle_below is None else c.idle_below) or c.excess_backlog > 0:
+            return Verdict("scale_up", c.slo_target, f"scale up {P} -> {c.slo_target}: {r.text()}; by load alone: {v.reason}")
+        # Idle with nothing waiting: the SLO adds no subtask (the trigger interval or the
+        # source limits it), but a scale-up by load (a forecast rise) stands.
+        if v.action != "scale_up":
             return keep(f"{r.text()}, but the busiest subtask was only {c.busy_ratio:.0%} busy and nothing waits: "
                         "parallelism is not what limits it (the trigger interval or the source is)")
-        return Verdict("scale_up", c.slo_target, f"scale up {P} -> {c.slo_target}: {r.text()}; by load alone: {v.reason}")
     if v.action == "scale_up":
         if capped and not r.missed:
             return keep(f"{cap_text} and the SLO is not missed")

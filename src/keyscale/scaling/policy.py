@@ -318,7 +318,8 @@ class Autoscaler:
         )
         util_text = f"utilisation {utilization:.2f} vs band {cfg.scale_down_threshold:.2f}-{cfg.scale_up_threshold:.2f}"
         idle = self.config.scale_down_threshold
-        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text(), idle)
+        case = Case(P, utilization, capacity.busy_ratio, target, now, util_text, load_text, sizing, capacity.total, capacity.gc_text(), idle,
+                    None if rate == load.target_rate else capacity.utilization(load.target_rate))
         v = decide(case, st.pending_down, cfg) if ahead is None else self._slo_verdict(case, ahead, st, m, load, raw, inputs, cfg)
         st.pending_down = v.pending
         if v.pending_since is not None:
