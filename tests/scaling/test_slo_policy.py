@@ -144,17 +144,22 @@ def test_a_diurnal_load_makes_at_most_6_rescales_an_hour_and_meets_the_slo() -> 
     assert sum(r.parallelism) / len(r.parallelism) < 0.8 * 16
 
 
+DAY = 3600.0  # a simulated "day" (the autoscaler's season)
+DAILY = replace(CFG, season_seconds=DAY, forecast_bucket_seconds=60.0)
+
+
+def _daily_rise(base: float, peak: float, initial_parallelism: int) -> Trace:
+    """Two "days" at ``base`` rec/s, each with ``peak`` from 30 to 40 minutes in."""
+    pts = [TracePoint(d * DAY + t, r) for d in range(2) for t, r in ((0, base), (1800, peak), (2400, base))]
+    return Trace("daily_rise", tuple(pts), 2 * DAY, default_job(initial_parallelism=initial_parallelism))
+
+
 def test_a_rise_seen_a_season_ago_is_met_ahead_of_time() -> None:
     """A 5x rise every "day" (an hour here): on the second day the forecast sees it coming
     and the job is sized before it, so the SLO holds through it."""
-    day = 3600.0
-    pts = []
-    for d in range(2):
-        pts += [TracePoint(d * day, 2000.0), TracePoint(d * day + 1800, 10000.0), TracePoint(d * day + 2400, 2000.0)]
-    trace = Trace("daily_rise", tuple(pts), 2 * day, default_job(initial_parallelism=4))
-    cfg = replace(CFG, season_seconds=day, forecast_bucket_seconds=60.0)
+    day = DAY
     slo = parse_slo("lag=10s")
-    r = run(trace, slo, cfg)
+    r = run(_daily_rise(2000.0, 10000.0, initial_parallelism=4), slo, DAILY)
     first_day = [v for t, v in zip(r.times, r.lag, strict=True) if 1800 <= t < 1900]
     second_day = [v for t, v in zip(r.times, r.lag, strict=True) if day + 1800 <= t < day + 1900]
     assert max(first_day) > slo.seconds  # the first time, it could only react
@@ -170,13 +175,8 @@ def test_a_spike_seen_a_season_ago_is_met_ahead_of_time_by_a_job_that_idles_befo
     spike the subtasks idle (here 10 % busy), so the load alone says parallelism is not what
     limits the job. That is no reason to refuse the scale-up the forecast asks for: the
     load it sizes for has not come yet. (It was refused, each batch, until the spike came.)"""
-    day = 3600.0
-    pts = []
-    for d in range(2):
-        pts += [TracePoint(d * day, 100.0), TracePoint(d * day + 1800, 3000.0), TracePoint(d * day + 2400, 100.0)]
-    trace = Trace("daily_spike", tuple(pts), 2 * day, default_job(initial_parallelism=1))
-    cfg = replace(CFG, season_seconds=day, forecast_bucket_seconds=60.0)
-    r = run(trace, parse_slo("latency=15s"), cfg)
+    day = DAY
+    r = run(_daily_rise(100.0, 3000.0, initial_parallelism=1), parse_slo("latency=15s"), DAILY)
     ahead = [d for d in r.decisions if day + 1500 <= d.time < day + 1800 and d.action == "scale_up"]
     assert ahead, [d.reason for d in r.decisions if day + 1700 <= d.time < day + 1800]
     assert ahead[0].forecast is not None and ahead[0].forecast["method"] == "seasonal"
