@@ -90,10 +90,9 @@ def range_fetch_limit(records: int, bytes_per_record: float | None, options: Map
     limit = max(1_000, math.ceil(records * bytes_per_record * 11 / 10) + 1_024)
     if limit >= _DEFAULT_FETCH_MAX_BYTES:
         return {}  # librdkafka's own limit is the lower one
-    # librdkafka wants fetch.max.bytes >= message.max.bytes (at least 1,000) and
-    # receive.message.max.bytes >= fetch.max.bytes + 512 (its default is far above).
-    return {"fetch.max.bytes": limit, "max.partition.fetch.bytes": limit, "message.max.bytes": min(limit, 1_000_000),
-            "receive.message.max.bytes": max(limit + 512, 100_000_000)}
+    # librdkafka wants fetch.max.bytes >= message.max.bytes (at least 1,000), and
+    # receive.message.max.bytes (default 100 MB) >= fetch.max.bytes + 512, which holds below 50 MiB.
+    return {"fetch.max.bytes": limit, "max.partition.fetch.bytes": limit, "message.max.bytes": min(limit, 1_000_000)}
 
 
 def connection_options(options: Mapping[str, Any]) -> dict[str, Any]:
