@@ -51,9 +51,10 @@ class BatchMetrics:
         latency: the batch's end-to-end latency (:class:`keyscale.latency.Latency`:
             p50, p99, max and a histogram that :func:`keyscale.latency.window_quantile`
             merges over a window), or ``None`` when its source keeps no append times.
-        executor_start_seconds: on a cluster, how long the job's last scale-up waited
-            for the executors it asked Spark for (measured; 0 where keyscale does not
-            size executors): an SLO policy acts on a predicted rise this much earlier.
+        executor_start_seconds: on a cluster, how long a scale-up is expected to wait
+            for the executors it asks Spark for (the longest of the job's last three
+            measured waits; 0 where keyscale does not size executors): an SLO policy acts
+            on a predicted rise this much earlier.
         gc_seconds: of each subtask's busy time, the seconds the Python garbage
             collector paused it (:mod:`keyscale.runtime.task.gcpauses`); the policy
             measures rates from busy time net of them

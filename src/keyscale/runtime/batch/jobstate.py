@@ -171,6 +171,9 @@ class ExecutorsAsked:
     said: bool = False  # whether the log said that a batch waits for them
 
 
+EXECUTOR_WAITS_KEPT = 3
+
+
 @dataclass
 class Scaling:
     """Each operator's parallelism for the next batch, and what asks to change it.
@@ -188,8 +191,18 @@ class Scaling:
     # Executor cores asked of Spark for a scale-up: the rescale waits for them
     # (``batch/parallelism.py`` ``awaiting_executors``). None: nothing awaited.
     executors_asked: ExecutorsAsked | None = None
-    executor_start_seconds: float = 0.0  # how long the last scale-up waited for its executors (measured)
+    # How long the last scale-ups waited for their executors (measured; the newest last).
+    executor_waits: deque[float] = field(default_factory=lambda: deque(maxlen=EXECUTOR_WAITS_KEPT))
     executors_sized_at: float = 0.0  # time.monotonic() of the last request for executors: none is checked again before they settle
+
+    @property
+    def executor_start_seconds(self) -> float:
+        """What a scale-up is expected to wait for its executors: the longest of the last
+        ``EXECUTOR_WAITS_KEPT`` waits (0 before the first). The autoscaler's lead counts it;
+        the last wait alone was too short as often as not (7.8-15.8 s on one local cluster,
+        docs/benchmarks.md "Fourth run"), and a lead shorter than the wait meets a forecast
+        rise late."""
+        return max(self.executor_waits, default=0.0)
 
 
 @dataclass

@@ -316,7 +316,7 @@ def awaiting_executors(job: JobState, batch_id: int) -> bool:
                      batch_id, have, wanted, bound)
         return True
     job.scaling.executors_asked = None
-    job.scaling.executor_start_seconds = waited
+    job.scaling.executor_waits.append(waited)
     said = "came" if verdict == "go" else f"did not all come within {bound:.0f} s; rescaling on the cores there are"
     log.info("batch %d: executors for the scale-up %s (%d of %d cores after %.1f s)", batch_id, said, have, wanted, waited)
     job.jobdir.append_event({"type": "executors_" + ("ready" if verdict == "go" else "late"), "batch": batch_id, "cores": have,
