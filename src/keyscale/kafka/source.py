@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from keyscale._keywords import checked_keywords
 from keyscale.errors import InputDataError, JobDefinitionError
@@ -396,14 +397,14 @@ class KafkaLog(PartitionedLog):
         finally:
             c.close()
         n = len(offsets)
-        if n:
-            size = sum(len(k) for k in keys if k is not None) + sum(len(v) for v in values if v is not None)
-            _RECORD_BYTES[(self.bootstrap, self.topic)] = size / n + RECORD_OVERHEAD_BYTES
         raw = pa.table({
             "key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary()),
             "topic": pa.array([self.topic] * n, pa.string()), "partition": pa.array([partition] * n, pa.int32()),
             "offset": pa.array(offsets, pa.int64()), "timestamp": pa.array(stamps, pa.timestamp("ms", tz="UTC")),
         }, schema=RAW_SCHEMA)
+        if n:
+            size = sum(pc.sum(pc.binary_length(raw.column(c))).as_py() or 0 for c in ("key", "value"))
+            _RECORD_BYTES[(self.bootstrap, self.topic)] = size / n + RECORD_OVERHEAD_BYTES
         return raw, kind
 
     def positions_committed(self, positions: dict[int, int]) -> None:
