@@ -91,5 +91,8 @@ def test_wait_for_trigger_keeps_one_batch_per_interval(spark: Any, tmp_path: Pat
     _append(log, 0, 20)
     runner, begun, _ = _run(tmp_path, log, "3 seconds", 3, lambda i: _append(log, 20 + 20 * i, 20), wait_for_trigger=True)
     assert [b.records for b in runner.summary.batches] == [20, 20, 20]
-    # A batch begins 3 s after the one before began, records waiting or not.
-    assert all(b - a >= 2.9 for a, b in itertools.pairwise(begun)), begun
+    # A batch begins 3 s after the one before began, records waiting or not (without the
+    # option they would run back to back, under a second apart). ``begun`` is estimated from
+    # when on_batch ran less the batch's own seconds, so the status write between commit and
+    # callback (slower for a job's first batch, on a busy machine) shifts it by a few tenths.
+    assert all(b - a >= 2.5 for a, b in itertools.pairwise(begun)), begun
