@@ -163,6 +163,12 @@ class Verdict:
     pending_since: float | None = None  # reported in the inputs while a scale-down is considered
 
 
+def idles(busy_ratio: float, idle_below: float | None, cfg: AutoscalerConfig) -> bool:
+    """Whether the busiest subtask, ``busy_ratio`` busy, mostly idles: below ``idle_below``
+    (an SLO's, :mod:`keyscale.scaling.room`) or, without one, the band's lower edge."""
+    return busy_ratio < (cfg.scale_down_threshold if idle_below is None else idle_below)
+
+
 def decide(c: Case, pending: PendingDown | None, cfg: AutoscalerConfig) -> Verdict:
     """The table of cases in the module docstring, in its order."""
     P = c.parallelism
@@ -174,7 +180,7 @@ def decide(c: Case, pending: PendingDown | None, cfg: AutoscalerConfig) -> Verdi
         return keep(f": {c.util_text}; {c.load_text}; capacity {fmt(c.capacity)} rec/s{c.gc_text}")
     if c.utilization > cfg.scale_up_threshold:
         behind_now = c.load_utilization is None or c.load_utilization > cfg.scale_up_threshold
-        if behind_now and c.busy_ratio < (cfg.scale_down_threshold if c.idle_below is None else c.idle_below):
+        if behind_now and idles(c.busy_ratio, c.idle_below, cfg):
             # Behind, yet the busiest subtask mostly idles: something other than
             # parallelism bounds throughput. More subtasks would not help. (Not so when
             # only a forecast rise puts the job above the band: that load has not come.)

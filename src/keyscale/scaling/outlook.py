@@ -35,7 +35,7 @@ otherwise                                              as decided, the forecast 
 
 >>> from keyscale.scaling.slo import Slo, SloReading
 >>> from keyscale.scaling.forecast import Forecast
->>> from keyscale.scaling.decision import Verdict
+>>> from keyscale.scaling.decision import Verdict, idles
 >>> from keyscale.scaling.model import AutoscalerConfig
 >>> o = Outlook(SloReading(Slo("lag", 30.0), 45.0, 45.0, 5.0, "lag"),
 ...             Forecast(900.0, 5.0, "current", "900 rec/s"), Forecast(900.0, 600.0, "current", "900 rec/s"), 5.0, 20.0)
@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from keyscale.scaling.decision import Verdict
+from keyscale.scaling.decision import Verdict, idles
 from keyscale.scaling.forecast import Forecast, RateHistory, forecast
 from keyscale.scaling.load import Sample
 from keyscale.scaling.model import AutoscalerConfig
@@ -132,7 +132,7 @@ def guard(v: Verdict, o: Outlook, c: Context, cfg: AutoscalerConfig) -> Verdict:
         return Verdict("none", P, f"keep {P}: {why}; by load alone: {v.reason}")
 
     if ((r.missed and not r.recovering) or r.at_risk) and c.slo_target > (v.target if v.action == "scale_up" else P):
-        if c.busy_ratio >= (cfg.scale_down_threshold if c.idle_below is None else c.idle_below) or c.excess_backlog > 0:
+        if not idles(c.busy_ratio, c.idle_below, cfg) or c.excess_backlog > 0:
             return Verdict("scale_up", c.slo_target, f"scale up {P} -> {c.slo_target}: {r.text()}; by load alone: {v.reason}")
         # Idle with nothing waiting: the SLO adds no subtask (the trigger interval or the
         # source limits it), but a scale-up by load (a forecast rise) stands.
