@@ -20,6 +20,7 @@ from keyscale.scaling.batch_size import (
     keep_up_records,
     latency_records,
     next_batch,
+    waiting_records,
 )
 
 targets = st.floats(0.05, 60.0)
@@ -175,3 +176,22 @@ def test_arrival_rate_needs_two_batches_with_a_known_backlog() -> None:
     assert arrival_rate([(1.0, 10, 0)]) is None
     assert arrival_rate([(1.0, 10, None), (2.0, 10, 0)]) is None
     assert arrival_rate([(1.0, 10, 0), (1.0, 10, 0)]) is None  # no time between them
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.01, 3.0), st.floats(1e-6, 1e-2), st.integers(1, 10**6), st.floats(0.5, 10.0))
+def test_while_executors_are_awaited_a_batch_runs_about_the_window_and_grows_to_it(f: float, c: float, n: int, within: float) -> None:
+    """A job whose batches cost ``f + c n``: a batch sized from the last one's pace takes at
+    most the fixed cost plus the window (so the job looks for its executors again that
+    soon), and after a batch shorter than the window the next one is larger (one tiny batch
+    does not keep the job in tiny batches)."""
+    seconds = f + c * n
+    nxt = waiting_records(n, seconds, within)
+    assert nxt is not None and nxt >= 1
+    assert f + c * nxt <= f + within + c * 1.000001  # rounding up adds at most one record
+    if seconds < within:
+        assert nxt > n
+
+
+def test_a_batch_that_read_nothing_measures_no_pace_and_sets_no_limit() -> None:
+    assert waiting_records(0, 0.4) is None and waiting_records(10, 0.0) is None

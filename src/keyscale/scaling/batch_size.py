@@ -191,6 +191,27 @@ def next_batch(target_seconds: float, batches: Sequence[tuple[int, float]], rate
                      f"{size.reason}; at most {GROWTH}x the largest batch measured: {bound:,} records")
 
 
+WAITING_SECONDS = 2.0
+"""About how long a batch runs while a scale-up waits for its executors (:func:`waiting_records`)."""
+
+
+def waiting_records(records: int, seconds: float, within: float = WAITING_SECONDS) -> int | None:
+    """The most a batch reads while a live scale-up waits for the executors it asked Spark
+    for: what the last batch's pace (its ``records`` over its ``seconds``, fixed cost
+    included) gets through in ``within`` seconds, at least 1. The job looks for its
+    executors between batches, so a batch of the whole backlog at the old parallelism would
+    hold the rescale back for all its length once they came (one ran 10.5 s at P=1 on a
+    local cluster while the executors it waited for were starting; docs/benchmarks.md, "The
+    executor wait"). None (no limit) when the last batch read nothing: it measured no pace.
+
+    >>> waiting_records(1500, 4.5), waiting_records(1500, 4.5, within=1.0), waiting_records(0, 0.3)
+    (667, 334, None)
+    """
+    if records <= 0 or seconds <= 0:
+        return None
+    return max(1, math.ceil(records / seconds * within))
+
+
 TARGET = "latency target"
 """``ReadLimit.limited_by`` when the target's limit is the smaller."""
 

@@ -16,7 +16,14 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main
 from keyscale.errors import JobDefinitionError
 from keyscale.runtime.batch import sizing
-from keyscale.runtime.batch.jobstate import BatchRecord, History, JobState, RunOptions, RunSummary
+from keyscale.runtime.batch.jobstate import (
+    BatchRecord,
+    ExecutorsAsked,
+    History,
+    JobState,
+    RunOptions,
+    RunSummary,
+)
 from keyscale.runtime.control.metrics import families
 from keyscale.scaling.batch_size import PROBE_RECORDS
 from keyscale.sources import LocalLog
@@ -72,6 +79,18 @@ def test_a_sources_own_smaller_limit_is_kept_and_the_status_says_so(tmp_path: Pa
     assert out["meets_target"] is False  # 400 records a batch do not keep up with 5,000 records/s
     assert "source 'reader' max_records_per_batch (100 a partition) is below the target's" in out["reason"]
     assert sizing.read_limit(job, _source(10**6), 4) == job.batch.read_limit.per_partition < 10**6  # a larger one: the target's
+
+
+def test_while_a_scale_up_waits_for_executors_a_batch_reads_about_two_seconds_at_the_last_pace(tmp_path: Path) -> None:
+    # The spike's first batch at P=1 read 1,500 records in 4.5 s (333/s): the next reads about
+    # 2 s of that, 667 records over 4 partitions, so the job looks for its executors again soon.
+    for target in (None, "60s"):
+        job = _job(tmp_path, target, [(100, 0.4, 0), (1500, 4.5, 12_000)])
+        job.scaling.executors_asked = ExecutorsAsked(cores=4, asked_at=0.0)
+        assert sizing.read_limit(job, _source(None), 4) == 167, target
+        assert sizing.read_limit(job, _source(50), 4) == 50  # a smaller limit of the source's stays
+        job.scaling.executors_asked = None  # they came: the batch reads what it would anyway
+        assert sizing.read_limit(job, _source(None), 4) == (None if target is None else job.batch.read_limit.per_partition)
 
 
 def test_before_any_batch_is_measured_the_first_reads_a_probe(tmp_path: Path) -> None:

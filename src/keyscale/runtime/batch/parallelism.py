@@ -30,6 +30,7 @@ from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
 from keyscale.latency import Latency
 from keyscale.runtime.batch.jobstate import ExecutorsAsked, JobState, RunOptions, seconds
 from keyscale.runtime.task.report import TaskReports
+from keyscale.scaling.batch_size import WAITING_SECONDS
 from keyscale.scaling.forecast import RateHistory
 from keyscale.scaling.policy import Autoscaler, AutoscalerConfig, BatchMetrics
 from keyscale.scaling.slo import Slo, parse_slo
@@ -312,8 +313,8 @@ def awaiting_executors(job: JobState, batch_id: int) -> bool:
     if verdict == "wait":
         if not asked.said:
             asked.said = True
-            log.info("batch %d: the scale-up waits for its executors (%d of %d cores; at most %.0f s), running at the old parallelism meanwhile",
-                     batch_id, have, wanted, bound)
+            log.info("batch %d: the scale-up waits for its executors (%d of %d cores; at most %.0f s), running at the old parallelism "
+                     "meanwhile, in batches of about %.0f s so that it rescales soon after they come", batch_id, have, wanted, bound, WAITING_SECONDS)
         return True
     job.scaling.executors_asked = None
     job.scaling.executor_waits.append(waited)

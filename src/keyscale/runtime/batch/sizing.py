@@ -1,11 +1,14 @@
-"""How much a log source's batch reads when the job has a latency target (``RunOptions.latency_target``; issue 35, item 3).
+"""How much a log source's batch reads: under the job's latency target (``RunOptions.latency_target``;
+issue 35, item 3), and while a scale-up waits for its executors.
 
 The rule is :mod:`keyscale.scaling.batch_size`'s (pure); here its inputs are read off the
 run: the recent batches' records and seconds and the input rate measured from them
 (``job.history.batches``: records read, time, backlog after), and the source's own limit
 (``max_records_per_batch``, per partition), which the target never raises: the smaller
-limit wins, and the status says whose it is (``batch_size``). Without a target nothing
-here runs and a batch reads what its source's own limit allows.
+limit wins, and the status says whose it is (``batch_size``). Without a target a batch
+reads what its source's own limit allows. While the autoscaler's scale-up waits for the
+executors it asked Spark for (``batch/parallelism.py``), a batch at the old parallelism
+reads about two seconds' worth at most, so the rescale comes soon after they do.
 
 Runs on the driver, as the batch's intent is fixed (``source_plan.plan_source``): the
 limit is in the plan the intent keeps, so a replay reads the same records whatever the
@@ -21,7 +24,14 @@ from typing import TYPE_CHECKING
 
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import Duration, parse_duration_ms
-from keyscale.scaling.batch_size import TARGET, ReadLimit, arrival_rate, fit_cost, next_batch
+from keyscale.scaling.batch_size import (
+    TARGET,
+    ReadLimit,
+    arrival_rate,
+    fit_cost,
+    next_batch,
+    waiting_records,
+)
 
 if TYPE_CHECKING:
     from keyscale._steps import JobGraph
@@ -70,7 +80,19 @@ def measured(job: JobState) -> tuple[list[tuple[int, float]], float | None]:
 def read_limit(job: JobState, src: LogSource, partitions: int) -> int | None:
     """The next batch's limit per partition of ``src`` (read in ``partitions`` partitions)
     under the job's latency target, or the source's own without one; kept in
-    ``job.batch.read_limit`` for the status."""
+    ``job.batch.read_limit`` for the status. While a scale-up waits for its executors, at
+    most what the old parallelism gets through in about two seconds
+    (:func:`~keyscale.scaling.batch_size.waiting_records`)."""
+    limit = _target_limit(job, src, partitions)
+    last = job.history.batches[-1] if job.history.batches else None
+    if job.scaling.executors_asked is None or last is None:
+        return limit
+    waiting = waiting_records(int(last["records"]), float(last["seconds"]))
+    per = None if waiting is None else -(-waiting // max(1, partitions))
+    return limit if per is None or (limit is not None and limit <= per) else per
+
+
+def _target_limit(job: JobState, src: LogSource, partitions: int) -> int | None:
     own = src.max_records_per_partition
     target = target_seconds(job.opts.latency_target)
     if target is None:
