@@ -200,7 +200,7 @@ def waiting_records(records: int, seconds: float, within: float = WAITING_SECOND
     for: what the last batch's pace (its ``records`` over its ``seconds``, fixed cost
     included) gets through in ``within`` seconds, at least 1. The job looks for its
     executors between batches, so a batch of the whole backlog at the old parallelism would
-    hold the rescale back for all its length once they came (one ran 10.5 s at P=1 on a
+    hold the rescale back for all its length once they came (one ran 10.9 s at P=1 on a
     local cluster while the executors it waited for were starting; docs/benchmarks.md, "The
     executor wait"). None (no limit) when the last batch read nothing: it measured no pace.
 

@@ -35,7 +35,7 @@ otherwise                                              as decided, the forecast 
 
 >>> from keyscale.scaling.slo import Slo, SloReading
 >>> from keyscale.scaling.forecast import Forecast
->>> from keyscale.scaling.decision import Verdict, idles
+>>> from keyscale.scaling.decision import Verdict
 >>> from keyscale.scaling.model import AutoscalerConfig
 >>> o = Outlook(SloReading(Slo("lag", 30.0), 45.0, 45.0, 5.0, "lag"),
 ...             Forecast(900.0, 5.0, "current", "900 rec/s"), Forecast(900.0, 600.0, "current", "900 rec/s"), 5.0, 20.0)
