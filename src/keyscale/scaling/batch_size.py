@@ -73,9 +73,17 @@ class BatchSize:
     def per_partition(self, partitions: int) -> int | None:
         """The limit per partition of a log read in ``partitions`` partitions (what a log
         source's plan caps, ``max_records_per_partition``), rounded up, at least 1."""
-        if self.records is None:
-            return None
-        return max(1, math.ceil(self.records / max(1, partitions)))
+        return None if self.records is None else per_partition(self.records, partitions)
+
+
+def per_partition(records: int, partitions: int) -> int:
+    """A limit of ``records`` for a log read in ``partitions`` partitions, per partition:
+    rounded up, at least 1.
+
+    >>> per_partition(667, 4), per_partition(0, 4)
+    (167, 1)
+    """
+    return max(1, math.ceil(records / max(1, partitions)))
 
 
 def latency_records(target_seconds: float, fixed_seconds: float, seconds_per_record: float) -> float:
@@ -193,6 +201,8 @@ def next_batch(target_seconds: float, batches: Sequence[tuple[int, float]], rate
 
 WAITING_SECONDS = 2.0
 """About how long a batch runs while a scale-up waits for its executors (:func:`waiting_records`)."""
+WAITING = f"a scale-up waiting for its executors (about {WAITING_SECONDS:g} s of work a batch)"
+"""``ReadLimit.limited_by`` when :func:`waiting_records` is the smaller limit."""
 
 
 def waiting_records(records: int, seconds: float, within: float = WAITING_SECONDS) -> int | None:

@@ -25,7 +25,7 @@ from keyscale.runtime.batch.jobstate import (
     RunSummary,
 )
 from keyscale.runtime.control.metrics import families
-from keyscale.scaling.batch_size import PROBE_RECORDS
+from keyscale.scaling.batch_size import PROBE_RECORDS, WAITING
 from keyscale.sources import LocalLog
 from keyscale.sources.reader import LogSource
 
@@ -88,6 +88,10 @@ def test_while_a_scale_up_waits_for_executors_a_batch_reads_about_two_seconds_at
         job = _job(tmp_path, target, [(100, 0.4, 0), (1500, 4.5, 12_000)])
         job.scaling.executors_asked = ExecutorsAsked(cores=4, asked_at=0.0)
         assert sizing.read_limit(job, _source(None), 4) == 167, target
+        if target is not None:  # the status says whose limit holds
+            assert job.batch.read_limit is not None
+            shown = job.batch.read_limit.to_json()
+            assert shown["records"] == 668 and shown["limited_by"] == WAITING and shown["expected_batch_seconds"] == 2.0
         assert sizing.read_limit(job, _source(50), 4) == 50  # a smaller limit of the source's stays
         job.scaling.executors_asked = None  # they came: the batch reads what it would anyway
         assert sizing.read_limit(job, _source(None), 4) == (None if target is None else job.batch.read_limit.per_partition)

@@ -20,16 +20,20 @@ limit would be now. Writes ``job.batch.read_limit``; reads the rest.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.eventtime import Duration, parse_duration_ms
 from keyscale.scaling.batch_size import (
     TARGET,
+    WAITING,
+    WAITING_SECONDS,
     ReadLimit,
     arrival_rate,
     fit_cost,
     next_batch,
+    per_partition,
     waiting_records,
 )
 
@@ -85,11 +89,15 @@ def read_limit(job: JobState, src: LogSource, partitions: int) -> int | None:
     (:func:`~keyscale.scaling.batch_size.waiting_records`)."""
     limit = _target_limit(job, src, partitions)
     last = job.history.batches[-1] if job.history.batches else None
-    if job.scaling.executors_asked is None or last is None:
+    waiting = None if job.scaling.executors_asked is None or last is None else waiting_records(int(last["records"]), float(last["seconds"]))
+    per = None if waiting is None else per_partition(waiting, partitions)
+    if per is None or (limit is not None and limit <= per):
         return limit
-    waiting = waiting_records(int(last["records"]), float(last["seconds"]))
-    per = None if waiting is None else -(-waiting // max(1, partitions))
-    return limit if per is None or (limit is not None and limit <= per) else per
+    shown = job.batch.read_limit
+    if shown is not None:  # the status says whose limit holds
+        job.batch.read_limit = replace(shown, per_partition=per, limited_by=WAITING, expected_seconds=WAITING_SECONDS,
+                                       meets_target=shown.target_seconds >= 2 * WAITING_SECONDS)
+    return per
 
 
 def _target_limit(job: JobState, src: LogSource, partitions: int) -> int | None:
