@@ -43,6 +43,10 @@ os.environ.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")
 # With it, a class-data-sharing archive of Spark's classes (tests/jvm_archive.py), made in
 # pytest_configure: the first process makes it, the others (xdist's workers) find it.
 _JIT = "-XX:TieredStopAtLevel=1"
+# The executors of the standalone-cluster tests are as short-lived: they get it through their
+# drivers' conf (Spark reads a driver's spark.* system properties as defaults; a test's own
+# --conf or builder setting still wins).
+_EXECUTOR_JIT = f"-Dspark.executor.extraJavaOptions={_JIT}"
 # Hypothesis' default 200 ms deadline fails pure tests on a loaded machine (the fast lane runs
 # beside other work: a Kafka codec example took 316 ms at load 20 on 2 cores); most of the
 # suite's property tests already say deadline=None, and a test's own @settings still wins.
@@ -65,7 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from jvm_archive import ensure
 
     archive = ensure(_JIT)
-    os.environ["SPARK_SUBMIT_OPTS"] = f"{_JIT} {archive}" if archive else _JIT
+    os.environ["SPARK_SUBMIT_OPTS"] = " ".join([_JIT, _EXECUTOR_JIT, *([archive] if archive else [])])
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -314,13 +318,20 @@ def write_events(folder: Path, files: int, rows: int, keys: int, seed: int = 0, 
                 "ts": pa.array([base + dt.timedelta(seconds=j) for j in range(rows)], pa.timestamp("us", tz="UTC")),
             }
         )
-        tmp = folder / f".part-{i:05d}.parquet.tmp"
-        pq.write_table(table, tmp)
-        final = folder / f"part-{i:05d}.parquet"
-        tmp.rename(final)
-        # Spark's file source takes files in modification-time order: make it the name order.
-        stamp = 1_700_000_000 + i
-        os.utime(final, (stamp, stamp))
+        write_input_file(table, folder / f"part-{i:05d}.parquet", i)
+
+
+def write_input_file(table: pa.Table, path: Path, order: int) -> None:
+    """A Parquet input file that appears whole, stamped ``order`` seconds after 2023-11-14:
+    Spark's file source takes files in modification-time order, so the stamp makes it the
+    tests' order. Stamped before the rename, so that a running job never lists the file with
+    today's time: its source would then drop every later file (stamped 2023) as older than
+    its maxFileAge (7 days) behind the newest file it has seen, and wait forever."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(table, tmp)
+    stamp = 1_700_000_000 + order
+    os.utime(tmp, (stamp, stamp))
+    tmp.rename(path)
 
 
 def read_output(folder: Path | str) -> pd.DataFrame:

@@ -62,6 +62,7 @@ __all__ = [
     "merge_ages",
     "quantile",
     "representative",
+    "seconds_words",
     "window_quantile",
 ]
 
@@ -193,11 +194,38 @@ class Latency:
     clock: str
     buckets: Mapping[int, int] = field(default_factory=dict)
 
+    def words(self) -> str:
+        """The log's form: ``latency p50 0.412 s, p99 1.050 s, max 1.300 s``, in days where
+        the records are that old (a backfill of old files: "p50 1,111 days", not 96 million s).
+
+        >>> Latency(3, 0.4121, 1.05, 1.3, 0.2, 0.0, "test").words()
+        'latency p50 0.412 s, p99 1.050 s, max 1.300 s'
+        >>> Latency(3, 96_016_202.4, 96_016_203.0, 96_016_203.5, 96_016_202.0, 0.0, "file").words()
+        'latency p50 1,111 days, p99 1,111 days, max 1,111 days'
+        """
+        return (f"latency p50 {seconds_words(self.p50_seconds)}, p99 {seconds_words(self.p99_seconds)}, "
+                f"max {seconds_words(self.max_seconds)}")
+
     def to_json(self) -> dict[str, Any]:
         """The status's and the dashboard's form (no buckets)."""
         return {"records": self.records, "p50_seconds": round(self.p50_seconds, 4), "p99_seconds": round(self.p99_seconds, 4),
                 "max_seconds": round(self.max_seconds, 4), "min_seconds": round(self.min_seconds, 4),
                 "committed_ms": int(self.committed * 1000), "append_time": self.clock}
+
+
+def seconds_words(seconds: float) -> str:
+    """A latency for people: milliseconds shown under a minute, then minutes, hours, days.
+
+    >>> seconds_words(0.4121), seconds_words(59.9), seconds_words(90), seconds_words(7200), seconds_words(3 * 86_400)
+    ('0.412 s', '59.900 s', '1.5 min', '2.0 h', '3 days')
+    """
+    if seconds < 60:
+        return f"{seconds:.3f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86_400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86_400:,.0f} days"
 
 
 def at_commit(summaries: Iterable[Ages | None], committed: float) -> Latency | None:

@@ -4,16 +4,14 @@ join, on real Spark, across a live rescale and a restart."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from conftest import read_output, run_job
+from conftest import read_output, run_job, write_input_file
 from keyscale.checkpoint.jobdir import JobDir
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -86,9 +84,7 @@ T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 def _write(folder: Path, batches: list[list[dict[str, Any]]], schema: pa.Schema) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for i, rows in enumerate(batches):
-        path = folder / f"part-{i:05d}.parquet"
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-        os.utime(path, (1_700_000_000 + i, 1_700_000_000 + i))  # Spark reads files in time order
+        write_input_file(pa.Table.from_pylist(rows, schema=schema), folder / f"part-{i:05d}.parquet", i)
 
 
 USERS = pa.schema([("id", pa.string()), ("name", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])

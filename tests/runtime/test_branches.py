@@ -4,7 +4,6 @@ once per batch and each sink gets every batch exactly once, across a kill betwee
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 import keyscale as ks
-from conftest import cli, cli_here, read_output, run_job, write_events
+from conftest import cli, cli_here, read_output, run_job, write_events, write_input_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import JobDefinitionError
 
@@ -38,9 +36,8 @@ def write_views(folder: Path, files: int, rows: int, seed: int = 3) -> pd.DataFr
     })
     for i in range(files):
         part = pa.Table.from_pandas(views.iloc[i * rows:(i + 1) * rows], preserve_index=False)
-        pq.write_table(part.cast(pa.schema([("user", pa.string()), ("page", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])),
-                       folder / f"part-{i:05d}.parquet")
-        os.utime(folder / f"part-{i:05d}.parquet", (1_700_000_000 + i, 1_700_000_000 + i))  # Spark reads files in time order
+        write_input_file(part.cast(pa.schema([("user", pa.string()), ("page", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])),
+                         folder / f"part-{i:05d}.parquet", i)
     return views
 
 

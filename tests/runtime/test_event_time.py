@@ -17,11 +17,10 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from tests.operators.window_reference import batches, fixed_windows, last_rows, sessions, watermarks
 
-from conftest import EXAMPLES, ROOT, cli, cli_here, read_output, run_job
+from conftest import EXAMPLES, ROOT, cli, cli_here, read_output, run_job, write_input_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.cli.main import main as keyscale_main
 from keyscale.operators.eventtime import END_OF_TIME
@@ -42,10 +41,7 @@ def write_batches(folder: Path, data: list[pd.DataFrame], first: int = 0) -> Non
             "value": pa.array(df["value"], pa.int64()),
             "ts": pa.array(df["ts"] + EPOCH_MS, pa.int64()).cast(pa.timestamp("ms", tz="UTC")).cast(pa.timestamp("us", tz="UTC")),
         })
-        final = folder / f"part-{i:05d}.parquet"
-        pq.write_table(table, folder / f".{final.name}.tmp")
-        (folder / f".{final.name}.tmp").rename(final)
-        os.utime(final, (1_700_000_000 + i, 1_700_000_000 + i))
+        write_input_file(table, folder / f"part-{i:05d}.parquet", i)
 
 
 def to_ms(out: pd.DataFrame, *cols: str) -> pd.DataFrame:

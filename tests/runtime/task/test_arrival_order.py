@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import cli, read_output, run_job, write_events
+from conftest import cli, cli_here, read_output, run_job, write_events
 
 pytestmark = [pytest.mark.slow]
 
@@ -60,21 +60,23 @@ def _write_input(folder: Path, fmt: str) -> None:
         first += n
 
 
-def _run(tmp_path: Path, name: str, fmt: str, *spark_args: str) -> pd.DataFrame:
+def _run(tmp_path: Path, name: str, fmt: str, *spark_args: str, here: bool = False) -> pd.DataFrame:
+    """One run of the job: in a process of its own, or (``here``) on the tests' session."""
     job = tmp_path / "positions_job.py"
     job.write_text(JOB)
     out = tmp_path / f"out-{name}"
-    cli("run", str(job), "--job-dir", str(tmp_path / f"job-{name}"), "-p", "2", "--until-idle", *spark_args,
-        "--set", f"input={tmp_path / 'in'}", "--set", f"output={out}", "--set", f"format={fmt}", check=True)
+    (cli_here if here else cli)("run", str(job), "--job-dir", str(tmp_path / f"job-{name}"), "-p", "2", "--until-idle", *spark_args,
+                                "--set", f"input={tmp_path / 'in'}", "--set", f"output={out}", "--set", f"format={fmt}", check=True)
     return read_output(out)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "json"])
-def test_same_order_on_another_master_and_split(tmp_path: Path, fmt: str) -> None:
+def test_same_order_on_another_master_and_split(spark: Any, tmp_path: Path, fmt: str) -> None:
     _write_input(tmp_path / "in", fmt)
     small = _run(tmp_path, "small-splits", fmt, "--master", "local[1]",
                  "--conf", "spark.sql.files.maxPartitionBytes=16384", "--conf", "spark.sql.files.openCostInBytes=1024")
-    default = _run(tmp_path, "defaults", fmt, "--master", "local[2]")
+    # Spark's defaults on two cores: the tests' own session is that (local[2], keyscale's settings).
+    default = _run(tmp_path, "defaults", fmt, here=True)
     assert len(small) == sum(ROWS)
     # Within a file, a key's records arrive in the file's order (value increases along a file).
     bounds = pd.Series(range(len(ROWS))).map(lambda i: sum(ROWS[: i + 1]))

@@ -372,7 +372,7 @@ def record(
         "batch %d %s in %.2f s (Spark job %.2f s%s): %s%s; %s%s",
         batch_id, "run" if job.committed.pending else "committed", seconds, spark_seconds, "; its checkpoint commits in the background" if job.committed.pending else "",
         f"{records:,} records in, {emitted:,} rows out" if counted else "no stateful stage, so no record counts (Spark's progress has them)",
-        f", latency p50 {lat.p50_seconds:.3f} s, p99 {lat.p99_seconds:.3f} s, max {lat.max_seconds:.3f} s" if lat is not None else "",
+        f", {lat.words()}" if lat is not None else "",
         ", ".join(f"'{u}' p={p}" for u, p in par.items()),
         f"; {removed} old state files removed" if removed else "",
     )
