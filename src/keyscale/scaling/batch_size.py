@@ -86,6 +86,16 @@ def per_partition(records: int, partitions: int) -> int:
     return max(1, math.ceil(records / max(1, partitions)))
 
 
+def meets(batch_seconds: float, target_seconds: float) -> bool:
+    """Whether batches of ``batch_seconds`` hold a latency target: a record's expected
+    latency is two batch times (within float rounding).
+
+    >>> meets(0.5, 1.0), meets(0.51, 1.0)
+    (True, False)
+    """
+    return 2 * batch_seconds <= target_seconds * (1 + 1e-9)
+
+
 def latency_records(target_seconds: float, fixed_seconds: float, seconds_per_record: float) -> float:
     """Records a batch of half the target holds (0 when the fixed cost alone is over it;
     infinite when records cost nothing)."""
@@ -133,7 +143,7 @@ def batch_records(
         return BatchSize(None, None, True, reason)
     records = int(limit)
     seconds = fixed_seconds + seconds_per_record * records
-    return BatchSize(records, seconds, 2 * seconds <= target_seconds * (1 + 1e-9), reason)
+    return BatchSize(records, seconds, meets(seconds, target_seconds), reason)
 
 
 def fit_cost(batches: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -195,7 +205,7 @@ def next_batch(target_seconds: float, batches: Sequence[tuple[int, float]], rate
     if size.records is not None and size.records <= bound:
         return size
     seconds = f + c * bound
-    return BatchSize(bound, seconds, 2 * seconds <= target_seconds * (1 + 1e-9) and math.isfinite(need),
+    return BatchSize(bound, seconds, meets(seconds, target_seconds) and math.isfinite(need),
                      f"{size.reason}; at most {GROWTH}x the largest batch measured: {bound:,} records")
 
 

@@ -32,6 +32,7 @@ from keyscale.scaling.batch_size import (
     ReadLimit,
     arrival_rate,
     fit_cost,
+    meets,
     next_batch,
     per_partition,
     waiting_records,
@@ -96,7 +97,7 @@ def read_limit(job: JobState, src: LogSource, partitions: int) -> int | None:
     shown = job.batch.read_limit
     if shown is not None:  # the status says whose limit holds
         job.batch.read_limit = replace(shown, per_partition=per, limited_by=WAITING, expected_seconds=WAITING_SECONDS,
-                                       meets_target=shown.target_seconds >= 2 * WAITING_SECONDS)
+                                       meets_target=meets(WAITING_SECONDS, shown.target_seconds))
     return per
 
 
@@ -114,7 +115,7 @@ def _target_limit(job: JobState, src: LogSource, partitions: int) -> int | None:
         f, c = fit_cost(costs) if costs else (None, None)
         seconds = None if f is None or c is None else f + c * own * partitions
         keeps_up = seconds is not None and own * partitions >= (rate or 0.0) * seconds
-        meets = seconds is not None and keeps_up and 2 * seconds <= target
-        limit = ReadLimit(target, partitions, own, size, f"source '{src.uid}' max_records_per_batch", seconds, meets)
+        holds = seconds is not None and keeps_up and meets(seconds, target)
+        limit = ReadLimit(target, partitions, own, size, f"source '{src.uid}' max_records_per_batch", seconds, holds)
     job.batch.read_limit = limit
     return limit.per_partition
