@@ -1,7 +1,8 @@
-"""What a job's start spends on its Spark session: the session itself, then the ``keyscale``
-data source's registration (``runtime/driver/session.py`` ``_register_state_source``), split
-into Spark's part (the first Python data source a JVM registers makes Spark look up every
-installed ``pyspark_*`` module in a Python worker of its own) and keyscale's.
+"""What a Spark session costs keyscale: the session itself, then the ``keyscale`` data
+source's registration (``keyscale.state_processor.register``, which job sessions no longer
+make: docs/benchmarks.md, "A job's start"), split into Spark's part (the first Python data
+source a JVM registers makes Spark look up every installed ``pyspark_*`` module in a Python
+worker of its own) and keyscale's.
 
 Each repeat is a new process (a new JVM), as a job's start is::
 

@@ -49,6 +49,13 @@ def _model(folder: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+@pytest.fixture
+def spark(spark: Any) -> Any:
+    """The tests' session with the data source registered, as a user's session registers it."""
+    register(spark)
+    return spark
+
+
 def _read(spark: Any, job: Path, **options: Any) -> Any:
     reader = spark.read.format("keyscale").option("uid", "totals")
     for k, v in options.items():
@@ -91,7 +98,6 @@ def test_a_scan_equals_what_the_job_committed_and_the_change_feed_its_diffs(spar
     assert {f.kind for f in written if f.batch > batches[0]} == {"delta", "snapshot"}  # the feed diffs compactions too
     model = _model(tmp_path / "in")
 
-    # keyscale's session registered the source: no register() call here.
     df = _read(spark, tmp_path / "job")
     committed = {r["key"]: (r["key_group"], r["total"], r["seen"]) for r in read_keyed_state(spark, str(tmp_path / "job"), "totals").collect()}
     assert _rows(df) == committed
@@ -211,8 +217,10 @@ def test_scans_of_a_running_job_through_a_live_rescale(spark: Any, tmp_path: Pat
 _S3_SCANS = """
 import json, sys
 from keyscale.runtime.driver.session import spark_session
+from keyscale.state_processor import register
 
 spark = spark_session("local[1]")
+register(spark)
 for line in sys.stdin:
     ask = json.loads(line)
     reader = spark.read.format("keyscale").option("uid", ask["uid"])
@@ -307,8 +315,10 @@ def test_options_keyscale_cannot_serve_are_errors_naming_them(spark: Any, tmp_pa
 _S3_READER = """
 import json, sys
 from keyscale.runtime.driver.session import spark_session
+from keyscale.state_processor import register
 
 spark = spark_session("local[1]")
+register(spark)
 where = sys.argv[1]
 df = spark.read.format("keyscale").option("uid", "op").option("flatten", "false").load(where)
 one = df.where("user = 'u1'")

@@ -94,6 +94,11 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
     Its settings are :func:`session_conf` of ``master`` and ``conf``. Python workers run
     this interpreter (unless ``PYSPARK_PYTHON`` says otherwise), so they import the same
     keyscale and pyarrow.
+
+    It does not register the ``keyscale`` data source: Spark's lookup of installed Python
+    data sources, which the first registration in a JVM starts, costs about 2.9 s of a job's
+    start (docs/benchmarks.md, "A job's start"); :func:`keyscale.state_processor.register`
+    is the one call that adds it.
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -104,22 +109,7 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("KEYSCALE_SPARK_LOG_LEVEL", "ERROR"))
-    _register_state_source(spark)
     return spark
-
-
-def _register_state_source(spark: SparkSession) -> None:
-    """``spark.read.format("keyscale")`` (the state processor's data source) on keyscale's
-    own sessions. It changes no setting the user made. The first registration on a new JVM
-    is slow (3.7 s measured on a loaded machine: Spark loads its data-source classes then),
-    later ones take milliseconds; how much of the first a job's first read would pay anyway
-    is not measured."""
-    from keyscale.state_processor.datasource import register
-
-    try:
-        register(spark)
-    except Exception as e:  # a session without Python data sources: the job runs all the same
-        log.debug("keyscale data source not registered: %s", e)
 
 
 def check_classic(obj: object) -> None:
