@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from keyscale.state import columns as columns_module
 from keyscale.state import table as table_module
+from keyscale.state.columns import KG_MAX
 from keyscale.state.factorize import factorize_keys, make_index
 from keyscale.state.table import (
     KG_COLUMN,
     KeyedStateTable,
+    applied_rows,
     numpy_to_arrow,
 )
 from keyscale.state.types import StateDescriptor
@@ -500,6 +502,19 @@ def test_applying_files_as_one_equals_applying_each_in_turn(held: list[pa.Table]
     for f in files:
         each.apply(f)
     assert one.to_arrow().equals(each.to_arrow())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(files=state_files())
+def test_the_rule_for_a_few_rows_equals_applying_the_files_to_a_table(files: list[pa.Table]) -> None:
+    """A point lookup applies its key's rows with applied_rows; a restore, with the table."""
+    t = KeyedStateTable(["u", "i"], [pa.string(), pa.int64()], MODEL_STATES)
+    for f in files:
+        t.apply(f)
+    live = t.to_arrow(t.rows_in_range(0, KG_MAX, live_only=True)).drop_columns([KG_COLUMN]).to_pylist()
+    got = applied_rows(files, ["u", "i"], MODEL_STATES)
+    assert {(r["u"], r["i"]): r for r in got} == {(r["u"], r["i"]): r for r in live}
+    assert len(got) == len(live)
 
 
 def test_drop_groups_forgets_scattered_key_groups_at_once() -> None:

@@ -46,7 +46,7 @@ from keyscale.state.types import StateDescriptor, is_numeric
 KG_COLUMN = "__kg"
 
 # Names callers import from here, where they were defined first.
-__all__ = ["KG_COLUMN", "KG_DTYPE", "KeyedStateTable", "last_rows", "numpy_to_arrow"]
+__all__ = ["KG_COLUMN", "KG_DTYPE", "KeyedStateTable", "applied_rows", "last_rows", "numpy_to_arrow"]
 
 
 def _hash(columns: Sequence[KeyColumn]) -> np.ndarray:
@@ -54,6 +54,35 @@ def _hash(columns: Sequence[KeyColumn]) -> np.ndarray:
     that collides on purpose: lookups must stay exact)."""
     return key_hash(columns)
 
+
+
+def applied_rows(parts: Sequence[pa.Table], key_names: Sequence[str], states: Sequence[StateDescriptor]) -> list[dict[str, Any]]:
+    """What :meth:`KeyedStateTable.apply` of ``parts`` in order leaves of their keys, as
+    Python rows (key columns and states, ``None`` where absent; keys whose states are all
+    absent left out), in the order the keys first appear. The same rule in the form a few
+    rows want: a point lookup applies the handful of rows one key has in its restore chain
+    without building a table (tests/state/test_table.py checks the two agree).
+
+    >>> import pyarrow as pa
+    >>> n = StateDescriptor("n", "value", pa.int64())
+    >>> snapshot = pa.table({"k": ["a", "b"], "n": [5, 7]})
+    >>> delta = pa.table({"k": ["b", "a"], "n": [None, 6]})   # b deleted, a changed
+    >>> applied_rows([snapshot, delta], ["k"], [n])
+    [{'k': 'a', 'n': 6}]
+    """
+    held: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for part in parts:
+        if not part.num_rows:
+            continue
+        present = [s.name for s in states if s.name in part.column_names]  # a state added since: left as it is
+        for row in part.select([*key_names, *present]).to_pylist():
+            key = tuple(row[k] for k in key_names)
+            state = held.get(key)
+            if state is None:
+                state = held[key] = {**{k: row[k] for k in key_names}, **{s.name: None for s in states}}
+            for name in present:
+                state[name] = row[name]
+    return [r for r in held.values() if any(r[s.name] is not None for s in states)]
 
 
 class KeyedStateTable:

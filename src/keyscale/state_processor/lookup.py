@@ -5,8 +5,8 @@ control API's ``GET /state/<uid>?key=...``: key ``K`` of operator ``U`` at check
 is in key group ``kg = pmod(hash(K), M)`` (:mod:`keyscale.state.spark_hash`); its value is
 the key's rows in ``kg``'s restore chain at ``N`` (its latest snapshot, then the deltas after
 it: :func:`keyscale.checkpoint.manifest.restore_chain`) applied in order, as a restore
-applies them (:class:`keyscale.state.table.KeyedStateTable`, the same decoding
-:func:`~keyscale.state_processor.read_keyed_state` uses). Of each file only its footer and
+applies them (:func:`keyscale.state.table.applied_rows`, the rule of
+:meth:`~keyscale.state.table.KeyedStateTable.apply` for a few rows). Of each file only its footer and
 the record batches holding ``kg`` are read, by byte range, and of a snapshot with fences
 only the one record batch of ``kg`` that can hold the key (:mod:`keyscale.state.order`):
 the footers of the chain's files in one round of reads, then the record batches of all of
@@ -82,7 +82,7 @@ from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.order import sort_keys
 from keyscale.state.spark_hash import key_group_of
-from keyscale.state.table import KeyedStateTable
+from keyscale.state.table import applied_rows
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import Store
 
@@ -245,9 +245,9 @@ def _matching(table: pa.Table, columns: Sequence[tuple[str, pa.DataType]], value
     mask: Any = None
     for (name, _), v in zip(columns, values, strict=True):
         col: Any = table.column(name)
-        eq = pc.is_null(col) if v is None else pc.fill_null(pc.equal(col, pa.scalar(v, type=col.type)), False)
+        eq = pc.is_null(col) if v is None else pc.equal(col, pa.scalar(v, type=col.type))
         mask = eq if mask is None else pc.and_(mask, eq)
-    return table.filter(mask)
+    return table.filter(mask)  # a null in the mask (a null key column against a value) drops the row
 
 
 # -- answers ------------------------------------------------------------------------------------
@@ -421,14 +421,11 @@ class StateLookup:
 
     def _one(self, m: Manifest, op: LookupOperator, values: tuple[Any, ...]) -> dict[str, Any]:
         kg = op.key_group(values)
-        rng = KeyGroupRange(kg, kg)
-        names = [n for n, _ in op.keys]
-        table = KeyedStateTable(names, [t for _, t in op.keys], op.states)
-        store = self.jobdir.store
         chain = self._chain(op, kg)
         # Where the key sits in a fenced file (key group, then sub key of its first column).
         probe = int(sort_keys(np.array([kg]), pa.array([values[0]], type=op.routing[0][1]))[0])
-        for part in self.cache.slices(store, chain, rng, probe):  # read at once, applied in order
-            table.apply(_matching(part, op.routing, values))
-        rows = table.to_arrow(table.rows_in_range(kg, kg, live_only=True)).to_pylist()
+        parts = self.cache.slices(self.jobdir.store, chain, KeyGroupRange(kg, kg), probe)  # read at once
+        # Applied in order as a restore applies them, in Python: a key has a handful of rows
+        # here, and a table built for them cost 4x the rest of a lookup (docs/benchmarks.md, "State lookups: the rule for a few rows").
+        rows = applied_rows([_matching(part, op.routing, values) for part in parts], [n for n, _ in op.keys], op.states)
         return _answer(op, m.batch, values, kg, rows)
