@@ -55,7 +55,6 @@ def _hash(columns: Sequence[KeyColumn]) -> np.ndarray:
     return key_hash(columns)
 
 
-
 def applied_rows(parts: Sequence[pa.Table], key_names: Sequence[str], states: Sequence[StateDescriptor]) -> list[dict[str, Any]]:
     """What :meth:`KeyedStateTable.apply` of ``parts`` in order leaves of their keys, as
     Python rows (key columns and states, ``None`` where absent; keys whose states are all

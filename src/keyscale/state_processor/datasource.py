@@ -225,8 +225,9 @@ def register(spark: SparkSession) -> None:
     """Make the ``keyscale`` data source known to ``spark``: ``spark.read.format("keyscale")``,
     ``CREATE TABLE`` and ``CREATE TEMPORARY VIEW ... USING keyscale OPTIONS (...)``, in any
     session, a job's own included (no session gets it unasked). Key filters are pushed down
-    where Spark allows it: the session's ``spark.sql.python.filterPushdown.enabled`` is turned on when unset (a value the user set
-    is kept; with it off, every key group is read and Spark filters the rows).
+    where Spark allows it: the session's ``spark.sql.python.filterPushdown.enabled`` is
+    turned on when unset (a value the user set is kept; with it off, every key group is read
+    and Spark filters the rows).
 
     Example (a running Spark session ``spark``)::
 

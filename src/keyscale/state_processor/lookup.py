@@ -6,8 +6,8 @@ is in key group ``kg = pmod(hash(K), M)`` (:mod:`keyscale.state.spark_hash`); it
 the key's rows in ``kg``'s restore chain at ``N`` (its latest snapshot, then the deltas after
 it: :func:`keyscale.checkpoint.manifest.restore_chain`) applied in order, as a restore
 applies them (:func:`keyscale.state.table.applied_rows`, the rule of
-:meth:`~keyscale.state.table.KeyedStateTable.apply` for a few rows). Of each file only its footer and
-the record batches holding ``kg`` are read, by byte range, and of a snapshot with fences
+:meth:`~keyscale.state.table.KeyedStateTable.apply` for a few rows). Of each file only its
+footer and the record batches holding ``kg`` are read, by byte range, and of a snapshot with fences
 only the one record batch of ``kg`` that can hold the key (:mod:`keyscale.state.order`):
 the footers of the chain's files in one round of reads, then the record batches of all of
 them in one more (:mod:`keyscale.checkpoint.ranged`: ranged GETs at once on an object
