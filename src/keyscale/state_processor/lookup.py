@@ -426,6 +426,7 @@ class StateLookup:
         probe = int(sort_keys(np.array([kg]), pa.array([values[0]], type=op.routing[0][1]))[0])
         parts = self.cache.slices(self.jobdir.store, chain, KeyGroupRange(kg, kg), probe)  # read at once
         # Applied in order as a restore applies them, in Python: a key has a handful of rows
-        # here, and a table built for them cost 4x the rest of a lookup (docs/benchmarks.md, "State lookups: the rule for a few rows").
+        # here, and a table built for them made a lookup cost 2.5x as much (docs/benchmarks.md,
+        # "State lookups: the rule for a few rows").
         rows = applied_rows([_matching(part, op.routing, values) for part in parts], [n for n, _ in op.keys], op.states)
         return _answer(op, m.batch, values, kg, rows)
