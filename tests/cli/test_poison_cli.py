@@ -65,7 +65,7 @@ def _error_block(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_raising_function_stops_in_one_screen_then_dead_letters_let_it_go_on(tmp_path: Path) -> None:
+def test_raising_function_stops_in_one_screen_then_dead_letters_let_it_go_on(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=50, keys=5)
     job = _job(tmp_path)
     base = ["run", str(job), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle",
@@ -82,8 +82,9 @@ def test_raising_function_stops_in_one_screen_then_dead_letters_let_it_go_on(tmp
     assert "PythonException" in (tmp_path / "job" / "last-error.txt").read_text()  # the full text is kept
     assert JobDir(tmp_path / "job").manifest_batches() == []
 
-    # The way forward: the same job directory, the bad key's records dead-lettered.
-    proc = cli(*base, "--set", "on_error=dead_letter", "--set", f"dead={tmp_path / 'dead'}")
+    # The way forward: the same job directory, the bad key's records dead-lettered (run on
+    # the tests' session: the first run's own process is what the screen above checked).
+    proc = cli_here(*base, "--set", "on_error=dead_letter", "--set", f"dead={tmp_path / 'dead'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out, dead = read_output(tmp_path / "out"), read_output(tmp_path / "dead")
     assert "k3" not in set(out["key"]) and len(out) + len(dead) == 100
