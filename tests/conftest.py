@@ -40,7 +40,7 @@ os.environ.setdefault("KEYSCALE_KAFKA_SERIAL_COMMITS", "1")
 # over tiny data: the C1 compiler alone costs it ~30% less CPU than tiered C2 (30 -> 22 CPU
 # seconds for a CLI run of the running count, /proc/stat, 2026-11-26), on a 2-core machine
 # where the suite is CPU-bound. spark-submit reads this variable; keyscale never sets it.
-# With it, a class-data-sharing archive of Spark's classes (tests/jvm_archive.py), made in
+# With it, keyscale's class archive of Spark's classes (tests/jvm_archive.py), made in
 # pytest_configure: the first process makes it, the others (xdist's workers) find it.
 _JIT = "-XX:TieredStopAtLevel=1"
 # The executors of the standalone-cluster tests are as short-lived: they get it through their
@@ -68,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     from jvm_archive import ensure
 
-    archive = ensure(_JIT)
+    archive = ensure()
     os.environ["SPARK_SUBMIT_OPTS"] = " ".join([_JIT, _EXECUTOR_JIT, *([archive] if archive else [])])
 
 

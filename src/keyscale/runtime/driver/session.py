@@ -99,13 +99,22 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
     data sources, which the first registration in a JVM starts, costs about 2.9 s of a job's
     start (docs/benchmarks.md, "A job's start"); :func:`keyscale.state_processor.register`
     is the one call that adds it.
+
+    When it starts Spark's JVM (no session in this process yet) and ``KEYSCALE_CLASS_ARCHIVE``
+    is set, the JVM maps that class archive (:mod:`keyscale.runtime.driver.classarchive`).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
+    settings = session_conf(master, conf)
+    if SparkContext._gateway is None:
+        from keyscale.runtime.driver.classarchive import class_archive_conf
+
+        settings = class_archive_conf(settings)
     builder = SparkSession.builder.master(master).appName(app_name)
-    for k, v in session_conf(master, conf).items():
+    for k, v in settings.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("KEYSCALE_SPARK_LOG_LEVEL", "ERROR"))

@@ -1,0 +1,106 @@
+"""A class archive for Spark's driver JVM (``keyscale class-archive``, ``KEYSCALE_CLASS_ARCHIVE``):
+the archive a job's JVM maps, and the archives keyscale refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import RUNNING_COUNT, cli, read_output, write_events
+from keyscale.errors import KeyscaleError
+from keyscale.runtime.driver.classarchive import (
+    ARCHIVE_ENV,
+    class_archive_conf,
+    create_archive,
+    current_stamp,
+)
+
+OPTION = "spark.driver.defaultJavaOptions"
+
+
+def _archive(folder: Path, **stamp: str) -> Path:
+    """A stand-in archive with a stamp of this machine, or of ``stamp``'s differences."""
+    path = folder / "spark.jsa"
+    path.write_bytes(b"not read by these tests")
+    made_for = dataclasses.replace(current_stamp(), **stamp)
+    (folder / "spark.jsa.json").write_text(json.dumps(made_for.to_wire()))
+    return path
+
+
+def test_without_the_variable_the_settings_are_unchanged() -> None:
+    conf = {"spark.driver.memory": "2g"}
+    assert class_archive_conf(conf, env={}) == conf
+
+
+def test_the_archive_goes_after_the_users_own_default_java_options(tmp_path: Path) -> None:
+    path = _archive(tmp_path)
+    conf = class_archive_conf({OPTION: "-Dmine=1", "spark.driver.memory": "2g"}, env={ARCHIVE_ENV: str(path)})
+    assert conf == {OPTION: f"-Dmine=1 -XX:SharedArchiveFile={path}", "spark.driver.memory": "2g"}
+
+
+@pytest.mark.parametrize("line", ["spark.driver.defaultJavaOptions   -Dadmin=1 -Dx=2", "spark.driver.defaultJavaOptions=-Dadmin=1 -Dx=2"])
+def test_spark_defaults_conf_options_are_kept_not_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str) -> None:
+    # A --conf of the same name would replace spark-defaults.conf's value: keyscale carries it over.
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "spark-defaults.conf").write_text(f"# the admin's\nspark.driver.memory 4g\n{line}\n")
+    monkeypatch.setenv("SPARK_CONF_DIR", str(tmp_path / "conf"))
+    path = _archive(tmp_path)
+    conf = class_archive_conf({}, env={ARCHIVE_ENV: str(path)})
+    assert conf == {OPTION: f"-Dadmin=1 -Dx=2 -XX:SharedArchiveFile={path}"}
+
+
+def test_making_one_on_top_of_another_archive_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARK_SUBMIT_OPTS", f"-XX:SharedArchiveFile={tmp_path / 'old.jsa'}")
+    with pytest.raises(KeyscaleError, match=r"^SPARK_SUBMIT_OPTS gives Spark's JVM a class archive already"):
+        create_archive(str(tmp_path / "new.jsa"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_archive_is_an_error_that_says_how_to_make_it(tmp_path: Path) -> None:
+    with pytest.raises(KeyscaleError) as e:
+        class_archive_conf({}, env={ARCHIVE_ENV: str(tmp_path / "none.jsa")})
+    assert f"{ARCHIVE_ENV}={tmp_path / 'none.jsa'}: no class archive there" in str(e.value)
+    assert f"`keyscale class-archive {tmp_path / 'none.jsa'}`" in str(e.value)
+
+
+@pytest.mark.parametrize(("stamp", "said"), [
+    ({"jars": "0" * 16}, "other Spark jars in"),
+    ({"spark_jars": "/elsewhere/pyspark/jars"}, "Spark's jars in"),
+    ({"java": "/usr/lib/jvm/java-11/bin/java"}, "Java "),
+    ({"jvm": "1-2"}, "another build of Java"),
+])  # fmt: skip
+def test_an_archive_made_for_another_java_or_spark_is_refused_by_name(tmp_path: Path, stamp: dict[str, str], said: str) -> None:
+    # The JVM itself would only warn and start without it: slower, and the user would not know why.
+    path = _archive(tmp_path, **stamp)
+    with pytest.raises(KeyscaleError) as e:
+        class_archive_conf({}, env={ARCHIVE_ENV: str(path)})
+    assert f"{ARCHIVE_ENV}={path} was made for another Java or Spark than this job's: this one has {said}" in str(e.value)
+    assert f"`keyscale class-archive {path}`" in str(e.value)
+
+
+def test_a_job_started_with_the_archive_loads_sparks_classes_from_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tests' own archive (tests/jvm_archive.py) comes through SPARK_SUBMIT_OPTS: not here.
+    monkeypatch.setenv("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
+    archive = tmp_path / "cache" / "spark.jsa"
+    made = cli("class-archive", str(archive), check=True)
+    assert "class archive written" in made.stdout
+    assert json.loads((tmp_path / "cache" / "spark.jsa.json").read_text())["v"] == 1
+    assert [p.name for p in archive.parent.iterdir()] and not [p for p in archive.parent.iterdir() if p.is_dir()]  # no work folder left
+
+    write_events(tmp_path / "in", files=2, rows=400, keys=20)
+    monkeypatch.setenv(ARCHIVE_ENV, str(archive))
+    loads = tmp_path / "class-load.log"
+    run = cli("run", str(RUNNING_COUNT), "--job-dir", str(tmp_path / "job"), "-p", "2", "--until-idle",
+              "--set", f"input={tmp_path / 'in'}", "--set", f"output={tmp_path / 'out'}",
+              "--conf", f"spark.driver.extraJavaOptions=-Xlog:class+load=info:file={loads}", check=True)
+    assert "processed 2 batches (800 records)" in run.stdout
+    assert "Unable to use shared archive" not in run.stdout + run.stderr
+    # The JVM logs each class with where it came from; the dynamic archive is the "top" layer.
+    from_archive = [line for line in loads.read_text().splitlines() if "source: shared objects file (top)" in line]
+    assert any(" org.apache.spark.sql.SparkSession " in line for line in from_archive), from_archive[:5]
+    assert len(from_archive) > 5000
+    totals = read_output(tmp_path / "out").groupby("key")["count"].max()
+    assert totals.sum() == 800 and len(totals) == 20
