@@ -109,7 +109,7 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
     from pyspark.sql import SparkSession
 
     settings = session_conf(master, conf)
-    if SparkContext._gateway is None:
+    if SparkContext._gateway is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # else the JVM runs already (spark-submit)
         from keyscale.runtime.driver.classarchive import class_archive_conf
 
         settings = class_archive_conf(settings)
