@@ -7,8 +7,8 @@ with ``-XX:SharedArchiveFile`` maps them from one file instead. ``keyscale class
 PATH`` makes that file by running a small keyed job in a JVM that writes the classes it
 loaded when it exits (``-XX:ArchiveClassesAtExit``, a dynamic archive, Java 13+); with
 ``KEYSCALE_CLASS_ARCHIVE=PATH`` set, every session keyscale starts
-(:func:`keyscale.runtime.driver.session.spark_session`: ``keyscale run``, the testing kit,
-the state commands) starts its JVM with it. Measured in docs/benchmarks.md, "A job's start
+(:func:`keyscale.runtime.driver.session.spark_session`: ``keyscale run``, so also a restart
+in a new process and a deployment's runs) starts its JVM with it. Measured in docs/benchmarks.md, "A job's start
 with a class archive".
 
 An archive is only good for the Java and the Spark jars it was made with (the JVM checks
