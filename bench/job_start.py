@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,7 +55,8 @@ def _one(work: Path, env: dict[str, str], tag: str) -> dict[str, float]:
     marks["exit"] = time.perf_counter() - started
     if proc.returncode != 0 or len(marks) != 3:
         sys.exit(f"job_start: the {tag} run failed (exit {proc.returncode}):\n{''.join(said[-20:])}")
-    subprocess.run(["rm", "-rf", str(job), str(out)], check=True)
+    for folder in (job, out):
+        shutil.rmtree(folder)
     return marks
 
 

@@ -88,7 +88,7 @@ def test_a_job_started_with_the_archive_loads_sparks_classes_from_it(tmp_path: P
     made = cli("class-archive", str(archive), check=True)
     assert "class archive written" in made.stdout
     assert json.loads((tmp_path / "cache" / "spark.jsa.json").read_text())["v"] == 1
-    assert [p.name for p in archive.parent.iterdir()] and not [p for p in archive.parent.iterdir() if p.is_dir()]  # no work folder left
+    assert sorted(p.name for p in archive.parent.iterdir()) == ["spark.jsa", "spark.jsa.json"]  # no work folder left
 
     write_events(tmp_path / "in", files=2, rows=400, keys=20)
     monkeypatch.setenv(ARCHIVE_ENV, str(archive))
