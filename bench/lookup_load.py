@@ -1,22 +1,30 @@
-"""What point lookups cost a running job (issue 37): its batch times with and without a
-thread issuing ``--rate`` lookups a second, in the same run, A B A B.
+"""What point lookups cost a running job (issue 37), and how fast they answer, by the way
+they are asked: batch times and lookup latency in phases of one run, in turn.
 
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 200000 --records 20000 --rate 50
+    PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,thread,control,serve
 
 The job is ``examples/log_count.py`` (a local partitioned log, 2 partitions, -> running
 count and sum per key, operator ``totals`` -> ``ParquetSink``) at -p 2, run by a
-``JobRunner`` in this process with batches back to back (trigger interval 1 ms). Its first
-batch reads every one of ``--keys`` string keys once (the state); after each batch the
-``on_batch`` callback appends ``--records`` records of random keys, so every batch reads
-as many (a steady input). After ``--warmup`` batches the run alternates phases of
-``--phase-batches`` batches: A without lookups, B with a thread calling
-``JobRunner.lookup_state`` (what ``JobHandle.state`` and ``GET /state/<uid>`` run) on a
-random key (9 in 10 present) ``--rate`` times a second, ``--rounds`` times (A B A B ...).
-A phase's first batch is left out (it may have started before the phase's switch).
+``JobRunner`` in this process with batches back to back (trigger interval 1 ms) and its
+control API on. Its first batch reads every one of ``--keys`` string keys once (the state);
+after each batch the ``on_batch`` callback appends ``--records`` records of random keys, so
+every batch reads as many (a steady input). After ``--warmup`` batches the run goes through
+``--phases`` in turn, ``--phase-batches`` batches each, ``--rounds`` times; a phase issues
+``--rate`` lookups a second of a random key (9 in 10 present) by one of these ways:
 
-Printed as JSON: per side the median batch time (``BatchRecord.seconds``) and the median
-of each phase's median, their ratio B/A, the lookups made and their p50/p99 latency, and
-the load average at the end of each phase (the machine is shared).
+- ``none``: no lookups (the job alone);
+- ``thread``: a thread of the job's process calls ``JobRunner.lookup_state`` (what
+  ``JobHandle.state`` runs);
+- ``control``: a client process asks the job's control API (``GET /state/<uid>``, in the
+  job's driver process; it closes the connection after each answer);
+- ``serve``: the same client asks ``keyscale state serve JOB_DIR`` (a process of its own,
+  started by the script, ``--max-age 1``), on one kept connection.
+
+A phase's first batch is left out of the batch times (it may have started before the
+phase's switch). Printed as JSON: per phase the median batch time (``BatchRecord.seconds``)
+and each round's median, against ``none``'s, the lookups made and their p50/p99 latency,
+and the load average at the end of each phase (the machine is shared).
 """
 
 from __future__ import annotations
@@ -26,7 +34,9 @@ import datetime as dt
 import json
 import os
 import random
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -38,13 +48,79 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE.parent / "examples" / "log_count.py"
 
 
+WAYS = ("none", "thread", "control", "serve")
+
+
+def _client(urls: dict[str, str], secrets: dict[str, str], keys: int, rate: float, phase: Any, done: Any, out: Any) -> None:
+    """A client process: ``rate`` lookups a second to ``urls[way]`` (with ``secrets[way]``)
+    while a phase ``way`` of ``urls`` runs; puts {way: [ms, ...]} on ``out`` when ``done``."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    # One connection per way, kept: the control API closes it after each answer (HTTP/1.0)
+    # and http.client opens it again; keyscale state serve keeps it open (HTTP/1.1).
+    conns = {way: http.client.HTTPConnection(urlsplit(url).netloc, timeout=30) for way, url in urls.items()}
+    pick = random.Random(2)
+    ms: dict[str, list[float]] = {way: [] for way in urls}
+    nxt = time.perf_counter()
+    while not done.is_set():
+        way = WAYS[phase.value] if phase.value >= 0 else "none"
+        if way not in urls:
+            time.sleep(0.02)
+            nxt = time.perf_counter()
+            continue
+        key = f"user-{pick.randrange(keys):09d}" if pick.random() < 0.9 else f"absent-{pick.randrange(10**9)}"
+        t0 = time.perf_counter()
+        try:
+            conns[way].request("GET", f"/state/totals?key={key}", headers={"Authorization": f"Bearer {secrets[way]}"})
+            r = conns[way].getresponse()
+            r.read()
+            if r.status != 200:
+                raise OSError(f"HTTP {r.status}")
+        except (OSError, http.client.HTTPException) as e:  # no checkpoint yet (404), a refused connection: not counted
+            print(f"lookup failed ({way}): {e}", file=sys.stderr)
+            conns[way].close()
+            time.sleep(0.1)
+            continue
+        ms[way].append((time.perf_counter() - t0) * 1000)
+        nxt += 1 / rate
+        time.sleep(max(0.0, nxt - time.perf_counter()))
+    out.put(ms)
+
+
+def _serve(job_dir: Path, token_file: Path) -> tuple[subprocess.Popen[str], str]:
+    """``keyscale state serve`` of the job directory, and its URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", "state", "serve", str(job_dir), "--token-file",
+                             str(token_file), "--max-age", "1"], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    found = re.search(r" at (http://\S+) ", line)
+    if found is None:
+        proc.kill()
+        sys.exit(f"lookup_load: keyscale state serve did not start: {line}{proc.stderr.read()}")
+    return proc, found.group(1)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    v = sorted(values)
+    return round(v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing as mp
+
     import pyarrow as pa
 
     from keyscale.runtime.batch.jobstate import RunOptions
+    from keyscale.runtime.control.auth import read_secret
+    from keyscale.runtime.control.server import control_api
     from keyscale.runtime.driver.runner import JobRunner
     from keyscale.sources.local_log import LocalLog
 
+    phases = a.phases.split(",")
+    unknown = set(phases) - set(WAYS)
+    if unknown:
+        sys.exit(f"lookup_load: --phases {a.phases}: unknown {sorted(unknown)} (known: {', '.join(WAYS)})")
     tmp = Path(tempfile.mkdtemp(prefix="ks-lookup-load-"))
     log = LocalLog.create(str(tmp / "log"), "key string, value long, ts timestamp", partitions=2)
     rnd = random.Random(0)
@@ -56,42 +132,55 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             log.append(part, pa.table({"key": ks, "value": list(range(len(ks))), "ts": pa.array([now] * len(ks), pa.timestamp("us", tz="UTC"))}))
 
     append([f"user-{i:09d}" for i in range(a.keys)])
-    batches_total = a.warmup + 2 * a.rounds * a.phase_batches
-    phase_of: list[str] = []  # per batch after the warm-up: "A" or "B", as the phase was when it started
+    batches_total = a.warmup + len(phases) * a.rounds * a.phase_batches
+    phase_of: list[str] = []  # per batch after the warm-up: the phase it started in
     loads: list[dict[str, Any]] = []
-    lookup_ms: list[float] = []
-    lookups_on = threading.Event()
+    thread_ms: list[float] = []
+    ctx = mp.get_context("spawn")
+    current = ctx.Value("i", -1)  # the phase's index in WAYS, read by the thread and the client process
+    done, client_done, out = threading.Event(), ctx.Event(), ctx.Queue()
     runner: JobRunner | None = None
-    done = threading.Event()
+    client: Any = None
+    server: subprocess.Popen[str] | None = None
+    token_file = tmp / "serve-token"
+    token_file.write_text("bench-token")
 
     def phase(i: int) -> str:  # batch i (0-based, counting from the warm-up's end)
-        return "AB"[(i // a.phase_batches) % 2]
+        return phases[(i // a.phase_batches) % len(phases)]
 
     ended_count = [0]
 
     def on_batch(rec: Any) -> None:
+        nonlocal client, server
         ended_count[0] += 1
         ended = ended_count[0]
+        if ended == 1 and client is None:  # the control API and a checkpoint are there now
+            urls: dict[str, str] = {}
+            if "control" in phases and runner is not None:
+                urls["control"] = runner.jobdir.read_json("control/http.json")["url"]
+            if "serve" in phases:
+                server, urls["serve"] = _serve(tmp / "job", token_file)
+            secrets = {"control": read_secret(runner.jobdir.store) if runner is not None else "", "serve": "bench-token"}
+            if urls:
+                client = ctx.Process(target=_client, args=(urls, secrets, a.keys, a.rate, current, client_done, out), daemon=True)
+                client.start()
         if ended > a.warmup:
             i = ended - a.warmup - 1  # the batch that just ended
             phase_of.append(phase(i))
             if (i + 1) % a.phase_batches == 0:
                 loads.append({"phase": phase(i), "load_average": os.getloadavg()})
-            nxt = phase(i + 1)
-            if nxt == "B":
-                lookups_on.set()
-            else:
-                lookups_on.clear()
+            current.value = WAYS.index(phase(i + 1))
         append([f"user-{rnd.randrange(a.keys):09d}" for _ in range(a.records)])
         if ended >= batches_total and runner is not None:
-            lookups_on.clear()
+            current.value = -1
             runner.stop()
 
     def lookups() -> None:
         pick = random.Random(1)
         nxt = time.perf_counter()
         while not done.is_set():
-            if not lookups_on.wait(0.1):
+            if current.value != WAYS.index("thread"):
+                time.sleep(0.02)
                 nxt = time.perf_counter()
                 continue
             key = f"user-{pick.randrange(a.keys):09d}" if pick.random() < 0.9 else f"absent-{pick.randrange(10**9)}"
@@ -102,41 +191,50 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             except Exception as e:  # no checkpoint yet: not counted
                 print(f"lookup failed: {e}", file=sys.stderr)
                 continue
-            lookup_ms.append((time.perf_counter() - t0) * 1000)
+            thread_ms.append((time.perf_counter() - t0) * 1000)
             nxt += 1 / a.rate
             time.sleep(max(0.0, nxt - time.perf_counter()))
 
     opts = RunOptions(job_file=str(JOB), job_dir=str(tmp / "job"), parallelism=2, trigger_interval="1 millisecond",
                       args={"log": str(tmp / "log"), "output": str(tmp / "out")})
-    runner = JobRunner(opts, on_batch=on_batch)
+    runner = JobRunner(opts, on_batch=on_batch, serve=control_api(opts))
     worker = threading.Thread(target=lookups, daemon=True)
     worker.start()
+    ms: dict[str, list[float]] = {"thread": thread_ms}
     try:
         runner.run()
     finally:
         done.set()
+        client_done.set()
         worker.join(timeout=10)
+        if client is not None:
+            ms.update(out.get(timeout=60))
+            client.join(timeout=10)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
     recs = runner.summary.batches[a.warmup : a.warmup + len(phase_of)]
-    by: dict[str, list[float]] = {"A": [], "B": []}
-    per_phase: dict[str, list[float]] = {"A": [], "B": []}
+    by: dict[str, list[float]] = {p: [] for p in phases}
+    per_phase: dict[str, list[float]] = {p: [] for p in phases}
     for start in range(0, len(recs), a.phase_batches):
         side = phase_of[start]
         times = [r.seconds for r in recs[start + 1 : start + a.phase_batches]]  # the phase's first batch left out
         if times:
             by[side].extend(times)
             per_phase[side].append(statistics.median(times))
-    lat = sorted(lookup_ms)
-    out = {
-        "keys": a.keys, "records_per_batch": a.records, "rate": a.rate, "phase_batches": a.phase_batches, "rounds": a.rounds,
-        "A_no_lookups": {"median_batch_s": round(statistics.median(by["A"]), 3), "phase_medians_s": [round(x, 3) for x in per_phase["A"]]},
-        "B_lookups": {"median_batch_s": round(statistics.median(by["B"]), 3), "phase_medians_s": [round(x, 3) for x in per_phase["B"]]},
-        "ratio_B_over_A": round(statistics.median(by["B"]) / statistics.median(by["A"]), 3),
-        "lookups": len(lat),
-        "lookup_p50_ms": round(lat[len(lat) // 2], 2) if lat else None,
-        "lookup_p99_ms": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
-        "loads": loads,
-    }
-    return out
+    base = statistics.median(by["none"]) if by.get("none") else None
+    result: dict[str, Any] = {"keys": a.keys, "records_per_batch": a.records, "rate": a.rate, "phase_batches": a.phase_batches,
+                              "rounds": a.rounds, "phases": {}, "loads": loads}
+    for p in phases:
+        median = statistics.median(by[p]) if by[p] else None
+        entry: dict[str, Any] = {"median_batch_s": round(median, 3) if median else None,
+                                 "phase_medians_s": [round(x, 3) for x in per_phase[p]],
+                                 "batch_against_none": round(median / base, 3) if median and base else None}
+        if p != "none":
+            lat = ms.get(p, [])
+            entry |= {"lookups": len(lat), "lookup_p50_ms": _pct(lat, 0.5), "lookup_p99_ms": _pct(lat, 0.99)}
+        result["phases"][p] = entry
+    return result
 
 
 def main() -> None:
@@ -147,6 +245,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--phase-batches", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--phases", default="none,thread", help=f"comma-separated, in turn: {', '.join(WAYS)}")
     print(json.dumps(run(ap.parse_args())), flush=True)
 
 

@@ -2,7 +2,8 @@
 what the whole read (``restore_key_groups``, ``read_keyed_state``) gives at the same
 checkpoint; through a delta chain and at another parallelism, on local disk and S3 (reading
 only the key's key group by byte range); and from a running job, live rescaled, through
-``JobHandle.state``, ``GET /state/<uid>`` (with the job's secret) and ``keyscale state get``.
+``JobHandle.state``, ``GET /state/<uid>`` (with the job's secret), ``keyscale state serve``
+and ``keyscale state get``.
 A lookup reads its chain's footers in one round of reads and their record batches in one
 more; a record batch read for one key serves the others in it from the cache.
 """
@@ -27,6 +28,8 @@ from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 from keyscale.checkpoint.savepoint import checkpoint_types, restore_key_groups
 from keyscale.errors import InputDataError, StateError
+from keyscale.runtime.control.lookups import LookupServer
+from keyscale.runtime.control.settings import BearerToken
 from keyscale.state.keygroups import KeyGroupRange, key_group_ranges
 from keyscale.state.order import order_rows
 from keyscale.state.table import KG_COLUMN
@@ -295,7 +298,8 @@ def _get(url: str, secret: str | None) -> tuple[int, dict[str, Any]]:
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_a_running_job_answers_lookups_through_a_live_rescale(spark: Any, tmp_path: Path, where: str, request: pytest.FixtureRequest) -> None:
     """On local disk and with the job directory on the S3 server: lookups while the job runs
-    and rescales live equal the whole read of the checkpoint they name."""
+    and rescales live equal the whole read of the checkpoint they name; ``keyscale state
+    serve``'s equal ``JobHandle.state``'s."""
     from keyscale.runtime.control.auth import read_secret
 
     job_dir = f"{request.getfixturevalue('s3_bucket')}/job" if where == "s3" else str(tmp_path / "job")
@@ -340,8 +344,17 @@ def test_a_running_job_answers_lookups_through_a_live_rescale(spark: Any, tmp_pa
         assert code == 404 and "operator 'nope' does not exist" in body["error"] and "'tracker'" in body["error"]
         code, body = _get(f"{url}/state/tracker", secret)
         assert code == 400
+        # keyscale state serve: the same answers from a server that only reads the job directory.
+        served = LookupServer(job_dir, token=BearerToken(value="serve-token"), max_age=0)
+        code, body = _get(f"{served.url}/state/tracker?key=k1", "serve-token")
+        assert code == 200 and body["batch"] >= batch and body["found"]
     finally:
         job.stop(timeout=120)
+    try:  # the job ended: both answer from its last checkpoint
+        code, body = _get(f"{served.url}/state/tracker?" + "&".join(f"key={k}" for k in keys), "serve-token")
+        assert code == 200 and body["answers"] == [job.state("tracker", k) for k in keys]
+    finally:
+        served.close()
 
     # The model: the whole read of the same checkpoint.
     rows = read_keyed_state(spark, job_dir, "tracker", flatten=False, checkpoint=batch).collect()

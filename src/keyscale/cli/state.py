@@ -1,4 +1,5 @@
-"""``keyscale state diff`` and ``keyscale state patch``: compare and edit keyed state offline.
+"""``keyscale state diff``, ``keyscale state patch`` and ``keyscale state serve``: compare and
+edit keyed state offline, and answer lookups of a job's state from a process of their own.
 
 Exit codes of ``state diff`` follow diff(1): 0 when the two sides hold the same keys with
 the same values, 1 when they differ, and a keyscale error's code (2 and up) when it could
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import signal
 from pathlib import Path
 from typing import Any
 
-from keyscale.errors import InputDataError
+from keyscale.errors import InputDataError, KeyscaleError
+
+log = logging.getLogger("keyscale")
 
 #: ``keyscale state diff``'s exit code when the sides differ (0: equal; errors: 2 and up).
 DIFFERENT = 1
@@ -44,8 +49,36 @@ def cmd_state_patch(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_state_serve(a: argparse.Namespace) -> int:
+    from keyscale.runtime.control.lookups import LookupServer
+    from keyscale.runtime.control.settings import BearerToken
+
+    token = BearerToken(file=a.token_file, origin="--token-file", kind="state lookup") if a.token_file is not None else None
+    server = LookupServer(a.job_dir, a.host, a.port, token, a.unauthenticated, a.max_age)
+    try:
+        newest = f"checkpoint {server.lookup.manifest().batch} now"
+    except KeyscaleError as e:  # no checkpoint yet: the job may be starting; /health answers 503 until one commits
+        newest = str(e)
+    who = "without credentials" if a.unauthenticated else f"with the token of {a.token_file}"
+    log.info("state lookups of %s at %s (GET /state/<uid>?key=KEY %s; %s); stop with Ctrl-C or SIGTERM",
+             a.job_dir, server.url, who, newest)
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    log.info("state lookups of %s stopped", a.job_dir)
+    return 0
+
+
 def add_state_edit_parsers(state_sub: Any) -> list[argparse.ArgumentParser]:
-    """``state diff`` and ``state patch`` under ``keyscale state``; returns their parsers."""
+    """``state diff``, ``state patch`` and ``state serve`` under ``keyscale state``; returns their parsers."""
     sd = state_sub.add_parser(
         "diff", help="keys of an operator only in A, only in B, and changed (savepoints or job directories' checkpoints)",
         description="Compares operator UID's keyed state in A and B: savepoints, or job directories (their last committed "
@@ -76,4 +109,20 @@ def add_state_edit_parsers(state_sub: Any) -> list[argparse.ArgumentParser]:
     sp.add_argument("-o", "--output", required=True, metavar="DST", help="where to write the new savepoint (must not exist)")
     sp.add_argument("--note", help="a note kept in the patch's record (why)")
     sp.set_defaults(func=cmd_state_patch)
-    return [sd, sp]
+
+    ss = state_sub.add_parser(
+        "serve", help="answer GET /state/<uid>?key=... for a job directory from a process of its own (running job or not)",
+        description="Serves the control API's point lookups (the same answers, from the last committed checkpoint) in a "
+                    "process apart from the job, so lookups cost its driver nothing and go on while it stops or restarts. "
+                    "Reads the job directory only. GET /health answers 200 once there is a checkpoint.")
+    ss.add_argument("job_dir", metavar="JOB_DIR", help="the job directory (local, file:// or s3://)")
+    ss.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address to listen on (default 127.0.0.1)")
+    ss.add_argument("--port", type=int, default=0, metavar="PORT", help="port (default: any free port, printed at start)")
+    auth = ss.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--token-file", metavar="FILE",
+                      help="requests must carry 'Authorization: Bearer <the file's content>' (read again at each request)")
+    auth.add_argument("--unauthenticated", action="store_true", help="answer anyone who can connect (the operator's explicit choice)")
+    ss.add_argument("--max-age", type=float, default=1.0, metavar="SECONDS",
+                    help="list the newest checkpoint at most this often (default 1): an answer is at most this much older")
+    ss.set_defaults(func=cmd_state_serve)
+    return [sd, sp, ss]

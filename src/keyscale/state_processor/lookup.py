@@ -61,6 +61,7 @@ import decimal
 import json
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -328,23 +329,54 @@ def _answer(op: LookupOperator, batch: int, values: Sequence[Any], kg: int, rows
 # -- the lookup ---------------------------------------------------------------------------------
 
 
+class _Newest:
+    """The newest committed manifest of a job directory, listed at most once per ``max_age``
+    seconds; the same object while the newest batch is unchanged (:class:`StateLookup`
+    keeps restore chains per manifest)."""
+
+    def __init__(self, jobdir: JobDir, max_age: float):
+        self.jobdir, self.max_age = jobdir, max_age
+        self._lock = threading.Lock()
+        self._listed = -math.inf
+        self._manifest: Manifest | None = None
+
+    def __call__(self) -> Manifest | None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._listed >= self.max_age:
+                batches = self.jobdir.manifest_batches()
+                if batches and (self._manifest is None or self._manifest.batch != batches[-1]):
+                    self._manifest = self.jobdir.read_manifest(batches[-1])
+                self._listed = now
+            return self._manifest
+
+    def expire(self) -> None:
+        """List again at the next call (a file of the cached checkpoint was gone)."""
+        with self._lock:
+            self._listed = -math.inf
+
+
 class StateLookup:
     """Point lookups of keyed state at the committed checkpoints of one job directory.
 
     ``job_dir``: a :class:`~keyscale.checkpoint.jobdir.JobDir`, a local path, ``file://`` or
     object store URI, or a Store. ``latest``: where the newest committed checkpoint comes
     from (the running job passes its own, so a lookup never lists the store); by default
-    the job directory is listed at each lookup. One instance serves many lookups from any
-    thread, its :class:`SliceCache` (``cache_bytes``) shared by all.
+    the job directory is listed at each lookup, or with ``max_age`` at most once per
+    ``max_age`` seconds (``keyscale state serve``: an answer's checkpoint is then at most
+    that much older than the newest). One instance serves many lookups from any thread, its
+    :class:`SliceCache` (``cache_bytes``) shared by all.
 
     A file of the checkpoint that retention deleted meanwhile (the job went on committing)
     makes the lookup start again from the newer checkpoint; a pinned ``checkpoint=`` does not.
     """
 
     def __init__(self, job_dir: JobDir | Location, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 latest: Callable[[], Manifest | None] | None = None):
+                 latest: Callable[[], Manifest | None] | None = None, max_age: float | None = None):
         self.jobdir = job_dir if isinstance(job_dir, JobDir) else JobDir(job_dir)
         self.cache = SliceCache(cache_bytes)
+        if latest is None and max_age is not None:
+            latest = _Newest(self.jobdir, max_age)
         self._latest = latest
         self._files = CheckpointFiles(self.jobdir.store)
         self._types: dict[tuple[Any, ...], LookupOperator] = {}
@@ -405,6 +437,8 @@ class StateLookup:
                 return [self._one(m, op, values) for values in parsed]
             except StateError:
                 tries += 1
+                if isinstance(self._latest, _Newest):
+                    self._latest.expire()
                 if checkpoint is not None or tries >= 3 or self.manifest().batch == m.batch:
                     raise  # not a file retention deleted under a newer checkpoint
 

@@ -27,7 +27,7 @@ from keyscale.errors import KeyscaleError
 from keyscale.runtime.batch.jobstate import RunOptions, RunSummary
 from keyscale.runtime.control.auth import read_secret
 from keyscale.runtime.control.server import ADDRESS, ControlServer, call
-from keyscale.runtime.control.settings import ControlSettings, MetricsToken, control_settings
+from keyscale.runtime.control.settings import BearerToken, ControlSettings, control_settings
 
 
 def outside_address() -> str | None:
@@ -154,7 +154,7 @@ def test_a_setting_keyscale_cannot_serve_is_an_error_naming_it(tmp_path: Path, o
 def test_a_rotated_token_file_takes_effect_and_a_broken_one_keeps_the_last(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "token"
     path.write_text("one")
-    token = MetricsToken(file=str(path), origin="test")
+    token = BearerToken(file=str(path), origin="test")
     path.write_text("two")  # a Kubernetes Secret volume is updated in place when the Secret rotates
     assert token.current() == "two"
     path.write_text("")

@@ -96,14 +96,14 @@ class ControlServer:
             pass
 
         Handler.runner, Handler.registry, Handler.logins, Handler.settings = runner, registry_for(runner), Logins(), settings
-        self.httpd = _listen(settings.host, settings.port, Handler)  # before the secret: a failed start leaves none behind
+        self.httpd = listen(settings.host, settings.port, Handler)  # before the secret: a failed start leaves none behind
         Handler.port = int(self.httpd.server_address[1])
         bound = str(self.httpd.server_address[0])
         # Beyond loopback the callers' Host headers name addresses this server cannot know (control_auth).
         Handler.any_host = not ipaddress.ip_address(bound).is_loopback
         secret = new_secret(runner.jobdir.store)  # before the address: a client that finds one finds the other
         self.secret = Handler.secret = secret
-        self.url = f"http://{_url_host(bound)}:{Handler.port}"
+        self.url = f"http://{url_host(bound)}:{Handler.port}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-control", daemon=True)
         self._thread.start()
         # The run's epoch and a server id beside the URL: another host's server may have the same URL.
@@ -162,9 +162,32 @@ class ControlServer:
             self.httpd.server_close()
 
 
-def _listen(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+def state_reply(path: str, lookup: Callable[[str, list[str]], list[dict[str, Any]]]) -> tuple[int, dict[str, Any]]:
+    """The answer to ``GET /state/<uid>?key=K[&key=K2...]`` (``path``), from ``lookup(uid,
+    keys)``: what the keys hold at the last committed checkpoint
+    (:class:`keyscale.state_processor.StateLookup`), one answer for one key, ``{"answers":
+    [...]}`` for several. An unknown operator or no checkpoint yet is 404, a key that is not
+    of the operator's key type 400; a key without state is an answer. The control API and
+    ``keyscale state serve`` (:mod:`.lookups`) both answer with it."""
+    parts = urlsplit(path)
+    uid = unquote(parts.path[len("/state/"):])
+    keys = parse_qs(parts.query, keep_blank_values=True).get("key", [])
+    if not uid or not keys:
+        return 400, {"error": "ask GET /state/<uid>?key=KEY (repeat key= for several keys; a key of several columns as a JSON array)"}
+    try:
+        answers = lookup(uid, keys)
+    except InputDataError as e:
+        return 400, {"error": str(e)}
+    except KeyscaleError as e:
+        return 404, {"error": str(e)}
+    return 200, answers[0] if len(answers) == 1 else {"answers": answers}
+
+
+def listen(host: str, port: int, handler: type[BaseHTTPRequestHandler], what: str = "the control API",
+            settings: str = "--control-host/--control-port, KEYSCALE_CONTROL_HOST/KEYSCALE_CONTROL_PORT") -> ThreadingHTTPServer:
     """A server on ``host`` (an IPv4 or IPv6 address, or a name) and ``port``; a KeyscaleError
-    naming them if it cannot listen there (a port in use, an address this host does not have)."""
+    naming them (``what`` listens there, ``settings`` choose them) if it cannot listen there
+    (a port in use, an address this host does not have)."""
 
     class Server(ThreadingHTTPServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -173,11 +196,10 @@ def _listen(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> Thre
         return Server((host, port), handler)
     except (OSError, OverflowError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise KeyscaleError(f"the control API cannot listen on {host} port {port}: {reason} "
-                            "(control host and port: --control-host/--control-port, KEYSCALE_CONTROL_HOST/KEYSCALE_CONTROL_PORT)") from None
+        raise KeyscaleError(f"{what} cannot listen on {host} port {port}: {reason} (host and port: {settings})") from None
 
 
-def _url_host(bound: str) -> str:
+def url_host(bound: str) -> str:
     """The host part of the URL clients on this machine use: a wildcard address is reached as loopback."""
     ip = ipaddress.ip_address(bound)
     if ip.is_unspecified:
@@ -291,25 +313,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
 
     def _state(self) -> None:
-        """``GET /state/<uid>?key=K[&key=K2...]``: what the keys hold at the last committed
-        checkpoint (:class:`keyscale.state_processor.StateLookup`): one answer for one key,
-        ``{"answers": [...]}`` for several. An unknown operator or no checkpoint yet is 404,
-        a key that is not of the operator's key type 400; a key without state is an answer."""
-        parts = urlsplit(self.path)
-        uid = unquote(parts.path[len("/state/"):])
-        keys = parse_qs(parts.query, keep_blank_values=True).get("key", [])
-        if not uid or not keys:
-            self._reply(400, {"error": "ask GET /state/<uid>?key=KEY (repeat key= for several keys; a key of several columns as a JSON array)"})
-            return
-        try:
-            answers = self.runner.lookup_state(uid, keys)
-        except InputDataError as e:
-            self._reply(400, {"error": str(e)})
-            return
-        except KeyscaleError as e:
-            self._reply(404, {"error": str(e)})
-            return
-        self._reply(200, answers[0] if len(answers) == 1 else {"answers": answers})
+        self._reply(*state_reply(self.path, self.runner.lookup_state))
 
     def do_POST(self) -> None:
         if self._refused("POST"):

@@ -40,8 +40,9 @@ TOKEN_ENV = "KEYSCALE_METRICS_TOKEN"
 UNAUTHENTICATED_ENV = "KEYSCALE_METRICS_UNAUTHENTICATED"
 
 
-class MetricsToken:
-    """The operator's ``/metrics`` token, from a file or given as is.
+class BearerToken:
+    """A token an operator gives a server (``/metrics``, ``keyscale state serve``), from a
+    file or as is; ``kind`` names it in messages (``metrics``, ``state lookup``).
 
     A file is read again at each scrape: a Kubernetes Secret mounted as a volume is updated
     in place when it rotates, and Prometheus reads its ``credentials_file`` at each scrape
@@ -50,16 +51,16 @@ class MetricsToken:
     not open up, nor a running job fail, because a mount hiccuped.
     """
 
-    def __init__(self, value: str | None = None, file: str | None = None, origin: str = ""):
-        self.file, self.origin = file, origin
-        self._last = value if value is not None else _read_token_file(file or "", origin)
+    def __init__(self, value: str | None = None, file: str | None = None, origin: str = "", kind: str = "metrics"):
+        self.file, self.origin, self.kind = file, origin, kind
+        self._last = value if value is not None else _read_token_file(file or "", origin, kind)
         self._problem = ""  # logged once, not at every scrape
 
     def current(self) -> str:
         if self.file is None:
             return self._last
         try:
-            self._last, self._problem = _read_token_file(self.file, self.origin), ""
+            self._last, self._problem = _read_token_file(self.file, self.origin, self.kind), ""
         except KeyscaleError as e:
             if str(e) != self._problem:
                 self._problem = str(e)
@@ -67,22 +68,22 @@ class MetricsToken:
         return self._last
 
 
-def _read_token_file(path: str, origin: str) -> str:
+def _read_token_file(path: str, origin: str, kind: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             token = f.read().strip()
     except FileNotFoundError:
-        raise KeyscaleError(f"the metrics token file {path} ({origin}) does not exist") from None
+        raise KeyscaleError(f"the {kind} token file {path} ({origin}) does not exist") from None
     except OSError as e:
-        raise KeyscaleError(f"cannot read the metrics token file {path} ({origin}): {e.strerror or e}") from None
+        raise KeyscaleError(f"cannot read the {kind} token file {path} ({origin}): {e.strerror or e}") from None
     except UnicodeDecodeError:
-        raise KeyscaleError(f"the metrics token file {path} ({origin}) is not text") from None
+        raise KeyscaleError(f"the {kind} token file {path} ({origin}) is not text") from None
     if not token:
-        raise KeyscaleError(f"the metrics token file {path} ({origin}) is empty")
+        raise KeyscaleError(f"the {kind} token file {path} ({origin}) is empty")
     if any(c.isspace() for c in token):
         # Prometheus sends the file's content, trimmed, as one header value: a token with a
         # space or a second line would never match what it sends.
-        raise KeyscaleError(f"the metrics token in {path} ({origin}) contains white space: write the token alone")
+        raise KeyscaleError(f"the {kind} token in {path} ({origin}) contains white space: write the token alone")
     return token
 
 
@@ -93,7 +94,7 @@ class ControlSettings:
     host: str = "127.0.0.1"
     port: int = 0
     # /metrics also accepts this token (the per-run secret always works); or, unauthenticated, anyone may read it.
-    metrics_token: MetricsToken | None = None
+    metrics_token: BearerToken | None = None
     metrics_unauthenticated: bool = False
 
     def describe_metrics(self) -> str:
@@ -167,14 +168,14 @@ def control_settings(opts: RunOptions, environ: dict[str, str] | None = None) ->
         if file is not None:
             if not file.strip():
                 raise KeyscaleError(f"{origin} is set but names no file")
-            token = MetricsToken(file=file, origin=origin)
+            token = BearerToken(file=file, origin=origin)
         else:
             assert value is not None
             if not value.strip():
                 raise KeyscaleError(f"{origin} is set but empty: give the token, or unset it")
             if any(c.isspace() for c in value.strip()):
                 raise KeyscaleError(f"{origin} contains white space: give the token alone")
-            token = MetricsToken(value=value.strip(), origin=origin)
+            token = BearerToken(value=value.strip(), origin=origin)
     return ControlSettings(host=host, port=port, metrics_token=token, metrics_unauthenticated=unauthenticated)
 
 
