@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from tests.runtime.control.test_control_settings import outside_address
 from tests.state_processor.test_lookup import _check, _job, _model
 
 from keyscale.checkpoint.jobdir import JobDir
@@ -131,6 +132,25 @@ def test_health_is_503_until_a_checkpoint_commits(tmp_path: Path) -> None:
         code, body = _get(f"{server.url}/health")
         assert code == 503 and "has no committed checkpoint yet" in body["error"]
         assert _get(f"{server.url}/state/op?key=u1")[0] == 404
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(outside_address() is None, reason="this machine has no address but loopback")
+def test_on_every_address_a_pod_ip_caller_needs_the_token_alone(tmp_path: Path) -> None:
+    """``--host 0.0.0.0``: a Service reaches the server at the pod's IP (its Host header says
+    so); /state still needs the token, /health nothing."""
+    jd = _job(tmp_path / "job", users=20)
+    model = _model(jd, 3)
+    server = LookupServer(str(tmp_path / "job"), host="0.0.0.0", token=BearerToken(value="pod-token"))
+    try:
+        assert server.url.startswith("http://127.0.0.1:")  # clients on this host
+        outside = f"http://{outside_address()}:{server.url.rsplit(':', 1)[1]}"
+        assert _get(f"{outside}/health") == (200, {"job": "job", "batch": 3})
+        assert _get(f"{outside}/state/op?key=u2")[0] == 401
+        code, answer = _get(f"{outside}/state/op?key=u2", "pod-token")
+        assert code == 200
+        _check(answer, model.get("u2"), 3)
     finally:
         server.close()
 
