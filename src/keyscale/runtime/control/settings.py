@@ -44,9 +44,9 @@ class BearerToken:
     """A token an operator gives a server (``/metrics``, ``keyscale state serve``), from a
     file or as is; ``kind`` names it in messages (``metrics``, ``state lookup``).
 
-    A file is read again at each scrape: a Kubernetes Secret mounted as a volume is updated
-    in place when it rotates, and Prometheus reads its ``credentials_file`` at each scrape
-    too, so both sides move to the new token without a restart. A file that becomes
+    A file is read again at each use (a scrape, a lookup): a Kubernetes Secret mounted as a
+    volume is updated in place when it rotates, and Prometheus reads its ``credentials_file``
+    at each scrape too, so both sides move to the new token without a restart. A file that becomes
     unreadable or empty later keeps the last token it had (logged): the job's metrics must
     not open up, nor a running job fail, because a mount hiccuped.
     """
