@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ def cmd_state_patch(a: argparse.Namespace) -> int:
 
 
 def cmd_state_serve(a: argparse.Namespace) -> int:
+    from keyscale.cli.status import serve_until_interrupted
     from keyscale.runtime.control.lookups import LookupServer
     from keyscale.runtime.control.settings import BearerToken
 
@@ -62,17 +62,7 @@ def cmd_state_serve(a: argparse.Namespace) -> int:
     who = "without credentials" if a.unauthenticated else f"with the token of {a.token_file}"
     log.info("state lookups of %s at %s (GET /state/<uid>?key=KEY %s; %s); stop with Ctrl-C or SIGTERM",
              a.job_dir, server.url, who, newest)
-
-    def stop(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
+    serve_until_interrupted(server.close)
     log.info("state lookups of %s stopped", a.job_dir)
     return 0
 

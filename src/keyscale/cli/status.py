@@ -19,6 +19,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from keyscale.errors import KeyscaleError
@@ -33,6 +34,14 @@ def cmd_ui(a: argparse.Namespace) -> int:
     server = FolderServer(a.folder, a.port)
     print(server.login_url)
     print(f"keyscale: the jobs under {a.folder}; open this link within 2 minutes (it works once); Ctrl-C to stop", file=sys.stderr)
+    serve_until_interrupted(server.close)
+    return 0
+
+
+def serve_until_interrupted(close: Callable[[], None]) -> None:
+    """Block until Ctrl-C or SIGTERM, then ``close`` the server that serves meanwhile (its
+    own threads): ``keyscale ui``, ``keyscale state serve``."""
+
     def _interrupt(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -43,8 +52,7 @@ def cmd_ui(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server.close()
-    return 0
+        close()
 
 
 def cmd_status(a: argparse.Namespace) -> int:

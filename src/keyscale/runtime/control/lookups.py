@@ -46,7 +46,6 @@ and deleted by each run, and this server outlives runs.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import threading
@@ -55,7 +54,7 @@ from typing import Any
 
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.control.auth import check_health, has_secret
-from keyscale.runtime.control.server import listen, state_reply, url_host
+from keyscale.runtime.control.server import bound, listen, state_reply
 from keyscale.runtime.control.settings import BearerToken
 from keyscale.state_processor.lookup import StateLookup
 
@@ -82,16 +81,9 @@ class LookupServer:
 
         Handler.lookup, Handler.token = self.lookup, token
         self.httpd = listen(host, port, Handler, "keyscale state serve", "--host/--port")
-        Handler.port = int(self.httpd.server_address[1])
-        bound = str(self.httpd.server_address[0])
-        Handler.any_host = not ipaddress.ip_address(bound).is_loopback
-        self.url = f"http://{url_host(bound)}:{Handler.port}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-state-serve", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Serve until :meth:`close` (from another thread or a signal handler)."""
-        self._thread.join()
+        at = bound(self.httpd)
+        Handler.port, Handler.any_host, self.url = at.port, at.any_host, at.url
+        threading.Thread(target=self.httpd.serve_forever, name="keyscale-state-serve", daemon=True).start()
 
     def close(self) -> None:
         self.httpd.shutdown()

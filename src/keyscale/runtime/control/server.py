@@ -40,7 +40,7 @@ import urllib.error
 import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -97,13 +97,11 @@ class ControlServer:
 
         Handler.runner, Handler.registry, Handler.logins, Handler.settings = runner, registry_for(runner), Logins(), settings
         self.httpd = listen(settings.host, settings.port, Handler)  # before the secret: a failed start leaves none behind
-        Handler.port = int(self.httpd.server_address[1])
-        bound = str(self.httpd.server_address[0])
-        # Beyond loopback the callers' Host headers name addresses this server cannot know (control_auth).
-        Handler.any_host = not ipaddress.ip_address(bound).is_loopback
+        at = bound(self.httpd)
+        Handler.port, Handler.any_host = at.port, at.any_host
         secret = new_secret(runner.jobdir.store)  # before the address: a client that finds one finds the other
         self.secret = Handler.secret = secret
-        self.url = f"http://{url_host(bound)}:{Handler.port}"
+        self.url = at.url
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="keyscale-control", daemon=True)
         self._thread.start()
         # The run's epoch and a server id beside the URL: another host's server may have the same URL.
@@ -111,7 +109,7 @@ class ControlServer:
         runner.jobdir.write_json(ADDRESS, self.address, durable=False)
         if Handler.any_host:
             log.info("control API at %s, listening on %s port %d: /health without authentication, %s, "
-                     "every other endpoint with the control secret", self.url, bound, Handler.port, settings.describe_metrics())
+                     "every other endpoint with the control secret", self.url, at.address, at.port, settings.describe_metrics())
         else:
             log.info("control API at %s (%s)", self.url, settings.describe_metrics())
 
@@ -199,12 +197,26 @@ def listen(host: str, port: int, handler: type[BaseHTTPRequestHandler], what: st
         raise KeyscaleError(f"{what} cannot listen on {host} port {port}: {reason} (host and port: {settings})") from None
 
 
-def url_host(bound: str) -> str:
-    """The host part of the URL clients on this machine use: a wildcard address is reached as loopback."""
-    ip = ipaddress.ip_address(bound)
-    if ip.is_unspecified:
-        return "[::1]" if ip.version == 6 else "127.0.0.1"
-    return f"[{bound}]" if ip.version == 6 else bound
+class Bound(NamedTuple):
+    """Where a server of :func:`listen` listens: its ``address`` and ``port``, the ``url``
+    clients on this machine use, and whether it listens beyond loopback (``any_host``: the
+    callers' Host headers then name addresses it cannot know, control_auth)."""
+
+    address: str
+    port: int
+    url: str
+    any_host: bool
+
+
+def bound(httpd: ThreadingHTTPServer) -> Bound:
+    """Where ``httpd`` listens (the control API, ``keyscale state serve``)."""
+    address, port = str(httpd.server_address[0]), int(httpd.server_address[1])
+    ip = ipaddress.ip_address(address)
+    if ip.is_unspecified:  # a wildcard address is reached as loopback
+        host = "[::1]" if ip.version == 6 else "127.0.0.1"
+    else:
+        host = f"[{address}]" if ip.version == 6 else address
+    return Bound(address, port, f"http://{host}:{port}", not ip.is_loopback)
 
 
 class _Handler(BaseHTTPRequestHandler):
