@@ -392,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keys", type=int, default=50)
     ap.add_argument("--drain-timeout", type=float, default=90, help="seconds after the trace to wait for the backlog")
     ap.add_argument("--autoscaler-option", action="append", help=f"replaces the defaults {AUTOSCALER_OPTIONS}")
+    ap.add_argument("--class-archive", action="store_true",
+                    help="the cluster's executors start with a class archive of their own (keyscale cluster start --class-archive)")
     ap.add_argument("--work", help="working folder (default: a temporary one, deleted)")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "autoscale_real.json")
     ap.add_argument("--png", default=str(ROOT / "docs" / "img" / "autoscale_real.png"), help="the plot ('' for none)")
@@ -417,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         log_line(f"starting a cluster of {MAX_P} one-core workers in {cluster_dir}")
-        cluster = start_cluster(cluster_dir, workers=MAX_P, cores=1, memory="1g")
+        cluster = start_cluster(cluster_dir, workers=MAX_P, cores=1, memory="1g", class_archive=args.class_archive)
         log_line(f"cluster up: {cluster.master_url}")
         for name in names:
             try:

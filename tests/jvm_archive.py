@@ -3,7 +3,7 @@
 The suite starts well over a hundred short-lived Spark drivers (each CLI run, each test
 session) on a 2-core machine where it is CPU-bound; each spends most of its start loading
 and verifying the same ~20,000 classes. keyscale's own class archive
-(:mod:`keyscale.runtime.driver.classarchive`, ``keyscale class-archive``) lets every later
+(:mod:`keyscale.classarchive`, ``keyscale class-archive``) lets every later
 JVM map them instead: the suite on a clean clone took 24-27 minutes with an archive against
 31 without (docs/getting-started.md). The tests pass it through ``SPARK_SUBMIT_OPTS``
 rather than ``KEYSCALE_CLASS_ARCHIVE``, so that the sessions they start without keyscale
@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
+from keyscale.classarchive import create_archive, current_stamp
 from keyscale.errors import KeyscaleError
-from keyscale.runtime.driver.classarchive import create_archive, current_stamp
 
 _QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"  # CDS warns of every class it skips
 

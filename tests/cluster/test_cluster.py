@@ -6,6 +6,7 @@ hold a local SparkContext, and there is one per process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from keyscale.classarchive import archive_problems
 from keyscale.cli.main import main
 from keyscale.cluster import (
     UNLIMITED,
@@ -74,7 +76,7 @@ def _stop_and_check(folder: Path, daemons: list[tuple[int, int]]) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
-    c = Cluster(folder, start_cluster(folder, workers=1, cores=1, memory="1g"))
+    c = Cluster(folder, start_cluster(folder, workers=1, cores=1, memory="1g", class_archive=True))
     try:
         yield c
     finally:
@@ -166,7 +168,7 @@ def test_app_sees_one_executor_core_and_runs_a_job(cluster: Cluster, app: App) -
     st = cluster_status(cluster.folder)
     assert st.running and len(st.alive_workers) == 1 and st.total_cores == 1 and st.cores_used == 1
     assert st.applications == ("keyscale-cluster-test",)
-    assert st.alive_workers[0].id == "worker-1"
+    assert st.alive_workers[0].id == "worker-2"  # worker-1 made the executors' class archive
 
 
 def test_worker_joins_then_is_killed_and_the_app_follows(cluster: Cluster, app: App) -> None:
@@ -184,7 +186,7 @@ def test_worker_joins_then_is_killed_and_the_app_follows(cluster: Cluster, app: 
     print(f"killed worker gone from the app {gone:.1f} s after the kill")
     assert not group_members(w.pid, w.started)  # the worker and its executor
     st = cluster_status(cluster.folder)
-    assert [x.id for x in st.alive_workers] == ["worker-1"] and st.total_cores == 1
+    assert [x.id for x in st.alive_workers] == ["worker-2"] and st.total_cores == 1
     job = app.ask("job")
     assert job["ok"] and job["groups"] == 7
 
@@ -217,7 +219,7 @@ def test_request_executors_shrinks_grows_and_caps(cluster: Cluster, app: App) ->
 
 
 def test_stop_worker_names_the_known_workers(cluster: Cluster) -> None:
-    with pytest.raises(ClusterError, match=r"no worker 'worker-99' .*\(workers: worker-1\)"):
+    with pytest.raises(ClusterError, match=r"no worker 'worker-99' .*\(workers: worker-2\)"):
         stop_worker(cluster.folder, "worker-99")
 
 
@@ -282,3 +284,35 @@ def test_cli_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert "keyscale: error: no cluster in" in capsys.readouterr().err
     finally:
         _stop_and_check(Path(d), daemons)
+
+
+def _mapped_by_executors(worker: WorkerInfo, archive: Path) -> list[int]:
+    """The worker's executor JVMs that have ``archive`` mapped into their memory."""
+    out = []
+    for pid in group_members(worker.pid, worker.started):
+        proc = Path(f"/proc/{pid}")
+        with contextlib.suppress(OSError):
+            if b"CoarseGrainedExecutorBackend" in (proc / "cmdline").read_bytes() and str(archive) in (proc / "maps").read_text():
+                out.append(pid)
+    return out
+
+
+def test_executors_map_the_folders_class_archive(cluster: Cluster, app: App) -> None:
+    # The module's cluster started with class_archive=True: its first start in the folder made
+    # the archive on a worker of its own (worker-1, gone since), then started the others.
+    archive = cluster.folder / "executor-classes.jsa"
+    assert cluster.info.executor_archive == str(archive) and archive.is_file()
+    assert archive_problems(archive, cluster.folder / "conf") == []  # so a later start in the folder reuses it
+    assert _processes_mentioning(cluster.folder / "work" / "worker-1") == []
+    (worker,) = cluster.info.workers
+    app.wait_cores(1, 60)
+    assert app.ask("job")["ok"]
+    assert _mapped_by_executors(worker, archive), "the executor did not map the archive"
+    # The worker's own JVMs (another class path) keep Java's default archive: no warning in its log.
+    assert "Unable to use shared archive" not in worker.log.read_text()
+
+
+def test_a_class_archive_for_an_isolated_cluster_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ClusterError, match=r"^a class archive is not for an isolated cluster"):
+        start_cluster(tmp_path / "c", isolated=True, class_archive=True)
+    assert not (tmp_path / "c").exists()

@@ -130,7 +130,7 @@ def _slo(text: str | None) -> Any:
 
 
 def cmd_class_archive(a: argparse.Namespace) -> int:
-    from keyscale.runtime.driver.classarchive import create_archive
+    from keyscale.classarchive import create_archive
 
     create_archive(a.archive)
     return 0

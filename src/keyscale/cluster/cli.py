@@ -56,8 +56,9 @@ def _plural(n: int, word: str) -> str:
 
 def cmd_start(a: argparse.Namespace) -> int:
     info = start_cluster(a.dir, workers=a.workers, cores=a.cores, memory=a.memory, timeout=a.timeout,
-                         isolated=a.isolated, worker_user=a.worker_user)  # fmt: skip
+                         isolated=a.isolated, worker_user=a.worker_user, class_archive=a.class_archive)  # fmt: skip
     as_user = f" running as user {info.worker_user}" if info.worker_user else ""
+    as_user += f", executors starting with the class archive {info.executor_archive}" if info.executor_archive else ""
     print(
         f"keyscale: Spark master {info.master_url} (web UI {info.webui_url}) with "
         f"{_plural(len(info.workers), 'worker')} x {_plural(a.cores, 'core')}, {a.memory} each{as_user}; "
@@ -143,6 +144,9 @@ def add_cluster_parsers(subparsers: Any) -> argparse.ArgumentParser:
                     help="run the workers and their executors as the user keyscale-worker (created if absent; needs root) "
                     "with their own dirs, so tasks cannot read the driver's private local files")
     st.add_argument("--worker-user", metavar="NAME", help="with --isolated: this user instead of keyscale-worker (implies --isolated)")
+    st.add_argument("--class-archive", action="store_true",
+                    help="executors start with a class archive of their own (D/executor-classes.jsa; the first start in a "
+                    "folder makes it, about a minute): new executors come to speed sooner. Not with --isolated")
     st.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help=argparse.SUPPRESS)
     st.set_defaults(func=cmd_start)
 

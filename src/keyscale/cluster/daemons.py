@@ -61,7 +61,7 @@ _START_ATTEMPTS = 3
 # --- one daemon ---------------------------------------------------------------------------
 
 
-def _env(folder: Path, home: Path) -> dict[str, str]:
+def _env(folder: Path, home: Path, executor_archive: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("SPARK_MASTER_OPTS", "SPARK_WORKER_OPTS", "SPARK_DAEMON_JAVA_OPTS", "SPARK_MASTER_HOST",
                  "SPARK_MASTER_PORT", "SPARK_MASTER_WEBUI_PORT", "SPARK_WORKER_PORT", "SPARK_WORKER_WEBUI_PORT",
@@ -77,18 +77,33 @@ def _env(folder: Path, home: Path) -> dict[str, str]:
         SPARK_MASTER_OPTS=_MASTER_OPTS,
         SPARK_WORKER_OPTS=_WORKER_OPTS,
     )
+    if executor_archive is not None:
+        # Executors inherit their worker's environment, and Java's launcher puts this variable
+        # before the command line's options: a job's own spark.executor.extraJavaOptions win.
+        # The worker's own JVM and the launcher JVM spark-class runs first (other class paths)
+        # keep Java's default archive instead.
+        env["JDK_JAVA_OPTIONS"] = f"{env.get('JDK_JAVA_OPTIONS', '')} -XX:SharedArchiveFile={executor_archive}".strip()
+        env["SPARK_WORKER_OPTS"] = f"{_WORKER_OPTS} {_java_default_archive()}"
+        env["SPARK_LAUNCHER_OPTS"] = f"{env.get('SPARK_LAUNCHER_OPTS', '')} {_java_default_archive()}".strip()
     return env
 
 
+def _java_default_archive() -> str:
+    """The option that gives a JVM Java's own class archive back (off if it has none)."""
+    java = os.environ.get("JAVA_HOME") or (str(Path(w).resolve().parent.parent) if (w := shutil.which("java")) else "")
+    base = Path(java) / "lib" / "server" / "classes.jsa"
+    return f"-XX:SharedArchiveFile={base}" if java and base.is_file() else "-Xshare:off"
+
+
 def _spawn(folder: Path, cls: str, args: list[str], log: Path, iso: Isolation | None = None,
-           worker_id: str = "") -> subprocess.Popen[bytes]:
+           worker_id: str = "", executor_archive: str | None = None) -> subprocess.Popen[bytes]:
     home = spark_home()
     if not (os.environ.get("JAVA_HOME") or shutil.which("java")):
         raise ClusterError("Spark needs Java: install Java 17 or set JAVA_HOME")
     for sub in ("conf", "logs", "work"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     argv = ["bash", str(home / "bin" / "spark-class"), cls, *args]
-    env = _env(folder, home)
+    env = _env(folder, home, executor_archive)
     cwd = folder
     if iso is not None:
         # The worker is the user's process from the start (the JVM is this PID, exec'd by
@@ -214,7 +229,7 @@ def _launch_worker(
     offset = _log_size(log)
     args = [info.master_url, "--host", HOST, "--port", str(port), "--webui-port", str(webui),
             "--cores", str(cores), "--memory", memory, "--work-dir", str(work)]  # fmt: skip
-    proc = _spawn(folder, WORKER_CLASS, args, log, iso, worker_id)
+    proc = _spawn(folder, WORKER_CLASS, args, log, iso, worker_id, info.executor_archive)
     w = WorkerInfo(worker_id, proc.pid, cores, memory, port, webui, log, work, start_time(proc.pid))
     return proc, w, offset
 

@@ -10,6 +10,7 @@ machine). Everything lives in a folder the caller chooses::
     FOLDER/logs/worker-N.log     each worker's output
     FOLDER/work/worker-N/        each worker's work dir (executor logs: app-*/N/stderr)
     FOLDER/conf/                 an empty SPARK_CONF_DIR: no spark-defaults of the user leak in
+    FOLDER/executor-classes.jsa  with class_archive=True: the executors' class archive
 
 ``cluster.json`` exists while a cluster started there has not been stopped. Starting is
 finished when the master answers on its web UI's JSON (``/json/``) and every worker is
@@ -42,6 +43,7 @@ Example (needs Java; takes a few seconds)::
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -69,7 +71,7 @@ from keyscale.cluster.statefile import (
     require_running,
     write_state,
 )
-from keyscale.errors import ClusterError
+from keyscale.errors import ClusterError, KeyscaleError
 
 __all__ = [
     "DEFAULT_GRACE",
@@ -94,6 +96,8 @@ DEFAULT_TIMEOUT = 90.0
 DEFAULT_GRACE = 10.0
 """Seconds a SIGTERMed daemon gets before its process group is SIGKILLed."""
 
+log = logging.getLogger("keyscale")
+
 _MEMORY_RE = re.compile(r"^[1-9][0-9]*[mMgG]$")
 
 
@@ -113,6 +117,7 @@ def start_cluster(
     timeout: float = DEFAULT_TIMEOUT,
     isolated: bool = False,
     worker_user: str | None = None,
+    class_archive: bool = False,
 ) -> ClusterInfo:
     """Start a master and ``workers`` workers of ``cores`` cores and ``memory`` each in ``folder``.
 
@@ -128,6 +133,13 @@ def start_cluster(
     driver's private local folders; needs root. Workers added later are isolated too. See
     :mod:`keyscale.cluster.isolation`.
 
+    ``class_archive=True`` starts the workers' executors with a class archive of their own
+    (``FOLDER/executor-classes.jsa``): the classes an executor loads, mapped from one file,
+    so that new executors come to speed sooner (docs/benchmarks.md, "The executor wait").
+    The first start in a folder makes it, with one worker and a small job (about a minute);
+    later starts reuse it while it fits this Java and Spark (:mod:`keyscale.classarchive`).
+    Not with ``isolated``: each isolated worker's executors have a class path of their own.
+
     >>> start_cluster("/tmp/ks-c", workers=0, cores=0)
     Traceback (most recent call last):
     ...
@@ -136,6 +148,9 @@ def start_cluster(
     _check_args(cores, memory)
     if workers < 0:
         raise ClusterError(f"the number of workers must be 0 or more, got {workers}")
+    if class_archive and (isolated or worker_user):
+        raise ClusterError("a class archive is not for an isolated cluster: each isolated worker's executors have a class path "
+                           "of their own (start it without --class-archive)")
     path = cluster_folder(folder)
     with locked(path):
         old = read_cluster(path)
@@ -152,6 +167,8 @@ def start_cluster(
         try:
             info = replace(start_master(path, timeout), worker_user=user)
             write_state(info)
+            if class_archive:
+                info = _with_executor_archive(info, memory, timeout)
             return start_workers(info, workers, cores, memory, timeout, iso)
         except BaseException:
             started = read_cluster(path)  # everything launched is recorded at once
@@ -159,6 +176,35 @@ def start_cluster(
                 stop_all(started, grace=2.0)
             (path / STATE_FILE).unlink(missing_ok=True)
             raise
+
+
+EXECUTOR_ARCHIVE = "executor-classes.jsa"
+
+
+def _with_executor_archive(info: ClusterInfo, memory: str, timeout: float) -> ClusterInfo:
+    """``info`` with its executors' class archive: the folder's, or one made now by a job on
+    a worker of its own (stopped after it, so that every worker is started with the archive)."""
+    from keyscale.classarchive import archive_problems, create_executor_archive
+
+    archive = info.folder / EXECUTOR_ARCHIVE
+    conf_dir = info.folder / "conf"
+    try:
+        remake = bool(archive_problems(archive, conf_dir))
+    except (KeyscaleError, ValueError):  # a stamp this keyscale cannot read: make the archive again
+        remake = True
+    if remake:
+        info = start_workers(info, 1, 1, memory, timeout, None)
+        (maker,) = info.workers
+        try:
+            create_executor_archive(archive, info.master_url, conf_dir, progress=lambda said: log.info("%s", said))
+        finally:
+            terminate(maker.pid, maker.started, grace=2.0, kill=False)
+            remove_scratch(info, maker)
+            info = replace(info, workers=())
+            write_state(info)
+    info = replace(info, executor_archive=str(archive))
+    write_state(info)
+    return info
 
 
 def add_worker(

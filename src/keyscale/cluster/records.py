@@ -82,6 +82,8 @@ class ClusterInfo:
     next_worker: int = 1
     worker_user: str | None = None
     """The Unix user the workers run as when the cluster is isolated (:mod:`keyscale.cluster.isolation`)."""
+    executor_archive: str | None = None
+    """The class archive the workers' executors start with (``start_cluster(class_archive=True)``)."""
 
     @property
     def cores(self) -> int:
@@ -108,6 +110,7 @@ class ClusterInfo:
             "workers": [w.to_dict() for w in self.workers],
             "next_worker": self.next_worker,
             "worker_user": self.worker_user,
+            "executor_archive": self.executor_archive,
         }  # fmt: skip
 
     @classmethod
@@ -120,6 +123,7 @@ class ClusterInfo:
             workers=tuple(WorkerInfo.from_dict(w) for w in d.get("workers", [])),
             next_worker=int(d.get("next_worker", 1)),
             worker_user=None if d.get("worker_user") is None else str(d["worker_user"]),
+            executor_archive=None if d.get("executor_archive") is None else str(d["executor_archive"]),
         )  # fmt: skip
 
 

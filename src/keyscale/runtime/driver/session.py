@@ -101,7 +101,7 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
     is the one call that adds it.
 
     When it starts Spark's JVM (no session in this process yet) and ``KEYSCALE_CLASS_ARCHIVE``
-    is set, the JVM maps that class archive (:mod:`keyscale.runtime.driver.classarchive`).
+    is set, the JVM maps that class archive (:mod:`keyscale.classarchive`).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -110,7 +110,7 @@ def spark_session(master: str = "local[2]", app_name: str = "keyscale", conf: Ma
 
     settings = session_conf(master, conf)
     if SparkContext._gateway is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # else the JVM runs already (spark-submit)
-        from keyscale.runtime.driver.classarchive import class_archive_conf
+        from keyscale.classarchive import class_archive_conf
 
         settings = class_archive_conf(settings)
     builder = SparkSession.builder.master(master).appName(app_name)

@@ -1,5 +1,5 @@
-"""A class archive for Spark's driver JVM: the classes a job's start loads, read once and
-mapped by every later start (Java's application class-data sharing).
+"""Class archives for the JVMs keyscale starts: the classes a JVM's start loads, read once
+and mapped by every later start (Java's application class-data sharing).
 
 Most of a job's first ten seconds are Spark's JVM finding, reading and verifying the
 thousands of classes a session, a streaming query and its first batch need. A JVM started
@@ -15,8 +15,10 @@ An archive is only good for the Java and the Spark jars it was made with (the JV
 the class path it was made on, and ignores an archive that does not match with one line of
 warning). So keyscale keeps their fingerprint beside it (``PATH.json``, a
 :class:`ArchiveStamp`) and refuses an archive made for another Java or Spark, naming both,
-rather than start slower without saying so. It is for the driver's JVM only: in local mode
-that is all of Spark; a cluster's executors start JVMs of their own without it.
+rather than start slower without saying so. That archive is for the driver's JVM: in local
+mode that is all of Spark. A cluster's executors have another class path (their worker's
+conf folder first): ``keyscale cluster start --class-archive`` makes them one of their own
+(:func:`create_executor_archive`, kept in the cluster's folder; :mod:`keyscale.cluster.local`).
 
 The archive's option goes into ``spark.driver.defaultJavaOptions`` (Spark puts it before
 ``spark.driver.extraJavaOptions``, which stays the user's), after any value the user gave
@@ -46,7 +48,10 @@ from typing import Any
 
 from keyscale.errors import KeyscaleError
 
-__all__ = ["ARCHIVE_ENV", "STAMP_VERSION", "ArchiveStamp", "archive_java_options", "class_archive_conf", "create_archive", "current_stamp"]
+__all__ = [
+    "ARCHIVE_ENV", "STAMP_VERSION", "ArchiveStamp", "archive_java_options", "archive_problems", "class_archive_conf",
+    "create_archive", "create_executor_archive", "current_stamp",
+]
 
 ARCHIVE_ENV = "KEYSCALE_CLASS_ARCHIVE"
 """The environment variable naming the archive keyscale's sessions start their JVM with."""
@@ -62,7 +67,8 @@ class ArchiveStamp:
     """What an archive was made for (``PATH.json``): written by ``keyscale class-archive``,
     read by every later start, possibly of a newer keyscale.
 
-    >>> s = ArchiveStamp(java="/usr/lib/jvm/17/bin/java", jvm="21e6d8-1745000000", spark_jars="/v/pyspark/jars", jars="ab12")
+    >>> s = ArchiveStamp(java="/usr/lib/jvm/17/bin/java", jvm="21e6d8-1745000000", spark_jars="/v/pyspark/jars", jars="ab12",
+    ...                  conf_dir="/v/pyspark/conf")
     >>> ArchiveStamp.from_wire(s.to_wire(), "x.json") == s
     True
     >>> ArchiveStamp.from_wire({"v": 2}, "x.json")
@@ -75,6 +81,7 @@ class ArchiveStamp:
     jvm: str  # size and modification time of its libjvm.so: an update in place changes them
     spark_jars: str  # the folder of Spark's jars, the class path the archive was made on
     jars: str  # a hash of the names and sizes of the jars in it
+    conf_dir: str  # Spark's conf folder, first on that class path
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": STAMP_VERSION, **asdict(self)}
@@ -86,15 +93,16 @@ class ArchiveStamp:
             raise KeyscaleError(f"{where} has class archive stamp version {version}, this keyscale reads version {STAMP_VERSION}: "
                                 "make the archive again with `keyscale class-archive`")
         try:
-            return ArchiveStamp(java=str(d["java"]), jvm=str(d["jvm"]), spark_jars=str(d["spark_jars"]), jars=str(d["jars"]))
+            return ArchiveStamp(java=str(d["java"]), jvm=str(d["jvm"]), spark_jars=str(d["spark_jars"]), jars=str(d["jars"]),
+                                conf_dir=str(d["conf_dir"]))
         except KeyError as e:
             raise KeyscaleError(f"{where} is not a class archive stamp (no {e.args[0]!r})") from None
 
     def differences(self, other: ArchiveStamp) -> list[str]:
         """What ``other`` (this machine's) has that this stamp (the archive's) does not, in words.
 
-        >>> a = ArchiveStamp(java="/j17", jvm="1-2", spark_jars="/a/jars", jars="x")
-        >>> a.differences(ArchiveStamp(java="/j17", jvm="1-2", spark_jars="/b/jars", jars="y"))
+        >>> a = ArchiveStamp(java="/j17", jvm="1-2", spark_jars="/a/jars", jars="x", conf_dir="/a/conf")
+        >>> a.differences(ArchiveStamp(java="/j17", jvm="1-2", spark_jars="/b/jars", jars="y", conf_dir="/a/conf"))
         ["Spark's jars in /b/jars (the archive: /a/jars)", "other Spark jars in /b/jars than the archive's"]
         """
         out = []
@@ -106,6 +114,8 @@ class ArchiveStamp:
             out.append(f"Spark's jars in {other.spark_jars} (the archive: {self.spark_jars})")
         if self.jars != other.jars:
             out.append(f"other Spark jars in {other.spark_jars} than the archive's")
+        if self.conf_dir != other.conf_dir:
+            out.append(f"Spark's conf folder {other.conf_dir} (the archive: {self.conf_dir})")
         return out
 
 
@@ -124,25 +134,40 @@ def _spark_jars() -> Path:
     return Path(_find_spark_home()).resolve() / "jars"
 
 
-def current_stamp() -> ArchiveStamp:
-    """This machine's Java and Spark jars, as an archive made here now would be stamped."""
+def _conf_dir() -> Path:
+    """Spark's conf folder for a JVM started from here: ``$SPARK_CONF_DIR``, else ``$SPARK_HOME/conf``."""
+    return Path(os.environ.get("SPARK_CONF_DIR") or _spark_jars().parent / "conf").resolve()
+
+
+def current_stamp(conf_dir: Path | None = None) -> ArchiveStamp:
+    """This machine's Java and Spark jars, as an archive made here now would be stamped
+    (``conf_dir``: the conf folder of the JVMs it is for; default: a driver's started from here)."""
     java = _java()
     libjvm = next(iter(sorted(java.parent.parent.glob("lib/*/libjvm.so"))), None)
     jvm = "unknown" if libjvm is None else f"{libjvm.stat().st_size}-{int(libjvm.stat().st_mtime)}"
     jars = _spark_jars()
     listing = "\n".join(f"{p.name}:{p.stat().st_size}" for p in sorted(jars.glob("*.jar")))
-    return ArchiveStamp(java=str(java), jvm=jvm, spark_jars=str(jars), jars=hashlib.sha256(listing.encode()).hexdigest()[:16])
+    return ArchiveStamp(java=str(java), jvm=jvm, spark_jars=str(jars), jars=hashlib.sha256(listing.encode()).hexdigest()[:16],
+                        conf_dir=str((conf_dir or _conf_dir()).resolve()))
 
 
 def _stamp_path(archive: Path) -> Path:
     return archive.with_name(archive.name + ".json")
 
 
+def archive_problems(archive: Path, conf_dir: Path | None = None) -> list[str]:
+    """Why ``archive`` would not serve a JVM started here (with ``conf_dir``), in words; empty if it would."""
+    stamp = _stamp_path(archive)
+    if not archive.is_file() or not stamp.is_file():
+        return [f"no class archive there (or no {stamp.name} beside it)"]
+    made_for = ArchiveStamp.from_wire(json.loads(stamp.read_text()), str(stamp))
+    return made_for.differences(current_stamp(conf_dir))
+
+
 def _spark_defaults(name: str) -> str | None:
     """``name``'s value in Spark's ``spark-defaults.conf`` (``$SPARK_CONF_DIR``, else
     ``$SPARK_HOME/conf``), which a ``--conf`` of the same name would replace."""
-    conf_dir = os.environ.get("SPARK_CONF_DIR") or str(_spark_jars().parent / "conf")
-    path = Path(conf_dir) / "spark-defaults.conf"
+    path = _conf_dir() / "spark-defaults.conf"
     if not path.is_file():
         return None
     for line in path.read_text().splitlines():  # java.util.Properties' forms: "key value", "key=value", "key: value"
@@ -165,12 +190,10 @@ def class_archive_conf(conf: Mapping[str, str], env: Mapping[str, str] = os.envi
     if not name:
         return dict(conf)
     archive = Path(name).resolve()
-    stamp = _stamp_path(archive)
-    if not archive.is_file() or not stamp.is_file():
-        raise KeyscaleError(f"{ARCHIVE_ENV}={name}: no class archive there (or no {stamp.name} beside it): make one with "
-                            f"`keyscale class-archive {name}`, or unset {ARCHIVE_ENV}")
-    made_for = ArchiveStamp.from_wire(json.loads(stamp.read_text()), str(stamp))
-    wrong = made_for.differences(current_stamp())
+    if not archive.is_file() or not _stamp_path(archive).is_file():
+        raise KeyscaleError(f"{ARCHIVE_ENV}={name}: no class archive there (or no {_stamp_path(archive).name} beside it): make "
+                            f"one with `keyscale class-archive {name}`, or unset {ARCHIVE_ENV}")
+    wrong = archive_problems(archive)
     if wrong:
         raise KeyscaleError(f"{ARCHIVE_ENV}={name} was made for another Java or Spark than this job's: this one has "
                             f"{'; '.join(wrong)}. Make it again with `keyscale class-archive {name}`, or unset {ARCHIVE_ENV}")
@@ -179,10 +202,11 @@ def class_archive_conf(conf: Mapping[str, str], env: Mapping[str, str] = os.envi
     return archive_java_options(conf, str(archive))
 
 
-# The job the archive is made from: a session as keyscale configures it, a streaming file
-# source, a keyed aggregate at parallelism 2 and a Parquet sink, two batches. Then it stops
-# the JVM itself (stdin closed: Spark's gateway exits on EOF) and waits for it, since the JVM
-# writes the archive as it exits.
+# The job an archive is made from: a session as keyscale configures it, a streaming file
+# source, a keyed aggregate at parallelism 2 and a Parquet sink, two batches. The JVM that
+# writes the archive is the driver's or (on a standalone master, with one executor) the
+# executor's, by the Spark setting given. A driver's JVM writes it as it exits, so the job
+# stops that JVM itself (stdin closed: Spark's gateway exits on EOF) and waits for it.
 _WORKLOAD = r"""
 import sys
 from pathlib import Path
@@ -194,12 +218,15 @@ from pyspark import SparkContext
 import keyscale as ks
 from keyscale.runtime.driver.session import spark_session
 
-work, archive = Path(sys.argv[1]), sys.argv[2]
+work, archive, master, option = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 (work / "in").mkdir()
 for i in range(2):
     keys = [f"key-{(i * 7 + j) % 50}" for j in range(1000)]
     pq.write_table(pa.table({"key": keys, "value": list(range(1000))}), work / "in" / f"part-{i}.parquet")
-spark = spark_session("local[2]", "keyscale-class-archive", {"spark.driver.defaultJavaOptions": f"-XX:ArchiveClassesAtExit={archive}"})
+conf = {option: f"-XX:ArchiveClassesAtExit={archive}"}
+if master.startswith("spark://"):
+    conf["spark.cores.max"] = "1"  # one executor writes the archive
+spark = spark_session(master, "keyscale-class-archive", conf)
 events = spark.readStream.schema("key string, value long").option("maxFilesPerTrigger", 1).parquet(str(work / "in"))
 job = (ks.stream(events).key_by("key")
        .aggregate(uid="totals", count=ks.aggregates.count(), total=ks.aggregates.sum("value"))
@@ -212,36 +239,70 @@ gateway.wait(timeout=300)
 """
 
 
-def create_archive(path: str, progress: Callable[[str], None] = print) -> Path:
-    """Make the class archive at ``path`` (and its stamp, ``path.json``): run the small job
-    in a child process whose JVM writes the archive as it exits, then move it into place.
+def _dumping(archive: Path) -> bool:
+    """Whether a process on this machine is still to write ``archive`` (its JVM has not exited)."""
+    needle = f"-XX:ArchiveClassesAtExit={archive}".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if needle in (proc / "cmdline").read_bytes():
+                    return True
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+    return False
+
+
+def _make(target: Path, master: str, option: str, stamp: ArchiveStamp, what: str, progress: Callable[[str], None]) -> Path:
+    # SPARK_SUBMIT_OPTS reaches the driver's JVM only; the other two every JVM started from here.
+    for var in ("SPARK_SUBMIT_OPTS", "JDK_JAVA_OPTIONS", "JAVA_TOOL_OPTIONS")[0 if option == _JAVA_OPTIONS else 1:]:
+        if "-XX:SharedArchiveFile" in os.environ.get(var, ""):
+            raise KeyscaleError(f"{var} gives Spark's JVM a class archive already (-XX:SharedArchiveFile), and a JVM cannot "
+                                f"write one on top of another: make the class archive without it in {var}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    progress(f"making a class archive of {what} in {target}: a small keyed job runs, then the JVM writes the "
+             "classes it loaded (about a minute)")
+    started = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k != ARCHIVE_ENV}
+    with tempfile.TemporaryDirectory(prefix="keyscale-class-archive-", dir=target.parent) as tmp:
+        written = Path(tmp) / "archive.jsa"
+        proc = subprocess.run([sys.executable, "-c", _WORKLOAD, tmp, str(written), master, option], env=env,
+                              capture_output=True, text=True)
+        deadline = time.monotonic() + 120
+        while proc.returncode == 0 and _dumping(written) and time.monotonic() < deadline:
+            time.sleep(0.2)  # an executor writes it as it exits, after the application ended
+        if proc.returncode != 0 or _dumping(written) or not written.is_file() or written.stat().st_size == 0:
+            # The JVM says why it would not start on stdout; Python's traceback ends stderr.
+            said = [line for line in proc.stdout.splitlines() if line.strip() and "[warning]" not in line][-5:]
+            tail = "\n".join([*said, *proc.stderr.strip().splitlines()[-5:]])
+            raise KeyscaleError(f"the class archive's job failed (exit {proc.returncode}); nothing written to {target}:\n{tail}")
+        stamp_file = Path(tmp) / "stamp.json"
+        stamp_file.write_text(json.dumps(stamp.to_wire(), indent=1) + "\n")
+        os.replace(written, target)
+        os.replace(stamp_file, _stamp_path(target))
+    progress(f"class archive written ({target.stat().st_size / 1e6:,.0f} MB, {time.monotonic() - started:.0f} s)")
+    return target
+
+
+def _say(line: str) -> None:
+    print(f"keyscale: {line}", flush=True)
+
+
+def create_archive(path: str, progress: Callable[[str], None] = _say) -> Path:
+    """Make the class archive of a driver's JVM at ``path`` (and its stamp, ``path.json``): run
+    the small job in a child process whose JVM writes the archive as it exits, then move it
+    into place.
 
     A running job keeps the archive it mapped; a job starting while this runs sees the old
     archive or the new one, never half of one (both files are moved into place whole).
     """
     target = Path(path).resolve()
-    for var in ("SPARK_SUBMIT_OPTS", "JDK_JAVA_OPTIONS", "JAVA_TOOL_OPTIONS"):
-        if "-XX:SharedArchiveFile" in os.environ.get(var, ""):
-            raise KeyscaleError(f"{var} gives Spark's JVM a class archive already (-XX:SharedArchiveFile), and a JVM cannot "
-                                f"write one on top of another: run `keyscale class-archive` without it in {var}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    progress(f"keyscale: making a class archive of Spark's driver JVM in {target}: a small keyed job runs, then the JVM "
-             "writes the classes it loaded (about a minute)")
-    started = time.monotonic()
-    env = {k: v for k, v in os.environ.items() if k != ARCHIVE_ENV}
-    with tempfile.TemporaryDirectory(prefix="keyscale-class-archive-", dir=target.parent) as tmp:
-        written = Path(tmp) / "archive.jsa"
-        proc = subprocess.run([sys.executable, "-c", _WORKLOAD, tmp, str(written)], env=env, capture_output=True, text=True)
-        if proc.returncode != 0 or not written.is_file() or written.stat().st_size == 0:
-            # The JVM says why it would not start on stdout; Python's traceback ends stderr.
-            said = [line for line in proc.stdout.splitlines() if line.strip() and "[warning]" not in line][-5:]
-            tail = "\n".join([*said, *proc.stderr.strip().splitlines()[-5:]])
-            raise KeyscaleError(f"the class archive's job failed (exit {proc.returncode}); nothing written to {target}:\n{tail}")
-        stamp = Path(tmp) / "stamp.json"
-        stamp.write_text(json.dumps(current_stamp().to_wire(), indent=1) + "\n")
-        os.replace(written, target)
-        os.replace(stamp, _stamp_path(target))
-    size_mb = target.stat().st_size / 1e6
-    progress(f"keyscale: class archive written ({size_mb:,.0f} MB, {time.monotonic() - started:.0f} s); start jobs with "
-             f"{ARCHIVE_ENV}={target} to use it")
+    _make(target, "local[2]", _JAVA_OPTIONS, current_stamp(), "Spark's driver JVM", progress)
+    progress(f"start jobs with {ARCHIVE_ENV}={target} to use it")
     return target
+
+
+def create_executor_archive(path: Path, master: str, conf_dir: Path, progress: Callable[[str], None]) -> Path:
+    """Make the class archive of the executors of the standalone cluster at ``master`` (whose
+    workers' conf folder is ``conf_dir``) at ``path``: the small job runs with one executor,
+    which writes the archive as it exits when the job's application ends."""
+    return _make(path.resolve(), master, "spark.executor.extraJavaOptions", current_stamp(conf_dir), "Spark's executor JVMs", progress)

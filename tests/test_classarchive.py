@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from conftest import RUNNING_COUNT, cli, read_output, write_events
-from keyscale.errors import KeyscaleError
-from keyscale.runtime.driver.classarchive import (
+from keyscale.classarchive import (
     ARCHIVE_ENV,
     class_archive_conf,
     create_archive,
     current_stamp,
 )
+from keyscale.errors import KeyscaleError
 
 OPTION = "spark.driver.defaultJavaOptions"
 
@@ -71,6 +71,7 @@ def test_a_missing_archive_is_an_error_that_says_how_to_make_it(tmp_path: Path) 
     ({"spark_jars": "/elsewhere/pyspark/jars"}, "Spark's jars in"),
     ({"java": "/usr/lib/jvm/java-11/bin/java"}, "Java "),
     ({"jvm": "1-2"}, "another build of Java"),
+    ({"conf_dir": "/elsewhere/conf"}, "Spark's conf folder"),
 ])  # fmt: skip
 def test_an_archive_made_for_another_java_or_spark_is_refused_by_name(tmp_path: Path, stamp: dict[str, str], said: str) -> None:
     # The JVM itself would only warn and start without it: slower, and the user would not know why.
