@@ -205,10 +205,15 @@ def class_archive_conf(conf: Mapping[str, str], env: Mapping[str, str] = os.envi
 # The job an archive is made from: a session as keyscale configures it, a streaming file
 # source, a keyed aggregate at parallelism 2 and a Parquet sink, two batches. The JVM that
 # writes the archive is the driver's or (on a standalone master, with one executor) the
-# executor's, by the Spark setting given. A driver's JVM writes it as it exits, so the job
-# stops that JVM itself (stdin closed: Spark's gateway exits on EOF) and waits for it.
+# executor's, by the Spark setting given; it writes it as it exits, and its own log says
+# when the archive is whole ("Written dynamic archive"). A JVM stopped from outside may be
+# killed while it writes (a standalone worker kills an executor 10 s after asking it to
+# stop, at an application's end): so each ends by itself. The driver's exits when Spark's
+# gateway sees its stdin close; the executor is decommissioned (SIGPWR, with
+# spark.decommission.enabled), which makes it exit once idle, after the application's
+# executor limit went to 0 so that the master starts no other in its place.
 _WORKLOAD = r"""
-import sys
+import os, signal, sys, time
 from pathlib import Path
 
 import pyarrow as pa
@@ -216,6 +221,7 @@ import pyarrow.parquet as pq
 from pyspark import SparkContext
 
 import keyscale as ks
+from keyscale.classarchive import _executors_writing
 from keyscale.runtime.driver.session import spark_session
 
 work, archive, master, option = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -223,33 +229,52 @@ work, archive, master, option = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys
 for i in range(2):
     keys = [f"key-{(i * 7 + j) % 50}" for j in range(1000)]
     pq.write_table(pa.table({"key": keys, "value": list(range(1000))}), work / "in" / f"part-{i}.parquet")
-conf = {option: f"-XX:ArchiveClassesAtExit={archive}"}
-if master.startswith("spark://"):
-    conf["spark.cores.max"] = "1"  # one executor writes the archive
+conf = {option: f"-XX:ArchiveClassesAtExit={archive} -Xlog:cds+dynamic=info:file={work}/cds-%p.log"}
+executor = master.startswith("spark://")
+if executor:
+    conf.update({"spark.cores.max": "1", "spark.decommission.enabled": "true"})  # one executor writes the archive
 spark = spark_session(master, "keyscale-class-archive", conf)
 events = spark.readStream.schema("key string, value long").option("maxFilesPerTrigger", 1).parquet(str(work / "in"))
 job = (ks.stream(events).key_by("key")
        .aggregate(uid="totals", count=ks.aggregates.count(), total=ks.aggregates.sum("value"))
        .sink(ks.sinks.ParquetSink(str(work / "out"))))
 job.start(str(work / "job"), 2, until_idle=True).await_termination()
+if executor:
+    sc = spark.sparkContext
+    jvm = sc._jvm
+    sc._jsc.sc().requestTotalExecutors(0, 0, jvm.org.apache.spark.api.python.PythonUtils.toScalaMap(jvm.java.util.HashMap()))
+    pids = _executors_writing(Path(archive))
+    for pid in pids:
+        os.kill(pid, signal.SIGPWR)
+    deadline = time.monotonic() + 240
+    while _executors_writing(Path(archive)) and time.monotonic() < deadline:
+        time.sleep(0.2)
 gateway = SparkContext._gateway.proc
 spark.stop()
 gateway.stdin.close()
 gateway.wait(timeout=300)
 """
 
+# What the JVM's log (-Xlog:cds+dynamic) says once the archive's last byte is written.
+_WRITTEN = "Written dynamic archive"
 
-def _dumping(archive: Path) -> bool:
-    """Whether a process on this machine is still to write ``archive`` (its JVM has not exited)."""
+
+def _executors_writing(archive: Path) -> list[int]:
+    """The executors on this machine that are to write ``archive`` as they exit (their JVM
+    still runs)."""
     needle = f"-XX:ArchiveClassesAtExit={archive}".encode()
+    found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if needle in (proc / "cmdline").read_bytes():
-                    return True
+                line = (proc / "cmdline").read_bytes()
             except OSError:  # gone meanwhile, or not ours to read
-                pass
-    return False
+                continue
+            # The driver's command line names the executors' option too (a --conf): the JVM
+            # that writes has it as an argument of its own.
+            if needle in line.split(b"\0") and b"CoarseGrainedExecutorBackend" in line:
+                found.append(int(proc.name))
+    return found
 
 
 def _make(target: Path, master: str, option: str, stamp: ArchiveStamp, what: str, progress: Callable[[str], None]) -> Path:
@@ -267,14 +292,14 @@ def _make(target: Path, master: str, option: str, stamp: ArchiveStamp, what: str
         written = Path(tmp) / "archive.jsa"
         proc = subprocess.run([sys.executable, "-c", _WORKLOAD, tmp, str(written), master, option], env=env,
                               capture_output=True, text=True)
-        deadline = time.monotonic() + 120
-        while proc.returncode == 0 and _dumping(written) and time.monotonic() < deadline:
-            time.sleep(0.2)  # an executor writes it as it exits, after the application ended
-        if proc.returncode != 0 or _dumping(written) or not written.is_file() or written.stat().st_size == 0:
+        logs = [p.read_text(errors="replace") for p in Path(tmp).glob("cds-*.log")]
+        whole = [text for text in logs if _WRITTEN in text]
+        if proc.returncode != 0 or len(whole) != 1 or not written.is_file():
             # The JVM says why it would not start on stdout; Python's traceback ends stderr.
             said = [line for line in proc.stdout.splitlines() if line.strip() and "[warning]" not in line][-5:]
+            why = "" if proc.returncode != 0 else f" (the JVM's log says the archive was written whole {len(whole)} times, not once)"
             tail = "\n".join([*said, *proc.stderr.strip().splitlines()[-5:]])
-            raise KeyscaleError(f"the class archive's job failed (exit {proc.returncode}); nothing written to {target}:\n{tail}")
+            raise KeyscaleError(f"the class archive's job failed (exit {proc.returncode}){why}; nothing written to {target}:\n{tail}")
         stamp_file = Path(tmp) / "stamp.json"
         stamp_file.write_text(json.dumps(stamp.to_wire(), indent=1) + "\n")
         os.replace(written, target)
