@@ -287,7 +287,8 @@ def _engine_main(cfg: dict[str, Any]) -> int:
                     end, lat = h["time_ms"] / 1000, h.get("latency") or {}  # keyscale's own measure, append time to commit
                     batches.append({"batch": h["batch"], "start": end - h["seconds"], "end": end, "seconds": h["seconds"],
                                     "records": h["records"], "parallelism": max(h["parallelism"].values()) if h["parallelism"] else 0,
-                                    "own_p50_s": lat.get("p50_seconds"), "own_p99_s": lat.get("p99_seconds")})
+                                    "own_p50_s": lat.get("p50_seconds"), "own_p99_s": lat.get("p99_seconds"),
+                                    "steps": h.get("steps") or {}})
 
         job = STATELESS_JOB if cfg["engine"] == "stateless" else KEYED_JOB
         opts = RunOptions(job_file=str(job), job_dir=cfg["dir"], parallelism=cfg["parallelism"], trigger_interval=cfg["trigger"],
