@@ -105,3 +105,27 @@ def test_a_job_started_with_the_archive_loads_sparks_classes_from_it(tmp_path: P
     assert len(from_archive) > 5000
     totals = read_output(tmp_path / "out").groupby("key")["count"].max()
     assert totals.sum() == 800 and len(totals) == 20
+
+
+@pytest.mark.parametrize(("logs", "said"), [
+    ([], "written whole 0 times"),  # the JVM was killed while it wrote: no line
+    (["[info][cds,dynamic] Written dynamic archive 0x8 - 0x9"] * 2, "written whole 2 times"),  # two JVMs wrote it in turn
+])
+def test_an_archive_its_jvm_did_not_say_it_wrote_whole_once_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logs: list[str], said: str,
+) -> None:
+    import subprocess
+
+    def workload(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        work, archive = Path(argv[3]), Path(argv[4])
+        archive.write_bytes(b"a file, whole or not")
+        for i, text in enumerate(logs):
+            (work / f"cds-{i}.log").write_text(text + "\n")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", workload)
+    monkeypatch.delenv("SPARK_SUBMIT_OPTS", raising=False)  # the tests' own JVMs map an archive
+    target = tmp_path / "spark.jsa"
+    with pytest.raises(KeyscaleError, match=f"the class archive's job failed \\(exit 0\\) \\(the JVM's log says the archive was {said}"):
+        create_archive(str(target), progress=lambda _: None)
+    assert not target.exists() and not (tmp_path / "spark.jsa.json").exists()
