@@ -131,6 +131,7 @@ class StubConsumer:
     eof_at: dict[int, int] = field(default_factory=dict)
     fetches: int = 0
     served: int = 0  # records the broker sent, the range's and any past it
+    list_requests: int = 0  # ListOffsets requests
 
     @property
     def read_committed(self) -> bool:
@@ -145,6 +146,14 @@ class StubConsumer:
         if cached:
             return (0, self.responses[tp.partition][0]) if tp.partition in self.responses else (OFFSET_INVALID, OFFSET_INVALID)
         return 0, self.partitions[tp.partition].list_offsets()
+
+    def offsets_for_times(self, tps: list[Any], timeout: float = -1) -> list[Any]:
+        from types import SimpleNamespace
+
+        assert all(tp.offset == -1 for tp in tps), "the probe asks for the latest offsets only"
+        self.list_requests += 1
+        return [SimpleNamespace(topic=tp.topic, partition=tp.partition, offset=self.partitions[tp.partition].list_offsets(), error=None)
+                for tp in tps]
 
     def assign(self, tps: list[Any]) -> None:
         self.at = {tp.partition: tp.offset for tp in tps}
@@ -216,10 +225,12 @@ def test_empty_answers_inside_the_last_batch_still_give_the_end(stub: Callable[.
     """Run L's failure: ListOffsets answers inside each partition's last batch and every
     fetch there is answered empty; the end is still the partition's true end (the end the
     fetch responses report), at once, not an error after 10 s."""
-    stub({0: StubPartition([(0, 100), (100, 40)]), 1: StubPartition([(0, 309_000), (309_000, 241)]), 2: StubPartition([(0, 5)])})
+    made = stub({0: StubPartition([(0, 100), (100, 40)]), 1: StubPartition([(0, 309_000), (309_000, 241)]), 2: StubPartition([(0, 5)])})
     t0 = time.monotonic()
     assert KafkaLog("b:9092", "input").end_offsets() == [140, 309_241, 5]
     assert time.monotonic() - t0 < 3
+    # One ListOffsets request for the three partitions: its cost grows with each partition.
+    assert sum(c.list_requests for c in made) == 1
 
 
 def test_the_end_is_never_past_an_open_transaction(stub: Callable[..., list[StubConsumer]]) -> None:

@@ -102,7 +102,9 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         log.info("batch %d is already committed; skipping its replay", batch_id)
         job.history.summary.skipped.append(batch_id)
         return 0
-    job.batch = BatchScratch()
+    # The read limit in force carries over until this batch's plan decides its own: the
+    # status shows it between two batches' plans, never none while a target holds.
+    job.batch = BatchScratch(read_limit=job.batch.read_limit)
     clock = _Clock(time.perf_counter(), time.time(), Counter(job.jobdir.store.requests), job.batch.steps)
     # 2. Intent.
     intent, replayed = fix_intent(job, df, batch_id, drain)

@@ -218,7 +218,7 @@ class BatchScratch:
     steps: dict[str, float] = field(default_factory=dict)
     # When the batch's output became visible: every sink's write committed (Unix seconds).
     visible_at: float | None = None
-    # With a latency target, the driving log source's read limit of this batch and why (sizing.py; the status's batch_size).
+    # With a latency target, the driving log source's read limit in force and why: the last batch's until this one's plan decides (sizing.py; the status's batch_size).
     read_limit: ReadLimit | None = None
 
 
