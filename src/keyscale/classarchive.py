@@ -329,5 +329,6 @@ def create_archive(path: str, progress: Callable[[str], None] = _say) -> Path:
 def create_executor_archive(path: Path, master: str, conf_dir: Path, progress: Callable[[str], None]) -> Path:
     """Make the class archive of the executors of the standalone cluster at ``master`` (whose
     workers' conf folder is ``conf_dir``) at ``path``: the small job runs with one executor,
-    which writes the archive as it exits when the job's application ends."""
+    which is then decommissioned and writes the archive as it exits, before the job's
+    application ends."""
     return _make(path.resolve(), master, "spark.executor.extraJavaOptions", current_stamp(conf_dir), "Spark's executor JVMs", progress)
