@@ -387,3 +387,36 @@ def test_on_tansu_ends_while_batches_are_appended(kafka_broker: Any) -> None:
         stop.set()
         t.join(60)
     assert sum(log.end_offsets()) == produced[0]
+
+
+def test_on_tansu_one_read_of_several_partitions_gets_each_range_exactly(kafka_broker: Any) -> None:
+    """A small batch's read in its keyed stage reads every partition's range with one
+    consumer: each range gives exactly its records, in offset order, as a read of that
+    range alone does: past committed and aborted transactions' markers, with an empty range
+    and a range ending where a partition's records stop."""
+    from conftest import new_topic
+
+    b = kafka_broker.bootstrap
+    topic = new_topic(b, 3, "ranges")
+    plain = _producer(b, **{"linger.ms": 5})
+    for i in range(30):
+        plain.produce(topic, partition=i % 3, value=b"plain-%d" % i)
+    plain.flush(30)
+    tx = _producer(b, **{"transactional.id": f"{topic}-tx"})
+    tx.init_transactions(30)
+    for commit in (True, False, True):
+        tx.begin_transaction()
+        for i in range(6):
+            tx.produce(topic, partition=i % 2, value=b"%s-%d" % (b"kept" if commit else b"aborted", i))
+        tx.commit_transaction(30) if commit else tx.abort_transaction(30)
+    log = KafkaLog(b, topic)
+    ends = log.end_offsets()
+    ranges = [(0, 3, ends[0]), (1, 0, ends[1] - 1), (2, 4, 4)]
+    together = log.read_ranges_timed(ranges)
+    alone = [log.read_timed(p, s, e) for p, s, e in ranges]
+    for (t, times), (u, _) in zip(together, alone, strict=True):
+        assert t.to_pylist() == u.to_pylist()
+        assert times is not None and len(times.seconds) == t.num_rows
+    values = [v.decode() for v in together[0][0].column("value").to_pylist()]
+    assert values[0] == "plain-9" and not any(v.startswith("aborted") for v in values) and sum(v.startswith("kept") for v in values) == 6
+    assert together[2][0].num_rows == 0

@@ -115,6 +115,9 @@ class _Message:
     def offset(self) -> int:
         return self._offset
 
+    def partition(self) -> int:
+        return 0
+
     def key(self) -> bytes:
         return b"k"
 

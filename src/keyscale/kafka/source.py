@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import pyarrow as pa
@@ -205,6 +205,37 @@ def _preview(value: bytes | None) -> str:
     return repr(text + ("..." if len(value) > 120 else ""))
 
 
+@dataclass
+class _RangeRead:
+    """One partition's range being read: where the read is, what it got."""
+
+    partition: int
+    start: int
+    end: int
+    position: int = -1
+    progress: float = field(default_factory=time.monotonic)  # when the position last moved
+    kind: str = "kafka CreateTime"
+    keys: list[bytes | None] = field(default_factory=list)
+    values: list[bytes | None] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    stamps: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.position = max(self.position, self.start)
+
+    def move(self, position: int, now: float) -> None:
+        if position > self.position:
+            self.position, self.progress = position, now
+
+    def table(self, topic: str) -> pa.Table:
+        n = len(self.offsets)
+        return pa.table({
+            "key": pa.array(self.keys, pa.binary()), "value": pa.array(self.values, pa.binary()),
+            "topic": pa.array([topic] * n, pa.string()), "partition": pa.array([self.partition] * n, pa.int32()),
+            "offset": pa.array(self.offsets, pa.int64()), "timestamp": pa.array(self.stamps, pa.timestamp("ms", tz="UTC")),
+        }, schema=RAW_SCHEMA)
+
+
 class KafkaLog(PartitionedLog):
     """One Kafka topic read as a partitioned log (see the module doc).
 
@@ -318,16 +349,23 @@ class KafkaLog(PartitionedLog):
 
     def read(self, partition: int, start: int, end: int) -> pa.Table:
         """The records with offsets in ``[start, end)``, decoded."""
-        return self._decode(self._read_raw(partition, start, end)[0])
+        return self._decode(self._read_raw([(partition, start, end)])[0][0])
 
     def read_timed(self, partition: int, start: int, end: int) -> tuple[pa.Table, AppendTimes | None]:
-        """The records with their Kafka timestamps as append times: the broker's append time
-        where the topic says ``message.timestamp.type=LogAppendTime``, else the producer's
-        ``CreateTime`` (said in ``clock``); records of a skip decoder count too."""
-        raw, kind = self._read_raw(partition, start, end)
-        ms = raw.column("timestamp").cast(pa.int64()).to_numpy(zero_copy_only=False).astype("float64")
-        ms[ms < 0] = float("nan")  # a record without a timestamp (-1): not measured
-        return self._decode(raw), AppendTimes(ms / 1000.0, kind)
+        return self.read_ranges_timed([(partition, start, end)])[0]
+
+    def read_ranges_timed(self, ranges: Sequence[tuple[int, int, int]]) -> list[tuple[pa.Table, AppendTimes | None]]:
+        """The records of each range, with their Kafka timestamps as append times: the
+        broker's append time where the topic says ``message.timestamp.type=LogAppendTime``,
+        else the producer's ``CreateTime`` (said in ``clock``); records of a skip decoder
+        count too. One consumer reads all the ranges at once (a consumer's start and a
+        fetch's round trip for each partition in turn were most of a small batch's read)."""
+        out: list[tuple[pa.Table, AppendTimes | None]] = []
+        for raw, kind in self._read_raw(ranges):
+            ms = raw.column("timestamp").cast(pa.int64()).to_numpy(zero_copy_only=False).astype("float64")
+            ms[ms < 0] = float("nan")  # a record without a timestamp (-1): not measured
+            out.append((self._decode(raw), AppendTimes(ms / 1000.0, kind)))
+        return out
 
     def _decode(self, raw: pa.Table) -> pa.Table:
         if self.decoder is None:
@@ -337,75 +375,93 @@ class KafkaLog(PartitionedLog):
             self._skipped += raw.num_rows - out.num_rows
         return out
 
-    def _read_raw(self, partition: int, start: int, end: int) -> tuple[pa.Table, str]:
-        """The raw records with offsets in ``[start, end)``, and the kind of their timestamps."""
-        from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, TopicPartition
+    def _read_raw(self, ranges: Sequence[tuple[int, int, int]]) -> list[tuple[pa.Table, str]]:
+        """Per range ``(partition, start, end)``, the raw records with offsets in ``[start,
+        end)`` and the kind of their timestamps, read by one consumer assigned to all the
+        partitions (each range's partition once)."""
+        from confluent_kafka import Consumer, TopicPartition
 
-        raw = RAW_SCHEMA.empty_table()
-        kind = "kafka CreateTime"
-        if end <= start:
-            return raw, kind
-        c = Consumer({**self._config, **range_fetch_limit(end - start, _RECORD_BYTES.get((self.bootstrap, self.topic)), self.options)})
-        keys: list[bytes | None] = []
-        values: list[bytes | None] = []
-        offsets: list[int] = []
-        stamps: list[int] = []
-        try:
-            c.assign([TopicPartition(self.topic, partition, start)])
-            position = start
-            last_progress = time.monotonic()
-            while position < end:
-                # A short wait: fewer records than asked for come when transaction markers
-                # take offsets, and consume() would wait all of it before returning them.
-                msgs = c.consume(num_messages=min(10_000, max(end - position, 1)), timeout=0.05)
-                if msgs:
-                    last_progress = time.monotonic()
-                elif time.monotonic() - last_progress > READ_TIMEOUT_S:
-                    raise LogError(
-                        f"Kafka topic {self.topic!r}, partition {partition}: read stopped at offset {position} of the planned "
-                        f"range [{start}, {end}) ({READ_TIMEOUT_S:.0f} s without a record)"
-                    )
-                for m in msgs:
-                    err = m.error()
-                    if err is not None:
-                        if err.code() == KafkaError._PARTITION_EOF:
-                            position = max(position, int(m.offset() or 0))
-                            continue
-                        if err.code() == KafkaError.OFFSET_OUT_OF_RANGE:
-                            raise self._gone(partition, start, end)
-                        if err.retriable():
-                            continue
-                        raise LogError(f"Kafka topic {self.topic!r}, partition {partition}: {err.str()}")
-                    off = int(m.offset() or 0)
-                    if off >= end:
-                        position = end
-                        break
-                    if not offsets and off > start and self._low(partition) > start:
-                        raise self._gone(partition, start, end)
-                    keys.append(m.key())
-                    values.append(m.value())
-                    offsets.append(off)
-                    ts_type, ts = m.timestamp()
-                    stamps.append(int(ts))
-                    if ts_type == TIMESTAMP_LOG_APPEND_TIME:
-                        kind = "kafka LogAppendTime"
-                    position = off + 1
-                if msgs and position < end:
-                    # Past a transaction's marker (no record of its own), where the next read
-                    # starts: the range is read once that is at its end.
-                    position = max(position, min(end, int(c.position([TopicPartition(self.topic, partition)])[0].offset)))
-        finally:
-            c.close()
-        n = len(offsets)
-        raw = pa.table({
-            "key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary()),
-            "topic": pa.array([self.topic] * n, pa.string()), "partition": pa.array([partition] * n, pa.int32()),
-            "offset": pa.array(offsets, pa.int64()), "timestamp": pa.array(stamps, pa.timestamp("ms", tz="UTC")),
-        }, schema=RAW_SCHEMA)
-        if n:
-            size = sum(pc.sum(pc.binary_length(raw.column(c))).as_py() or 0 for c in ("key", "value"))
+        reads = {p: _RangeRead(p, start, end) for p, start, end in ranges if end > start}
+        if len(reads) != len([r for r in ranges if r[2] > r[1]]):
+            raise ValueError(f"Kafka topic {self.topic!r}: two ranges of one partition in one read: {list(ranges)}")
+        if reads:
+            # Fetch sizes for the largest range, and for all of them together (range_fetch_limit: why).
+            size = _RECORD_BYTES.get((self.bootstrap, self.topic))
+            limits = {**range_fetch_limit(sum(r.end - r.start for r in reads.values()), size, self.options)}
+            one = range_fetch_limit(max(r.end - r.start for r in reads.values()), size, self.options)
+            if "max.partition.fetch.bytes" in one and "max.partition.fetch.bytes" in limits:
+                limits["max.partition.fetch.bytes"] = one["max.partition.fetch.bytes"]
+                limits["message.max.bytes"] = one["message.max.bytes"]
+            c = Consumer({**self._config, **limits})
+            try:
+                c.assign([TopicPartition(self.topic, r.partition, r.start) for r in reads.values()])
+                self._consume(c, reads)
+            finally:
+                c.close()
+        out = []
+        for p, start, end in ranges:
+            r = reads.get(p) if end > start else None
+            out.append((RAW_SCHEMA.empty_table(), "kafka CreateTime") if r is None else (r.table(self.topic), r.kind))
+        tables = [t for t, _ in out if t.num_rows]
+        if tables:
+            n = sum(t.num_rows for t in tables)
+            size = sum(pc.sum(pc.binary_length(t.column(c))).as_py() or 0 for t in tables for c in ("key", "value"))
             _RECORD_BYTES[(self.bootstrap, self.topic)] = size / n + RECORD_OVERHEAD_BYTES
-        return raw, kind
+        return out
+
+    def _consume(self, c: Any, reads: dict[int, _RangeRead]) -> None:
+        """Consume until every range of ``reads`` is read to its end."""
+        from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, KafkaError, TopicPartition
+
+        left = dict(reads)
+        while left:
+            # A short wait: fewer records than asked for come when transaction markers
+            # take offsets, and consume() would wait all of it before returning them.
+            msgs = c.consume(num_messages=min(10_000, max(sum(r.end - r.position for r in left.values()), 1)), timeout=0.05)
+            now = time.monotonic()
+            for m in msgs:
+                r = left.get(m.partition())
+                if r is None:
+                    continue
+                err = m.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        r.move(int(m.offset() or 0), now)
+                        continue
+                    if err.code() == KafkaError.OFFSET_OUT_OF_RANGE:
+                        raise self._gone(r.partition, r.start, r.end)
+                    if err.retriable():
+                        continue
+                    raise LogError(f"Kafka topic {self.topic!r}, partition {r.partition}: {err.str()}")
+                off = int(m.offset() or 0)
+                if off >= r.end:
+                    r.move(r.end, now)
+                    continue
+                if not r.offsets and off > r.start and self._low(r.partition) > r.start:
+                    raise self._gone(r.partition, r.start, r.end)
+                r.keys.append(m.key())
+                r.values.append(m.value())
+                r.offsets.append(off)
+                ts_type, ts = m.timestamp()
+                r.stamps.append(int(ts))
+                if ts_type == TIMESTAMP_LOG_APPEND_TIME:
+                    r.kind = "kafka LogAppendTime"
+                r.move(off + 1, now)
+            if msgs:
+                # Past a transaction's marker (no record of its own), where the next read
+                # starts: the range is read once that is at its end.
+                waiting = [r for r in left.values() if r.position < r.end]
+                if waiting:
+                    for r, tp in zip(waiting, c.position([TopicPartition(self.topic, r.partition) for r in waiting]), strict=True):
+                        r.move(min(r.end, int(tp.offset)), now)
+            for r in list(left.values()):
+                if r.position >= r.end:
+                    del left[r.partition]
+                elif now - r.progress > READ_TIMEOUT_S:
+                    raise LogError(
+                        f"Kafka topic {self.topic!r}, partition {r.partition}: read stopped at offset {r.position} of the planned "
+                        f"range [{r.start}, {r.end}) ({READ_TIMEOUT_S:.0f} s without a record)"
+                    )
 
     def positions_committed(self, positions: dict[int, int]) -> None:
         """With ``commit_group``: commit the job's positions to that consumer group, so

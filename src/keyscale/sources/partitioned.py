@@ -16,6 +16,7 @@ partition ``p`` in offset order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,12 @@ class PartitionedLog(ABC):
         none, as a Redis log; no latency is measured for its records, rather than a made-up
         one). Used by the reader tasks for :mod:`keyscale.latency`."""
         return self.read(partition, start, end), None
+
+    def read_ranges_timed(self, ranges: Sequence[tuple[int, int, int]]) -> list[tuple[pa.Table, AppendTimes | None]]:
+        """:meth:`read_timed` of each ``(partition, start, end)`` (an empty range reads
+        nothing); a log whose reads have a fixed cost each reads them at once (Kafka: one
+        consumer for all the partitions)."""
+        return [self.read_timed(p, start, end) if end > start else (self.schema.empty_table(), None) for p, start, end in ranges]
 
     def first_offsets(self) -> list[int]:
         """Per partition, where a reader that has never read it starts (0 here; a Kafka

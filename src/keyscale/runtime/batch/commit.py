@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from keyscale._faults import fault_point
+from keyscale._steps import KeyedStep
 from keyscale.checkpoint.drain import drain_extra
 from keyscale.checkpoint.intent import BatchIntent, SourcePlan
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, live_files
@@ -62,7 +63,7 @@ from keyscale.runtime.batch.jobstate import (
     JobState,
     PendingCommit,
 )
-from keyscale.runtime.batch.source_plan import plan_source, read_source, source_status
+from keyscale.runtime.batch.source_plan import LogRead, plan_source, read_source, source_status
 from keyscale.runtime.batch.status import checkpoint_fields, report_counts, status
 from keyscale.runtime.task import counters
 from keyscale.runtime.task.report import TaskReports
@@ -114,13 +115,19 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
     watermark_ms = job.committed.watermark.watermark_ms if intent.watermark_ms is None else intent.watermark_ms
     batch_time_ms = intent.batch_time_ms
     src, side = job.pipeline.log_source, job.pipeline.side_log
+    in_stage = None
     if df is None:
         assert src is not None and intent.source_plan is not None
-        df = read_source(job, src, batch_id, intent.source_plan, batch_time_ms, intent.log_ids)
+        read = LogRead(src, batch_id, intent.source_plan, batch_time_ms, intent.log_ids.get(src.uid))
+        # A small batch is read by its keyed stage's own tasks: no reader tasks, no shuffle.
+        reading = stages.reading_stage(job, read, par)
+        in_stage = read if reading is not None else None
+        df = read_source(job, read) if reading is None else None
+        _say_how_read(job, read, reading, par)
     side_df = None
     if side is not None:
         assert intent.side_plan is not None
-        side_df = read_source(job, side, batch_id, intent.side_plan, batch_time_ms, intent.log_ids)
+        side_df = read_source(job, LogRead(side, batch_id, intent.side_plan, batch_time_ms, intent.log_ids.get(side.uid)))
     rules = stages.apply_broadcasts(job, intent.broadcast_plans)
     malformed_letters = None
     if job.malformed is not None and df is not None:
@@ -128,7 +135,7 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         df, malformed_letters, bad = malformed.split_malformed(df, job.malformed, job.pipeline.input_policy, batch_id)
         job.batch.input_counts = {malformed.INPUT: bad} if bad else {}
     clock.lap("read")
-    plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df, malformed_letters)
+    plan = stages.plan_stages(job, df, batch_id, batch_time_ms, par, watermark_ms, rules, side_df, malformed_letters, in_stage)
     clock.lap("plan")
     # 4. Sink.
     spark_seconds = write_sinks(job, plan, batch_id)
@@ -153,6 +160,21 @@ def run_batch(job: JobState, df: DataFrame | None, batch_id: int, drain: bool = 
         removed += job.jobdir.retain(job.opts.retain)
     clock.lap("post_commit")
     return record(job, batch_id, clock, records, emitted, par, replayed, reports, spark_seconds, removed)
+
+
+def _say_how_read(job: JobState, read: LogRead, reading: KeyedStep | None, par: Mapping[str, int]) -> None:
+    """Note how the batch reads its log (its record in the history); say so when it changes."""
+    job.batch.read_in_stage = reading is not None
+    last = job.history.batches[-1] if job.history.batches else None
+    if last is not None and last.get("read_in_stage") == job.batch.read_in_stage:
+        return
+    if reading is not None:
+        log.info("batch %d: %s offsets to read; the keyed stage '%s' reads them in its own tasks (no reader tasks, no shuffle: "
+                 "batches of up to %s offsets at its parallelism)", read.batch_id, f"{read.offsets:,}", reading.uid,
+                 f"{stages.STAGE_READS // par[reading.uid]:,}")
+    elif last is not None:
+        log.info("batch %d: %s offsets to read; %d reader tasks read them, and the stages get them through a shuffle",
+                 read.batch_id, f"{read.offsets:,}", len(read.plan))
 
 
 def settle(job: JobState) -> int:
@@ -357,6 +379,7 @@ def record(
         "checkpoint_bytes": sum(f.bytes for op in job.committed.manifest.operators.values() for f in op.files) if job.committed.manifest else None,
         "latency": lat.to_json() if lat is not None else None,
         "read_limit": job.batch.read_limit.records if job.batch.read_limit is not None else None,  # with a latency target
+        "read_in_stage": job.batch.read_in_stage,
         "steps": clock.steps,  # the seconds of each step; the last ones are added below
     })
     if job.autoscaler is not None:

@@ -220,6 +220,8 @@ class BatchScratch:
     visible_at: float | None = None
     # With a latency target, the driving log source's read limit in force and why: the last batch's until this one's plan decides (sizing.py; the status's batch_size).
     read_limit: ReadLimit | None = None
+    # Whether its log records go straight to its first keyed stage, read by that stage's tasks (stages.py ``reading_stage``).
+    read_in_stage: bool = False
 
 
 @dataclass

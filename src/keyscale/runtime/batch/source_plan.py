@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from keyscale._spark_map import map_in_arrow
@@ -23,7 +23,8 @@ from keyscale.checkpoint.intent import SourcePlan, source_plan
 from keyscale.errors import KeyscaleError
 from keyscale.runtime.batch import sizing
 from keyscale.runtime.batch.jobstate import JobState, session_cache
-from keyscale.runtime.task.reader import make_reader_function
+from keyscale.runtime.task.reader import make_reader_function, make_stage_reader_function
+from keyscale.runtime.task.spec import KG, SEQ, StageTask
 from keyscale.sources import reader
 from keyscale.sources.reader import LogSource
 
@@ -96,21 +97,62 @@ def ends_for_plan(job: JobState, src: LogSource) -> list[int]:
     return src.log.end_offsets()
 
 
-def read_source(job: JobState, src: LogSource, batch_id: int, plan: SourcePlan, batch_time_ms: int,
-                log_ids: Mapping[str, str | None]) -> DataFrame:
-    """The batch's records of ``src``: one reader task per reader of the plan (``mapInArrow``,
-    :mod:`keyscale.runtime.task.reader`)."""
+@dataclass(frozen=True)
+class LogRead:
+    """A batch's read of a log source as its intent plans it, not in Spark's plan yet: reader
+    tasks and a shuffle to the stages (:func:`read_source`), or, for a small batch, the first
+    keyed stage's own tasks (:func:`read_in_stage`; ``stages.py`` decides)."""
 
+    src: LogSource
+    batch_id: int
+    plan: SourcePlan
+    batch_time_ms: int
+    log_id: str | None  # the log the plan is for (a Kafka topic's id), checked by the tasks
+
+    @property
+    def offsets(self) -> int:
+        """How many offsets the plan reads: its records, or more (a Kafka transaction's
+        markers take offsets too).
+
+        >>> LogRead(None, 0, ((( 0, 10, 25),), ((1, 5, 5),)), 0, None).offsets  # type: ignore[arg-type]
+        15
+        """
+        return sum(end - start for reader in self.plan for _, start, end in reader)
+
+
+def read_source(job: JobState, read: LogRead) -> DataFrame:
+    """The batch's records of ``read.src``: one reader task per reader of the plan
+    (``mapInArrow``, :mod:`keyscale.runtime.task.reader`)."""
+    fn = make_reader_function(**_reader_args(job, read), report_to=job.reports.sender)
+    return map_in_arrow(reader_rows(job, len(read.plan)), fn, source_schema(read.src))
+
+
+def read_in_stage(job: JobState, read: LogRead, spec: StageTask) -> DataFrame:
+    """The keyed stage ``spec``'s input read by its own tasks, with no reader tasks and no
+    shuffle: task ``i`` reads the whole batch and keeps the rows of subtask ``i``'s key groups
+    (:func:`~keyscale.runtime.task.reader.make_stage_reader_function`), with the columns,
+    sequence and key group the shuffle would have given it."""
+    from pyspark.sql.types import IntegerType, LongType, StructField, StructType
+
+    schema = source_schema(read.src)
+    fn = make_stage_reader_function(
+        **_reader_args(job, read), report_to=job.reports.sender, columns=spec.input_schema.names, key_names=spec.key_names,
+        key_types=[schema[k].dataType.simpleString() for k in spec.key_names], max_parallelism=spec.max_parallelism, parallelism=spec.parallelism)
+    rows = StructType([*(schema[c] for c in spec.input_schema.names), StructField(SEQ, LongType()), StructField(KG, IntegerType())])
+    return map_in_arrow(reader_rows(job, spec.parallelism), fn, rows)
+
+
+def _reader_args(job: JobState, read: LogRead) -> dict[str, Any]:
+    """What a reader task of ``read`` needs, as :func:`make_reader_function` takes it (but where
+    its reports go)."""
     assert job.pipeline is not None
-    schema = source_schema(src)
-    target = to_arrow_schema(schema, utc=True)
+    target = to_arrow_schema(source_schema(read.src), utc=True)
     # The job's clock is per partition when the log drives the batches; beside a Spark
     # source the stage's own event times move it (commit.next_watermark).
-    driving = src is job.pipeline.log_source
+    driving = read.src is job.pipeline.log_source
     event_time = job.pipeline.watermark.column if job.pipeline.watermark and driving else None
-    fn = make_reader_function(
-        src.log, src.uid, batch_id, plan, target, event_time, job.event_time_limit(batch_time_ms), log_ids.get(src.uid), job.reports.sender)
-    return map_in_arrow(reader_rows(job, len(plan)), fn, schema)
+    return {"log": read.src.log, "uid": read.src.uid, "batch": read.batch_id, "plan": read.plan, "target": target, "event_time": event_time,
+            "event_time_limit_ms": job.event_time_limit(read.batch_time_ms), "log_id": read.log_id}
 
 
 def reader_rows(job: JobState, n: int) -> DataFrame:

@@ -1,7 +1,8 @@
 """The Spark plan of one batch: its stages, as ``mapInArrow`` calls over exact shuffles.
 
 Per keyed stage: key group and arrival sequence columns, a shuffle to one partition per
-subtask (partition ``i`` is subtask ``i``), and ``mapInArrow`` running the subtask
+subtask (partition ``i`` is subtask ``i``; for a small batch of a log, none: the first keyed
+stage's tasks read it themselves, :func:`reading_stage`), and ``mapInArrow`` running the subtask
 (:class:`~keyscale.runtime.task.spec.StageTask`); per non-keyed stage a round robin over its
 subtasks (:class:`~keyscale.runtime.task.nonkeyed.NonKeyedTask`); rules streams (broadcasts) are
 applied on the driver. Runs on the driver; the functions it hands Spark run on the
@@ -19,13 +20,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 
 from keyscale._spark_map import map_in_arrow
 from keyscale._spark_types import from_arrow_schema, to_arrow_schema
-from keyscale._steps import Branch, KeyedStep, LogInputStep, NonKeyedStep, TransformStep
+from keyscale._steps import (
+    Branch,
+    KeyedStep,
+    LogInputStep,
+    NonKeyedStep,
+    TransformStep,
+    source_schema,
+)
 from keyscale.checkpoint.intent import SourcePlan
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
@@ -34,6 +42,7 @@ from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, 
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
 from keyscale.operators.vectorized import RunningAggregate, partial_column
 from keyscale.runtime.batch.jobstate import JobState, session_cache
+from keyscale.runtime.batch.source_plan import LogRead, read_in_stage
 from keyscale.runtime.task import arrival
 from keyscale.runtime.task.nonkeyed import NonKeyedTask, make_nonkeyed_function
 from keyscale.runtime.task.spark import make_stage_function
@@ -73,12 +82,14 @@ class BatchPlan:
 
 
 def plan_stages(
-    job: JobState, df: DataFrame, batch_id: int, batch_time_ms: int, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]],
-    side_df: DataFrame | None = None, input_dead_letters: DataFrame | None = None,
+    job: JobState, df: DataFrame | None, batch_id: int, batch_time_ms: int, par: dict[str, int], watermark_ms: int, rules: dict[str, dict[str, Any]],
+    side_df: DataFrame | None = None, input_dead_letters: DataFrame | None = None, in_stage: LogRead | None = None,
 ) -> BatchPlan:
     """The pipeline's steps over the batch's input ``df``, at the intent's parallelism ``par``
     (``side_df``: the records read from the log beside a Spark source; ``input_dead_letters``:
-    the batch's malformed input records for the dead-letter sink, runtime/batch/malformed.py).
+    the batch's malformed input records for the dead-letter sink, runtime/batch/malformed.py;
+    ``in_stage``: instead of ``df``, the log read its first keyed stage's tasks do, as
+    :func:`reading_stage` allowed).
 
     Each stage is planned once, however many branches read it; where several writes read
     one stage's output (branches, side outputs), it is cached, so its tasks run (and its
@@ -94,7 +105,7 @@ def plan_stages(
     readers = _readers(pipeline.branches)
     frames: dict[tuple[int, ...], DataFrame] = {}
     # The arrival-order columns each path's output carries (the input's, while they ride along).
-    orders: dict[tuple[int, ...], tuple[str, ...]] = {(): arrival.order_columns(df)}
+    orders: dict[tuple[int, ...], tuple[str, ...]] = {(): arrival.order_columns(df) if df is not None else ()}
     side: list[tuple[Sink, DataFrame]] = []
     dead_letters: list[DataFrame] = [] if input_dead_letters is None else [input_dead_letters]
     cached: list[DataFrame] = []
@@ -109,7 +120,8 @@ def plan_stages(
     writes: list[tuple[Sink, DataFrame]] = []
     for branch in pipeline.branches:
         path: tuple[int, ...] = ()
-        out = frames[path] if path in frames else shared(path, df)
+        # With ``in_stage`` there is no ``df``: the first step, a keyed stage, reads the log itself.
+        out = frames[path] if path in frames else shared(path, df) if df is not None else cast("DataFrame", None)
         for step in branch.steps:
             order = orders[path]
             path = (*path, id(step))
@@ -131,7 +143,7 @@ def plan_stages(
             if isinstance(step, NonKeyedStep):
                 out = shared(path, nonkeyed(job, arrival.without(out, order), step, batch_id, batch_time_ms, par[step.uid], rules))
                 continue
-            out = keyed(job, out, step, batch_id, batch_time_ms, par[step.uid], watermark_ms, rules, order)
+            out = keyed(job, out, step, batch_id, batch_time_ms, par[step.uid], watermark_ms, rules, order, in_stage if path == (id(step),) else None)
             dead = pipeline.error_policy(step).on_error == "dead_letter"
             if step.late_sink is not None or dead:
                 # The stage runs once (cached); its rows split into the main, late and dead-letter streams.
@@ -149,6 +161,36 @@ def plan_stages(
     if pipeline.dead_letter is not None and dead_letters:
         side.append((pipeline.dead_letter, reduce(lambda a, b: a.unionByName(b), dead_letters)))
     return BatchPlan(writes + side, cached)
+
+
+# A batch is read by its first keyed stage's own tasks, each reading all of it, when its
+# offsets times the stage's parallelism are at most this (20,000 at P=2, 5,000 at P=8): the
+# reader tasks and the shuffle cost a small batch more than reading it P times does
+# (docs/benchmarks.md, "Reading in the keyed stage"), and the extra reads stay bounded.
+STAGE_READS = 40_000
+
+# The key columns' Spark types whose hash the tasks compute as Spark does, in numpy
+# (state/spark_hash.py ``key_groups``); a key of another type is shuffled by Spark.
+_HASHED_IN_TASKS = frozenset({"string", "binary", "int", "bigint", "smallint", "tinyint", "date", "boolean", "timestamp", "timestamp_ntz",
+                              "float", "double"})
+
+
+def reading_stage(job: JobState, read: LogRead, par: Mapping[str, int]) -> KeyedStep | None:
+    """The keyed stage whose tasks read the batch's log records themselves (no reader tasks,
+    no shuffle), if any: the stage every branch starts with, when the batch's offsets times
+    its parallelism (``par``, the intent's) are at most ``STAGE_READS``, it merges no
+    partial aggregates (``combine=True`` aggregates in Spark first), no malformed input is
+    split off on the driver, and the tasks compute its keys' Spark hash."""
+    pipeline = job.pipeline
+    if pipeline is None or job.malformed is not None:
+        return None
+    firsts = {id(b.steps[0]) if b.steps else None for b in pipeline.branches}
+    step = pipeline.branches[0].steps[0] if len(firsts) == 1 and pipeline.branches[0].steps else None
+    if not isinstance(step, KeyedStep) or step.combine or read.offsets * par[step.uid] > STAGE_READS:
+        return None
+    schema = source_schema(read.src)
+    hashed = all(k in schema.names and schema[k].dataType.simpleString() in _HASHED_IN_TASKS for k in step.key_names)
+    return step if hashed else None
 
 
 def _readers(branches: Sequence[Branch]) -> Counter[tuple[int, ...]]:
@@ -200,12 +242,13 @@ def nonkeyed(job: JobState, df: DataFrame, step: NonKeyedStep, batch_id: int, ba
 
 
 def keyed(
-    job: JobState, df: DataFrame, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int, rules: dict[str, dict[str, Any]],
-    order: Sequence[str] = (),
+    job: JobState, df: DataFrame | None, step: KeyedStep, batch_id: int, batch_time_ms: int, p: int, watermark_ms: int, rules: dict[str, dict[str, Any]],
+    order: Sequence[str] = (), in_stage: LogRead | None = None,
 ) -> DataFrame:
     """A keyed stage at parallelism ``p``: its state files from the committed manifest, which
     subtasks snapshot (compact) this batch, and the exact shuffle to its subtasks. ``order``:
-    the arrival-order columns ``df`` carries (``arrival.ORDER``, or none)."""
+    the arrival-order columns ``df`` carries (``arrival.ORDER``, or none). ``in_stage``: no
+    ``df`` and no shuffle, the stage's tasks read the batch's log records themselves."""
 
     m = job.max_parallelism
     prev = job.committed.manifest.operators.get(step.uid) if job.committed.manifest else None
@@ -241,14 +284,18 @@ def keyed(
         on_error=policy, report_to=job.reports.sender, state_backend=backend,
         detach_upload=job.opts.async_checkpoints, pending=job.committed.pending.batch if job.committed.pending else -1, upload_timeout=job.upload_timeout,
     )
-    # The schema is read once (each read is a call to the JVM).
-    spark_schema = df.schema
-    # Each stage its own marker rows: two stages never share a piece of plan (nor its columns' ids).
-    rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p, job.markers.setdefault(step.uid, {}), order)
-    if step.combine:
-        staged, spec = combined(rows.withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
+    if in_stage is not None:
+        staged = read_in_stage(job, in_stage, spec)
     else:
-        staged = rows.repartition(p, to)
+        assert df is not None
+        # The schema is read once (each read is a call to the JVM).
+        spark_schema = df.schema
+        # Each stage its own marker rows: two stages never share a piece of plan (nor its columns' ids).
+        rows, to = routed(df, spark_schema, spec.input_schema.names, step.key_names, m, p, job.markers.setdefault(step.uid, {}), order)
+        if step.combine:
+            staged, spec = combined(rows.withColumn(ROUTE, to).repartition(p, ROUTE), spark_schema, step, spec)
+        else:
+            staged = rows.repartition(p, to)
     dead = spec.on_error.on_error == "dead_letter"
     schema = (
         side_output_schema(step.output_schema, step.input_schema if spec.late_output else None, DEAD_LETTER_SCHEMA if dead else None)

@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from keyscale.errors import KeyscaleError, encode_error
+from keyscale.errors import KeyscaleError, decode_error, encode_error
 from keyscale.operators.poison import FAIL, ErrorCollector
 from keyscale.runtime.task import report as reports
 from keyscale.runtime.task.keyed import SEQ, StageTask, run_subtask_deferred
@@ -64,6 +64,8 @@ def _named_errors(spec: Any, subtask: int) -> Iterator[None]:
         except KeyscaleError:
             raise
         except Exception as e:
+            if isinstance(e, RuntimeError) and decode_error(str(e)) is not None:
+                raise  # named where it happened: the log's reader, chained before the stage (runtime/task/reader.py)
             ErrorCollector(FAIL, spec.uid, spec.batch_id, subtask).fail_batch(e)
             raise
     except KeyscaleError as e:
