@@ -276,9 +276,9 @@ def test_a_read_gets_its_records_from_a_broker_slower_than_a_short_fetch_wait(
     keyscale's reader default the records come; with the old 50 ms every fetch came back
     empty and the read failed after its timeout. The end probe keeps its short wait: an
     empty answer still reports the end."""
-    import keyscale.kafka.source as source
+    import keyscale.kafka.ranges as ranges
 
-    monkeypatch.setattr(source, "READ_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(ranges, "READ_TIMEOUT_S", 2.0)
     stub({0: StubPartition([(0, 100), (100, 50)], empty_inside=lambda o: False, read_ms=200)})
     got = KafkaLog("b:9092", "input").read(0, 20, 120)
     assert got.column("offset").to_pylist() == list(range(20, 120))
@@ -297,9 +297,9 @@ def test_a_read_asks_the_broker_for_about_its_range_not_the_whole_tail(
     bytes its range holds, from the size of the records it read last; the first read, with
     nothing to go by, asks for no limit. Records that grew since cost more fetches, never
     records: each read is exactly its range."""
-    import keyscale.kafka.source as source
+    import keyscale.kafka.ranges as ranges
 
-    monkeypatch.setattr(source, "_RECORD_BYTES", {})
+    monkeypatch.setattr(ranges, "_RECORD_BYTES", {})
     part = StubPartition([(0, 5_000)], empty_inside=lambda o: False, pad=lambda o: 90 if o >= 2_000 else 0)
     made = stub({0: part})
     log = KafkaLog("b:9092", "input")
