@@ -1,6 +1,7 @@
 """A small batch of a log source read by its first keyed stage's own tasks, with no reader
-tasks and no shuffle (issue 35): the same output and state as through the shuffle, at any
-parallelism, through a live rescale, and the job says which way each batch went."""
+tasks and no shuffle (issue 35): the same output and state as through the shuffle, switching
+ways through live rescales (through the shuffle while the stage has more tasks than the
+executors have cores), and the job says which way its batches go."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ def _run(log: Any, job: Path, out: Path) -> None:
     jd = JobDir(job)
 
     def rescale(rec: Any) -> None:
-        if rec.batch == 2:
-            jd.request_rescale(3, "totals")  # 2 -> 3 live, between two batches
+        if rec.batch == 1:
+            jd.request_rescale(3, "totals")  # 2 -> 3 live: more tasks than local[2]'s cores, so through the shuffle
+        elif rec.batch == 3:
+            jd.request_rescale(1, "totals")  # 3 -> 1: read in the stage again
 
     run_job(JOB, job, 2, {"log": log.uri, "output": str(out), "max_records_per_batch": "150"}, on_batch=rescale)
 
@@ -43,8 +46,10 @@ def test_a_small_batch_read_in_the_keyed_stage_gives_what_the_shuffle_gives(
 
     with caplog.at_level(logging.INFO, logger="keyscale"):
         _run(log, tmp_path / "in-stage", tmp_path / "out-in-stage")
-    assert "the keyed stage 'totals' reads them in its own tasks" in caplog.text
-    assert "reader tasks read them" not in caplog.text
+    said = [r.getMessage() for r in caplog.records if "offsets to read" in r.getMessage()]
+    assert [m.split(":")[0] for m in said] == ["batch 0", "batch 2", "batch 4"], said  # it says so when the way changes
+    assert "the keyed stage 'totals' reads them in its own tasks" in said[0] and "reader tasks read them" in said[1], said
+    assert "reads them in its own tasks" in said[2], said
     caplog.clear()
     monkeypatch.setattr(stages, "STAGE_READS", -1)  # every batch, even an empty one, through reader tasks and the shuffle
     with caplog.at_level(logging.INFO, logger="keyscale"):
@@ -59,4 +64,4 @@ def test_a_small_batch_read_in_the_keyed_stage_gives_what_the_shuffle_gives(
     final = in_stage.sort_values("count").groupby("key").tail(1).set_index("key")[["count", "sum"]].sort_index()
     model = records.groupby("key").agg(count=("value", "size"), sum=("value", "sum")).sort_index()
     pd.testing.assert_frame_equal(final, model, check_dtype=False)
-    assert JobDir(tmp_path / "in-stage").read_status()["operators"]["totals"]["parallelism"] == 3  # the rescale happened
+    assert JobDir(tmp_path / "in-stage").read_status()["operators"]["totals"]["parallelism"] == 1  # the rescales happened

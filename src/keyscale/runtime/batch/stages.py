@@ -37,6 +37,7 @@ from keyscale._steps import (
 from keyscale.checkpoint.intent import SourcePlan
 from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
 from keyscale.checkpoint.retention import should_snapshot
+from keyscale.cluster.executors import executor_cores
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
 from keyscale.operators.poison import DEAD_LETTER_SCHEMA, FAIL
@@ -164,9 +165,11 @@ def plan_stages(
 
 
 # A batch is read by its first keyed stage's own tasks, each reading all of it, when its
-# offsets times the stage's parallelism are at most this (20,000 at P=2, 5,000 at P=8): the
-# reader tasks and the shuffle cost a small batch more than reading it P times does
-# (docs/benchmarks.md, "Reading in the keyed stage"), and the extra reads stay bounded.
+# offsets times the stage's parallelism are at most this (20,000 offsets at P=2) and the
+# executors' cores run all the stage's tasks at once: the reader tasks and the shuffle cost
+# a small batch more than reading it P times does, and the extra reads stay bounded. With
+# more tasks than cores the tasks queue, each reading everything: measured slower
+# (docs/benchmarks.md, "Reading in the keyed stage").
 STAGE_READS = 40_000
 
 # The key columns' Spark types whose hash the tasks compute as Spark does, in numpy
@@ -178,15 +181,18 @@ _HASHED_IN_TASKS = frozenset({"string", "binary", "int", "bigint", "smallint", "
 def reading_stage(job: JobState, read: LogRead, par: Mapping[str, int]) -> KeyedStep | None:
     """The keyed stage whose tasks read the batch's log records themselves (no reader tasks,
     no shuffle), if any: the stage every branch starts with, when the batch's offsets times
-    its parallelism (``par``, the intent's) are at most ``STAGE_READS``, it merges no
-    partial aggregates (``combine=True`` aggregates in Spark first), no malformed input is
-    split off on the driver, and the tasks compute its keys' Spark hash."""
+    its parallelism (``par``, the intent's) are at most ``STAGE_READS``, the executors have
+    a core for each of its tasks, it merges no partial aggregates (``combine=True``
+    aggregates in Spark first), no malformed input is split off on the driver, and the
+    tasks compute its keys' Spark hash."""
     pipeline = job.pipeline
     if pipeline is None or job.malformed is not None:
         return None
     firsts = {id(b.steps[0]) if b.steps else None for b in pipeline.branches}
     step = pipeline.branches[0].steps[0] if len(firsts) == 1 and pipeline.branches[0].steps else None
     if not isinstance(step, KeyedStep) or step.combine or read.offsets * par[step.uid] > STAGE_READS:
+        return None
+    if par[step.uid] > executor_cores(job.spark):
         return None
     schema = source_schema(read.src)
     hashed = all(k in schema.names and schema[k].dataType.simpleString() in _HASHED_IN_TASKS for k in step.key_names)
