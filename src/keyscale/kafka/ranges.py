@@ -76,13 +76,13 @@ def read_ranges(
     if len(reads) != len([r for r in ranges if r[2] > r[1]]):
         raise ValueError(f"Kafka topic {topic!r}: two ranges of one partition in one read: {list(ranges)}")
     if reads:
-        # Fetch sizes for the largest range, and for all of them together (range_fetch_limit: why).
+        # Fetch sizes for all the ranges together, and a partition's for the largest
+        # (range_fetch_limit: why). With a limit for the sum there is one for the largest.
         size = _RECORD_BYTES.get((bootstrap, topic))
-        limits = {**range_fetch_limit(sum(r.end - r.start for r in reads.values()), size, options)}
-        one = range_fetch_limit(max(r.end - r.start for r in reads.values()), size, options)
-        if "max.partition.fetch.bytes" in one and "max.partition.fetch.bytes" in limits:
-            limits["max.partition.fetch.bytes"] = one["max.partition.fetch.bytes"]
-            limits["message.max.bytes"] = one["message.max.bytes"]
+        limits = range_fetch_limit(sum(r.end - r.start for r in reads.values()), size, options)
+        if limits:
+            one = range_fetch_limit(max(r.end - r.start for r in reads.values()), size, options)
+            limits.update({k: one[k] for k in ("max.partition.fetch.bytes", "message.max.bytes")})
         c = Consumer({**config, **limits})
         try:
             c.assign([TopicPartition(topic, r.partition, r.start) for r in reads.values()])
@@ -99,6 +99,7 @@ def read_ranges(
         size = sum(pc.sum(pc.binary_length(t.column(c))).as_py() or 0 for t in tables for c in ("key", "value"))
         _RECORD_BYTES[(bootstrap, topic)] = size / n + RECORD_OVERHEAD_BYTES
     return out
+
 
 def _consume(c: Any, topic: str, reads: dict[int, _RangeRead], low: Callable[[int], int], gone: Callable[[int, int, int], LogError]) -> None:
     """Consume until every range of ``reads`` is read to its end."""

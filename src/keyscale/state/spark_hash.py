@@ -432,6 +432,8 @@ def _double_bits(d: np.ndarray) -> np.ndarray:
 
 _ARRAY_INTS = ("int", "integer", "short", "smallint", "byte", "tinyint", "date", "boolean")
 _ARRAY_LONGS = ("long", "bigint", "timestamp", "timestamp_ntz")
+#: The Spark types whose hash :func:`spark_hashes` computes in numpy (others go row by row).
+VECTORIZED_TYPES = frozenset({"string", "binary", *_ARRAY_INTS, *_ARRAY_LONGS, "float", "double"})
 
 
 def _hash_column(h: np.ndarray, col: Any, spark_type: str) -> np.ndarray | None:

@@ -63,7 +63,7 @@ from keyscale.runtime.task.spec import (
 )
 from keyscale.state.backends import check_rocksdb_keys
 from keyscale.state.keygroups import key_group_range, subtask_of_sql
-from keyscale.state.spark_hash import key_group_sql, route_sql
+from keyscale.state.spark_hash import VECTORIZED_TYPES, key_group_sql, route_sql
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -172,12 +172,6 @@ def plan_stages(
 # (docs/benchmarks.md, "Reading in the keyed stage").
 STAGE_READS = 40_000
 
-# The key columns' Spark types whose hash the tasks compute as Spark does, in numpy
-# (state/spark_hash.py ``key_groups``); a key of another type is shuffled by Spark.
-_HASHED_IN_TASKS = frozenset({"string", "binary", "int", "bigint", "smallint", "tinyint", "date", "boolean", "timestamp", "timestamp_ntz",
-                              "float", "double"})
-
-
 def reading_stage(job: JobState, read: LogRead, par: Mapping[str, int]) -> KeyedStep | None:
     """The keyed stage whose tasks read the batch's log records themselves (no reader tasks,
     no shuffle), if any: the stage every branch starts with, when the batch's offsets times
@@ -192,11 +186,11 @@ def reading_stage(job: JobState, read: LogRead, par: Mapping[str, int]) -> Keyed
     step = pipeline.branches[0].steps[0] if len(firsts) == 1 and pipeline.branches[0].steps else None
     if not isinstance(step, KeyedStep) or step.combine or read.offsets * par[step.uid] > STAGE_READS:
         return None
-    if par[step.uid] > executor_cores(job.spark):
-        return None
+    # Keys whose hash the tasks compute in numpy, as Spark does (a key of another type: Spark's shuffle).
     schema = source_schema(read.src)
-    hashed = all(k in schema.names and schema[k].dataType.simpleString() in _HASHED_IN_TASKS for k in step.key_names)
-    return step if hashed else None
+    if not all(k in schema.names and schema[k].dataType.simpleString() in VECTORIZED_TYPES for k in step.key_names):
+        return None
+    return step if par[step.uid] <= executor_cores(job.spark) else None
 
 
 def _readers(branches: Sequence[Branch]) -> Counter[tuple[int, ...]]:
