@@ -5,13 +5,15 @@
 
 Three engines on the same input, measured the same way, each in its own process with a
 private Tansu broker (keyscale.kafka.broker, in memory) and fresh topics (4 partitions in,
-4 out), local[2], parallelism / shuffle partitions 2:
+4 out), local[2], parallelism / shuffle partitions 2. Each rate (and the rescale phase)
+runs on a new broker, engine process and topics (``phase_groups``: Tansu slows down with
+a partition's history), unless ``--one-broker``:
 
 - ``keyscale``: ``examples/kafka_running_count.py`` (Kafka source -> keyed count and sum ->
   ``KafkaSink``, one transaction per task and batch, exactly once), batches back to back
   (trigger interval 1 ms; ``--trigger`` to change it). After the phase at ``--rescale-rate``,
   one more at that rate asks for parallelism 3 (``keyscale rescale``) in its middle and for 2
-  again at its end (applied in the next phase's warm-up).
+  again at its end.
 - ``spark``: Spark's own stateful streaming aggregation, ``groupBy(key).agg(count, sum)`` in
   update mode, the default trigger (processingTime 0: batches back to back), its default
   state store (HDFS-backed; ``--spark-rocksdb`` for RocksDB). Spark's Kafka connector is
@@ -446,22 +448,41 @@ def _pct(xs: Any, q: float) -> float:
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, Any]:
-    """One engine through every phase on its own broker; the phases' figures."""
+def phase_groups(engine: str, a: argparse.Namespace) -> list[list[tuple[str, float, float]]]:
+    """The engine's phases ``(name, rate, seconds)``, in groups that each run on a broker,
+    topics and engine process of their own: one group a measured phase (the fixed-cost
+    phases with the first rate; the rescale phase, at its rate, alone), or all in one with
+    ``--one-broker``.
+
+    Why a broker a rate: Tansu's in-memory storage answers a fetch or an end probe more
+    slowly the longer the partition's history. Measured with ``bench/tansu_history.py``: a
+    read of 4 x 500 records at 5,000 records/s took 28 ms after 10 s of history, 263 ms
+    after 60 s and 1.3 s after 120 s, while a topic 3 s old on the same broker read in
+    17-38 ms. Late phases on one broker measured the broker's history more than the
+    engines (docs/benchmarks.md, "The broker's history")."""
+    groups: list[list[tuple[str, float, float]]] = [[]]
+    if a.empty_seconds > 0:
+        groups[0] += [("almost empty", PRIME_RATE, a.warmup / 2 + a.empty_seconds), ("empty", 0.0, a.empty_seconds)]
+    for i, r in enumerate(a.rates):
+        if i > 0 and not a.one_broker:
+            groups.append([])
+        groups[-1].append((f"{r:,}/s", float(r), a.warmup + a.seconds))
+        if r == a.rescale_rate and engine in ("keyscale", "keyscale_async") and a.rescale_seconds > 0:
+            # at that rate: a live rescale in the middle of the phase, and back to the first
+            # parallelism at its end (with --one-broker, applied in the next phase's warm-up)
+            if not a.one_broker:
+                groups.append([])
+            groups[-1].append((RESCALE.format(rate=r, p=a.parallelism, to=a.parallelism + 1), float(r), a.warmup + a.rescale_seconds))
+    return [g for g in groups if g]
+
+
+def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: list[tuple[str, float, float]]) -> dict[str, Any]:
+    """One engine through ``phases`` on a broker of its own; the phases' figures."""
     import numpy as np
 
     from keyscale.checkpoint.jobdir import JobDir
     from keyscale.kafka.broker import start_tansu
 
-    phases: list[tuple[str, float, float]] = []  # (name, rate, seconds)
-    if a.empty_seconds > 0:
-        phases += [("almost empty", PRIME_RATE, a.warmup / 2 + a.empty_seconds), ("empty", 0.0, a.empty_seconds)]
-    for r in a.rates:
-        phases.append((f"{r:,}/s", float(r), a.warmup + a.seconds))
-        if r == a.rescale_rate and engine in ("keyscale", "keyscale_async") and a.rescale_seconds > 0:
-            # after the phase at that rate: a live rescale in the middle of this one, and back
-            # to the first parallelism at its end (applied in the next phase's warm-up)
-            phases.append((RESCALE.format(rate=r, p=a.parallelism, to=a.parallelism + 1), float(r), a.warmup + a.rescale_seconds))
     broker = start_tansu()
     run_dir = tmp / f"{engine}-{tag}"
     run_dir.mkdir(parents=True)
@@ -683,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescale-seconds", type=float, default=60.0, help="measured seconds of keyscale's phase with a live rescale (0: skip)")
     ap.add_argument("--drain", type=float, default=60.0, help="at most this long after a phase for its records to reach the output")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--one-broker", action="store_true",
+                    help="every phase of an engine on one broker (before 2026-12-01); default: a broker and fresh topics a rate")
     ap.add_argument("--keys", type=int, default=10_000)
     ap.add_argument("--parallelism", type=int, default=2)
     ap.add_argument("--trigger", default="1 millisecond", help="keyscale's trigger interval")
@@ -709,14 +732,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(a.repeats):
         order = engines[r % len(engines):] + engines[: r % len(engines)]  # each repeat starts with another engine
         for engine in order:
-            print(f"repeat {r}, {engine}:", flush=True)
-            try:
-                runs.append(run_engine(engine, a, tmp, f"r{r}"))
-            except Exception as e:
-                print(f"  {engine} failed: {e}", flush=True)
-                runs.append({"engine": engine, "phases": [], "error": str(e)})
-            for row in runs[-1]["phases"]:
-                print(f"    {json.dumps({k: v for k, v in row.items() if k != 'batches_around_rescale'})}", flush=True)
+            for g, phases in enumerate(phase_groups(engine, a)):
+                print(f"repeat {r}, {engine}, {', '.join(name for name, _, _ in phases)}:", flush=True)
+                try:
+                    runs.append(run_engine(engine, a, tmp, f"r{r}g{g}", phases))
+                except Exception as e:
+                    print(f"  {engine} failed: {e}", flush=True)
+                    runs.append({"engine": engine, "phases": [], "error": str(e)})
+                for row in runs[-1]["phases"]:
+                    print(f"    {json.dumps({k: v for k, v in row.items() if k != 'batches_around_rescale'})}", flush=True)
     summary = summarise(runs)
     print(f"\nKafka -> keyed count and sum -> Kafka, {a.keys:,} string keys, P={a.parallelism}, medians of {a.repeats} "
           f"(started {started}, ended {time.strftime('%H:%M:%S UTC', time.gmtime())}):\n")
