@@ -172,6 +172,7 @@ def plan_stages(
 # (docs/benchmarks.md, "Reading in the keyed stage").
 STAGE_READS = 40_000
 
+
 def reading_stage(job: JobState, read: LogRead, par: Mapping[str, int]) -> KeyedStep | None:
     """The keyed stage whose tasks read the batch's log records themselves (no reader tasks,
     no shuffle), if any: the stage every branch starts with, when the batch's offsets times
