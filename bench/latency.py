@@ -12,8 +12,9 @@ a partition's history), unless ``--one-broker``:
 - ``keyscale``: ``examples/kafka_running_count.py`` (Kafka source -> keyed count and sum ->
   ``KafkaSink``, one transaction per task and batch, exactly once), batches back to back
   (trigger interval 1 ms; ``--trigger`` to change it). After the phase at ``--rescale-rate``,
-  one more at that rate asks for parallelism 3 (``keyscale rescale``) in its middle and for 2
-  again at its end.
+  one more at that rate for each ``--rescales FROM:TO`` (default 2:3): the job starts at
+  FROM, is asked for TO (``keyscale rescale``) in the phase's middle and for FROM again at
+  its end. On 2 cores, 2:3 runs more subtasks than cores after it; 1:2 adds a core.
 - ``spark``: Spark's own stateful streaming aggregation, ``groupBy(key).agg(count, sum)`` in
   update mode, the default trigger (processingTime 0: batches back to back), its default
   state store (HDFS-backed; ``--spark-rocksdb`` for RocksDB). Spark's Kafka connector is
@@ -69,7 +70,7 @@ import threading
 import time
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -82,6 +83,31 @@ OPTIONAL = ("keyscale_async", "keyscale_target")
 PARTITIONS = 4
 PRIME_RATE = 5.0
 RESCALE = "{rate:,}/s + rescale {p}->{to}"
+
+
+class Phase(NamedTuple):
+    """A measured phase: input ``rate`` records/s for ``seconds``; ``rescale``: the engine
+    starts it at the first parallelism and is asked for the second in its middle."""
+
+    name: str
+    rate: float
+    seconds: float
+    rescale: tuple[int, int] | None = None
+
+
+def parse_rescales(text: str, parallelism: int) -> list[tuple[int, int]]:
+    """``--rescales``: ``FROM:TO`` pairs, comma-separated (``""``: the table's parallelism to one more).
+
+    >>> parse_rescales("", 2), parse_rescales("2:3,1:2", 2)
+    ([(2, 3)], [(2, 3), (1, 2)])
+    """
+    out = []
+    for spec in (text or f"{parallelism}:{parallelism + 1}").split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
+        if m is None or int(m[1]) < 1 or int(m[2]) < 1 or m[1] == m[2]:
+            raise ValueError(f"--rescales {text!r}: {spec!r} is not FROM:TO, two different parallelisms of at least 1")
+        out.append((int(m[1]), int(m[2])))
+    return out
 SPARK_SOURCE_SCHEMA = "key string, value long, seq long"
 
 
@@ -448,11 +474,11 @@ def _pct(xs: Any, q: float) -> float:
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-def phase_groups(engine: str, a: argparse.Namespace) -> list[list[tuple[str, float, float]]]:
-    """The engine's phases ``(name, rate, seconds)``, in groups that each run on a broker,
-    topics and engine process of their own: one group a measured phase (the fixed-cost
-    phases with the first rate; the rescale phase, at its rate, alone), or all in one with
-    ``--one-broker``.
+def phase_groups(engine: str, a: argparse.Namespace) -> list[list[Phase]]:
+    """The engine's phases, in groups that each run on a broker, topics and engine process
+    of their own: one group a measured phase (the fixed-cost phases with the first rate;
+    each rescale phase, at its rate, alone), or all in one with ``--one-broker`` (where a
+    rescale starts from the table's parallelism).
 
     Why a broker a rate: Tansu's in-memory storage answers a fetch or an end probe more
     slowly the longer the partition's history. Measured with ``bench/tansu_history.py``: a
@@ -460,24 +486,28 @@ def phase_groups(engine: str, a: argparse.Namespace) -> list[list[tuple[str, flo
     after 60 s and 1.3 s after 120 s, while a topic 3 s old on the same broker read in
     17-38 ms. Late phases on one broker measured the broker's history more than the
     engines (docs/benchmarks.md, "The broker's history")."""
-    groups: list[list[tuple[str, float, float]]] = [[]]
+    groups: list[list[Phase]] = [[]]
     if a.empty_seconds > 0:
-        groups[0] += [("almost empty", PRIME_RATE, a.warmup / 2 + a.empty_seconds), ("empty", 0.0, a.empty_seconds)]
+        groups[0] += [Phase("almost empty", PRIME_RATE, a.warmup / 2 + a.empty_seconds), Phase("empty", 0.0, a.empty_seconds)]
     for i, r in enumerate(a.rates):
         if i > 0 and not a.one_broker:
             groups.append([])
-        groups[-1].append((f"{r:,}/s", float(r), a.warmup + a.seconds))
+        groups[-1].append(Phase(f"{r:,}/s", float(r), a.warmup + a.seconds))
         if r == a.rescale_rate and engine in ("keyscale", "keyscale_async") and a.rescale_seconds > 0:
             # at that rate: a live rescale in the middle of the phase, and back to the first
             # parallelism at its end (with --one-broker, applied in the next phase's warm-up)
-            if not a.one_broker:
-                groups.append([])
-            groups[-1].append((RESCALE.format(rate=r, p=a.parallelism, to=a.parallelism + 1), float(r), a.warmup + a.rescale_seconds))
+            for p, to in a.rescales:
+                if a.one_broker and p != a.parallelism:
+                    raise ValueError(f"--rescales {p}:{to} with --one-broker: a rescale there starts from --parallelism {a.parallelism}")
+                if not a.one_broker:
+                    groups.append([])
+                groups[-1].append(Phase(RESCALE.format(rate=r, p=p, to=to), float(r), a.warmup + a.rescale_seconds, (p, to)))
     return [g for g in groups if g]
 
 
-def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: list[tuple[str, float, float]]) -> dict[str, Any]:
-    """One engine through ``phases`` on a broker of its own; the phases' figures."""
+def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: list[Phase]) -> dict[str, Any]:
+    """One engine through ``phases`` on a broker of its own, at the parallelism its rescale
+    phase starts from (else ``--parallelism``); the phases' figures."""
     import numpy as np
 
     from keyscale.checkpoint.jobdir import JobDir
@@ -494,7 +524,7 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: 
         inp, out = _topic(broker.bootstrap, "events"), _topic(broker.bootstrap, "updates")
         outputs = Outputs(broker.bootstrap, out, a.keys, stateless=engine == "stateless")
         cfg = {"engine": engine, "bootstrap": broker.bootstrap, "input": inp, "output": out, "dir": str(run_dir / "job"),
-               "parallelism": a.parallelism, "trigger": a.trigger, "stop": str(run_dir / "stop"), "result": str(run_dir / "result.json"),
+               "parallelism": next((ph.rescale[0] for ph in phases if ph.rescale), a.parallelism), "trigger": a.trigger, "stop": str(run_dir / "stop"), "result": str(run_dir / "result.json"),
                "rocksdb": a.spark_rocksdb, "latency_target": a.latency_target}
         log = open(run_dir / "engine.log", "wb")  # noqa: SIM115 (closed with the process)
         # The caller's PYTHONPATH first: with PYTHONPATH=BASE/src, the engine runs BASE's keyscale
@@ -504,7 +534,7 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: 
         engine_proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--engine-run", json.dumps(cfg)],
                                        stdout=log, stderr=subprocess.STDOUT, env=env)
         pcfg = {"keys": a.keys, "input": inp, "bootstrap": broker.bootstrap, "prime_timeout": a.start_timeout,
-                "phases": [(r, s) for _, r, s in phases]}
+                "phases": [(ph.rate, ph.seconds) for ph in phases]}
         prod = ctx.Process(target=_producer_main, args=(pcfg, primed, go, phase_done, produced, str(run_dir / "produced")))
         prod.start()
         started = time.time()
@@ -519,19 +549,19 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: 
             time.sleep(0.1)
         loads: list[str] = []
         drains: list[float] = []
-        rescale_at: float | None = None
-        for name, _, _ in phases:
+        rescale_at: dict[str, float] = {}  # phase -> when the rescale was asked for
+        for name, _, _, rescale in phases:
             phase_done.clear()
             go.set()
             t_phase = time.time()
             while not phase_done.wait(0.2):
                 if engine_proc.poll() is not None:
                     raise RuntimeError(f"{engine} ended during phase {name}; see {run_dir / 'engine.log'}")
-                if "rescale" in name and rescale_at is None and time.time() - t_phase > a.warmup + a.rescale_seconds / 2:
-                    rescale_at = time.time()
-                    JobDir(cfg["dir"]).request_rescale(a.parallelism + 1)
-            if "rescale" in name:
-                JobDir(cfg["dir"]).request_rescale(a.parallelism)  # back, for the next rates
+                if rescale and name not in rescale_at and time.time() - t_phase > a.warmup + a.rescale_seconds / 2:
+                    rescale_at[name] = time.time()
+                    JobDir(cfg["dir"]).request_rescale(rescale[1])
+            if rescale:
+                JobDir(cfg["dir"]).request_rescale(rescale[0])  # back, for the next rates
             loads.append(_load())
             t_end = time.time()
             while not outputs.covered(produced.value) and time.time() - t_end < a.drain:
@@ -557,7 +587,7 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: 
     meta = json.loads((run_dir / "produced.json").read_text())
     arrival = outputs.arrival_per_record(len(times))
     rows = []
-    for (name, rate, _), bounds, load, drain in zip(phases, meta["phases"], loads, drains, strict=True):
+    for (name, rate, _, rescale), bounds, load, drain in zip(phases, meta["phases"], loads, drains, strict=True):
         m0 = bounds["start"] + {"almost empty": a.warmup / 2, "empty": 2.0}.get(name, a.warmup)
         seqs = np.arange(bounds["first"], bounds["last"])
         measured = seqs[times[seqs] >= m0]
@@ -596,13 +626,14 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: 
         if batches:
             span = max(b["end"] for b in batches) - min(b["start"] for b in batches)
             row["read_per_s"] = sum(b["records"] for b in batches) / span if span > 0 else float("nan")
-        if "rescale" in name and rescale_at is not None:
+        if rescale and name in rescale_at:
+            asked = rescale_at[name]
             t = times[measured]
-            around = lat[(t >= rescale_at - 30) & (t <= rescale_at + 30)]
-            after = lat[(t >= rescale_at) & (t <= rescale_at + 10)]
-            row.update(rescale_at=rescale_at, p99_minute_around_rescale_s=_pct(around, 99), p99_10s_after_rescale_s=_pct(after, 99),
+            around = lat[(t >= asked - 30) & (t <= asked + 30)]
+            after = lat[(t >= asked) & (t <= asked + 10)]
+            row.update(rescale_at=asked, p99_minute_around_rescale_s=_pct(around, 99), p99_10s_after_rescale_s=_pct(after, 99),
                        rescales=result["rescales"],
-                       batches_around_rescale=[b for b in result["batches"] if rescale_at - 5 <= b["start"] <= rescale_at + 15])
+                       batches_around_rescale=[b for b in result["batches"] if asked - 5 <= b["start"] <= asked + 15])
         if engine == "spark" and batches:
             phases_ms: dict[str, list[float]] = {}
             for b in batches:
@@ -702,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--empty-seconds", type=float, default=20.0, help="almost empty and empty phases (0: skip)")
     ap.add_argument("--rescale-rate", type=int, default=5000)
     ap.add_argument("--rescale-seconds", type=float, default=60.0, help="measured seconds of keyscale's phase with a live rescale (0: skip)")
+    ap.add_argument("--rescales", default="", help="FROM:TO parallelisms of the rescale phases, comma-separated, each a phase "
+                    "(default: --parallelism to one more; on 2 cores 2:3 runs more subtasks than cores, 1:2 adds a core)")
     ap.add_argument("--drain", type=float, default=60.0, help="at most this long after a phase for its records to reach the output")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--one-broker", action="store_true",
@@ -720,6 +753,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.rates, a.seconds, a.warmup, a.empty_seconds, a.rescale_seconds, a.drain = "1000,5000", 10.0, 4.0, 6.0, 12.0, 20.0
     a.rates = [int(r) for r in str(a.rates).split(",") if r]
+    try:
+        a.rescales = parse_rescales(a.rescales, a.parallelism)
+    except ValueError as e:
+        ap.error(str(e))
     engines = [e for e in a.engines.split(",") if e]
     for e in engines:
         if e not in ENGINES + OPTIONAL:
@@ -733,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         order = engines[r % len(engines):] + engines[: r % len(engines)]  # each repeat starts with another engine
         for engine in order:
             for g, phases in enumerate(phase_groups(engine, a)):
-                print(f"repeat {r}, {engine}, {', '.join(name for name, _, _ in phases)}:", flush=True)
+                print(f"repeat {r}, {engine}, {', '.join(ph.name for ph in phases)}:", flush=True)
                 try:
                     runs.append(run_engine(engine, a, tmp, f"r{r}g{g}", phases))
                 except Exception as e:

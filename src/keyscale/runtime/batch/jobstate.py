@@ -171,6 +171,17 @@ class ExecutorsAsked:
     said: bool = False  # whether the log said that a batch waits for them
 
 
+@dataclass
+class WorkerStart:
+    """A Spark job under way that starts Python workers for a scale-up to ``parallelism``
+    subtasks, which its rescale waits for (``batch/parallelism.py`` ``awaiting_workers``)."""
+
+    parallelism: int
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None  # why the job failed
+
+
 EXECUTOR_WAITS_KEPT = 3
 
 
@@ -194,6 +205,8 @@ class Scaling:
     # How long the last scale-ups waited for their executors (measured; the newest last).
     executor_waits: deque[float] = field(default_factory=lambda: deque(maxlen=EXECUTOR_WAITS_KEPT))
     executors_sized_at: float = 0.0  # time.monotonic() of the last request for executors: none is checked again before they settle
+    # Python workers being started for a scale-up (``batch/parallelism.py`` ``awaiting_workers``); None: none.
+    worker_start: WorkerStart | None = None
 
     @property
     def executor_start_seconds(self) -> float:

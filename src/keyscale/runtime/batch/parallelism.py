@@ -5,7 +5,8 @@
 - a live rescale asked for (:func:`request_rescale`: the control API, ``JobHandle.rescale``),
   checked and recorded;
 - before a batch's intent (:func:`apply_rescale_requests`): live rescale requests (the
-  control API, ``keyscale rescale``, the active autoscaler) and reactive mode;
+  control API, ``keyscale rescale``, the active autoscaler) and reactive mode; a scale-up
+  first waits for its executors, then for its Python workers (:func:`awaiting_workers`);
 - at set-up (:func:`make_autoscaler`): the autoscaler, its SLO checked, its input-rate
   history read back from the job directory (``autoscaler/rates.json``);
 - after a batch (:func:`autoscale`): the autoscaler observes it, records its decision and,
@@ -22,13 +23,20 @@ runs with in its intent, so nothing here changes a batch that has begun.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
 from keyscale.checkpoint.manifest import OperatorCheckpoint
 from keyscale.errors import JobDefinitionError, KeyscaleError, StateError
 from keyscale.latency import Latency
-from keyscale.runtime.batch.jobstate import ExecutorsAsked, JobState, RunOptions, seconds
+from keyscale.runtime.batch.jobstate import (
+    ExecutorsAsked,
+    JobState,
+    RunOptions,
+    WorkerStart,
+    seconds,
+)
 from keyscale.runtime.task.report import TaskReports
 from keyscale.scaling.batch_size import WAITING_SECONDS
 from keyscale.scaling.forecast import RateHistory
@@ -37,6 +45,8 @@ from keyscale.scaling.slo import Slo, parse_slo
 from keyscale.state.keygroups import check_parallelism
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from keyscale._steps import JobGraph
     from keyscale.checkpoint.jobdir import JobDir
 
@@ -140,7 +150,7 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
     if job.opts.scaling == "reactive":
         follow_cores(job, batch_id)
     reqs = job.jobdir.read_rescale_requests()
-    if not reqs or awaiting_executors(job, batch_id):
+    if not reqs or awaiting_executors(job, batch_id) or awaiting_workers(job, batch_id, max(after_requests(job.scaling.parallelism, reqs).values())):
         return
     job.jobdir.clear_rescale_requests()
     job.scaling.pending_rescale = None
@@ -323,3 +333,89 @@ def awaiting_executors(job: JobState, batch_id: int) -> bool:
     job.jobdir.append_event({"type": "executors_" + ("ready" if verdict == "go" else "late"), "batch": batch_id, "cores": have,
                              "wanted": wanted, "waited_seconds": round(waited, 1)})
     return False
+
+
+# --------------------------------------------------------------------------- Python workers for a scale-up
+#
+# A batch at a higher parallelism runs more Python tasks at once, and a Python worker Spark
+# starts for one imports pyarrow, pandas and keyscale's task side before its task begins:
+# 0.55 s on a quiet machine, more beside a running job. That start was most of a scale-up's
+# first batch (1.4-1.9 s against 0.2-0.4 s for the batches around it, at 5,000 records/s:
+# docs/benchmarks.md, "Python workers started before a scale-up"), and every record of the
+# batch waited for it.
+#
+# So a scale-up that runs more tasks at once (not one whose extra subtasks queue for the
+# cores there are) first runs a small Spark job, beside the batches at the old parallelism,
+# with a task for each subtask of the new one (``runtime/task/spark.py`` ``start_worker``): the
+# tasks land on the free cores, each in a worker it starts. Spark reuses an idle worker
+# (``spark.python.worker.reuse``, keyscale's default) and keeps one for a minute, so the
+# rescale, applied at the first batch after that job, finds them started. A job that does
+# not end within ``WARMUP_BOUND_SECONDS`` (or fails) does not hold the rescale up longer: it
+# applies without. With worker reuse turned off there is nothing to keep, and no such job.
+
+#: How long a scale-up waits for its workers to start before it applies without them.
+WARMUP_BOUND_SECONDS = 30.0
+
+
+def start_workers(spark: SparkSession, parallelism: int) -> WorkerStart:
+    """Run, on a thread of its own, a Spark job of ``parallelism`` tasks, each starting a
+    Python worker (when none is idle) and holding it a moment."""
+    from keyscale._spark_map import map_in_arrow
+    from keyscale.runtime.task.spark import start_worker
+
+    w = WorkerStart(parallelism)
+
+    def run() -> None:
+        try:
+            spark.sparkContext.setLocalProperty("spark.job.description", f"keyscale: starting Python workers for {parallelism} subtasks")
+            map_in_arrow(spark.range(0, parallelism, 1, parallelism), start_worker, "id long").collect()
+        except Exception as e:  # the rescale goes on without: its first batch starts what it needs
+            w.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        finally:
+            w.done.set()
+
+    threading.Thread(target=run, name="keyscale-worker-start", daemon=True).start()
+    return w
+
+
+def more_at_once(current: int, wanted: int, cores: int) -> bool:
+    """Whether a rescale from ``current`` to ``wanted`` subtasks runs more tasks at once on
+    ``cores`` executor cores (beyond them, tasks queue for a core and reuse its worker).
+
+    >>> more_at_once(1, 2, 2), more_at_once(2, 3, 2), more_at_once(2, 1, 2), more_at_once(1, 4, 4)
+    (True, False, False, True)
+    """
+    return min(wanted, cores) > min(current, cores)
+
+
+def awaiting_workers(job: JobState, batch_id: int, wanted: int) -> bool:
+    """Whether a pending rescale to ``wanted`` subtasks (the widest operator's) waits, this
+    batch too, for the Python workers it starts first: a scale-up that runs more tasks at
+    once does, once."""
+    from keyscale.cluster import executor_cores
+
+    current = max(job.scaling.parallelism.values(), default=1)
+    w = job.scaling.worker_start
+    if wanted <= current or _reuse_off(job.spark) or not more_at_once(current, wanted, executor_cores(job.spark)):
+        job.scaling.worker_start = None
+        return False
+    if w is None or w.parallelism != wanted:
+        job.scaling.worker_start = start_workers(job.spark, wanted)
+        log.info("batch %d: starting Python workers for %d subtasks before the rescale (a worker's start would otherwise "
+                 "hold up its first batch); batches run at the old parallelism meanwhile", batch_id, wanted)
+        return True
+    waited = time.monotonic() - w.started
+    if not w.done.is_set():
+        if waited < WARMUP_BOUND_SECONDS:
+            return True
+        log.warning("batch %d: Python workers for %d subtasks not started within %.0f s; rescaling without them", batch_id, wanted, waited)
+    elif w.error is not None:
+        log.warning("batch %d: starting Python workers for %d subtasks failed (%s); rescaling without them", batch_id, wanted, w.error)
+    else:
+        log.info("batch %d: Python workers for %d subtasks started in %.1f s", batch_id, wanted, waited)
+    job.scaling.worker_start = None
+    return False
+
+
+def _reuse_off(spark: SparkSession) -> bool:
+    return spark.sparkContext.getConf().get("spark.python.worker.reuse", "true").strip().lower() == "false"

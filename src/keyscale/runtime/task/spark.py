@@ -86,3 +86,19 @@ def _without_markers(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBat
     for b in batches:
         keep = pc.greater_equal(b.column(SEQ), pa.scalar(0, pa.int64()))
         yield b if pc.all(keep).as_py() else b.filter(keep)
+
+
+def start_worker(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """A ``mapInArrow`` function that starts the Python worker it runs in, as a stage task
+    would (this module's imports: pyarrow, pandas, keyscale's task side), and holds it for
+    ``WORKER_HOLD_SECONDS``, so that the tasks of one such job run in as many workers at once
+    as there are free cores (``runtime/batch/parallelism.py`` ``start_workers``: why)."""
+    import time
+
+    for _ in batches:
+        pass
+    time.sleep(WORKER_HOLD_SECONDS)
+    yield from ()
+
+
+WORKER_HOLD_SECONDS = 0.3
