@@ -127,7 +127,7 @@ def cmd_rescale(a: argparse.Namespace) -> int:
         )
     before = jd.latest_manifest()
     _ask_running_job(a.job_dir, "/rescale", 60, parallelism=a.parallelism, operator=a.operator)
-    print(f"keyscale: asked job '{ident.name}' to rescale{' ' + repr(a.operator) if a.operator else ''} to {a.parallelism}; it applies at the next batch")
+    print(f"keyscale: asked job '{ident.name}' to rescale{' ' + repr(a.operator) if a.operator else ''} to {a.parallelism}; it applies between two batches")
     if a.wait:
         deadline = time.time() + a.wait
         start = before.batch if before else -1

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = add_run_parser(sub)
 
-    rs = sub.add_parser("rescale", help="change a running job's parallelism at its next batch")
+    rs = sub.add_parser("rescale", help="change a running job's parallelism between two of its batches")
     rs.add_argument("job_dir")
     rs.add_argument("-p", "--parallelism", type=int, required=True)
     rs.add_argument("--operator", help="only this operator uid (default: all keyed operators)")

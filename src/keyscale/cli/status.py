@@ -70,7 +70,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         print("  (the traceback: keyscale status --json)")
     if st["pending_rescale"]:
         want = ", ".join(f"{'all operators' if u == '*' else repr(u)} -> {p}" for u, p in st["pending_rescale"]["parallelism"].items())
-        print(f"  rescale pending (applied at the next batch): {want}")
+        print(f"  rescale pending (applied between two batches): {want}")
     committing = f" (batch {st['checkpoint_committing']} committing)" if st.get("checkpoint_committing") is not None else ""
     print(f"  max parallelism (key groups): {st['max_parallelism']}; last checkpoint: {st['last_checkpoint']}{committing}; "
           f"kept: {st['checkpoints']}")

@@ -150,7 +150,13 @@ def apply_rescale_requests(job: JobState, batch_id: int) -> None:
     if job.opts.scaling == "reactive":
         follow_cores(job, batch_id)
     reqs = job.jobdir.read_rescale_requests()
-    if not reqs or awaiting_executors(job, batch_id) or awaiting_workers(job, batch_id, max(after_requests(job.scaling.parallelism, reqs).values())):
+    if not reqs:
+        return
+    # New executors start cold (their JVMs too): starting workers on them first moves the time
+    # until batches run at speed, it does not shorten it (docs/benchmarks.md, "Executors
+    # warmed before the rescale"), so a scale-up that waited for executors applies when they came.
+    waited = job.scaling.executors_asked is not None
+    if awaiting_executors(job, batch_id) or (not waited and awaiting_workers(job, batch_id, max(after_requests(job.scaling.parallelism, reqs).values()))):
         return
     job.jobdir.clear_rescale_requests()
     job.scaling.pending_rescale = None
@@ -345,13 +351,15 @@ def awaiting_executors(job: JobState, batch_id: int) -> bool:
 # batch waited for it.
 #
 # So a scale-up that runs more tasks at once (not one whose extra subtasks queue for the
-# cores there are) first runs a small Spark job, beside the batches at the old parallelism,
-# with a task for each subtask of the new one (``runtime/task/spark.py`` ``start_worker``): the
-# tasks land on the free cores, each in a worker it starts. Spark reuses an idle worker
-# (``spark.python.worker.reuse``, keyscale's default) and keeps one for a minute, so the
-# rescale, applied at the first batch after that job, finds them started. A job that does
-# not end within ``WARMUP_BOUND_SECONDS`` (or fails) does not hold the rescale up longer: it
-# applies without. With worker reuse turned off there is nothing to keep, and no such job.
+# cores there are, nor one that waited for new executors: apply_rescale_requests) first
+# runs a small Spark job, beside the batches at the old parallelism, with a task for each
+# subtask of the new one (``runtime/task/spark.py`` ``start_worker``): the tasks land on
+# the free cores, each in a worker it starts. Spark reuses an idle worker
+# (``spark.python.worker.reuse``, keyscale's default) and stops idle ones only after a
+# minute with no task at all, so the rescale, applied at the first batch after that job,
+# finds them started. A job that does not end within ``WARMUP_BOUND_SECONDS`` (or fails)
+# does not hold the rescale up longer: it applies without. With worker reuse turned off
+# there is nothing to keep, and no such job.
 
 #: How long a scale-up waits for its workers to start before it applies without them.
 WARMUP_BOUND_SECONDS = 30.0

@@ -126,8 +126,9 @@ class JobHandle:
 
     # -- control -------------------------------------------------------------------------
     def rescale(self, parallelism: int, operator: str | None = None) -> None:
-        """Rescale live at the next batch (every keyed operator, or ``operator``); returns at
-        once (the status shows it pending until the batch applies it)."""
+        """Rescale live between two batches (every keyed operator, or ``operator``): at the
+        next batch, a scale-up once the Python workers it needs started; returns at once (the
+        status shows it pending until a batch applies it)."""
         self._require_active("rescale")
         self._job.request_rescale(parallelism, operator)
 

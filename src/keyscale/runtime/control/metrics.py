@@ -170,7 +170,7 @@ def _operator_families(job: str, status: dict[str, Any]) -> list[Metric]:
     for uid, d in sorted(status.get("scaling", {}).get("last_decisions", {}).items()):
         if isinstance(d, dict) and d.get("target_parallelism") is not None:
             recommended.add_metric([job, uid], d["target_parallelism"])
-    pending = _gauge("keyscale_rescale_pending", "1 while a live rescale waits for the next batch", ["job"])
+    pending = _gauge("keyscale_rescale_pending", "1 while a live rescale asked for is not applied yet", ["job"])
     pending.add_metric([job], 1.0 if status.get("pending_rescale") else 0.0)
     out += [recommended, pending, *_slo_families(job, status.get("scaling", {}))]
     return out

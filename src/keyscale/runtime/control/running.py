@@ -68,7 +68,7 @@ class RunningJob(Protocol):
         """Run until idle, stopped or failed (a JobHandle's thread)."""
 
     def request_rescale(self, parallelism: int, operator: str | None = None) -> None:
-        """Rescale live at the next batch; a KeyscaleError, changing nothing, if it cannot."""
+        """Rescale live between two batches; a KeyscaleError, changing nothing, if it cannot."""
 
     def take_savepoint(self, dest: str | None = None, then_stop: bool = False) -> str:
         """A savepoint of the last committed batch, taken between two batches; its path."""
