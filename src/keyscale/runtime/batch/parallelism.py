@@ -404,7 +404,7 @@ def awaiting_workers(job: JobState, batch_id: int, wanted: int) -> bool:
 
     current = max(job.scaling.parallelism.values(), default=1)
     w = job.scaling.worker_start
-    if wanted <= current or _reuse_off(job.spark) or not more_at_once(current, wanted, executor_cores(job.spark)):
+    if not more_at_once(current, wanted, executor_cores(job.spark)) or _reuse_off(job.spark):
         job.scaling.worker_start = None
         return False
     if w is None or w.parallelism != wanted:
