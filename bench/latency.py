@@ -83,6 +83,7 @@ OPTIONAL = ("keyscale_async", "keyscale_target")
 PARTITIONS = 4
 PRIME_RATE = 5.0
 RESCALE = "{rate:,}/s + rescale {p}->{to}"
+SPARK_SOURCE_SCHEMA = "key string, value long, seq long"
 
 
 class Phase(NamedTuple):
@@ -108,7 +109,6 @@ def parse_rescales(text: str, parallelism: int) -> list[tuple[int, int]]:
             raise ValueError(f"--rescales {text!r}: {spec!r} is not FROM:TO, two different parallelisms of at least 1")
         out.append((int(m[1]), int(m[2])))
     return out
-SPARK_SOURCE_SCHEMA = "key string, value long, seq long"
 
 
 def _key_id(i: int, keys: int) -> int:

@@ -88,6 +88,10 @@ def _without_markers(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBat
         yield b if pc.all(keep).as_py() else b.filter(keep)
 
 
+# How long a start_worker task holds its worker (start_worker: why).
+WORKER_HOLD_SECONDS = 0.3
+
+
 def start_worker(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """A ``mapInArrow`` function that starts the Python worker it runs in, as a stage task
     would (this module's imports: pyarrow, pandas, keyscale's task side), and holds it for
@@ -100,5 +104,3 @@ def start_worker(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     time.sleep(WORKER_HOLD_SECONDS)
     yield from ()
 
-
-WORKER_HOLD_SECONDS = 0.3
