@@ -14,7 +14,9 @@ a partition's history), unless ``--one-broker``:
   (trigger interval 1 ms; ``--trigger`` to change it). After the phase at ``--rescale-rate``,
   one more at that rate for each ``--rescales FROM:TO`` (default 2:3): the job starts at
   FROM, is asked for TO (``keyscale rescale``) in the phase's middle and for FROM again at
-  its end. On 2 cores, 2:3 runs more subtasks than cores after it; 1:2 adds a core.
+  its end. On 2 cores, 2:3 runs more subtasks than cores after it; 1:2 adds a core. FROM:FROM
+  is the control: the same phase with no rescale, its minute measured around the time one
+  would be asked for (how much of that minute is the broker's history).
 - ``spark``: Spark's own stateful streaming aggregation, ``groupBy(key).agg(count, sum)`` in
   update mode, the default trigger (processingTime 0: batches back to back), its default
   state store (HDFS-backed; ``--spark-rocksdb`` for RocksDB). Spark's Kafka connector is
@@ -83,12 +85,14 @@ OPTIONAL = ("keyscale_async", "keyscale_target")
 PARTITIONS = 4
 PRIME_RATE = 5.0
 RESCALE = "{rate:,}/s + rescale {p}->{to}"
+CONTROL = "{rate:,}/s at {p}, no rescale (control)"
 SPARK_SOURCE_SCHEMA = "key string, value long, seq long"
 
 
 class Phase(NamedTuple):
     """A measured phase: input ``rate`` records/s for ``seconds``; ``rescale``: the engine
-    starts it at the first parallelism and is asked for the second in its middle."""
+    starts it at the first parallelism and is asked for the second in its middle (for the
+    same one: asked for nothing, a control)."""
 
     name: str
     rate: float
@@ -97,16 +101,17 @@ class Phase(NamedTuple):
 
 
 def parse_rescales(text: str, parallelism: int) -> list[tuple[int, int]]:
-    """``--rescales``: ``FROM:TO`` pairs, comma-separated (``""``: the table's parallelism to one more).
+    """``--rescales``: ``FROM:TO`` pairs, comma-separated (``""``: the table's parallelism to
+    one more); ``P:P`` is a control phase, with no rescale.
 
-    >>> parse_rescales("", 2), parse_rescales("2:3,1:2", 2)
-    ([(2, 3)], [(2, 3), (1, 2)])
+    >>> parse_rescales("", 2), parse_rescales("2:3,1:2,1:1", 2)
+    ([(2, 3)], [(2, 3), (1, 2), (1, 1)])
     """
     out = []
     for spec in (text or f"{parallelism}:{parallelism + 1}").split(","):
         m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", spec)
-        if m is None or int(m[1]) < 1 or int(m[2]) < 1 or m[1] == m[2]:
-            raise ValueError(f"--rescales {text!r}: {spec!r} is not FROM:TO, two different parallelisms of at least 1")
+        if m is None or int(m[1]) < 1 or int(m[2]) < 1:
+            raise ValueError(f"--rescales {text!r}: {spec!r} is not FROM:TO, two parallelisms of at least 1")
         out.append((int(m[1]), int(m[2])))
     return out
 
@@ -501,7 +506,7 @@ def phase_groups(engine: str, a: argparse.Namespace) -> list[list[Phase]]:
                     raise ValueError(f"--rescales {p}:{to} with --one-broker: a rescale there starts from --parallelism {a.parallelism}")
                 if not a.one_broker:
                     groups.append([])
-                groups[-1].append(Phase(RESCALE.format(rate=r, p=p, to=to), float(r), a.warmup + a.rescale_seconds, (p, to)))
+                groups[-1].append(Phase((RESCALE if to != p else CONTROL).format(rate=r, p=p, to=to), float(r), a.warmup + a.rescale_seconds, (p, to)))
     return [g for g in groups if g]
 
 
@@ -559,8 +564,9 @@ def run_engine(engine: str, a: argparse.Namespace, tmp: Path, tag: str, phases: 
                     raise RuntimeError(f"{engine} ended during phase {name}; see {run_dir / 'engine.log'}")
                 if rescale and name not in rescale_at and time.time() - t_phase > a.warmup + a.rescale_seconds / 2:
                     rescale_at[name] = time.time()
-                    JobDir(cfg["dir"]).request_rescale(rescale[1])
-            if rescale:
+                    if rescale[1] != rescale[0]:
+                        JobDir(cfg["dir"]).request_rescale(rescale[1])
+            if rescale and rescale[1] != rescale[0]:
                 JobDir(cfg["dir"]).request_rescale(rescale[0])  # back, for the next rates
             loads.append(_load())
             t_end = time.time()
@@ -734,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescale-rate", type=int, default=5000)
     ap.add_argument("--rescale-seconds", type=float, default=60.0, help="measured seconds of keyscale's phase with a live rescale (0: skip)")
     ap.add_argument("--rescales", default="", help="FROM:TO parallelisms of the rescale phases, comma-separated, each a phase "
-                    "(default: --parallelism to one more; on 2 cores 2:3 runs more subtasks than cores, 1:2 adds a core)")
+                    "(default: --parallelism to one more; on 2 cores 2:3 runs more subtasks than cores, 1:2 adds a core; P:P a control "
+                    "phase with no rescale)")
     ap.add_argument("--drain", type=float, default=60.0, help="at most this long after a phase for its records to reach the output")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--one-broker", action="store_true",

@@ -40,9 +40,10 @@ def test_one_broker_keeps_every_phase_in_one_run_in_order() -> None:
 
 
 def test_each_rescale_is_a_phase_of_its_own_that_starts_at_its_first_parallelism() -> None:
-    groups = latency.phase_groups("keyscale", _args(rates=[5000], empty_seconds=0.0, rescales=[(2, 3), (1, 2)]))
-    assert _names(groups) == [["5,000/s"], [latency.RESCALE.format(rate=5000, p=2, to=3)], [latency.RESCALE.format(rate=5000, p=1, to=2)]]
-    assert [g[0].rescale for g in groups] == [None, (2, 3), (1, 2)]
+    groups = latency.phase_groups("keyscale", _args(rates=[5000], empty_seconds=0.0, rescales=[(2, 3), (1, 2), (1, 1)]))
+    assert _names(groups) == [["5,000/s"], [latency.RESCALE.format(rate=5000, p=2, to=3)], [latency.RESCALE.format(rate=5000, p=1, to=2)],
+                              [latency.CONTROL.format(rate=5000, p=1)]]
+    assert [g[0].rescale for g in groups] == [None, (2, 3), (1, 2), (1, 1)]
 
 
 def test_a_rescale_from_another_parallelism_on_one_broker_is_refused() -> None:
@@ -52,7 +53,7 @@ def test_a_rescale_from_another_parallelism_on_one_broker_is_refused() -> None:
 
 def test_rescales_are_from_to_pairs() -> None:
     assert latency.parse_rescales("", 2) == [(2, 3)]
-    assert latency.parse_rescales(" 2:3, 1:2", 2) == [(2, 3), (1, 2)]
-    for bad in ("2", "2:2", "0:1", "a:b", "2:3,"):
+    assert latency.parse_rescales(" 2:3, 1:2, 2:2", 2) == [(2, 3), (1, 2), (2, 2)]
+    for bad in ("2", "0:1", "1:0", "a:b", "2:3,"):
         with pytest.raises(ValueError, match="FROM:TO"):
             latency.parse_rescales(bad, 2)
