@@ -3,6 +3,7 @@ they are asked: batch times and lookup latency in phases of one run, in turn.
 
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 200000 --records 20000 --rate 50
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,thread,control,serve
+    PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,serve,thread --seaweedfs
 
 The job is ``examples/log_count.py`` (a local partitioned log, 2 partitions, -> running
 count and sum per key, operator ``totals`` -> ``ParquetSink``) at -p 2, run by a
@@ -20,6 +21,10 @@ every batch reads as many (a steady input). After ``--warmup`` batches the run g
   job's driver process; it closes the connection after each answer);
 - ``serve``: the same client asks ``keyscale state serve JOB_DIR`` (a process of its own,
   started by the script, ``--max-age 1``), on one kept connection.
+
+With ``--seaweedfs`` the job directory (its checkpoints, so the state every lookup reads)
+is on a private SeaweedFS S3 server started for the run; the log and the output stay on
+local disk.
 
 A phase's first batch is left out of the batch times (it may have started before the
 phase's switch). Printed as JSON: per phase the median batch time (``BatchRecord.seconds``)
@@ -88,9 +93,9 @@ def _client(urls: dict[str, str], secrets: dict[str, str], keys: int, rate: floa
     out.put(ms)
 
 
-def _serve(job_dir: Path, token_file: Path) -> tuple[subprocess.Popen[str], str]:
+def _serve(job_dir: str, token_file: Path) -> tuple[subprocess.Popen[str], str]:
     """``keyscale state serve`` of the job directory, and its URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", "state", "serve", str(job_dir), "--token-file",
+    proc = subprocess.Popen([sys.executable, "-m", "keyscale.cli.main", "state", "serve", job_dir, "--token-file",
                              str(token_file), "--max-age", "1"], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     line = proc.stderr.readline()
@@ -106,7 +111,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
+def run(a: argparse.Namespace, job_dir: str | None = None) -> dict[str, Any]:
+    """The phases of one run; ``job_dir``: where the job keeps its state (a local folder of
+    the run's own when None)."""
     import multiprocessing as mp
 
     import pyarrow as pa
@@ -142,6 +149,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     runner: JobRunner | None = None
     client: Any = None
     server: subprocess.Popen[str] | None = None
+    where = job_dir or str(tmp / "job")
     token_file = tmp / "serve-token"
     token_file.write_text("bench-token")
 
@@ -159,7 +167,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if "control" in phases and runner is not None:
                 urls["control"] = runner.jobdir.read_json("control/http.json")["url"]
             if "serve" in phases:
-                server, urls["serve"] = _serve(tmp / "job", token_file)
+                server, urls["serve"] = _serve(where, token_file)
             secrets = {"control": read_secret(runner.jobdir.store) if runner is not None else "", "serve": "bench-token"}
             if urls:
                 client = ctx.Process(target=_client, args=(urls, secrets, a.keys, a.rate, current, client_done, out), daemon=True)
@@ -195,7 +203,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             nxt += 1 / a.rate
             time.sleep(max(0.0, nxt - time.perf_counter()))
 
-    opts = RunOptions(job_file=str(JOB), job_dir=str(tmp / "job"), parallelism=2, trigger_interval="1 millisecond",
+    opts = RunOptions(job_file=str(JOB), job_dir=where, parallelism=2, trigger_interval="1 millisecond",
                       args={"log": str(tmp / "log"), "output": str(tmp / "out")})
     runner = JobRunner(opts, on_batch=on_batch, serve=control_api(opts))
     worker = threading.Thread(target=lookups, daemon=True)
@@ -246,7 +254,22 @@ def main() -> None:
     ap.add_argument("--phase-batches", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phases", default="none,thread", help=f"comma-separated, in turn: {', '.join(WAYS)}")
-    print(json.dumps(run(ap.parse_args())), flush=True)
+    ap.add_argument("--seaweedfs", action="store_true", help="the job's state on a private SeaweedFS S3 server started for the run")
+    a = ap.parse_args()
+    if not a.seaweedfs:
+        print(json.dumps(run(a)), flush=True)
+        return
+    import secrets
+
+    from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+
+    server = start_seaweedfs(tempfile.mkdtemp(prefix="ks-lookup-load-s3-"), "bench", secrets.token_hex(16))
+    try:
+        create_bucket(server, "bench")
+        os.environ.update(server.env())  # for this process and the ones it starts (the server, the client)
+        print(json.dumps(run(a, "s3://bench/job")), flush=True)
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":
