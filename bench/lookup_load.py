@@ -111,9 +111,9 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
 
 
-def run(a: argparse.Namespace, job_dir: str | None = None) -> dict[str, Any]:
-    """The phases of one run; ``job_dir``: where the job keeps its state (a local folder of
-    the run's own when None)."""
+def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[str, Any]:
+    """The phases of one run, its files in folder ``tmp``; ``job_dir``: where the job keeps
+    its state (a folder in ``tmp`` when None)."""
     import multiprocessing as mp
 
     import pyarrow as pa
@@ -128,7 +128,6 @@ def run(a: argparse.Namespace, job_dir: str | None = None) -> dict[str, Any]:
     unknown = set(phases) - set(WAYS)
     if unknown:
         sys.exit(f"lookup_load: --phases {a.phases}: unknown {sorted(unknown)} (known: {', '.join(WAYS)})")
-    tmp = Path(tempfile.mkdtemp(prefix="ks-lookup-load-"))
     log = LocalLog.create(str(tmp / "log"), "key string, value long, ts timestamp", partitions=2)
     rnd = random.Random(0)
 
@@ -256,20 +255,23 @@ def main() -> None:
     ap.add_argument("--phases", default="none,thread", help=f"comma-separated, in turn: {', '.join(WAYS)}")
     ap.add_argument("--seaweedfs", action="store_true", help="the job's state on a private SeaweedFS S3 server started for the run")
     a = ap.parse_args()
-    if not a.seaweedfs:
-        print(json.dumps(run(a)), flush=True)
-        return
-    import secrets
+    # Gone at the end: a run at 10M keys leaves ~1.2 GB of log, output and state.
+    with tempfile.TemporaryDirectory(prefix="ks-lookup-load-") as scratch:
+        tmp = Path(scratch)
+        if not a.seaweedfs:
+            print(json.dumps(run(a, tmp)), flush=True)
+            return
+        import secrets
 
-    from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+        from keyscale.storage.seaweed import create_bucket, start_seaweedfs
 
-    server = start_seaweedfs(tempfile.mkdtemp(prefix="ks-lookup-load-s3-"), "bench", secrets.token_hex(16))
-    try:
-        create_bucket(server, "bench")
-        os.environ.update(server.env())  # for this process and the ones it starts (the server, the client)
-        print(json.dumps(run(a, "s3://bench/job")), flush=True)
-    finally:
-        server.stop()
+        server = start_seaweedfs(tmp / "s3", "bench", secrets.token_hex(16))
+        try:
+            create_bucket(server, "bench")
+            os.environ.update(server.env())  # for this process and the ones it starts (the server, the client)
+            print(json.dumps(run(a, tmp, "s3://bench/job")), flush=True)
+        finally:
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -54,6 +54,17 @@ def test_put_file_writes_a_local_file_whole_and_replaces(store: Store, tmp_path:
     assert store.size("state/big.arrow") == len(data) and store.get("state/big.arrow") == data
 
 
+@pytest.mark.s3
+def test_a_multipart_upload_one_part_at_a_time(s3_bucket: str, tmp_path: Path) -> None:
+    """``upload_concurrency=1``: a file over the multipart threshold still goes up whole."""
+    store = open_store(f"{s3_bucket}/root", "test store", {"upload_concurrency": "1"})
+    src = tmp_path / "big"
+    data = os.urandom(70 << 20)
+    src.write_bytes(data)
+    store.put_file("state/big.arrow", src)
+    assert store.get("state/big.arrow") == data
+
+
 def test_ranged_reads_at_once_come_back_in_the_order_asked(store: Store) -> None:
     """``get_ranges``: a point lookup's reads of several objects in one round (at once on
     an object store); each answer is its range's bytes, fewer at the object's end; a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -42,6 +43,20 @@ def test_object_store_uris_open_stores(uri: str) -> None:
     store = open_store(uri, "job directory")
     assert isinstance(store, ObjectStore) and store.url("a/b") == store.uri + "/a/b"
     assert store.local_root is None
+
+
+def test_upload_concurrency_is_keyscales_setting_checked_by_name() -> None:
+    """``--storage-option upload_concurrency=N``: the parts of one upload in flight; obstore
+    never sees the key (it refuses keys it does not know), and a value that is not a whole
+    number from 1 is an error naming the setting and the location, not a default."""
+    store = open_store("s3://bucket/jobs/rc", "job directory", {"upload_concurrency": "5", "endpoint": "http://127.0.0.1:1"})
+    assert isinstance(store, ObjectStore) and store.upload_concurrency == 5
+    assert store.client is not None
+    assert open_store("s3://bucket/jobs/rc", "job directory").upload_concurrency == 2  # type: ignore[attr-defined]
+    assert pickle.loads(pickle.dumps(store.sub("state"))).upload_concurrency == 5  # it travels with the store to the tasks
+    for bad in ("0", "-1", "two", "1.5", ""):
+        with pytest.raises(StorageError, match=rf"job directory s3://bucket/jobs/rc: storage option upload_concurrency='{re.escape(bad)}'"):
+            open_store("s3://bucket/jobs/rc", "job directory", {"upload_concurrency": bad})
 
 
 def test_file_uris_and_paths_are_local(tmp_path: Path) -> None:

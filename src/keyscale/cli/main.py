@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     for located in (r, rs, st, sp, so, ca, ls, ins, sg, *state_edits):  # every command that opens a job dir, savepoint or folder
         located.add_argument(
             "--storage-option", action="append", default=[], metavar="KEY=VALUE",
-            help="object store setting (obstore config key, e.g. endpoint=http://127.0.0.1:9000, region=eu-west-1); "
+            help="object store setting (obstore config key, e.g. endpoint=http://127.0.0.1:9000, region=eu-west-1, "
+                 "or upload_concurrency=N: parts of one upload in flight, 2 by default); "
                  "after the AWS_*/GOOGLE_*/AZURE_* environment variables",
         )
     auto = sub.add_parser("autoscaler", help="the autoscaler's policy, without Spark")

@@ -12,6 +12,15 @@ Settings come as every S3 tool takes them: the standard environment variables
 with the store to the executors (tasks pickle it), as Spark's own ``spark.hadoop.fs.s3a.*``
 settings do; where executors have their own credentials (instance profiles, workload
 identity), set none and each process finds its own.
+
+Two settings are keyscale's own, not obstore's: ``allow_http`` (a plain-http endpoint; an
+``http://`` endpoint implies it) and ``upload_concurrency``, the parts of one multipart
+upload (a state file over 64 MB) in flight at once, :data:`UPLOAD_CONCURRENCY` by default.
+Why so few: on a server beside the job (SeaweedFS on this machine's two cores), a
+snapshot's upload with obstore's 12 parts at once took as long as with 2 and made every
+read of the server wait behind it (a point lookup's p99 3-6x as long, docs/benchmarks.md,
+"State lookups on S3 beside a snapshot's upload"). A store far away, whose round trip a
+part waits on, may want more: each upload's parts are 5 MB.
 """
 
 from __future__ import annotations
@@ -29,6 +38,13 @@ from keyscale.errors import StorageError
 from keyscale.storage.base import ObjectInfo, Store, check_key, join
 
 SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss")
+
+#: Parts of one multipart upload in flight at once, unless ``upload_concurrency`` says otherwise.
+UPLOAD_CONCURRENCY = 2
+# Files above this go up in parts (obstore's multipart upload, 5 MB a part).
+_MULTIPART_ABOVE = 64 << 20
+# Settings that are keyscale's, not obstore config keys.
+_OWN = ("allow_http", "upload_concurrency")
 
 # Environment variables read for each scheme, as obstore config keys.
 _S3_ENV = {
@@ -77,6 +93,25 @@ def _reader_pool() -> ThreadPoolExecutor:
         return _READERS
 
 
+def _upload_concurrency(value: str | None) -> int:
+    """The ``upload_concurrency`` setting as a number of parts, 1 or more; anything else is a
+    ValueError naming the setting.
+
+    >>> _upload_concurrency(None), _upload_concurrency("8")
+    (2, 8)
+    >>> _upload_concurrency("0")
+    Traceback (most recent call last):
+    ...
+    ValueError: storage option upload_concurrency='0': give the parts of an upload in flight at once, a whole number from 1
+    """
+    if value is None:
+        return UPLOAD_CONCURRENCY
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"storage option upload_concurrency={value!r}: give the parts of an upload in flight at once, a whole number from 1")
+    return int(text)
+
+
 def _split(uri: str) -> tuple[str, str, str]:
     parsed = urlparse(uri)
     scheme = parsed.scheme.lower()
@@ -101,6 +136,10 @@ class ObjectStore(Store):
         self.scheme, self.bucket, self.prefix = scheme, bucket, prefix
         self.uri = f"{scheme}://{bucket}" + (f"/{prefix}" if prefix else "")
         self.settings = dict(settings or {})
+        try:
+            self.upload_concurrency = _upload_concurrency(self.settings.get("upload_concurrency"))
+        except ValueError as e:
+            raise StorageError(f"{self.uri}: {e}") from None
         self._client: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -117,7 +156,7 @@ class ObjectStore(Store):
         if self._client is None:
             from obstore.store import AzureStore, GCSStore, S3Store
 
-            config = {k: v for k, v in self.settings.items() if k != "allow_http"}
+            config = {k: v for k, v in self.settings.items() if k not in _OWN}
             # A plain-http endpoint (a local S3 server) is what the user configured: allow it.
             http = self.settings.get("allow_http", "").lower() in ("1", "true") or str(config.get("endpoint", "")).startswith("http://")
             options = {"allow_http": True} if http else None
@@ -192,8 +231,8 @@ class ObjectStore(Store):
         import obstore
 
         self.requests["put"] += 1
-        try:  # a multipart upload above 64 MB
-            obstore.put(self.client, self._key(key), data, use_multipart=size > (64 << 20))
+        try:
+            obstore.put(self.client, self._key(key), data, use_multipart=size > _MULTIPART_ABOVE, max_concurrency=self.upload_concurrency)
         except StorageError:
             raise
         except Exception as e:

@@ -464,8 +464,9 @@ def _held_key_groups(cache: dict[Any, Any]) -> set[int]:
 @pytest.mark.parametrize("budget", [0, 1 << 30], ids=["no-stale-copies", "stale-copies-kept"])
 def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Subtasks alternate between two workers (as Spark hands tasks to idle workers). With
-    no room for stale copies (the default) each worker keeps only the key groups it served
-    last and reloads the other range; with room, it keeps both and catches up from deltas."""
+    no room for stale copies (KEYSCALE_STALE_STATE_MB=0) each worker keeps only the key
+    groups it served last and reloads the other range; with room (the default's 256 MB is
+    room here), it keeps both and catches up from deltas."""
     monkeypatch.setattr(memory, "STALE_COPY_BYTES", budget)
     make, reference = DRIVERS[kind]
     batches = make_batches(4, 90, 30, seed=12)

@@ -5,9 +5,10 @@ state of the key groups it has served together with the version of each. A task 
 groups are held at the committed version reads nothing; one a few batches behind applies
 only the deltas since; otherwise (first batch, moved key groups, a newer snapshot) it loads
 from the checkpoint. A worker marks key groups invalid while it updates them, so a failed
-attempt never leaves a copy that claims a version it does not have. A worker keeps the
-state of the subtasks it runs only: copies of key groups another worker now advances are
-dropped (see ``STALE_COPY_BYTES``), so an executor holds one copy of each key.
+attempt never leaves a copy that claims a version it does not have. Copies of key groups
+another worker now advances are kept up to a bound (``STALE_COPY_BYTES``) and dropped
+beyond it, so a subtask that swaps workers catches up from the deltas instead of reloading,
+and an executor holds at most that much more than one copy of each key per worker.
 
 :class:`MemoryBackend` is this as a :class:`~keyscale.runtime.task.backend.TaskStateBackend`:
 the batch works on the worker's table itself.
@@ -26,6 +27,7 @@ import pyarrow as pa
 
 from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.manifest import StateFile, catch_up
+from keyscale.errors import KeyscaleError
 from keyscale.runtime.task.spec import StageTask
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KeyedStateTable
@@ -95,14 +97,41 @@ def _fetch_in_order(store: Store, reads: list[tuple[StateFile, KeyGroupRange]]) 
 
 # A worker's copies of key groups it did not serve in this batch are stale: another worker
 # advances them. Kept, such a copy saves a reload when its key groups come back (it then
-# catches up from the deltas since); but Spark gives a task whichever Python worker is idle,
-# so every worker ends up with a copy of every subtask's state (measured: two workers, two
-# subtasks, 10M keys: each worker held all 10M; docs/benchmarks.md). So by default a worker
-# keeps none: one copy of the state per executor, and a task that lands on another worker
-# than last time reloads its range from the checkpoint. KEYSCALE_STALE_STATE_MB (in the
-# executors' environment) keeps stale copies, newest first, up to that size per worker and
-# operator: memory for fewer reloads (worth it when the state is small or on an object store).
-STALE_COPY_BYTES = int(float(os.environ.get("KEYSCALE_STALE_STATE_MB", "0")) * 2**20)
+# catches up from the deltas since). Spark gives a task whichever Python worker is idle
+# (its idle workers are a queue: the first to finish the last batch takes the first task
+# of the next), so subtasks swap workers in many batches. With no stale copy each swap
+# reloads the range from the checkpoint: at 10M string keys on S3 the batches that did took
+# 3.4-6.3 s, against 0.3-0.6 s with the copy kept (docs/benchmarks.md, "Worker swaps at 10M keys").
+# The price is memory: every worker ends up holding the ranges of the subtasks it swaps with.
+# So stale copies are kept newest first up to KEYSCALE_STALE_STATE_MB (in the executors'
+# environment; 256 by default) per worker and operator: in that run the other subtask's 5M
+# string keys fit (~30 bytes a key in the table, ~150 MB), so each of the two workers held
+# all 10M; a larger range is dropped and reloaded when it comes back. 0 keeps none (one
+# copy per executor, every swap a reload).
+DEFAULT_STALE_STATE_MB = 256.0
+
+
+def stale_copy_bytes(raw: str | None) -> int:
+    """``KEYSCALE_STALE_STATE_MB`` (MB, ``None``: the default) as bytes; anything but a number
+    from 0 is an error naming the variable.
+
+    >>> stale_copy_bytes(None) == 256 * 2**20, stale_copy_bytes("0"), stale_copy_bytes("0.5")
+    (True, 0, 524288)
+    >>> stale_copy_bytes("lots")
+    Traceback (most recent call last):
+    ...
+    keyscale.errors.KeyscaleError: KEYSCALE_STALE_STATE_MB must be a number of megabytes from 0, not 'lots'
+    """
+    try:
+        mb = DEFAULT_STALE_STATE_MB if raw is None else float(raw)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb < float("inf"):
+        raise KeyscaleError(f"KEYSCALE_STALE_STATE_MB must be a number of megabytes from 0, not {raw!r}")
+    return int(mb * 2**20)
+
+
+STALE_COPY_BYTES = stale_copy_bytes(os.environ.get("KEYSCALE_STALE_STATE_MB"))
 
 
 def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_batches: int = 3) -> None:
