@@ -485,6 +485,28 @@ def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget
             assert [(r.loaded_key_groups, r.files_read) for r in reports] == [(0, 1), (0, 1)]
 
 
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["no-stale-copies", "stale-copies-kept"])
+def test_a_swap_after_many_batches_on_the_same_workers(tmp_path: Path, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reported (docs/benchmarks.md, "Worker swaps at 10M keys"): subtasks stay on the same
+    workers for a run of batches, then swap. Within the budget a worker's copy of the other
+    range is kept however long ago it served it, so the swap catches up from the deltas
+    since; with no budget it reloads."""
+    monkeypatch.setattr(memory, "STALE_COPY_BYTES", budget)
+    batches = make_batches(8, 90, 30, seed=21)
+    want = aggregate_reference(batches)
+    d = aggregate_driver(tmp_path)
+    w = [{}, {}]  # type: list[dict[Any, Any]]
+    swapped = [0, 1, 1, 1, 1, 1, 1, 0]  # batch 1 swaps (each worker gets the other range), batch 7 swaps back
+    for b, rows in enumerate(batches):
+        outs, reports = d.run(b, rows, 2, workers={i: w[(i + swapped[b]) % 2] for i in range(2)})
+        assert rows_of(outs) == want[b]
+        if b == 7:
+            if budget:  # held at batch 0, six deltas behind
+                assert [(r.loaded_key_groups, r.files_read) for r in reports] == [(0, 6), (0, 6)]
+            else:
+                assert [r.loaded_key_groups for r in reports] == [8, 8]
+
+
 def test_a_worker_running_several_subtasks_of_a_batch_keeps_them_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker, both subtasks of each batch: the second subtask's key groups are not
     stale when the first subtask ends, however small the budget."""

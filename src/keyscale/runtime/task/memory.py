@@ -135,17 +135,21 @@ STALE_COPY_BYTES = stale_copy_bytes(os.environ.get("KEYSCALE_STALE_STATE_MB"))
 
 
 def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_batches: int = 3) -> None:
-    """Forget key groups this worker has not served lately (they moved or another worker
-    has them), and stale copies beyond ``STALE_COPY_BYTES``: those of key groups not
-    served in this batch, once the worker has served its likely share of the batch's
-    subtasks (a worker may run several, one after the other): as many as in the batch
-    before, scaled by the change of parallelism."""
+    """Forget stale copies beyond ``STALE_COPY_BYTES``: those of key groups not served in
+    this batch (they moved or another worker has them), newest kept first, once the worker
+    has served its likely share of the batch's subtasks (a worker may run several, one after
+    the other): as many as in the batch before, scaled by the change of parallelism. With no
+    budget, also those not served for ``keep_batches`` batches, at once. With one, the budget
+    alone bounds them, whatever their age: a subtask often runs on the same worker for more
+    than a few batches, and a copy dropped for its age turned the next swap into a reload
+    (docs/benchmarks.md, "Worker swaps at 10M keys"); one older than the newest snapshot is
+    reloaded anyway (:func:`~keyscale.checkpoint.manifest.catch_up`)."""
     held.last_used[rng.start : rng.end + 1] = batch
     held.tasks = {b: t for b, t in held.tasks.items() if b >= batch - 1}
     held.tasks[batch] = (held.tasks.get(batch, (0, parallelism))[0] + 1, parallelism)
     before, of = held.tasks.get(batch - 1, (0, 1))
     done = held.tasks[batch][0] >= before * parallelism / of
-    stale = (held.version >= 0) & (held.last_used < batch - keep_batches)
+    stale = (held.version >= 0) & (held.last_used < batch - keep_batches) & (STALE_COPY_BYTES == 0)
     others = np.flatnonzero((held.version >= 0) & (held.last_used < batch) & ~stale)
     if done and len(others) and len(held.table):
         row_bytes = sum(held.table.memory().values()) / len(held.table)
