@@ -261,17 +261,10 @@ def main() -> None:
         if not a.seaweedfs:
             print(json.dumps(run(a, tmp)), flush=True)
             return
-        import secrets
+        from keyscale.storage.seaweed import serving_bucket
 
-        from keyscale.storage.seaweed import create_bucket, start_seaweedfs
-
-        server = start_seaweedfs(tmp / "s3", "bench", secrets.token_hex(16))
-        try:
-            create_bucket(server, "bench")
-            os.environ.update(server.env())  # for this process and the ones it starts (the server, the client)
+        with serving_bucket(tmp / "s3", "bench"):  # its settings also reach the server and client processes
             print(json.dumps(run(a, tmp, "s3://bench/job")), flush=True)
-        finally:
-            server.stop()
 
 
 if __name__ == "__main__":

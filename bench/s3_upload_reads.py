@@ -20,19 +20,17 @@ import argparse
 import multiprocessing as mp
 import os
 import random
-import secrets
 import statistics
 import tempfile
 import time
 from typing import Any
 
 
-def _uploader(env: dict[str, str], stop: Any, times: Any, mb: int, concurrency: int, part_mb: int) -> None:
+def _uploader(stop: Any, times: Any, mb: int, concurrency: int, part_mb: int) -> None:
     import obstore
 
     from keyscale.storage import ObjectStore, open_store
 
-    os.environ.update(env)
     store = open_store("s3://bench/up", "bench bucket")
     assert isinstance(store, ObjectStore)
     data, i = os.urandom(mb << 20), 0
@@ -70,13 +68,10 @@ def main() -> None:
     a = ap.parse_args()
 
     from keyscale.storage import open_store
-    from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+    from keyscale.storage.seaweed import serving_bucket
 
-    scratch = tempfile.TemporaryDirectory(prefix="ks-upload-reads-")  # gone at the end: each setting writes GBs
-    server = start_seaweedfs(scratch.name, "bench", secrets.token_hex(16))
-    try:
-        create_bucket(server, "bench")
-        os.environ.update(server.env())
+    # Gone at the end: each setting writes GBs. The uploaders (spawned) inherit the server's settings.
+    with tempfile.TemporaryDirectory(prefix="ks-upload-reads-") as scratch, serving_bucket(scratch, "bench"):
         store = open_store("s3://bench", "bench bucket")
         store.put("read/object", os.urandom(110 << 20))
         ctx = mp.get_context("spawn")
@@ -84,7 +79,7 @@ def main() -> None:
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for concurrency in (int(x) for x in a.concurrency.split(",")):
             stop, times = ctx.Event(), ctx.Queue()
-            procs = [ctx.Process(target=_uploader, args=(server.env(), stop, times, a.upload_mb, concurrency, a.part_mb))
+            procs = [ctx.Process(target=_uploader, args=(stop, times, a.upload_mb, concurrency, a.part_mb))
                      for _ in range(a.uploads)]
             for p in procs:
                 p.start()
@@ -99,9 +94,6 @@ def main() -> None:
             p50, p90, p99 = (_pct(ms, q) for q in (0.5, 0.9, 0.99))
             up = f"{statistics.median(took):.2f} s ({len(took)})" if took else "none finished"
             print(f"| {a.uploads} | {concurrency or 'one PUT'} | {p50:.1f} ms | {p90:.1f} | {p99:.1f} | {ms[-1]:.1f} | {up} |", flush=True)
-    finally:
-        server.stop()
-        scratch.cleanup()
 
 
 if __name__ == "__main__":

@@ -177,17 +177,10 @@ def main() -> None:
         snapshot_cost(a.snapshot_cost, a.runs)
         return
     if a.seaweedfs:
-        import secrets
+        from keyscale.storage.seaweed import serving_bucket
 
-        from keyscale.storage.seaweed import create_bucket, start_seaweedfs
-
-        server = start_seaweedfs(tempfile.mkdtemp(prefix="lookup-bench-s3-"), "bench", secrets.token_hex(16))
-        try:
-            create_bucket(server, "bench")
-            os.environ.update(server.env())
+        with serving_bucket(tempfile.mkdtemp(prefix="lookup-bench-s3-"), "bench"):
             run(a, "s3://bench/job")
-        finally:
-            server.stop()
         return
     run(a, a.where or tempfile.mkdtemp(prefix="lookup-bench-") + "/job")
 

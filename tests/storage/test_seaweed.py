@@ -22,8 +22,8 @@ from obstore.exceptions import AlreadyExistsError, PreconditionError
 from obstore.store import S3Store
 
 from keyscale.errors import StorageError
-from keyscale.storage import seaweed
-from keyscale.storage.seaweed import create_bucket, signed_request, start_seaweedfs
+from keyscale.storage import open_store, seaweed
+from keyscale.storage.seaweed import create_bucket, serving_bucket, signed_request, start_seaweedfs
 
 pytestmark = pytest.mark.s3
 
@@ -113,6 +113,22 @@ def test_two_servers_run_at_once_and_stop_leaves_no_process(tmp_path: Path) -> N
         first.stop()
     assert not _alive(first.pid)
     first.stop()  # idempotent
+
+
+def test_a_benchmarks_server_serves_its_bucket_through_the_environment_and_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serving_bucket``: inside the block a store opened by URI alone (no settings given)
+    reaches the bucket; after it the server's process is gone."""
+    names = {k for k in os.environ if k.startswith("AWS_")} | {
+        "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION",
+        "AWS_ALLOW_HTTP", "AWS_EC2_METADATA_DISABLED"}
+    for key in names:
+        monkeypatch.delenv(key, raising=False)  # none to start with; put back as they were after the test
+    with serving_bucket(tmp_path / "s3", "bench") as server:
+        assert set(server.env()) <= names
+        store = open_store("s3://bench/x", "bench bucket")
+        store.put("a.json", b"1")
+        assert store.get("a.json") == b"1"
+    assert not _alive(server.pid)
 
 
 def test_a_put_into_a_missing_bucket_fails_as_on_s3(s3_bucket: str) -> None:

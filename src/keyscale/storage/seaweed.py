@@ -27,13 +27,14 @@ import hmac
 import http.client
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -46,6 +47,7 @@ __all__ = [
     "create_bucket",
     "delete_bucket",
     "find_weed",
+    "serving_bucket",
     "signed_request",
     "start_seaweedfs",
 ]
@@ -212,6 +214,22 @@ def create_bucket(server: S3Server, name: str) -> None:
     status, body = signed_request(server, "PUT", f"/{name}")
     if status != 200:
         raise StorageError(f"bucket {name} on {server.endpoint_url}: CreateBucket answered {status}: {_s3_message(body)}")
+
+
+@contextlib.contextmanager
+def serving_bucket(folder: str | os.PathLike[str], bucket: str) -> Iterator[S3Server]:
+    """A server of its own in ``folder`` with bucket ``bucket``, and this process's
+    environment pointed at it (:meth:`S3Server.env`), so the processes it starts find it
+    too (a job's driver, a CLI, spawned workers); stopped at the end. A benchmark's S3 in
+    one line: ``with serving_bucket(tmp / "s3", "bench"): run("s3://bench/job")``. The
+    environment keeps the settings after the block (the server is gone by then)."""
+    server = start_seaweedfs(folder, "bench", secrets.token_hex(16))
+    try:
+        create_bucket(server, bucket)
+        os.environ.update(server.env())
+        yield server
+    finally:
+        server.stop()
 
 
 def delete_bucket(server: S3Server, name: str) -> None:
