@@ -23,7 +23,7 @@ from keyscale.checkpoint.files import (
     write_state_file,
 )
 from keyscale.checkpoint.manifest import StateFile
-from keyscale.checkpoint.uploads import record_upload_failure, upload_timeout, wait_stored
+from keyscale.checkpoint.uploads import record_upload_failure, wait_stored
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.order import order_rows
@@ -295,14 +295,3 @@ def test_wait_stored_fails_at_once_on_a_failed_upload_and_a_stored_file_wins(tmp
     # An upload reported as failed that landed after all: the file is there, the wait is over.
     store.put(failed.path, b"x")
     wait_stored(store, [ok, failed], 600, "the test")
-
-
-def test_the_upload_timeout_is_a_positive_number_of_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KEYSCALE_UPLOAD_TIMEOUT", raising=False)
-    assert upload_timeout() == 600
-    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "2.5")
-    assert upload_timeout() == 2.5
-    for bad in ("0", "-1", "soon", "nan"):
-        monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", bad)
-        with pytest.raises(StateError, match="KEYSCALE_UPLOAD_TIMEOUT"):
-            upload_timeout()

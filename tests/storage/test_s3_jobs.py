@@ -21,7 +21,6 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT, RUNNING_COUNT, cli, cli_here, read_output, run_job
-from keyscale.checkpoint import jobfiles
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.errors import FencedError
 from keyscale.storage import open_store
@@ -121,7 +120,7 @@ def test_a_paused_driver_is_fenced_by_the_run_that_took_over(
         refused = cli(*args, "--until-idle", timeout=120)
         assert refused.returncode == 3 and "in use by a running job" in refused.stderr, refused.stderr[-2000:]
         time.sleep(7)  # A's heartbeat goes stale
-        monkeypatch.setattr(jobfiles, "TAKEOVER_AFTER_S", 6.0)  # A's KEYSCALE_TAKEOVER_AFTER, for B in this process
+        monkeypatch.setenv("KEYSCALE_TAKEOVER_AFTER", "6")  # A's, for B in this process
         b = cli_here(*args, "--until-idle")
         assert b.returncode == 0, b.stderr[-2000:]
         assert jd.manifest_batches()[-1] == FILES - 1

@@ -43,9 +43,7 @@ from keyscale.checkpoint.fence import EPOCHS, resumed_key, superseded
 from keyscale.checkpoint.files import state_size_problem, verify_state_file
 from keyscale.checkpoint.intent import BatchIntent
 from keyscale.checkpoint.jobfiles import (
-    HEARTBEAT_S,
     JOB_FILE,
-    TAKEOVER_AFTER_S,
     JobFiles,
     JobIdentity,
     batch_of,
@@ -58,7 +56,7 @@ from keyscale.errors import StateError, StorageError
 from keyscale.storage import Store
 
 # Names of the run half that callers import from here, where they were defined first.
-__all__ = ["HEARTBEAT_S", "JOB_FILE", "TAKEOVER_AFTER_S", "JobDir", "JobIdentity", "Recovery", "spark_cache_dir"]
+__all__ = ["JOB_FILE", "JobDir", "JobIdentity", "Recovery", "spark_cache_dir"]
 
 log = logging.getLogger("keyscale")
 

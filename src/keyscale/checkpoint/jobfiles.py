@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from keyscale._env import env_number
 from keyscale._subprocess import pid_exists
 from keyscale.checkpoint.fence import EPOCHS, Fence, epoch_key
 from keyscale.errors import JobDirError, StorageError
@@ -46,10 +47,19 @@ from keyscale.storage import LocalStore, Store, open_store
 log = logging.getLogger("keyscale")
 
 JOB_FILE = "job.json"
-# On an object store there is no lock: a job whose heartbeat (status.json) is older than
-# this is taken to be gone, and a new run may claim the job directory.
-TAKEOVER_AFTER_S = float(os.environ.get("KEYSCALE_TAKEOVER_AFTER", "30"))
-HEARTBEAT_S = TAKEOVER_AFTER_S / 3
+
+
+def takeover_after() -> float:
+    """Seconds after its last heartbeat (status.json) that a job on an object store, where
+    there is no lock, is taken to be gone, so that a new run may claim its job directory:
+    ``KEYSCALE_TAKEOVER_AFTER``, 30 by default."""
+    return env_number("KEYSCALE_TAKEOVER_AFTER", 30, "seconds", above=0)
+
+
+def heartbeat_every() -> float:
+    """Seconds between a running job's heartbeats: a third of :func:`takeover_after`, so that
+    a late write or two does not let another run take over a live job."""
+    return takeover_after() / 3
 
 
 def json_bytes(obj: object) -> bytes:
@@ -193,7 +203,7 @@ class JobFiles:
                 age = time.time() - int(st.get("updated_ms", 0)) / 1000
                 raise JobDirError(
                     f"job directory {self.uri} is in use by a running job (pid {st.get('pid', '?')} on {st.get('host', '?')}, "
-                    f"last heartbeat {age:.0f} s ago); stop it first (a job that died is taken over {TAKEOVER_AFTER_S:.0f} s "
+                    f"last heartbeat {age:.0f} s ago); stop it first (a job that died is taken over {takeover_after():.0f} s "
                     "after its last heartbeat: KEYSCALE_TAKEOVER_AFTER)"
                 )
         self.claim_epoch()
@@ -226,7 +236,7 @@ class JobFiles:
     def _alive(status: dict[str, Any]) -> bool:
         """A fresh heartbeat, unless it is of a process of this host that is gone (a crashed
         job restarted on the same machine need not wait for its heartbeat to go stale)."""
-        if not status.get("running") or time.time() * 1000 - int(status.get("updated_ms", 0)) >= TAKEOVER_AFTER_S * 1000:
+        if not status.get("running") or time.time() * 1000 - int(status.get("updated_ms", 0)) >= takeover_after() * 1000:
             return False
         if status.get("host") == socket.gethostname() and isinstance(status.get("pid"), int):
             return pid_exists(status["pid"])
@@ -307,7 +317,7 @@ class JobFiles:
         one took over raises :class:`FencedError` and writes nothing (its status would tell
         ``lock`` and ``keyscale status`` that the live run stopped). The check and the write
         are two requests: a run paused between them writes one stale status, which the live
-        run's next heartbeat (every ``HEARTBEAT_S``) replaces; on local disk the lock keeps a
+        run's next heartbeat (every :func:`heartbeat_every` seconds) replaces; on local disk the lock keeps a
         second run from starting at all."""
         if self.epoch:
             self.check_epoch("writing its status")

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterable
 
+from keyscale._env import env_number
 from keyscale.checkpoint.manifest import StateFile
 from keyscale.errors import StateError
 from keyscale.storage import Store
@@ -24,14 +25,7 @@ __all__ = ["UPLOAD_FAILED", "record_upload_failure", "upload_failure", "upload_t
 def upload_timeout() -> float:
     """Seconds a state file of a batch whose task has ended may take to appear in the store
     (asynchronous checkpoints): ``KEYSCALE_UPLOAD_TIMEOUT``, 600 by default."""
-    raw = os.environ.get("KEYSCALE_UPLOAD_TIMEOUT", "600")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise StateError(f"KEYSCALE_UPLOAD_TIMEOUT must be a number of seconds above 0, not {raw!r}")
-    return value
+    return env_number("KEYSCALE_UPLOAD_TIMEOUT", 600, "seconds", above=0)
 
 
 # Beside a state file whose detached upload failed: ``<file>.failed``, the upload's error.

@@ -36,7 +36,6 @@ on that table unchanged, and the rows it changed go back in one WriteBatch
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from keyscale._env import env_number
 from keyscale.state.keygroups import mask_runs
 from keyscale.state.rockskeys import (
     DATA,
@@ -65,10 +65,9 @@ _COUNTS = META + b"counts"
 _SIGNATURE = META + b"signature"
 
 MB = 2**20
-# Memory a database may use, whatever the state's size (executor environment, per open DB:
-# a task opens one). The block cache is shared by every DB a Python worker opens.
-BLOCK_CACHE_BYTES = int(float(os.environ.get("KEYSCALE_ROCKSDB_BLOCK_CACHE_MB", "64")) * MB)
-WRITE_BUFFER_BYTES = int(float(os.environ.get("KEYSCALE_ROCKSDB_WRITE_BUFFER_MB", "32")) * MB)
+# Memory a database may use, whatever the state's size: KEYSCALE_ROCKSDB_BLOCK_CACHE_MB and
+# KEYSCALE_ROCKSDB_WRITE_BUFFER_MB (executor environment, per open DB: a task opens one). The
+# block cache is shared by every DB a Python worker opens.
 _CACHE: Any = None
 MULTI_GET_KEYS = 1 << 16
 
@@ -78,10 +77,10 @@ def _options() -> Any:
 
     global _CACHE
     if _CACHE is None:
-        _CACHE = rd.Cache(BLOCK_CACHE_BYTES)
+        _CACHE = rd.Cache(int(env_number("KEYSCALE_ROCKSDB_BLOCK_CACHE_MB", 64, "megabytes", above=0) * MB))
     o = rd.Options(raw_mode=True)
     o.create_if_missing(True)
-    o.set_write_buffer_size(WRITE_BUFFER_BYTES)
+    o.set_write_buffer_size(int(env_number("KEYSCALE_ROCKSDB_WRITE_BUFFER_MB", 32, "megabytes", above=0) * MB))
     o.set_max_write_buffer_number(2)
     # Index and filter blocks in the block cache: bounded by it, not by the number of files.
     # Partitioned (a two-level index, filters in 4 KB partitions, the small top level pinned):

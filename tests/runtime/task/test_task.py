@@ -467,7 +467,7 @@ def test_subtasks_bouncing_between_two_workers(tmp_path: Path, kind: str, budget
     no room for stale copies (KEYSCALE_STALE_STATE_MB=0) each worker keeps only the key
     groups it served last and reloads the other range; with room (the default's 256 MB is
     room here), it keeps both and catches up from deltas."""
-    monkeypatch.setattr(memory, "STALE_COPY_BYTES", budget)
+    monkeypatch.setenv("KEYSCALE_STALE_STATE_MB", str(budget / 2**20))
     make, reference = DRIVERS[kind]
     batches = make_batches(4, 90, 30, seed=12)
     want = reference(batches)
@@ -491,7 +491,7 @@ def test_a_swap_after_many_batches_on_the_same_workers(tmp_path: Path, budget: i
     workers for a run of batches, then swap. Within the budget a worker's copy of the other
     range is kept however long ago it served it, so the swap catches up from the deltas
     since; with no budget it reloads."""
-    monkeypatch.setattr(memory, "STALE_COPY_BYTES", budget)
+    monkeypatch.setenv("KEYSCALE_STALE_STATE_MB", str(budget / 2**20))
     batches = make_batches(8, 90, 30, seed=21)
     want = aggregate_reference(batches)
     d = aggregate_driver(tmp_path)
@@ -510,7 +510,7 @@ def test_a_swap_after_many_batches_on_the_same_workers(tmp_path: Path, budget: i
 def test_a_worker_running_several_subtasks_of_a_batch_keeps_them_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One worker, both subtasks of each batch: the second subtask's key groups are not
     stale when the first subtask ends, however small the budget."""
-    monkeypatch.setattr(memory, "STALE_COPY_BYTES", 0)
+    monkeypatch.setenv("KEYSCALE_STALE_STATE_MB", "0")
     d = aggregate_driver(tmp_path)
     batches = make_batches(3, 80, 20, seed=4)
     want = aggregate_reference(batches)

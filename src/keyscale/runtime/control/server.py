@@ -143,7 +143,7 @@ class ControlServer:
         fence check, the comparison and the delete are separate requests, so a run paused
         between them (only possible on an object store, where no lock keeps a second run
         out) can still delete the newer run's files once; the newer run's heartbeat writes
-        them again (:meth:`reassert`) within ``HEARTBEAT_S``, and this run, fenced, writes
+        them again (:meth:`reassert`) within a heartbeat, and this run, fenced, writes
         nothing after."""
         try:
             with self._files:

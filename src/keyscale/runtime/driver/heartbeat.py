@@ -7,19 +7,21 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from keyscale.checkpoint.jobdir import HEARTBEAT_S, JobDir
+from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.jobfiles import heartbeat_every
 from keyscale.errors import FencedError, KeyscaleError
 
 log = logging.getLogger("keyscale")
 
 
 class Heartbeat:
-    """Writes the job's status every ``HEARTBEAT_S`` seconds (with batches or without), so
+    """Writes the job's status every ``every`` seconds (:func:`heartbeat_every` by default) (with batches or without), so
     another process can tell a running job from one that died; stops once a newer run
     took over the job directory (this run is fenced: it must not write there any more)."""
 
-    def __init__(self, jobdir: JobDir, status: Callable[[], dict[str, Any]], every: float = HEARTBEAT_S):
-        self.jobdir, self.status, self.every = jobdir, status, every
+    def __init__(self, jobdir: JobDir, status: Callable[[], dict[str, Any]], every: float | None = None):
+        self.jobdir, self.status = jobdir, status
+        self.every = heartbeat_every() if every is None else every
         # Called after each beat that wrote the status (the control API re-asserts its files).
         self.also: Callable[[], None] | None = None
         self._stop = threading.Event()

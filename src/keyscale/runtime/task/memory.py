@@ -6,7 +6,7 @@ groups are held at the committed version reads nothing; one a few batches behind
 only the deltas since; otherwise (first batch, moved key groups, a newer snapshot) it loads
 from the checkpoint. A worker marks key groups invalid while it updates them, so a failed
 attempt never leaves a copy that claims a version it does not have. Copies of key groups
-another worker now advances are kept up to a bound (``STALE_COPY_BYTES``) and dropped
+another worker now advances are kept up to a bound (``KEYSCALE_STALE_STATE_MB``) and dropped
 beyond it, so a subtask that swaps workers catches up from the deltas instead of reloading,
 and an executor holds at most that much more than one copy of each key per worker.
 
@@ -16,7 +16,6 @@ the batch works on the worker's table itself.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +24,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from keyscale._env import env_number
 from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.manifest import StateFile, catch_up
-from keyscale.errors import KeyscaleError
 from keyscale.runtime.task.spec import StageTask
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KeyedStateTable
@@ -111,31 +110,15 @@ def _fetch_in_order(store: Store, reads: list[tuple[StateFile, KeyGroupRange]]) 
 DEFAULT_STALE_STATE_MB = 256.0
 
 
-def stale_copy_bytes(raw: str | None) -> int:
-    """``KEYSCALE_STALE_STATE_MB`` (MB, ``None``: the default) as bytes; anything but a number
-    from 0 is an error naming the variable.
-
-    >>> stale_copy_bytes(None) == 256 * 2**20, stale_copy_bytes("0"), stale_copy_bytes("0.5")
-    (True, 0, 524288)
-    >>> stale_copy_bytes("lots")
-    Traceback (most recent call last):
-    ...
-    keyscale.errors.KeyscaleError: KEYSCALE_STALE_STATE_MB must be a number of megabytes from 0, not 'lots'
-    """
-    try:
-        mb = DEFAULT_STALE_STATE_MB if raw is None else float(raw)
-    except ValueError:
-        mb = -1.0
-    if not 0 <= mb < float("inf"):
-        raise KeyscaleError(f"KEYSCALE_STALE_STATE_MB must be a number of megabytes from 0, not {raw!r}")
-    return int(mb * 2**20)
-
-
-STALE_COPY_BYTES = stale_copy_bytes(os.environ.get("KEYSCALE_STALE_STATE_MB"))
+def stale_copy_bytes() -> int:
+    """The stale copies' budget, ``KEYSCALE_STALE_STATE_MB`` of the executor's environment
+    (256 when unset), in bytes; read at each use, so a bad value fails the task that needs it,
+    naming the variable."""
+    return int(env_number("KEYSCALE_STALE_STATE_MB", DEFAULT_STALE_STATE_MB, "megabytes", from_=0) * 2**20)
 
 
 def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_batches: int = 3) -> None:
-    """Forget stale copies beyond ``STALE_COPY_BYTES``: those of key groups not served in
+    """Forget stale copies beyond ``KEYSCALE_STALE_STATE_MB``: those of key groups not served in
     this batch (they moved or another worker has them), newest kept first, once the worker
     has served its likely share of the batch's subtasks (a worker may run several, one after
     the other): as many as in the batch before, scaled by the change of parallelism. With no
@@ -149,13 +132,14 @@ def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_ba
     held.tasks[batch] = (held.tasks.get(batch, (0, parallelism))[0] + 1, parallelism)
     before, of = held.tasks.get(batch - 1, (0, 1))
     done = held.tasks[batch][0] >= before * parallelism / of
-    stale = (held.version >= 0) & (held.last_used < batch - keep_batches) & (STALE_COPY_BYTES == 0)
+    budget = stale_copy_bytes()
+    stale = (held.version >= 0) & (held.last_used < batch - keep_batches) & (budget == 0)
     others = np.flatnonzero((held.version >= 0) & (held.last_used < batch) & ~stale)
     if done and len(others) and len(held.table):
         row_bytes = sum(held.table.memory().values()) / len(held.table)
         rows = np.bincount(held.table.kg, minlength=len(held.version))
         newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
-        kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), STALE_COPY_BYTES, side="right"))
+        kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), budget, side="right"))
         stale[newest_first[kept:]] = True
     if stale.any():
         held.table.drop_groups(np.flatnonzero(stale))
