@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keyscale.errors import JobDefinitionError
+from keyscale.errors import InputDataError, JobDefinitionError
 from keyscale.kafka.client import KafkaConnectorError, range_fetch_limit, reader_config
 from keyscale.kafka.sink import KafkaSink, encode_values
 from keyscale.kafka.source import RAW_SCHEMA, json_values, kafka_source
@@ -32,8 +32,18 @@ def test_sink_json_values_decode_back_to_the_same_rows(rows: list[tuple[str, int
 
 
 def test_decoder_keeps_row_count_for_null_values_and_multiline_json() -> None:
-    raw = pa.table({"value": pa.array([b'{\n"n": 1\n}', None, b'{"n": 3, "other": [1]}'], pa.binary())})
-    assert json_values("n long")(raw).column("n").to_pylist() == [1, None, 3]
+    raw = pa.table({"value": pa.array([b'{\n"n": 1\n}', None, b'{"n": 3, "other": [1]}', b'{"n":\r\n4}\r\n'], pa.binary())})
+    assert json_values("n long")(raw).column("n").to_pylist() == [1, None, 3, 4]
+
+
+def test_a_value_that_is_not_json_is_named_by_its_offset_or_skipped() -> None:
+    values = [b'{"n": 1}', b'{"n": 2', b'{"n": 3}', b"[4]", b'{"n": 5}']
+    raw = pa.table({"value": pa.array(values, pa.binary()), "topic": ["t"] * 5, "partition": pa.array([2] * 5, pa.int32()),
+                    "offset": pa.array(range(40, 45), pa.int64())})
+    with pytest.raises(InputDataError, match=r"^Kafka topic 't', partition 2, offset 41: the value is not a JSON object of \(n int64\).*value: '\{\"n\": 2'"):
+        json_values("n long")(raw)
+    assert json_values("n long", metadata=["offset"], on_error="skip")(raw).to_pylist() == [
+        {"n": 1, "kafka_offset": 40}, {"n": 3, "kafka_offset": 42}, {"n": 5, "kafka_offset": 44}]
 
 
 def test_reader_settings_keyscale_depends_on_cannot_be_overridden() -> None:
