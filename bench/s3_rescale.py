@@ -12,7 +12,7 @@ rescale measures keyscale's state redistribution, not executor start-up.
 
 * ``s3``: the workers are isolated (another Unix user, a private mount namespace: they
   cannot read the driver's local dirs) and the job dir and output are on a SeaweedFS
-  server started here (``keyscale.storage.seaweed.start_seaweedfs``); tasks read and write
+  server started here (``keyscale.storage.seaweed.serving_bucket``); tasks read and write
   state through the storage layer, with the endpoint and keys the driver gives them.
 * ``local``: the same job on a plain cluster (workers run as this user and share its
   disk) with job dir and output on local disk: the baseline.
@@ -31,11 +31,11 @@ Results: ``bench/out/s3_rescale.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import logging
 import os
-import secrets
 import shutil
 import statistics
 import sys
@@ -148,14 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"input: {a.files} files x {a.rows:,} rows, {a.keys:,} string keys in {inp}", flush=True)
         for store in a.stores.split(","):
             cluster = work / f"cluster-{store}"
-            server = None
-            try:
+            with contextlib.ExitStack() as s3:
                 if store == "s3":
-                    from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+                    from keyscale.storage.seaweed import serving_bucket
 
-                    server = start_seaweedfs(work / "seaweedfs", "keyscale-bench", secrets.token_hex(16))
-                    create_bucket(server, "bench")
-                    os.environ.update(server.env())  # the driver's S3 settings; they travel with the job to the tasks
+                    # The driver's S3 settings (in its environment); they travel with the job to the tasks.
+                    s3.enter_context(serving_bucket(work / "seaweedfs", "bench"))
                     job_dir, out = "s3://bench/jobs/rc", "s3://bench/out"
                 else:
                     job_dir, out = str(work / "local" / "job"), str(work / "local" / "out")
@@ -165,11 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                     r = run(info.master_url, job_dir, out, inp, rescale_after, a.workers)
                 finally:
                     stop_cluster(cluster)
-            finally:
-                if server is not None:
-                    server.stop()
-                    for k in server.env():
-                        os.environ.pop(k, None)
             results[store] = r
             print(f"{store}: batches {[round(x, 2) for x in r['batch_seconds']]} parallelism {r['parallelism']}", flush=True)
             print(f"{store}: steady batch at P=2 {r['steady_s']:.2f} s, first batch at P=4 {r['first_at_4_s']:.2f} s "

@@ -13,8 +13,6 @@ slice needs. Figures feed docs/scaling-plan.md.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -28,7 +26,7 @@ from keyscale.checkpoint.files import read_state_slice, write_state_file
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN
 from keyscale.storage import open_store
-from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+from keyscale.storage.seaweed import serving_bucket
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,11 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         "key": pa.array([f"key-{i}" for i in range(a.keys)]), KG_COLUMN: pa.array(kgs),
         "count": pa.array(rng.integers(0, 1 << 20, a.keys)), "sum": pa.array(rng.integers(0, 1 << 40, a.keys)),
     })
-    tmp = Path(tempfile.mkdtemp(prefix="ks-s3restore-"))
-    server = start_seaweedfs(tmp / "weed", "bench", "bench-secret-0123")
-    os.environ.update(server.env())
-    try:
-        create_bucket(server, "restore")
+    with tempfile.TemporaryDirectory(prefix="ks-s3restore-") as tmp, serving_bucket(Path(tmp) / "weed", "restore"):
         store = open_store("s3://restore/job", "job directory")
         times: dict[str, list[float]] = {"write": [], "whole": [], "quarter": [], "one key group": []}
         requests: dict[str, int] = {}
@@ -71,9 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, xs in times.items():
             med = statistics.median(xs)
             print(f"| {name} | {med * 1000:.0f} ms | {requests.get(name, 1)} | {mb * share[name] / med:.0f} |")
-    finally:
-        server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
