@@ -317,8 +317,8 @@ class JobFiles:
         one took over raises :class:`FencedError` and writes nothing (its status would tell
         ``lock`` and ``keyscale status`` that the live run stopped). The check and the write
         are two requests: a run paused between them writes one stale status, which the live
-        run's next heartbeat (every :func:`heartbeat_every` seconds) replaces; on local disk the lock keeps a
-        second run from starting at all."""
+        run's next heartbeat (:func:`heartbeat_every`) replaces; on local disk the lock keeps
+        a second run from starting at all."""
         if self.epoch:
             self.check_epoch("writing its status")
             status = {**status, "epoch": self.epoch, "host": socket.gethostname()}

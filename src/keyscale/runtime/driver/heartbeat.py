@@ -15,9 +15,10 @@ log = logging.getLogger("keyscale")
 
 
 class Heartbeat:
-    """Writes the job's status every ``every`` seconds (:func:`heartbeat_every` by default) (with batches or without), so
-    another process can tell a running job from one that died; stops once a newer run
-    took over the job directory (this run is fenced: it must not write there any more)."""
+    """Writes the job's status every ``every`` seconds (default :func:`heartbeat_every`),
+    with batches or without, so another process can tell a running job from one that died;
+    stops once a newer run took over the job directory (this run is fenced: it must not
+    write there any more)."""
 
     def __init__(self, jobdir: JobDir, status: Callable[[], dict[str, Any]], every: float | None = None):
         self.jobdir, self.status = jobdir, status
