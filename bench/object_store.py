@@ -39,7 +39,7 @@ from _workload import DEFAULT_DATA_ROOT, ensure_workload  # noqa: E402
 from keyscale.runtime.driver.runner import JobRunner, RunOptions  # noqa: E402
 from keyscale.sinks.parquet import read_marker  # noqa: E402
 from keyscale.storage import open_store  # noqa: E402
-from keyscale.storage.seaweed import create_bucket, start_seaweedfs  # noqa: E402
+from keyscale.storage.seaweed import create_bucket, serving_bucket  # noqa: E402
 
 
 def string_keyed(data: Path) -> Path:
@@ -112,25 +112,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.keys == "string":
         data = string_keyed(data)
     tmp = Path(tempfile.mkdtemp(prefix="ks-objstore-"))
-    server = start_seaweedfs(tmp / "weed", "bench", "bench-secret-0123")
-    os.environ.update(server.env())
     results: dict[str, list[dict[str, Any]]] = {w: [] for w in wheres}
     try:
-        for r in range(a.repeats):
-            bucket = f"bench-{r}"
-            create_bucket(server, bucket)
-            for i, where in enumerate(wheres):
-                root = str(tmp / f"r{r}" / str(i)) if where.startswith("local") else f"s3://{bucket}/{i}"
-                cpu_before = cpu_seconds(server.pid)
-                res = run(data, f"{root}/job", f"{root}/out", a.keys, where.endswith("async"), a.compaction_chain)
-                res["server_cpu"] = cpu_seconds(server.pid) - cpu_before  # the S3 server's CPU, on the job's 2 cores
-                results[where].append(res)
-                print(f"repeat {r} {where}: steady {res['steady']:.2f} s, wall {res['wall']:.1f} s, S3 server CPU {res['server_cpu']:.1f} s, "
-                      f"writes/batch {res['writes_per_batch']}, requests/batch {res['requests_per_batch']}, "
-                      f"sink objects/batch {res['sink_objects_per_batch']}", flush=True)
-            shutil.rmtree(tmp / f"r{r}", ignore_errors=True)
+        with serving_bucket(tmp / "weed", "bench-0") as server:
+            for r in range(a.repeats):
+                bucket = f"bench-{r}"
+                if r:  # a bucket a repeat: each starts empty
+                    create_bucket(server, bucket)
+                for i, where in enumerate(wheres):
+                    root = str(tmp / f"r{r}" / str(i)) if where.startswith("local") else f"s3://{bucket}/{i}"
+                    cpu_before = cpu_seconds(server.pid)
+                    res = run(data, f"{root}/job", f"{root}/out", a.keys, where.endswith("async"), a.compaction_chain)
+                    res["server_cpu"] = cpu_seconds(server.pid) - cpu_before  # the S3 server's CPU, on the job's 2 cores
+                    results[where].append(res)
+                    print(f"repeat {r} {where}: steady {res['steady']:.2f} s, wall {res['wall']:.1f} s, S3 server CPU {res['server_cpu']:.1f} s, "
+                          f"writes/batch {res['writes_per_batch']}, requests/batch {res['requests_per_batch']}, "
+                          f"sink objects/batch {res['sink_objects_per_batch']}", flush=True)
+                shutil.rmtree(tmp / f"r{r}", ignore_errors=True)
     finally:
-        server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     steady = {w: statistics.median(x["steady"] for x in results[w]) for w in wheres}
     wall = {w: statistics.median(x["wall"] for x in results[w]) for w in wheres}
