@@ -992,19 +992,17 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="keyscale-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     out_path = Path(args.out) if args.out else OUT / "chaos.json"
-    server = None
+    servers = contextlib.ExitStack()  # the S3 server, stopped last
     proxy = None
     root = None
     if args.lossy_s3 and args.store != "s3":
         raise SystemExit("--lossy-s3 needs --store s3")
     if args.store == "s3":
-        from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+        from keyscale.storage.seaweed import serving_bucket
 
-        server = start_seaweedfs(work / "seaweedfs", "keyscale-chaos", "keyscale-chaos-secret")
-        create_bucket(server, "chaos")
-        # The job processes and CLI commands the harness starts inherit these; Spark's own
-        # checkpoint folders (local by design) stay in the work folder.
-        os.environ.update(server.env())
+        # The job processes and CLI commands the harness starts inherit its settings (in this
+        # process's environment); Spark's own checkpoint folders (local by design) stay in the work folder.
+        server = servers.enter_context(serving_bucket(work / "seaweedfs", "chaos"))
         os.environ["KEYSCALE_SPARK_CACHE"] = str(work / "spark-cache")
         os.environ["KEYSCALE_TAKEOVER_AFTER"] = str(args.takeover_after)
         if args.lossy_s3:
@@ -1053,8 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
         if proxy is not None:
             summary_failed = len(proxy.failed)
             proxy.stop()
-        if server is not None:
-            server.stop()  # its own process group, by its PID
+        servers.close()  # its own process group, by its PID
     summary["work"] = str(work)
     if proxy is not None:
         summary["s3_puts_failed_after_landing"] = summary_failed
