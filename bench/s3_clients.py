@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from keyscale.storage.seaweed import create_bucket, start_seaweedfs
+from keyscale.storage.seaweed import serving_bucket
 
 BUCKET = "bench"
 
@@ -224,37 +224,32 @@ def main(argv: list[str] | None = None) -> int:
 
     small = json.dumps({"batch": 1, "pad": "x" * 990}).encode()[:1024]
     big = os.urandom(a.big_mb * 2**20)
-    with tempfile.TemporaryDirectory(prefix="keyscale-s3bench-") as tmp:
-        server = start_seaweedfs(tmp, "bench", "bench-secret")
+    with tempfile.TemporaryDirectory(prefix="keyscale-s3bench-") as tmp, serving_bucket(tmp, BUCKET) as server:
+        clients: list[Client] = [PyarrowFs(server)]
         try:
-            create_bucket(server, BUCKET)
-            clients: list[Client] = [PyarrowFs(server)]
-            try:
-                clients.append(S3fs(server))
-            except ImportError:
-                print("s3fs not installed: skipped (pip install s3fs)", file=sys.stderr)
-            clients.append(Obstore(server))
-            # One listing set for all: written once (obstore), listed by each client.
-            setup = Obstore(server)
-            for i in range(a.list_objects):
-                setup.put(f"listing/{i:05d}.json", small)
-            rows = []
-            for c in clients:
-                p = f"{c.name}/"
-                c.put(p + "warm", small)  # connection set up outside the timings
-                c.get(p + "warm")
-                put_small = median_ms(lambda i, c=c, p=p: c.put(f"{p}small/{i:05d}.json", small), a.small)
-                get_small = median_ms(lambda i, c=c, p=p: c.get(f"{p}small/{i:05d}.json"), a.small)
-                put_big = median_ms(lambda i, c=c, p=p: c.put(f"{p}big/{i}", big), a.big_repeats)
-                get_big = median_ms(lambda i, c=c, p=p: c.get(f"{p}big/{i}"), a.big_repeats)
-                assert c.get(f"{p}big/0") == big
-                listed = c.list("listing/")
-                assert len(listed) == a.list_objects, (c.name, len(listed))
-                lst = median_ms(lambda _i, c=c: c.list("listing/"), a.list_repeats)
-                create, cas = conditional(c)
-                rows.append((c.name, put_small, get_small, put_big, get_big, lst, create, cas))
-        finally:
-            server.stop()
+            clients.append(S3fs(server))
+        except ImportError:
+            print("s3fs not installed: skipped (pip install s3fs)", file=sys.stderr)
+        clients.append(Obstore(server))
+        # One listing set for all: written once (obstore), listed by each client.
+        setup = Obstore(server)
+        for i in range(a.list_objects):
+            setup.put(f"listing/{i:05d}.json", small)
+        rows = []
+        for c in clients:
+            p = f"{c.name}/"
+            c.put(p + "warm", small)  # connection set up outside the timings
+            c.get(p + "warm")
+            put_small = median_ms(lambda i, c=c, p=p: c.put(f"{p}small/{i:05d}.json", small), a.small)
+            get_small = median_ms(lambda i, c=c, p=p: c.get(f"{p}small/{i:05d}.json"), a.small)
+            put_big = median_ms(lambda i, c=c, p=p: c.put(f"{p}big/{i}", big), a.big_repeats)
+            get_big = median_ms(lambda i, c=c, p=p: c.get(f"{p}big/{i}"), a.big_repeats)
+            assert c.get(f"{p}big/0") == big
+            listed = c.list("listing/")
+            assert len(listed) == a.list_objects, (c.name, len(listed))
+            lst = median_ms(lambda _i, c=c: c.list("listing/"), a.list_repeats)
+            create, cas = conditional(c)
+            rows.append((c.name, put_small, get_small, put_big, get_big, lst, create, cas))
 
     mb = a.big_mb
     head = ("client", "PUT 1 KB ms", "GET 1 KB ms", f"PUT {mb} MB ms", f"GET {mb} MB ms", f"LIST {a.list_objects} ms", "create (If-None-Match)", "CAS (If-Match)")
