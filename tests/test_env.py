@@ -1,6 +1,6 @@
 """keyscale's numeric environment variables: each one's reader refuses a value it cannot
-serve with an error naming the variable (before, two of them raised a bare ValueError at
-import, and three read a negative or infinite value as given)."""
+serve with an error naming the variable (before, three of them were read at import: a bare
+ValueError for a word, a negative value taken as given)."""
 
 from __future__ import annotations
 
