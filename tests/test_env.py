@@ -23,7 +23,7 @@ def _rocksdb_options() -> Any:
 
 
 READERS: dict[str, tuple[Callable[[], Any], list[str]]] = {
-    "KEYSCALE_UPLOAD_TIMEOUT": (uploads.upload_timeout, ["soon", "0", "-5", "inf"]),
+    "KEYSCALE_UPLOAD_TIMEOUT": (uploads.upload_timeout, ["soon", "0", "-1", "nan", "inf"]),
     "KEYSCALE_TAKEOVER_AFTER": (jobfiles.takeover_after, ["30s", "0", "nan"]),
     "KEYSCALE_STALE_STATE_MB": (memory.stale_copy_bytes, ["lots", "-1", "1e400"]),
     "KEYSCALE_ROCKSDB_BLOCK_CACHE_MB": (_rocksdb_options, ["64MB", "0"]),
@@ -50,8 +50,10 @@ def test_values_are_read_when_used() -> None:
         assert uploads.upload_timeout() == 600
         assert jobfiles.takeover_after() == 30 and jobfiles.heartbeat_every() == 10
         assert memory.stale_copy_bytes() == 256 * 2**20
+        mp.setenv("KEYSCALE_UPLOAD_TIMEOUT", "2.5")
         mp.setenv("KEYSCALE_TAKEOVER_AFTER", "6")
         mp.setenv("KEYSCALE_STALE_STATE_MB", "0")
+        assert uploads.upload_timeout() == 2.5
         assert jobfiles.heartbeat_every() == 2 and memory.stale_copy_bytes() == 0
 
 
