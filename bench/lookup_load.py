@@ -29,7 +29,8 @@ local disk.
 A phase's first batch is left out of the batch times (it may have started before the
 phase's switch). Printed as JSON: per phase the median batch time (``BatchRecord.seconds``)
 and each round's median, against ``none``'s, the lookups made and their p50/p99 latency,
-and the load average at the end of each phase (the machine is shared).
+the load average at the end of each phase (the machine is shared), and the batches in
+which a subtask loaded key groups from the checkpoint instead of catching up a copy.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[st
     append([f"user-{i:09d}" for i in range(a.keys)])
     batches_total = a.warmup + len(phases) * a.rounds * a.phase_batches
     phase_of: list[str] = []  # per batch after the warm-up: the phase it started in
+    reloads: list[int] = []  # batches after the warm-up in which a subtask loaded key groups from the checkpoint
     loads: list[dict[str, Any]] = []
     thread_ms: list[float] = []
     ctx = mp.get_context("spawn")
@@ -174,6 +176,10 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[st
         if ended > a.warmup:
             i = ended - a.warmup - 1  # the batch that just ended
             phase_of.append(phase(i))
+            status = runner.job.committed.status if runner is not None else None
+            subtasks = ((status or {}).get("operators", {}).get("totals") or {}).get("subtasks", [])
+            if any(sub["loaded_key_groups"] for sub in subtasks):
+                reloads.append(rec.batch)
             if (i + 1) % a.phase_batches == 0:
                 loads.append({"phase": phase(i), "load_average": os.getloadavg()})
             current.value = WAYS.index(phase(i + 1))
@@ -231,7 +237,8 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[st
             per_phase[side].append(statistics.median(times))
     base = statistics.median(by["none"]) if by.get("none") else None
     result: dict[str, Any] = {"keys": a.keys, "records_per_batch": a.records, "rate": a.rate, "phase_batches": a.phase_batches,
-                              "rounds": a.rounds, "phases": {}, "loads": loads}
+                              "rounds": a.rounds, "phases": {}, "loads": loads,
+                              "batches": len(recs), "batches_with_a_reload": reloads}
     for p in phases:
         median = statistics.median(by[p]) if by[p] else None
         entry: dict[str, Any] = {"median_batch_s": round(median, 3) if median else None,

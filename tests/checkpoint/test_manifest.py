@@ -3,7 +3,7 @@
 The planning functions are checked against a model: each state file's content is a dict
 ``key group -> {key: value}`` (``None`` deletes a key), written by a random history of
 batches in which every batch picks a parallelism and every subtask writes a delta, a
-snapshot of its range, or nothing.
+snapshot of its range (with or without a companion delta of the batch's changes), or nothing.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from keyscale.checkpoint.manifest import (
     StateFile,
     catch_up,
     chain_length,
+    deltas_since,
     files_overlapping,
     latest_snapshot_batches,
     live_files,
     restore_chain,
+    restore_files,
 )
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange, key_group_range
@@ -40,9 +42,14 @@ State = dict[int, dict[int, int]]  # key group -> key -> value
 
 
 def needs_full_reload(files: list[StateFile], key_group: int, held_version: int) -> bool:
-    """The catch-up rule the task applies (manifest.chain_starts, through catch_up), per key group."""
-    snaps = [f.batch for f in files if f.kind == "snapshot" and f.start <= key_group <= f.end]
-    return held_version < 0 or (bool(snaps) and max(snaps) > held_version)
+    """The catch-up rule the task applies (manifest.chain_starts, through catch_up), per key
+    group: a copy is rebuilt unless it is newer than every snapshot, or the latest snapshot
+    keeps the deltas since a batch not after the copy."""
+    snaps = [f for f in files if f.kind == "snapshot" and f.start <= key_group <= f.end]
+    if held_version < 0 or not snaps:
+        return held_version < 0
+    latest = max(snaps, key=lambda f: f.batch)
+    return latest.batch > held_version and (latest.deltas_since is None or latest.deltas_since > held_version)
 
 @dataclass
 class History:
@@ -69,12 +76,13 @@ def histories(draw: st.DrawFn, max_m: int = 12, max_batches: int = 10) -> Histor
     state: State = {kg: {} for kg in range(m)}
     for b in range(n_batches):
         p = draw(st.integers(1, m), label=f"parallelism of batch {b}")
-        actions = draw(st.lists(st.sampled_from(["delta", "delta", "snapshot", "none"]), min_size=p, max_size=p))
+        actions = draw(st.lists(st.sampled_from(["delta", "delta", "snapshot", "snapshot+delta", "none"]), min_size=p, max_size=p))
         for i, action in enumerate(actions):
             rng = key_group_range(i, m, p)
             if action == "none":
                 continue
             content: dict[int, dict[int, int | None]] = {}
+            companion: dict[int, dict[int, int | None]] = {}
             for kg in rng:
                 # keys are small ints, values ints; None deletes the key
                 changes = {rnd.randrange(4): rnd.choice([None, rnd.randrange(100)]) for _ in range(rnd.randrange(4))}
@@ -84,9 +92,19 @@ def histories(draw: st.DrawFn, max_m: int = 12, max_batches: int = 10) -> Histor
                     else:
                         state[kg][k] = v
                 content[kg] = dict(changes) if action == "delta" else dict(state[kg])
-            path = f"state/op/{b:012d}-s{i:05d}-{action}.arrow"
-            h.files.append(StateFile(path, b, action, rng.start, rng.end, rows=0, bytes=0, crc32=0))
+                if action == "snapshot+delta" and changes:
+                    companion[kg] = dict(changes)
+            kind = "delta" if action == "delta" else "snapshot"
+            path = f"state/op/{b:012d}-s{i:05d}-{kind}.arrow"
+            since = deltas_since(h.files, rng) if action == "snapshot+delta" else None
+            if since is not None and since >= b:  # nothing to keep: as a plain snapshot (the task's rule)
+                since, companion = None, {}
+            h.files.append(StateFile(path, b, kind, rng.start, rng.end, rows=0, bytes=0, crc32=0, deltas_since=since))
             h.content[path] = content
+            if companion:  # the batch's changes beside its snapshot (none written when nothing changed)
+                path = f"state/op/{b:012d}-s{i:05d}-delta.arrow"
+                h.files.append(StateFile(path, b, "delta", rng.start, rng.end, rows=0, bytes=0, crc32=0))
+                h.content[path] = companion
         h.truth.append({kg: dict(v) for kg, v in state.items()})
     return h
 
@@ -140,10 +158,14 @@ def test_live_files_keep_every_file_a_restore_needs(h: History) -> None:
     for kg in range(h.max_parallelism):
         assert restore_chain(live, kg) == restore_chain(h.files, kg)
         assert apply(h, kg, restore_chain(live, kg)) == h.truth[-1][kg]
-    # idempotent, and a dropped file is one no key group needs
+    # idempotent, and a dropped file is one no key group needs, from nothing or after a copy
     assert live_files(live, h.max_parallelism) == live
-    needed = {f.path for kg in range(h.max_parallelism) for f in restore_chain(h.files, kg)}
-    assert {f.path for f in live} == needed
+    restores = {f.path for kg in range(h.max_parallelism) for f in restore_chain(h.files, kg)}
+    assert {f.path for f in restore_files(h.files, h.max_parallelism)} == restores
+    assert restore_files(live, h.max_parallelism) == [f for f in live if f.path in restores]
+    catch_ups = {f.path for kg in range(h.max_parallelism) for held in range(h.batches)
+                 if not needs_full_reload(h.files, kg, held) for f in restore_chain(h.files, kg, after=held)}
+    assert {f.path for f in live} == restores | catch_ups
 
 
 @PROPS
@@ -202,8 +224,10 @@ def test_catch_up_reads_each_key_groups_restore_chain(h: History, data: st.DataO
 def test_needs_full_reload_semantics(h: History, data: st.DataObject) -> None:
     held = data.draw(st.integers(-1, h.batches - 1), label="held version")
     for kg in range(h.max_parallelism):
-        newer_snapshot = any(f.kind == "snapshot" and f.batch > held and f.start <= kg <= f.end for f in h.files)
-        assert needs_full_reload(h.files, kg, held) == (held < 0 or newer_snapshot)
+        newer = [f for f in h.files if f.kind == "snapshot" and f.batch > held and f.start <= kg <= f.end]
+        # one snapshot since the copy, which keeps the deltas since a batch the copy has
+        crossable = len(newer) == 1 and newer[0].deltas_since is not None and newer[0].deltas_since <= held
+        assert needs_full_reload(h.files, kg, held) == (held < 0 or (bool(newer) and not crossable))
 
 
 @PROPS
@@ -248,6 +272,27 @@ def test_restore_chain_examples() -> None:
     assert live_files(files, 8) == files  # d0 still needed by key groups 4-7
     s3 = StateFile("d", 3, "snapshot", 4, 7, 1, 1, 1)
     assert live_files([*files, s3], 8) == [d2, s1, s3]
+
+
+def test_a_snapshot_with_its_changes_beside_it_examples() -> None:
+    d0 = StateFile("a", 0, "delta", 0, 7, 1, 1, 1)
+    d1 = StateFile("b", 1, "delta", 0, 7, 1, 1, 1)
+    s2 = StateFile("c", 2, "snapshot", 0, 7, 1, 1, 1, deltas_since=0)  # no snapshot before it: copies of 0 on
+    c2 = StateFile("d", 2, "delta", 0, 7, 1, 1, 1)  # its companion
+    d3 = StateFile("e", 3, "delta", 0, 7, 1, 1, 1)
+    files = [d0, d1, s2, c2, d3]
+    assert restore_chain(files, 5) == [s2, d3]  # a restore skips the companion
+    assert restore_chain(files, 5, after=0) == [d1, c2, d3]  # a copy of 0 crosses the snapshot
+    assert restore_chain(files, 5, after=2) == [d3]
+    assert live_files(files, 8) == [d1, s2, c2, d3]  # d0: no copy (of batch 0 or later) needs it
+    assert restore_files(files, 8) == [s2, d3]
+    assert deltas_since(files, KeyGroupRange(0, 7)) == 2
+    s4 = StateFile("f", 4, "snapshot", 0, 7, 1, 1, 1, deltas_since=2)
+    c4 = StateFile("g", 4, "delta", 0, 7, 1, 1, 1)
+    files = live_files([*files, s4, c4], 8)
+    assert files == [d3, s4, c4]  # one snapshot interval of deltas, never more
+    assert restore_chain(files, 5, after=1)[0] == s4  # two snapshots since the copy: reloads
+    assert restore_chain(files, 5, after=2) == [d3, c4]
 
 
 # -- the manifest's JSON form ----------------------------------------------------------------

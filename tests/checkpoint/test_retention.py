@@ -2,8 +2,11 @@
 every kept checkpoint, and a fallback replays a bounded number of batches.
 
 A simulated job writes, per batch and subtask, a delta (when its keys changed), a snapshot
-(when the pure rule says so) or nothing, at a parallelism that changes; the driver keeps the
-live files and applies retention, as the real one does.
+(when the pure rule says so, with the batch's changes as a delta beside it) or nothing, at a
+parallelism that changes; the driver keeps the live files and applies retention, as the real
+one does. What a damaged file takes is a checkpoint whose restore reads it
+(``restore_files``): the deltas kept beside a snapshot for workers' copies are not read by
+a restore.
 """
 
 from __future__ import annotations
@@ -11,7 +14,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyscale.checkpoint.manifest import StateFile, chain_length, live_files, oldest_chain_file
+from keyscale.checkpoint.manifest import (
+    StateFile,
+    chain_length,
+    deltas_since,
+    live_files,
+    oldest_chain_file,
+    restore_files,
+)
 from keyscale.checkpoint.retention import checkpoints_to_keep, should_snapshot
 from keyscale.state.keygroups import key_group_range
 
@@ -19,7 +29,7 @@ M = 16
 
 
 def _simulate(steps: list[tuple[int, list[bool]]], keep: int, max_chain: int, max_age: int) -> list[dict[int, list[StateFile]]]:
-    """The kept checkpoints (batch -> files) after each batch."""
+    """The kept checkpoints (batch -> the files its restore reads) after each batch."""
     files: list[StateFile] = []
     kept: dict[int, list[StateFile]] = {}
     history = []
@@ -28,11 +38,14 @@ def _simulate(steps: list[tuple[int, list[bool]]], keep: int, max_chain: int, ma
         for s in range(p):
             rng = key_group_range(s, M, p)
             snap = should_snapshot(chain_length(files, rng, M) if files else 0, oldest_chain_file(files, rng, M), batch, max_chain, max_age)
-            if snap or changed[s % len(changed)]:
-                kind = "snapshot" if snap else "delta"
-                new.append(StateFile(f"{batch}-{s}-{kind}", batch, kind, rng.start, rng.end, 1, 1, 0))
+            since = deltas_since(files, rng) if snap else None
+            if snap:
+                new.append(StateFile(f"{batch}-{s}-snapshot", batch, "snapshot", rng.start, rng.end, 1, 1, 0,
+                                     deltas_since=since if since is not None and since < batch else None))
+            if changed[s % len(changed)] and (not snap or new[-1].deltas_since is not None):
+                new.append(StateFile(f"{batch}-{s}-delta", batch, "delta", rng.start, rng.end, 1, 1, 0))
         files = live_files([*files, *new], M)
-        kept[batch] = list(files)
+        kept[batch] = restore_files(files, M)
         keep_now = checkpoints_to_keep({b: [f.batch for f in fs] for b, fs in kept.items()}, keep)
         kept = {b: fs for b, fs in kept.items() if b in keep_now}
         history.append(dict(kept))

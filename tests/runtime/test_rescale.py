@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ALERTS, RUNNING_COUNT, read_output, run_job
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.checkpoint.manifest import restore_files
 
 JOBS = {"aggregate": RUNNING_COUNT, "per-record": ALERTS}
 EVENTS = {"files": 6, "rows": 3000, "keys": 400}
@@ -91,7 +92,11 @@ def test_compaction_keeps_results_and_bounds_files(spark: Any, events: Path, ref
     assert m is not None
     files = m.operators["totals"].files
     assert any(f.kind == "snapshot" for f in files)
-    assert len(files) <= 2 * 2  # at most a snapshot and a delta per subtask
+    # A restore reads at most a snapshot and a delta per subtask; beside them the manifest
+    # keeps, for workers' copies, the deltas since the snapshot before: per subtask at most
+    # max_chain - 1 before the snapshot, its companion, and max_chain - 1 after it.
+    assert len(restore_files(files, m.operators["totals"].max_parallelism)) <= 2 * 2
+    assert len(files) <= 2 * (1 + (2 - 1) + 1 + (2 - 1))
     jd = JobDir(tmp_path / "job")
     on_disk = {p.relative_to(jd.path).as_posix() for p in (jd.path / "state" / "totals").glob("*.arrow")}
     kept = {f.path for b in jd.manifest_batches() for f in jd.read_manifest(b).operators["totals"].files}

@@ -8,6 +8,7 @@ local disk and on S3.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyscale.checkpoint.files import write_state_file
+from keyscale.checkpoint.files import read_state_slice, write_state_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile
 from keyscale.checkpoint.savepoint import checkpoint_types, restore_key_groups, write_savepoint
@@ -71,9 +72,31 @@ def _write(store: Store, batch: int, kind: str, table: pa.Table, p: int, subtask
     return files
 
 
-def _job(where: Any, users: int = 300) -> JobDir:
+def _companions(jd: JobDir, snapshots: list[StateFile]) -> list[StateFile]:
+    """Beside each snapshot, the delta a task writes with it: its rows, and a deleting row
+    (every state null) for each key of its range it no longer holds; the snapshot records
+    ``deltas_since`` (the checkpoint before it)."""
+    before = jd.latest_manifest()
+    assert before is not None
+    op = before.operators["op"]
+    keys, states = checkpoint_types(jd.store, op)
+    out = []
+    for f in snapshots:
+        snap = read_state_slice(jd.store, f, f.range)
+        held = restore_key_groups(jd.store, op, f.range, keys, states)
+        gone = held.filter(pa.array(~np.isin(held.column("user").to_numpy(zero_copy_only=False), snap.column("user").to_numpy(zero_copy_only=False))))
+        deletes = pa.table({c: gone.column("user") if c == "user" else gone.column("key_group").cast(pa.int32()) if c == KG_COLUMN
+                            else pa.nulls(gone.num_rows, snap.schema.field(c).type) for c in snap.column_names}, schema=snap.schema)
+        rel = f.path.replace("-snapshot", "-delta")
+        out += [replace(f, deltas_since=before.batch),
+                write_state_file(jd.store, rel, pa.concat_tables([snap, deletes]).sort_by(KG_COLUMN), "delta", f.batch, f.range)]
+    return out
+
+
+def _job(where: Any, users: int = 300, companions: bool = False) -> JobDir:
     """Batches 0..6 of operator 'op': a snapshot at parallelism 2, deltas, a rescale to 4 at
-    batch 3 with a snapshot by two of its subtasks (of fewer keys: the others deleted), deltas."""
+    batch 3 with a snapshot by two of its subtasks (of fewer keys: the others deleted), deltas.
+    ``companions``: batch 3's snapshots with their changes beside them, as a task writes them."""
     jd = JobDir(where)
     jd.claim("job", M, M)
     rng = np.random.default_rng(7)
@@ -84,7 +107,8 @@ def _job(where: Any, users: int = 300) -> JobDir:
         if batch == 0:
             files += _write(jd.store, 0, "snapshot", _rows(rng, names, 0), p)
         elif batch == 3:
-            files += _write(jd.store, batch, "snapshot", _rows(rng, names[: users // 2], batch), p, {0, 2})
+            snapshots = _write(jd.store, batch, "snapshot", _rows(rng, names[: users // 2], batch), p, {0, 2})
+            files += _companions(jd, snapshots) if companions else snapshots
         else:
             files += _write(jd.store, batch, "delta", _rows(rng, [n for n in names if rng.random() < 0.3], batch), p)
         op = OperatorCheckpoint("op", M, p, (("user", "string"),), tuple(d.to_json() for d in STATES), tuple(files))
@@ -219,6 +243,21 @@ def test_the_change_feed_equals_the_diffs_of_the_checkpoints_between(tmp_path: P
     assert feed.schema().names == ["user", "key_group", "batch", "change", "old", "new"]
     for n in (1, 3):
         assert _feed([r for rng in feed.ranges(n) for r in feed.read(rng).to_pylist()]) == want
+
+
+@pytest.mark.parametrize("start,end", [(0, 6), (2, 3), (3, 4)])
+def test_the_change_feed_reads_a_snapshots_companion_instead_of_the_snapshot(tmp_path: Path, start: int, end: int) -> None:
+    """A snapshot written with its batch's changes beside it (``deltas_since``): the feed reads
+    that delta, never the snapshot, and equals the model; scans and restores read the snapshot."""
+    jd = _job(tmp_path / "job", companions=True)
+    states = [_model(jd, b) for b in range(BATCHES)]
+    assert states == [_model(_job(tmp_path / "plain"), b) for b in range(BATCHES)]  # the same state either way
+    want = set().union(*(_diff(states[b - 1], states[b], b) for b in range(start + 1, end + 1)))
+    feed = open_changes(tmp_path / "job", "op", start, end)
+    assert all(f.kind == "delta" for _, fs in feed.written for f in fs)
+    assert _feed([r for rng in feed.ranges(2) for r in feed.read(rng).to_pylist()]) == want
+    scan = open_scan(tmp_path / "job", "op", checkpoint=4, flatten=False)
+    assert {k: _user(r) for k, r in _scanned(scan, scan.parts(3)).items()} == {k: _user(r) for k, r in states[4].items()}
 
 
 def test_the_change_feed_reads_only_the_files_of_its_batches_and_names_a_batch_it_lacks(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ from keyscale.checkpoint.jobfiles import (
     json_bytes,
     spark_cache_dir,
 )
-from keyscale.checkpoint.manifest import Manifest
+from keyscale.checkpoint.manifest import Manifest, restore_files
 from keyscale.checkpoint.retention import checkpoints_to_keep
 from keyscale.errors import StateError, StorageError
 from keyscale.storage import Store
@@ -166,7 +166,9 @@ class JobDir(JobFiles):
         except StateError as e:
             return None, str(e)
         for op in m.operators.values():
-            for f in op.files:
+            # The files a restore reads: a delta kept only for running workers' copies
+            # (manifest.live_files) is never read by a new run, whose workers hold none.
+            for f in restore_files(op.files, op.max_parallelism):
                 problem = state_size_problem(f, sizes.get(f.path)) if sizes is not None else verify_state_file(self.store, f)
                 if problem:
                     return None, f"checkpoint {batch}: {problem}"
@@ -345,7 +347,8 @@ class JobDir(JobFiles):
                 manifests[b] = self.read_manifest(b)
             except StateError:
                 continue  # a damaged one is never a fallback; it goes once it is old
-        kept_batches = checkpoints_to_keep({b: [f.batch for op in m.operators.values() for f in op.files] for b, m in manifests.items()}, keep)
+        kept_batches = checkpoints_to_keep(
+            {b: [f.batch for op in m.operators.values() for f in restore_files(op.files, op.max_parallelism)] for b, m in manifests.items()}, keep)
         kept_batches.update(batches[-keep:])
         needed = {f.path for b in kept_batches if b in manifests for op in manifests[b].operators.values() for f in op.files}
         oldest = min(kept_batches)

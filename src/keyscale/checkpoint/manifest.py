@@ -36,6 +36,10 @@ class StateFile:
 
     A ``snapshot`` holds every live key of its range as of ``batch``; a ``delta`` holds the
     keys that changed in ``batch`` (a key whose states are all null was deleted).
+    ``deltas_since`` (a snapshot's, None for none): every change of its key groups after
+    that batch is in a delta, its own batch's included (its *companion*, written beside it
+    when the batch changed a key), and the manifest keeps those deltas while the snapshot is
+    the latest, so a copy held at that batch or later catches up across the snapshot.
     """
 
     path: str  # relative to the job directory
@@ -46,22 +50,28 @@ class StateFile:
     rows: int
     bytes: int
     crc32: int
+    deltas_since: int | None = None
 
     @property
     def range(self) -> KeyGroupRange:
         return KeyGroupRange(self.start, self.end)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "path": self.path, "batch": self.batch, "kind": self.kind, "start": self.start,
             "end": self.end, "rows": self.rows, "bytes": self.bytes, "crc32": self.crc32,
         }
+        if self.deltas_since is not None:  # absent otherwise: a manifest without it reads as before
+            out["deltas_since"] = self.deltas_since
+        return out
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> StateFile:
+        since = d.get("deltas_since")
         return StateFile(
             path=str(d["path"]), batch=int(d["batch"]), kind=d["kind"], start=int(d["start"]),
             end=int(d["end"]), rows=int(d["rows"]), bytes=int(d["bytes"]), crc32=int(d["crc32"]),
+            deltas_since=None if since is None else int(since),
         )
 
 
@@ -197,28 +207,47 @@ def _checksum(body: dict[str, Any]) -> str:
 #
 # The restore chain of a key group (which files make its state at a checkpoint) is one rule,
 # here: its latest snapshot, then the deltas after it, in batch order (every delta when it
-# has no snapshot); a reader that already holds the key group at some batch needs only the
-# files after that batch, unless a newer snapshot exists. ``chain_starts`` says where each key
-# group's chain starts, ``chain_files``/``chain_reads`` which files (and runs of key groups in
-# each) that makes. The task's catch-up (``catch_up``), savepoints' and the State Processor's
-# reads (``savepoint.write.restore_key_groups``), ``restore_chain``, the compaction trigger
-# (``chain_length``, ``oldest_chain_file``) and retention (``live_files``) are built on them.
+# has no snapshot). A reader that already holds the key group at some batch needs only the
+# deltas after that batch, unless a newer snapshot exists that it cannot cross on deltas
+# (``StateFile.deltas_since``: a snapshot whose batch also wrote its changes as a delta, and
+# whose key groups' deltas since the snapshot before it stay live). ``chain_starts`` says
+# where each key group's chain starts, ``chain_files``/``chain_reads`` which files (and runs
+# of key groups in each) that makes. The task's catch-up (``catch_up``), savepoints' and the
+# State Processor's reads (``savepoint.write.restore_key_groups``), ``restore_chain``, the
+# compaction trigger (``chain_length``, ``oldest_chain_file``), which deltas a snapshot keeps
+# (``deltas_since``) and retention (``live_files``, ``restore_files``) are built on them.
 
 
-def _snapshot_batches_in(files: Iterable[StateFile], rng: KeyGroupRange) -> np.ndarray:
-    """Per key group of ``rng``, the batch of its latest snapshot (-1 where none)."""
+def _snapshots_in(files: Iterable[StateFile], rng: KeyGroupRange) -> tuple[np.ndarray, np.ndarray]:
+    """Per key group of ``rng``: the batch of its latest snapshot (-1 where none), and the
+    batch after which its deltas are live (the snapshot's ``deltas_since``, else its batch)."""
     lo, hi = rng.start, rng.end
-    snap = np.full(hi - lo + 1, -1, dtype=np.int64)
-    for f in files:
-        if f.kind == "snapshot" and f.start <= hi and f.end >= lo:
-            seg = snap[max(f.start, lo) - lo : min(f.end, hi) - lo + 1]
-            np.maximum(seg, f.batch, out=seg)
-    return snap
+    latest = np.full(hi - lo + 1, -1, dtype=np.int64)
+    since = latest.copy()
+    for f in sorted((f for f in files if f.kind == "snapshot" and f.start <= hi and f.end >= lo), key=lambda f: f.batch):
+        a, b = max(f.start, lo) - lo, min(f.end, hi) - lo + 1
+        latest[a:b] = f.batch
+        since[a:b] = f.batch if f.deltas_since is None else min(f.deltas_since, f.batch)
+    return latest, since
 
 
 def latest_snapshot_batches(files: Iterable[StateFile], max_parallelism: int) -> np.ndarray:
     """Per key group, the batch of its latest snapshot (-1 where none)."""
-    return _snapshot_batches_in(files, KeyGroupRange(0, max_parallelism - 1))
+    return _snapshots_in(files, KeyGroupRange(0, max_parallelism - 1))[0]
+
+
+def deltas_since(files: Sequence[StateFile], rng: KeyGroupRange) -> int:
+    """What a snapshot of ``rng`` written now (with its batch's changes as a delta beside it)
+    records as its ``deltas_since``: the newest of its key groups' latest snapshots in
+    ``files`` (the live files before it), after which every delta of ``rng`` is live; 0
+    when none is newer (a copy is of batch 0 or later). The manifest keeps those deltas
+    while the new snapshot is the latest: one snapshot interval of them, never more. A
+    snapshot written in that batch or before has nothing to keep (no companion needed).
+
+    >>> deltas_since([StateFile("a", 2, "snapshot", 0, 1, 1, 1, 1), StateFile("b", 5, "snapshot", 2, 3, 1, 1, 1)], KeyGroupRange(0, 3))
+    5
+    """
+    return max(int(_snapshots_in(files, rng)[0].max(initial=-1)), 0)
 
 
 def chain_starts(
@@ -228,43 +257,62 @@ def chain_starts(
 
     ``held``: per key group, the batch a reader's copy reflects, where ``usable`` (default:
     everywhere ``held`` is given; nowhere without ``held``) says the copy may be built on.
-    Returns per key group ``full``, whether it is rebuilt from nothing (no usable copy, or a
-    snapshot newer than the copy: from its latest snapshot, or from its first delta when it
-    has none), and the first batch its chain needs (``held + 1`` where it is not full).
+    Returns per key group ``full``, whether it is rebuilt from nothing (from its latest
+    snapshot, or from its first delta when it has none), and the first batch its chain
+    needs: the snapshot's batch where it is full, ``held + 1`` where it is not. A copy is
+    rebuilt when it is not usable, or when a snapshot newer than it exists that it cannot
+    cross on deltas: one without ``deltas_since``, or whose ``deltas_since`` is newer than
+    the copy (the deltas before it are no longer kept).
 
     >>> files = [StateFile("a", 0, "delta", 0, 3, 1, 1, 1), StateFile("b", 1, "snapshot", 0, 1, 1, 1, 1)]
     >>> [x.tolist() for x in chain_starts(files, KeyGroupRange(0, 3))]
     [[True, True, True, True], [1, 1, -1, -1]]
     >>> [x.tolist() for x in chain_starts(files, KeyGroupRange(0, 3), np.array([0, 1, 0, 0]))]
     [[True, False, False, False], [1, 2, 1, 1]]
+    >>> crossable = [files[0], StateFile("b", 1, "snapshot", 0, 1, 1, 1, 1, deltas_since=0), StateFile("c", 1, "delta", 0, 1, 1, 1, 1)]
+    >>> [x.tolist() for x in chain_starts(crossable, KeyGroupRange(0, 3), np.array([0, 1, 0, 0]))]
+    [[False, False, False, False], [1, 2, 1, 1]]
     """
-    snap = _snapshot_batches_in(files, rng)
+    latest, since = _snapshots_in(files, rng)
     if held is None:
-        return np.ones(len(snap), dtype=bool), snap
-    ok = np.ones(len(snap), dtype=bool) if usable is None else np.asarray(usable, dtype=bool)
-    full = ~ok | (snap > held)
-    return full, np.where(full, snap, held + 1)
+        return np.ones(len(latest), dtype=bool), latest
+    ok = np.ones(len(latest), dtype=bool) if usable is None else np.asarray(usable, dtype=bool)
+    full = ~ok | (held < since)  # since <= latest: a copy newer than the snapshot always catches up
+    return full, np.where(full, latest, held + 1)
 
 
-def chain_files(files: Sequence[StateFile], rng: KeyGroupRange, starts: np.ndarray) -> list[tuple[StateFile, list[KeyGroupRange]]]:
-    """The files that make the restore chains of ``rng``, whose key groups start at
-    ``starts`` (from :func:`chain_starts`), each with the runs of key groups it is read for:
-    a file counts for a key group from that key group's start batch on. Files come in batch
-    order (a stable sort: files of one batch keep their order); files no chain needs are left out.
+def _counts_for(f: StateFile, full: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Whether ``f`` is in the chain of each key group of its slice of ``full``/``starts``:
+    a snapshot only where the chain is full and starts at it; a delta where it is newer
+    than the chain's snapshot (full: a snapshot's companion is not read after it) or not
+    older than the chain's first batch (a copy's catch-up)."""
+    counts: np.ndarray = full & (starts == f.batch) if f.kind == "snapshot" else (f.batch > starts) | (~full & (f.batch == starts))
+    return counts
+
+
+def chain_files(
+    files: Sequence[StateFile], rng: KeyGroupRange, full: np.ndarray, starts: np.ndarray,
+) -> list[tuple[StateFile, list[KeyGroupRange]]]:
+    """The files that make the restore chains of ``rng``, which start as ``full`` and
+    ``starts`` say (from :func:`chain_starts`), each with the runs of key groups it is read
+    for. Files come in batch order (a stable sort: files of one batch keep their order);
+    files no chain needs are left out.
     """
     lo, hi = rng.start, rng.end
     out: list[tuple[StateFile, list[KeyGroupRange]]] = []
     for f in sorted(files_overlapping(files, rng), key=lambda f: f.batch):
         a, b = max(f.start, lo), min(f.end, hi)
-        runs = mask_runs(f.batch >= starts[a - lo : b - lo + 1], a)
+        runs = mask_runs(_counts_for(f, full[a - lo : b - lo + 1], starts[a - lo : b - lo + 1]), a)
         if runs:
             out.append((f, [KeyGroupRange(ra, rb) for ra, rb in runs]))
     return out
 
 
-def chain_reads(files: Sequence[StateFile], rng: KeyGroupRange, starts: np.ndarray) -> list[tuple[StateFile, KeyGroupRange]]:
+def chain_reads(
+    files: Sequence[StateFile], rng: KeyGroupRange, full: np.ndarray, starts: np.ndarray,
+) -> list[tuple[StateFile, KeyGroupRange]]:
     """:func:`chain_files` as the (file, run of key groups) slices to read, in batch order."""
-    return [(f, run) for f, runs in chain_files(files, rng, starts) for run in runs]
+    return [(f, run) for f, runs in chain_files(files, rng, full, starts) for run in runs]
 
 
 def restore_chain(files: Sequence[StateFile], key_group: int, after: int | None = None) -> list[StateFile]:
@@ -273,33 +321,45 @@ def restore_chain(files: Sequence[StateFile], key_group: int, after: int | None 
 
     With nothing held (``after`` None): its latest snapshot and the deltas after it (all
     deltas if it has no snapshot). With ``after`` (a version the reader already holds): only
-    newer files, unless a snapshot newer than ``after`` exists: then from that snapshot.
-    A restored savepoint without source positions has batch -1.
+    newer deltas, unless a snapshot newer than ``after`` cannot be crossed on them: then
+    from that snapshot. A restored savepoint without source positions has batch -1.
     """
     rng = KeyGroupRange(key_group, key_group)
-    _, starts = chain_starts(files, rng, None if after is None else np.array([after], dtype=np.int64))
-    return [f for f, _ in chain_reads(files, rng, starts)]
+    full, starts = chain_starts(files, rng, None if after is None else np.array([after], dtype=np.int64))
+    return [f for f, _ in chain_reads(files, rng, full, starts)]
+
+
+def restore_files(files: Sequence[StateFile], max_parallelism: int) -> list[StateFile]:
+    """The files a restore from nothing reads (some key group's latest snapshot, or a delta
+    after it): what a checkpoint needs intact, and what retention's anchor is measured by."""
+    everything = KeyGroupRange(0, max_parallelism - 1)
+    full, starts = chain_starts(files, everything)
+    return [f for f in files if bool(_counts_for(f, full[f.start : f.end + 1], starts[f.start : f.end + 1]).any())]
 
 
 def live_files(files: Sequence[StateFile], max_parallelism: int) -> list[StateFile]:
-    """The files some key group still needs (in its restore chain: its latest snapshot and
-    later deltas)."""
-    _, starts = chain_starts(files, KeyGroupRange(0, max_parallelism - 1))
-    # A file is needed by key group kg when it is not older than where kg's chain starts.
-    return [f for f in files if int(starts[f.start : f.end + 1].min()) <= f.batch]
+    """The files some key group still needs: its restore chain (:func:`restore_files`),
+    and the deltas since its latest snapshot's ``deltas_since``, which a copy that old
+    catches up on (:func:`chain_starts`)."""
+    latest, since = _snapshots_in(files, KeyGroupRange(0, max_parallelism - 1))
+    return [
+        f for f in files
+        if (bool((latest[f.start : f.end + 1] == f.batch).any()) if f.kind == "snapshot"
+            else int(since[f.start : f.end + 1].min()) < f.batch)
+    ]
 
 
 def chain_length(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int:
     """Longest restore chain (files to read) over the key groups of ``rng``."""
     counts = np.zeros(len(rng), dtype=np.int64)
-    for _, run in chain_reads(files, rng, chain_starts(files, rng)[1]):
+    for _, run in chain_reads(files, rng, *chain_starts(files, rng)):
         counts[run.start - rng.start : run.end - rng.start + 1] += 1
     return int(counts.max())
 
 
 def oldest_chain_file(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int | None:
     """The batch of the oldest file some key group of ``rng`` still needs (None: no file)."""
-    return min((f.batch for f, _ in chain_files(files, rng, chain_starts(files, rng)[1])), default=None)
+    return min((f.batch for f, _ in chain_files(files, rng, *chain_starts(files, rng))), default=None)
 
 
 def files_overlapping(files: Sequence[StateFile], rng: KeyGroupRange) -> list[StateFile]:
@@ -313,13 +373,13 @@ def catch_up(files: Sequence[StateFile], rng: KeyGroupRange, held: np.ndarray, c
     ``held``: per key group of ``rng``, the batch its warm copy reflects (-1: none). A key
     group is loaded in full (its latest snapshot and the deltas after it) when nothing
     usable is held: no copy, a copy ahead of the checkpoint (a failed attempt's), or one
-    older than a snapshot since; otherwise only the deltas after its copy
+    older than a snapshot since that it cannot cross; otherwise only the deltas after its copy
     (:func:`chain_starts`). Returns the per-group ``full`` mask (those to drop first), the
     (file, key-group run) slices to read in batch order (:func:`chain_reads`), and counts
     for the task's report.
     """
     mine = files_overlapping(files, rng)
     full, starts = chain_starts(mine, rng, held, (held >= 0) & (held <= committed))
-    needed = chain_files(mine, rng, starts)
+    needed = chain_files(mine, rng, full, starts)
     stats = {"warm_key_groups": int((~full).sum()), "loaded_key_groups": int(full.sum()), "files_read": len(needed)}
     return full, [(f, run) for f, runs in needed for run in runs], stats

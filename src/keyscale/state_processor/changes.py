@@ -6,8 +6,10 @@ key-group range (:mod:`keyscale.checkpoint.manifest`). So the keys that changed 
 ``changes_from + 1 .. changes_to`` are those of the files those batches wrote, and only
 those files are read, plus, for the old values, the state at ``changes_from`` of the key
 groups they touch (each key group's restore chain, by byte range): never the key groups
-nothing changed in. A subtask's snapshot in a batch is diffed against its range's state
-before it: that range is read whole, once.
+nothing changed in. A subtask's snapshot in a batch is read only when its batch's changes
+are not beside it as a delta (a snapshot without ``deltas_since``, written before
+keyscale wrote them): then it is diffed against its range's state before it, that range
+read whole, once.
 
 One row per key and batch in which its state changed: the key columns, ``key_group``,
 ``batch``, ``change`` (``insert``: the key had no state before; ``update``; ``delete``:
@@ -111,7 +113,7 @@ class ChangeFeed:
         if self.before is not None:  # the state at ``start`` of the key groups that change, as a restore reads it
             for a, b in mask_runs(touched, rng.start):
                 run = KeyGroupRange(a, b)
-                for f, runs in chain_files(self.before.files, run, chain_starts(self.before.files, run)[1]):
+                for f, runs in chain_files(self.before.files, run, *chain_starts(self.before.files, run)):
                     for r in runs:
                         table.apply(self._slice(f, r))
         out = [self._diff(table, self._with_deletes(table, f, part, rng) if f.kind == "snapshot" else part, b)
@@ -185,6 +187,12 @@ class ChangeFeed:
         return pa.Table.from_arrays(cols, schema=schema)
 
 
+def _beside_delta(f: StateFile) -> bool:
+    """A snapshot whose batch's changes are in a delta beside it (or there were none): the
+    feed reads that delta, not the snapshot (``StateFile.deltas_since``)."""
+    return f.kind == "snapshot" and f.deltas_since is not None
+
+
 def _manifests(jd: JobDir, start: int, end: int) -> list[Manifest]:
     kept = jd.manifest_batches()
     out = []
@@ -227,7 +235,8 @@ def open_changes(path: Location, uid: str, start: int, end: int | None = None) -
         if op is not None and op.max_parallelism != last.max_parallelism:
             raise StateError(f"operator '{uid}' has max parallelism {op.max_parallelism} at checkpoint {m.batch} and "
                              f"{last.max_parallelism} at {end}: a change feed reads one key-group layout")
-    written = tuple((m.batch, tuple(sorted((f for f in m.operators[uid].files if f.batch == m.batch), key=lambda f: f.path)))
+    written = tuple((m.batch, tuple(sorted((f for f in m.operators[uid].files if f.batch == m.batch and not _beside_delta(f)),
+                                           key=lambda f: f.path)))
                     for m in manifests[1:] if uid in m.operators)
     keys, states = checkpoint_types(CheckpointFiles(store), last)
     return ChangeFeed(store, uid, start, end, last.max_parallelism, last.parallelism, tuple(keys), routing_columns(keys, states),

@@ -225,7 +225,7 @@ class StateScan:
         rows = np.zeros(self.max_parallelism, dtype=np.float64)
         if self.operator is not None:
             everything = KeyGroupRange(0, self.max_parallelism - 1)
-            for f, runs in chain_files(self.operator.files, everything, chain_starts(self.operator.files, everything)[1]):
+            for f, runs in chain_files(self.operator.files, everything, *chain_starts(self.operator.files, everything)):
                 for r in runs:
                     rows[r.start : r.end + 1] += f.rows / len(f.range)
         for sf in self.savepoint_files:
@@ -286,7 +286,7 @@ class StateScan:
     def _read_checkpoint(self, rng: KeyGroupRange) -> pa.Table:
         op = self.operator
         assert op is not None
-        reads = chain_files(op.files, rng, chain_starts(op.files, rng)[1])
+        reads = chain_files(op.files, rng, *chain_starts(op.files, rng))
         count = np.zeros(len(rng), dtype=np.int64)
         for _, runs in reads:
             for r in runs:
@@ -307,7 +307,7 @@ class StateScan:
         order, as applying the files in turn leaves it (every row of a state file holds all
         the states of its time; a state added since is null, as it is absent after an apply)."""
         slices = [self._columns(read_state_slice(self.store, f, r))
-                  for f, runs in chain_files(op.files, run, chain_starts(op.files, run)[1]) for r in runs]
+                  for f, runs in chain_files(op.files, run, *chain_starts(op.files, run)) for r in runs]
         table = pa.concat_tables(slices)
         last = last_rows(table, [k for k, _ in self.keys])
         if last is None:  # key codes too wide to combine: as a restore does it

@@ -182,8 +182,7 @@ class KeyedHarness:
                 out, report = run_subtask(spec, iter(mine.to_batches()), i)
             finally:
                 memory._HELD = saved
-            if report.file is not None:
-                new.append(report.file)
+            new += report.state_files()
             rows += self._unpack(out)
         self._files = live_files([*self._files, *new], m)
         self._committed = batch

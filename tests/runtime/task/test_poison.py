@@ -78,7 +78,7 @@ class PolicyDriver(Driver):
                 self.dead += [r for r in out.column(DEAD).to_pylist() if r is not None]
                 out = pa.Table.from_pylist([r for r in out.column(MAIN).to_pylist() if r is not None], schema=self.output_schema)
             outs.append(out)
-        self.files = live_files([*self.files, *(r.file for r in reports if r.file)], M)
+        self.files = live_files([*self.files, *(f for r in reports for f in r.state_files())], M)
         self.committed = batch
         return outs, reports
 

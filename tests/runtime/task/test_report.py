@@ -1,7 +1,7 @@
 """A task's report crosses the process boundary from executor to driver (a Spark
 accumulator): TaskReport's wire form round-trips, reads version 1's dict form (no ages) and
-version 2's (no GC pauses: 0), and refuses a later version naming the operator, batch and
-subtask."""
+version 2's (no GC pauses: 0), version 3's (no companion delta), and refuses a later version
+naming the operator, batch and subtask."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from keyscale.runtime.task.report import REPORT_VERSION, PartitionRead, Reports,
 small = st.integers(0, 2**40)
 names = st.text(max_size=12)
 files = st.builds(StateFile, path=names, batch=small, kind=st.sampled_from(["delta", "snapshot"]), start=small, end=small,
-                  rows=small, bytes=small, crc32=st.integers(0, 2**32 - 1))
+                  rows=small, bytes=small, crc32=st.integers(0, 2**32 - 1), deltas_since=st.none() | small)
 reads = st.builds(PartitionRead, records=small, start=small, end=small, max_event_ms=st.none() | st.integers(-(2**63), 2**63 - 1),
                   last_crc=st.none() | st.integers(0, 2**32 - 1))
 counts = st.dictionaries(names, small, max_size=4)
@@ -32,6 +32,7 @@ reports = st.builds(
     TaskReport,
     subtask=st.integers(0, 32_767), records=small, busy_seconds=seconds, gc_seconds=seconds, emitted=small, counters=counts, store_requests=counts,
     range=st.none() | st.tuples(small, small), keys=small, timer_keys=small, max_event_ms=st.none() | small, file=st.none() | files,
+    companion=st.none() | files,
     state_keys=small, load_seconds=seconds, warm_key_groups=small, loaded_key_groups=small, files_read=small,
     late_records=st.none() | small, windows_fired=st.none() | small, windows_purged=st.none() | small,
     fetched_keys=st.none() | small, copied_from=st.none() | names,
@@ -95,10 +96,23 @@ def test_version_2_reports_are_read_with_no_gc_pauses() -> None:
 def test_gc_seconds_travel_in_the_current_version() -> None:
     report = TaskReport(subtask=2, records=10, busy_seconds=0.5, gc_seconds=0.125)
     wire = report.to_wire()
-    assert wire["v"] == REPORT_VERSION == 3 and wire["gc_seconds"] == 0.125
+    assert wire["v"] == REPORT_VERSION == 4 and wire["gc_seconds"] == 0.125
     collected = Reports()
     send(collected.sender, "count", 7, 0, report)
     assert collected.take("count", 7, 1)[0].gc_seconds == 0.125
+
+
+def test_a_snapshot_and_its_companion_travel_in_the_current_version() -> None:
+    snapshot = StateFile("state/op/000000000009-s00001-snapshot-a.arrow", 9, "snapshot", 8, 15, 100, 4096, 7, deltas_since=5)
+    delta = StateFile("state/op/000000000009-s00001-delta-a.arrow", 9, "delta", 8, 15, 3, 512, 8)
+    report = TaskReport(subtask=0, records=3, busy_seconds=0.1, file=snapshot, companion=delta)
+    collected = Reports()
+    send(collected.sender, "count", 9, 0, report)
+    got = collected.take("count", 9, 1)[0]
+    assert got.state_files() == [snapshot, delta] and got.file is not None and got.file.deltas_since == 5
+    # A version 3 report (no companion) reads as a plain snapshot's.
+    v3 = {k: v for k, v in report.to_wire().items() if k != "companion"} | {"v": 3}
+    assert TaskReport.from_wire(v3).state_files() == [snapshot]
 
 
 def test_a_later_version_is_refused_naming_the_subtask() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 import keyscale.runtime.task.memory as memory
 from keyscale.checkpoint.files import read_state_slice
-from keyscale.checkpoint.manifest import StateFile, live_files
+from keyscale.checkpoint.manifest import StateFile, live_files, restore_files
 from keyscale.errors import InputDataError, JobDefinitionError
 from keyscale.operators.keyed import KeyedProcessFunction, describe_states
 from keyscale.operators.vectorized import RunningAggregate, count
@@ -193,7 +193,7 @@ class Driver:
             reps.append(rep)
         reports = reps
         assert [r.subtask for r in reports] == list(range(p))
-        new = [r.file for r in reports if r.file]
+        new = [f for r in reports for f in r.state_files()]
         self.files = live_files([*self.files, *new], M)
         self.committed = batch
         self.reports.append(reports)
@@ -591,7 +591,12 @@ def test_compaction_writes_a_snapshot_and_restores_from_it(tmp_path: Path, kind:
     snaps = [r.file for r in reports]
     assert [(f.kind, f.batch, f.start, f.end) for f in snaps] == [("snapshot", 2, 0, 7), ("snapshot", 2, 8, 15)]
     assert [f.rows for f in snaps] == [r.state_keys for r in reports]  # deleted keys are not in it
-    assert d.files == snaps  # older deltas are no longer live
+    assert [f.deltas_since for f in snaps] == [0, 0]  # no snapshot before: copies of batch 0 on catch up
+    companions = [r.companion for r in reports]
+    assert [(f.kind, f.batch, f.range) for f in companions if f] == [("delta", 2, f.range) for f in snaps]
+    # A restore needs only the snapshots; the deltas since batch 0 stay for copies that old.
+    assert restore_files(d.files, M) == snaps
+    assert sorted((f.batch, f.kind) for f in d.files) == [(1, "delta")] * 2 + [(2, "delta")] * 2 + [(2, "snapshot")] * 2
     for f in snaps:  # a snapshot holds no all-null (deleted) rows
         table = read_state_slice(d.job_dir, f, f.range, verify=True)
         states = [c for c in table.column_names if c not in ("key", KG)]
@@ -605,19 +610,38 @@ def test_compaction_writes_a_snapshot_and_restores_from_it(tmp_path: Path, kind:
     assert [r.file.kind for r in reports] == ["delta", "snapshot"]
 
 
-def test_compaction_invalidates_a_stale_worker(tmp_path: Path) -> None:
-    """A worker holding a version older than a newer snapshot reloads from the snapshot."""
-    d = tracker_driver(tmp_path)
-    batches = make_batches(4, 80, 20, seed=14)
-    want = tracker_reference(batches)
+@pytest.mark.parametrize("kind", DRIVERS)
+def test_a_stale_worker_catches_up_across_one_snapshot(tmp_path: Path, kind: str) -> None:
+    """Reported (docs/benchmarks.md, "Worker swaps at 10M keys"): a worker's copy from before
+    a snapshot reloaded the whole range. The snapshot's batch also writes its changes as a
+    delta, and the deltas since the snapshot before it stay live: a copy from after that one
+    catches up across the snapshot on deltas; a copy older than two snapshots reloads."""
+    make, reference = DRIVERS[kind]
+    batches = make_batches(7, 80, 20, seed=14)
+    want = reference(batches)
+    d = make(tmp_path)
     a: dict[Any, Any] = {}
     b_: dict[Any, Any] = {}
     d.run(0, batches[0], 1, workers={0: a})
     d.run(1, batches[1], 1, workers={0: b_}, compact=[True])
     d.run(2, batches[2], 1, workers={0: b_})
-    outs, reports = d.run(3, batches[3], 1, workers={0: a})
+    outs, reports = d.run(3, batches[3], 1, workers={0: a})  # a holds batch 0: deltas 1 (the companion), 2
     assert rows_of(outs) == want[3]
-    assert reports[0].loaded_key_groups == M and reports[0].files_read == 2
+    assert (reports[0].loaded_key_groups, reports[0].files_read) == (0, 2)
+    d.run(4, batches[4], 1, workers={0: b_}, compact=[True])  # keeps the deltas since the snapshot of batch 1
+    outs, reports = d.run(5, batches[5], 1, workers={0: a})  # a holds batch 3: the companion of 4
+    assert rows_of(outs) == want[5]
+    assert (reports[0].loaded_key_groups, reports[0].files_read) == (0, 1)
+    # Two snapshots since a copy: the deltas before the second's deltas_since are gone.
+    d2 = make(tmp_path / "two")
+    a, b_ = {}, {}
+    d2.run(0, batches[0], 1, workers={0: a})
+    d2.run(1, batches[1], 1, workers={0: b_}, compact=[True])
+    d2.run(2, batches[2], 1, workers={0: b_}, compact=[True])
+    assert [f.batch for f in d2.files if f.kind == "delta"] == [2]
+    outs, reports = d2.run(3, batches[3], 1, workers={0: a})
+    assert rows_of(outs) == want[3]
+    assert (reports[0].loaded_key_groups, reports[0].files_read) == (M, 1)
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -741,8 +765,9 @@ def test_expired_state_is_removed_from_memory_and_checkpoint(tmp_path: Path) -> 
     assert sum(r.state_keys for r in reports) == 1
     assert any(r.file for r in reports)  # the expiry is written as a delete, incrementally
     _, reports = d.run(4, [], 2, compact=[True, True])
-    keys = [k for f in d.files for k in read_state_slice(d.job_dir, f, f.range).column("key").to_pylist()]
-    assert keys == ["b"]  # the snapshot holds no trace of a
+    snaps = [f for f in d.files if f.kind == "snapshot"]
+    keys = [k for f in snaps for k in read_state_slice(d.job_dir, f, f.range).column("key").to_pylist()]
+    assert keys == ["b"]  # the snapshot holds no trace of a (the deltas kept beside it for copies do)
     with worker({}):  # a fresh worker restoring from the checkpoint does not see a either
         outs, _ = d.run(5, [_row("a", 0, 9)], 2, workers={0: {}, 1: {}})
     assert rows_of(outs) == [("a", 9, None)]

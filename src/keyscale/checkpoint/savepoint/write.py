@@ -221,11 +221,11 @@ def checkpoint_rows_per_key_group(store: Store | CheckpointFiles, op: OperatorCh
     """Per key group, the rows its restore chain holds (an upper bound of its live keys)."""
     files = _files(store)
     m = op.max_parallelism
-    _, starts = chain_starts(op.files, KeyGroupRange(0, m - 1))
+    everything = KeyGroupRange(0, m - 1)
     rows = np.zeros(m, dtype=np.int64)
-    for f in op.files:
+    for f, runs in chain_files(op.files, everything, *chain_starts(op.files, everything)):
         for kg, _, n in files.index(f):
-            if 0 <= kg < m and f.batch >= starts[kg]:  # f is in kg's restore chain
+            if any(r.start <= kg <= r.end for r in runs):  # f is in kg's restore chain
                 rows[kg] += n
     return rows
 
@@ -247,7 +247,7 @@ def restore_key_groups(
     js = _files(store).store
     names = [k for k, _ in key_columns]
     table = KeyedStateTable(names, [t for _, t in key_columns], states)
-    for f, runs in chain_files(op.files, rng, chain_starts(op.files, rng)[1]):
+    for f, runs in chain_files(op.files, rng, *chain_starts(op.files, rng)):
         part = read_state_slice(js, f, KeyGroupRange(runs[0].start, runs[-1].end))
         if len(runs) == 1:
             table.apply(part)

@@ -457,7 +457,7 @@ def build_manifest(
         if i == 0 and src is None:
             records = sum(r.records for r in reports)
         prev = job.committed.manifest.operators.get(step.uid) if job.committed.manifest else None
-        new = [r.file for r in reports if r.file is not None]
+        new = [f for r in reports for f in r.state_files()]
         files = live_files([*(prev.files if prev else ()), *new], job.max_parallelism)
         ops[step.uid] = OperatorCheckpoint(
             uid=step.uid, max_parallelism=job.max_parallelism, parallelism=p,

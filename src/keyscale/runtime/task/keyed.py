@@ -2,8 +2,8 @@
 
 The task owns the key groups of its subtask. It gets their state at the last committed
 version, processes the batch's records key by key in arrival order, writes the keys that
-changed as one state file (or, when the restore chain got long, a snapshot of its whole
-range), emits its output rows, and reports what it did (a
+changed as one state file (and, when the restore chain got long, a snapshot of its whole
+range beside it), emits its output rows, and reports what it did (a
 :class:`~keyscale.runtime.task.report.TaskReport`, carried to the driver by Spark with the
 task's result).
 
@@ -24,7 +24,8 @@ import time
 import uuid
 from collections import namedtuple
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -33,7 +34,7 @@ import pyarrow as pa
 
 from keyscale._faults import fault_point
 from keyscale.checkpoint.files import encode_state_file, spill_state_file
-from keyscale.checkpoint.manifest import FileKind, StateFile
+from keyscale.checkpoint.manifest import StateFile, deltas_since
 from keyscale.latency import ages
 from keyscale.operators.keyed import KeyedProcessFunction, rows_to_arrow
 from keyscale.operators.poison import ErrorCollector, null_event_time_mask, run_guarded
@@ -231,13 +232,13 @@ def _process(
         changed_rows = state.rows_union(changed_rows, done.changed)
     out, late, max_event, n_keys, windows, counters = done.out, done.late, done.max_event, done.keys, done.windows, done.counters
 
-    written, upload = _write_state_file(spec, subtask, rng, backend, changed_rows)
+    written, companion, upload = _write_state_file(spec, subtask, rng, backend, changed_rows)
     backend.finish(spec.batch_id)
     state_keys = backend.state_keys()
     busy, gc_seconds = time.perf_counter() - started, pauses.seconds - paused
     report = TaskReport(
         subtask=subtask, range=(rng.start, rng.end), records=records, max_event_ms=max_event, timer_keys=len(due_rows), keys=n_keys,
-        emitted=out.num_rows, file=written, state_keys=state_keys, busy_seconds=busy,
+        emitted=out.num_rows, file=written, companion=companion, state_keys=state_keys, busy_seconds=busy,
         gc_seconds=min(gc_seconds, busy),  # the collector's pauses within the busy time (runtime/task/gcpauses.py)
         # How the state was loaded (a RocksDB subtask's own load time and fetch too).
         load_seconds=float(stats.get("load_seconds", load_seconds)), warm_key_groups=int(stats["warm_key_groups"]),
@@ -300,26 +301,38 @@ def _run_function(
 
 def _write_state_file(
     spec: StageTask, subtask: int, rng: KeyGroupRange, backend: TaskStateBackend, changed_rows: np.ndarray,
-) -> tuple[StateFile | None, Upload | None]:
-    """The batch's state file, its upload started: a snapshot of the whole range when the
-    driver asks for one (``spec.compact``), else a delta of the changed rows (none if no row
-    changed). The backend keeps the changed rows first (a snapshot reads them)."""
+) -> tuple[StateFile | None, StateFile | None, Upload | None]:
+    """The batch's state files, their upload started: a delta of the changed rows (none if
+    no row changed), or when the driver asks for one (``spec.compact``) a snapshot of the
+    whole range and, beside it, the delta of the batch's changed rows (its companion), so
+    that a copy of the range held on another worker catches up across the snapshot instead
+    of reloading it (``StateFile.deltas_since``). Returns the main file, the companion (None
+    when none was written) and the upload. The backend keeps the changed rows first (a
+    snapshot reads them)."""
     compact = spec.compact[subtask]
     attempt = uuid.uuid4().hex[:12]
     backend.write_back(changed_rows)
     if not compact and not len(changed_rows):
-        return None, None
-    kind: FileKind = "snapshot" if compact else "delta"
-    name = state_file_name(spec.uid, spec.batch_id, subtask, kind, attempt)
+        return None, None, None
+    delta_name = state_file_name(spec.uid, spec.batch_id, subtask, "delta", attempt)
     if not compact:
-        written, data = encode_state_file(name, backend.table.to_arrow(changed_rows), kind, spec.batch_id, rng)
-        return written, Upload(spec, name, data)
+        written, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng)
+        return written, None, Upload(spec, [(delta_name, data)])
     if spec.fault == "in-compaction":
         fault_point("in-compaction", spec.driver_pid)
+    since = deltas_since(spec.files, rng)
+    uploads: list[tuple[str, bytes | Path]] = []
+    companion = None
+    if since < spec.batch_id and len(changed_rows):  # before the snapshot: it reads the rows too
+        companion, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng)
+        uploads.append((delta_name, data))
+    name = state_file_name(spec.uid, spec.batch_id, subtask, "snapshot", attempt)
     # The whole range: written in parts to a spill file, never whole in memory.
     # backend.snapshot yields rows in file order (key group, then sub key): the file gets fences.
-    written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), kind, spec.batch_id, rng, ordered=True)
-    return written, Upload(spec, name, spilled)
+    written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), "snapshot", spec.batch_id, rng, ordered=True)
+    if since < spec.batch_id:
+        written = replace(written, deltas_since=since)
+    return written, companion, Upload(spec, [(name, spilled), *uploads])
 
 
 def _without_event_time(spec: StageTask, column: str, table: pa.Table, errors: ErrorCollector) -> pa.Table:

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 #: Version 2 added ``ages`` (a reader's append times, :mod:`keyscale.latency`); a driver
 #: reads every version up to its own (an older report has no ages: no latency measured).
 #: Version 3 added ``gc_seconds`` (:mod:`keyscale.runtime.task.gcpauses`); an older report
-#: reads with 0 (its busy time taken whole as work, as before).
-REPORT_VERSION = 3
+#: reads with 0 (its busy time taken whole as work, as before). Version 4 added
+#: ``companion`` (the delta written beside a snapshot); an older report has none.
+REPORT_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class TaskReport:
     timer_keys: int = 0  # keys with due timers
     max_event_ms: int | None = None  # the largest event time believed (the stage's event-time column)
     file: StateFile | None = None  # the state file this attempt wrote (None: no change)
+    companion: StateFile | None = None  # beside a snapshot in ``file``: the delta of the batch's changes
     state_keys: int = 0  # keys in its state after the batch
     load_seconds: float = 0.0
     warm_key_groups: int = 0  # key groups held at the committed version (nothing read)
@@ -96,6 +98,10 @@ class TaskReport:
     # A reader's: its records' ages when it ended (None: its log keeps no append times).
     ages: Ages | None = None
 
+    def state_files(self) -> list[StateFile]:
+        """The state files this attempt wrote, for the manifest: ``file`` and its ``companion``."""
+        return [f for f in (self.file, self.companion) if f is not None]
+
     def to_wire(self) -> dict[str, Any]:
         """The report as it travels in the accumulator: a dict of plain values with ``"v"``
         (fields left at None are left out)."""
@@ -104,7 +110,7 @@ class TaskReport:
             value = getattr(self, name)
             if value is None:
                 continue
-            if name == "file":
+            if name in ("file", "companion"):
                 value = value.to_json()
             elif name == "range":
                 value = list(value)
@@ -126,8 +132,9 @@ class TaskReport:
             raise KeyscaleError(f"{what} is of version {version}, which this keyscale (report version {REPORT_VERSION}) cannot read: "
                                 "the executors run another keyscale than the driver")
         kw: dict[str, Any] = {k: v for k, v in d.items() if k in _FIELDS}
-        if kw.get("file") is not None:
-            kw["file"] = StateFile.from_json(kw["file"])
+        for name in ("file", "companion"):
+            if kw.get(name) is not None:
+                kw[name] = StateFile.from_json(kw[name])
         if kw.get("range") is not None:
             kw["range"] = (int(kw["range"][0]), int(kw["range"][1]))
         if kw.get("partitions") is not None:

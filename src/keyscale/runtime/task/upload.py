@@ -46,34 +46,42 @@ def release_free_memory() -> None:
 
 
 class Upload:
-    """A state file's upload in a thread of the task (obstore and file writes release the GIL).
+    """The upload of a task's state files (a delta, a snapshot, or a snapshot and the delta
+    beside it), one after the other in a thread of the task (obstore and file writes
+    release the GIL).
 
-    The task either waits for it (:meth:`wait`: the task reports once the file is stored) or,
+    The task either waits for it (:meth:`wait`: the task reports once the files are stored) or,
     with asynchronous checkpoints (``spec.detach_upload``), leaves it running (:meth:`detach`):
     the worker process outlives the task, and the driver commits the batch's manifest once
-    the file exists."""
+    the files exist."""
 
-    def __init__(self, spec: StageTask, rel_path: str, data: bytes | Path):
+    def __init__(self, spec: StageTask, files: list[tuple[str, bytes | Path]]):
         self._error: BaseException | None = None
         self._task_over = threading.Event()
 
         def put() -> None:
+            stored = 0
             try:
                 self._test_fault(spec)
-                put_state_file(spec.store, rel_path, data)
+                for rel_path, data in files:
+                    put_state_file(spec.store, rel_path, data)
+                    stored += 1
             except BaseException as e:  # handed to wait(), in the task's own thread
                 self._error = e
             finally:
-                if isinstance(data, Path):  # a spilled file: its folder goes with it
-                    remove_scratch(data.parent)
+                for _, data in files:
+                    if isinstance(data, Path):  # a spilled file: its folder goes with it
+                        remove_scratch(data.parent)
                 if spec.detach_upload:
                     release_free_memory()
-                    if self._error is not None:
-                        # The task may be over, and the driver's commit and the next batch's
-                        # tasks wait for the file: a failure record beside it ends their wait
-                        # at once with this error; the batch is replayed at the next start.
-                        recorded = record_upload_failure(spec.store, rel_path, self._error)
-                        print(f"keyscale: uploading state file {rel_path} failed: {self._error}"
+                error = self._error
+                if spec.detach_upload and error is not None:
+                    # The task may be over, and the driver's commit and the next batch's tasks
+                    # wait for its files: a failure record beside each one not stored ends
+                    # their wait at once with this error; the batch is replayed at the next start.
+                    for rel_path, _ in files[stored:]:
+                        recorded = record_upload_failure(spec.store, rel_path, error)
+                        print(f"keyscale: uploading state file {rel_path} failed: {error}"
                               f"{'' if recorded else ' (and so did writing its failure record: the waiters time out)'}",
                               file=sys.stderr, flush=True)
 
