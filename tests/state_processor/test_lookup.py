@@ -207,6 +207,36 @@ def test_cli_state_get(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "operator 'nope' does not exist" in capsys.readouterr().err
 
 
+def test_a_small_delta_is_read_whole_once_and_serves_every_key_group_after(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup reads its key group's whole chain; a delta small enough is read whole the
+    first time and kept, so a later lookup of another key group of the same deltas asks the
+    store for its snapshot's record batch alone (one request, not one per chain file)."""
+    import keyscale.checkpoint.files as files
+
+    monkeypatch.setattr(files, "CHUNK_ROWS", 256)
+    jd = _job(tmp_path / "job", users=4000)
+    model = _model(jd, 3)
+    store = open_store(tmp_path / "job", "job directory")
+    asked: list[list[str]] = []
+    get_ranges = store.get_ranges
+
+    def counted(reads: Any) -> list[bytes]:
+        asked.append([key for key, _, _ in reads])
+        return get_ranges(reads)
+
+    store.get_ranges = counted  # type: ignore[method-assign]
+    lookup = StateLookup(store)
+    # Two keys of key groups 8-11: one subtask's range at parallelism 4, whose chain is the
+    # snapshot of batch 0 and the deltas of batches 1 and 3 (all three cover both keys).
+    kgs = {u: key_groups(pa.table({"user": [u]}), ["user"], ["string"], M)[0] for u in model}
+    first, second = [next(u for u in sorted(model) if kgs[u] == kg) for kg in (8, 9)]
+    _check(lookup.get("op", first), model[first], 3)
+    assert any(".delta" in k or "-delta" in k for call in asked for k in call)
+    asked.clear()
+    _check(lookup.get("op", second), model[second], 3)
+    assert [[k.rsplit("/", 1)[-1] for k in call] for call in asked] == [["000000000000-s00001-snapshot.arrow"]]
+
+
 # -- S3: only the key group's byte range is read ------------------------------------------------
 
 
@@ -235,8 +265,10 @@ class _Counting:
 @pytest.mark.s3
 def test_lookups_on_s3_read_only_the_key_groups_byte_range(s3_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import keyscale.checkpoint.files as files
+    import keyscale.checkpoint.ranged as ranged
 
     monkeypatch.setattr(files, "CHUNK_ROWS", 256)  # many record batches in a small file
+    monkeypatch.setattr(ranged, "WHOLE_DELTA_BYTES", 0)  # deltas by byte range too (the next test: small ones whole)
     jd = _job(f"{s3_bucket}/job", users=20000)
     model = _model(jd, 3)
     store = open_store(f"{s3_bucket}/job", "job directory")

@@ -14,7 +14,8 @@ them in one more (:mod:`keyscale.checkpoint.ranged`: ranged GETs at once on an o
 store, ``pread`` on local disk). Parsed footers and slices stay in a small LRU cache
 (:class:`SliceCache`), keyed by file (path and checksum: state files are immutable) and
 the record batches read, so a hot key (or another key of the same record batch) costs no
-read at all, and a lookup whose footers are cached costs one round trip.
+read at all, and a lookup whose footers are cached costs one round trip; a small delta is
+read whole once and kept, so it serves every key group's lookups after the first.
 
 Why here, in the State Processor: a lookup is a read of keyed state outside the running
 job, like :func:`read_keyed_state`, and the next readers (a Spark data source partitioned
