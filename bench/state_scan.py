@@ -33,6 +33,7 @@ from state_lookup import build
 
 from keyscale.runtime.driver.session import spark_session
 from keyscale.state_processor import read_keyed_state
+from keyscale.state_processor.datasource import register
 from keyscale.state_processor.scan import open_scan
 
 
@@ -70,6 +71,7 @@ def main() -> None:
     out["arrow_read_keys_per_s"] = round(a.keys / secs)
 
     spark = spark_session(a.master)
+    register(spark)  # a session gets the data source only when asked (keyscale.state_processor.datasource.register)
     df = spark.read.format("keyscale").option("uid", "op").option("flatten", "false").load(where)
     df.count()  # warm-up: the Python workers' first imports are not the scan's
     secs, rows = _median(df.count, a.repeat)

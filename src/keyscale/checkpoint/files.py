@@ -9,7 +9,7 @@ on an object store, by byte range).
 Snapshots also order the rows of each key group by an 8-bit sub key of the key
 (:mod:`keyscale.state.order`) and keep *fences* in the schema metadata: each record batch's
 first ``key group << 8 | sub key``. A point lookup then fetches the footer (cached) and
-the one record batch (8,192 rows, a few hundred KB) that can hold its key, not every
+the one record batch (2,048 rows, ~100 KB) that can hold its key, not every
 batch of its key group (a key group of a 10M-key snapshot at M=128 holds ~78,000 rows,
 ~4 MB). Why a sub key: it is read from a few of the key's bytes and sorted by radix passes,
 where sorting by the key itself (or by Spark's hash of it) cost about as much as the
@@ -54,9 +54,12 @@ _FENCES_KEY = b"keyscale.fences"  # each record batch's first key group << 8 | s
 _FENCE_RULE_KEY = b"keyscale.fence_rule"
 # Record batches of this many rows (the last one shorter): a reader that needs a few key
 # groups of a file on an object store fetches only the batches holding them, by byte range,
-# and a point lookup in a fenced file the one batch of its key (a few hundred KB). Files
-# record their own size (``keyscale.chunk_rows``): files written with 65,536 read as before.
-CHUNK_ROWS = 1 << 13
+# and a point lookup in a fenced file the one batch of its key (~100 KB at 10M string keys).
+# 2,048 since 2026-12-01 (was 8,192): a lookup's GET on S3 beside a running job half as long
+# at p50, 2/3 at p99, with the same snapshot write and scan times (docs/benchmarks.md,
+# "Snapshot record batches of 2,048 rows"). Files record their own size
+# (``keyscale.chunk_rows``): files written with 8,192 or 65,536 read as before.
+CHUNK_ROWS = 1 << 11
 # A delta's record batches are smaller: its rows of one key group are few (the keys one batch
 # changed) and in no order a fence can use, so a point lookup reads the batches holding them
 # whole; at 1,024 rows a batch is tens of KB. (A delta is written every batch: more, smaller
