@@ -29,8 +29,10 @@ local disk.
 A phase's first batch is left out of the batch times (it may have started before the
 phase's switch). Printed as JSON: per phase the median batch time (``BatchRecord.seconds``)
 and each round's median, against ``none``'s, the lookups made and their p50/p99 latency,
-the load average at the end of each phase (the machine is shared), and the batches in
-which a subtask loaded key groups from the checkpoint instead of catching up a copy.
+the load average at the end of each phase (the machine is shared), the machine's busy CPU
+seconds a batch (all cores, every process) and, with ``--seaweedfs``, the S3 server's and
+the requests the job's process made of the store a batch (its lookups' among them), and the
+batches in which a subtask loaded key groups from the checkpoint instead of catching up a copy.
 """
 
 from __future__ import annotations
@@ -107,14 +109,27 @@ def _serve(job_dir: str, token_file: Path) -> tuple[subprocess.Popen[str], str]:
     return proc, found.group(1)
 
 
+def _cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds used so far: by the whole machine (every core's non-idle time) when
+    ``pid`` is None, else by process ``pid`` (user and system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    if pid is None:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    after = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces
+    return (int(after[11]) + int(after[12])) / tick
+
+
 def _pct(values: list[float], q: float) -> float | None:
     v = sorted(values)
     return round(v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
 
 
-def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[str, Any]:
+def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: int | None = None) -> dict[str, Any]:
     """The phases of one run, its files in folder ``tmp``; ``job_dir``: where the job keeps
-    its state (a folder in ``tmp`` when None)."""
+    its state (a folder in ``tmp`` when None); ``s3_pid``: the S3 server's process, whose CPU
+    is reported per phase."""
     import multiprocessing as mp
 
     import pyarrow as pa
@@ -143,6 +158,10 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[st
     phase_of: list[str] = []  # per batch after the warm-up: the phase it started in
     reloads: list[int] = []  # batches after the warm-up in which a subtask loaded key groups from the checkpoint
     loads: list[dict[str, Any]] = []
+    cpu: dict[str, list[float]] = {}  # per phase: CPU seconds of the machine and of the S3 server, wall seconds, batches
+    requests: dict[str, dict[str, int]] = {}
+    requests_at: list[dict[str, int]] = []
+    mark: list[tuple[float, float, float]] = []  # the last phase switch: (machine CPU, server CPU, wall clock)
     thread_ms: list[float] = []
     ctx = mp.get_context("spawn")
     current = ctx.Value("i", -1)  # the phase's index in WAYS, read by the thread and the client process
@@ -183,6 +202,20 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[st
             if (i + 1) % a.phase_batches == 0:
                 loads.append({"phase": phase(i), "load_average": os.getloadavg()})
             current.value = WAYS.index(phase(i + 1))
+        if ended >= a.warmup and (ended - a.warmup) % a.phase_batches == 0:  # the warm-up or a phase ended
+            now = (_cpu_seconds(), _cpu_seconds(s3_pid) if s3_pid else 0.0, time.perf_counter())
+            counted = dict(getattr(runner.jobdir.store, "requests", {})) if runner is not None else {}
+            if mark and requests_at:
+                got = requests.setdefault(phase(ended - a.warmup - 1), {})
+                for k, v in counted.items():
+                    got[k] = got.get(k, 0) + v - requests_at[0].get(k, 0)
+            requests_at[:] = [counted]
+            if mark:
+                used = cpu.setdefault(phase(ended - a.warmup - 1), [0.0, 0.0, 0.0, 0])
+                for k in range(3):
+                    used[k] += now[k] - mark[-1][k]
+                used[3] += a.phase_batches
+            mark[:] = [now]
         append([f"user-{rnd.randrange(a.keys):09d}" for _ in range(a.records)])
         if ended >= batches_total and runner is not None:
             current.value = -1
@@ -244,6 +277,12 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None) -> dict[st
         entry: dict[str, Any] = {"median_batch_s": round(median, 3) if median else None,
                                  "phase_medians_s": [round(x, 3) for x in per_phase[p]],
                                  "batch_against_none": round(median / base, 3) if median and base else None}
+        if p in cpu:  # the machine's busy cores over the phase, and what the S3 server took of them
+            machine, s3, wall, n = cpu[p]
+            entry |= {"machine_cpu_s_per_batch": round(machine / n, 3), "busy_cores": round(machine / wall, 2)}
+            if s3_pid:
+                entry |= {"s3_server_cpu_s_per_batch": round(s3 / n, 3),
+                          "driver_requests_per_batch": {k: round(v / n, 1) for k, v in sorted(requests.get(p, {}).items())}}
         if p != "none":
             lat = ms.get(p, [])
             entry |= {"lookups": len(lat), "lookup_p50_ms": _pct(lat, 0.5), "lookup_p99_ms": _pct(lat, 0.99)}
@@ -270,8 +309,8 @@ def main() -> None:
             return
         from keyscale.storage.seaweed import serving_bucket
 
-        with serving_bucket(tmp / "s3", "bench"):  # its settings also reach the server and client processes
-            print(json.dumps(run(a, tmp, "s3://bench/job")), flush=True)
+        with serving_bucket(tmp / "s3", "bench") as server:  # its settings also reach the server and client processes
+            print(json.dumps(run(a, tmp, "s3://bench/job", server.pid)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Point reads planned from parsed footers (keyscale.checkpoint.ranged): what a plan reads
 of a state file, by the byte ranges of its record batches, equals what a read of the whole
 key group gives (for a key of a fenced snapshot: that key's rows), for snapshots and deltas
-of any size of record batch, on keys present, absent and across batch boundaries; the
+of any size of record batch, compressed or not, on keys present, absent and across batch boundaries; the
 footer's record batch blocks are as many as pyarrow reads; a missing or damaged file is an
 error naming it. (tests/state_processor/test_lookup.py: a lookup's rounds of reads.)"""
 
@@ -38,10 +38,11 @@ def _table(keys: list[str], kgs: list[int], ordered: bool) -> pa.Table:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), chunk=st.integers(1, 9), snapshot=st.booleans(), tail=st.sampled_from([16 << 10, 64]))
+@given(data=st.data(), chunk=st.integers(1, 9), snapshot=st.booleans(), tail=st.sampled_from([16 << 10, 64]), compressed=st.booleans())
 def test_a_planned_read_equals_the_whole_key_group(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, chunk: int, snapshot: bool, tail: int,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, chunk: int, snapshot: bool, tail: int, compressed: bool,
 ) -> None:
+    monkeypatch.setattr(files, "compressed_on", lambda store: compressed)  # as on an object store, or not
     monkeypatch.setattr(files, "CHUNK_ROWS", chunk)
     monkeypatch.setattr(files, "DELTA_CHUNK_ROWS", chunk)
     # A first read shorter than the footer: read again, the footer alone (a large file's case)

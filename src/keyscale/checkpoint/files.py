@@ -9,7 +9,7 @@ on an object store, by byte range).
 Snapshots also order the rows of each key group by an 8-bit sub key of the key
 (:mod:`keyscale.state.order`) and keep *fences* in the schema metadata: each record batch's
 first ``key group << 8 | sub key``. A point lookup then fetches the footer (cached) and
-the one record batch (2,048 rows, ~100 KB) that can hold its key, not every
+the one record batch (1,024 rows, ~50 KB) that can hold its key, not every
 batch of its key group (a key group of a 10M-key snapshot at M=128 holds ~78,000 rows,
 ~4 MB). Why a sub key: it is read from a few of the key's bytes and sorted by radix passes,
 where sorting by the key itself (or by Spark's hash of it) cost about as much as the
@@ -54,22 +54,59 @@ _FENCES_KEY = b"keyscale.fences"  # each record batch's first key group << 8 | s
 _FENCE_RULE_KEY = b"keyscale.fence_rule"
 # Record batches of this many rows (the last one shorter): a reader that needs a few key
 # groups of a file on an object store fetches only the batches holding them, by byte range,
-# and a point lookup in a fenced file the one batch of its key (~100 KB at 10M string keys).
-# 2,048 since 2026-12-01 (was 8,192): a lookup's GET on S3 beside a running job half as long
-# at p50, 2/3 at p99, with the same snapshot write and scan times (docs/benchmarks.md,
-# "Snapshot record batches of 2,048 rows"). Files record their own size
-# (``keyscale.chunk_rows``): files written with 8,192 or 65,536 read as before.
-CHUNK_ROWS = 1 << 11
-# A delta's record batches are smaller: its rows of one key group are few (the keys one batch
-# changed) and in no order a fence can use, so a point lookup reads the batches holding them
-# whole; at 1,024 rows a batch is tens of KB. (A delta is written every batch: more, smaller
-# record batches cost its write a few microseconds each.)
+# and a point lookup in a fenced file the one batch of its key (~50 KB at 10M string keys).
+# 1,024 since 2026-12-01 (8,192, then 2,048 the same day): each step shortened a lookup's GET
+# on S3 beside a running job (p99 ~170 -> ~110 -> ~97 ms) for a snapshot write within a few %
+# and the same scan speed (docs/benchmarks.md, "Snapshot record batches of 2,048 rows" and
+# "... of 1,024 rows"). Files record their own size (``keyscale.chunk_rows``): files written
+# with 2,048, 8,192 or 65,536 read as before.
+CHUNK_ROWS = 1 << 10
+# A delta's record batches are never larger (the same size today): its rows of one key group
+# are few (the keys one batch changed) and in no order a fence can use, so a point lookup
+# reads the batches holding them whole; at 1,024 rows a batch is tens of KB. (A delta is
+# written every batch: more, smaller record batches cost its write a few microseconds each.)
 DELTA_CHUNK_ROWS = 1 << 10
 
 
 def chunk_rows(kind: FileKind) -> int:
     """Rows per record batch of a state file of ``kind``."""
     return CHUNK_ROWS if kind == "snapshot" else min(CHUNK_ROWS, DELTA_CHUNK_ROWS)
+
+
+def compressed_on(store: Store) -> bool:
+    """Whether state files written to ``store`` compress their record batches (LZ4, Arrow
+    IPC's own buffer compression, which any Arrow reader reads back): on an object store
+    yes, on local disk no.
+
+    On an object store the bytes cross a network and a store may recompress what it keeps:
+    SeaweedFS gzips a compressible chunk and inflates the whole chunk (megabytes) to serve a
+    ranged read, ~24 ms of its CPU for a point lookup's 50 KB against 1.5 ms for bytes it
+    cannot compress. LZ4 halves string-keyed state for ~0.2 s of CPU a 5M-row write, and the
+    upload carries half the bytes (a 2M-key snapshot stored on SeaweedFS in 645 against
+    1,320 ms). On local disk a file is memory-mapped and read without a copy, where a
+    compressed one must be inflated: a 5M-key snapshot read whole in 0.03-0.05 s against
+    0.13-0.19 s.
+    (docs/benchmarks.md, "State files on an object store compressed with LZ4".) Files
+    written before read as they are, either way: the compression is recorded per buffer.
+
+    >>> from keyscale.storage import LocalStore, open_store
+    >>> compressed_on(LocalStore("/tmp")), compressed_on(open_store("s3://bucket/job", "job directory"))
+    (False, True)
+    """
+    return not store.is_local
+
+
+# On the calling thread: a state file's buffers are small (a record batch of 1,024 rows),
+# and handing each to Arrow's thread pool to (de)compress cost more than it saved: a
+# 5M-row snapshot written with LZ4 in 0.31-0.38 s on one thread against 0.65-0.80 s on the
+# pool, read back in 0.13-0.19 s against 0.63-1.15 s (uncompressed files: the same either way).
+_READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)
+
+
+def _write_options(compressed: bool) -> pa.ipc.IpcWriteOptions:
+    return pa.ipc.IpcWriteOptions(compression="lz4" if compressed else None, use_threads=False)
+
+
 # Below this size a file is fetched whole (one request beats a few ranged ones).
 RANGED_MIN_BYTES = 4 << 20
 
@@ -84,8 +121,9 @@ def kg_index(kgs: np.ndarray, start: int, end: int) -> list[list[int]]:
 
 def write_state_file(job_dir: Location, rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> StateFile:
     """Write a key-group-sorted state table as one object; returns its manifest entry."""
-    entry, data = encode_state_file(rel_path, table, kind, batch, rng)
-    put_state_file(open_store(job_dir, "job directory"), rel_path, data)
+    store = open_store(job_dir, "job directory")
+    entry, data = encode_state_file(rel_path, table, kind, batch, rng, compressed_on(store))
+    put_state_file(store, rel_path, data)
     return entry
 
 
@@ -138,15 +176,18 @@ def _fences(table: pa.Table, chunk: int) -> list[int] | None:
     return [int(k) for k in keys[::chunk]]
 
 
-def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange) -> tuple[StateFile, bytes]:
+def encode_state_file(
+    rel_path: str, table: pa.Table, kind: FileKind, batch: int, rng: KeyGroupRange, compressed: bool = False,
+) -> tuple[StateFile, bytes]:
     """A key-group-sorted state table as the bytes of one state file, and its manifest entry
-    (with fences when its rows are in file order, key group then sub key: see the module)."""
+    (with fences when its rows are in file order, key group then sub key: see the module);
+    ``compressed``: its record batches LZ4-compressed (:func:`compressed_on` the store it goes to)."""
     kgs = table.column(KG_COLUMN).to_numpy()
     chunk = chunk_rows(kind)
     meta = _metadata(kg_index(kgs, rng.start, rng.end), kind, batch, rng, _fences(table, chunk))
     table = table.replace_schema_metadata(meta).combine_chunks()  # batches of exactly ``chunk`` rows
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as writer:
+    with pa.ipc.new_file(sink, table.schema, options=_write_options(compressed)) as writer:
         writer.write_table(table, max_chunksize=chunk)
     data = sink.getvalue().to_pybytes()
     entry = StateFile(
@@ -158,7 +199,7 @@ def encode_state_file(rel_path: str, table: pa.Table, kind: FileKind, batch: int
 
 def spill_state_file(
     rel_path: str, parts: Iterable[pa.Table], schema: pa.Schema, kind: FileKind, batch: int, rng: KeyGroupRange,
-    ordered: bool = False,
+    ordered: bool = False, compressed: bool = False,
 ) -> tuple[StateFile, Path]:
     """``encode_state_file`` of the concatenation of ``parts`` (key-group-sorted, in order),
     written to a spill folder in scratch instead of memory, byte for byte the same (given
@@ -201,7 +242,7 @@ def spill_state_file(
         index = [[rng.start + int(i), int(first[i]), int(counts[i])] for i in np.flatnonzero(counts)]
         path = folder / "state.arrow"
         meta = _metadata(index, kind, batch, rng, fences if key is not None and seen > chunk else None)
-        with open_scratch_file(stream, "rb") as source, open_scratch_file(path, "wb") as sink, pa.ipc.new_file(sink, schema.with_metadata(meta)) as writer:
+        with open_scratch_file(stream, "rb") as source, open_scratch_file(path, "wb") as sink, pa.ipc.new_file(sink, schema.with_metadata(meta), options=_write_options(compressed)) as writer:
             for b in _exact_batches(pa.ipc.open_stream(source), chunk):
                 writer.write_batch(b)
         stream.unlink()
@@ -263,7 +304,7 @@ def _open_state_file(store: Store, f: StateFile, verify: bool) -> pa.Table:
         source = pa.BufferReader(data)
     try:
         with source:
-            return pa.ipc.open_file(source).read_all()
+            return pa.ipc.open_file(source, options=_READ_OPTIONS).read_all()
     except (pa.ArrowInvalid, OSError) as e:
         raise StateError(f"state file {where} is unreadable ({e})") from None
 
@@ -402,10 +443,10 @@ def _read_ranged(
     raw: _Ranged | None = None
     try:
         if isinstance(store, LocalStore):  # memory-mapped: only the pages of the footer and those batches are read
-            reader = pa.ipc.open_file(pa.memory_map(str(store.path(f.path))))
+            reader = pa.ipc.open_file(pa.memory_map(str(store.path(f.path))), options=_READ_OPTIONS)
         else:
             raw = _Ranged(store, f.path, f.bytes, window, tail)
-            reader = pa.ipc.open_file(pa.PythonFile(raw, mode="r"))
+            reader = pa.ipc.open_file(pa.PythonFile(raw, mode="r"), options=_READ_OPTIONS)
     except FileNotFoundError:
         raise StateError(f"state file {store.url(f.path)} is missing") from None
     except (pa.ArrowInvalid, OSError) as e:

@@ -18,7 +18,7 @@ Why an 8-bit sub key of the first key column, and not the key itself or Spark's 
   reordering itself is not free: a snapshot's write takes 1.5x as long with it
   (docs/benchmarks.md, "State lookups with fences");
 - 8 bits are enough: a key group of N rows falls into 256 runs of about N/256 rows, so a
-  lookup reads one record batch (2,048 rows) while N/256 stays below that, ~500,000 rows a
+  lookup reads one record batch (1,024 rows) while N/256 stays below that, ~260,000 rows a
   key group (beyond, two or more: still a few batches);
 - the first key column is a column of the routing key of every operator (a window
   operator's ``window_start`` is its last key column), so all rows of one routing key

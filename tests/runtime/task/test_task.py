@@ -644,6 +644,34 @@ def test_a_stale_worker_catches_up_across_one_snapshot(tmp_path: Path, kind: str
     assert (reports[0].loaded_key_groups, reports[0].files_read) == (M, 1)
 
 
+@pytest.mark.parametrize("kind", DRIVERS)
+def test_state_files_for_an_object_store_are_compressed_and_restore_alike(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A task writing to an object store LZ4-compresses its deltas and snapshots
+    (``files.compressed_on``; the stores here are local folders told they are not): fewer
+    bytes than the same batches uncompressed, and a worker with no copy restores from them
+    and from a mix of both kinds to the model's state."""
+    import keyscale.runtime.task.keyed as keyed
+
+    make, reference = DRIVERS[kind]
+    batches = make_batches(5, 200, 150, seed=21)
+    want = reference(batches)
+    sizes = {}
+    for compressed in (False, True):
+        monkeypatch.setattr(keyed, "compressed_on", lambda store, c=compressed: c)
+        d = make(tmp_path / str(compressed))
+        d.run(0, batches[0], 1, workers={0: {}})
+        d.run(1, batches[1], 1, workers={0: {}}, compact=[True])
+        sizes[compressed] = sum(f.bytes for f in d.files)
+        monkeypatch.setattr(keyed, "compressed_on", lambda store, c=not compressed: c)  # the next file of the other kind
+        d.run(2, batches[2], 1, workers={0: {}})
+        outs, reports = d.run(3, batches[3], 1, workers={0: {}})  # a new worker: loads the snapshot and the deltas
+        assert rows_of(outs) == want[3]
+        assert reports[0].loaded_key_groups == M
+    assert sizes[True] < 0.8 * sizes[False], sizes
+
+
 # -- errors --------------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from keyscale._faults import fault_point
-from keyscale.checkpoint.files import encode_state_file, spill_state_file
+from keyscale.checkpoint.files import compressed_on, encode_state_file, spill_state_file
 from keyscale.checkpoint.manifest import StateFile, deltas_since
 from keyscale.latency import ages
 from keyscale.operators.keyed import KeyedProcessFunction, rows_to_arrow
@@ -315,8 +315,9 @@ def _write_state_file(
     if not compact and not len(changed_rows):
         return None, None, None
     delta_name = state_file_name(spec.uid, spec.batch_id, subtask, "delta", attempt)
+    compressed = compressed_on(spec.store)
     if not compact:
-        written, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng)
+        written, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng, compressed)
         return written, None, Upload(spec, [(delta_name, data)])
     if spec.fault == "in-compaction":
         fault_point("in-compaction", spec.driver_pid)
@@ -324,12 +325,13 @@ def _write_state_file(
     uploads: list[tuple[str, bytes | Path]] = []
     companion = None
     if since < spec.batch_id and len(changed_rows):  # before the snapshot: it reads the rows too
-        companion, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng)
+        companion, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng, compressed)
         uploads.append((delta_name, data))
     name = state_file_name(spec.uid, spec.batch_id, subtask, "snapshot", attempt)
     # The whole range: written in parts to a spill file, never whole in memory.
     # backend.snapshot yields rows in file order (key group, then sub key): the file gets fences.
-    written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), "snapshot", spec.batch_id, rng, ordered=True)
+    written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), "snapshot", spec.batch_id, rng,
+                                       ordered=True, compressed=compressed)
     if since < spec.batch_id:
         written = replace(written, deltas_since=since)
     return written, companion, Upload(spec, [(name, spilled), *uploads])
