@@ -4,6 +4,8 @@ they are asked: batch times and lookup latency in phases of one run, in turn.
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 200000 --records 20000 --rate 50
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,thread,control,serve
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,serve,thread --seaweedfs
+    PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,thread --rounds 6 --seaweedfs
+    PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none --rounds 1 --phase-batches 40   # batch times alone
 
 The job is ``examples/log_count.py`` (a local partitioned log, 2 partitions, -> running
 count and sum per key, operator ``totals`` -> ``ParquetSink``) at -p 2, run by a
@@ -33,6 +35,12 @@ the load average at the end of each phase (the machine is shared), the machine's
 seconds a batch (all cores, every process) and, with ``--seaweedfs``, the S3 server's and
 the requests the job's process made of the store a batch (its lookups' among them), and the
 batches in which a subtask loaded key groups from the checkpoint instead of catching up a copy.
+
+Per way, ``paired_against_none`` compares each of its phases with the ``none`` phases on
+either side (see :func:`paired`); for ``none`` itself, the noise of that comparison. Keep
+``--phase-batches`` a multiple of the job's snapshot period (8 batches, the default
+compaction chain), so that every phase holds as many snapshot batches (4-6 s at 10M keys
+on S3) as the others; more rounds (``--rounds 6``) narrow the interval.
 """
 
 from __future__ import annotations
@@ -126,6 +134,49 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(v[min(len(v) - 1, int(q * len(v)))], 2) if v else None
 
 
+def _spread(seconds: list[float]) -> dict[str, float] | None:
+    """Every measured batch's time: median, 90th and 99th percentile, the longest and the
+    mean (a snapshot of a large state shows in the tail, not the median)."""
+    if not seconds:
+        return None
+    import numpy as np
+
+    p50, p90, p99 = np.percentile(seconds, [50, 90, 99])
+    return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3),
+            "max": round(max(seconds), 3), "mean": round(statistics.mean(seconds), 3)}
+
+
+def paired(in_turn: list[tuple[str, float]], way: str) -> dict[str, Any] | None:
+    """Each phase ``way`` against the ``none`` phases on either side of it (the mean of the
+    nearest before and after; one when at an end): the ratios, their median and a 90 %
+    bootstrap interval of that median. A load on the machine that drifts over the run moves
+    a phase and its neighbours alike, so it mostly leaves the ratio. For ``none`` itself each
+    ``none`` phase against the ``none`` phases before and after it: the ratio two phases
+    with the same load give, the measure's own noise.
+
+    >>> paired([("none", 1.0), ("thread", 1.1), ("none", 1.0), ("thread", 1.3), ("none", 1.2)], "thread")["ratios"]
+    [1.1, 1.182]
+    """
+    ratios = []
+    nones = [i for i, (p, _) in enumerate(in_turn) if p == "none"]
+    for i, (p, t) in enumerate(in_turn):
+        if p != way:
+            continue
+        before = [j for j in nones if j < i]
+        after = [j for j in nones if j > i]
+        around = [in_turn[j][1] for j in (before[-1:] + after[:1])]
+        if around:
+            ratios.append(t / statistics.mean(around))
+    if not ratios:
+        return None
+    import numpy as np
+
+    draws = np.random.default_rng(0).choice(ratios, size=(2000, len(ratios)))
+    lo, hi = np.percentile(np.median(draws, axis=1), [5, 95])
+    return {"ratios": [round(r, 3) for r in ratios], "median": round(statistics.median(ratios), 3),
+            "interval_90": [round(float(lo), 3), round(float(hi), 3)]}
+
+
 def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: int | None = None) -> dict[str, Any]:
     """The phases of one run, its files in folder ``tmp``; ``job_dir``: where the job keeps
     its state (a folder in ``tmp`` when None); ``s3_pid``: the S3 server's process, whose CPU
@@ -160,8 +211,7 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
     loads: list[dict[str, Any]] = []
     cpu: dict[str, list[float]] = {}  # per phase: CPU seconds of the machine and of the S3 server, wall seconds, batches
     requests: dict[str, dict[str, int]] = {}
-    requests_at: list[dict[str, int]] = []
-    mark: list[tuple[float, float, float]] = []  # the last phase switch: (machine CPU, server CPU, wall clock)
+    mark: dict[str, Any] = {}  # at the last phase switch: "cpu" (machine CPU, server CPU, wall clock) and the store's "requests"
     thread_ms: list[float] = []
     ctx = mp.get_context("spawn")
     current = ctx.Value("i", -1)  # the phase's index in WAYS, read by the thread and the client process
@@ -205,17 +255,16 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
         if ended >= a.warmup and (ended - a.warmup) % a.phase_batches == 0:  # the warm-up or a phase ended
             now = (_cpu_seconds(), _cpu_seconds(s3_pid) if s3_pid else 0.0, time.perf_counter())
             counted = dict(getattr(runner.jobdir.store, "requests", {})) if runner is not None else {}
-            if mark and requests_at:
-                got = requests.setdefault(phase(ended - a.warmup - 1), {})
-                for k, v in counted.items():
-                    got[k] = got.get(k, 0) + v - requests_at[0].get(k, 0)
-            requests_at[:] = [counted]
             if mark:
-                used = cpu.setdefault(phase(ended - a.warmup - 1), [0.0, 0.0, 0.0, 0])
+                ended_phase = phase(ended - a.warmup - 1)
+                got = requests.setdefault(ended_phase, {})
+                for k, v in counted.items():
+                    got[k] = got.get(k, 0) + v - mark["requests"].get(k, 0)
+                used = cpu.setdefault(ended_phase, [0.0, 0.0, 0.0, 0])
                 for k in range(3):
-                    used[k] += now[k] - mark[-1][k]
+                    used[k] += now[k] - mark["cpu"][k]
                 used[3] += a.phase_batches
-            mark[:] = [now]
+            mark.update(cpu=now, requests=counted)
         append([f"user-{rnd.randrange(a.keys):09d}" for _ in range(a.records)])
         if ended >= batches_total and runner is not None:
             current.value = -1
@@ -262,21 +311,26 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
     recs = runner.summary.batches[a.warmup : a.warmup + len(phase_of)]
     by: dict[str, list[float]] = {p: [] for p in phases}
     per_phase: dict[str, list[float]] = {p: [] for p in phases}
+    in_turn: list[tuple[str, float]] = []  # every phase's median batch time, in the order the phases ran
     for start in range(0, len(recs), a.phase_batches):
         side = phase_of[start]
         times = [r.seconds for r in recs[start + 1 : start + a.phase_batches]]  # the phase's first batch left out
         if times:
             by[side].extend(times)
             per_phase[side].append(statistics.median(times))
+            in_turn.append((side, statistics.median(times)))
     base = statistics.median(by["none"]) if by.get("none") else None
     result: dict[str, Any] = {"keys": a.keys, "records_per_batch": a.records, "rate": a.rate, "phase_batches": a.phase_batches,
                               "rounds": a.rounds, "phases": {}, "loads": loads,
-                              "batches": len(recs), "batches_with_a_reload": reloads}
+                              "batches": len(recs), "batches_with_a_reload": reloads,
+                              "batch_seconds": [[p, round(r.seconds, 3)] for p, r in zip(phase_of, recs, strict=False)],
+                              "batch_seconds_spread": _spread([r.seconds for r in recs])}
     for p in phases:
         median = statistics.median(by[p]) if by[p] else None
         entry: dict[str, Any] = {"median_batch_s": round(median, 3) if median else None,
                                  "phase_medians_s": [round(x, 3) for x in per_phase[p]],
-                                 "batch_against_none": round(median / base, 3) if median and base else None}
+                                 "batch_against_none": round(median / base, 3) if median and base else None,
+                                 "paired_against_none": paired(in_turn, p)}
         if p in cpu:  # the machine's busy cores over the phase, and what the S3 server took of them
             machine, s3, wall, n = cpu[p]
             entry |= {"machine_cpu_s_per_batch": round(machine / n, 3), "busy_cores": round(machine / wall, 2)}

@@ -3,7 +3,8 @@
 The planning functions are checked against a model: each state file's content is a dict
 ``key group -> {key: value}`` (``None`` deletes a key), written by a random history of
 batches in which every batch picks a parallelism and every subtask writes a delta, a
-snapshot of its range (with or without a companion delta of the batch's changes), or nothing.
+snapshot of its range (with or without a companion delta of the batch's changes), a snapshot
+of part of its range with the delta of the whole range's changes beside it, or nothing.
 """
 
 from __future__ import annotations
@@ -76,11 +77,17 @@ def histories(draw: st.DrawFn, max_m: int = 12, max_batches: int = 10) -> Histor
     state: State = {kg: {} for kg in range(m)}
     for b in range(n_batches):
         p = draw(st.integers(1, m), label=f"parallelism of batch {b}")
-        actions = draw(st.lists(st.sampled_from(["delta", "delta", "snapshot", "snapshot+delta", "none"]), min_size=p, max_size=p))
+        actions = draw(st.lists(st.sampled_from(["delta", "delta", "snapshot", "snapshot+delta", "slice+delta", "none"]), min_size=p, max_size=p))
         for i, action in enumerate(actions):
             rng = key_group_range(i, m, p)
             if action == "none":
                 continue
+            # slice+delta: a snapshot of some of the range's key groups, the batch's changes of
+            # the whole range beside it (a batch's part of a compaction in slices).
+            part = rng
+            if action == "slice+delta":
+                lo = draw(st.integers(rng.start, rng.end), label="slice start")
+                part = KeyGroupRange(lo, draw(st.integers(lo, rng.end), label="slice end"))
             content: dict[int, dict[int, int | None]] = {}
             companion: dict[int, dict[int, int | None]] = {}
             for kg in rng:
@@ -91,15 +98,20 @@ def histories(draw: st.DrawFn, max_m: int = 12, max_batches: int = 10) -> Histor
                         state[kg].pop(k, None)
                     else:
                         state[kg][k] = v
-                content[kg] = dict(changes) if action == "delta" else dict(state[kg])
-                if action == "snapshot+delta" and changes:
+                if action == "delta":
+                    content[kg] = dict(changes)
+                elif kg in part:
+                    content[kg] = dict(state[kg])
+                if action in ("snapshot+delta", "slice+delta") and changes:
                     companion[kg] = dict(changes)
             kind = "delta" if action == "delta" else "snapshot"
             path = f"state/op/{b:012d}-s{i:05d}-{kind}.arrow"
-            since = deltas_since(h.files, rng) if action == "snapshot+delta" else None
+            since = deltas_since(h.files, part) if action in ("snapshot+delta", "slice+delta") else None
             if since is not None and since >= b:  # nothing to keep: as a plain snapshot (the task's rule)
-                since, companion = None, {}
-            h.files.append(StateFile(path, b, kind, rng.start, rng.end, rows=0, bytes=0, crc32=0, deltas_since=since))
+                since = None
+                if part == rng:
+                    companion = {}
+            h.files.append(StateFile(path, b, kind, part.start, part.end, rows=0, bytes=0, crc32=0, deltas_since=since))
             h.content[path] = content
             if companion:  # the batch's changes beside its snapshot (none written when nothing changed)
                 path = f"state/op/{b:012d}-s{i:05d}-delta.arrow"

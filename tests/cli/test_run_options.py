@@ -43,3 +43,14 @@ def test_keyscale_status_says_the_batch_size_and_whose_limit_holds(monkeypatch: 
     out = capsys.readouterr().out
     assert ("batch size for the 1 s latency target: at most 400 records (source 'reader' max_records_per_batch); "
             "target met: no: below keeping up") in out
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--compaction-chain", "0"), ("--max-file-age", "0")])
+def test_compaction_settings_keyscale_cannot_follow_are_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str,
+) -> None:
+    job = Path(__file__).resolve().parents[2] / "examples" / "log_count.py"
+    assert main(["run", str(job), "--job-dir", str(tmp_path / "job"), flag, value,
+                 "--set", f"log={tmp_path / 'log'}", "--set", f"output={tmp_path / 'out'}"]) == 2
+    assert f"{flag} {value}: give" in capsys.readouterr().err
+    assert not (tmp_path / "job").exists()

@@ -92,11 +92,13 @@ def test_compaction_keeps_results_and_bounds_files(spark: Any, events: Path, ref
     assert m is not None
     files = m.operators["totals"].files
     assert any(f.kind == "snapshot" for f in files)
-    # A restore reads at most a snapshot and a delta per subtask; beside them the manifest
-    # keeps, for workers' copies, the deltas since the snapshot before: per subtask at most
-    # max_chain - 1 before the snapshot, its companion, and max_chain - 1 after it.
-    assert len(restore_files(files, m.operators["totals"].max_parallelism)) <= 2 * 2
-    assert len(files) <= 2 * (1 + (2 - 1) + 1 + (2 - 1))
+    # Compaction in slices (max_chain of them a subtask, one a batch): a key group's restore
+    # reads its slice's snapshot and at most max_chain - 1 deltas, so a subtask's restore reads
+    # at most max_chain snapshots and the max_chain - 1 deltas after the oldest. Beside them
+    # the manifest keeps, for workers' copies, the deltas since each snapshot's slice had its
+    # snapshot before: at most 2 * max_chain - 1 deltas a subtask.
+    assert len(restore_files(files, m.operators["totals"].max_parallelism)) <= 2 * (2 + (2 - 1))
+    assert len(files) <= 2 * (2 + (2 * 2 - 1))
     jd = JobDir(tmp_path / "job")
     on_disk = {p.relative_to(jd.path).as_posix() for p in (jd.path / "state" / "totals").glob("*.arrow")}
     kept = {f.path for b in jd.manifest_batches() for f in jd.read_manifest(b).operators["totals"].files}

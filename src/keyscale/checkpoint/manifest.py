@@ -19,7 +19,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -214,7 +214,7 @@ def _checksum(body: dict[str, Any]) -> str:
 # where each key group's chain starts, ``chain_files``/``chain_reads`` which files (and runs
 # of key groups in each) that makes. The task's catch-up (``catch_up``), savepoints' and the
 # State Processor's reads (``savepoint.write.restore_key_groups``), ``restore_chain``, the
-# compaction trigger (``chain_length``, ``oldest_chain_file``), which deltas a snapshot keeps
+# compaction rule's view of the chains (``chains``), which deltas a snapshot keeps
 # (``deltas_since``) and retention (``live_files``, ``restore_files``) are built on them.
 
 
@@ -349,17 +349,45 @@ def live_files(files: Sequence[StateFile], max_parallelism: int) -> list[StateFi
     ]
 
 
+class Chains(NamedTuple):
+    """Per key group of a range, its restore chain (:func:`chains`): the files to read, the
+    deltas among them, the batch of the oldest (``NO_FILE`` where the chain is empty), and
+    the rows they hold for it (each file's rows spread evenly over its key groups)."""
+
+    length: np.ndarray
+    deltas: np.ndarray
+    oldest: np.ndarray
+    rows: np.ndarray
+
+
+#: :class:`Chains`' oldest batch of a key group whose chain has no file.
+NO_FILE = np.iinfo(np.int64).max
+
+
+def chains(files: Sequence[StateFile], rng: KeyGroupRange) -> Chains:
+    """The restore chain of each key group of ``rng`` as the compaction rule
+    (``retention.snapshot_range``) sees it.
+
+    >>> files = [StateFile("a", 0, "delta", 0, 3, 4, 1, 1), StateFile("b", 1, "snapshot", 0, 1, 2, 1, 1), StateFile("c", 2, "delta", 1, 3, 3, 1, 1)]
+    >>> [x.tolist() for x in chains(files, KeyGroupRange(0, 3))]
+    [[1, 2, 2, 2], [0, 1, 2, 2], [1, 1, 0, 0], [1.0, 2.0, 2.0, 2.0]]
+    """
+    length = np.zeros(len(rng), dtype=np.int64)
+    deltas = length.copy()
+    oldest = np.full(len(rng), NO_FILE, dtype=np.int64)
+    rows = np.zeros(len(rng), dtype=np.float64)
+    for f, run in chain_reads(files, rng, *chain_starts(files, rng)):
+        a, b = run.start - rng.start, run.end - rng.start + 1
+        length[a:b] += 1
+        deltas[a:b] += f.kind == "delta"
+        oldest[a:b] = np.minimum(oldest[a:b], f.batch)
+        rows[a:b] += f.rows / len(f.range)
+    return Chains(length, deltas, oldest, rows)
+
+
 def chain_length(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int:
     """Longest restore chain (files to read) over the key groups of ``rng``."""
-    counts = np.zeros(len(rng), dtype=np.int64)
-    for _, run in chain_reads(files, rng, *chain_starts(files, rng)):
-        counts[run.start - rng.start : run.end - rng.start + 1] += 1
-    return int(counts.max())
-
-
-def oldest_chain_file(files: Sequence[StateFile], rng: KeyGroupRange, max_parallelism: int) -> int | None:
-    """The batch of the oldest file some key group of ``rng`` still needs (None: no file)."""
-    return min((f.batch for f, _ in chain_files(files, rng, *chain_starts(files, rng))), default=None)
+    return int(chains(files, rng).length.max(initial=0))
 
 
 def files_overlapping(files: Sequence[StateFile], rng: KeyGroupRange) -> list[StateFile]:

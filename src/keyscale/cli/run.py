@@ -59,7 +59,8 @@ def add_run_parser(sub: Any) -> argparse.ArgumentParser:
                         "if smaller, stays (the status's batch_size says which limit holds)")
     r.add_argument("--retain", type=int, default=3, help="checkpoints to keep (default 3)")
     r.add_argument("--compaction-chain", type=int, default=8, metavar="N",
-                   help="write a snapshot of a subtask's key groups when restoring them would read N files (default 8)")
+                   help="no key group's restore reads more than N files: each is snapshotted once every N batches, a large "
+                        "state a slice a batch (default 8)")
     r.add_argument("--async-checkpoints", action="store_true",
                    help="a batch's state files upload while the next batch runs; its checkpoint commits once they are stored "
                         "(docs/guides/async-checkpoints.md)")

@@ -166,7 +166,7 @@ class KeyedHarness:
             key_names=s.key_names, key_types=tuple(s.input_schema.field(k).type for k in s.key_names),
             input_schema=s.input_schema, output_schema=s.output_schema, states=s.states, null_keys="error",
             max_parallelism=m, parallelism=p, batch_id=batch, batch_time_ms=self.time_ms, committed=self._committed,
-            files=tuple(self._files), compact=(bool(self.snapshot_every) and batch % self.snapshot_every == 0,) * p,
+            files=tuple(self._files), snapshot=tuple(key_group_range(i, m, p) if self.snapshot_every and batch % self.snapshot_every == 0 else None for i in range(p)),
             watermark_ms=self.watermark_ms, event_time=s.event_time, extra_keys=s.extra_keys, late_output=s.late_output,
             state_backend=self.state_backend,
         )

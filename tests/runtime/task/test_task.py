@@ -156,7 +156,8 @@ class Driver:
     committed: int = -1
     reports: list[list[dict[str, Any]]] = field(default_factory=list)
 
-    def spec(self, batch: int, p: int, compact: Sequence[bool] | None = None, function: Any = None) -> StageTask:
+    def spec(self, batch: int, p: int, compact: Sequence[bool | KeyGroupRange | None] | None = None, function: Any = None) -> StageTask:
+        """``compact``: per subtask, the key groups it snapshots (True: its whole range)."""
         fn = function if function is not None else self.function
         states = fn.state_descriptors() if isinstance(fn, RunningAggregate) else describe_states(fn, self.uid)
         return StageTask(
@@ -166,7 +167,8 @@ class Driver:
             input_schema=self.input_schema, output_schema=self.output_schema, states=tuple(states),
             null_keys="error", max_parallelism=M, parallelism=p, batch_id=batch,
             batch_time_ms=1_700_000_000_000 + batch * 1000, committed=self.committed,
-            files=tuple(self.files), compact=tuple(compact) if compact is not None else (False,) * p,
+            files=tuple(self.files),
+            snapshot=tuple(key_group_range(i, M, p) if c is True else (c or None) for i, c in enumerate(compact or [None] * p)),
         )
 
     def run(
@@ -174,7 +176,7 @@ class Driver:
         batch: int,
         rows: Sequence[dict[str, Any]],
         p: int,
-        compact: Sequence[bool] | None = None,
+        compact: Sequence[bool | KeyGroupRange | None] | None = None,
         shuffle: int | None = None,
         workers: dict[int, dict[Any, Any]] | None = None,
         function: Any = None,
@@ -608,6 +610,40 @@ def test_compaction_writes_a_snapshot_and_restores_from_it(tmp_path: Path, kind:
     outs, reports = d.run(4, batches[4], 2, compact=[False, True])
     assert rows_of(outs) == want[4]
     assert [r.file.kind for r in reports] == ["delta", "snapshot"]
+
+
+@pytest.mark.parametrize("kind", DRIVERS)
+@pytest.mark.parametrize("model", ["rotating", "fresh-every-batch"])
+def test_snapshots_of_a_slice_a_batch_give_the_models_outputs_and_bound_the_chains(
+    tmp_path: Path, kind: str, model: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compaction as the driver plans it (``retention.snapshot_range``: each batch a slice of
+    each subtask's range, in turn; here every key group counts as a large state), through
+    rescales and workers that keep, swap or lose their copies: every batch's output is the
+    model's, no restore chain grows past ``max_chain`` files, and at a steady parallelism a
+    snapshot holds one slice."""
+    import keyscale.checkpoint.retention as retention
+    from keyscale.checkpoint.manifest import chain_length, chains
+    from keyscale.checkpoint.retention import snapshot_range
+
+    monkeypatch.setattr(retention, "SLICE_ROWS", 1)
+
+    make, reference = DRIVERS[kind]
+    schedule = [2] * 7 + [3] * 7 + [1] * 6
+    batches = make_batches(len(schedule), 90, 30, seed=23)
+    want = reference(batches)
+    d = make(tmp_path)
+    pool: dict[int, dict[Any, Any]] = {}
+    max_chain = 4
+    for b, (rows, p) in enumerate(zip(batches, schedule, strict=True)):
+        ranges = [key_group_range(i, M, p) for i in range(p)]
+        plan = [snapshot_range(r, b, chains(d.files, r), max_chain, max_age=32) for r in ranges]
+        outs, reports = d.run(b, rows, p, compact=plan, shuffle=b, workers=_workers(model, b, p, pool))
+        assert rows_of(outs) == want[b], f"{model}, batch {b} at P={p}"
+        assert [(r.file.start, r.file.end) for r, part in zip(reports, plan, strict=True) if part] == [(x.start, x.end) for x in plan if x]
+        assert chain_length(d.files, KeyGroupRange(0, M - 1), M) <= max_chain
+        if b >= max_chain and set(schedule[b - max_chain : b]) == {p}:  # a slice's turn has come since a rescale moved it
+            assert all(len(x) <= -(-len(r) // max_chain) for x, r in zip(plan, ranges, strict=True) if x), (b, plan)
 
 
 @pytest.mark.parametrize("kind", DRIVERS)

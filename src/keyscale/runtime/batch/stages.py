@@ -35,8 +35,8 @@ from keyscale._steps import (
     source_schema,
 )
 from keyscale.checkpoint.intent import SourcePlan
-from keyscale.checkpoint.manifest import StateFile, chain_length, oldest_chain_file
-from keyscale.checkpoint.retention import should_snapshot
+from keyscale.checkpoint.manifest import StateFile, chains
+from keyscale.checkpoint.retention import snapshot_range
 from keyscale.cluster.executors import executor_cores
 from keyscale.errors import JobDefinitionError
 from keyscale.operators.nonkeyed import broadcast_from_json, broadcast_to_json, lists_for
@@ -247,7 +247,7 @@ def keyed(
     order: Sequence[str] = (), in_stage: LogRead | None = None,
 ) -> DataFrame:
     """A keyed stage at parallelism ``p``: its state files from the committed manifest, which
-    subtasks snapshot (compact) this batch, and the exact shuffle to its subtasks. ``order``:
+    key groups each subtask snapshots (compacts) this batch, and the exact shuffle to its subtasks. ``order``:
     the arrival-order columns ``df`` carries (``arrival.ORDER``, or none). ``in_stage``: no
     ``df`` and no shuffle, the stage's tasks read the batch's log records themselves."""
 
@@ -255,13 +255,10 @@ def keyed(
     prev = job.committed.manifest.operators.get(step.uid) if job.committed.manifest else None
     files: tuple[StateFile, ...] = prev.files if prev else ()
     ranges = [key_group_range(s, m, p) for s in range(p)]
-    compact = tuple(
-        should_snapshot(chain_length(files, r, m), oldest_chain_file(files, r, m), batch_id, job.opts.max_chain, job.opts.max_file_age)
-        for r in ranges
-    )
+    snapshot = tuple(snapshot_range(r, batch_id, chains(files, r), job.opts.max_chain, job.opts.max_file_age) for r in ranges)
     fault = None
     # The test fault points a keyed task reaches (keyscale/_faults.py), shipped by name.
-    if job.fault("in-compaction", batch_id) and any(compact):
+    if job.fault("in-compaction", batch_id) and any(snapshot):
         fault = "in-compaction"
     # A task kills the driver mid-batch, or while a state file uploads (the output streaming on);
     # asynchronous checkpoints: 2 s after their tasks end, the Python worker uploading a state
@@ -278,7 +275,7 @@ def keyed(
         key_names=step.key_names, key_types=step.key_types, input_schema=task_input(step, policy.on_error == "dead_letter"),
         output_schema=step.output_schema, states=step.states, null_keys=step.null_keys,
         max_parallelism=m, parallelism=p, batch_id=batch_id, batch_time_ms=batch_time_ms,
-        committed=job.committed.manifest.batch if job.committed.manifest else -1, files=files, compact=compact,
+        committed=job.committed.manifest.batch if job.committed.manifest else -1, files=files, snapshot=snapshot,
         fault=fault, driver_pid=os.getpid(), watermark_ms=watermark_ms, event_time=step.event_time,
         extra_keys=step.extra_state_keys, late_output=step.late_sink is not None,
         broadcast_state=rules.get(step.broadcast.uid) if step.broadcast else None, event_time_limit_ms=job.event_time_limit(batch_time_ms),

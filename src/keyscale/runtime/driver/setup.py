@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 from keyscale._jobcontext import JobArgs, JobContext
 from keyscale._steps import JobGraph
 from keyscale.checkpoint.lineage import start_lineage
+from keyscale.checkpoint.retention import check_compaction
 from keyscale.checkpoint.sparkmirror import SparkMirror
 from keyscale.errors import JobDefinitionError, JobDirError
 from keyscale.operators.eventtime import NO_WATERMARK
@@ -42,8 +43,10 @@ log = logging.getLogger("keyscale")
 
 
 def claim(job: JobState) -> None:
-    """The job directory's identity (name, max parallelism), created or checked."""
+    """The job directory's identity (name, max parallelism), created or checked; first,
+    the compaction settings (nothing is written with settings keyscale cannot follow)."""
     opts = job.opts
+    check_compaction(opts.max_chain, opts.max_file_age)
     default_m = default_max_parallelism(opts.parallelism or 1)
     if opts.from_savepoint and opts.max_parallelism is None:
         # A job restored from a savepoint keeps the savepoint's key groups.

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KeyedStateTable
 
 
@@ -48,11 +49,11 @@ class TaskStateBackend(Protocol):
         """Keep the batch's changed ``rows`` of :attr:`table` beyond the batch."""
         ...
 
-    def snapshot(self, changed: np.ndarray) -> Iterator[pa.Table]:
-        """The subtask's whole range, after the batch (``changed``: the rows of :attr:`table`
-        it changed), in parts of a state file (never whole in memory), its rows in file
-        order (key group, then sub key: :func:`keyscale.state.order.order_rows`), which
-        lets the snapshot keep fences for point lookups."""
+    def snapshot(self, changed: np.ndarray, part: KeyGroupRange) -> Iterator[pa.Table]:
+        """Key groups ``part`` of the subtask's range, after the batch (``changed``: the rows
+        of :attr:`table` it changed), in parts of a state file (never whole in memory), its
+        rows in file order (key group, then sub key: :func:`keyscale.state.order.order_rows`),
+        which lets the snapshot keep fences for point lookups."""
         ...
 
     def finish(self, batch: int) -> None:

@@ -303,34 +303,37 @@ def _write_state_file(
     spec: StageTask, subtask: int, rng: KeyGroupRange, backend: TaskStateBackend, changed_rows: np.ndarray,
 ) -> tuple[StateFile | None, StateFile | None, Upload | None]:
     """The batch's state files, their upload started: a delta of the changed rows (none if
-    no row changed), or when the driver asks for one (``spec.compact``) a snapshot of the
-    whole range and, beside it, the delta of the batch's changed rows (its companion), so
-    that a copy of the range held on another worker catches up across the snapshot instead
-    of reloading it (``StateFile.deltas_since``). Returns the main file, the companion (None
-    when none was written) and the upload. The backend keeps the changed rows first (a
-    snapshot reads them)."""
-    compact = spec.compact[subtask]
+    no row changed) and, for the key groups the driver asks it to (``spec.snapshot``), a
+    snapshot. Beside a snapshot the delta is kept as its companion, so that a copy of the
+    range held on another worker catches up across the snapshot instead of reloading it
+    (``StateFile.deltas_since``), and the key groups not snapshotted have the batch's
+    changes. Returns the main file (the snapshot, else the delta), the companion (None when
+    none was written) and the upload. The backend keeps the changed rows first (a snapshot
+    reads them)."""
+    part = spec.snapshot[subtask]
     attempt = uuid.uuid4().hex[:12]
     backend.write_back(changed_rows)
-    if not compact and not len(changed_rows):
+    if part is None and not len(changed_rows):
         return None, None, None
     delta_name = state_file_name(spec.uid, spec.batch_id, subtask, "delta", attempt)
     compressed = compressed_on(spec.store)
-    if not compact:
+    if part is None:
         written, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng, compressed)
         return written, None, Upload(spec, [(delta_name, data)])
     if spec.fault == "in-compaction":
         fault_point("in-compaction", spec.driver_pid)
-    since = deltas_since(spec.files, rng)
+    since = deltas_since(spec.files, part)
     uploads: list[tuple[str, bytes | Path]] = []
     companion = None
-    if since < spec.batch_id and len(changed_rows):  # before the snapshot: it reads the rows too
+    # Before the snapshot: it reads the rows too. Not needed when the snapshot is the whole
+    # range and no copy can cross it (its key groups had no snapshot before this batch's).
+    if len(changed_rows) and (since < spec.batch_id or part != rng):
         companion, data = encode_state_file(delta_name, backend.table.to_arrow(changed_rows), "delta", spec.batch_id, rng, compressed)
         uploads.append((delta_name, data))
     name = state_file_name(spec.uid, spec.batch_id, subtask, "snapshot", attempt)
-    # The whole range: written in parts to a spill file, never whole in memory.
-    # backend.snapshot yields rows in file order (key group, then sub key): the file gets fences.
-    written, spilled = spill_state_file(name, backend.snapshot(changed_rows), backend.table.schema(), "snapshot", spec.batch_id, rng,
+    # Written in parts to a spill file, never whole in memory. backend.snapshot yields rows
+    # in file order (key group, then sub key): the file gets fences.
+    written, spilled = spill_state_file(name, backend.snapshot(changed_rows, part), backend.table.schema(), "snapshot", spec.batch_id, part,
                                        ordered=True, compressed=compressed)
     if since < spec.batch_id:
         written = replace(written, deltas_since=since)

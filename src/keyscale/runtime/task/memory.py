@@ -168,10 +168,10 @@ class MemoryBackend:
     def write_back(self, rows: np.ndarray) -> None:
         pass  # the batch changed the held table itself
 
-    def snapshot(self, changed: np.ndarray) -> Iterator[pa.Table]:
-        """The range's rows of the held table, compacted first (its row numbers change)."""
-        self.table.compact()
-        return self.table.arrow_parts(self.table.rows_in_range(self.rng.start, self.rng.end))
+    def snapshot(self, changed: np.ndarray, part: KeyGroupRange) -> Iterator[pa.Table]:
+        """The live rows of ``part`` in the held table (deleted keys left out, the table as
+        it is: compacting all of it for a slice would cost more than the slice)."""
+        return self.table.arrow_parts(self.table.rows_in_range(part.start, part.end, live_only=True))
 
     def finish(self, batch: int) -> None:
         assert self.held is not None

@@ -196,10 +196,12 @@ class RocksSession:
         self._working = w
         return {**stats, "load_seconds": time.perf_counter() - started, "fetched_keys": len(w.table), "copied_from": self.copied_from}
 
-    def _chunks(self, reads: list[tuple[StateFile, KeyGroupRange]], every_group: bool = False) -> Iterator[KeyGroupRange]:
-        """The key groups the slices ``reads`` touch (``every_group``: the whole range), in
-        runs of about ``LOAD_CHUNK_ROWS`` rows by the files' sizes, in order."""
-        lo, hi = self.rng.start, self.rng.end
+    def _chunks(self, reads: list[tuple[StateFile, KeyGroupRange]], every_group: bool = False,
+                rng: KeyGroupRange | None = None) -> Iterator[KeyGroupRange]:
+        """The key groups of ``rng`` (default: the subtask's range) the slices ``reads`` touch
+        (``every_group``: all of them), in runs of about ``LOAD_CHUNK_ROWS`` rows by the
+        files' sizes, in order."""
+        lo, hi = (rng or self.rng).start, (rng or self.rng).end
         est = np.zeros(hi - lo + 1, dtype=np.float64)  # rows per key group, from the files' sizes
         needed = np.full(hi - lo + 1, every_group)
         for f, r in reads:
@@ -278,20 +280,17 @@ class RocksSession:
         assert self._working is not None
         self.db.write_back(self._working, rows)
 
-    def snapshot(self, changed: np.ndarray) -> Iterator[pa.Table]:
-        return self.snapshot_parts(self.table.to_arrow(changed))
-
-    def snapshot_parts(self, changes: pa.Table) -> Iterator[pa.Table]:
-        """The range's whole state for a snapshot, a chunk of key groups at a time: its
-        checkpoint's files (the latest snapshot and the deltas since) with ``changes``, the
-        batch's changed rows (by key group), applied after them. Arrow and numpy over the
-        files: walking every row of the database through ``rocksdict`` took 35 s for 50M
-        keys (docs/benchmarks.md, "100M keys"). The database holds the same state."""
-        spec, lo, hi = self.spec, self.rng.start, self.rng.end
-        _, reads, _ = catch_up(spec.files, self.rng, np.full(hi - lo + 1, -1), spec.committed, spec.max_parallelism)
+    def snapshot(self, changed: np.ndarray, part: KeyGroupRange) -> Iterator[pa.Table]:
+        """The state of key groups ``part`` for a snapshot, a chunk of key groups at a time:
+        their checkpoint's files (the latest snapshot and the deltas since) with the batch's
+        changed rows applied after them. Arrow and numpy over the files: walking every row of
+        the database through ``rocksdict`` took 35 s for 50M keys (docs/benchmarks.md, "100M
+        keys"). The database holds the same state."""
+        spec, changes = self.spec, self.table.to_arrow(changed)
+        _, reads, _ = catch_up(spec.files, part, np.full(len(part), -1), spec.committed, spec.max_parallelism)
         spec.await_pending(reads)
         kgs = changes.column(KG).to_numpy()
-        for chunk in self._chunks(reads, every_group=True):
+        for chunk in self._chunks(reads, every_group=True, rng=part):
             a, b = np.searchsorted(kgs, [chunk.start, chunk.end + 1])
             table = self.db.working().table
             table.apply_all([*self._slices(reads, chunk), changes.slice(a, b - a)])

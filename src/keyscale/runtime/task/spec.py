@@ -23,6 +23,7 @@ from keyscale.errors import KeyscaleError
 from keyscale.operators.eventtime import NO_WATERMARK
 from keyscale.operators.poison import FAIL, ErrorPolicy
 from keyscale.state.handles import TIMER_STATES
+from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.types import StateDescriptor
 from keyscale.storage import Store
 
@@ -31,7 +32,7 @@ KG = "__kg"
 
 #: The version of what tasks are shipped (:class:`StageTask`, ``NonKeyedTask``): a field
 #: added, removed or changed in meaning is a new version.
-TASK_VERSION = 1
+TASK_VERSION = 2
 
 
 def check_shipped(spec: Any) -> None:
@@ -42,7 +43,7 @@ def check_shipped(spec: Any) -> None:
     >>> check_shipped(SimpleNamespace(uid="count", batch_id=3))
     Traceback (most recent call last):
     ...
-    keyscale.errors.KeyscaleError: operator 'count', batch 3: the driver shipped this task in form 0, the executors' keyscale reads form 1: install the driver's keyscale version on the workers
+    keyscale.errors.KeyscaleError: operator 'count', batch 3: the driver shipped this task in form 0, the executors' keyscale reads form 2: install the driver's keyscale version on the workers
     """
     shipped = vars(spec).get("version", 0)  # the instance's own: a spec from before versions has none
     if shipped != TASK_VERSION:
@@ -70,7 +71,7 @@ class StageTask:
     batch_time_ms: int
     committed: int  # batch whose manifest the state comes from (-1: none yet)
     files: tuple[StateFile, ...]  # the operator's live files at ``committed``
-    compact: tuple[bool, ...]  # per subtask: write a snapshot instead of a delta
+    snapshot: tuple[KeyGroupRange | None, ...]  # per subtask: the key groups it snapshots this batch (retention.snapshot_range)
     fault: str | None = None  # test-only: the fault point armed for this task, by its name in keyscale/_faults.py
     driver_pid: int = 0
     watermark_ms: int = NO_WATERMARK  # the watermark this batch runs with
