@@ -57,7 +57,8 @@ def checkpoints_to_keep(file_batches: Mapping[int, Collection[int]], keep: int) 
 
 #: The rows a slice of a snapshot aims at: a subtask holding fewer snapshots its whole range
 #: at once (one file, as small states always did), a larger one in up to ``max_chain``
-#: slices. Writing 250,000 string keys takes ~0.1 s (docs/benchmarks.md, "Compaction in slices").
+#: slices. A slice of 625,000 string keys added ~0.35 s to a batch (docs/benchmarks.md,
+#: "Compaction in slices"), so one of 250,000 about 0.15 s.
 SLICE_ROWS = 250_000
 
 
@@ -73,9 +74,10 @@ def snapshot_range(rng: KeyGroupRange, batch: int, chains: Chains, max_chain: in
     chains is ``max_chain`` files long or has a file ``max_age`` batches old (slices that
     moved in a rescale or as the state grew, or a ``max_age`` below ``max_chain``). The
     snapshot covers the due slices and any between them: a state file holds consecutive key
-    groups. So no chain grows past ``max_chain`` files, each key group is snapshotted once
-    in ``max_chain`` batches, and at a steady parallelism a batch snapshots one slice, of
-    about ``SLICE_ROWS`` rows where the state is large.
+    groups. So no chain grows past ``max_chain`` files, a key group whose chain holds a
+    delta is snapshotted on its turn, once every ``max_chain`` batches, and at a steady
+    parallelism a batch snapshots one slice, of about ``SLICE_ROWS`` rows where the state
+    is large.
 
     >>> import numpy as np
     >>> rng, big = KeyGroupRange(0, 15), Chains(np.full(16, 3), np.full(16, 2), np.full(16, 37), np.full(16, 2e5))
