@@ -57,8 +57,9 @@ def checkpoints_to_keep(file_batches: Mapping[int, Collection[int]], keep: int) 
 
 #: The rows a slice of a snapshot aims at: a subtask holding fewer snapshots its whole range
 #: at once (one file, as small states always did), a larger one in up to ``max_chain``
-#: slices. A slice of 625,000 string keys added ~0.35 s to a batch (docs/benchmarks.md,
-#: "Compaction in slices"), so one of 250,000 about 0.15 s.
+#: slices. A slice of 625,000 string keys added ~0.35 s to a batch, ~0.25 s since its
+#: write passes once (docs/benchmarks.md, "Compaction in slices", "A slice's snapshot
+#: written once"), so one of 250,000 about 0.1 s.
 SLICE_ROWS = 250_000
 
 

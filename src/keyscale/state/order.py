@@ -45,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from numpy.lib.stride_tricks import as_strided
 
 __all__ = ["FENCE_RULE", "order_rows", "sort_keys", "sub_keys"]
 
@@ -58,7 +57,7 @@ _GOLDEN32 = np.uint32(0x9E3779B1)
 
 def _last4(arr: Any) -> np.ndarray:
     """Per string or binary value, its last four bytes (fewer: zeros before them) as a
-    uint32, mixed with its length: one gather of 4 bytes a value from an overlapping window
+    uint32, mixed with its length: gathers of one word a value from an overlapping window
     view of the data buffer, no per-value work and no copy of the buffer."""
     n = len(arr)
     bufs = arr.buffers()
@@ -68,26 +67,29 @@ def _last4(arr: Any) -> np.ndarray:
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
     if data.size < 4:
         data = np.concatenate([data, np.zeros(4, np.uint8)])
-    windows = as_strided(data, shape=(data.size - 3, 4), strides=(1, 1))  # windows[p] = data[p : p + 4]
-    last4 = windows[np.maximum(end - 4, 0)]
+    # Every 4-byte window of the data buffer as one little-endian word (a view with a stride
+    # of one byte): ``windows[p]`` is ``data[p : p + 4]``, and a gather of words takes half
+    # the time of a gather of 4-byte rows.
+    windows = np.ndarray(shape=(data.size - 3,), dtype="<u4", buffer=data.data, strides=(1,))
     length = end - start
+    last4 = windows[np.maximum(end - 4, 0)]
     short = np.flatnonzero(length < 4)
     if len(short):  # the bytes before a short value are another value's: zeros instead
         s, e = start[short], end[short]
+        word = np.zeros(len(short), dtype=np.uint32)
         for j in range(4):
             pos = e - 4 + j
-            ok = pos >= s
-            last4[short, j] = np.where(ok, data[np.where(ok, pos, 0)], 0)
-    words: np.ndarray = last4.view("<u4").ravel() ^ (length.astype(np.uint32) * np.uint32(0x01000193))
+            word |= np.where(pos >= s, data[np.maximum(pos, 0)], 0).astype(np.uint32) << np.uint32(8 * j)
+        last4[short] = word
+    words: np.ndarray = last4 ^ (length.astype(np.uint32) * np.uint32(0x01000193))
     # Keys that share a suffix (e-mail addresses: ".com") or a prefix and suffix (ids with a
     # region tag) differ in their first or middle bytes: mix those in too, for values of
     # four bytes or more (a shorter value's windows would reach into its neighbour).
-    whole = np.flatnonzero(length >= 4)
-    if len(whole):
-        s = start[whole]
-        first4 = windows[s].view("<u4").ravel()
-        mid4 = windows[s + (length[whole] - 4) // 2].view("<u4").ravel()
-        words[whole] ^= (first4 * np.uint32(0x85EBCA6B)) ^ ((mid4 * np.uint32(0xC2B2AE35)) >> np.uint32(7))
+    whole = np.flatnonzero(length >= 4) if len(short) else slice(None)
+    s = start[whole]
+    first4 = windows[s]
+    mid4 = windows[s + (length[whole] - 4) // 2]
+    words[whole] ^= (first4 * np.uint32(0x85EBCA6B)) ^ ((mid4 * np.uint32(0xC2B2AE35)) >> np.uint32(7))
     return words
 
 

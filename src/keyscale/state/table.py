@@ -415,9 +415,11 @@ class KeyedStateTable:
         key-group order first, then reordered by an Arrow ``take``: the Python objects of
         list, map and string states are read in the order they were made (in sub-key order
         their conversion took 2-3x as long: every object a cache miss), and a take of Arrow
-        buffers costs less than that (docs/design.md, "Record batches and fences")."""
+        buffers costs less than that (docs/design.md, "Record batches and fences"). The sub
+        keys come from the converted key column (a second conversion of it cost a slice's
+        snapshot a sixth of its time)."""
         table = self._arrow(rows)
-        order = order_rows(self.kg[rows], subs=self._sub_keys(rows))
+        order = order_rows(self.kg[rows], subs=sub_keys(table.column(0)))
         if np.array_equal(order, np.arange(len(order))):
             return table
         return table.take(pa.array(order))
@@ -446,18 +448,6 @@ class KeyedStateTable:
             part = rows[start:end]
             yield self._file_ordered(part) if file_order and self.key_names else self._arrow(part)
             start = end
-
-    def _sub_keys(self, rows: np.ndarray) -> np.ndarray:
-        """:func:`~keyscale.state.order.sub_keys` of the first key column at ``rows``: of the
-        column as held when ``rows`` are most of the table (a snapshot; no copy of the keys)."""
-        k, t = self._keys[0], self.key_types[0]
-        if 2 * len(rows) < len(self.kg):
-            return sub_keys(self.key_arrow(0, rows))
-        held = pa.array(k, type=t) if isinstance(k, np.ndarray) else k
-        if held.type != t and LARGE.get(t) != held.type:  # (a large string holds the same bytes)
-            held = held.cast(t)
-        subs: np.ndarray = sub_keys(held)[rows]
-        return subs
 
     def schema(self) -> pa.Schema:
         fields = [pa.field(n, t) for n, t in zip(self.key_names, self.key_types, strict=True)]

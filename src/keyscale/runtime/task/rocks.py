@@ -201,7 +201,8 @@ class RocksSession:
         """The key groups of ``rng`` (default: the subtask's range) the slices ``reads`` touch
         (``every_group``: all of them), in runs of about ``LOAD_CHUNK_ROWS`` rows by the
         files' sizes, in order."""
-        lo, hi = (rng or self.rng).start, (rng or self.rng).end
+        whole = rng or self.rng
+        lo, hi = whole.start, whole.end
         est = np.zeros(hi - lo + 1, dtype=np.float64)  # rows per key group, from the files' sizes
         needed = np.full(hi - lo + 1, every_group)
         for f, r in reads:
@@ -283,10 +284,11 @@ class RocksSession:
     def snapshot(self, changed: np.ndarray, part: KeyGroupRange) -> Iterator[pa.Table]:
         """The state of key groups ``part`` for a snapshot, a chunk of key groups at a time:
         their checkpoint's files (the latest snapshot and the deltas since) with the batch's
-        changed rows applied after them. Arrow and numpy over the files: walking every row of
-        the database through ``rocksdict`` took 35 s for 50M keys (docs/benchmarks.md, "100M
-        keys"). The database holds the same state."""
-        spec, changes = self.spec, self.table.to_arrow(changed)
+        changed rows of ``part`` applied after them (a slice converts only its own). Arrow and
+        numpy over the files: walking every row of the database through ``rocksdict`` took 35 s
+        for 50M keys (docs/benchmarks.md, "100M keys"). The database holds the same state."""
+        kg = self.table.kg[changed]
+        spec, changes = self.spec, self.table.to_arrow(changed[(kg >= part.start) & (kg <= part.end)])
         _, reads, _ = catch_up(spec.files, part, np.full(len(part), -1), spec.committed, spec.max_parallelism)
         spec.await_pending(reads)
         kgs = changes.column(KG).to_numpy()
