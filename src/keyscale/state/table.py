@@ -385,7 +385,7 @@ class KeyedStateTable:
         """The share of rows whose states are all absent (deleted, expired, purged)."""
         if not len(self.kg):
             return 0.0
-        return 1.0 - float(self._alive().mean())
+        return 1.0 - np.count_nonzero(self._alive()) / len(self.kg)
 
     def due(self, column: str, now_ms: int, start: int, end: int) -> np.ndarray:
         """Rows of key groups ``start..end`` whose int64 state ``column`` is set and at most ``now_ms``."""
@@ -396,10 +396,17 @@ class KeyedStateTable:
 
     def rows_in_range(self, start: int, end: int, live_only: bool = False) -> np.ndarray:
         """Rows of key groups ``start..end`` (with ``live_only``, not deleted ones)."""
+        return np.flatnonzero(self._in_range(start, end, live_only))
+
+    def count_in_range(self, start: int, end: int, live_only: bool = False) -> int:
+        """``len(rows_in_range(...))`` without the rows (a third of its time on 10M rows)."""
+        return int(np.count_nonzero(self._in_range(start, end, live_only)))
+
+    def _in_range(self, start: int, end: int, live_only: bool) -> np.ndarray:
         mask = (self.kg >= start) & (self.kg <= end)
         if live_only and self.valid:
             mask &= self._alive()
-        return np.flatnonzero(mask)
+        return mask
 
     def to_arrow(self, rows: np.ndarray | None = None, file_order: bool = False) -> pa.Table:
         """The given rows (default: all) as an Arrow table sorted by key group (with

@@ -137,10 +137,15 @@ def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_ba
     others = np.flatnonzero((held.version >= 0) & (held.last_used < batch) & ~stale)
     if done and len(others) and len(held.table):
         row_bytes = sum(held.table.memory().values()) / len(held.table)
-        rows = np.bincount(held.table.kg, minlength=len(held.version))
-        newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
-        kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), budget, side="right"))
-        stale[newest_first[kept:]] = True
+        # The stale copies hold at most the rows outside the range just served: when those fit
+        # the budget nothing is dropped, and counting them costs a fraction of counting every
+        # key group's rows (a pass over all the worker holds, each batch: ~20 ms at 10M rows).
+        outside = len(held.table) - held.table.count_in_range(rng.start, rng.end)
+        if outside * row_bytes > budget:
+            rows = np.bincount(held.table.kg, minlength=len(held.version))
+            newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
+            kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), budget, side="right"))
+            stale[newest_first[kept:]] = True
     if stale.any():
         held.table.drop_groups(np.flatnonzero(stale))
         held.version[stale] = -1
@@ -182,7 +187,7 @@ class MemoryBackend:
             self.table.compact()
 
     def state_keys(self) -> int:
-        return len(self.table.rows_in_range(self.rng.start, self.rng.end, live_only=True))
+        return self.table.count_in_range(self.rng.start, self.rng.end, live_only=True)
 
     def close(self) -> None:
         pass  # the worker keeps its copy for the next batch
