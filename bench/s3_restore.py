@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from keyscale.checkpoint.files import read_state_slice, write_state_file
+from keyscale.checkpoint.encode import write_state_file
+from keyscale.checkpoint.files import read_state_slice
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.table import KG_COLUMN
 from keyscale.storage import open_store

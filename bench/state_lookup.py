@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from keyscale.checkpoint.files import write_state_file
+from keyscale.checkpoint.encode import write_state_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 from keyscale.state.keygroups import key_group_ranges
@@ -128,7 +128,7 @@ def _pass(lookup: StateLookup, keys: list[str]) -> dict[str, Any]:
 
 
 def snapshot_cost(n: int, runs: int) -> None:
-    from keyscale.checkpoint.files import spill_state_file
+    from keyscale.checkpoint.encode import spill_state_file
     from keyscale.state.keygroups import KeyGroupRange
     from keyscale.state.table import KeyedStateTable
     from keyscale.storage.scratch import remove_scratch

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keyscale.checkpoint.files as files
-from keyscale.checkpoint.files import (
+from keyscale.checkpoint.encode import (
     encode_state_file,
     put_state_file,
-    read_key_groups_ranged,
     spill_state_file,
     write_state_file,
 )
+from keyscale.checkpoint.files import read_key_groups_ranged
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.order import order_rows, sort_keys
 from keyscale.state.table import KG_COLUMN, KeyedStateTable

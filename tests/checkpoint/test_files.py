@@ -12,16 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyscale.checkpoint.files import (
-    CHUNK_ROWS,
+from keyscale.checkpoint.encode import (
     encode_state_file,
     kg_index,
     put_state_file,
-    read_state_slice,
     spill_state_file,
-    verify_state_file,
     write_state_file,
 )
+from keyscale.checkpoint.files import CHUNK_ROWS, read_state_slice, verify_state_file
 from keyscale.checkpoint.manifest import StateFile
 from keyscale.checkpoint.uploads import record_upload_failure, wait_stored
 from keyscale.errors import StateError

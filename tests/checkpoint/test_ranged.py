@@ -15,9 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import keyscale.checkpoint.encode as encode
 import keyscale.checkpoint.files as files
 import keyscale.checkpoint.ranged as ranged
-from keyscale.checkpoint.files import read_state_slice, write_state_file
+from keyscale.checkpoint.encode import write_state_file
+from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.ranged import plan_read, read_footers, read_planned
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
@@ -42,7 +44,7 @@ def _table(keys: list[str], kgs: list[int], ordered: bool) -> pa.Table:
 def test_a_planned_read_equals_the_whole_key_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, chunk: int, snapshot: bool, tail: int, compressed: bool,
 ) -> None:
-    monkeypatch.setattr(files, "compressed_on", lambda store: compressed)  # as on an object store, or not
+    monkeypatch.setattr(encode, "compressed_on", lambda store: compressed)  # as on an object store, or not
     monkeypatch.setattr(files, "CHUNK_ROWS", chunk)
     monkeypatch.setattr(files, "DELTA_CHUNK_ROWS", chunk)
     # A first read shorter than the footer: read again, the footer alone (a large file's case)

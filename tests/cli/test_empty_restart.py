@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import RUNNING_COUNT
-from keyscale.checkpoint.files import write_state_file
+from keyscale.checkpoint.encode import write_state_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 from keyscale.cli.main import main as keyscale_main

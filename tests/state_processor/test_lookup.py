@@ -23,7 +23,7 @@ import pytest
 
 import keyscale as ks
 from conftest import write_events
-from keyscale.checkpoint.files import write_state_file
+from keyscale.checkpoint.encode import write_state_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 from keyscale.checkpoint.savepoint import checkpoint_types, restore_key_groups

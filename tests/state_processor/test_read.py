@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from keyscale.checkpoint.files import read_state_slice, write_state_file
+from keyscale.checkpoint.encode import write_state_file
+from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 from keyscale.checkpoint.savepoint import (

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyscale.checkpoint.files import read_state_slice, write_state_file
+from keyscale.checkpoint.encode import write_state_file
+from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile
 from keyscale.checkpoint.savepoint import checkpoint_types, restore_key_groups, write_savepoint

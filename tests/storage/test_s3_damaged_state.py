@@ -10,7 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from keyscale.checkpoint.files import read_state_slice, write_state_file
+from keyscale.checkpoint.encode import write_state_file
+from keyscale.checkpoint.files import read_state_slice
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 from keyscale.errors import StateError

@@ -16,7 +16,7 @@ The byte ranges come from the Arrow footer's record batch blocks (offset, metada
 body length), read from its flatbuffer here: pyarrow does not expose them.
 
 >>> import tempfile, pyarrow as pa
->>> from keyscale.checkpoint.files import write_state_file
+>>> from keyscale.checkpoint.encode import write_state_file
 >>> from keyscale.state.keygroups import KeyGroupRange
 >>> from keyscale.storage import LocalStore
 >>> store = LocalStore(tempfile.mkdtemp())

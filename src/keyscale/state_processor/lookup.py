@@ -35,7 +35,7 @@ is a :class:`~keyscale.errors.StateError` naming it and listing those it has.
 >>> import tempfile, pyarrow as pa
 >>> from pathlib import Path
 >>> from keyscale.checkpoint.jobdir import JobDir
->>> from keyscale.checkpoint.files import write_state_file
+>>> from keyscale.checkpoint.encode import write_state_file
 >>> from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 >>> from keyscale.state.keygroups import KeyGroupRange
 >>> from keyscale.state.spark_hash import key_group_of

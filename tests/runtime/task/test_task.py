@@ -685,7 +685,7 @@ def test_state_files_for_an_object_store_are_compressed_and_restore_alike(
     tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A task writing to an object store LZ4-compresses its deltas and snapshots
-    (``files.compressed_on``; the stores here are local folders told they are not): fewer
+    (``encode.compressed_on``; the stores here are local folders told they are not): fewer
     bytes than the same batches uncompressed, and a worker with no copy restores from them
     and from a mix of both kinds to the model's state."""
     import keyscale.runtime.task.keyed as keyed

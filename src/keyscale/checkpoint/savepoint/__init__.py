@@ -33,7 +33,7 @@ job directory and the savepoint may be on different ones.
 >>> from pathlib import Path
 >>> from keyscale.checkpoint.jobdir import JobDir
 >>> from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
->>> from keyscale.checkpoint.files import write_state_file
+>>> from keyscale.checkpoint.encode import write_state_file
 >>> from keyscale.state.keygroups import KeyGroupRange
 >>> from keyscale.state.types import StateDescriptor
 >>> root = Path(tempfile.mkdtemp())

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from keyscale.checkpoint.drain import restored_event_time
-from keyscale.checkpoint.files import write_state_file
+from keyscale.checkpoint.encode import write_state_file
 from keyscale.checkpoint.jobdir import JobDir
 from keyscale.checkpoint.lineage import restored_lineage
 from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile

@@ -25,7 +25,7 @@ and deleted by each run, and this server outlives runs.
 >>> import json, tempfile, urllib.request, pyarrow as pa
 >>> from pathlib import Path
 >>> from keyscale.checkpoint.jobdir import JobDir
->>> from keyscale.checkpoint.files import write_state_file
+>>> from keyscale.checkpoint.encode import write_state_file
 >>> from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint
 >>> from keyscale.state.keygroups import KeyGroupRange
 >>> from keyscale.state.spark_hash import key_group_of

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from keyscale._faults import fault_point
-from keyscale.checkpoint.files import compressed_on, encode_state_file, spill_state_file
+from keyscale.checkpoint.encode import compressed_on, encode_state_file, spill_state_file
 from keyscale.checkpoint.manifest import StateFile, deltas_since
 from keyscale.latency import ages
 from keyscale.operators.keyed import KeyedProcessFunction, rows_to_arrow

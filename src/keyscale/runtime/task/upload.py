@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from keyscale._faults import fault_point
-from keyscale.checkpoint.files import put_state_file
+from keyscale.checkpoint.encode import put_state_file
 from keyscale.checkpoint.uploads import record_upload_failure
 from keyscale.runtime.task.spec import StageTask
 from keyscale.storage.scratch import remove_scratch
