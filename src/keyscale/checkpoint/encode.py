@@ -70,12 +70,10 @@ def compressed_on(store: Store) -> bool:
     return not store.is_local
 
 
-
 # On the calling thread, as reads are (files.py's ``_READ_OPTIONS``: a 5M-row snapshot written
 # with LZ4 in 0.31-0.38 s on one thread against 0.65-0.80 s on Arrow's pool).
 def _write_options(compressed: bool) -> pa.ipc.IpcWriteOptions:
     return pa.ipc.IpcWriteOptions(compression="lz4" if compressed else None, use_threads=False)
-
 
 
 def kg_index(kgs: np.ndarray, start: int, end: int) -> list[list[int]]:
