@@ -320,6 +320,9 @@ def _check_model(ops: list[tuple[str, Any]]) -> None:
         kgs = t.to_arrow().column(KG_COLUMN).to_pylist()
         assert kgs == sorted(kgs)
         assert all(r[KG_COLUMN] == _kg(k) for k, r in _rows(t).items())
+        # rows per key group, kept up to date from the first time asked (every op here)
+        assert t.group_rows().tolist()[:5] == [sum(1 for k in model if _kg(k) == g) for g in range(5)]
+        assert not t.group_rows()[5:].any()
         # gather agrees with the model for every key of the pool
         pos = t.positions(make_index([_obj([k[0] for k in KEY_POOL]), np.array([k[1] for k in KEY_POOL], dtype=np.int64)]))
         for name in names:

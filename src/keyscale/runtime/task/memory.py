@@ -137,15 +137,10 @@ def _evict(held: Held, rng: KeyGroupRange, batch: int, parallelism: int, keep_ba
     others = np.flatnonzero((held.version >= 0) & (held.last_used < batch) & ~stale)
     if done and len(others) and len(held.table):
         row_bytes = sum(held.table.memory().values()) / len(held.table)
-        # The stale copies hold at most the rows outside the range just served: when those fit
-        # the budget nothing is dropped, and counting them costs a fraction of counting every
-        # key group's rows (a pass over all the worker holds, each batch: ~20 ms at 10M rows).
-        outside = len(held.table) - held.table.count_in_range(rng.start, rng.end)
-        if outside * row_bytes > budget:
-            rows = np.bincount(held.table.kg, minlength=len(held.version))
-            newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
-            kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), budget, side="right"))
-            stale[newest_first[kept:]] = True
+        rows = held.table.group_rows()[: len(held.version)]
+        newest_first = others[np.argsort(-held.last_used[others], kind="stable")]
+        kept = int(np.searchsorted(np.cumsum(rows[newest_first] * row_bytes), budget, side="right"))
+        stale[newest_first[kept:]] = True
     if stale.any():
         held.table.drop_groups(np.flatnonzero(stale))
         held.version[stale] = -1
