@@ -5,6 +5,7 @@ they are asked: batch times and lookup latency in phases of one run, in turn.
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,thread,control,serve
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,serve,thread --seaweedfs
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,thread --rounds 6 --seaweedfs
+    PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none,thread --rounds 6 --seaweedfs --seaweedfs-read-cache 256
     PYTHONPATH=src .venv/bin/python bench/lookup_load.py --keys 10000000 --phases none --rounds 1 --phase-batches 40   # batch times alone
 
 The job is ``examples/log_count.py`` (a local partitioned log, 2 partitions, -> running
@@ -354,7 +355,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phases", default="none,thread", help=f"comma-separated, in turn: {', '.join(WAYS)}")
     ap.add_argument("--seaweedfs", action="store_true", help="the job's state on a private SeaweedFS S3 server started for the run")
+    ap.add_argument("--seaweedfs-read-cache", type=int, default=0, metavar="MB",
+                    help="that server with 1 MB chunks and a read cache of MB megabytes (keyscale.storage.seaweed.start_seaweedfs)")
     a = ap.parse_args()
+    if a.seaweedfs_read_cache and not a.seaweedfs:
+        ap.error("--seaweedfs-read-cache is a setting of the --seaweedfs server")
     # Gone at the end: a run at 10M keys leaves ~1.2 GB of log, output and state.
     with tempfile.TemporaryDirectory(prefix="ks-lookup-load-") as scratch:
         tmp = Path(scratch)
@@ -363,7 +368,7 @@ def main() -> None:
             return
         from keyscale.storage.seaweed import serving_bucket
 
-        with serving_bucket(tmp / "s3", "bench") as server:  # its settings also reach the server and client processes
+        with serving_bucket(tmp / "s3", "bench", a.seaweedfs_read_cache) as server:  # its settings also reach the server and client processes
             print(json.dumps(run(a, tmp, "s3://bench/job", server.pid)), flush=True)
 
 

@@ -131,6 +131,23 @@ def test_a_benchmarks_server_serves_its_bucket_through_the_environment_and_stops
     assert not _alive(server.pid)
 
 
+def test_a_server_for_ranged_reads_cuts_1_mb_chunks_and_serves_every_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_cache_mb``: the server runs with 1 MB chunks and a read cache of that size, and
+    a range read across its chunks' edges, twice (the second from its cache), is the
+    object's bytes."""
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    with serving_bucket(tmp_path / "s3", "bench", read_cache_mb=16) as server:
+        args = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"-filer.maxMB=1" in args and b"-s3.cacheCapacityMB=16" in args
+        store = open_store("s3://bench/x", "bench bucket")
+        data = os.urandom(3 * (1 << 20) + 12345)
+        store.put("state.arrow", data)
+        for start, length in [(0, 10), ((1 << 20) - 5, 10), ((2 << 20) - 100, (1 << 20) + 200), (len(data) - 7, 7)]:
+            for _ in range(2):
+                assert store.get_range("state.arrow", start, length) == data[start : start + length]
+
+
 def test_a_put_into_a_missing_bucket_fails_as_on_s3(s3_bucket: str) -> None:
     store = _store("s3://no-such-bucket-here")
     with pytest.raises(Exception, match=r"NoSuchBucket|404"):

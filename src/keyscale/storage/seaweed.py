@@ -147,6 +147,7 @@ def start_seaweedfs(
     secret_key: str,
     *,
     timeout: float = START_TIMEOUT,
+    read_cache_mb: int = 0,
 ) -> S3Server:
     """Start a SeaweedFS S3 server keeping its data, config and log in ``folder``.
 
@@ -156,7 +157,17 @@ def start_seaweedfs(
     a signed ListBuckets and a probe object could be written and deleted. Raises
     :class:`~keyscale.errors.StorageError` naming the log file if it does not start
     within ``timeout`` seconds. The caller stops it with :meth:`S3Server.stop`.
+
+    ``read_cache_mb``: SeaweedFS's settings for many small ranged reads (state lookups),
+    off by default. For each ranged GET it reads the whole chunk that holds the range
+    (files are cut into chunks of 4 MB by default): ~1 ms of its CPU per MB of chunk,
+    so a 30 KB read cost it 2.2 ms in a 1 MB object and 4.2-5.7 ms in a 4-8 MB one. With
+    a cache of ``read_cache_mb`` MB (``-s3.cacheCapacityMB``) and chunks of 1 MB
+    (``-filer.maxMB=1``; the cache kept no 4 MB chunk), 0.7-1.2 ms (docs/benchmarks.md,
+    "SeaweedFS's chunks and ranged reads").
     """
+    if read_cache_mb < 0:
+        raise ValueError(f"read_cache_mb={read_cache_mb}: a size in MB, 0 or more")
     root = Path(folder).absolute()
     root.mkdir(parents=True, exist_ok=True)
     data = root / "data"
@@ -183,7 +194,7 @@ def start_seaweedfs(
         attempt += 1
         log_path = root / "weed.log"
         ports = _free_ports(len(_PORT_FLAGS))
-        process = _launch(weed, root, data, identities, dict(zip(_PORT_FLAGS, ports, strict=True)), log_path)
+        process = _launch(weed, root, data, identities, dict(zip(_PORT_FLAGS, ports, strict=True)), log_path, read_cache_mb)
         server = S3Server(
             endpoint_url=f"http://127.0.0.1:{ports[_PORT_FLAGS.index('s3.port')]}",
             access_key=access_key,
@@ -217,13 +228,14 @@ def create_bucket(server: S3Server, name: str) -> None:
 
 
 @contextlib.contextmanager
-def serving_bucket(folder: str | os.PathLike[str], bucket: str) -> Iterator[S3Server]:
+def serving_bucket(folder: str | os.PathLike[str], bucket: str, read_cache_mb: int = 0) -> Iterator[S3Server]:
     """A server of its own in ``folder`` with bucket ``bucket``, and this process's
     environment pointed at it (:meth:`S3Server.env`), so the processes it starts find it
     too (a job's driver, a CLI, spawned workers); stopped at the end. A benchmark's S3 in
     one line: ``with serving_bucket(tmp / "s3", "bench"): run("s3://bench/job")``. The
-    environment keeps the settings after the block (the server is gone by then)."""
-    server = start_seaweedfs(folder, "bench", secrets.token_hex(16))
+    environment keeps the settings after the block (the server is gone by then).
+    ``read_cache_mb``: as :func:`start_seaweedfs`'s."""
+    server = start_seaweedfs(folder, "bench", secrets.token_hex(16), read_cache_mb=read_cache_mb)
     try:
         create_bucket(server, bucket)
         os.environ.update(server.env())
@@ -316,7 +328,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 def _launch(
-    weed: Path, root: Path, data: Path, identities: Path, ports: Mapping[str, int], log_path: Path
+    weed: Path, root: Path, data: Path, identities: Path, ports: Mapping[str, int], log_path: Path, read_cache_mb: int = 0,
 ) -> subprocess.Popen[bytes]:
     args = [
         str(weed),
@@ -345,6 +357,8 @@ def _launch(
         "-volume.max=200",
         "-volume.preStopSeconds=0",
     ]
+    if read_cache_mb:
+        args += ["-filer.maxMB=1", f"-s3.cacheCapacityMB={read_cache_mb}"]
     # These default to /tmp/seaweedfs-<name>-<port>.sock; keep them with the server when
     # the path fits in a unix socket address (108 bytes).
     for name in ("filer", "s3"):
@@ -457,8 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--access-key", default="keyscale")
     parser.add_argument("--secret-key", default="keyscale-secret")
     parser.add_argument("--bucket", action="append", default=[], help="create this bucket (repeatable)")
+    parser.add_argument("--read-cache", type=int, default=0, metavar="MB",
+                        help="1 MB chunks and a read cache of MB megabytes, for many small ranged reads (state lookups)")
     args = parser.parse_args(argv)
-    server = start_seaweedfs(args.folder, args.access_key, args.secret_key)
+    if args.read_cache < 0:
+        parser.error(f"--read-cache {args.read_cache}: a size in MB, 0 or more")
+    server = start_seaweedfs(args.folder, args.access_key, args.secret_key, read_cache_mb=args.read_cache)
     try:
         for bucket in args.bucket:
             create_bucket(server, bucket)
