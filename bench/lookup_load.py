@@ -61,6 +61,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from procs import cpu_seconds
+
 HERE = Path(__file__).resolve().parent
 JOB = HERE.parent / "examples" / "log_count.py"
 
@@ -116,18 +118,6 @@ def _serve(job_dir: str, token_file: Path) -> tuple[subprocess.Popen[str], str]:
         proc.kill()
         sys.exit(f"lookup_load: keyscale state serve did not start: {line}{proc.stderr.read()}")
     return proc, found.group(1)
-
-
-def _cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds used so far: by the whole machine (every core's non-idle time) when
-    ``pid`` is None, else by process ``pid`` (user and system)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    if pid is None:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    after = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces
-    return (int(after[11]) + int(after[12])) / tick
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -254,7 +244,7 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
                 loads.append({"phase": phase(i), "load_average": os.getloadavg()})
             current.value = WAYS.index(phase(i + 1))
         if ended >= a.warmup and (ended - a.warmup) % a.phase_batches == 0:  # the warm-up or a phase ended
-            now = (_cpu_seconds(), _cpu_seconds(s3_pid) if s3_pid else 0.0, time.perf_counter())
+            now = (cpu_seconds(), cpu_seconds(s3_pid) if s3_pid else 0.0, time.perf_counter())
             counted = dict(getattr(runner.jobdir.store, "requests", {})) if runner is not None else {}
             if mark:
                 ended_phase = phase(ended - a.warmup - 1)

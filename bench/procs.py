@@ -1,5 +1,5 @@
-"""Processes as Linux's /proc shows them: the chaos harness's and its cluster plumbing's one
-reader of parent PIDs and command lines."""
+"""Processes as Linux's /proc shows them: the benchmarks' one reader of parent PIDs, command
+lines and CPU time."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ def descendants(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds used so far: by the whole machine (every core's non-idle time) when
+    ``pid`` is None, else by process ``pid`` (user and system, all its threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    if pid is None:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    after = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces
+    return (int(after[11]) + int(after[12])) / tick
 
 
 def cmdline(pid: int) -> str:

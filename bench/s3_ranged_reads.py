@@ -22,15 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from procs import cpu_seconds
+
 from keyscale.storage import open_store
 from keyscale.storage.seaweed import serving_bucket
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of process ``pid`` so far."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
