@@ -474,9 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-cache", type=int, default=0, metavar="MB",
                         help="1 MB chunks and a read cache of MB megabytes, for many small ranged reads (state lookups)")
     args = parser.parse_args(argv)
-    if args.read_cache < 0:
-        parser.error(f"--read-cache {args.read_cache}: a size in MB, 0 or more")
-    server = start_seaweedfs(args.folder, args.access_key, args.secret_key, read_cache_mb=args.read_cache)
+    try:
+        server = start_seaweedfs(args.folder, args.access_key, args.secret_key, read_cache_mb=args.read_cache)
+    except ValueError as e:  # a setting start_seaweedfs refuses, before anything starts
+        parser.error(f"--read-cache: {e}")
     try:
         for bucket in args.bucket:
             create_bucket(server, bucket)
