@@ -33,7 +33,10 @@ A phase's first batch is left out of the batch times (it may have started before
 phase's switch). Printed as JSON: per phase the median batch time (``BatchRecord.seconds``)
 and each round's median, against ``none``'s, the lookups made and their p50/p99 latency,
 the load average at the end of each phase (the machine is shared), the machine's busy CPU
-seconds a batch (all cores, every process) and, with ``--seaweedfs``, the S3 server's and
+seconds a batch (all cores, every process) and the job's driver process's (this one: its
+lookups in ``thread`` and ``control`` among them; the JVM and the Python workers are processes
+of their own), for ``thread`` the lookup thread's own CPU time a lookup, and, with
+``--seaweedfs``, the S3 server's and
 the requests the job's process made of the store a batch (its lookups' among them), and the
 batches in which a subtask loaded key groups from the checkpoint instead of catching up a copy.
 
@@ -200,10 +203,11 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
     phase_of: list[str] = []  # per batch after the warm-up: the phase it started in
     reloads: list[int] = []  # batches after the warm-up in which a subtask loaded key groups from the checkpoint
     loads: list[dict[str, Any]] = []
-    cpu: dict[str, list[float]] = {}  # per phase: CPU seconds of the machine and of the S3 server, wall seconds, batches
+    cpu: dict[str, list[float]] = {}  # per phase: CPU seconds of the machine, the S3 server and this (the driver's) process, wall seconds, batches
     requests: dict[str, dict[str, int]] = {}
-    mark: dict[str, Any] = {}  # at the last phase switch: "cpu" (machine CPU, server CPU, wall clock) and the store's "requests"
+    mark: dict[str, Any] = {}  # at the last phase switch: "cpu" (machine CPU, server CPU, driver CPU, wall clock) and the store's "requests"
     thread_ms: list[float] = []
+    thread_cpu_ms: list[float] = []  # the lookup thread's own CPU time a lookup
     ctx = mp.get_context("spawn")
     current = ctx.Value("i", -1)  # the phase's index in WAYS, read by the thread and the client process
     done, client_done, out = threading.Event(), ctx.Event(), ctx.Queue()
@@ -244,17 +248,17 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
                 loads.append({"phase": phase(i), "load_average": os.getloadavg()})
             current.value = WAYS.index(phase(i + 1))
         if ended >= a.warmup and (ended - a.warmup) % a.phase_batches == 0:  # the warm-up or a phase ended
-            now = (cpu_seconds(), cpu_seconds(s3_pid) if s3_pid else 0.0, time.perf_counter())
+            now = (cpu_seconds(), cpu_seconds(s3_pid) if s3_pid else 0.0, cpu_seconds(os.getpid()), time.perf_counter())
             counted = dict(getattr(runner.jobdir.store, "requests", {})) if runner is not None else {}
             if mark:
                 ended_phase = phase(ended - a.warmup - 1)
                 got = requests.setdefault(ended_phase, {})
                 for k, v in counted.items():
                     got[k] = got.get(k, 0) + v - mark["requests"].get(k, 0)
-                used = cpu.setdefault(ended_phase, [0.0, 0.0, 0.0, 0])
-                for k in range(3):
+                used = cpu.setdefault(ended_phase, [0.0, 0.0, 0.0, 0.0, 0])
+                for k in range(4):
                     used[k] += now[k] - mark["cpu"][k]
-                used[3] += a.phase_batches
+                used[4] += a.phase_batches
             mark.update(cpu=now, requests=counted)
         append([f"user-{rnd.randrange(a.keys):09d}" for _ in range(a.records)])
         if ended >= batches_total and runner is not None:
@@ -270,7 +274,7 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
                 nxt = time.perf_counter()
                 continue
             key = f"user-{pick.randrange(a.keys):09d}" if pick.random() < 0.9 else f"absent-{pick.randrange(10**9)}"
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             assert runner is not None
             try:
                 runner.lookup_state("totals", [key])
@@ -278,6 +282,7 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
                 print(f"lookup failed: {e}", file=sys.stderr)
                 continue
             thread_ms.append((time.perf_counter() - t0) * 1000)
+            thread_cpu_ms.append((time.thread_time() - c0) * 1000)
             nxt += 1 / a.rate
             time.sleep(max(0.0, nxt - time.perf_counter()))
 
@@ -323,14 +328,17 @@ def run(a: argparse.Namespace, tmp: Path, job_dir: str | None = None, s3_pid: in
                                  "batch_against_none": round(median / base, 3) if median and base else None,
                                  "paired_against_none": paired(in_turn, p)}
         if p in cpu:  # the machine's busy cores over the phase, and what the S3 server took of them
-            machine, s3, wall, n = cpu[p]
-            entry |= {"machine_cpu_s_per_batch": round(machine / n, 3), "busy_cores": round(machine / wall, 2)}
+            machine, s3, driver, wall, n = cpu[p]
+            entry |= {"machine_cpu_s_per_batch": round(machine / n, 3), "busy_cores": round(machine / wall, 2),
+                      "driver_cpu_s_per_batch": round(driver / n, 3)}
             if s3_pid:
                 entry |= {"s3_server_cpu_s_per_batch": round(s3 / n, 3),
                           "driver_requests_per_batch": {k: round(v / n, 1) for k, v in sorted(requests.get(p, {}).items())}}
         if p != "none":
             lat = ms.get(p, [])
             entry |= {"lookups": len(lat), "lookup_p50_ms": _pct(lat, 0.5), "lookup_p99_ms": _pct(lat, 0.99)}
+            if p == "thread" and thread_cpu_ms:
+                entry |= {"lookup_cpu_ms_mean": round(statistics.fmean(thread_cpu_ms), 3)}
         result["phases"][p] = entry
     return result
 

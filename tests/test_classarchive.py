@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,13 +84,17 @@ def test_an_archive_made_for_another_java_or_spark_is_refused_by_name(tmp_path: 
 
 
 def test_a_job_started_with_the_archive_loads_sparks_classes_from_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The tests' own archive (tests/jvm_archive.py) comes through SPARK_SUBMIT_OPTS: not here.
+    # The archive is the suite's own (tests/jvm_archive.py), made by the same create_archive
+    # as `keyscale class-archive` (making one takes a JVM about a minute): here it reaches
+    # the job through KEYSCALE_CLASS_ARCHIVE, as a user's does, not through SPARK_SUBMIT_OPTS.
+    from jvm_archive import ensure
+
+    options = ensure()
+    assert options is not None, "the suite's class archive could not be made (tests/jvm_archive.py said why on stderr)"
+    archive = Path(options.split()[0].removeprefix("-XX:SharedArchiveFile="))
+    assert json.loads(archive.with_name(archive.name + ".json").read_text())["v"] == 1
+    assert not list(archive.parent.glob("keyscale-class-archive-*"))  # no work folder left
     monkeypatch.setenv("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1")
-    archive = tmp_path / "cache" / "spark.jsa"
-    made = cli("class-archive", str(archive), check=True)
-    assert "class archive written" in made.stdout
-    assert json.loads((tmp_path / "cache" / "spark.jsa.json").read_text())["v"] == 1
-    assert sorted(p.name for p in archive.parent.iterdir()) == ["spark.jsa", "spark.jsa.json"]  # no work folder left
 
     write_events(tmp_path / "in", files=2, rows=400, keys=20)
     monkeypatch.setenv(ARCHIVE_ENV, str(archive))
@@ -107,13 +112,9 @@ def test_a_job_started_with_the_archive_loads_sparks_classes_from_it(tmp_path: P
     assert totals.sum() == 800 and len(totals) == 20
 
 
-@pytest.mark.parametrize(("logs", "said"), [
-    ([], "written whole 0 times"),  # the JVM was killed while it wrote: no line
-    (["[info][cds,dynamic] Written dynamic archive 0x8 - 0x9"] * 2, "written whole 2 times"),  # two JVMs wrote it in turn
-])
-def test_an_archive_its_jvm_did_not_say_it_wrote_whole_once_is_not_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logs: list[str], said: str,
-) -> None:
+def _fake_workload(logs: list[str]) -> Any:
+    """subprocess.run for the archive's small job: it writes the archive file and the JVM's
+    ``logs`` (one file each) where the job's JVM would."""
     import subprocess
 
     def workload(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
@@ -123,7 +124,37 @@ def test_an_archive_its_jvm_did_not_say_it_wrote_whole_once_is_not_kept(
             (work / f"cds-{i}.log").write_text(text + "\n")
         return subprocess.CompletedProcess(argv, 0, "", "")
 
-    monkeypatch.setattr(subprocess, "run", workload)
+    return workload
+
+
+def test_the_command_moves_the_archive_and_its_stamp_into_place_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import subprocess
+
+    from keyscale.cli.main import main
+
+    monkeypatch.setattr(subprocess, "run", _fake_workload(["[info][cds,dynamic] Written dynamic archive 0x8 - 0x9"]))
+    monkeypatch.delenv("SPARK_SUBMIT_OPTS", raising=False)  # the tests' own JVMs map an archive
+    archive = tmp_path / "cache" / "spark.jsa"
+    assert main(["class-archive", str(archive)]) == 0
+    out = capsys.readouterr().out
+    assert "class archive written" in out and f"{ARCHIVE_ENV}={archive}" in out
+    assert archive.read_bytes() == b"a file, whole or not"
+    assert json.loads((tmp_path / "cache" / "spark.jsa.json").read_text()) == current_stamp().to_wire()
+    assert sorted(p.name for p in archive.parent.iterdir()) == ["spark.jsa", "spark.jsa.json"]  # no work folder left
+
+
+@pytest.mark.parametrize(("logs", "said"), [
+    ([], "written whole 0 times"),  # the JVM was killed while it wrote: no line
+    (["[info][cds,dynamic] Written dynamic archive 0x8 - 0x9"] * 2, "written whole 2 times"),  # two JVMs wrote it in turn
+])
+def test_an_archive_its_jvm_did_not_say_it_wrote_whole_once_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logs: list[str], said: str,
+) -> None:
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", _fake_workload(logs))
     monkeypatch.delenv("SPARK_SUBMIT_OPTS", raising=False)  # the tests' own JVMs map an archive
     target = tmp_path / "spark.jsa"
     with pytest.raises(KeyscaleError, match=f"the class archive's job failed \\(exit 0\\) \\(the JVM's log says the archive was {said}"):

@@ -31,6 +31,7 @@ from keyscale.checkpoint.manifest import (
     latest_snapshot_batches,
     live_files,
     restore_chain,
+    restore_chains,
     restore_files,
 )
 from keyscale.errors import StateError
@@ -159,6 +160,16 @@ def test_restore_chain_equals_applying_every_file_in_batch_order(h: History) -> 
     for kg in range(h.max_parallelism):
         everything = sorted((f for f in h.files if f.start <= kg <= f.end), key=lambda f: f.batch)
         assert apply(h, kg, restore_chain(h.files, kg)) == apply(h, kg, everything)
+
+
+@PROPS
+@given(histories(), st.data())
+def test_restore_chains_of_a_range_are_each_key_groups_restore_chain(h: History, data: st.DataObject) -> None:
+    lo = data.draw(st.integers(0, h.max_parallelism - 1))
+    hi = data.draw(st.integers(lo, h.max_parallelism - 1))
+    after = data.draw(st.none() | st.integers(-1, h.batches))
+    chains = restore_chains(h.files, KeyGroupRange(lo, hi), after)
+    assert chains == [restore_chain(h.files, kg, after) for kg in range(lo, hi + 1)]
 
 
 @PROPS

@@ -324,9 +324,25 @@ def restore_chain(files: Sequence[StateFile], key_group: int, after: int | None 
     newer deltas, unless a snapshot newer than ``after`` cannot be crossed on them: then
     from that snapshot. A restored savepoint without source positions has batch -1.
     """
-    rng = KeyGroupRange(key_group, key_group)
-    full, starts = chain_starts(files, rng, None if after is None else np.array([after], dtype=np.int64))
-    return [f for f, _ in chain_reads(files, rng, full, starts)]
+    return restore_chains(files, KeyGroupRange(key_group, key_group), after)[0]
+
+
+def restore_chains(files: Sequence[StateFile], rng: KeyGroupRange, after: int | None = None) -> list[list[StateFile]]:
+    """:func:`restore_chain` of every key group of ``rng`` (in its order), worked out in one
+    pass over ``files``: what a reader of many key groups of one checkpoint (the point
+    lookups of a running job, which commits a new checkpoint every batch) plans at once.
+
+    >>> files = [StateFile("a", 0, "delta", 0, 3, 1, 1, 1), StateFile("b", 1, "snapshot", 0, 1, 1, 1, 1)]
+    >>> [[f.path for f in chain] for chain in restore_chains(files, KeyGroupRange(0, 3))]
+    [['b'], ['b'], ['a'], ['a']]
+    """
+    held = None if after is None else np.full(rng.end - rng.start + 1, after, dtype=np.int64)
+    full, starts = chain_starts(files, rng, held)
+    chains: list[list[StateFile]] = [[] for _ in range(rng.end - rng.start + 1)]
+    for f, run in chain_reads(files, rng, full, starts):
+        for kg in range(run.start, run.end + 1):
+            chains[kg - rng.start].append(f)
+    return chains
 
 
 def restore_files(files: Sequence[StateFile], max_parallelism: int) -> list[StateFile]:

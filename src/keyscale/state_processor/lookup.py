@@ -73,7 +73,7 @@ import pyarrow.compute as pc
 
 from keyscale.checkpoint.files import Location
 from keyscale.checkpoint.jobdir import JobDir
-from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, restore_chain
+from keyscale.checkpoint.manifest import Manifest, OperatorCheckpoint, StateFile, restore_chains
 from keyscale.checkpoint.ranged import DEFAULT_CACHE_BYTES, SliceCache
 from keyscale.checkpoint.savepoint import METADATA_FILE
 from keyscale.checkpoint.savepoint.schema import spark_type_name
@@ -90,6 +90,10 @@ from keyscale.storage import Store
 
 __all__ = [
     "DEFAULT_CACHE_BYTES", "LookupOperator", "SliceCache", "StateLookup", "committed_checkpoint", "jsonable", "parse_key"]
+
+# Key groups whose restore chains a lookup works out together, for one checkpoint: all of a
+# job's at the default max parallelism (128); a block at a time of a larger one.
+CHAIN_BLOCK = 128
 
 # Hidden states (state/handles.py): a key's timers, and each TTL state's clock.
 _TIMERS = {timers: domain for domain, (timers, _) in TIMER_STATES.items()}
@@ -382,9 +386,11 @@ class StateLookup:
         self._files = CheckpointFiles(self.jobdir.store)
         self._types: dict[tuple[Any, ...], LookupOperator] = {}
         self._types_lock = threading.Lock()
-        # Restore chains by (operator, key group), for the files tuple they were worked out
-        # from: the running job hands every lookup the same manifest until it commits again.
-        self._chains: dict[tuple[str, int], tuple[tuple[StateFile, ...], list[StateFile]]] = {}
+        self._last_operator: dict[str, LookupOperator] = {}  # by uid, the last one made
+        # Restore chains by (operator, block of CHAIN_BLOCK key groups), for the files tuple
+        # they were worked out from: the running job hands every lookup the same manifest
+        # until it commits again, and commits every batch.
+        self._chains: dict[tuple[str, int], tuple[tuple[StateFile, ...], list[list[StateFile]]]] = {}
 
     # -- checkpoints and operators ---------------------------------------------------------
     def manifest(self, checkpoint: int | None = None) -> Manifest:
@@ -411,6 +417,9 @@ class StateLookup:
                 f"operator '{uid}' {what} in job '{manifest.job}' at checkpoint {manifest.batch} "
                 f"(keyed operators: {', '.join(repr(u) for u in keyed) or 'none'})"
             )
+        last = self._last_operator.get(uid)
+        if last is not None and last.checkpoint is op:  # the running job's manifest, asked again
+            return last
         sig = (uid, op.key_columns, tuple(json.dumps(s, sort_keys=True) for s in op.states))
         with self._types_lock:
             found = self._types.get(sig)
@@ -418,7 +427,8 @@ class StateLookup:
             found = _operator(op, self._files)
             with self._types_lock:
                 self._types[sig] = found
-        return LookupOperator(op, found.keys, found.routing, found.states)
+        self._last_operator[uid] = made = LookupOperator(op, found.keys, found.routing, found.states)
+        return made
 
     # -- lookups ---------------------------------------------------------------------------
     def get(self, uid: str, key: Any, checkpoint: int | None = None) -> dict[str, Any]:
@@ -444,15 +454,19 @@ class StateLookup:
                     raise  # not a file retention deleted under a newer checkpoint
 
     def _chain(self, op: LookupOperator, kg: int) -> list[StateFile]:
-        files = op.checkpoint.files
-        found = self._chains.get((op.uid, kg))
-        if found is not None and found[0] is files:
-            return found[1]
-        chain = restore_chain(files, kg)
-        if len(self._chains) >= 1 << 14:
-            self._chains.clear()
-        self._chains[(op.uid, kg)] = (files, chain)
-        return chain
+        files, block = op.checkpoint.files, kg // CHAIN_BLOCK
+        found = self._chains.get((op.uid, block))
+        if found is None or found[0] is not files:
+            # The block's chains at once: a running job's lookups find a new checkpoint after
+            # every batch, and one pass over its files for each key group asked cost a lookup
+            # at 10M keys a third of its time (docs/benchmarks.md, "Lookups beside a job that
+            # commits every batch").
+            rng = KeyGroupRange(block * CHAIN_BLOCK, min((block + 1) * CHAIN_BLOCK, op.checkpoint.max_parallelism) - 1)
+            found = (files, restore_chains(files, rng))
+            if len(self._chains) >= 1 << 10:
+                self._chains.clear()
+            self._chains[(op.uid, block)] = found
+        return found[1][kg - block * CHAIN_BLOCK]
 
     def _one(self, m: Manifest, op: LookupOperator, values: tuple[Any, ...]) -> dict[str, Any]:
         kg = op.key_group(values)
