@@ -458,8 +458,8 @@ class StateLookup:
         found = self._chains.get((op.uid, block))
         if found is None or found[0] is not files:
             # The block's chains at once: a running job's lookups find a new checkpoint after
-            # every batch, and one pass over its files for each key group asked cost a lookup
-            # at 10M keys a third of its time (docs/benchmarks.md, "Lookups beside a job that
+            # every batch, and one pass over its files for each key group asked took an eighth
+            # of a lookup's time at 10M keys (docs/benchmarks.md, "Lookups beside a job that
             # commits every batch").
             rng = KeyGroupRange(block * CHAIN_BLOCK, min((block + 1) * CHAIN_BLOCK, op.checkpoint.max_parallelism) - 1)
             found = (files, restore_chains(files, rng))
