@@ -40,16 +40,16 @@ def _table(keys: list[str], kgs: list[int], ordered: bool) -> pa.Table:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data(), chunk=st.integers(1, 9), snapshot=st.booleans(), tail=st.sampled_from([16 << 10, 64]), compressed=st.booleans())
+@given(data=st.data(), chunk=st.integers(1, 9), snapshot=st.booleans(), short_tail=st.booleans(), compressed=st.booleans())
 def test_a_planned_read_equals_the_whole_key_group(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, chunk: int, snapshot: bool, tail: int, compressed: bool,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: st.DataObject, chunk: int, snapshot: bool, short_tail: bool, compressed: bool,
 ) -> None:
     monkeypatch.setattr(encode, "compressed_on", lambda store: compressed)  # as on an object store, or not
     monkeypatch.setattr(files, "CHUNK_ROWS", chunk)
     monkeypatch.setattr(files, "DELTA_CHUNK_ROWS", chunk)
-    # A first read shorter than the footer: read again, the footer alone (a large file's case)
-    monkeypatch.setattr(files, "TAIL_BYTES", tail)
-    monkeypatch.setattr(ranged, "TAIL_BYTES", tail)
+    if short_tail:  # a first read shorter than the footer: read again, the footer alone
+        monkeypatch.setattr(files, "tail_bytes", lambda f: min(f.bytes, 64))
+        monkeypatch.setattr(ranged, "tail_bytes", lambda f: min(f.bytes, 64))
     distinct = data.draw(st.lists(_keys, min_size=1, max_size=40, unique=True))
     groups = data.draw(st.lists(st.integers(0, M - 1), min_size=len(distinct), max_size=len(distinct)))
     table = _table(distinct, groups, snapshot)
@@ -74,6 +74,31 @@ def test_a_planned_read_equals_the_whole_key_group(
     # Several plans of several key groups in one round, in the order asked.
     plans = [p for p in (plan_read(f, footer, KeyGroupRange(g, g)) for g in range(M)) if p is not None]
     assert [t.to_pylist() for t in read_planned(store, plans)] == [read_state_slice(store, f, p.rng).to_pylist() for p in plans]
+
+
+def test_a_large_footer_is_read_in_one_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A snapshot with fences of ~1,000 record batches (a 10M-key job's slices have ~600):
+    # its footer is past TAIL_BYTES, and its first read, sized from the file's rows and key
+    # groups, holds it whole.
+    monkeypatch.setattr(files, "CHUNK_ROWS", 4)
+    store = LocalStore(tmp_path)
+    keys = [f"user-{i:07d}@example.com" for i in range(4000)]
+    table = _table(keys, [i % M for i in range(len(keys))], ordered=True)
+    f = write_state_file(store, "state/op/000000000003-s00000-snapshot.arrow", table, "snapshot", 3, KeyGroupRange(0, M - 1))
+    with pa.ipc.open_file(pa.memory_map(str(store.path(f.path)))) as reader:
+        assert reader.num_record_batches == 1000
+    assert int.from_bytes(store.get_range(f.path, f.bytes - 10, 4), "little") > files.TAIL_BYTES
+    asked: list[int] = []
+    get_range = store.get_range
+
+    def counted(key: str, start: int, length: int) -> bytes:
+        asked.append(length)
+        return get_range(key, start, length)
+
+    monkeypatch.setattr(store, "get_range", counted)
+    [footer] = read_footers(store, [f])
+    assert len(asked) == 1 and asked[0] < f.bytes and len(footer.blocks) == 1000 and footer.fences is not None
+    assert files.state_file_tail(store, f)[1] == store.get(f.path)[-asked[0]:] and len(asked) == 2  # the same, in one read
 
 
 def test_a_missing_or_short_file_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -285,9 +285,9 @@ def test_lookups_on_s3_read_only_the_key_groups_byte_range(s3_bucket: str, monke
         # per file of the key group's chain: its footer, then the record batches holding the key
         # group (about 20000 / 16 rows: up to 6 batches of 256 rows; of a snapshot, with fences,
         # the one or two that can hold the key), each read whole in one request
-        tail = files.TAIL_BYTES
-        per_batch = [max(tail, f.bytes * 256 // max(f.rows, 1) * 5 // 4) for f in chain]
-        assert counting.ranged - before <= sum(tail + (2 if f.kind == "snapshot" else 6) * b for f, b in zip(chain, per_batch, strict=True))
+        per_batch = [max(files.tail_bytes(f), f.bytes * 256 // max(f.rows, 1) * 5 // 4) for f in chain]
+        assert counting.ranged - before <= sum(files.tail_bytes(f) + (2 if f.kind == "snapshot" else 6) * b
+                                               for f, b in zip(chain, per_batch, strict=True))
         assert counting.ranged - before < sum(f.bytes for f in chain) / 3
     assert counting.whole == []  # never a whole state file
     again = counting.ranged

@@ -167,18 +167,38 @@ class _Ranged(io.RawIOBase):
         return len(data)
 
 
-# A point lookup's first read of a state file: its last bytes, which hold the footer
-# (schema with the key-group index, record batch offsets; a large index takes a second read).
+# A point lookup's first read of a state file: its last bytes, which hold the footer (the
+# schema with the key-group index and fences, the record batches' offsets), at least
+# TAIL_BYTES and more by the file's record batches and key groups (tail_bytes).
 TAIL_BYTES = 16 << 10
+# A footer's bytes a record batch and a key group, with room: a snapshot with fences holds
+# ~31 a record batch (its block, 24, and its fence), its index ~20 a key group (measured on
+# 10M-key snapshots, docs/benchmarks.md "A footer in one read").
+_FOOTER_PER_BATCH = 40
+_FOOTER_PER_KEY_GROUP = 24
+
+
+def tail_bytes(f: StateFile) -> int:
+    """How many of ``f``'s last bytes a first read of its footer takes: enough for the
+    footer of a file of its rows and key groups, so that one read holds it (a footer
+    longer still takes a second); at most the whole file.
+
+    >>> tail_bytes(StateFile("s", 8, "snapshot", 0, 31, 625_000, 30_000_000, 1))  # 611 record batches, 32 key groups
+    41592
+    >>> tail_bytes(StateFile("d", 9, "delta", 0, 31, 200, 9_000, 1))
+    9000
+    """
+    batches = -(-f.rows // CHUNK_ROWS)
+    return min(f.bytes, TAIL_BYTES + _FOOTER_PER_BATCH * batches + _FOOTER_PER_KEY_GROUP * (f.end - f.start + 1))
 
 
 def state_file_tail(store: Store, f: StateFile, first: bytes | None = None) -> tuple[int, bytes]:
     """The end of state file ``f`` that holds its Arrow footer, as ``(offset, bytes)``: one
-    ranged read (two when the footer is longer than ``TAIL_BYTES``; ``first``: the first read's
-    bytes, fetched already). Kept by a reader that comes back to the file
+    ranged read of :func:`tail_bytes` (two when the footer is longer; ``first``: the first
+    read's bytes, fetched already). Kept by a reader that comes back to the file
     (:mod:`keyscale.checkpoint.ranged`), so that each later read of a key group fetches only
     the record batches holding it."""
-    n = min(f.bytes, TAIL_BYTES)
+    n = tail_bytes(f)
     try:
         tail = store.get_range(f.path, f.bytes - n, n) if first is None else first
         if len(tail) == n and n >= 10 and tail[-6:] == b"ARROW1":
@@ -205,7 +225,7 @@ def read_key_groups_ranged(
     and key). In a file with fences only the record batches whose fences can hold it are
     read, so the rows returned are those of the key group in those batches: every row of
     that key, not every row of its key group."""
-    table = _read_ranged(store, f, rng, window=TAIL_BYTES, tail=tail, probe=probe)
+    table = _read_ranged(store, f, rng, window=tail_bytes(f), tail=tail, probe=probe)
     if table is None:  # a file without fixed batch sizes: read whole
         table = _open_state_file(store, f, verify=False)
         first, last = _rows_of(table.schema.metadata, f, rng)

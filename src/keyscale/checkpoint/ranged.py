@@ -46,11 +46,11 @@ import pyarrow as pa
 from keyscale.checkpoint.files import (
     _CHUNK_KEY,
     _INDEX_KEY,
-    TAIL_BYTES,
     fenced_batches,
     file_fences,
     read_key_groups_ranged,
     state_file_tail,
+    tail_bytes,
 )
 from keyscale.checkpoint.manifest import StateFile
 from keyscale.errors import StateError
@@ -127,8 +127,8 @@ def parse_footer(store: Store, f: StateFile, tail: tuple[int, bytes]) -> Footer:
 
 def read_footers(store: Store, files: Sequence[StateFile]) -> list[Footer]:
     """The footers of ``files``: their tails in one :meth:`~keyscale.storage.Store.get_ranges`
-    (a footer longer than ``TAIL_BYTES`` takes a second read of its own)."""
-    reads = [(f.path, f.bytes - min(f.bytes, TAIL_BYTES), min(f.bytes, TAIL_BYTES)) for f in files]
+    (:func:`~keyscale.checkpoint.files.tail_bytes` each; a longer footer takes a second read of its own)."""
+    reads = [(f.path, f.bytes - tail_bytes(f), tail_bytes(f)) for f in files]
     tails = _get_ranges(store, files, reads)
     return [parse_footer(store, f, state_file_tail(store, f, tail)) for f, tail in zip(files, tails, strict=True)]
 
