@@ -4,6 +4,7 @@ wrote."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyscale.state.order import order_rows, sort_keys, sub_keys
+from keyscale.state.order import order_rows, sort_key, sort_keys, sub_key, sub_keys
 
 
 @settings(max_examples=100, deadline=None)
@@ -60,6 +61,39 @@ def test_a_string_keys_sub_key_is_the_rule_of_its_bytes(values: list[bytes | Non
     want = [0 if v is None else _sub_key_of_bytes(v) for v in values]
     assert sub_keys(arr).tolist() == want
     assert sub_keys(arr.slice(min(cut, len(values)))).tolist() == want[min(cut, len(values)) :]
+
+
+@settings(max_examples=200, deadline=None)
+@given(v=st.one_of(st.none(), st.binary(max_size=12)), kind=st.sampled_from([pa.binary(), pa.large_binary(), pa.string(), pa.large_string()]),
+       kg=st.integers(0, 32767))
+def test_one_strings_sort_key_is_the_rule_of_its_bytes(v: bytes | None, kind: pa.DataType, kg: int) -> None:
+    """What a lookup probes with, one value in plain Python, against the rule written out."""
+    value: Any = v
+    if v is not None and kind in (pa.string(), pa.large_string()):
+        value = v.decode("latin-1")
+        v = value.encode()
+    assert sort_key(kg, value, kind) == kg << 8 | (0 if v is None else _sub_key_of_bytes(v))
+    assert sort_key(kg, value, kind) == int(sort_keys(np.array([kg]), pa.array([value], kind))[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), kind=st.sampled_from([pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint32(), pa.uint64(),
+                                             pa.float64(), pa.bool_(), pa.date32(), pa.timestamp("us", "UTC")]))
+def test_one_values_sub_key_is_the_columns(data: st.DataObject, kind: pa.DataType) -> None:
+    """Every other key type: the one-value form agrees with the column form."""
+    if pa.types.is_integer(kind):
+        bits = kind.bit_width
+        lo, hi = (0, 2**bits - 1) if pa.types.is_unsigned_integer(kind) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        value: Any = data.draw(st.integers(lo, hi))
+    elif pa.types.is_floating(kind):
+        value = data.draw(st.floats(allow_nan=False))
+    elif pa.types.is_boolean(kind):
+        value = data.draw(st.booleans())
+    elif pa.types.is_date(kind):
+        value = data.draw(st.dates())
+    else:
+        value = data.draw(st.datetimes(timezones=st.just(dt.UTC)))
+    assert sub_key(value, kind) == int(sub_keys(pa.array([value], kind))[0])
 
 
 def test_zero_and_negative_zero_are_one_key() -> None:

@@ -410,6 +410,8 @@ def test_keys_of_each_type_are_found_and_written_back_as_they_came(t: pa.DataTyp
     tbl.upsert([keys[:3]], np.array([0, 1, 2], dtype=np.int32), {"n": _col(N, [1, 2, 3])})
     tbl.upsert([keys[2:]], np.array([2, 3, 4], dtype=np.int32), {"n": _col(N, [30, 4, 5])})
     assert tbl.to_arrow().column("k").to_pylist() == values and tbl.to_arrow().schema == tbl.schema()
+    # as a snapshot writes them (key group, then sub key): every key type, fences and all
+    assert sorted(tbl.to_arrow(file_order=True).column("k").to_pylist(), key=values.index) == values
     assert tbl.gather("n", tbl.positions([keys[::-1]]))[0].tolist() == [5, 4, 30, 2, 1]
     assert tbl.positions([pa.array(values, type=t)]).tolist() == [0, 1, 2, 3, 4]  # Arrow keys find the same rows
     assert tbl.key_values(np.array([4, 0]))[0].tolist() == [values[4], values[0]]

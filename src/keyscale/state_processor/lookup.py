@@ -82,7 +82,7 @@ from keyscale.errors import InputDataError, StateError
 from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START
 from keyscale.state.handles import TIMER_STATES, ttl_column
 from keyscale.state.keygroups import KeyGroupRange
-from keyscale.state.order import sort_keys
+from keyscale.state.order import sort_key
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.table import applied_rows
 from keyscale.state.types import StateDescriptor
@@ -244,16 +244,26 @@ def parse_key(key: Any, columns: Sequence[tuple[str, pa.DataType]], uid: str) ->
     return tuple(out)
 
 
-def _matching(table: pa.Table, columns: Sequence[tuple[str, pa.DataType]], values: Sequence[Any]) -> pa.Table:
-    """The rows of ``table`` whose key columns hold ``values``."""
-    if not table.num_rows:
-        return table
-    mask: Any = None
-    for (name, _), v in zip(columns, values, strict=True):
-        col: Any = table.column(name)
-        eq = pc.is_null(col) if v is None else pc.equal(col, pa.scalar(v, type=col.type))
-        mask = eq if mask is None else pc.and_(mask, eq)
-    return table.filter(mask)  # a null in the mask (a null key column against a value) drops the row
+def _matching(parts: Sequence[pa.Table], columns: Sequence[tuple[str, pa.DataType]], values: Sequence[Any]) -> list[pa.Table]:
+    """The rows of each of ``parts`` whose key columns hold ``values``."""
+    wanted = [None if v is None else pa.scalar(v, type=t) for (_, t), v in zip(columns, values, strict=True)]
+    out = []
+    for table in parts:
+        if not table.num_rows:
+            out.append(table)
+            continue
+        mask: Any = None
+        for (name, _), v in zip(columns, wanted, strict=True):
+            col: Any = table.column(name)
+            eq = pc.is_null(col) if v is None else pc.equal(col, v if v.type == col.type else v.cast(col.type))
+            mask = eq if mask is None else pc.and_(mask, eq)
+        # A null in the mask (a null key column against a value) is no match. A key's rows in
+        # a file are next to each other, mostly none or one: a slice of them, where a filter
+        # of every column took longer.
+        at = np.flatnonzero((mask.fill_null(False) if mask.null_count else mask).to_numpy())
+        contiguous = len(at) == 0 or at[-1] - at[0] + 1 == len(at)
+        out.append(table.slice(int(at[0]) if len(at) else 0, len(at)) if contiguous else table.take(at))
+    return out
 
 
 # -- answers ------------------------------------------------------------------------------------
@@ -472,10 +482,10 @@ class StateLookup:
         kg = op.key_group(values)
         chain = self._chain(op, kg)
         # Where the key sits in a fenced file (key group, then sub key of its first column).
-        probe = int(sort_keys(np.array([kg]), pa.array([values[0]], type=op.routing[0][1]))[0])
+        probe = sort_key(kg, values[0], op.routing[0][1])
         parts = self.cache.slices(self.jobdir.store, chain, KeyGroupRange(kg, kg), probe)  # read at once
         # Applied in order as a restore applies them, in Python: a key has a handful of rows
         # here, and a table built for them made a lookup cost 2.5x as much (docs/benchmarks.md,
         # "State lookups: the rule for a few rows").
-        rows = applied_rows([_matching(part, op.routing, values) for part in parts], [n for n, _ in op.keys], op.states)
+        rows = applied_rows(_matching(parts, op.routing, values), [n for n, _ in op.keys], op.states)
         return _answer(op, m.batch, values, kg, rows)
