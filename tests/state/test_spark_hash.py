@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import math
 import os
 import random
@@ -199,8 +200,12 @@ def test_wrong_values_raise(value: object, type_name: str) -> None:
 
 
 def test_wrong_shapes_raise() -> None:
-    with pytest.raises(KeyscaleError, match="cannot hash Spark type 'decimal"):
-        spark_hash([1], ["decimal(10,2)"])
+    with pytest.raises(KeyscaleError, match=r"cannot hash Spark type 'array<int>'; supported: .*decimal\(p,s\)"):
+        spark_hash([[1]], ["array<int>"])
+    with pytest.raises(InputDataError, match=r"Decimal\('1.234'\) is not a Spark decimal\(5,2\)"):
+        spark_hash([decimal.Decimal("1.234")], ["decimal(5,2)"])
+    with pytest.raises(InputDataError, match=r"is not a Spark decimal\(5,2\)"):
+        spark_hash([decimal.Decimal("1234.5")], ["decimal(5,2)"])  # 6 digits
     with pytest.raises(KeyscaleError, match="2 key values but 1 key types"):
         spark_hash([1, 2], ["int"])
     with pytest.raises(InputDataError):
@@ -309,9 +314,8 @@ def test_numpy_form_of_doctests_and_fallback() -> None:
     table = pa.table({"k": ["a", "bcdef"], "n": [1, None]})
     assert key_groups(table, ["k", "n"], ["string", "long"], 128).tolist() == [81, 26]
     # a type without a numpy form goes row by row, through the same rule
-    dec = pa.table({"d": pa.array([1], pa.decimal128(5, 0))})
-    with pytest.raises(KeyscaleError, match="cannot hash Spark type"):
-        spark_hashes(dec, ["d"], ["decimal(5,0)"])
+    dec = pa.table({"d": pa.array([1, None, -7], pa.decimal128(5, 0))})
+    assert spark_hashes(dec, ["d"], ["decimal(5,0)"]).tolist() == [spark_hash([v], ["decimal(5,0)"]) for v in (1, None, -7)]
 
 
 def test_sql_forms() -> None:
@@ -472,6 +476,34 @@ def test_matches_spark_hash(hash_spark: Any) -> None:
             if ours != got[f"m{k}"]:
                 mismatches.append((key, [values[i] for i in idx], got[f"m{k}"]))
     assert mismatches == []
+
+
+@pytest.mark.spark
+def test_decimals_and_wall_clock_times_match_spark_hash(hash_spark: Any) -> None:
+    """``decimal(p,s)`` (a long of the unscaled value up to 18 digits, Java's BigInteger
+    bytes beyond) and ``timestamp_ntz`` (naive datetimes), each column and together."""
+    from pyspark.sql import functions as F
+
+    rng = random.Random(20261202)
+    types = ["decimal(12,3)", "decimal(18,0)", "decimal(19,2)", "decimal(38,10)", "timestamp_ntz"]
+
+    def value(t: str) -> Any:
+        if t == "timestamp_ntz":
+            return dt.datetime(1900, 1, 1) + dt.timedelta(microseconds=rng.randint(0, 200 * 365 * 86_400 * 10**6))
+        p, sc = (int(x) for x in t[8:-1].split(","))
+        digits = rng.choice([0, 1, 2, p // 2, p - 1, p])  # zero, small, and the widest (every byte length)
+        unscaled = rng.choice([-1, 1]) * rng.randint(0, 10**digits - 1)
+        return decimal.Decimal(unscaled).scaleb(-sc)
+
+    rows = [tuple(value(t) for t in types) for _ in range(300)]
+    rows += [tuple(decimal.Decimal(v).scaleb(-int(t[:-1].split(",")[1])) if t != "timestamp_ntz" else dt.datetime(1970, 1, 1) for t in types)
+             for v in (0, -1, 1, 127, 128, -128, -129, 255, 256)]  # where the shortest two's complement gains a byte
+    names = [f"c{i}" for i in range(len(types))]
+    df = hash_spark.createDataFrame(rows, ", ".join(f"{n} {t}" for n, t in zip(names, types, strict=True)))
+    got = df.select(*[F.hash(n).alias(n) for n in names], F.hash(*names).alias("all")).collect()
+    for r, g in zip(rows, got, strict=True):
+        assert [spark_hash([v], [t]) for v, t in zip(r, types, strict=True)] == [g[n] for n in names], r
+        assert spark_hash(list(r), types) == g["all"], r
 
 
 @pytest.mark.spark

@@ -10,10 +10,12 @@ more; a record batch read for one key serves the others in it from the cache.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
 import urllib.error
 import urllib.request
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,33 @@ def test_keys_of_other_types_and_several_columns(tmp_path: Path) -> None:
         lookup.get("t", "x")
     with pytest.raises(InputDataError, match=r"key '\[\"a\", 1\]' is not a long \(key column 'id'"):
         lookup.get("t", '["a", 1]')
+
+
+@pytest.mark.parametrize(("t", "values", "texts"), [
+    (pa.date32(), [dt.date(2024, 2, 29), dt.date(1969, 12, 31)], ["2024-02-29", "1969-12-31"]),
+    (pa.decimal128(12, 3), [Decimal("1.250"), Decimal("-99999.999")], ["1.25", "-99999.999"]),
+    (pa.decimal128(30, 2), [Decimal("123456789012345678901.50"), Decimal("0.00")], ["123456789012345678901.5", "0"]),
+    (pa.timestamp("us"), [dt.datetime(2024, 1, 1, 0, 0, 7), dt.datetime(1900, 5, 1)], ["2024-01-01T00:00:07", "1900-05-01"]),
+    (pa.float64(), [0.25, -1e300], ["0.25", "-1e300"]),
+    (pa.binary(), [b"\x00\xff", b"ann"], ["\x00\xff", "ann"]),
+])
+def test_a_key_of_each_spark_type_is_found_by_value_and_by_text(tmp_path: Path, t: pa.DataType, values: list[Any], texts: list[str]) -> None:
+    """The key group a lookup computes is the one Spark's hash gave the key (decimals and
+    wall-clock timestamps too); text from a command line or a URL is parsed as the type."""
+    from keyscale.checkpoint.savepoint.schema import spark_type_name
+
+    jd = JobDir(tmp_path / "job")
+    jd.claim("job", M, M)
+    table = pa.table({"k": pa.array(values, t), "n": pa.array([1, 2], pa.int64())})
+    table = table.add_column(1, KG_COLUMN, pa.array(key_groups(table, ["k"], [spark_type_name(t)], M), pa.int32())).sort_by(KG_COLUMN)
+    f = write_state_file(jd.store, "state/t/000000000000-s00000-snapshot.arrow", table, "snapshot", 0, KeyGroupRange(0, M - 1))
+    n = StateDescriptor("n", "value", pa.int64())
+    jd.commit(Manifest("job", 0, 0, {"t": OperatorCheckpoint("t", M, 1, (("k", str(t)),), (n.to_json(),), (f,))}))
+    lookup = StateLookup(jd)
+    for i, (v, text) in enumerate(zip(values, texts, strict=True)):
+        assert lookup.get("t", v)["state"] == {"n": i + 1}, v
+        if t != pa.binary():  # bytes from text are its UTF-8
+            assert lookup.get("t", text)["state"] == {"n": i + 1}, text
 
 
 def test_cli_state_get(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 import keyscale as ks
 import keyscale.testing
 import keyscale.testing.nonkeyed
+from keyscale.errors import JobDefinitionError
 from keyscale.testing import KeyedHarness, OperatorHarness
 
 
@@ -60,6 +62,10 @@ KEYS_OF_EACH_TYPE = {
     "timestamp": lambda i: dt.datetime(2024, 1, 1, tzinfo=dt.UTC) + dt.timedelta(seconds=i),
     "double": lambda i: i / 8 - 100.0,
     "binary": lambda i: i.to_bytes(3, "big"),
+    "int": lambda i: i - 1_000,
+    "decimal(12,3)": lambda i: Decimal(i) / 8,
+    "decimal(30,2)": lambda i: Decimal(10**25 + i) / 4,
+    "timestamp_ntz": lambda i: dt.datetime(2024, 1, 1) + dt.timedelta(seconds=i),
 }
 
 
@@ -67,8 +73,13 @@ KEYS_OF_EACH_TYPE = {
 @pytest.mark.parametrize("kind", sorted(KEYS_OF_EACH_TYPE))
 def test_an_aggregate_keyed_by_each_type_snapshots_and_restores(kind: str) -> None:
     """More keys than a record batch holds, so the snapshot orders them by sub key and keeps
-    fences (a date key once failed there); restored elsewhere, each key's state as it was."""
+    fences (a date key once failed there); restored elsewhere, each key's state as it was
+    (decimal and timestamp_ntz keys once had no key group at all)."""
     make = KEYS_OF_EACH_TYPE[kind]
+    if kind.startswith("decimal") and KeyedHarness.default_state_backend == "rocksdb":  # as a job refuses it
+        with pytest.raises(JobDefinitionError, match="operator 'harness': the rocksdb state backend cannot key by column 'k' of type decimal128"):
+            KeyedHarness.aggregate(key_by=["k"], input_schema=f"k {kind}, v long", n=ks.aggregates.count())
+        return
     h = KeyedHarness.aggregate(key_by=["k"], input_schema=f"k {kind}, v long", parallelism=2, n=ks.aggregates.count())
     h.process([{"k": make(i % 2_500), "v": 1} for i in range(5_000)])
     back = h.snapshot().restore(parallelism=3)

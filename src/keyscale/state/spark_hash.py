@@ -33,10 +33,12 @@ every form keyscale runs it, so that no second copy of the constants or the quir
 from __future__ import annotations
 
 import datetime as _dt
+import decimal
 import functools
 import math
 import numbers
 import operator
+import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
@@ -250,6 +252,41 @@ def _as_micros(v: object) -> int:
     return _as_int(v, "timestamp (microseconds since epoch)", _LONG_MIN, _LONG_MAX)
 
 
+def _as_local_micros(v: object) -> int:
+    """A TIMESTAMP_NTZ: a wall-clock time, no zone (what PySpark hands over: a naive datetime)."""
+    if isinstance(v, _dt.datetime):
+        if v.utcoffset() is not None:
+            raise InputDataError(f"{v!r} has a time zone; a Spark timestamp_ntz is a naive datetime or epoch micros")
+        return (v - _EPOCH_TS.replace(tzinfo=None)) // _MICRO
+    return _as_int(v, "timestamp_ntz (microseconds since epoch)", _LONG_MIN, _LONG_MAX)
+
+
+def _decimal_hasher(type_name: str) -> Callable[[object, int], int] | None:
+    """Spark's hash of a ``decimal(p,s)``: the unscaled value as a long up to 18 digits, else
+    the bytes of Java's ``BigInteger.toByteArray`` of it (big-endian, shortest two's complement)."""
+    m = _DECIMAL_NAME.fullmatch(type_name)
+    if m is None:
+        return None
+    precision, scale = int(m["p"]), int(m["s"])
+
+    def hasher(v: object, seed: int) -> int:
+        try:
+            unscaled = decimal.Decimal(v).scaleb(scale) if isinstance(v, decimal.Decimal | int) and not isinstance(v, bool) else None
+        except decimal.InvalidOperation:
+            unscaled = None
+        if unscaled is None or unscaled != unscaled.to_integral_value() or len(str(abs(int(unscaled)))) > precision:
+            raise InputDataError(f"{v!r} is not a Spark {type_name} (a Decimal of at most {precision} digits, {scale} after the point)")
+        n = int(unscaled)
+        if precision <= 18:
+            return hash_long(n, seed)
+        return hash_bytes(n.to_bytes((~n if n < 0 else n).bit_length() // 8 + 1, "big", signed=True), seed)
+
+    return hasher
+
+
+_DECIMAL_NAME = re.compile(r"decimal\((?P<p>\d+),(?P<s>\d+)\)")
+
+
 def _hash_string_value(v: object, seed: int) -> int:
     if not isinstance(v, str):
         raise InputDataError(f"{v!r} is not a Spark string")
@@ -281,6 +318,7 @@ _HASHERS: dict[str, Callable[[object, int], int]] = {
     "float": lambda v, seed: hash_float(_as_float(v, "float"), seed),
     "date": lambda v, seed: hash_int(_as_days(v), seed),
     "timestamp": lambda v, seed: hash_long(_as_micros(v), seed),
+    "timestamp_ntz": lambda v, seed: hash_long(_as_local_micros(v), seed),
 }
 # Spark's own type names (DataType.simpleString / typeName) for the same types.
 _ALIASES = {
@@ -288,7 +326,6 @@ _ALIASES = {
     "bigint": "long",
     "smallint": "short",
     "tinyint": "byte",
-    "timestamp_ntz": "timestamp",
 }
 _HASHERS.update({alias: _HASHERS[name] for alias, name in _ALIASES.items()})
 
@@ -301,8 +338,9 @@ def spark_hash(values: Sequence[object], types: Sequence[str], seed: int = SPARK
 
     ``types`` names each column's Spark type: int, long, short, byte, boolean, string,
     binary, double, float, date (days since epoch, or a ``datetime.date``), timestamp
-    (microseconds since epoch, or an aware ``datetime``), or Spark's aliases integer,
-    bigint, smallint, tinyint, timestamp_ntz. Each column's hash seeds the next one.
+    (microseconds since epoch, or an aware ``datetime``), timestamp_ntz (the same, or a
+    naive ``datetime``), ``decimal(p,s)`` (a ``decimal.Decimal``), or Spark's aliases
+    integer, bigint, smallint, tinyint. Each column's hash seeds the next one.
 
     >>> spark_hash([1], ["int"]), spark_hash([1, None], ["int", "string"])
     (-559580957, -559580957)
@@ -313,10 +351,10 @@ def spark_hash(values: Sequence[object], types: Sequence[str], seed: int = SPARK
         raise KeyscaleError(f"{len(values)} key values but {len(types)} key types")
     h = seed
     for v, t in zip(values, types, strict=True):
-        hasher = _HASHERS.get(t)
+        hasher = _HASHERS.get(t) or _decimal_hasher(t)
         if hasher is None:
             raise KeyscaleError(
-                f"cannot hash Spark type {t!r}; supported: {', '.join(sorted(TYPE_NAMES))}"
+                f"cannot hash Spark type {t!r}; supported: {', '.join(sorted(TYPE_NAMES))}, decimal(p,s)"
             )
         if v is not None:
             h = hasher(v, h)

@@ -8,6 +8,7 @@ the state's schema.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,20 +35,26 @@ _PRIMITIVES: dict[str, pa.DataType] = {
     "binary": pa.binary(),
     "date": pa.date32(),
     "timestamp": pa.timestamp("us", tz="UTC"),
+    "timestamp_ltz": pa.timestamp("us", tz="UTC"),
+    "timestamp_ntz": pa.timestamp("us"),
+    "real": pa.float32(),
 }
 
 TypeLike = str | pa.DataType
 
+# Spark's decimal names: ``decimal``, ``decimal(p)``, ``decimal(p,s)`` (also ``dec``, ``numeric``).
+_DECIMAL = re.compile(r"(?:decimal|dec|numeric)\s*(?:\(\s*(?P<precision>\d+)\s*(?:,\s*(?P<scale>\d+)\s*)?\))?")
+
 
 def _split_top(text: str, sep: str) -> list[str]:
-    """Split on ``sep`` where it is not nested in ``<...>``."""
+    """Split on ``sep`` where it is not nested in ``<...>`` or ``(...)`` (``decimal(12,3)``)."""
     parts: list[str] = []
     depth = 0
     start = 0
     for i, ch in enumerate(text):
-        if ch == "<":
+        if ch in "<(":
             depth += 1
-        elif ch == ">":
+        elif ch in ">)":
             depth -= 1
         elif ch == sep and depth == 0:
             parts.append(text[start:i])
@@ -68,10 +75,9 @@ def arrow_type(spec: TypeLike) -> pa.DataType:
     low = text.lower()
     if low in _PRIMITIVES:
         return _PRIMITIVES[low]
-    if low.startswith("decimal"):
-        inner = text[text.index("(") + 1 : text.rindex(")")] if "(" in text else "10,0"
-        precision, scale = (int(x) for x in inner.split(","))
-        return pa.decimal128(precision, scale)
+    dec = _DECIMAL.fullmatch(low)
+    if dec is not None and int(dec["scale"] or 0) <= int(dec["precision"] or 10) <= 38:
+        return pa.decimal128(int(dec["precision"] or 10), int(dec["scale"] or 0))
     if low.startswith("array<") and low.endswith(">"):
         return pa.list_(arrow_type(text[6:-1]))
     if low.startswith("map<") and low.endswith(">"):

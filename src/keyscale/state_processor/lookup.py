@@ -184,13 +184,29 @@ def _coerce(value: Any, t: pa.DataType) -> Any:
             return dt.date.fromisoformat(text.strip())
         return dt.date(1970, 1, 1) + dt.timedelta(days=int(value))
     if pa.types.is_timestamp(t):
+        zone = dt.UTC if t.tz is not None else None  # a wall-clock time (timestamp_ntz): naive
         if isinstance(value, dt.datetime):
             stamp = value
         elif text is not None and not text.strip().lstrip("-").isdigit():
             stamp = dt.datetime.fromisoformat(text.strip())
         else:  # microseconds since the epoch
-            return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=int(value))
+            return dt.datetime(1970, 1, 1, tzinfo=zone) + dt.timedelta(microseconds=int(value))
+        if zone is None:
+            if stamp.utcoffset() is not None:
+                raise ValueError("a time zone given for a timestamp_ntz")
+            return stamp
         return stamp if stamp.utcoffset() is not None else stamp.replace(tzinfo=dt.UTC)
+    if pa.types.is_decimal(t):
+        if isinstance(value, bool | float):
+            raise ValueError("not a decimal (give it as text or a Decimal, not a float)")
+        try:
+            number = decimal.Decimal(text.strip() if text is not None else value)
+            exact = number.quantize(decimal.Decimal(1).scaleb(-t.scale))
+        except decimal.InvalidOperation:  # not a number, or past the context's precision
+            exact = None
+        if exact is None or exact != number or len(exact.as_tuple().digits) > t.precision:
+            raise ValueError(f"not a number of at most {t.precision} digits, {t.scale} after the point")
+        return exact
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         if isinstance(value, bytes | bytearray | memoryview):
             return bytes(value)

@@ -23,6 +23,7 @@ from keyscale.operators.vectorized import Agg, RunningAggregate, VectorizedKeyed
 from keyscale.operators.windows import FIRED, WINDOW_END, WINDOW_START, Assigner, WindowAggregate
 from keyscale.runtime.task import memory
 from keyscale.runtime.task.keyed import KG, LATE, MAIN, SEQ, StageTask, run_subtask
+from keyscale.state.backends import check_rocksdb_keys
 from keyscale.state.keygroups import key_group_range
 from keyscale.state.spark_hash import key_groups
 from keyscale.state.table import KeyedStateTable
@@ -92,6 +93,8 @@ class KeyedHarness:
                  state_backend: str | None = None):
         self._step = step
         self.state_backend = state_backend or KeyedHarness.default_state_backend  # "memory" | "rocksdb": where the subtasks keep their state
+        if self.state_backend == "rocksdb":  # refused as a job refuses it
+            check_rocksdb_keys("harness", [*((k, step.input_schema.field(k).type) for k in step.key_names), *step.extra_keys])
         self.snapshot_every = 0  # n > 0: every n-th batch writes snapshots instead of deltas
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
