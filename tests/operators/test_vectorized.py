@@ -142,11 +142,13 @@ def test_running_aggregate_small_int_column_keeps_its_type_for_min_max() -> None
         ({}, "needs at least one aggregate"),
         ({"t": ksum("missing")}, "aggregate 't': column 'missing' is not in the stream"),
         ({"t": kmax("s")}, "aggregate 't': column 's' has type string, not a number"),
+        ({"t": ksum("d")}, r"aggregate 't': column 'd' has type decimal128\(12, 2\), not a number \(decimals are not aggregated here: "
+                           r"cast the column to double, or to a long of its smallest unit such as cents, in a step before the aggregate\)"),
     ],
 )
 def test_running_aggregate_rejects_bad_definitions(aggs: dict[str, Any], match: str) -> None:
     with pytest.raises(JobDefinitionError, match=match):
-        RunningAggregate(aggs, ["k"], TYPES)
+        RunningAggregate(aggs, ["k"], {**TYPES, "d": pa.decimal128(12, 2)})
 
 
 def _state(fn: RunningAggregate, rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -204,7 +204,10 @@ def result_type(what: str, agg: Agg, input_types: dict[str, pa.DataType], runnin
         return t
     if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
         times = " or a time (timestamp, date)" if running and agg.kind in ("min", "max") else ""
-        raise JobDefinitionError(f"{what}: column '{agg.column}' has type {t}, not a number{times}")
+        # Decimals are not summed exactly here (numpy has no decimal): say what to do instead.
+        hint = (" (decimals are not aggregated here: cast the column to double, or to a long of its smallest unit"
+                " such as cents, in a step before the aggregate)") if pa.types.is_decimal(t) else ""
+        raise JobDefinitionError(f"{what}: column '{agg.column}' has type {t}, not a number{times}{hint}")
     if agg.kind == "sum":
         return pa.int64() if pa.types.is_integer(t) else pa.float64()
     return pa.float64() if agg.kind == "mean" else t
