@@ -2,7 +2,7 @@
 operator set, changed or deleted (``keyscale state patch``, :func:`patch_state`).
 
 - **Checked first, written after.** Every key is parsed as the operator's key type
-  (:func:`keyscale.state_processor.lookup.parse_key`) and every value against its state's
+  (:func:`keyscale.state_processor.keys.parse_key`) and every value against its state's
   type: a value of the wrong type is an :class:`~keyscale.errors.InputDataError` naming the
   key, the state and the field, and nothing is written. A value is JSON data as
   ``keyscale state get`` shows it: a list state an array, a map state an object, a struct an
@@ -79,7 +79,8 @@ from keyscale.errors import InputDataError, StateError
 from keyscale.state.handles import ttl_column
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.spark_hash import key_group_of
-from keyscale.state_processor.lookup import jsonable, parse_key
+from keyscale.state_processor.keys import parse_key
+from keyscale.state_processor.lookup import jsonable
 from keyscale.state_processor.read import _operator
 from keyscale.storage import Store, open_store
 

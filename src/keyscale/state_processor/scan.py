@@ -69,7 +69,8 @@ from keyscale.state.keygroups import KeyGroupRange, key_group_ranges, mask_runs
 from keyscale.state.spark_hash import key_group_of
 from keyscale.state.table import KG_COLUMN, last_rows
 from keyscale.state.types import StateDescriptor
-from keyscale.state_processor.lookup import committed_checkpoint, parse_key, routing_columns
+from keyscale.state_processor.keys import parse_key
+from keyscale.state_processor.lookup import committed_checkpoint, routing_columns
 from keyscale.storage import Store, open_store
 
 __all__ = ["ROWS_PER_PART", "ScanPart", "StateScan", "open_scan", "shape_plan", "shape_schema", "shape_table"]
