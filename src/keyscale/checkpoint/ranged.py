@@ -128,7 +128,8 @@ def parse_footer(store: Store, f: StateFile, tail: tuple[int, bytes]) -> Footer:
 def read_footers(store: Store, files: Sequence[StateFile]) -> list[Footer]:
     """The footers of ``files``: their tails in one :meth:`~keyscale.storage.Store.get_ranges`
     (:func:`~keyscale.checkpoint.files.tail_bytes` each; a longer footer takes a second read of its own)."""
-    reads = [(f.path, f.bytes - tail_bytes(f), tail_bytes(f)) for f in files]
+    sizes = [tail_bytes(f) for f in files]
+    reads = [(f.path, f.bytes - n, n) for f, n in zip(files, sizes, strict=True)]
     tails = _get_ranges(store, files, reads)
     return [parse_footer(store, f, state_file_tail(store, f, tail)) for f, tail in zip(files, tails, strict=True)]
 

@@ -38,7 +38,6 @@ import functools
 import math
 import numbers
 import operator
-import re
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
@@ -46,8 +45,9 @@ from typing import Any, SupportsIndex
 import numpy as np
 import pyarrow as pa
 
-from keyscale.errors import InputDataError, KeyscaleError
+from keyscale.errors import InputDataError, JobDefinitionError, KeyscaleError
 from keyscale.state.keygroups import UPPER_BOUND_MAX_PARALLELISM, check_parallelism
+from keyscale.state.types import arrow_type
 
 __all__ = [
     "SPARK_HASH_SEED",
@@ -261,13 +261,19 @@ def _as_local_micros(v: object) -> int:
     return _as_int(v, "timestamp_ntz (microseconds since epoch)", _LONG_MIN, _LONG_MAX)
 
 
+@functools.lru_cache(maxsize=64)
 def _decimal_hasher(type_name: str) -> Callable[[object, int], int] | None:
-    """Spark's hash of a ``decimal(p,s)``: the unscaled value as a long up to 18 digits, else
-    the bytes of Java's ``BigInteger.toByteArray`` of it (big-endian, shortest two's complement)."""
-    m = _DECIMAL_NAME.fullmatch(type_name)
-    if m is None:
+    """Spark's hash of a ``decimal(p,s)`` (None: ``type_name`` is not a decimal): the unscaled
+    value as a long up to 18 digits, else the bytes of Java's ``BigInteger.toByteArray`` of
+    it (big-endian, shortest two's complement). Made once a type name: the row-by-row form
+    asks for it every row."""
+    try:
+        t = arrow_type(type_name)  # Spark's decimal spellings are read in one place
+    except JobDefinitionError:
         return None
-    precision, scale = int(m["p"]), int(m["s"])
+    if not pa.types.is_decimal(t):
+        return None
+    precision, scale = t.precision, t.scale
 
     def hasher(v: object, seed: int) -> int:
         try:
@@ -282,9 +288,6 @@ def _decimal_hasher(type_name: str) -> Callable[[object, int], int] | None:
         return hash_bytes(n.to_bytes((~n if n < 0 else n).bit_length() // 8 + 1, "big", signed=True), seed)
 
     return hasher
-
-
-_DECIMAL_NAME = re.compile(r"decimal\((?P<p>\d+),(?P<s>\d+)\)")
 
 
 def _hash_string_value(v: object, seed: int) -> int:

@@ -76,8 +76,10 @@ def arrow_type(spec: TypeLike) -> pa.DataType:
     if low in _PRIMITIVES:
         return _PRIMITIVES[low]
     dec = _DECIMAL.fullmatch(low)
-    if dec is not None and int(dec["scale"] or 0) <= int(dec["precision"] or 10) <= 38:
-        return pa.decimal128(int(dec["precision"] or 10), int(dec["scale"] or 0))
+    if dec is not None:
+        precision, scale = int(dec["precision"] or 10), int(dec["scale"] or 0)
+        if scale <= precision <= 38:
+            return pa.decimal128(precision, scale)
     if low.startswith("array<") and low.endswith(">"):
         return pa.list_(arrow_type(text[6:-1]))
     if low.startswith("map<") and low.endswith(">"):

@@ -89,8 +89,9 @@ def parse_key(key: Any, columns: Sequence[tuple[str, pa.DataType]], uid: str) ->
     """The values of a key of operator ``uid`` keyed by ``columns``, from what a caller gave:
     a value (one key column), a tuple or list (one per column), or text (a command line, a
     URL): for one key column the text itself parsed as the column's type (``42``,
-    ``2024-05-01``, ``true``; a timestamp as ISO 8601, UTC unless it says otherwise, or
-    microseconds since the epoch), for several a JSON array (``'["ann", 3]'``). A key that
+    ``2024-05-01``, ``true``, ``1.25`` for a decimal; a timestamp as ISO 8601, UTC unless it
+    says otherwise, a ``timestamp_ntz`` with no zone, or microseconds since the epoch), for
+    several a JSON array (``'["ann", 3]'``). A key that
     is none of these is an :class:`~keyscale.errors.InputDataError` naming the operator and
     the key.
 
