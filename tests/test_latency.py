@@ -4,6 +4,7 @@ the commit, against the exact figures computed from every record's append time."
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -52,16 +53,20 @@ def test_a_bucket_stands_for_its_ages_within_alpha(age: float) -> None:
     assert abs(representative(bucket_of(age)) - age) <= ALPHA * age + MIN_AGE + 1e-12
 
 
-@given(tasks, st.sampled_from([0.5, 0.9, 0.99, 1.0]))
+@given(tasks, st.sampled_from([0.5, 0.9, 0.99, 1.0]), st.floats(0.0, 2_000.0))
 @settings(max_examples=200, deadline=None)
-def test_batch_quantiles_are_within_alpha_and_max_is_exact(spec: list[tuple[list[float], float]], q: float) -> None:
+def test_batch_quantiles_are_within_alpha_and_max_and_lag_are_exact(spec: list[tuple[list[float], float]], q: float, took: float) -> None:
     summaries, truth = batch(spec)
-    lat = at_commit(summaries, 1_000_000.0)
+    lat = at_commit(summaries, 1_000_000.0, began=1_000_000.0 - took)
     assert lat is not None and lat.records == len(truth)
     # Append times go through Unix seconds (~1e6): allow their float error.
     eps = 1e-6
     assert lat.max_seconds == pytest.approx(max(truth), abs=eps)
     assert lat.min_seconds == pytest.approx(min(truth), abs=eps)
+    # The lag: the oldest record's wait when the batch began ``took`` seconds before its
+    # commit; none for a record appended after it began.
+    assert lat.lag_seconds == pytest.approx(max(0.0, max(truth) - took), abs=eps)
+    assert at_commit(summaries, 1_000_000.0) == replace(lat, lag_seconds=None)  # no start given, no lag made up
     for got, p in ((lat.p50_seconds, 0.5), (lat.p99_seconds, 0.99)):
         want = exact_quantile(truth, p)
         assert abs(got - want) <= ALPHA * want + MIN_AGE + eps
@@ -124,8 +129,6 @@ def test_no_append_times_is_no_latency_not_zero() -> None:
 
 
 def test_a_batch_record_whose_histogram_was_dropped_is_left_out_of_a_window() -> None:
-    from dataclasses import replace
-
     kept = at_commit([ages(np.array([9.0]), ended=10.0, clock="t")], committed=10.0)
     dropped = at_commit([ages(np.array([0.0]), ended=10.0, clock="t")], committed=10.0)
     assert kept is not None and dropped is not None

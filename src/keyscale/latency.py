@@ -20,7 +20,10 @@ at most 59 of them, whatever its size.
 Guarantees (``tests/test_latency.py`` checks them with hypothesis):
 
 - a batch's ``max_seconds`` and ``min_seconds`` are exact (from the oldest and newest
-  append times);
+  append times), and so is its ``lag_seconds``: how long its oldest record had waited when
+  the batch began, which is the job's lag then (the age of its oldest unread record) for a
+  source read in append order (a Kafka partition or a log from its committed offset, files
+  oldest first);
 - its ``p50_seconds`` and ``p99_seconds`` are within ``ALPHA * true + MIN_AGE`` of the
   nearest-rank quantiles of the true latencies;
 - :func:`window_quantile` over several batches (the autoscaler's SLO window) is within
@@ -30,9 +33,9 @@ Guarantees (``tests/test_latency.py`` checks them with hypothesis):
 >>> a = ages(np.array([100.0, 100.5, 101.0]), ended=102.0, clock="test")
 >>> a.records, a.oldest, a.newest
 (3, 100.0, 101.0)
->>> lat = at_commit([a], committed=103.0)
->>> lat.records, lat.max_seconds, lat.min_seconds
-(3, 3.0, 2.0)
+>>> lat = at_commit([a], committed=103.0, began=101.5)
+>>> lat.records, lat.max_seconds, lat.min_seconds, lat.lag_seconds
+(3, 3.0, 2.0, 1.5)
 >>> abs(lat.p50_seconds - 2.5) <= ALPHA * 2.5 + MIN_AGE
 True
 """
@@ -193,6 +196,8 @@ class Latency:
     committed: float  # Unix seconds, the driver's clock
     clock: str
     buckets: Mapping[int, int] = field(default_factory=dict)
+    # How long the oldest record had waited when the batch began (None: its start not given).
+    lag_seconds: float | None = None
 
     def words(self) -> str:
         """The log's form: ``latency p50 0.412 s, p99 1.050 s, max 1.300 s``, in days where
@@ -202,15 +207,19 @@ class Latency:
         'latency p50 0.412 s, p99 1.050 s, max 1.300 s'
         >>> Latency(3, 96_016_202.4, 96_016_203.0, 96_016_203.5, 96_016_202.0, 0.0, "file").words()
         'latency p50 1,111 days, p99 1,111 days, max 1,111 days'
+        >>> Latency(3, 0.4121, 1.05, 1.3, 0.2, 0.0, "test", lag_seconds=0.9).words()
+        'latency p50 0.412 s, p99 1.050 s, max 1.300 s; 0.900 s behind its input when it began'
         """
         return (f"latency p50 {seconds_words(self.p50_seconds)}, p99 {seconds_words(self.p99_seconds)}, "
-                f"max {seconds_words(self.max_seconds)}")
+                f"max {seconds_words(self.max_seconds)}"
+                + ("" if self.lag_seconds is None else f"; {seconds_words(self.lag_seconds)} behind its input when it began"))
 
     def to_json(self) -> dict[str, Any]:
         """The status's and the dashboard's form (no buckets)."""
         return {"records": self.records, "p50_seconds": round(self.p50_seconds, 4), "p99_seconds": round(self.p99_seconds, 4),
                 "max_seconds": round(self.max_seconds, 4), "min_seconds": round(self.min_seconds, 4),
-                "committed_ms": int(self.committed * 1000), "append_time": self.clock}
+                "committed_ms": int(self.committed * 1000), "append_time": self.clock,
+                "lag_seconds": None if self.lag_seconds is None else round(self.lag_seconds, 4)}
 
 
 def seconds_words(seconds: float) -> str:
@@ -228,12 +237,14 @@ def seconds_words(seconds: float) -> str:
     return f"{seconds / 86_400:,.0f} days"
 
 
-def at_commit(summaries: Iterable[Ages | None], committed: float) -> Latency | None:
+def at_commit(summaries: Iterable[Ages | None], committed: float, began: float | None = None) -> Latency | None:
     """The latency of a batch committed at ``committed`` (Unix seconds) whose tasks reported
-    ``summaries``; None when no task measured a record (a source without append times).
+    ``summaries``, and its lag if it began at ``began``; None when no task measured a record
+    (a source without append times).
 
     A record of age ``a`` at its task's end ``e`` has latency ``committed - e + a``; a
-    negative one (clocks apart) counts as 0."""
+    negative one (clocks apart) counts as 0, and so does a lag of a record appended after
+    ``began`` (a batch fixes its input just after it begins)."""
     tasks = [s for s in summaries if s is not None and s.records > 0]
     if not tasks:
         return None
@@ -255,6 +266,7 @@ def at_commit(summaries: Iterable[Ages | None], committed: float) -> Latency | N
     return Latency(
         records=sum(n for _, n in pairs), p50_seconds=clamp(quantile(pairs, 0.5)), p99_seconds=clamp(quantile(pairs, 0.99)),
         max_seconds=most, min_seconds=least, committed=committed, clock=", ".join(clocks), buckets=buckets,
+        lag_seconds=None if began is None else max(0.0, began - oldest),
     )
 
 

@@ -86,8 +86,10 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
         assert len(strips) == 2
         assert len(browser.find_elements(By.CSS_SELECTOR, ".chart canvas")) >= 3  # uPlot drew three timelines
         assert "n/a" in browser.find_element(By.ID, "chart-backlog").text  # and files have no backlog to draw
-        # The files' modification times are the records' append times: p50, p99 and max of each batch.
-        assert browser.execute_script("return charts['chart-latency'].series.map((s) => s.label)") == ["Time", "p50", "p99", "max"]
+        # The files' modification times are the records' append times: p50, p99 and max of each
+        # batch, and its lag (its oldest record's wait when it began), drawn for the batches with records.
+        assert browser.execute_script("return charts['chart-latency'].series.map((s) => s.label)") == ["Time", "p50", "p99", "max", "lag"]
+        assert browser.execute_script("return charts['chart-latency'].data[4].filter((v) => v != null).length") >= 1
         assert len(browser.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")) == 3
         assert browser.find_element(By.CSS_SELECTOR, "#checkpoints tbody tr td:nth-child(5)").text.endswith(" s")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#savepoints tbody tr")) == 1
@@ -131,10 +133,12 @@ def test_the_dashboard_shows_the_job_and_rescales_it(spark: Any, tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_the_dashboard_says_the_batch_size_of_a_latency_target(spark: Any, tmp_path: Path, browser: Any) -> None:
+def test_the_dashboard_says_the_batch_size_of_a_latency_target_and_the_slo(spark: Any, tmp_path: Path, browser: Any) -> None:
     """Issue 35, item 3: a job run with a latency target reads its log in batches sized for
     it; the status, and the page's summary line, say the read limit, whose it is and
-    whether the target is met (the reason in its tooltip)."""
+    whether the target is met (the reason in its tooltip). Issue 36: with an SLO (the
+    autoscaler recommending only), the summary says it, the share of batches within it
+    and the input rate the autoscaler forecast, as the status has them."""
     import threading
 
     import pyarrow as pa
@@ -148,7 +152,8 @@ def test_the_dashboard_says_the_batch_size_of_a_latency_target(spark: Any, tmp_p
     for part in (0, 1):
         log.append(part, pa.table({"key": [f"k{i % 5}" for i in range(100)], "value": list(range(100))}))
     opts = RunOptions(job_file=str(ROOT / "examples" / "log_count.py"), job_dir=str(tmp_path / "job"), parallelism=1,
-                      trigger_interval="300 milliseconds", args={"log": log.uri, "output": str(tmp_path / "out")}, latency_target="5 s")
+                      trigger_interval="300 milliseconds", args={"log": log.uri, "output": str(tmp_path / "out")}, latency_target="5 s",
+                      scaling="auto", autoscaler_mode="recommend", slo="latency=10min")
     runner = JobRunner(opts, serve=control_api(opts))
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
@@ -163,6 +168,11 @@ def test_the_dashboard_says_the_batch_size_of_a_latency_target(spark: Any, tmp_p
         summary = browser.find_element(By.ID, "summary")
         assert re.search(r"read limit \S+ records \(latency target\) for the 5 s latency target: (met|not met)", summary.text), summary.text
         assert summary.get_attribute("title")  # the reason
+        scaling = runner.live_status()["scaling"]
+        assert scaling["slo"] == "latency=600s" and scaling["slo_attainment"] == 1.0  # records of this minute, well within 10 min
+        m = re.search(r"SLO latency=600s: ([\d.]+)% of batches within it · forecast (\S+)/s \((.+?)\)", summary.text)
+        assert m is not None and float(m[1]) == 100.0, summary.text
+        assert m[3] in {d["forecast"]["method"] for d in scaling["last_decisions"].values() if d.get("forecast")}, summary.text
         assert _browser_errors(browser) == []
     finally:
         runner.stop()

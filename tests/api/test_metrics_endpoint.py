@@ -43,8 +43,10 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 def test_metrics_match_the_status_of_a_running_job(spark: Any, tmp_path: Path) -> None:
     write_events(tmp_path / "in", files=2, rows=500, keys=40)
     events = spark.readStream.schema("key string, value long, ts timestamp").option("maxFilesPerTrigger", 1).parquet(str(tmp_path / "in"))
+    # The autoscaler recommends only (it changes nothing) with an SLO the 2023 files miss.
     job = (ks.stream(events).key_by("key").aggregate(uid="totals", count=ks.aggregates.count())
-           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="rc", trigger_interval="200 milliseconds"))
+           .sink(ks.sinks.ParquetSink(str(tmp_path / "out"))).start(str(tmp_path / "job"), 2, name="rc", trigger_interval="200 milliseconds",
+                                                                    scaling="auto", autoscaler_mode="recommend", slo="latency=10min"))
     try:
         deadline = time.monotonic() + 120
         while job.status()["last_checkpoint"] != 1:
@@ -75,6 +77,16 @@ def test_metrics_match_the_status_of_a_running_job(spark: Any, tmp_path: Path) -
         assert m[("keyscale_end_to_end_latency_seconds_count", (("job", "rc"),))] == 1000  # both batches' records, all past 300 s
         assert m[("keyscale_end_to_end_latency_seconds_bucket", (("job", "rc"), ("le", "300.0")))] == 0
         assert m[("keyscale_last_batch_latency_seconds", (("job", "rc"), ("quantile", "1")))] == pytest.approx(lat["max_seconds"], abs=1e-3)
+        # The lag: the oldest record's wait when its batch began, which is its latency less the
+        # batch's own time (the batch began after the job started, and ran at most its duration).
+        took = next(b.seconds for b in job.summary.batches if b.batch == lat["batch"])
+        assert lat["max_seconds"] - took - 0.05 <= lat["lag_seconds"] <= lat["max_seconds"] and ago - 60 < lat["lag_seconds"]
+        assert m[("keyscale_lag_seconds", (("job", "rc"),))] == pytest.approx(lat["lag_seconds"], abs=1e-3)
+        # The SLO: its target, the autoscaler's reading of it (records three years old miss it) and the run's share within it.
+        slo_labels = (("job", "rc"), ("kind", "latency"), ("operator", "totals"))
+        assert m[("keyscale_slo_target_seconds", slo_labels)] == 600
+        assert m[("keyscale_slo_value_seconds", slo_labels)] > 86_400 and m[("keyscale_slo_attainment", (("job", "rc"),))] == 0
+        assert m[("keyscale_autoscaler_forecast_input_rate", (("job", "rc"), ("operator", "totals")))] >= 0
     finally:
         job.stop()
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import EXAMPLES, run_job
 from keyscale.checkpoint.jobdir import JobDir
+from keyscale.cli.main import main
 from keyscale.latency import ALPHA
 from keyscale.runtime.control.metrics import families
 from keyscale.sources import create_log
@@ -23,7 +24,7 @@ from keyscale.sources.local_log import SEGMENT_CLOCK
 pytestmark = [pytest.mark.slow]
 
 
-def test_status_and_metrics_latency_bracket_the_append_and_commit_times(spark: Any, tmp_path: Path) -> None:
+def test_status_and_metrics_latency_bracket_the_append_and_commit_times(spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     log = create_log(tmp_path / "log", "key string, value long", partitions=2)
     now = time.time()
     # (partition, records, seconds before now it was appended): 100 records, 20 + 50 + 30.
@@ -66,10 +67,20 @@ def test_status_and_metrics_latency_bracket_the_append_and_commit_times(spark: A
         lo, hi = bracket(ago)
         assert lo * (1 - ALPHA) <= got <= hi * (1 + ALPHA)
 
+    # The lag: the oldest record (appended 10 s before the run) had waited at least that long
+    # when the batch began, and its latency is that wait plus the batch's own time.
+    assert lat.lag_seconds is not None and 10.0 - 0.01 <= lat.lag_seconds <= lat.max_seconds
+    assert lat.max_seconds - lat.lag_seconds <= rec.seconds + 0.01
+
     status = JobDir(tmp_path / "job").read_status()
     assert status["latency"] is not None and status["latency"]["batch"] == rec.batch  # the empty batch after it measured none
     assert status["latency"]["records"] == 100 and status["latency"]["append_time"] == SEGMENT_CLOCK
     assert status["latency"]["max_seconds"] == pytest.approx(lat.max_seconds, abs=1e-3)
+    assert status["latency"]["lag_seconds"] == pytest.approx(lat.lag_seconds, abs=1e-3)
+    assert main(["status", str(tmp_path / "job")]) == 0
+    said = capsys.readouterr().out
+    assert f"end-to-end latency (batch {rec.batch}, 100 records, from {SEGMENT_CLOCK})" in said
+    assert f"lag: {lat.lag_seconds:.3f} s (how long the oldest record of batch {rec.batch} had waited when the batch began)" in said, said
 
     hist = next(f for f in families(status, None, summary, int(time.time() * 1000)) if f.name == "keyscale_end_to_end_latency_seconds")
     counts = {s.labels.get("le"): s.value for s in hist.samples if s.name.endswith("_bucket")}

@@ -80,6 +80,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     if lat:
         print(f"  end-to-end latency (batch {lat['batch']}, {lat['records']:,} records, from {lat['append_time']}): "
               f"p50 {lat['p50_seconds']:.3f} s, p99 {lat['p99_seconds']:.3f} s, max {lat['max_seconds']:.3f} s")
+        if lat.get("lag_seconds") is not None:
+            print(f"  lag: {lat['lag_seconds']:.3f} s (how long the oldest record of batch {lat['batch']} had waited when the batch began)")
     size = st.get("batch_size")
     if size:
         limit = "no limit" if size["records"] is None else f"at most {size['records']:,} records ({size['limited_by']})"

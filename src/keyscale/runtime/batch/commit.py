@@ -359,7 +359,7 @@ def record(
     for rs in reports.values():
         for r in rs:
             requests.update(r.store_requests)
-    lat = batch_latency(job, reports)
+    lat = batch_latency(job, reports, clock.started_wall)
     rec = BatchRecord(batch_id, seconds, records, emitted, par, replayed, dict(requests), lat)
     job.history.summary.batches.append(rec)
     job.history.summary.latency.add(lat)
@@ -406,9 +406,10 @@ def record(
     return records
 
 
-def batch_latency(job: JobState, reports: TaskReports) -> Latency | None:
+def batch_latency(job: JobState, reports: TaskReports, began: float) -> Latency | None:
     """The batch's end-to-end latency (:mod:`keyscale.latency`): from its records' append
-    times to the time its sinks committed (``job.batch.visible_at``). The append times are
+    times to the time its sinks committed (``job.batch.visible_at``), and its lag: its
+    oldest record's wait when it began (``began``, the driver's clock). The append times are
     summarised by its log sources' readers, or, for a Spark file source, by the first keyed
     stage's tasks (the files' modification times ride along to it: ``arrival.APPENDED``).
     None when no task measured a record: another Spark source (rate, table, Spark's own
@@ -420,7 +421,7 @@ def batch_latency(job: JobState, reports: TaskReports) -> Latency | None:
         # Several branches may each start with a keyed stage that saw the files: count once.
         summaries = next(([r.ages for r in reports[s.uid]] for s in job.pipeline.keyed_steps
                           if s.uid in reports and any(r.ages for r in reports[s.uid])), [])
-    return at_commit(summaries, job.batch.visible_at)
+    return at_commit(summaries, job.batch.visible_at, began)
 
 
 def build_manifest(

@@ -93,6 +93,11 @@ def _latency_families(job: str, status: dict[str, Any], summary: RunSummary) -> 
         for q, key in (("0.5", "p50_seconds"), ("0.99", "p99_seconds"), ("1", "max_seconds")):
             quantiles.add_metric([job, q], lat[key])
         out.append(quantiles)
+        if lat.get("lag_seconds") is not None:
+            lag = _gauge("keyscale_lag_seconds", "How long the oldest record of the last batch that measured any had waited when the "
+                         "batch began: the job's lag then, the age of its oldest unread record", ["job"])
+            lag.add_metric([job], lat["lag_seconds"])
+            out.append(lag)
     # One observation per record measured (a Histogram cannot take a weight: the batches'
     # bucket counts are added up in the run's summary and served as they are).
     latency = HistogramMetricFamily("keyscale_end_to_end_latency_seconds", "End-to-end latency of each record this run measured, from its "

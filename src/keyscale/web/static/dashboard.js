@@ -179,7 +179,7 @@ function markers(events) {
   };
 }
 
-const SERIES_COLORS = ["#4e79a7", "#f28e2b", "#e15759"];
+const SERIES_COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2"];
 
 function chart(id, title, label, data, events, fmt, stepped) {
   const el = document.getElementById(id);
@@ -280,8 +280,10 @@ function render(status, history) {
       + "(Spark file sources with a keyed stage). Spark's rate, table and Kafka sources and Redis logs have none.");
   } else {
     const q = (k) => batches.map((b) => (b.latency ? b.latency[k] : null));
-    chart("chart-latency", "End-to-end latency", ["p50", "p99", "max"], [t, q("p50_seconds"), q("p99_seconds"), q("max_seconds")], events,
-      (v) => `${fmtCompact(v)} s`);
+    // lag: how long each batch's oldest record had waited when the batch began (the age of
+    // the job's oldest unread record then): it grows while the job falls behind its input.
+    chart("chart-latency", "End-to-end latency", ["p50", "p99", "max", "lag"],
+      [t, q("p50_seconds"), q("p99_seconds"), q("max_seconds"), q("lag_seconds")], events, (v) => `${fmtCompact(v)} s`);
   }
   // The backlog is what a keyscale log source has not read yet (Kafka lag); a Spark source
   // (files, a table, Spark's Kafka reader) does not report it, so every batch has null.
