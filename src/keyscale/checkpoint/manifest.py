@@ -1,13 +1,15 @@
 """The checkpoint manifest: what state a committed batch consists of.
 
-A manifest is written last, by rename, once a batch's output and state files are durable;
-a batch exists for keyscale exactly when its manifest does. Per keyed operator (by uid) it
-names the max parallelism, the parallelism, and the live state files, each covering a
-contiguous key-group range. The state of a key group is its latest snapshot file followed
-by the delta files written after it, in batch order (Flink's key-group-offset idea: each
-file is sorted by key group and indexed, so a reader takes just its slice): that rule, the
-restore chain, lives here only (``chain_starts``, ``chain_files``), and every reader of
-state files plans with it.
+A manifest is written last, once a batch's output and state files are durable, and created
+only if absent (``JobDir.commit``, through ``Store.create``, never a rename: on local disk a
+fully written temporary file hard-linked to the manifest's name, on an object store a
+conditional PUT). A batch exists for keyscale exactly when its manifest does. Per keyed
+operator (by uid) it names the max parallelism, the parallelism, and the live state files,
+each covering a contiguous key-group range. The state of a key group is its latest snapshot
+file followed by the delta files written after it, in batch order (Flink's key-group-offset
+idea: each file is sorted by key group and indexed, so a reader takes just its slice): that
+rule, the restore chain, lives here only (``chain_starts``, ``chain_files``), and every
+reader of state files plans with it.
 
 Everything here is pure: no I/O, so restore planning and garbage collection are tested
 without Spark or files.

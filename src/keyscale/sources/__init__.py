@@ -1,11 +1,10 @@
-"""Where jobs read from: partitioned logs and Kafka topics whose offsets keyscale keeps,
-broadcast rules streams, and the tools that write logs.
+"""Where jobs read from: partitioned logs whose offsets keyscale keeps, broadcast rules
+streams, and the tools that write logs. (Kafka topics are read by
+:mod:`keyscale.kafka`'s ``kafka_source``, which implements this package's interfaces.)
 
 A job's source (give it to ``ks.stream``; a Spark streaming DataFrame works as well):
 
 - :func:`log_source`: a partitioned log (a folder, or Redis streams) as a :class:`LogSource`;
-- :func:`kafka_source`: a Kafka topic, its values decoded by :func:`json_values` or your own
-  :func:`kafka_decoder`;
 - :func:`broadcast`: a low-volume log of rules applied to every subtask's broadcast state
   (a :class:`BroadcastStream`, given to ``process(..., broadcast=...)``).
 
@@ -13,8 +12,15 @@ Writing logs (tests, benchmarks, demos):
 
 - :func:`open_log` / :func:`create_log`: a :class:`PartitionedLog` in a local folder
   (:class:`LocalLog`) or in Redis streams (:class:`RedisLog`, ``redis://host:port/db?name=NAME``);
-- :class:`LogWriter`: appends tables, splitting rows to partitions by a stable key hash;
-- :class:`RateSchedule` and :func:`generate`: write records at a scheduled rate.
+  :class:`LogError` when a log is missing, unreachable or asked for what it does not have;
+- :class:`LogWriter`: appends tables, splitting rows to partitions by a stable key hash
+  (:func:`partition_of`);
+- :class:`RateSchedule` (rates over time, a sequence of :class:`Segment`; a
+  :class:`ScheduleError` when one does not parse or makes no sense) and :func:`generate`:
+  write records at a scheduled rate (a :class:`GenerateResult`), or in a background thread
+  (:func:`start_generator`, a :class:`GeneratorThread`); the records themselves are a pure
+  function (:func:`generated_records`), in the columns of :data:`GENERATOR_SCHEMA`
+  (:data:`GENERATOR_DDL` in Spark DDL).
 
 >>> import tempfile
 >>> import keyscale as ks

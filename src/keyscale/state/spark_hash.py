@@ -26,8 +26,8 @@ Spark's quirks, which every form keeps:
 
 All results are signed 32-bit ints, as Spark returns them.
 
-At ~520 lines it is longer than most modules, and that is the point of it: one rule in
-every form keyscale runs it, so that no second copy of the constants or the quirks exists.
+It is one module, longer than most, on purpose: one rule in every form keyscale runs it,
+side by side, so that no second copy of the constants or the quirks exists.
 """
 
 from __future__ import annotations

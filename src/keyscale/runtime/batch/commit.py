@@ -16,11 +16,15 @@ stores alike)", step by step.
    write commits its output, so the batch's updates are visible when the last returns:
    the end of its records' end-to-end latency (:func:`batch_latency`).
 5. **Manifest** (:func:`commit_manifest`): built from the tasks' reports
-   (:func:`build_manifest`), created only if absent after the epoch check (``JobDir.commit``):
-   the commit point. Then the job's state moves on (committed manifest, watermark) and
-   retention deletes what no kept manifest needs (:func:`run_batch`), and the batch is
-   recorded (:func:`record`).
-6. **Post-commit** (:func:`post_commit`): log sources hear the positions the batch committed.
+   (:func:`build_manifest`), created only if absent, then the epoch checked
+   (``JobDir.commit``): the commit point. Then the job's state moves on (committed
+   manifest, watermark).
+6. **Post-commit** (:func:`post_commit`): log sources hear the positions the batch
+   committed; then retention deletes what no kept manifest needs (``JobDir.retain``), and
+   the batch is recorded (:func:`record`: summary, history, the autoscaler, status), in
+   that order in :func:`run_batch`. With asynchronous checkpoints the manifest commits in
+   the background and the batch is recorded at once; its post-commit and retention wait for
+   :func:`settle` (before the next batch's manifest, a savepoint or the run's end).
 7. The caller returns: ``foreachBatch`` ends and Spark marks the batch done, or the
    driver's log loop starts the next batch (``driver/runner.py``).
 

@@ -1,21 +1,40 @@
 """What a running job knows between batches, shared by the driver's modules (driver process).
 
-:class:`JobState` holds the run's own facts, fixed once set-up is done (options, job
-directory, job graph, Spark session, the tasks' report collector: written at set-up only,
-by ``driver/runner.py`` and ``driver/setup.py``), and its changing state in four parts,
-split by how long what they hold lives:
+:class:`JobState` holds the run's own facts, a few caches of the query's Spark session, and
+the job's changing state in four parts, split by how long what they hold lives. Who writes
+what (every assignment to ``job.<field>`` or ``job.<part>.<field>`` under ``src/keyscale``,
+and every change in place of its lists and dicts) is listed here only; the classes point here:
 
+- the run's facts, fixed once set-up is done: ``driver/runner.py`` (``opts``, ``jobdir``,
+  ``run_id``, ``history``, ``on_batch`` and ``autoscaler`` as it makes the state; ``name`` and
+  ``upload_timeout`` at set-up), ``driver/setup.py`` (``max_parallelism``, ``mirror``,
+  ``reports``, ``spark``, ``pipeline``, ``lineage``) and ``driver/query.py`` (``malformed``,
+  as it builds a Spark source's query, the same each time);
+- the caches: ``batch/stages.py`` (``markers``), ``batch/source_plan.py`` (``plans``, and
+  ``log_ends``, which ``driver/runner.py`` empties after the caller's ``on_batch``);
 - :class:`Committed`: what the last committed checkpoint says (manifest, watermark);
-  written by ``batch/commit.py`` at each commit, and by ``driver/setup.py`` at set-up;
+  written by ``driver/setup.py`` at set-up (the recovered or restored manifest, its
+  watermark) and by ``batch/commit.py`` at each commit and ``settle`` (manifest, watermark,
+  counts, the pending commit, task reports, status);
 - :class:`Scaling`: each operator's parallelism for the next batch, a rescale pending;
-  written by ``batch/parallelism.py`` (a rescale request too, asked for through ``JobRunner``);
+  written by ``batch/parallelism.py`` only (the parallelism at start, a live rescale request,
+  which ``JobRunner.request_rescale`` passes on to it, and its application before a batch's
+  intent; reactive mode, the autoscaler's decisions, executors and workers awaited, the
+  SLO's tally);
 - :class:`BatchScratch`: the running batch's scratch, new each batch; written by
-  ``batch/commit.py`` and ``batch/source_plan.py``;
+  ``batch/commit.py`` (made new in ``run_batch``; the malformed records the driver counted,
+  each step's seconds, when the output became visible, whether a keyed stage reads the
+  log), ``batch/source_plan.py`` (``log_ids``: the logs its plans are for) and
+  ``batch/sizing.py`` (``read_limit``);
 - :class:`History`: what the status and dashboard show of the run (state, error, summary,
-  timelines); written by ``driver/runner.py``, ``batch/commit.py``, ``batch/parallelism.py``.
+  timelines); written by ``driver/runner.py`` (state, error, savepoints; the summary's job
+  name and Spark's trigger times), ``driver/setup.py`` (the summary's recovered and
+  discarded checkpoints), ``batch/commit.py`` (each batch's record, the batches skipped, the
+  summary's parallelism) and ``batch/parallelism.py`` (rescales and the autoscaler's
+  decisions, as events; the summary's parallelism at start).
 
-``stages.py`` and ``status.py`` only read it. Plain records: no I/O, nothing of Spark's
-but the session's type.
+The other modules given a ``JobState`` (``batch/status.py``, ``driver/failures.py``) only
+read it. Plain records: no I/O, nothing of Spark's but the session's type.
 """
 
 from __future__ import annotations
@@ -146,11 +165,8 @@ class PendingCommit:
 @dataclass
 class Committed:
     """What the last committed checkpoint says, and what moves on with each commit: its
-    manifest, the watermark, the status and task reports as of that commit.
-
-    Written by ``batch/commit.py`` at each commit (and ``settle``), and by
-    ``driver/runner.py`` at set-up (the recovered or restored manifest and its watermark).
-    Every other module reads it."""
+    manifest, the watermark, the status and task reports as of that commit. Who writes it:
+    the module's docstring."""
 
     # The last committed batch's manifest (or the pending one's: see ``pending``).
     manifest: Manifest | None = None
@@ -187,11 +203,8 @@ EXECUTOR_WAITS_KEPT = 3
 
 @dataclass
 class Scaling:
-    """Each operator's parallelism for the next batch, and what asks to change it.
-
-    Written by ``batch/parallelism.py`` (at start; live rescale requests applied before a
-    batch's intent; the autoscaler's decisions) and by ``driver/runner.py`` (a live rescale
-    asked for through the control API or a JobHandle, pending until the next batch)."""
+    """Each operator's parallelism for the next batch, and what asks to change it. Who
+    writes it: the module's docstring."""
 
     parallelism: dict[str, int] = field(default_factory=dict)  # per operator uid, for the next batch
     pending_rescale: dict[str, Any] | None = None  # a live rescale asked for and not yet applied: parallelism, requested_ms
@@ -221,9 +234,7 @@ class Scaling:
 @dataclass
 class BatchScratch:
     """The running batch's scratch: new for each batch (``batch/commit.py``, ``run_batch``).
-
-    Written by ``batch/commit.py`` (the malformed records the driver counted),
-    ``batch/source_plan.py`` (the logs its plans are for) and ``batch/sizing.py`` (the read limit)."""
+    Who writes it: the module's docstring."""
 
     input_counts: counters.Counters = field(default_factory=dict)  # the batch's malformed records, counted by the driver
     log_ids: dict[str, str | None] = field(default_factory=dict)  # per log source or rules stream: the id of the log its plan is for
@@ -241,11 +252,7 @@ class BatchScratch:
 class History:
     """What the status and the dashboard show of this run: its state, its error, the run's
     summary, and the recent batches, events and savepoints (``GET /history``; bounded, this
-    run only: events.jsonl keeps everything).
-
-    Written by ``driver/runner.py`` (state, error, savepoints, the summary's set-up facts),
-    ``batch/commit.py`` (each batch's record) and ``batch/parallelism.py`` (rescales and
-    the autoscaler's decisions, as events)."""
+    run only: events.jsonl keeps everything). Who writes it: the module's docstring."""
 
     summary: RunSummary
     state: str = "starting"  # "starting" | "running" | "draining" | "restarting" | "stopped" | "failed" (status.json, GET /status)
@@ -262,8 +269,9 @@ class History:
 @dataclass(eq=False)
 class JobState:
     """One running job's state between batches: the run's own facts, fixed once set-up is
-    done (written by ``driver/runner.py`` only), and four parts by lifetime, each saying who
-    writes it: :class:`Committed`, :class:`Scaling`, :class:`BatchScratch`, :class:`History`."""
+    done, the query session's caches, and four parts by lifetime: :class:`Committed`,
+    :class:`Scaling`, :class:`BatchScratch`, :class:`History`. Who writes each field and
+    part: the module's docstring."""
 
     opts: RunOptions
     jobdir: JobDir

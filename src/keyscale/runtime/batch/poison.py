@@ -1,4 +1,7 @@
-"""The driver's side of poison records and failed batches (kept apart from driver.py).
+"""The driver's side of poison records and failed batches, kept apart from the modules that
+call it: ``batch/commit.py`` (a failed batch's retry at another parallelism),
+``driver/setup.py`` (Spark's task-failure logging quieted) and ``driver/runner.py`` (a
+failure's full trace kept).
 
 - Dead letters: each keyed stage under ``on_error="dead_letter"`` returns its poison
   records as a side output of its Spark stage (like late records); the batch plan

@@ -4,8 +4,10 @@ A batch's source plan (per reader: partition, start and end offset) is fixed in 
 (commit protocol step 2), so a replay reads exactly the same records; the offsets after it
 go into the batch's manifest with the state they produced. Rules streams (broadcasts) are
 planned the same way, with one reader. Reads ``job.committed.manifest`` and the log; writes
-only ``job.batch.log_ids`` (the logs the plans are for). The reader tasks it makes run on
-the executors (:mod:`keyscale.sources.reader`).
+``job.batch.log_ids`` (the logs the plans are for), ``job.log_ends`` (a log's end offsets as
+last read, for the next plan) and the ``job.plans`` cache. The reader tasks it makes run on
+the executors (:mod:`keyscale.runtime.task.reader`; :mod:`keyscale.sources.reader` plans
+their ranges).
 """
 
 from __future__ import annotations

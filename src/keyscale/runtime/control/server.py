@@ -200,7 +200,7 @@ def listen(host: str, port: int, handler: type[BaseHTTPRequestHandler], what: st
 class Bound(NamedTuple):
     """Where a server of :func:`listen` listens: its ``address`` and ``port``, the ``url``
     clients on this machine use, and whether it listens beyond loopback (``any_host``: the
-    callers' Host headers then name addresses it cannot know, control_auth)."""
+    callers' Host headers then name addresses it cannot know: ``auth.py``)."""
 
     address: str
     port: int
@@ -226,7 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
     registry: CollectorRegistry
     logins: Logins
     settings: ControlSettings
-    any_host: bool  # listening beyond loopback (control_auth: which Host headers are accepted)
+    any_host: bool  # listening beyond loopback (auth.py: which Host headers are accepted)
 
     def log_message(self, format: str, *args: Any) -> None:
         return  # requests are logged by what they do, not by the HTTP layer

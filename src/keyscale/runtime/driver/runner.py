@@ -10,9 +10,12 @@ exactly once by the commit protocol in ``batch/commit.py`` (docs/design.md, "Com
 protocol"); the batch's Spark stages are in ``stages.py``, a log source's plans in
 ``source_plan.py``, the scaling decisions in ``parallelism.py``, the status in
 ``status.py``. What they share, the job's state between batches, is a
-:class:`~keyscale.runtime.batch.jobstate.JobState` (``JobRunner.job``): this module writes
-its run's own facts (set-up), ``committed`` at set-up, ``scaling.pending_rescale`` (a rescale
-request) and ``history`` (state, error, savepoints).
+:class:`~keyscale.runtime.batch.jobstate.JobState` (``JobRunner.job``): this module makes it
+(options, job directory, run id, history, autoscaler), writes the job's name and upload
+timeout at set-up, empties ``log_ends`` after the caller's ``on_batch``, and writes
+``history`` (state, error, savepoints, the summary's job name and Spark's trigger times);
+``setup.py`` writes ``committed`` at set-up, and a rescale request is passed on to
+``parallelism.py``, which alone writes ``scaling`` (who writes each part: ``jobstate.py``).
 
 The query, the heartbeat and the control API's requests run on their own threads and share
 the batch lock and the stop and drain events, which stay with the one class that owns them.

@@ -105,7 +105,8 @@ class StageTask:
 def state_file_name(uid: str, batch: int, subtask: int, kind: str, attempt: str) -> str:
     """A name unique to one attempt: two attempts of a subtask (speculation, a zombie task
     set) never overwrite each other's file, so the report that survives names the file its
-    attempt wrote, with that file's size and crc (the report is written last, by rename).
+    attempt wrote, with that file's size and crc (the report travels in the task's result,
+which Spark carries with a task's success only: ``report.py``).
     Retention removes the files no manifest took."""
     return f"state/{uid}/{batch:012d}-s{subtask:05d}-{kind}-{attempt}.arrow"
 
