@@ -375,7 +375,10 @@ def diff_rows(a: Location, b: Location, uid: str, *, checkpoint_a: int | None = 
 def diff_state(spark: SparkSession, a: Location, b: Location, uid: str, *, checkpoint_a: int | None = None,
                checkpoint_b: int | None = None) -> DataFrame:
     """:func:`diff_rows` as a Spark DataFrame (the differences are gathered in the driver,
-    the unchanged keys never are).
+    the unchanged keys never are). Both sides are read in the calling process, so a side on
+    an object store needs only that process's settings (``AWS_*`` in its environment when it
+    is called), none in Spark's workers: unlike the ``keyscale`` data source, a session
+    started before the settings diffs an ``s3://`` location.
 
     Example (a running Spark session ``spark``)::
 
