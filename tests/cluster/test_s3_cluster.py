@@ -200,13 +200,15 @@ def test_a_local_output_folder_fails_on_isolated_workers(cluster: Any, redis_url
 def test_active_autoscaler_asks_for_executors_with_state_on_s3(cluster: Any, redis_url: str, s3_bucket: str, tmp_path: Path) -> None:
     """The active autoscaler under a load step on the cluster (a third worker joins first):
     it scales up, asks Spark for executors to match and waits for them, scales back down after its delay once
-    the load dropped, without oscillating, and the output on S3 is exactly once. The last
-    test of the module: the worker it adds stays until the cluster stops."""
+    the load dropped, without oscillating, and the output on S3 is exactly once. With
+    asynchronous checkpoints: the executors a scale-down releases go only once the state
+    files they upload after their tasks are stored. The last test of the module: the
+    worker it adds stays until the cluster stops."""
     add_worker(cluster.folder, cores=1)
     log = create_log(f"{redis_url}?name=c-{uuid.uuid4().hex[:12]}", "key string, value long, ts timestamp, seq long", 4)
     job_dir, out = f"{s3_bucket}/jobs/slow", f"{s3_bucket}/out"
     job = Job(tmp_path, job_dir, str(SLOW_COUNT), "--master", cluster.master_url, "-p", "1", "--scaling", "auto", "--autoscaler", "active",
-              "--scaling-max", "4", "--trigger-interval", "1 second",
+              "--scaling-max", "4", "--trigger-interval", "1 second", "--async-checkpoints",
               "--autoscaler-option", "stabilization_seconds=4", "--autoscaler-option", "scale_down_delay_seconds=8",
               "--autoscaler-option", "metrics_window_seconds=6", "--autoscaler-option", "warmup_batches=1",
               "--autoscaler-option", "catch_up_seconds=10", "--autoscaler-option", "min_busy_seconds=0",

@@ -292,12 +292,23 @@ def size_executors(job: JobState, parallelism: dict[str, int]) -> int | None:
     per = int(job.spark.sparkContext.getConf().get("spark.executor.cores", "1"))
     want = -(-max(parallelism.values()) // per)
     have = executor_cores(job.spark) // per
+    pending = job.committed.pending
+    if want < have and pending is not None and not pending.future.done():
+        # Asynchronous checkpoints: the last batch's state files may still be uploading from
+        # the executors about to go (their tasks ended, their Python workers upload on, so
+        # Spark sees them idle), and a killed executor's uploads never arrive: the commit
+        # would wait for them until KEYSCALE_UPLOAD_TIMEOUT and fail. Release them once the
+        # files are stored; an upload's error is settle's to raise, before the next commit.
+        waited = time.monotonic()
+        pending.future.exception()
+        log.info("batch %d's state files stored (%.1f s) before executors are released", pending.batch, time.monotonic() - waited)
     if want != have and request_executors(job.spark, want):
         job.scaling.executors_sized_at = time.monotonic()
         log.info("asked Spark for %d executors of %d cores (had %d) for parallelism %d", want, per, have, max(parallelism.values()))
         job.jobdir.append_event({"type": "executors", "requested": want, "had": have, "cores_per_executor": per})
-        # Fewer executors: Spark released idle ones between two batches and schedules no task
-        # on them (countFailures off). More take seconds to start: a scale-up waits for them.
+        # Fewer executors: Spark released idle ones between two batches, their uploads done,
+        # and schedules no task on them (countFailures off). More take seconds to start: a
+        # scale-up waits for them.
         return want * per if want > have else None
     return None
 
