@@ -21,7 +21,7 @@ from keyscale.checkpoint.encode import (
 )
 from keyscale.checkpoint.files import CHUNK_ROWS, read_state_slice, verify_state_file
 from keyscale.checkpoint.manifest import StateFile
-from keyscale.checkpoint.uploads import record_upload_failure, wait_stored
+from keyscale.checkpoint.uploads import UPLOADING, heartbeat, record_upload_failure, wait_stored
 from keyscale.errors import StateError
 from keyscale.state.keygroups import KeyGroupRange
 from keyscale.state.order import order_rows
@@ -286,6 +286,37 @@ def test_wait_stored_returns_once_every_file_appears_and_names_the_one_that_neve
     assert store.exists(late.path)
     with pytest.raises(StateError, match=r"3-s1-delta-b\.arrow of batch 3 was not stored within 0\.2 s .*\(the test\)"):
         wait_stored(store, [late, never], 0.2, "the test")
+
+
+def test_wait_stored_tells_a_slow_upload_that_beats_from_one_whose_worker_is_gone(tmp_path: Path) -> None:
+    """A detached upload's worker can vanish without a failure record (it died; its executor
+    was lost, or released by a scale-down). The waiters (the commit, the next batch's tasks)
+    fail once its upload has been silent for a while, not after KEYSCALE_UPLOAD_TIMEOUT
+    (600 s); an upload that takes longer but beats is waited for."""
+    import threading
+    import time
+
+    store = LocalStore(tmp_path)
+    slow, lost = StateFile("state/op/3-s0-delta-a.arrow", 3, "delta", 0, 7, 1, 1, 0), StateFile("state/op/3-s1-delta-b.arrow", 3, "delta", 8, 15, 1, 1, 0)
+
+    def upload() -> None:
+        with heartbeat(store, [slow.path], every=0.1):
+            time.sleep(1.5)
+            store.put(slow.path, b"x")
+
+    uploader = threading.Thread(target=upload)
+    uploader.start()
+    wait_stored(store, [slow], 600, "the test", silence=0.6)  # 1.5 s, over twice the silence: its beats keep the wait on
+    uploader.join()
+    assert store.exists(slow.path) and not store.exists(slow.path + UPLOADING)  # the beats go with the upload
+    started = time.monotonic()
+    gone = r"3-s1-delta-b\.arrow of batch 3 was not stored and its upload has been silent for \d+ s \(the test\): the Python worker uploading it is gone"
+    with pytest.raises(StateError, match=gone):  # never a beat
+        wait_stored(store, [lost], 600, "the test", silence=0.6)
+    store.put(lost.path + UPLOADING, b'{"beat": 4}')  # beats, then no more
+    with pytest.raises(StateError, match=gone):
+        wait_stored(store, [lost, slow], 600, "the test", silence=0.6)
+    assert time.monotonic() - started < 5
 
 
 def test_wait_stored_fails_at_once_on_a_failed_upload_and_a_stored_file_wins(tmp_path: Path) -> None:

@@ -88,15 +88,17 @@ def test_killed_driver_restarts_exactly_once(fault: str, backend: str, events: P
 def test_a_state_file_never_stored_fails_the_run_and_the_restart_replays(
     events: Path, reference: pd.DataFrame, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The Python worker uploading batch 2's file dies after its task reported: the run
-    fails with an error that says so, and the next start replays the batch."""
-    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "8")
+    """The Python worker uploading batch 2's file dies after its task reported, leaving no
+    failure record (as when its executor is lost): the run fails once the upload has been
+    silent for SILENCE_SECONDS, with an error that says so, not after
+    KEYSCALE_UPLOAD_TIMEOUT; the next start replays the batch."""
+    monkeypatch.setenv("KEYSCALE_UPLOAD_TIMEOUT", "3600")  # a regression shows as cli's timeout
     base = _run_args(events, tmp_path)
-    failed = cli(*base, "--fault", "worker-dies-mid-upload:2")
+    failed = cli(*base, "--fault", "worker-dies-mid-upload:2", timeout=240)
     assert failed.returncode not in (0, -signal.SIGKILL), failed.stderr[-2000:]
     # The commit (or a task of batch 3 reading the file) gives up, naming the file; or batch 3's
     # task was running in that worker when it died, and the run says a worker died.
-    named = "000000000002-s0" in failed.stderr and "was not stored within 8 s" in failed.stderr
+    named = "000000000002-s0" in failed.stderr and "its upload has been silent for" in failed.stderr
     assert named or "a Python worker died while running a task" in failed.stderr, failed.stderr[-2000:]
     assert "Traceback" not in failed.stderr
     assert JobDir(tmp_path / "job").manifest_batches()[-1] <= 1

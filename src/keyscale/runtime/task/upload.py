@@ -12,6 +12,7 @@ import ctypes
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pyarrow as pa
 
 from keyscale._faults import fault_point
 from keyscale.checkpoint.encode import put_state_file
-from keyscale.checkpoint.uploads import record_upload_failure
+from keyscale.checkpoint.uploads import heartbeat, record_upload_failure
 from keyscale.runtime.task.spec import StageTask
 from keyscale.storage.scratch import remove_scratch
 
@@ -61,11 +62,15 @@ class Upload:
 
         def put() -> None:
             stored = 0
+            # Detached, the waiters are the driver's commit and the next batch's tasks: a
+            # slow upload beats, so that they can tell it from one whose worker is gone.
+            beating = heartbeat(spec.store, [rel for rel, _ in files]) if spec.detach_upload else nullcontext()
             try:
-                self._test_fault(spec)
-                for rel_path, data in files:
-                    put_state_file(spec.store, rel_path, data)
-                    stored += 1
+                with beating:
+                    self._test_fault(spec)
+                    for rel_path, data in files:
+                        put_state_file(spec.store, rel_path, data)
+                        stored += 1
             except BaseException as e:  # handed to wait(), in the task's own thread
                 self._error = e
             finally:
