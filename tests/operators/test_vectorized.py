@@ -142,8 +142,8 @@ def test_running_aggregate_small_int_column_keeps_its_type_for_min_max() -> None
         ({}, "needs at least one aggregate"),
         ({"t": ksum("missing")}, "aggregate 't': column 'missing' is not in the stream"),
         ({"t": kmax("s")}, "aggregate 't': column 's' has type string, not a number"),
-        ({"t": ksum("d")}, r"aggregate 't': column 'd' has type decimal128\(12, 2\), not a number \(decimals are not aggregated here: "
-                           r"cast the column to double, or to a long of its smallest unit such as cents, in a step before the aggregate\)"),
+        ({"t": mean("d")}, r"aggregate 't': column 'd' has type decimal128\(12, 2\), not a number \(mean\(\) of a decimal is not computed "
+                           r"here: cast the column to double, or to a long of its smallest unit such as cents, in a step before the aggregate\)"),
     ],
 )
 def test_running_aggregate_rejects_bad_definitions(aggs: dict[str, Any], match: str) -> None:
@@ -318,6 +318,51 @@ def test_min_max_first_last_equal_pandas_at_any_parallelism_and_across_a_restore
     assert got == _model(batches, how, vtype)
 
 
+_DECIMALS = st.decimals(min_value="-99999999.99", max_value="99999999.99", places=2, allow_nan=False, allow_infinity=False)  # decimal(10,2)
+
+
+@given(batches=st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.one_of(st.none(), _DECIMALS)), max_size=8), min_size=1, max_size=4),
+       parallelism=st.integers(1, 3), restore_after=st.integers(0, 3), backend=st.sampled_from(["memory", "rocksdb"]))
+@settings(max_examples=40, deadline=None)
+def test_decimal_sums_minima_and_maxima_are_exact_at_any_parallelism_and_across_a_restore(
+    batches: list[list[tuple[str, Any]]], parallelism: int, restore_after: int, backend: str,
+) -> None:
+    """sum, min and max of a decimal(10,2) column: Python's exact decimals over every record
+    so far (nulls skipped), typed as Spark types them (a sum with 10 more digits)."""
+    from decimal import Decimal
+
+    from keyscale.testing import KeyedHarness
+
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k string, v decimal(10,2)", parallelism=parallelism, state_backend=backend,
+                               total=ksum("v"), lo=kmin("v"), hi=kmax("v"))
+    typed = RunningAggregate({"total": ksum("v"), "lo": kmin("v")}, ["k"], {"k": pa.string(), "v": pa.decimal128(10, 2)}).output_fields()
+    assert [(f.name, f.type) for f in typed] == [("total", pa.decimal128(20, 2)), ("lo", pa.decimal128(10, 2))]
+    seen: dict[str, list[Decimal]] = {}
+    for i, rows in enumerate(batches):
+        if i == restore_after:
+            h = h.snapshot().restore(parallelism=4 - parallelism)
+        got = {r["k"]: (r["total"], r["lo"], r["hi"]) for r in h.process([{"k": k, "v": v} for k, v in rows])}
+        for k, v in rows:
+            seen.setdefault(k, []).extend([] if v is None else [v])
+        want = {k: (sum(seen[k], Decimal(0)), min(seen[k]), max(seen[k])) if seen[k] else (None, None, None) for k, _ in rows}
+        assert got == want
+
+
+def test_a_decimal_total_past_its_precision_is_an_error_naming_the_key() -> None:
+    from decimal import Decimal
+
+    from keyscale.errors import RecordError
+    from keyscale.testing import KeyedHarness
+
+    h = KeyedHarness.aggregate(key_by=["k"], input_schema="k string, v decimal(36,0)", total=ksum("v"))
+    big = Decimal(10**36 - 1)
+    assert h.process([{"k": "a", "v": big}] * 90)[0]["total"] == Decimal(90 * (10**36 - 1))  # 38 digits, none rounded: Spark's cap
+    with pytest.raises(RecordError, match=r"operator 'harness' failed in batch 1 .*sum\('v'\) of key 'a' is 109{34}890, more than decimal\(38,0\) holds"):
+        h.process([{"k": "a", "v": big}] * 20)
+    with pytest.raises(JobDefinitionError, match=r"combine=True does not combine decimals \(sum\('v'\), aggregate 't'\)"):
+        RunningAggregate({"t": ksum("v")}, ["k"], {"k": pa.string(), "v": pa.decimal128(10, 2)}).check_combinable("op")
+
+
 def test_times_and_first_last_are_refused_where_they_cannot_run() -> None:
     from keyscale.operators.vectorized import first as kfirst
     from keyscale.operators.windows import TumblingWindows, WindowAggregate
@@ -357,6 +402,42 @@ def test_a_last_seen_column_through_spark(spark: Any, tmp_path: Any) -> None:
     for c in ("first_seen", "last_seen", "lo", "hi"):
         assert (pd.to_datetime(got[c], utc=True) == pd.to_datetime(want[c], utc=True)).all(), c
     assert (got["last_value"] == want["last_value"]).all()
+
+
+def test_decimal_totals_through_spark(spark: Any, tmp_path: Any) -> None:
+    """A money column (decimal(10,2)) summed, its minimum and maximum kept, in a real job at
+    parallelism 2, one file per batch: the output is typed as Spark types a sum (decimal(20,2))
+    and each key's last row is the exact total of its records."""
+    from decimal import Decimal
+
+    import pyarrow.parquet as pq
+
+    from conftest import read_output, run_job
+
+    rng = np.random.default_rng(3)
+    (tmp_path / "in").mkdir()
+    files = []
+    for i in range(3):
+        cents = rng.integers(-10**9, 10**9, 300)
+        t = pa.table({"key": [f"k{j}" for j in rng.integers(0, 20, 300)],
+                      "price": pa.array([Decimal(int(c)).scaleb(-2) for c in cents], pa.decimal128(10, 2))})
+        pq.write_table(t, tmp_path / "in" / f"part-{i}.parquet")
+        files.append(t.to_pandas())
+    job = tmp_path / "money.py"
+    job.write_text(
+        "import keyscale as ks\n"
+        "def build(ctx):\n"
+        "    df = ctx.spark.readStream.schema('key string, price decimal(10,2)').option('maxFilesPerTrigger', 1).parquet(ctx.arg('input'))\n"
+        "    return (ks.stream(df).key_by('key').aggregate(uid='money', total=ks.aggregates.sum('price'), lo=ks.aggregates.min('price'),\n"
+        "            hi=ks.aggregates.max('price')).sink(ks.sinks.ParquetSink(ctx.arg('output'))))\n"
+    )
+    run_job(job, tmp_path / "job", 2, {"input": str(tmp_path / "in"), "output": str(tmp_path / "out")})
+    schema = pq.read_schema(next((tmp_path / "out").rglob("*.parquet")))
+    assert (schema.field("total").type, schema.field("lo").type) == (pa.decimal128(20, 2), pa.decimal128(10, 2))
+    out = read_output(tmp_path / "out").sort_values("batch").groupby("key").last()
+    events = pd.concat(files, ignore_index=True)
+    want = {k: (sum(g, Decimal(0)), min(g), max(g)) for k, g in events.groupby("key")["price"]}
+    assert {k: (r["total"], r["lo"], r["hi"]) for k, r in out.iterrows()} == want
 
 
 def test_min_max_of_a_timestamp_with_combine(spark: Any, tmp_path: Any) -> None:

@@ -7,6 +7,8 @@ new state of those keys and the output rows. Built-in running aggregates sit on 
 
 from __future__ import annotations
 
+import builtins
+import decimal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -110,12 +112,21 @@ def count(column: str | None = None) -> Agg:
 
 
 def sum(column: str) -> Agg:
-    """Running sum of ``column`` per key."""
+    """Running sum of ``column`` per key: a long for integers, a double for floats, and for a
+    decimal(p,s) an exact decimal(p+10,s) (at most 38 digits, as Spark's sum; a total past
+    them fails the batch, naming the key).
+
+    >>> from decimal import Decimal
+    >>> from keyscale.testing import KeyedHarness
+    >>> h = KeyedHarness.aggregate(key_by=["user"], input_schema="user string, price decimal(10,2)", spent=sum("price"))
+    >>> h.process([{"user": "ann", "price": Decimal("0.10")}, {"user": "ann", "price": Decimal("0.20")}])
+    [{'user': 'ann', 'spent': Decimal('0.30')}]
+    """
     return Agg("sum", column)
 
 
 def min(column: str) -> Agg:
-    """Running minimum of ``column`` per key: a number, a timestamp or a date (nulls skipped).
+    """Running minimum of ``column`` per key: a number (a decimal too), a timestamp or a date (nulls skipped).
 
     >>> from datetime import datetime
     >>> from keyscale.testing import KeyedHarness
@@ -127,7 +138,7 @@ def min(column: str) -> Agg:
 
 
 def max(column: str) -> Agg:
-    """Running maximum of ``column`` per key: a number, a timestamp or a date (nulls skipped).
+    """Running maximum of ``column`` per key: a number (a decimal too), a timestamp or a date (nulls skipped).
 
     >>> from datetime import date
     >>> from keyscale.testing import KeyedHarness
@@ -202,11 +213,15 @@ def result_type(what: str, agg: Agg, input_types: dict[str, pa.DataType], runnin
         return t
     if running and agg.kind in ("min", "max") and _temporal(t):
         return t
+    if running and agg.kind in ("sum", "min", "max") and pa.types.is_decimal(t):
+        # Exact, as Spark's: a sum gets 10 more digits (at most 38), the scale stays.
+        return pa.decimal128(builtins.min(38, t.precision + 10), t.scale) if agg.kind == "sum" else t
     if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
         times = " or a time (timestamp, date)" if running and agg.kind in ("min", "max") else ""
-        # Decimals are not summed exactly here (numpy has no decimal): say what to do instead.
-        hint = (" (decimals are not aggregated here: cast the column to double, or to a long of its smallest unit"
-                " such as cents, in a step before the aggregate)") if pa.types.is_decimal(t) else ""
+        # Only the running sum, min and max take decimals (exactly, in Arrow's decimal
+        # arithmetic): say what to do for the others.
+        hint = (f" ({agg.kind}() of a decimal is not computed here{'' if running else ' in a window'}: cast the column to double,"
+                " or to a long of its smallest unit such as cents, in a step before the aggregate)") if pa.types.is_decimal(t) else ""
         raise JobDefinitionError(f"{what}: column '{agg.column}' has type {t}, not a number{times}{hint}")
     if agg.kind == "sum":
         return pa.int64() if pa.types.is_integer(t) else pa.float64()
@@ -251,6 +266,10 @@ class RunningAggregate(VectorizedKeyedFunction):
                 raise JobDefinitionError(
                     f"operator '{uid}': combine=True cannot combine {agg.kind}('{agg.column}') (aggregate '{name}'): Spark's partial "
                     "aggregation does not keep the records' arrival order; leave combine off")
+            if pa.types.is_decimal(self.input_types.get(str(agg.column), pa.null())):
+                raise JobDefinitionError(
+                    f"operator '{uid}': combine=True does not combine decimals ({agg.kind}('{agg.column}'), aggregate '{name}'): "
+                    "leave combine off (the running aggregate sums them exactly)")
             if agg.kind in ("sum", "mean") and pa.types.is_floating(self.input_types[str(agg.column)]):
                 raise JobDefinitionError(
                     f"operator '{uid}': combine=True cannot combine {agg.kind}('{agg.column}') (aggregate '{name}'): a sum of "
@@ -303,6 +322,9 @@ class RunningAggregate(VectorizedKeyedFunction):
             if agg.kind in ("first", "last") or _temporal(t):
                 new[name] = out[name] = _by_position(batch, column, agg.kind, prev, have, t)
                 continue
+            if pa.types.is_decimal(t):
+                new[name] = out[name] = _decimal(batch, column, agg.kind, prev, have, t)
+                continue
             dtype = t.to_pandas_dtype()
             old = prev.to_numpy(dtype=dtype, na_value=0)
             seen = batch.count(column)  # a partial is null where all of its records' values were
@@ -315,6 +337,41 @@ class RunningAggregate(VectorizedKeyedFunction):
                 val = np.where(have & fresh, pick(old, cur), np.where(fresh, cur, old))
             new[name] = out[name] = masked(val, have | fresh, t)
         return new, pd.DataFrame(out)
+
+
+def _decimal(batch: KeyedBatch, column: str, kind: str, prev: pd.Series, have: np.ndarray, t: pa.DataType) -> np.ndarray:
+    """sum, min or max of a decimal column per key, exactly: the batch's in Arrow's decimal
+    arithmetic, merged with the state's values as Python decimals (with digits to spare, so
+    no rounding); a total past the result type's precision is an error naming the key, as
+    in Spark (ANSI mode), never a rounded or wrapped value."""
+    assert batch.arrow is not None
+    n_keys = len(batch.keys)
+    records = pa.table({"k": pa.array(batch.codes, pa.int64()), "v": batch.arrow.column(column).combine_chunks()})
+    how: Any = [("v", kind)]  # sum, min or max: pyarrow's hash aggregates take decimals
+    part = records.group_by("k", use_threads=False).aggregate(how)
+    cur: list[Any] = [None] * n_keys
+    for k, v in zip(part["k"].to_numpy(), part[f"v_{kind}"].to_pylist(), strict=True):
+        cur[k] = v
+    out: list[Any] = []
+    with decimal.localcontext(prec=80):
+        for o, c, h in zip(prev.tolist(), cur, have, strict=True):
+            o = o if h else None
+            if c is None or o is None:
+                out.append(o if c is None else c)
+            elif kind == "sum":
+                out.append(o + c)
+            else:
+                out.append(builtins.min(o, c) if kind == "min" else builtins.max(o, c))
+    assert pa.types.is_decimal(t)
+    limit = decimal.Decimal(10) ** (t.precision - t.scale)
+    for i, v in enumerate(out):
+        if v is not None and abs(v) >= limit:
+            key = tuple(batch.keys.iloc[i].tolist())
+            raise ArithmeticError(f"{kind}('{column}') of key {key[0] if len(key) == 1 else key!r} is {v}, more than "
+                                  f"decimal({t.precision},{t.scale}) holds (a decimal total is never rounded, as in Spark)")
+    vals = np.empty(n_keys, dtype=object)
+    vals[:] = out
+    return vals
 
 
 def _as_ints(arr: pa.Array[Any]) -> np.ndarray:
