@@ -1,7 +1,7 @@
 """``bench/autoscale.py --real``: one short load trace through the real job on a local
 Spark standalone cluster (``keyscale.cluster``), once per policy (issue 36, item 5).
 
-    .venv/bin/python bench/autoscale.py --real                       # 3 policies, ~20 min
+    .venv/bin/python bench/autoscale.py --real                       # 5 policies, ~30 min
     .venv/bin/python bench/autoscale.py --real --policies keyscale-slo,fixed-peak
     .venv/bin/python bench/autoscale.py --real --trace step --slo 8
 
@@ -26,7 +26,14 @@ Policies (one job each, one after the other, same cluster, fresh log and job dir
 * ``keyscale-slo``: ``-p 1 --scaling auto --autoscaler active --scaling-max 4
   --slo latency=<SLO>s`` with :data:`AUTOSCALER_OPTIONS` (bench/elastic.py's short windows
   plus a 90 s season, 10 s forecast buckets, a 20 s scale-down horizon);
-* ``keyscale-reactive``: the same without ``--slo``.
+* ``keyscale-reactive``: the same without ``--slo``;
+* ``fixed-average``: as ``fixed-peak``, sized for the trace's mean rate;
+* ``flink``: Flink's operator algorithm (:mod:`keyscale.scaling.flink`, its windows
+  compressed as keyscale's are: ``bench/flink_policy.py``) recommending inside the job, and
+  each rescale it recommends made as Flink's operator makes it, by a restart: ``keyscale
+  stop --savepoint``, then ``keyscale run -p N --conf spark.cores.max=N`` from the
+  checkpoint the savepoint was taken of, the input arriving meanwhile (the restart's
+  seconds are in the JSON's ``restarts``).
 
 Figures per policy, over the trace (from the generator's start to its end):
 
@@ -94,26 +101,31 @@ TRACES = {
 #: bench/elastic.py's short windows (the defaults assume minutes), plus the forecast's
 #: season, buckets and scale-down horizon scaled to the trace.
 AUTOSCALER_OPTIONS = [*elastic.AUTOSCALER_OPTIONS, "forecast_bucket_seconds=10", "forecast_horizon_seconds=20"]
-POLICIES = ("keyscale-slo", "fixed-peak", "keyscale-reactive")
+POLICIES = ("keyscale-slo", "fixed-peak", "keyscale-reactive", "fixed-average", "flink")
 
 
 def log_line(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def peak_parallelism(schedule: str, cost_ms: float, max_p: int = MAX_P) -> int:
-    """The smallest parallelism dividing 128 whose subtasks sleep at most 70 % of the time at the peak.
+def peak_parallelism(schedule: str, cost_ms: float, max_p: int = MAX_P, average: bool = False) -> int:
+    """The smallest parallelism dividing 128 whose subtasks sleep at most 70 % of the time at
+    the peak (``average``: at the trace's mean rate).
 
-    >>> peak_parallelism("100/s for 4s, 1000/s for 3s", 2.0)
-    4
+    >>> peak_parallelism("100/s for 4s, 1000/s for 3s", 2.0), peak_parallelism("100/s for 4s, 1000/s for 3s", 2.0, average=True)
+    (4, 2)
     >>> peak_parallelism("100/s for 4s, 300/s for 3s", 2.0)
     1
     """
     from keyscale.sources import RateSchedule
     from keyscale.state.keygroups import aligned_parallelism
 
-    peak = max(max(float(s.rate), float(s.end_rate)) for s in RateSchedule.parse(schedule).segments)
-    raw = max(1, math.ceil(peak * cost_ms / 1000 / 0.7))
+    segments = RateSchedule.parse(schedule).segments
+    if average:
+        rate = sum((float(s.rate) + float(s.end_rate)) / 2 * float(s.duration) for s in segments) / sum(float(s.duration) for s in segments)
+    else:
+        rate = max(max(float(s.rate), float(s.end_rate)) for s in segments)
+    raw = max(1, math.ceil(rate * cost_ms / 1000 / 0.7))
     return aligned_parallelism(min(raw, max_p), 128, 1, max_p)
 
 
@@ -233,7 +245,8 @@ def table(rows: list[RealFigures], slo: float) -> str:
     return "\n".join(lines)
 
 
-STYLES = {"fixed-peak": ("tab:gray", ":"), "keyscale-reactive": ("tab:blue", "-"), "keyscale-slo": ("tab:green", "--")}
+STYLES = {"fixed-peak": ("tab:gray", ":"), "fixed-average": ("tab:brown", ":"), "keyscale-reactive": ("tab:blue", "-"),
+          "keyscale-slo": ("tab:green", "--"), "flink": ("tab:red", "-.")}
 
 
 def plot(trace_name: str, runs: dict[str, dict[str, Any]], slo: float, path: Path) -> Path:
@@ -272,9 +285,15 @@ def job_argv(policy: str, d: Path, args: argparse.Namespace, master: str, trace:
     argv = [sys.executable, "-m", "keyscale.cli.main", "run", str(JOB_FILE), "--job-dir", str(d / "job"), "--master", master,
             "--trigger-interval", "1 second", "--set", f"log={d / 'log'}", "--set", f"output={d / 'out'}",
             "--set", f"cost_ms={args.cost_ms:g}", "--set", f"limit={args.limit}"]
-    if policy == "fixed-peak":
-        p = peak_parallelism(trace.schedule, args.cost_ms)
-        return [*argv, "-p", str(p), "--scaling", "fixed", "--conf", f"spark.cores.max={p}"], p, f"fixed at peak (P={p})"
+    if policy in ("fixed-peak", "fixed-average"):
+        p = peak_parallelism(trace.schedule, args.cost_ms, average=policy == "fixed-average")
+        return [*argv, "-p", str(p), "--scaling", "fixed", "--conf", f"spark.cores.max={p}"], p, f"{policy.replace('-', ' at ')} (P={p})"
+    if policy == "flink":
+        # Flink's policy recommends (bench/flink_policy.py); run_policy restarts the job at
+        # what it recommends, with as many executor cores: a rescale is a restart.
+        argv[1:3] = [str(HERE / "flink_policy.py")]
+        flink = [*argv, "-p", "1", "--scaling", "auto", "--autoscaler", "recommend", "--scaling-max", str(MAX_P), "--conf", "spark.cores.max=1"]
+        return flink, 1, "Flink's algorithm (a restart per rescale)"
     argv += ["-p", "1", "--scaling", "auto", "--autoscaler", "active", "--scaling-max", str(MAX_P)]
     options = list(args.autoscaler_option)
     if trace.season_seconds is not None:
@@ -301,27 +320,61 @@ def run_policy(policy: str, trace_name: str, args: argparse.Namespace, cluster: 
     argv, want_cores, label = job_argv(policy, d, args, cluster.master_url, trace)
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
     job_log = d / "job.log"
-    log_line(f"{policy}: starting {' '.join(argv[3:])}")
-    with open(job_log, "w") as out:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=out, env=env)
     jd = JobDir(d / "job")
+
+    def start(cmd: list[str], cores: int, p: int | None = None) -> subprocess.Popen[bytes]:
+        """Start the job; return once its status and the executors its start needs are there."""
+        log_line(f"{policy}: starting {' '.join(cmd[2:])}")
+        with open(job_log, "a") as out:
+            started = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, env=env)
+        deadline = time.time() + 240
+        while True:  # ready: a status (its plan, at parallelism p), and the executors its start needs registered
+            if started.poll() is not None:
+                raise RuntimeError(f"{policy}: job exited at start:\n{job_log.read_text()[-3000:]}")
+            st = jd.read_status()
+            have = elastic.master_app_cores(cluster.webui_url) or 0
+            if st and st.get("running") and elastic.parallelism(st) in ((p,) if p else range(1, 1 << 30)) and have == cores:
+                return started
+            if time.time() > deadline:
+                raise RuntimeError(f"{policy}: not ready after 240 s (cores {have})")
+            time.sleep(0.5)
+
+    job_log.write_text("")
+    proc = start(argv, want_cores)
     gen = None
     sampler = elastic.Sampler(cluster.webui_url, d / "job", log)
     result: dict[str, Any] = {"policy": policy, "label": label, "trace": trace_name, "schedule": trace.schedule,
                               "argv": argv[3:], "duration": duration, "load": []}
+    earlier: list[dict[str, Any]] = []  # the histories of the runs a restart ended (flink)
+    restarts: list[dict[str, Any]] = []
+    seen = len(jd.read_events())
+
+    def follow_flink() -> None:
+        """Flink's operator: a rescale it recommends is a restart (stop with a savepoint, start
+        again at the new parallelism with as many executor cores), the input arriving meanwhile."""
+        nonlocal proc, seen
+        events = jd.read_events()
+        asks = [e for e in events[seen:] if e.get("type") == "autoscaler" and e.get("uid") == "totals" and e.get("action") != "none"]
+        seen = len(events)
+        if not asks or asks[-1]["target_parallelism"] == asks[-1]["current_parallelism"]:
+            return
+        ask, asked = asks[-1], time.time()
+        to, was = int(ask["target_parallelism"]), int(ask["current_parallelism"])
+        earlier.append(call(jd, "GET", "/history", timeout=30))
+        log_line(f"{policy}: restarting at P={to} (was {was}): {ask['reason']}")
+        subprocess.run([sys.executable, "-m", "keyscale.cli.main", "stop", str(d / "job"), "--savepoint"], cwd=ROOT, env=env, check=True,
+                       capture_output=True, timeout=300)
+        proc.wait(120)
+        i = argv.index("-p")
+        cmd = [*argv[:i], "-p", str(to), *argv[i + 2:]]
+        cmd[cmd.index("spark.cores.max=1")] = f"spark.cores.max={to}"
+        proc = start(cmd, to, to)
+        restarts.append({"t": round(asked - t0, 1), "from": was, "to": to, "seconds": round(time.time() - asked, 1), "reason": ask["reason"]})
+        log_line(f"{policy}: restarted in {time.time() - asked:.1f} s")
+        seen = len(jd.read_events())
+
     try:
-        deadline = time.time() + 240
-        while True:  # ready: a status (its plan), and the executors its start needs registered
-            if proc.poll() is not None:
-                raise RuntimeError(f"{policy}: job exited at start:\n{job_log.read_text()[-3000:]}")
-            st = jd.read_status()
-            cores = elastic.master_app_cores(cluster.webui_url) or 0
-            if st and elastic.parallelism(st) is not None and cores == want_cores:
-                break
-            if time.time() > deadline:
-                raise RuntimeError(f"{policy}: not ready after 240 s (cores {cores})")
-            time.sleep(0.5)
-        log_line(f"{policy}: ready ({cores} cores); generator: {trace.schedule}")
+        log_line(f"{policy}: ready ({want_cores} cores); generator: {trace.schedule}")
         sampler.start()
         t0 = time.time()
         gen = start_generator(log, sched, keys=args.keys, seed=0)
@@ -329,6 +382,8 @@ def run_policy(policy: str, trace_name: str, args: argparse.Namespace, cluster: 
         while time.time() < t0 + duration:
             if proc.poll() is not None:
                 raise RuntimeError(f"{policy}: job exited during the run:\n{job_log.read_text()[-3000:]}")
+            if policy == "flink":
+                follow_flink()
             now = time.time()
             if now - last_print >= 5:
                 last_print = now
@@ -341,6 +396,8 @@ def run_policy(policy: str, trace_name: str, args: argparse.Namespace, cluster: 
         gen.join(60)
         drained_at = None
         while time.time() < t0 + duration + args.drain_timeout and proc.poll() is None:
+            if policy == "flink":
+                follow_flink()
             s = sampler.samples[-1]
             if s["backlog"] == 0:
                 drained_at = s["t"]
@@ -363,9 +420,13 @@ def run_policy(policy: str, trace_name: str, args: argparse.Namespace, cluster: 
             "core_seconds_with_drain": elastic.integrate(samples, t0, drained_at or time.time()),
             "parallelism_seconds": sum((a["p"] or 0) * (min(b["t"], t_end) - max(a["t"], t0))
                                        for a, b in itertools.pairwise(samples) if min(b["t"], t_end) > max(a["t"], t0)),
-            "batches": batch_rows(history, t0),
+            "batches": [r for h in (*earlier, history) for r in batch_rows(h, t0)],
             "rescales": [{"t": round(e["time_ms"] / 1000 - t0, 1), "batch": e.get("batch"), "operator": e.get("operator"),
-                          "from": e.get("from"), "to": e.get("to")} for e in history.get("events", []) if e.get("type") == "rescale"],
+                          "from": e.get("from"), "to": e.get("to")} for h in (*earlier, history) for e in h.get("events", [])
+                         if e.get("type") == "rescale"]
+                        + [{"t": r["t"], "batch": f"restart at {r['t']} s", "operator": "totals", "from": r["from"], "to": r["to"]}
+                           for r in restarts],
+            "restarts": restarts,
             "decisions": [{"t": round(float(e["time"]) - t0, 1) if isinstance(e.get("time"), int | float) and e["time"] > 1e9 else None}
                           | {k: e.get(k) for k in ("batch", "uid", "action", "current_parallelism", "target_parallelism", "reason", "forecast")}
                           for e in events if e.get("type") == "autoscaler" and e.get("action") != "none"],
